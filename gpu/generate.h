@@ -1,0 +1,28 @@
+// Colocated generation: prefill, then decode steps from a paged pool, in one
+// process. The reference behaviour that the disaggregated cluster must match.
+#pragma once
+#include <vector>
+
+#include "gpu/engine.h"
+#include "gpu/sampling.h"
+
+namespace disagg::gpu {
+
+enum class FinishReason { eos, length };
+
+struct GenerateResult {
+  std::vector<int> tokens;  // generated, prompt excluded, stopping before an emitted BOS
+  FinishReason finish = FinishReason::length;
+};
+
+// Stops before an emitted BOS, after max_new_tokens, or when the sequence
+// reaches the model's seq_len. Throws Error on an empty prompt or a bad token id.
+GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
+                        const SamplingParams& sampling);
+
+// Same tokens, with the prompt fed one token at a time through decode steps
+// (no prefill): a cross-check of the KV cache path.
+GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
+                                 const SamplingParams& sampling);
+
+}  // namespace disagg::gpu

@@ -1,0 +1,40 @@
+// The llama2.c tokenizer: byte-fallback BPE with score-ordered merges.
+#pragma once
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace disagg::gpu {
+
+constexpr int kBosToken = 1;  // <s>; generation stops before an emitted BOS
+
+class Tokenizer {
+ public:
+  // Throws Error("<path>: <problem>"); expected_vocab > 0 rejects a tokenizer
+  // whose vocabulary size differs from the model's.
+  static Tokenizer load(const std::string& path, int expected_vocab);
+
+  int vocab_size() const { return static_cast<int>(pieces_.size()); }
+
+  // BOS first, a leading space prepended to non-empty text, UTF-8 code points
+  // looked up whole else byte pieces, then highest-score merges.
+  std::vector<int> encode(const std::string& text) const;
+
+  // Text of `token` when it follows `previous` (drops the leading space of the
+  // first piece after BOS; <0xHH> pieces are raw bytes). Throws on a bad id.
+  std::string decode(int previous, int token) const;
+  // Text of a continuation: tokens that follow `previous`.
+  std::string decode_all(int previous, const std::vector<int>& tokens) const;
+
+ private:
+  std::vector<std::string> pieces_;
+  std::vector<float> scores_;
+  std::unordered_map<std::string, int> lookup_;
+  int max_token_length_ = 0;
+};
+
+// Writes a tokenizer file of `vocab_size` pieces (>= 259): <unk>, <s>, </s>,
+// the 256 byte pieces, then filler merges, so a synthetic model has text I/O.
+void write_byte_tokenizer(const std::string& path, int vocab_size);
+
+}  // namespace disagg::gpu

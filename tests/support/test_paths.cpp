@@ -1,0 +1,29 @@
+#include "support/test_paths.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <stdexcept>
+
+namespace disagg::test {
+
+std::string shared_dir() {
+  if (const char* env = std::getenv("DISAGG_SHARED"); env && *env) return env;
+  return DISAGG_SHARED_DIR;
+}
+std::string shared_model() { return shared_dir() + "/models/stories260K.bin"; }
+std::string shared_tokenizer() { return shared_dir() + "/models/tok512.bin"; }
+std::string shared_reference() { return shared_dir() + "/reference/stories260K-greedy.jsonl"; }
+std::string bin_dir() { return DISAGG_BIN_DIR; }
+
+std::string make_temp_dir(const std::string& tag) {
+  namespace fs = std::filesystem;
+  std::random_device rd;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto dir = fs::temp_directory_path() / ("disagg-" + tag + "-" + std::to_string(rd()));
+    if (fs::create_directory(dir)) return dir.string();
+  }
+  throw std::runtime_error("cannot create a temp dir for " + tag);
+}
+
+}  // namespace disagg::test

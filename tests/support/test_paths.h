@@ -1,0 +1,16 @@
+// Where tests find the shared model, reference outputs and built binaries.
+#pragma once
+#include <string>
+
+namespace disagg::test {
+
+// ../shared (or $DISAGG_SHARED when set).
+std::string shared_dir();
+std::string shared_model();      // shared_dir()/models/stories260K.bin
+std::string shared_tokenizer();  // shared_dir()/models/tok512.bin
+std::string shared_reference();  // shared_dir()/reference/stories260K-greedy.jsonl
+std::string bin_dir();           // build/bin
+// A fresh empty directory under the system temp dir, unique per call.
+std::string make_temp_dir(const std::string& tag);
+
+}  // namespace disagg::test
