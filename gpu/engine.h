@@ -83,6 +83,7 @@ class KvPool {
   KvPool(const KvPool&) = delete;
   KvPool& operator=(const KvPool&) = delete;
 
+  Engine& engine() const { return engine_; }  // whose backend holds the blocks
   int block_size() const { return block_size_; }
   int num_blocks() const { return num_blocks_; }
   static int blocks_for(int positions, int block_size) { return (positions + block_size - 1) / block_size; }

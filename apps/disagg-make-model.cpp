@@ -1,0 +1,101 @@
+// disagg-make-model: writes a random llama2.c checkpoint and a matching byte
+// tokenizer, so tests and benchmarks can run models of any shape.
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <string>
+
+#include "gpu/checkpoint.h"
+#include "gpu/error.h"
+#include "gpu/tokenizer.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: disagg-make-model --out DIR [--dim 64] [--hidden 172] [--layers 5] [--heads 8]\n"
+    "                         [--kv-heads 4] [--vocab 512] [--seq-len 512] [--seed 42]\n"
+    "Writes DIR/model.bin (random weights from --seed) and DIR/tokenizer.bin\n"
+    "(a byte tokenizer with the same vocabulary), creating DIR.\n";
+
+struct UsageError {
+  std::string message;  // empty for --help
+};
+
+struct Options {
+  std::string out_dir;
+  disagg::gpu::ModelConfig config;
+  unsigned long long seed = 42;
+};
+
+long long parse_integer(const std::string& flag, const std::string& text, long long min, long long max) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE || v < min || v > max)
+    throw UsageError{flag + " expects an integer in [" + std::to_string(min) + ", " + std::to_string(max) +
+                     "], got '" + text + "'"};
+  return v;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  o.config = {64, 172, 5, 8, 4, 512, 512, true};
+  std::map<std::string, int*> dims = {
+      {"--dim", &o.config.dim},           {"--hidden", &o.config.hidden_dim}, {"--layers", &o.config.n_layers},
+      {"--heads", &o.config.n_heads},     {"--kv-heads", &o.config.n_kv_heads}, {"--vocab", &o.config.vocab_size},
+      {"--seq-len", &o.config.seq_len}};
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") throw UsageError{};
+    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
+    const std::string value = argv[++i];
+    if (flag == "--out") {
+      o.out_dir = value;
+    } else if (flag == "--seed") {
+      o.seed = static_cast<unsigned long long>(parse_integer(flag, value, 0, LLONG_MAX));
+    } else if (auto it = dims.find(flag); it != dims.end()) {
+      *it->second = static_cast<int>(parse_integer(flag, value, 1, INT_MAX));
+    } else {
+      throw UsageError{"unknown option " + flag};
+    }
+  }
+  if (o.out_dir.empty()) throw UsageError{"--out DIR is required"};
+  if (std::string problem = disagg::gpu::validate(o.config); !problem.empty()) throw UsageError{problem};
+  // Checked here so that a bad vocabulary leaves no model without its tokenizer.
+  if (o.config.vocab_size < 259)
+    throw UsageError{"--vocab must be at least 259 (3 special pieces and 256 byte pieces)"};
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse_args(argc, argv);
+  } catch (const UsageError& e) {
+    if (e.message.empty()) {  // --help
+      std::cout << kUsage;
+      return 0;
+    }
+    std::cerr << "disagg-make-model: " << e.message << "\n" << kUsage;
+    return 2;
+  }
+
+  try {
+    namespace fs = std::filesystem;
+    fs::create_directories(options.out_dir);
+    const std::string model = (fs::path(options.out_dir) / "model.bin").string();
+    const std::string tokenizer = (fs::path(options.out_dir) / "tokenizer.bin").string();
+    disagg::gpu::write_random_checkpoint(model, options.config, options.seed);
+    disagg::gpu::write_byte_tokenizer(tokenizer, options.config.vocab_size);
+    std::cout << model << "\n" << tokenizer << "\n";
+  } catch (const std::exception& e) {  // gpu::Error and filesystem errors
+    std::cerr << "disagg-make-model: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

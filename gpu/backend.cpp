@@ -1,0 +1,36 @@
+// Backend selection by name.
+#include "gpu/backend.h"
+
+#include "gpu/error.h"
+
+#if defined(DISAGG_HAVE_CUDA) && DISAGG_HAVE_CUDA
+#include "gpu/backend_cuda.h"
+#define DISAGG_CUDA_BUILT 1
+#else
+#define DISAGG_CUDA_BUILT 0
+#endif
+
+namespace disagg::gpu {
+
+int cuda_device_count() {
+#if DISAGG_CUDA_BUILT
+  return cuda_runtime_device_count();
+#else
+  return 0;
+#endif
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& name) {
+  if (name == "cpu") return make_cpu_backend();
+  if (name == "auto" || name == "cuda") {
+#if DISAGG_CUDA_BUILT
+    if (cuda_device_count() > 0) return make_cuda_backend(0);
+#endif
+    if (name == "auto") return make_cpu_backend();
+    throw Error(DISAGG_CUDA_BUILT ? "no CUDA device found (backend \"cuda\" requested)"
+                                  : "no CUDA device: this build has no CUDA backend (backend \"cuda\" requested)");
+  }
+  throw Error("unknown backend \"" + name + "\" (expected auto, cpu or cuda)");
+}
+
+}  // namespace disagg::gpu

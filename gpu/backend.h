@@ -1,0 +1,116 @@
+// A compute backend: device memory plus the operations of the transformer
+// forward pass. Two implementations share one Thrust kernel source
+// (gpu/kernels.inl): the CPU backend (OpenMP + OpenBLAS) and the CUDA backend
+// (CUDA + cuBLAS). All pointers passed to the operations are device pointers
+// of the same backend; all matrices are row-major.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace disagg::gpu {
+
+// Where attention reads and kv_write stores K and V: a paged pool whose blocks
+// each hold `block_size` positions of every layer, laid out
+// [layer][K then V][position in block][kv_dim]. Row r's blocks are
+// tables[r * table_stride + i] for its positions [i*block_size, (i+1)*block_size).
+// A contiguous per-request cache ([layer][K then V][position][kv_dim]) is the
+// special case of one block of block_size == n_positions and table {0}.
+struct PagedKv {
+  float* data = nullptr;       // start of block 0 (device)
+  int block_size = 0;          // positions per block
+  long long block_stride = 0;  // floats per block: n_layers * 2 * block_size * kv_dim
+  int kv_dim = 0;              // n_kv_heads * head_size
+  const int* tables = nullptr; // block ids (device)
+  int table_stride = 0;        // ints between rows' tables; 0 = all rows share one table
+};
+
+class Backend {
+ public:
+  // Defined inline so the CUDA library, linked after disagg_gpu, needs nothing from it.
+  virtual ~Backend() = default;
+
+  // "cpu" or "cuda:<device name>".
+  virtual std::string name() const = 0;
+
+  // ---- memory (bytes; throws Error when an allocation fails)
+  virtual void* alloc_bytes(size_t bytes) = 0;
+  virtual void free_bytes(void* ptr) = 0;  // nullptr is ignored
+  virtual void upload(void* device_dst, const void* host_src, size_t bytes) = 0;
+  virtual void download(void* host_dst, const void* device_src, size_t bytes) = 0;  // waits for pending work
+  virtual void copy(void* device_dst, const void* device_src, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // ---- operations
+  // C[m,n] = A[m,k] * B[n,k]^T: y = x W^T for a batch of rows x and "out x in" weights W.
+  virtual void matmul_nt(const float* a, const float* b, float* c, int m, int n, int k) = 0;
+  // out[r] = table[tokens[r]] (rows of dim floats).
+  virtual void embedding(const float* table, const int* tokens, float* out, int rows, int dim) = 0;
+  // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + 1e-5); out may equal x.
+  virtual void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) = 0;
+  // Rotary embedding in place, row r at position positions[r]: pairs (2i, 2i+1)
+  // within each head rotated by pos * 10000^(-2i/head_size).
+  virtual void rope(float* x, const int* positions, int rows, int n_heads, int head_size) = 0;
+  // gate[i] = silu(gate[i]) * up[i].
+  virtual void swiglu(float* gate, const float* up, size_t n) = 0;
+  // x[i] += y[i].
+  virtual void add(float* x, const float* y, size_t n) = 0;
+  // Numerically stable softmax of each row of `cols` floats, in place.
+  virtual void softmax_rows(float* x, int rows, int cols) = 0;
+  // Stores row r of k and v (kv_dim floats each) at position positions[r] of
+  // `layer` in row r's blocks.
+  virtual void kv_write(const PagedKv& kv, int layer, const float* k, const float* v, const int* positions,
+                        int rows) = 0;
+  // Causal attention of `layer`: for row r and query head h, softmax of
+  // q.k / sqrt(head_size) over positions [0, positions[r]] against kv head
+  // h / (n_heads / n_kv_heads), then the weighted sum of V into out.
+  // q, out: rows x (n_heads*head_size). scores: scratch of rows*n_heads*max_ctx
+  // floats, max_ctx >= positions[r] + 1 for every row.
+  virtual void attention(const float* q, float* out, const PagedKv& kv, int layer, const int* positions, int rows,
+                         int n_heads, int n_kv_heads, int head_size, float* scores, int max_ctx) = 0;
+};
+
+// A typed, growable allocation on a backend (scratch buffers of the engine).
+template <class T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(Backend& backend, size_t n = 0) : backend_(&backend) { ensure(n); }
+  ~DeviceArray() { backend_->free_bytes(ptr_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept
+      : backend_(o.backend_), ptr_(std::exchange(o.ptr_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+  // Grows to at least n elements; the contents are lost when it grows.
+  T* ensure(size_t n) {
+    if (n > size_) {
+      backend_->free_bytes(ptr_);
+      ptr_ = nullptr;
+      size_ = 0;
+      ptr_ = static_cast<T*>(backend_->alloc_bytes(n * sizeof(T)));
+      size_ = n;
+    }
+    return ptr_;
+  }
+  T* get() const { return ptr_; }
+  size_t size() const { return size_; }
+  void upload(const T* host, size_t n) { backend_->upload(ensure(n), host, n * sizeof(T)); }
+  void download(T* host, size_t n) const { backend_->download(host, ptr_, n * sizeof(T)); }
+
+ private:
+  Backend* backend_;
+  T* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Number of usable CUDA devices; 0 when built without CUDA or none is present.
+int cuda_device_count();
+
+std::unique_ptr<Backend> make_cpu_backend();
+
+// "auto": CUDA device 0 when cuda_device_count() > 0, else CPU; "cpu"; "cuda"
+// (throws Error when there is no CUDA device). Throws Error on any other name.
+std::unique_ptr<Backend> make_backend(const std::string& name);
+
+}  // namespace disagg::gpu

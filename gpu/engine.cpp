@@ -1,0 +1,357 @@
+// The transformer forward pass on a Backend, shared by the batched prefill
+// (rows = prompt tokens, K/V in a contiguous per-request cache) and the
+// batched decode step (rows = sequences, K/V in a paged pool).
+#include "gpu/engine.h"
+
+#include <algorithm>
+#include <string>
+
+#include "gpu/backend.h"
+#include "gpu/error.h"
+
+namespace disagg::gpu {
+
+namespace {
+
+// Upper bound of the attention score scratch (floats, 4 MiB): long prompts
+// are attended in row chunks so the scratch stays O(chunk * heads * positions)
+// instead of O(positions^2 * heads).
+constexpr long long kScoreBudget = 1LL << 20;
+
+// One weight tensor (all layers) on the backend.
+DeviceArray<float> upload_tensor(Backend& backend, const float* host, size_t n) {
+  DeviceArray<float> a(backend, n);
+  a.upload(host, n);
+  return a;
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  Impl(std::shared_ptr<const Checkpoint> ckpt, const EngineOptions& options)
+      : checkpoint(std::move(ckpt)),
+        cfg(checkpoint->config()),
+        backend(make_backend(options.backend)),
+        dim(size_t(cfg.dim)),
+        kv_dim(size_t(cfg.kv_dim())),
+        hidden(size_t(cfg.hidden_dim)),
+        layers(size_t(cfg.n_layers)),
+        vocab(size_t(cfg.vocab_size)),
+        token_embedding(upload_tensor(*backend, weights().token_embedding, vocab * dim)),
+        rms_att(upload_tensor(*backend, weights().rms_att, layers * dim)),
+        wq(upload_tensor(*backend, weights().wq, layers * dim * dim)),
+        wk(upload_tensor(*backend, weights().wk, layers * kv_dim * dim)),
+        wv(upload_tensor(*backend, weights().wv, layers * kv_dim * dim)),
+        wo(upload_tensor(*backend, weights().wo, layers * dim * dim)),
+        rms_ffn(upload_tensor(*backend, weights().rms_ffn, layers * dim)),
+        w1(upload_tensor(*backend, weights().w1, layers * hidden * dim)),
+        w2(upload_tensor(*backend, weights().w2, layers * dim * hidden)),
+        w3(upload_tensor(*backend, weights().w3, layers * hidden * dim)),
+        rms_final(upload_tensor(*backend, weights().rms_final, dim)),
+        wcls_separate(cfg.shared_classifier || weights().wcls == weights().token_embedding
+                          ? DeviceArray<float>(*backend)
+                          : upload_tensor(*backend, weights().wcls, vocab * dim)),
+        x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
+        hb2(*backend), scores(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend),
+        positions(*backend), tables(*backend) {
+    backend->synchronize();
+  }
+
+  const Weights& weights() const { return checkpoint->weights(); }
+  const float* wcls() const { return wcls_separate.get() ? wcls_separate.get() : token_embedding.get(); }
+
+  void validate_token(int token, const char* where) const {
+    if (token < 0 || token >= cfg.vocab_size)
+      throw Error(std::string(where) + ": token id " + std::to_string(token) + " is outside the vocabulary [0, " +
+                  std::to_string(cfg.vocab_size) + ")");
+  }
+  void validate_position(int pos, const char* where) const {
+    if (pos < 0 || pos >= cfg.seq_len)
+      throw Error(std::string(where) + ": position " + std::to_string(pos) + " is outside [0, seq_len " +
+                  std::to_string(cfg.seq_len) + ")");
+  }
+
+  void forward(const std::vector<int>& host_tokens, const std::vector<int>& host_positions, const PagedKv& kv,
+               int first_logit_row);
+
+  std::shared_ptr<const Checkpoint> checkpoint;
+  ModelConfig cfg;
+  std::unique_ptr<Backend> backend;
+  size_t dim, kv_dim, hidden, layers, vocab;
+
+  // Weights, all layers per tensor; layer l's matrix starts at l * (its rows * cols).
+  DeviceArray<float> token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls_separate;
+
+  // Scratch, grown on demand and reused across calls.
+  DeviceArray<float> x, xb, xb2, q, k, v, hb, hb2, scores, logits, prefill_kv;
+  DeviceArray<int> tokens, positions, tables;
+};
+
+// The forward pass of one row per (token, position), top to bottom as in
+// llama2.c's run.c. Row r's K and V are written to `kv` at its position, and
+// its attention reads positions [0, position] from there. Leaves the logits of
+// rows [first_logit_row, rows) in `logits`.
+void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vector<int>& host_positions,
+                           const PagedKv& kv, int first_logit_row) {
+  Backend& b = *backend;
+  const int rows = int(host_tokens.size());
+  const int n_dim = cfg.dim, n_kv = int(kv_dim), n_hidden = cfg.hidden_dim;
+  const int n_heads = cfg.n_heads, n_kv_heads = cfg.n_kv_heads, head_size = cfg.head_size();
+  const size_t row_floats = size_t(rows) * dim;
+
+  tokens.upload(host_tokens.data(), host_tokens.size());
+  positions.upload(host_positions.data(), host_positions.size());
+  float* x_ = x.ensure(row_floats);
+  float* xb_ = xb.ensure(row_floats);
+  float* xb2_ = xb2.ensure(row_floats);
+  float* q_ = q.ensure(row_floats);
+  float* k_ = k.ensure(size_t(rows) * kv_dim);
+  float* v_ = v.ensure(size_t(rows) * kv_dim);
+  float* hb_ = hb.ensure(size_t(rows) * hidden);
+  float* hb2_ = hb2.ensure(size_t(rows) * hidden);
+  const int* pos_ = positions.get();
+
+  // Attention chunks: rows [r0, r0 + chunk) with at most max_ctx positions each.
+  const int max_ctx = *std::max_element(host_positions.begin(), host_positions.end()) + 1;
+  const int chunk = int(std::clamp<long long>(kScoreBudget / (1LL * n_heads * max_ctx), 1, rows));
+  float* scores_ = scores.ensure(size_t(chunk) * n_heads * max_ctx);
+
+  b.embedding(token_embedding.get(), tokens.get(), x_, rows, n_dim);
+
+  for (size_t l = 0; l < layers; ++l) {
+    // attention block
+    b.rmsnorm(x_, rms_att.get() + l * dim, xb_, rows, n_dim);
+    b.matmul_nt(xb_, wq.get() + l * dim * dim, q_, rows, n_dim, n_dim);
+    b.matmul_nt(xb_, wk.get() + l * kv_dim * dim, k_, rows, n_kv, n_dim);
+    b.matmul_nt(xb_, wv.get() + l * kv_dim * dim, v_, rows, n_kv, n_dim);
+    b.rope(q_, pos_, rows, n_heads, head_size);
+    b.rope(k_, pos_, rows, n_kv_heads, head_size);
+    b.kv_write(kv, int(l), k_, v_, pos_, rows);
+    for (int r0 = 0; r0 < rows; r0 += chunk) {
+      const int n = std::min(chunk, rows - r0);
+      PagedKv chunk_kv = kv;
+      chunk_kv.tables += size_t(r0) * kv.table_stride;
+      b.attention(q_ + r0 * dim, xb_ + r0 * dim, chunk_kv, int(l), pos_ + r0, n, n_heads, n_kv_heads, head_size,
+                  scores_, max_ctx);
+    }
+    b.matmul_nt(xb_, wo.get() + l * dim * dim, xb2_, rows, n_dim, n_dim);
+    b.add(x_, xb2_, row_floats);
+
+    // feed-forward block: w2(silu(w1 x) * w3 x)
+    b.rmsnorm(x_, rms_ffn.get() + l * dim, xb_, rows, n_dim);
+    b.matmul_nt(xb_, w1.get() + l * hidden * dim, hb_, rows, n_hidden, n_dim);
+    b.matmul_nt(xb_, w3.get() + l * hidden * dim, hb2_, rows, n_hidden, n_dim);
+    b.swiglu(hb_, hb2_, size_t(rows) * hidden);
+    b.matmul_nt(hb_, w2.get() + l * dim * hidden, xb_, rows, n_dim, n_hidden);
+    b.add(x_, xb_, row_floats);
+  }
+
+  const int out_rows = rows - first_logit_row;
+  float* x_out = x_ + size_t(first_logit_row) * dim;
+  b.rmsnorm(x_out, rms_final.get(), x_out, out_rows, n_dim);
+  b.matmul_nt(x_out, wcls(), logits.ensure(size_t(out_rows) * vocab), out_rows, cfg.vocab_size, n_dim);
+}
+
+// ---------------------------------------------------------------- Engine
+
+Engine::Engine(std::shared_ptr<const Checkpoint> checkpoint, const EngineOptions& options) {
+  if (!checkpoint) throw Error("Engine: no checkpoint");
+  impl_ = std::make_unique<Impl>(std::move(checkpoint), options);
+}
+
+Engine::~Engine() = default;
+
+const ModelConfig& Engine::config() const { return impl_->cfg; }
+uint64_t Engine::fingerprint() const { return impl_->checkpoint->fingerprint(); }
+std::string Engine::backend_name() const { return impl_->backend->name(); }
+Backend& Engine::backend() { return *impl_->backend; }
+
+KvShape Engine::kv_shape(int n_positions) const {
+  const ModelConfig& c = impl_->cfg;
+  return KvShape{uint32_t(c.n_layers), uint32_t(c.n_kv_heads), uint32_t(c.head_size()), uint32_t(n_positions)};
+}
+
+KvExpectation Engine::kv_expectation() const {
+  const ModelConfig& c = impl_->cfg;
+  return KvExpectation{fingerprint(), uint32_t(c.n_layers), uint32_t(c.n_kv_heads), uint32_t(c.head_size()),
+                       uint32_t(c.seq_len)};
+}
+
+PrefillOutput Engine::prefill(const std::vector<int>& tokens) {
+  Impl& m = *impl_;
+  const int n = int(tokens.size());
+  if (n == 0) throw Error("prefill: empty prompt");
+  if (n > m.cfg.seq_len)
+    throw Error("prefill: prompt of " + std::to_string(n) + " tokens exceeds seq_len " +
+                std::to_string(m.cfg.seq_len));
+  for (int t : tokens) m.validate_token(t, "prefill");
+
+  std::vector<int> positions(n);
+  for (int i = 0; i < n; ++i) positions[i] = i;
+
+  // The contiguous cache is a pool of one block holding all n positions.
+  PrefillOutput out;
+  out.shape = kv_shape(n);
+  const int zero_block = 0;
+  m.tables.upload(&zero_block, 1);
+  PagedKv kv;
+  kv.data = m.prefill_kv.ensure(out.shape.floats());
+  kv.block_size = n;
+  kv.block_stride = static_cast<long long>(out.shape.floats());
+  kv.kv_dim = int(m.kv_dim);
+  kv.tables = m.tables.get();
+  kv.table_stride = 0;
+
+  m.forward(tokens, positions, kv, n - 1);
+
+  out.kv.resize(out.shape.floats());
+  m.prefill_kv.download(out.kv.data(), out.kv.size());
+  out.logits.resize(m.vocab);
+  m.logits.download(out.logits.data(), m.vocab);
+  return out;
+}
+
+std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlot>& slots) {
+  Impl& m = *impl_;
+  if (slots.empty()) return {};
+  if (&pool.engine() != this) throw Error("decode_step: the KV pool belongs to another engine");
+  const int rows = int(slots.size());
+  const int bs = pool.block_size();
+
+  std::vector<int> tokens(rows), positions(rows);
+  int table_width = 1;
+  for (int r = 0; r < rows; ++r) {
+    const DecodeSlot& s = slots[r];
+    m.validate_token(s.token, "decode_step");
+    m.validate_position(s.pos, "decode_step");
+    if (!s.blocks) throw Error("decode_step: slot " + std::to_string(r) + " has no block table");
+    const int needed = KvPool::blocks_for(s.pos + 1, bs);
+    if (int(s.blocks->size()) < needed)
+      throw Error("decode_step: slot " + std::to_string(r) + " at position " + std::to_string(s.pos) + " needs " +
+                  std::to_string(needed) + " blocks, has " + std::to_string(s.blocks->size()));
+    for (int i = 0; i < needed; ++i) {
+      const int block = (*s.blocks)[i];
+      if (block < 0 || block >= pool.num_blocks())
+        throw Error("decode_step: slot " + std::to_string(r) + " uses block " + std::to_string(block) +
+                    " outside the pool of " + std::to_string(pool.num_blocks()));
+    }
+    tokens[r] = s.token;
+    positions[r] = s.pos;
+    table_width = std::max(table_width, needed);
+  }
+
+  // Row r's table: its first table_width blocks (padding never read).
+  std::vector<int> tables(size_t(rows) * table_width, 0);
+  for (int r = 0; r < rows; ++r) {
+    const int needed = KvPool::blocks_for(positions[r] + 1, bs);
+    std::copy_n(slots[r].blocks->begin(), needed, tables.begin() + size_t(r) * table_width);
+  }
+  m.tables.upload(tables.data(), tables.size());
+
+  PagedKv kv;
+  kv.data = pool.data();
+  kv.block_size = bs;
+  kv.block_stride = static_cast<long long>(pool.block_stride());
+  kv.kv_dim = int(m.kv_dim);
+  kv.tables = m.tables.get();
+  kv.table_stride = table_width;
+
+  m.forward(tokens, positions, kv, 0);
+
+  std::vector<float> logits(size_t(rows) * m.vocab);
+  m.logits.download(logits.data(), logits.size());
+  return logits;
+}
+
+// ---------------------------------------------------------------- BlockAllocator
+
+BlockAllocator::BlockAllocator(int num_blocks) : num_blocks_(num_blocks) {
+  if (num_blocks < 0) throw Error("BlockAllocator: negative block count " + std::to_string(num_blocks));
+  // Highest id at the back, so allocate() hands out low ids first.
+  for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
+}
+
+std::vector<int> BlockAllocator::allocate(int n) {
+  if (n < 0 || n > free_blocks()) return {};
+  std::vector<int> blocks(free_.end() - n, free_.end());
+  std::reverse(blocks.begin(), blocks.end());
+  free_.resize(free_.size() - size_t(n));
+  return blocks;
+}
+
+// Checks everything before releasing anything, so a bad call changes nothing.
+void BlockAllocator::release(const std::vector<int>& blocks) {
+  for (int b : blocks)
+    if (b < 0 || b >= num_blocks_) throw Error("BlockAllocator: release of unknown block " + std::to_string(b));
+  if (free_.size() + blocks.size() > size_t(num_blocks_))
+    throw Error("BlockAllocator: " + std::to_string(blocks.size()) + " blocks released but only " +
+                std::to_string(num_blocks_ - free_blocks()) + " are allocated");
+  free_.insert(free_.end(), blocks.begin(), blocks.end());
+}
+
+// ---------------------------------------------------------------- KvPool
+
+KvPool::KvPool(Engine& engine, int block_size, int num_blocks)
+    : engine_(engine), block_size_(block_size), num_blocks_(num_blocks) {
+  if (block_size <= 0) throw Error("KvPool: block size must be positive, got " + std::to_string(block_size));
+  if (num_blocks <= 0) throw Error("KvPool: block count must be positive, got " + std::to_string(num_blocks));
+  data_ = static_cast<float*>(engine_.backend().alloc_bytes(size_t(num_blocks) * block_stride() * sizeof(float)));
+}
+
+KvPool::~KvPool() { engine_.backend().free_bytes(data_); }
+
+size_t KvPool::block_stride() const {
+  const ModelConfig& c = engine_.config();
+  return size_t(c.n_layers) * 2 * size_t(block_size_) * size_t(c.kv_dim());
+}
+
+void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
+  const KvShape& shape = view.header.shape;
+  const KvShape expected = engine_.kv_shape(int(shape.n_positions));
+  if (!(shape == expected))
+    throw Error("KvPool::write: KV shape (layers " + std::to_string(shape.n_layers) + ", kv heads " +
+                std::to_string(shape.n_kv_heads) + ", head dim " + std::to_string(shape.head_dim) +
+                ") does not match the model (layers " + std::to_string(expected.n_layers) + ", kv heads " +
+                std::to_string(expected.n_kv_heads) + ", head dim " + std::to_string(expected.head_dim) + ")");
+  const int n = int(shape.n_positions);
+  if (n == 0) return;
+  if (n > engine_.config().seq_len)
+    throw Error("KvPool::write: " + std::to_string(n) + " positions exceed seq_len " +
+                std::to_string(engine_.config().seq_len));
+  if (!view.payload) throw Error("KvPool::write: KV view without payload");
+  const int needed = blocks_for(n, block_size_);
+  if (int(blocks.size()) < needed)
+    throw Error("KvPool::write: " + std::to_string(n) + " positions need " + std::to_string(needed) +
+                " blocks, got " + std::to_string(blocks.size()));
+  for (int i = 0; i < needed; ++i)
+    if (blocks[i] < 0 || blocks[i] >= num_blocks_)
+      throw Error("KvPool::write: block " + std::to_string(blocks[i]) + " outside the pool of " +
+                  std::to_string(num_blocks_));
+
+  // Stage the contiguous cache on the backend, then scatter each layer's
+  // positions 0..n-1 into the blocks with the decode step's own kv_write.
+  Backend& b = engine_.backend();
+  DeviceArray<float> staged(b);
+  staged.upload(view.payload, shape.floats());
+  std::vector<int> host_ints(size_t(n) + size_t(needed));
+  for (int p = 0; p < n; ++p) host_ints[size_t(p)] = p;
+  std::copy_n(blocks.begin(), needed, host_ints.begin() + n);
+  DeviceArray<int> ints(b);
+  ints.upload(host_ints.data(), host_ints.size());
+
+  PagedKv kv;
+  kv.data = data_;
+  kv.block_size = block_size_;
+  kv.block_stride = static_cast<long long>(block_stride());
+  kv.kv_dim = int(shape.kv_dim());
+  kv.tables = ints.get() + n;
+  kv.table_stride = 0;
+  const size_t plane = size_t(n) * shape.kv_dim();  // one layer's K (or V)
+  for (uint32_t l = 0; l < shape.n_layers; ++l) {
+    const float* k = staged.get() + 2 * l * plane;
+    b.kv_write(kv, int(l), k, k + plane, ints.get(), n);
+  }
+  b.synchronize();
+}
+
+}  // namespace disagg::gpu

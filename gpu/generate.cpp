@@ -1,0 +1,100 @@
+// Colocated generation: the reference loop that the disaggregated cluster
+// (prefill on one worker, decode on another) must reproduce token for token.
+#include "gpu/generate.h"
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+
+#include "gpu/error.h"
+#include "gpu/tokenizer.h"
+
+namespace disagg::gpu {
+
+namespace {
+
+constexpr int kBlockSize = 16;
+
+void check_request(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens) {
+  if (prompt.empty()) throw Error("generate: empty prompt");
+  if (max_new_tokens < 0) throw Error("generate: negative max_new_tokens " + std::to_string(max_new_tokens));
+  const ModelConfig& c = engine.config();
+  if (int(prompt.size()) > c.seq_len)
+    throw Error("generate: prompt of " + std::to_string(prompt.size()) + " tokens exceeds seq_len " +
+                std::to_string(c.seq_len));
+  for (int t : prompt)
+    if (t < 0 || t >= c.vocab_size)
+      throw Error("generate: prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " +
+                  std::to_string(c.vocab_size) + ")");
+}
+
+// The positions a request can ever feed: the prompt plus every generated
+// token but the last (which is emitted, never fed), capped at seq_len.
+int positions_needed(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens) {
+  return std::min(engine.config().seq_len, int(prompt.size()) + std::max(max_new_tokens, 1) - 1);
+}
+
+// Samples token 0 from `logits` (after the prompt), then feeds each emitted
+// token at the next position until BOS, max_new_tokens or seq_len.
+GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, int prompt_len,
+                           std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling) {
+  const ModelConfig& c = engine.config();
+  GenerateResult result;
+  result.finish = FinishReason::length;
+  // The sequence (prompt + generated) never grows beyond seq_len.
+  const int limit = std::min(max_new_tokens, c.seq_len - prompt_len);
+  while (int(result.tokens.size()) < limit) {
+    const int step = int(result.tokens.size());
+    const int next = sample_token(logits.data(), c.vocab_size, sampling, uint64_t(step));
+    if (next == kBosToken) {
+      result.finish = FinishReason::eos;
+      break;
+    }
+    result.tokens.push_back(next);
+    if (int(result.tokens.size()) == limit) break;
+    logits = engine.decode_step(pool, {DecodeSlot{next, prompt_len + step, &blocks}});
+  }
+  return result;
+}
+
+std::vector<int> all_blocks(int n) {
+  std::vector<int> blocks(static_cast<size_t>(n));
+  std::iota(blocks.begin(), blocks.end(), 0);
+  return blocks;
+}
+
+}  // namespace
+
+GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
+                        const SamplingParams& sampling) {
+  check_request(engine, prompt, max_new_tokens);
+  if (max_new_tokens == 0 || int(prompt.size()) >= engine.config().seq_len) return {};
+
+  PrefillOutput prefilled = engine.prefill(prompt);
+  const int n_blocks = KvPool::blocks_for(positions_needed(engine, prompt, max_new_tokens), kBlockSize);
+  KvPool pool(engine, kBlockSize, n_blocks);
+  const std::vector<int> blocks = all_blocks(n_blocks);
+  KvView view;
+  view.header.fingerprint = engine.fingerprint();
+  view.header.shape = prefilled.shape;
+  view.payload = prefilled.kv.data();
+  pool.write(blocks, view);
+  return decode_loop(engine, pool, blocks, int(prompt.size()), std::move(prefilled.logits), max_new_tokens,
+                     sampling);
+}
+
+GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
+                                 const SamplingParams& sampling) {
+  check_request(engine, prompt, max_new_tokens);
+  if (max_new_tokens == 0 || int(prompt.size()) >= engine.config().seq_len) return {};
+
+  const int n_blocks = KvPool::blocks_for(positions_needed(engine, prompt, max_new_tokens), kBlockSize);
+  KvPool pool(engine, kBlockSize, n_blocks);
+  const std::vector<int> blocks = all_blocks(n_blocks);
+  std::vector<float> logits;
+  for (size_t pos = 0; pos < prompt.size(); ++pos)
+    logits = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks}});
+  return decode_loop(engine, pool, blocks, int(prompt.size()), std::move(logits), max_new_tokens, sampling);
+}
+
+}  // namespace disagg::gpu

@@ -1,0 +1,248 @@
+// The llama2.c tokenizer (file format and algorithm: ../shared/models/README.md).
+#include "gpu/tokenizer.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#include "gpu/error.h"
+
+namespace disagg::gpu {
+namespace {
+
+constexpr int kByteTokenOffset = 3;  // <0xHH> is token HH + 3 (after <unk>, <s>, </s>)
+constexpr int kMinVocab = kByteTokenOffset + 256;
+
+// Reads little-endian fields from a byte buffer, naming the file on underflow.
+class Reader {
+ public:
+  Reader(const std::string& path, const std::string& bytes) : path_(path), bytes_(bytes) {}
+  size_t remaining() const { return bytes_.size() - pos_; }
+  template <class T>
+  T read(const char* what) {
+    T v;
+    need(sizeof v, what);
+    std::memcpy(&v, bytes_.data() + pos_, sizeof v);
+    pos_ += sizeof v;
+    return v;
+  }
+  std::string read_string(size_t n, const char* what) {
+    need(n, what);
+    std::string s = bytes_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+
+ private:
+  void need(size_t n, const char* what) const {
+    if (remaining() < n)
+      throw Error(path_ + ": truncated: " + what + " needs " + std::to_string(n) + " bytes at offset " +
+                  std::to_string(pos_) + ", only " + std::to_string(remaining()) + " left");
+  }
+  const std::string& path_;
+  const std::string& bytes_;
+  size_t pos_ = 0;
+};
+
+// "<0xHH>" -> HH, else -1.
+int byte_piece_value(const std::string& piece) {
+  if (piece.size() != 6 || piece.compare(0, 3, "<0x") != 0 || piece[5] != '>') return -1;
+  int value = 0;
+  for (int i = 3; i < 5; ++i) {
+    const char c = piece[i];
+    int digit;
+    if (c >= '0' && c <= '9') digit = c - '0';
+    else if (c >= 'A' && c <= 'F') digit = c - 'A' + 10;
+    else if (c >= 'a' && c <= 'f') digit = c - 'a' + 10;
+    else return -1;
+    value = value * 16 + digit;
+  }
+  return value;
+}
+
+bool is_utf8_continuation(unsigned char c) { return (c & 0xC0) == 0x80; }
+
+}  // namespace
+
+Tokenizer Tokenizer::load(const std::string& path, int expected_vocab) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path + ": cannot open tokenizer");
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw Error(path + ": read error");
+
+  Reader r(path, bytes);
+  Tokenizer t;
+  t.max_token_length_ = r.read<int32_t>("max_token_length");
+  if (t.max_token_length_ <= 0)
+    throw Error(path + ": invalid max_token_length " + std::to_string(t.max_token_length_));
+
+  // The file does not store the piece count: pieces run to the end of the file.
+  while (r.remaining() > 0) {
+    const std::string index = std::to_string(t.pieces_.size());
+    const float score = r.read<float>("score of a piece");
+    const int32_t length = r.read<int32_t>("length of a piece");
+    if (length < 0 || size_t(length) > r.remaining())
+      throw Error(path + ": piece " + index + " has length " + std::to_string(length) + " but only " +
+                  std::to_string(r.remaining()) + " bytes remain (truncated or corrupt)");
+    t.pieces_.push_back(r.read_string(size_t(length), "piece bytes"));
+    t.scores_.push_back(score);
+  }
+
+  if (expected_vocab > 0 && t.vocab_size() != expected_vocab)
+    throw Error(path + ": tokenizer has " + std::to_string(t.vocab_size()) + " pieces, model has " +
+                std::to_string(expected_vocab));
+  if (t.vocab_size() < kMinVocab)
+    throw Error(path + ": tokenizer has " + std::to_string(t.vocab_size()) +
+                " pieces; byte fallback needs at least " + std::to_string(kMinVocab));
+  for (int b = 0; b < 256; ++b)
+    if (byte_piece_value(t.pieces_[b + kByteTokenOffset]) != b)
+      throw Error(path + ": piece " + std::to_string(b + kByteTokenOffset) + " should be the byte piece for " +
+                  std::to_string(b));
+
+  t.lookup_.reserve(t.pieces_.size());
+  for (int i = 0; i < t.vocab_size(); ++i) t.lookup_.emplace(t.pieces_[i], i);  // first id wins on duplicates
+  return t;
+}
+
+std::vector<int> Tokenizer::encode(const std::string& text) const {
+  std::vector<int> tokens{kBosToken};
+  auto emit = [&](const std::string& s) {
+    if (auto it = lookup_.find(s); it != lookup_.end()) {
+      tokens.push_back(it->second);
+    } else {
+      for (unsigned char b : s) tokens.push_back(int(b) + kByteTokenOffset);
+    }
+  };
+
+  // SentencePiece's "dummy prefix": words at the start look like words after a space.
+  if (!text.empty()) emit(" ");
+
+  // One UTF-8 code point at a time (at most 4 bytes, as llama2.c does).
+  for (size_t i = 0; i < text.size();) {
+    size_t n = 1;
+    while (i + n < text.size() && n < 4 && is_utf8_continuation(static_cast<unsigned char>(text[i + n]))) ++n;
+    emit(text.substr(i, n));
+    i += n;
+  }
+
+  // Merge the adjacent pair with the highest-scoring merged piece (leftmost on
+  // ties) until no adjacent pair forms a piece. Quadratic, like llama2.c; prompts are short.
+  std::string merged;
+  for (;;) {
+    float best_score = 0.0f;
+    int best_id = -1;
+    size_t best_index = 0;
+    for (size_t i = 1; i + 1 < tokens.size(); ++i) {  // tokens[0] is BOS: never merged
+      merged = pieces_[tokens[i]];
+      merged += pieces_[tokens[i + 1]];
+      auto it = lookup_.find(merged);
+      if (it != lookup_.end() && (best_id < 0 || scores_[it->second] > best_score)) {
+        best_score = scores_[it->second];
+        best_id = it->second;
+        best_index = i;
+      }
+    }
+    if (best_id < 0) break;
+    tokens[best_index] = best_id;
+    tokens.erase(tokens.begin() + long(best_index) + 1);
+  }
+  return tokens;
+}
+
+std::string Tokenizer::decode(int previous, int token) const {
+  if (token < 0 || token >= vocab_size())
+    throw Error("token id " + std::to_string(token) + " is out of range [0, " + std::to_string(vocab_size()) + ")");
+  const std::string& piece = pieces_[token];
+  if (const int byte = byte_piece_value(piece); byte >= 0) return std::string(1, char(byte));
+  if (previous == kBosToken && !piece.empty() && piece[0] == ' ') return piece.substr(1);
+  return piece;
+}
+
+std::string Tokenizer::decode_all(int previous, const std::vector<int>& tokens) const {
+  std::string text;
+  for (int token : tokens) {
+    text += decode(previous, token);
+    previous = token;
+  }
+  return text;
+}
+
+// ---------------------------------------------------------------- synthetic tokenizer
+
+namespace {
+
+// Filler pieces in merge-priority order. Single characters come first: merges
+// only ever join two existing pieces, so every longer piece below is the
+// concatenation of an earlier piece and a single letter, i.e. a reachable merge.
+std::vector<std::string> filler_pieces(size_t count) {
+  static const std::string kLetters = "etaoinshrdlcumwfgypbvkjxqz";  // English frequency order
+  std::vector<std::string> out;
+  auto add = [&](std::string s) {
+    if (out.size() < count) out.push_back(std::move(s));
+  };
+
+  add(" ");
+  for (char c : kLetters) add(std::string(1, c));
+  for (char c : kLetters) add(std::string(1, char(c - 'a' + 'A')));
+  for (char c = '!'; c <= '~'; ++c)
+    if (!std::isalpha(static_cast<unsigned char>(c))) add(std::string(1, c));
+
+  // Then stem + letter, level by level: " e", " t", ..., "ee", "et", ..., " ee", ...
+  std::vector<std::string> stems{" "};
+  for (char c : kLetters) stems.emplace_back(1, c);
+  while (out.size() < count) {
+    std::vector<std::string> next;
+    for (const std::string& stem : stems)
+      for (char c : kLetters) {
+        next.push_back(stem + c);
+        add(next.back());
+      }
+    stems = std::move(next);
+  }
+  return out;
+}
+
+}  // namespace
+
+void write_byte_tokenizer(const std::string& path, int vocab_size) {
+  if (vocab_size < kMinVocab)
+    throw Error(path + ": a byte tokenizer needs at least " + std::to_string(kMinVocab) + " pieces, asked for " +
+                std::to_string(vocab_size));
+
+  // Special pieces spelled as llama2.c's tokenizer export writes them.
+  std::vector<std::string> pieces{"<unk>", "\n<s>\n", "\n</s>\n"};
+  std::vector<float> scores(pieces.size(), 0.0f);
+  char name[8];
+  for (int b = 0; b < 256; ++b) {
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    pieces.emplace_back(name);
+    scores.push_back(0.0f);
+  }
+  // SentencePiece convention: score = -rank, so earlier (shorter) merges win.
+  int rank = 0;
+  for (std::string& piece : filler_pieces(size_t(vocab_size) - pieces.size())) {
+    pieces.push_back(std::move(piece));
+    scores.push_back(-float(rank++));
+  }
+
+  int32_t max_length = 0;
+  for (const std::string& p : pieces) max_length = std::max<int32_t>(max_length, int32_t(p.size()));
+
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw Error(path + ": cannot create tokenizer file");
+  out.write(reinterpret_cast<const char*>(&max_length), sizeof max_length);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const int32_t length = int32_t(pieces[i].size());
+    out.write(reinterpret_cast<const char*>(&scores[i]), sizeof scores[i]);
+    out.write(reinterpret_cast<const char*>(&length), sizeof length);
+    out.write(pieces[i].data(), length);
+  }
+  out.close();
+  if (!out) throw Error(path + ": write failed");
+}
+
+}  // namespace disagg::gpu

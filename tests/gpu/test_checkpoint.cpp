@@ -1,0 +1,263 @@
+// Checkpoint loading, validation, fingerprinting and random-checkpoint writing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "gpu/checkpoint.h"
+#include "gpu/error.h"
+#include "support/test_paths.h"
+
+namespace disagg::gpu {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Small, valid, unshared-classifier shape for the synthetic files.
+ModelConfig small_config() { return ModelConfig{16, 24, 2, 4, 2, 300, 32, true}; }
+
+std::vector<char> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+void write_bytes(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), std::streamsize(bytes.size()));
+}
+float float_at(const std::vector<char>& bytes, size_t offset) {
+  float f;
+  std::memcpy(&f, bytes.data() + offset, sizeof f);
+  return f;
+}
+
+// The README's layout, computed independently of the loader: offsets in floats
+// from the first tensor.
+struct Layout {
+  size_t token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, rope, wcls, end;
+  explicit Layout(const ModelConfig& c) {
+    const size_t hs = c.dim / c.n_heads, L = c.n_layers, D = c.dim, H = c.hidden_dim;
+    const size_t kv = c.n_kv_heads * hs;
+    token_embedding = 0;
+    rms_att = token_embedding + size_t(c.vocab_size) * D;
+    wq = rms_att + L * D;
+    wk = wq + L * D * D;
+    wv = wk + L * kv * D;
+    wo = wv + L * kv * D;
+    rms_ffn = wo + L * D * D;
+    w1 = rms_ffn + L * D;
+    w2 = w1 + L * H * D;
+    w3 = w2 + L * D * H;
+    rms_final = w3 + L * H * D;
+    rope = rms_final + D;
+    wcls = rope + size_t(c.seq_len) * hs;  // two blocks of seq_len * head_size / 2
+    end = c.shared_classifier ? wcls : wcls + size_t(c.vocab_size) * D;
+  }
+};
+
+void expect_layout(const Checkpoint& cp) {
+  const Layout l(cp.config());
+  const Weights& w = cp.weights();
+  const float* base = w.token_embedding;
+  EXPECT_EQ(size_t(w.rms_att - base), l.rms_att);
+  EXPECT_EQ(size_t(w.wq - base), l.wq);
+  EXPECT_EQ(size_t(w.wk - base), l.wk);
+  EXPECT_EQ(size_t(w.wv - base), l.wv);
+  EXPECT_EQ(size_t(w.wo - base), l.wo);
+  EXPECT_EQ(size_t(w.rms_ffn - base), l.rms_ffn);
+  EXPECT_EQ(size_t(w.w1 - base), l.w1);
+  EXPECT_EQ(size_t(w.w2 - base), l.w2);
+  EXPECT_EQ(size_t(w.w3 - base), l.w3);
+  EXPECT_EQ(size_t(w.rms_final - base), l.rms_final);
+  if (cp.config().shared_classifier)
+    EXPECT_EQ(w.wcls, w.token_embedding);
+  else
+    EXPECT_EQ(size_t(w.wcls - base), l.wcls);
+}
+
+class CheckpointFiles : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = test::make_temp_dir("checkpoint"); }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+
+  // A valid file whose header int `index` is replaced by `value`.
+  std::string with_header_int(int index, int32_t value) {
+    const std::string p = path("bad-header.bin");
+    write_random_checkpoint(p, small_config(), 1);
+    auto bytes = read_bytes(p);
+    std::memcpy(bytes.data() + 4 * index, &value, sizeof value);
+    write_bytes(p, bytes);
+    return p;
+  }
+
+  void expect_open_error(const std::string& p, const std::string& problem) {
+    try {
+      Checkpoint::open(p);
+      ADD_FAILURE() << "opened " << p << " without error, expected: " << problem;
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(p + ": "), std::string::npos) << what;
+      EXPECT_NE(what.find(problem), std::string::npos) << what;
+    }
+  }
+
+  std::string dir_;
+};
+
+TEST(Checkpoint, LoadsSharedModel) {
+  auto cp = Checkpoint::open(test::shared_model());
+  const ModelConfig& c = cp->config();
+  EXPECT_EQ(c.dim, 64);
+  EXPECT_EQ(c.hidden_dim, 172);
+  EXPECT_EQ(c.n_layers, 5);
+  EXPECT_EQ(c.n_heads, 8);
+  EXPECT_EQ(c.n_kv_heads, 4);
+  EXPECT_EQ(c.vocab_size, 512);
+  EXPECT_EQ(c.seq_len, 512);
+  EXPECT_TRUE(c.shared_classifier);
+  EXPECT_EQ(cp->path(), test::shared_model());
+  expect_layout(*cp);
+
+  // The pointers read the file's bytes: spot-check against an independent read.
+  const auto bytes = read_bytes(test::shared_model());
+  const Layout l(c);
+  EXPECT_EQ(28 + 4 * l.end, bytes.size());
+  EXPECT_EQ(cp->weights().token_embedding[0], float_at(bytes, 28));
+  EXPECT_EQ(cp->weights().rms_final[c.dim - 1], float_at(bytes, 28 + 4 * (l.rms_final + c.dim - 1)));
+  EXPECT_EQ(cp->weights().w2[7], float_at(bytes, 28 + 4 * (l.w2 + 7)));
+}
+
+TEST(Checkpoint, FingerprintIsStableAcrossOpens) {
+  EXPECT_EQ(Checkpoint::open(test::shared_model())->fingerprint(),
+            Checkpoint::open(test::shared_model())->fingerprint());
+}
+
+TEST_F(CheckpointFiles, RandomCheckpointRoundTrips) {
+  const ModelConfig c = small_config();
+  write_random_checkpoint(path("a.bin"), c, 7);
+  auto cp = Checkpoint::open(path("a.bin"));
+  EXPECT_EQ(cp->config().dim, c.dim);
+  EXPECT_EQ(cp->config().hidden_dim, c.hidden_dim);
+  EXPECT_EQ(cp->config().n_layers, c.n_layers);
+  EXPECT_EQ(cp->config().n_heads, c.n_heads);
+  EXPECT_EQ(cp->config().n_kv_heads, c.n_kv_heads);
+  EXPECT_EQ(cp->config().vocab_size, c.vocab_size);
+  EXPECT_EQ(cp->config().seq_len, c.seq_len);
+  EXPECT_TRUE(cp->config().shared_classifier);
+  EXPECT_EQ(fs::file_size(path("a.bin")), 28 + 4 * Layout(c).end);
+  expect_layout(*cp);
+
+  // Values are in the documented ranges: norms near 1, projections within 3/sqrt(fan_in).
+  const Weights& w = cp->weights();
+  for (int i = 0; i < c.n_layers * c.dim; ++i) EXPECT_NEAR(w.rms_att[i], 1.0f, 0.1001f);
+  const float bound = 3.0f / std::sqrt(float(c.dim));
+  for (int i = 0; i < c.n_layers * c.hidden_dim * c.dim; ++i) ASSERT_LE(std::fabs(w.w1[i]), bound);
+  // The unused RoPE blocks are written as zeros.
+  const auto bytes = read_bytes(path("a.bin"));
+  const Layout l(c);
+  for (size_t i = l.rope; i < l.wcls; ++i) ASSERT_EQ(float_at(bytes, 28 + 4 * i), 0.0f);
+}
+
+TEST_F(CheckpointFiles, SeparateClassifierIsStoredLast) {
+  ModelConfig c = small_config();
+  c.shared_classifier = false;
+  write_random_checkpoint(path("unshared.bin"), c, 7);
+  const auto bytes = read_bytes(path("unshared.bin"));
+  int32_t vocab_field;
+  std::memcpy(&vocab_field, bytes.data() + 20, sizeof vocab_field);
+  EXPECT_EQ(vocab_field, -c.vocab_size);  // llama2.c: negative vocab = separate classifier
+
+  auto cp = Checkpoint::open(path("unshared.bin"));
+  EXPECT_FALSE(cp->config().shared_classifier);
+  EXPECT_EQ(cp->config().vocab_size, c.vocab_size);
+  EXPECT_NE(cp->weights().wcls, cp->weights().token_embedding);
+  expect_layout(*cp);
+  EXPECT_EQ(fs::file_size(path("unshared.bin")), 28 + 4 * Layout(c).end);
+}
+
+TEST_F(CheckpointFiles, SameSeedSameBytesAndFingerprint) {
+  write_random_checkpoint(path("a.bin"), small_config(), 7);
+  write_random_checkpoint(path("b.bin"), small_config(), 7);
+  write_random_checkpoint(path("c.bin"), small_config(), 8);
+  EXPECT_EQ(read_bytes(path("a.bin")), read_bytes(path("b.bin")));
+  const uint64_t a = Checkpoint::open(path("a.bin"))->fingerprint();
+  EXPECT_EQ(a, Checkpoint::open(path("b.bin"))->fingerprint());
+  EXPECT_NE(a, Checkpoint::open(path("c.bin"))->fingerprint());
+}
+
+TEST_F(CheckpointFiles, FingerprintChangesWhenAnyTensorChanges) {
+  ModelConfig c = small_config();
+  c.shared_classifier = false;
+  write_random_checkpoint(path("base.bin"), c, 3);
+  const auto base = read_bytes(path("base.bin"));
+  const uint64_t base_fp = Checkpoint::open(path("base.bin"))->fingerprint();
+  const Layout l(c);
+  for (size_t offset : {l.token_embedding, l.rms_att, l.wq, l.wk, l.wv, l.wo, l.rms_ffn, l.w1, l.w2, l.w3,
+                        l.rms_final, l.wcls}) {
+    auto bytes = base;
+    const float changed = float_at(bytes, 28 + 4 * offset) + 0.5f;
+    std::memcpy(bytes.data() + 28 + 4 * offset, &changed, sizeof changed);
+    write_bytes(path("changed.bin"), bytes);
+    EXPECT_NE(Checkpoint::open(path("changed.bin"))->fingerprint(), base_fp) << "tensor at float " << offset;
+  }
+}
+
+TEST_F(CheckpointFiles, WriteRejectsInvalidConfig) {
+  ModelConfig c = small_config();
+  c.n_kv_heads = 3;
+  EXPECT_THROW(write_random_checkpoint(path("x.bin"), c, 1), Error);
+  EXPECT_FALSE(fs::exists(path("x.bin")));
+  EXPECT_THROW(write_random_checkpoint(dir_ + "/no/such/dir/x.bin", small_config(), 1), Error);
+}
+
+TEST_F(CheckpointFiles, MissingFile) { expect_open_error(path("absent.bin"), "cannot open"); }
+
+TEST_F(CheckpointFiles, TruncatedHeader) {
+  write_bytes(path("short.bin"), std::vector<char>(10, 1));
+  expect_open_error(path("short.bin"), "truncated header");
+}
+
+TEST_F(CheckpointFiles, TruncatedBody) {
+  write_random_checkpoint(path("t.bin"), small_config(), 1);
+  const auto size = fs::file_size(path("t.bin"));
+  fs::resize_file(path("t.bin"), size - 4);
+  expect_open_error(path("t.bin"), "truncated: expected " + std::to_string(size) + " bytes, found " +
+                                       std::to_string(size - 4));
+}
+
+TEST_F(CheckpointFiles, ExtraBytes) {
+  write_random_checkpoint(path("long.bin"), small_config(), 1);
+  auto bytes = read_bytes(path("long.bin"));
+  bytes.push_back(0);
+  write_bytes(path("long.bin"), bytes);
+  expect_open_error(path("long.bin"), "too long");
+}
+
+TEST_F(CheckpointFiles, ZeroDim) { expect_open_error(with_header_int(0, 0), "must be positive"); }
+
+TEST_F(CheckpointFiles, NegativeLayers) { expect_open_error(with_header_int(2, -2), "must be positive"); }
+
+TEST_F(CheckpointFiles, DimNotDivisibleByHeads) {
+  expect_open_error(with_header_int(3, 3), "dim 16 is not divisible by n_heads 3");
+}
+
+TEST_F(CheckpointFiles, HeadsNotMultipleOfKvHeads) {
+  expect_open_error(with_header_int(4, 3), "n_heads 4 is not a multiple of n_kv_heads 3");
+}
+
+TEST_F(CheckpointFiles, HugeDimensionsReportTruncationNotOverflow) {
+  // Products of these overflow 64 bits; the loader must still say "truncated".
+  const std::string p = with_header_int(0, 1 << 30);
+  auto bytes = read_bytes(p);
+  const int32_t big[] = {1 << 30, 1 << 30, 1 << 30, 1 << 10, 1 << 10, 1 << 30, 1 << 30};
+  std::memcpy(bytes.data(), big, sizeof big);
+  write_bytes(p, bytes);
+  expect_open_error(p, "truncated");
+}
+
+}  // namespace
+}  // namespace disagg::gpu

@@ -1,0 +1,308 @@
+// The Engine's two paths (batched prefill, batched paged decode) agree with
+// each other and with themselves under batching; invalid input is rejected.
+// Runs on the "auto" backend: CPU here, CUDA on a GPU machine.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu/backend.h"
+#include "gpu/checkpoint.h"
+#include "gpu/engine.h"
+#include "gpu/error.h"
+#include "gpu/generate.h"
+#include "gpu/sampling.h"
+#include "gpu/tokenizer.h"
+#include "support/reference_cases.h"
+#include "support/test_paths.h"
+
+namespace disagg::gpu {
+namespace {
+
+constexpr float kTolerance = 1e-4f;
+
+std::shared_ptr<const Checkpoint> shared_checkpoint() {
+  static auto checkpoint = Checkpoint::open(test::shared_model());
+  return checkpoint;
+}
+
+// The longest prompt of the shared reference (29 tokens: spans two 16-position blocks).
+std::vector<int> long_prompt() {
+  std::vector<int> best;
+  for (const auto& c : test::load_reference_cases(test::shared_reference()))
+    if (c.prompt_tokens.size() > best.size()) best = c.prompt_tokens;
+  return best;
+}
+
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  float worst = 0.0f;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+  EXPECT_LE(worst, kTolerance) << what << ": max abs difference " << worst;
+}
+
+// Positions [0, n_positions) of a sequence's blocks, gathered into the
+// contiguous KvLayout::layer_kv_position order of a prefill cache.
+std::vector<float> gather_kv(Engine& engine, KvPool& pool, const std::vector<int>& blocks, int n_positions) {
+  const ModelConfig& c = engine.config();
+  const size_t kv_dim = size_t(c.kv_dim());
+  std::vector<float> all(pool.num_blocks() * pool.block_stride());
+  engine.backend().download(all.data(), pool.data(), all.size() * sizeof(float));
+  std::vector<float> out(size_t(c.n_layers) * 2 * n_positions * kv_dim);
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int p = 0; p < n_positions; ++p) {
+        const size_t src = blocks[p / pool.block_size()] * pool.block_stride() +
+                           ((size_t(l) * 2 + kv) * pool.block_size() + p % pool.block_size()) * kv_dim;
+        const size_t dst = ((size_t(l) * 2 + kv) * n_positions + p) * kv_dim;
+        std::copy_n(all.begin() + src, kv_dim, out.begin() + dst);
+      }
+  return out;
+}
+
+KvView view_of(const Engine& engine, const PrefillOutput& prefilled) {
+  KvView view;
+  view.header.fingerprint = engine.fingerprint();
+  view.header.shape = prefilled.shape;
+  view.payload = prefilled.kv.data();
+  return view;
+}
+
+// Prefill's logits and KV against the same prompt fed one token per decode step.
+void expect_prefill_matches_stepwise(Engine& engine, const std::vector<int>& prompt, int block_size,
+                                     const std::vector<int>& blocks) {
+  const PrefillOutput prefilled = engine.prefill(prompt);
+  ASSERT_EQ(prefilled.shape, engine.kv_shape(int(prompt.size())));
+  ASSERT_EQ(prefilled.kv.size(), prefilled.shape.floats());
+  ASSERT_EQ(prefilled.logits.size(), size_t(engine.config().vocab_size));
+
+  KvPool pool(engine, block_size, *std::max_element(blocks.begin(), blocks.end()) + 1);
+  std::vector<float> logits;
+  for (size_t pos = 0; pos < prompt.size(); ++pos)
+    logits = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks}});
+  expect_close(prefilled.logits, logits, "prefill vs stepwise logits");
+  expect_close(prefilled.kv, gather_kv(engine, pool, blocks, int(prompt.size())), "prefill vs stepwise KV");
+}
+
+TEST(Engine, PrefillMatchesStepwiseDecodeOnTheSharedModel) {
+  Engine engine(shared_checkpoint());
+  expect_prefill_matches_stepwise(engine, long_prompt(), 16, {3, 0});
+  expect_prefill_matches_stepwise(engine, {kBosToken}, 16, {0});
+}
+
+TEST(Engine, LongPrefillAttendedInChunksMatchesStepwiseDecode) {
+  // 400 positions x 8 heads x 400 scores exceed the engine's score scratch
+  // budget, so prefill attends in row chunks.
+  std::vector<int> prompt = {kBosToken};
+  while (prompt.size() < 400)
+    for (const auto& c : test::load_reference_cases(test::shared_reference()))
+      prompt.insert(prompt.end(), c.output_tokens.begin(), c.output_tokens.end());
+  prompt.resize(400);
+  std::vector<int> blocks;
+  for (int i = 0; i < KvPool::blocks_for(400, 16); ++i) blocks.push_back((i * 7) % 25);  // a permutation
+  Engine engine(shared_checkpoint());
+  expect_prefill_matches_stepwise(engine, prompt, 16, blocks);
+}
+
+TEST(Engine, PrefillMatchesStepwiseOnARandomGqaModelWithItsOwnClassifier) {
+  // 4 query heads per kv head and a separately stored classifier: paths the
+  // shared model (2 per kv head, shared classifier) does not take.
+  const std::string dir = test::make_temp_dir("engine-gqa");
+  const std::string path = dir + "/model.bin";
+  ModelConfig config{32, 40, 2, 4, 1, 300, 40, false};
+  write_random_checkpoint(path, config, 7);
+  Engine engine(Checkpoint::open(path));
+  std::vector<int> prompt;
+  for (int i = 0; i < 11; ++i) prompt.push_back((i * 37 + 5) % config.vocab_size);
+  expect_prefill_matches_stepwise(engine, prompt, 4, {2, 5, 0});
+
+  // generate stops when prompt + generated reaches seq_len.
+  const std::vector<int> near_end(35, 7);
+  const GenerateResult r = generate(engine, near_end, 100, SamplingParams{});
+  EXPECT_LE(r.tokens.size(), 5u);
+  if (r.finish == FinishReason::length) EXPECT_EQ(r.tokens.size(), 5u);
+  EXPECT_EQ(generate_stepwise(engine, near_end, 100, SamplingParams{}).tokens, r.tokens);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
+  Engine engine(shared_checkpoint());
+  const int steps = 12, block_size = 16;
+  const std::vector<std::vector<int>> prompts = {{kBosToken}, {1, 403, 407, 261, 378}, long_prompt()};
+  // Sequence 2 joins the batch after 4 steps of the others (mid-generation).
+  const std::vector<int> joins_at = {0, 0, 4};
+
+  struct Sequence {
+    std::vector<int> blocks, tokens;
+    int pos = 0;  // where the last token will be fed
+    std::vector<float> last_logits;
+  };
+  std::vector<Sequence> seqs(prompts.size());
+  // Blocks handed out round-robin, so every sequence's blocks are scattered.
+  BlockAllocator allocator(32);
+  std::vector<int> needed(prompts.size());
+  for (size_t s = 0; s < prompts.size(); ++s)
+    needed[s] = KvPool::blocks_for(int(prompts[s].size()) + steps, block_size);
+  for (int round = 0; round < *std::max_element(needed.begin(), needed.end()); ++round)
+    for (size_t s = 0; s < prompts.size(); ++s)
+      if (round < needed[s]) seqs[s].blocks.push_back(allocator.allocate(1).at(0));
+  KvPool pool(engine, block_size, allocator.num_blocks());
+
+  for (int step = 0; step < steps + joins_at.back(); ++step) {
+    std::vector<DecodeSlot> slots;
+    std::vector<size_t> owners;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      Sequence& q = seqs[s];
+      if (step < joins_at[s] || int(q.tokens.size()) >= steps) continue;
+      if (step == joins_at[s]) {  // prefill, ship the KV into the pool, sample the first token
+        const PrefillOutput prefilled = engine.prefill(prompts[s]);
+        pool.write(q.blocks, view_of(engine, prefilled));
+        q.tokens.push_back(argmax(prefilled.logits.data(), engine.config().vocab_size));
+        q.pos = int(prompts[s].size());
+        continue;
+      }
+      slots.push_back(DecodeSlot{q.tokens.back(), q.pos, &q.blocks});
+      owners.push_back(s);
+    }
+    if (slots.empty()) continue;
+    const std::vector<float> logits = engine.decode_step(pool, slots);
+    ASSERT_EQ(logits.size(), slots.size() * engine.config().vocab_size);
+    for (size_t i = 0; i < owners.size(); ++i) {
+      Sequence& q = seqs[owners[i]];
+      const float* row = logits.data() + i * engine.config().vocab_size;
+      q.last_logits.assign(row, row + engine.config().vocab_size);
+      q.tokens.push_back(argmax(row, engine.config().vocab_size));
+      ++q.pos;
+    }
+  }
+
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const GenerateResult alone = generate(engine, prompts[s], steps, SamplingParams{});
+    ASSERT_EQ(alone.tokens.size(), size_t(steps)) << "sequence " << s << " ended early; pick other prompts";
+    EXPECT_EQ(seqs[s].tokens, alone.tokens) << "sequence " << s;
+
+    // Its last batched step again, alone: same logits.
+    Sequence& q = seqs[s];
+    const auto single = engine.decode_step(pool, {DecodeSlot{q.tokens[steps - 2], q.pos - 1, &q.blocks}});
+    expect_close(single, q.last_logits, "sequence " + std::to_string(s) + " batched vs alone logits");
+  }
+}
+
+TEST(Engine, KvPoolWriteScattersThePrefillCacheIntoItsBlocks) {
+  Engine engine(shared_checkpoint());
+  const std::vector<int> prompt = {1, 403, 407, 261, 378};
+  const PrefillOutput prefilled = engine.prefill(prompt);
+  KvPool pool(engine, 4, 8);
+  const std::vector<int> blocks = {5, 2};
+  pool.write(blocks, view_of(engine, prefilled));
+  EXPECT_EQ(gather_kv(engine, pool, blocks, int(prompt.size())), prefilled.kv);  // a pure copy
+
+  // Decoding on from the written cache equals decoding on from a stepwise one.
+  const int next = argmax(prefilled.logits.data(), engine.config().vocab_size);
+  const auto from_written = engine.decode_step(pool, {DecodeSlot{next, int(prompt.size()), &blocks}});
+  KvPool stepwise_pool(engine, 4, 2);
+  const std::vector<int> stepwise_blocks = {1, 0};
+  for (size_t pos = 0; pos < prompt.size(); ++pos)
+    engine.decode_step(stepwise_pool, {DecodeSlot{prompt[pos], int(pos), &stepwise_blocks}});
+  const auto from_stepwise =
+      engine.decode_step(stepwise_pool, {DecodeSlot{next, int(prompt.size()), &stepwise_blocks}});
+  expect_close(from_written, from_stepwise, "decode after KvPool::write vs after stepwise prefill");
+}
+
+TEST(Engine, KvPoolWriteRejectsMismatchedInput) {
+  Engine engine(shared_checkpoint());
+  const PrefillOutput prefilled = engine.prefill({1, 403, 407, 261, 378});
+  KvPool pool(engine, 4, 3);
+  KvView view = view_of(engine, prefilled);
+  EXPECT_THROW(pool.write({0}, view), Error);      // 5 positions need 2 blocks
+  EXPECT_THROW(pool.write({0, 3}, view), Error);   // block outside the pool
+  view.header.shape.n_layers += 1;
+  EXPECT_THROW(pool.write({0, 1}, view), Error);   // another model's shape
+  EXPECT_THROW(KvPool(engine, 0, 3), Error);
+}
+
+// The message of the Error thrown by f, or "" when none is thrown.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Engine, RejectsInvalidTokensPositionsAndBlocks) {
+  Engine engine(shared_checkpoint());
+  const int vocab = engine.config().vocab_size, seq_len = engine.config().seq_len;
+  EXPECT_NE(error_of([&] { engine.prefill({}); }).find("empty"), std::string::npos);
+  EXPECT_NE(error_of([&] { engine.prefill({1, vocab}); }).find("token id 512"), std::string::npos);
+  EXPECT_NE(error_of([&] { engine.prefill({-1}); }).find("token id -1"), std::string::npos);
+  EXPECT_NE(error_of([&] { engine.prefill(std::vector<int>(seq_len + 1, 5)); }).find("seq_len"), std::string::npos);
+
+  KvPool pool(engine, 16, 2);
+  const std::vector<int> blocks = {0, 1};
+  EXPECT_NE(error_of([&] { engine.decode_step(pool, {{vocab, 0, &blocks}}); }).find("token id"), std::string::npos);
+  EXPECT_NE(error_of([&] { engine.decode_step(pool, {{5, seq_len, &blocks}}); }).find("position 512"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { engine.decode_step(pool, {{5, -1, &blocks}}); }).find("position -1"), std::string::npos);
+  EXPECT_NE(error_of([&] { engine.decode_step(pool, {{5, 0, nullptr}}); }).find("block table"), std::string::npos);
+  EXPECT_NE(error_of([&] { engine.decode_step(pool, {{5, 32, &blocks}}); }).find("needs 3 blocks"),
+            std::string::npos);
+  const std::vector<int> outside = {2};
+  EXPECT_NE(error_of([&] { engine.decode_step(pool, {{5, 0, &outside}}); }).find("outside the pool"),
+            std::string::npos);
+
+  Engine other(shared_checkpoint());
+  EXPECT_NE(error_of([&] { other.decode_step(pool, {{5, 0, &blocks}}); }).find("another engine"),
+            std::string::npos);
+
+  EXPECT_THROW(generate(engine, {}, 4, SamplingParams{}), Error);
+  EXPECT_THROW(generate(engine, {1, vocab}, 4, SamplingParams{}), Error);
+  EXPECT_TRUE(generate(engine, {1}, 0, SamplingParams{}).tokens.empty());
+}
+
+TEST(Engine, DescribesItsModelAndBackend) {
+  Engine engine(shared_checkpoint());
+  EXPECT_EQ(engine.fingerprint(), shared_checkpoint()->fingerprint());
+  if (cuda_device_count() > 0)
+    EXPECT_EQ(engine.backend_name().rfind("cuda:", 0), 0u) << engine.backend_name();
+  else
+    EXPECT_EQ(engine.backend_name(), "cpu");
+  const KvExpectation e = engine.kv_expectation();
+  EXPECT_EQ(e.n_layers, 5u);
+  EXPECT_EQ(e.n_kv_heads, 4u);
+  EXPECT_EQ(e.head_dim, 8u);
+  EXPECT_EQ(e.max_positions, 512u);
+  EXPECT_EQ(engine.kv_shape(3).floats(), 5u * 2 * 3 * 32);
+  EXPECT_THROW(Engine(shared_checkpoint(), EngineOptions{"tpu"}), Error);
+}
+
+TEST(BlockAllocator, AllocatesAllOrNothingAndTakesBlocksBack) {
+  BlockAllocator allocator(4);
+  const auto a = allocator.allocate(3);
+  ASSERT_EQ(a.size(), 3u);
+  EXPECT_EQ(allocator.free_blocks(), 1);
+  EXPECT_TRUE(allocator.allocate(2).empty());
+  EXPECT_EQ(allocator.free_blocks(), 1);  // nothing taken by the failed request
+  const auto b = allocator.allocate(1);
+  ASSERT_EQ(b.size(), 1u);
+  std::vector<int> all = a;
+  all.push_back(b[0]);
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(all, (std::vector<int>{0, 1, 2, 3}));  // distinct blocks
+  allocator.release(a);
+  EXPECT_EQ(allocator.free_blocks(), 3);
+  EXPECT_EQ(allocator.allocate(3).size(), 3u);
+  allocator.release(b);
+  EXPECT_THROW(allocator.release({0, 1, 2, 3}), Error);  // more than were taken
+  EXPECT_EQ(allocator.free_blocks(), 1);                   // and nothing released
+  EXPECT_THROW(allocator.release({9}), Error);
+}
+
+}  // namespace
+}  // namespace disagg::gpu

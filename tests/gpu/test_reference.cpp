@@ -1,0 +1,130 @@
+// The shared greedy references, token for token: tokenizer, batched prefill +
+// paged decode (generate), decode-only (generate_stepwise) and the
+// disagg-generate app. Backend "auto": CPU here, CUDA on a GPU machine.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu/checkpoint.h"
+#include "gpu/engine.h"
+#include "gpu/generate.h"
+#include "gpu/tokenizer.h"
+#include "support/reference_cases.h"
+#include "support/test_paths.h"
+
+namespace disagg::gpu {
+namespace {
+
+class ReferenceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    cases_ = new std::vector<test::ReferenceCase>(test::load_reference_cases(test::shared_reference()));
+    checkpoint_ = new std::shared_ptr<const Checkpoint>(Checkpoint::open(test::shared_model()));
+  }
+  static void TearDownTestSuite() {
+    delete cases_;
+    delete checkpoint_;
+  }
+  static const std::vector<test::ReferenceCase>& cases() { return *cases_; }
+  static std::shared_ptr<const Checkpoint> checkpoint() { return *checkpoint_; }
+
+ private:
+  static std::vector<test::ReferenceCase>* cases_;
+  static std::shared_ptr<const Checkpoint>* checkpoint_;
+};
+
+std::vector<test::ReferenceCase>* ReferenceTest::cases_ = nullptr;
+std::shared_ptr<const Checkpoint>* ReferenceTest::checkpoint_ = nullptr;
+
+TEST_F(ReferenceTest, FileHasCases) { ASSERT_GE(cases().size(), 3u); }
+
+TEST_F(ReferenceTest, TokenizerEncodesPromptsAndDecodesOutputs) {
+  const Tokenizer tokenizer = Tokenizer::load(test::shared_tokenizer(), checkpoint()->config().vocab_size);
+  for (const auto& c : cases()) {
+    EXPECT_EQ(tokenizer.encode(c.prompt), c.prompt_tokens) << "prompt \"" << c.prompt << "\"";
+    EXPECT_EQ(tokenizer.decode_all(c.prompt_tokens.back(), c.output_tokens), c.text) << "prompt \"" << c.prompt << "\"";
+  }
+}
+
+TEST_F(ReferenceTest, GenerateReproducesGreedyOutputs) {
+  Engine engine(checkpoint());
+  for (const auto& c : cases()) {
+    const GenerateResult r = generate(engine, c.prompt_tokens, c.max_new_tokens, SamplingParams{});
+    EXPECT_EQ(r.tokens, c.output_tokens) << "prompt \"" << c.prompt << "\" on " << engine.backend_name();
+    EXPECT_EQ(r.finish, int(c.output_tokens.size()) < c.max_new_tokens ? FinishReason::eos : FinishReason::length);
+  }
+}
+
+TEST_F(ReferenceTest, GenerateStepwiseReproducesGreedyOutputs) {
+  Engine engine(checkpoint());
+  for (const auto& c : cases()) {
+    const GenerateResult r = generate_stepwise(engine, c.prompt_tokens, c.max_new_tokens, SamplingParams{});
+    EXPECT_EQ(r.tokens, c.output_tokens) << "prompt \"" << c.prompt << "\" on " << engine.backend_name();
+  }
+}
+
+// Runs a command and returns its standard output and exit status.
+std::pair<std::string, int> run_command(const std::string& command) {
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (!pipe) return {"", -1};
+  std::string output;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) output.append(buf.data(), n);
+  const int status = ::pclose(pipe);
+  return {output, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
+}
+
+std::string shell_quoted(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+TEST_F(ReferenceTest, GenerateAppPrintsReferenceJson) {
+  const std::string app = test::bin_dir() + "/disagg-generate";
+  ASSERT_TRUE(std::filesystem::exists(app)) << app << " is not built";
+  const std::string common = shell_quoted(app) + " --model " + shell_quoted(test::shared_model()) + " --tokenizer " +
+                             shell_quoted(test::shared_tokenizer()) + " --json";
+  for (const auto& c : cases()) {
+    const auto [out, status] =
+        run_command(common + " --prompt " + shell_quoted(c.prompt) + " --max-new-tokens " + std::to_string(c.max_new_tokens));
+    ASSERT_EQ(status, 0) << out;
+    const test::ReferenceCase got = test::parse_reference_case(out);
+    EXPECT_EQ(got.prompt_tokens, c.prompt_tokens);
+    EXPECT_EQ(got.output_tokens, c.output_tokens);
+    EXPECT_EQ(got.text, c.text);
+  }
+  // --prompt-tokens is the same request as its text.
+  const auto& c = cases().front();
+  std::string ids;
+  for (int t : c.prompt_tokens) ids += (ids.empty() ? "" : " ") + std::to_string(t);
+  const auto [out, status] =
+      run_command(common + " --prompt-tokens " + shell_quoted(ids) + " --max-new-tokens " + std::to_string(c.max_new_tokens));
+  ASSERT_EQ(status, 0) << out;
+  EXPECT_EQ(test::parse_reference_case(out).output_tokens, c.output_tokens);
+}
+
+TEST_F(ReferenceTest, GenerateAppRejectsBadArguments) {
+  const std::string app = shell_quoted(test::bin_dir() + "/disagg-generate");
+  const std::string model = " --model " + shell_quoted(test::shared_model()) + " --tokenizer " +
+                            shell_quoted(test::shared_tokenizer());
+  EXPECT_EQ(run_command(app + " 2>/dev/null").second, 2);
+  EXPECT_EQ(run_command(app + model + " --prompt hi 2>/dev/null").second, 2);  // no --max-new-tokens
+  EXPECT_EQ(run_command(app + model + " --prompt hi --prompt-tokens 1 --max-new-tokens 1 2>/dev/null").second, 2);
+  EXPECT_EQ(run_command(app + model + " --prompt hi --max-new-tokens x 2>/dev/null").second, 2);
+  EXPECT_EQ(run_command(app + model + " --prompt hi --max-new-tokens 1 --backend tpu 2>/dev/null").second, 2);
+  EXPECT_EQ(run_command(app + " --model /nonexistent --tokenizer " + shell_quoted(test::shared_tokenizer()) +
+                        " --prompt hi --max-new-tokens 1 2>/dev/null")
+                .second,
+            1);
+  EXPECT_EQ(run_command(app + model + " --prompt-tokens '1 9999' --max-new-tokens 1 2>/dev/null").second, 1);
+}
+
+}  // namespace
+}  // namespace disagg::gpu
