@@ -1,0 +1,74 @@
+#include "actors/client.h"
+
+#include <random>
+
+#include "actors/errors.h"
+#include "caf/all.hpp"
+
+namespace disagg {
+
+namespace {
+
+// One short-lived actor per request: it receives the token events (it is the
+// request's client_actor) and the router's reply, then quits.
+client_actor::behavior_type request_behavior(client_actor::pointer self, router_actor router,
+                                             GenerateRequest request, TokenCallback on_token,
+                                             std::shared_ptr<std::promise<RequestOutcome>> result,
+                                             std::chrono::milliseconds wait) {
+  const RequestId id = request.id;
+  self->request(router, wait, generate_atom::value, std::move(request),
+                caf::actor_cast<client_actor>(self))
+      .then(
+          [=](RequestOutcome& outcome) {
+            result->set_value(std::move(outcome));
+            self->quit();
+          },
+          [=](caf::error& e) {
+            result->set_value(make_failure(id, code_of(e), describe("router", e)));
+            self->quit();
+          });
+  return {
+      [=](token_atom, TokenEvent& event) {
+        if (on_token) on_token(event);
+      },
+  };
+}
+
+}  // namespace
+
+Client::Client(caf::actor_system& system, router_actor router, ClientOptions options)
+    : system_(system), router_(std::move(router)), options_(options) {
+  std::random_device rd;
+  prefix_ = (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  prefix_ &= 0xffffffff00000000ull;  // the low half counts
+  if (prefix_ == 0) prefix_ = uint64_t(1) << 32;  // id 0 means "choose one"
+}
+
+RequestId Client::next_id() { return prefix_ | uint64_t(++counter_); }
+
+std::future<RequestOutcome> Client::submit(GenerateRequest request, TokenCallback on_token) {
+  if (request.id == 0) request.id = next_id();
+  if (request.deadline_ms == 0) request.deadline_ms = options_.default_deadline_ms;
+  auto result = std::make_shared<std::promise<RequestOutcome>>();
+  auto future = result->get_future();
+  // A negative deadline is the router's to reject; wait only the grace then.
+  const auto wait = std::chrono::milliseconds(std::max<int64_t>(request.deadline_ms, 0) + options_.grace_ms);
+  system_.spawn(request_behavior, router_, std::move(request), std::move(on_token), result, wait);
+  return future;
+}
+
+RequestOutcome Client::generate(GenerateRequest request, TokenCallback on_token) {
+  return submit(std::move(request), std::move(on_token)).get();
+}
+
+void Client::cancel(RequestId id) { caf::anon_send(router_, cancel_atom::value, id); }
+
+std::optional<RouterStatus> Client::status(std::chrono::milliseconds timeout) {
+  std::optional<RouterStatus> out;
+  caf::scoped_actor self{system_};
+  self->request(router_, timeout, status_atom::value)
+      .receive([&](RouterStatus& s) { out = std::move(s); }, [&](caf::error&) {});
+  return out;
+}
+
+}  // namespace disagg

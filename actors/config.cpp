@@ -1,0 +1,60 @@
+#include "actors/config.h"
+
+#include "messages/registration.h"
+
+namespace disagg {
+
+std::string DisaggConfig::validate() const {
+  std::string problems;
+  auto require = [&](bool ok, const std::string& what) {
+    if (ok) return;
+    if (!problems.empty()) problems += "; ";
+    problems += what;
+  };
+  require(backend == "auto" || backend == "cpu" || backend == "cuda",
+          "backend must be auto, cpu or cuda (got '" + backend + "')");
+  require(prefill_workers >= 1, "prefill-workers must be >= 1");
+  require(decode_workers >= 1, "decode-workers must be >= 1");
+  require(max_kv_transfer_bytes > 0, "max-kv-transfer-bytes must be > 0");
+  require(ack_timeout_ms > 0, "ack-timeout-ms must be > 0");
+  require(block_size >= 1, "block-size must be >= 1");
+  require(pool_blocks >= 1, "pool-blocks must be >= 1");
+  require(max_batch >= 1, "max-batch must be >= 1");
+  require(queue_capacity >= 0, "queue-capacity must be >= 0");
+  require(max_prefill_inflight >= 1, "max-prefill-inflight must be >= 1");
+  require(default_deadline_ms > 0, "default-deadline-ms must be > 0");
+  require(session_affinity_size >= 0, "session-affinity-size must be >= 0");
+  require(max_decode_retries >= 0, "max-decode-retries must be >= 0");
+  require(compute_timeout_ms > 0, "compute-timeout-ms must be > 0");
+  return problems;
+}
+
+void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
+  caf::config_option_adder{options, "disagg"}
+      .add(c.model, "model", "llama2.c checkpoint path")
+      .add(c.tokenizer, "tokenizer", "tokenizer path (text prompts and token text)")
+      .add(c.backend, "backend", "compute backend: auto, cpu or cuda")
+      .add(c.prefill_workers, "prefill-workers", "prefill workers of a local cluster")
+      .add(c.decode_workers, "decode-workers", "decode workers of a local cluster")
+      .add(c.max_kv_transfer_bytes, "max-kv-transfer-bytes",
+           "largest KV a prefill worker ships (larger: kv_too_large)")
+      .add(c.ack_timeout_ms, "ack-timeout-ms", "how long a prefill worker waits for the KV ack")
+      .add(c.block_size, "block-size", "positions per KV block of the decode pool")
+      .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
+      .add(c.max_batch, "max-batch", "sequences per decode step")
+      .add(c.queue_capacity, "queue-capacity",
+           "requests the router holds before dispatch (more: overloaded)")
+      .add(c.max_prefill_inflight, "max-prefill-inflight", "jobs per prefill worker at once")
+      .add(c.default_deadline_ms, "default-deadline-ms", "deadline of a request that sets none")
+      .add(c.session_affinity_size, "session-affinity-size", "sessions the router remembers")
+      .add(c.max_decode_retries, "max-decode-retries",
+           "other decode workers tried after an overloaded reply")
+      .add(c.compute_timeout_ms, "compute-timeout-ms", "deadline of every call to a compute actor");
+}
+
+DisaggSystemConfig::DisaggSystemConfig() {
+  register_messages(*this);
+  add_disagg_options(custom_options_, disagg);
+}
+
+}  // namespace disagg

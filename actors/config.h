@@ -1,0 +1,58 @@
+// The one configuration of a disagg cluster: defaults, validation, and the
+// binding to CAF config options (group "disagg", from INI files or the CLI,
+// e.g. --disagg.block-size=32).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "caf/actor_system_config.hpp"
+
+namespace disagg {
+
+struct DisaggConfig {
+  // Model and compute.
+  std::string model;              // llama2.c checkpoint path
+  std::string tokenizer;          // optional: text prompts and token text at the router
+  std::string backend = "auto";   // auto | cpu | cuda
+
+  // Topology of a local (in-process) cluster.
+  int prefill_workers = 1;
+  int decode_workers = 1;
+
+  // Prefill worker.
+  int64_t max_kv_transfer_bytes = int64_t{256} << 20;  // larger KV: kv_too_large
+  int64_t ack_timeout_ms = 10000;  // KV sent -> decode's ack
+
+  // Decode worker.
+  int block_size = 16;     // positions per KV block
+  int pool_blocks = 1024;  // KV pool capacity in blocks
+  int max_batch = 64;      // sequences per decode step
+
+  // Router.
+  int queue_capacity = 256;          // accepted requests waiting for dispatch
+  int max_prefill_inflight = 8;      // jobs per prefill worker at once
+  int64_t default_deadline_ms = 60000;
+  int session_affinity_size = 4096;  // sessions remembered (least recently used evicted)
+  int max_decode_retries = 2;        // other decode workers tried after overloaded
+
+  // Every worker -> compute call.
+  int64_t compute_timeout_ms = 60000;
+
+  // Empty when usable, else every problem found, separated by "; ".
+  std::string validate() const;
+};
+
+// Registers the fields of `config` as options of group "disagg" in `options`
+// (CAF writes parsed values straight into the fields, so `config` must outlive
+// the parse).
+void add_disagg_options(caf::config_option_set& options, DisaggConfig& config);
+
+// An actor_system_config with all protocol messages registered and the
+// "disagg" options bound to `disagg`.
+class DisaggSystemConfig : public caf::actor_system_config {
+ public:
+  DisaggSystemConfig();
+  DisaggConfig disagg;
+};
+
+}  // namespace disagg

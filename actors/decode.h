@@ -1,0 +1,22 @@
+// The decode worker: admits a request's KV from any prefill worker into its
+// paged pool (blocks for prompt + max_new_tokens positions, reserved up front),
+// acks, and decodes all admitted sequences with continuous batching: one step
+// in flight at its compute actor, every active sequence (up to max_batch) in
+// each step, newcomers joining the next one. Each token is streamed to the
+// router as soon as it exists; blocks are freed at finish, cancel or error.
+#pragma once
+#include <string>
+
+#include "actors/config.h"
+#include "caf/actor_system.hpp"
+#include "messages/interfaces.h"
+
+namespace disagg {
+
+// `compute` must own a KV pool of config.block_size x config.pool_blocks
+// (actors/compute.h). The worker links itself to `compute`, asks it for its
+// model and registers with `router` under `name`.
+decode_actor spawn_decode(caf::actor_system& system, const DisaggConfig& config,
+                          compute_actor compute, router_actor router, std::string name);
+
+}  // namespace disagg

@@ -1,0 +1,132 @@
+#include "actors/local_cluster.h"
+
+#include <map>
+#include <thread>
+
+#include "actors/compute.h"
+#include "actors/decode.h"
+#include "actors/prefill.h"
+#include "actors/router.h"
+#include "caf/all.hpp"
+#include "gpu/checkpoint.h"
+#include "gpu/error.h"
+#include "gpu/tokenizer.h"
+
+namespace disagg {
+
+namespace {
+
+// Workers on the same file share one mapped checkpoint.
+class CheckpointCache {
+ public:
+  std::shared_ptr<const gpu::Checkpoint> get(const std::string& path) {
+    auto& slot = cache_[path];
+    if (!slot) slot = gpu::Checkpoint::open(path);
+    return slot;
+  }
+
+ private:
+  std::map<std::string, std::shared_ptr<const gpu::Checkpoint>> cache_;
+};
+
+const std::string& model_for(const std::vector<std::string>& overrides, size_t i,
+                             const std::string& fallback) {
+  return i < overrides.size() && !overrides[i].empty() ? overrides[i] : fallback;
+}
+
+}  // namespace
+
+LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions options)
+    : system_(system), options_(std::move(options)) {
+  const DisaggConfig& cfg = options_.config;
+  if (auto problem = cfg.validate(); !problem.empty()) throw gpu::Error("disagg config: " + problem);
+  if (cfg.model.empty()) throw gpu::Error("disagg config: no model");
+
+  CheckpointCache checkpoints;
+  std::shared_ptr<const gpu::Tokenizer> tokenizer;
+  if (!cfg.tokenizer.empty())
+    tokenizer = std::make_shared<const gpu::Tokenizer>(
+        gpu::Tokenizer::load(cfg.tokenizer, checkpoints.get(cfg.model)->config().vocab_size));
+  gpu::EngineOptions engine;
+  engine.backend = cfg.backend;
+
+  // Engines first (they throw on failure), then the actors.
+  std::vector<compute_actor> prefill_compute, decode_compute;
+  try {
+    for (int i = 0; i < cfg.prefill_workers; ++i)
+      prefill_compute.push_back(spawn_compute(
+          system_, {checkpoints.get(model_for(options_.prefill_models, size_t(i), cfg.model)), engine, 0, 0}));
+    for (int i = 0; i < cfg.decode_workers; ++i)
+      decode_compute.push_back(spawn_compute(
+          system_, {checkpoints.get(model_for(options_.decode_models, size_t(i), cfg.model)), engine,
+                    cfg.block_size, cfg.pool_blocks}));
+  } catch (...) {
+    for (auto& c : prefill_compute) caf::anon_send_exit(c, caf::exit_reason::user_shutdown);
+    for (auto& c : decode_compute) caf::anon_send_exit(c, caf::exit_reason::user_shutdown);
+    throw;
+  }
+
+  router_ = spawn_router(system_, cfg, tokenizer);
+  for (int i = 0; i < cfg.prefill_workers; ++i)
+    prefill_.push_back(spawn_prefill(system_, cfg, prefill_compute[size_t(i)], router_,
+                                     "prefill-" + std::to_string(i)));
+  for (int i = 0; i < cfg.decode_workers; ++i)
+    decode_.push_back(spawn_decode(system_, cfg, decode_compute[size_t(i)], router_,
+                                   "decode-" + std::to_string(i)));
+
+  // Registration is asynchronous (worker -> compute -> router): wait for it.
+  const auto deadline = std::chrono::steady_clock::now() + options_.ready_timeout;
+  caf::scoped_actor self{system_};
+  for (;;) {
+    int prefill = -1, decode = -1;
+    self->request(router_, std::chrono::seconds(5), status_atom::value)
+        .receive(
+            [&](RouterStatus& s) {
+              prefill = s.count(WorkerRole::prefill);
+              decode = s.count(WorkerRole::decode);
+            },
+            [&](caf::error&) {});
+    if (prefill == cfg.prefill_workers && decode == cfg.decode_workers) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      stop();
+      throw gpu::Error("local cluster: only " + std::to_string(prefill) + " prefill and " +
+                       std::to_string(decode) + " decode workers registered");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+LocalCluster::~LocalCluster() { stop(); }
+
+std::vector<DecodeLoad> LocalCluster::decode_loads(std::chrono::milliseconds timeout) {
+  std::vector<DecodeLoad> loads;
+  caf::scoped_actor self{system_};
+  for (const auto& d : decode_)
+    self->request(d, timeout, status_atom::value)
+        .receive([&](DecodeLoad& load) { loads.push_back(load); }, [&](caf::error&) {});
+  return loads;
+}
+
+bool LocalCluster::wait_pools_free(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto loads = decode_loads();
+    bool all_free = loads.size() == decode_.size();
+    for (const auto& l : loads) all_free = all_free && l.free_blocks == l.total_blocks && l.active_sequences == 0;
+    if (all_free) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+void LocalCluster::stop() {
+  // Workers are linked to their compute actors, which therefore stop too.
+  for (auto& p : prefill_) caf::anon_send_exit(p, caf::exit_reason::user_shutdown);
+  for (auto& d : decode_) caf::anon_send_exit(d, caf::exit_reason::user_shutdown);
+  if (router_) caf::anon_send_exit(router_, caf::exit_reason::user_shutdown);
+  prefill_.clear();
+  decode_.clear();
+  router_ = router_actor{};
+}
+
+}  // namespace disagg

@@ -1,0 +1,57 @@
+// A whole cluster in one actor_system: a router plus N prefill and M decode
+// workers, each worker with its own detached compute actor and engine. For
+// tests, in-process demos and benchmarks; a multi-node cluster is the same
+// actors spawned on different nodes (they register with the router alike).
+#pragma once
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "actors/config.h"
+#include "caf/actor_system.hpp"
+#include "messages/interfaces.h"
+
+namespace disagg {
+
+struct LocalClusterOptions {
+  DisaggConfig config;  // model, tokenizer (optional), backend, worker counts, ...
+  // Per-worker checkpoint overrides (index i: worker i; empty or missing: config.model).
+  std::vector<std::string> prefill_models;
+  std::vector<std::string> decode_models;
+  std::chrono::milliseconds ready_timeout{30000};
+};
+
+class LocalCluster {
+ public:
+  // Validates the config, loads the models, spawns everything and waits until
+  // every worker has registered with the router. Throws gpu::Error on a bad
+  // config, a model that fails to load, or workers that never register.
+  LocalCluster(caf::actor_system& system, LocalClusterOptions options);
+  // stop()
+  ~LocalCluster();
+  LocalCluster(const LocalCluster&) = delete;
+  LocalCluster& operator=(const LocalCluster&) = delete;
+
+  const router_actor& router() const { return router_; }
+  const std::vector<prefill_actor>& prefill_workers() const { return prefill_; }
+  const std::vector<decode_actor>& decode_workers() const { return decode_; }
+  const DisaggConfig& config() const { return options_.config; }
+
+  // Each decode worker's load (asked directly), in worker order; a worker
+  // that does not answer in time is missing from the result.
+  std::vector<DecodeLoad> decode_loads(std::chrono::milliseconds timeout = std::chrono::seconds(5));
+  // Waits until every decode pool has all its blocks free; false on timeout.
+  bool wait_pools_free(std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+  // Stops the router and the workers (their compute actors go with them).
+  void stop();
+
+ private:
+  caf::actor_system& system_;
+  LocalClusterOptions options_;
+  router_actor router_;
+  std::vector<prefill_actor> prefill_;
+  std::vector<decode_actor> decode_;
+};
+
+}  // namespace disagg

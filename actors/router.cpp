@@ -1,0 +1,498 @@
+#include "actors/router.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <optional>
+#include <unordered_map>
+
+#include "actors/errors.h"
+#include "actors/router_policy.h"
+#include "caf/all.hpp"
+
+namespace disagg {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t micros_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(to - from).count();
+}
+
+struct Worker {
+  WorkerInfo info;
+  caf::actor_addr address;
+  prefill_actor prefill;  // exactly one of prefill / decode is valid
+  decode_actor decode;
+  // prefill: what the router has sent and not yet heard back about
+  int in_flight = 0;
+  int64_t outstanding_tokens = 0;
+  // decode: as last reported, lowered by the router's own reservations
+  DecodeLoad load;
+  int reserved_blocks = 0;  // blocks of unfinished requests the router sent here
+  int assigned = 0;
+};
+
+struct Request {
+  GenerateRequest request;
+  std::vector<int32_t> prompt;
+  client_actor client;
+  caf::typed_response_promise<RequestOutcome> promise;
+  uint64_t serial = 0;   // this admission (the deadline timer names it)
+  uint64_t attempt = 0;  // this dispatch (stale prefill reports name another)
+  bool queued = true;
+  bool validated = false;  // against the model limits (known once a prefill worker registered)
+  Clock::time_point accepted;
+  std::optional<Clock::time_point> dispatched;
+  int retries = 0;
+  std::vector<WorkerKey> excluded;  // decode workers that answered overloaded
+  // while dispatched:
+  WorkerKey prefill_key = 0;
+  WorkerKey decode_key = 0;
+  bool holds_prefill = false;
+  int reserved_blocks = 0;
+  std::optional<PrefillReport> prefill_report;
+  std::optional<DecodeDone> decode_done;
+  // streaming:
+  int32_t previous_token = 0;
+  std::string text;
+};
+
+struct RouterState {
+  DisaggConfig config;
+  std::shared_ptr<const gpu::Tokenizer> tokenizer;
+  std::optional<ModelLimits> limits;
+  std::map<WorkerKey, Worker> workers;
+  WorkerKey next_worker_key = 1;
+  std::unordered_map<RequestId, Request> requests;
+  std::deque<RequestId> queue;  // accepted, not dispatched, in arrival order
+  uint64_t next_serial = 1;
+  SessionAffinity sessions{0};
+  size_t prefill_cursor = 0;
+  size_t decode_cursor = 0;
+  const char* name = "disagg.router";
+};
+
+using Self = router_actor::stateful_pointer<RouterState>;
+
+Worker* find_worker(Self self, WorkerKey key) {
+  auto it = self->state.workers.find(key);
+  return it == self->state.workers.end() ? nullptr : &it->second;
+}
+
+Worker* sender_worker(Self self) {
+  const auto sender = caf::actor_cast<caf::actor_addr>(self->current_sender());
+  for (auto& kv : self->state.workers)
+    if (kv.second.address == sender) return &kv.second;
+  return nullptr;
+}
+
+std::string worker_name(Self self, WorkerKey key) {
+  const Worker* w = find_worker(self, key);
+  return w ? w->info.name : std::string();
+}
+
+// Gives back what a request holds on its workers in the router's books.
+void release_reservations(Self self, Request& r) {
+  if (r.holds_prefill) {
+    if (Worker* p = find_worker(self, r.prefill_key)) {
+      p->in_flight -= 1;
+      p->outstanding_tokens -= int64_t(r.prompt.size());
+    }
+    r.holds_prefill = false;
+  }
+  if (r.reserved_blocks > 0) {
+    if (Worker* d = find_worker(self, r.decode_key)) {
+      d->reserved_blocks -= r.reserved_blocks;
+      d->assigned -= 1;
+    }
+    r.reserved_blocks = 0;
+  }
+}
+
+// THE exit of every accepted request: one terminal reply, everything it holds
+// released (and, when it failed, its workers told to drop it), then forgotten.
+void finish(Self self, RequestId id, RequestOutcome outcome) {
+  auto& st = self->state;
+  auto it = st.requests.find(id);
+  if (it == st.requests.end()) return;
+  Request& r = it->second;
+  if (!outcome.ok() && r.dispatched) {
+    if (!r.prefill_report)
+      if (Worker* p = find_worker(self, r.prefill_key)) self->send(p->prefill, cancel_atom::value, id);
+    if (!r.decode_done)
+      if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
+  }
+  release_reservations(self, r);
+  if (r.queued) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
+  outcome.id = id;
+  if (r.dispatched) {
+    outcome.timings.queued_us = micros_between(r.accepted, *r.dispatched);
+    if (outcome.prefill_worker.empty()) outcome.prefill_worker = worker_name(self, r.prefill_key);
+    if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, r.decode_key);
+  }
+  r.promise.deliver(std::move(outcome));
+  st.requests.erase(it);
+}
+
+void fail(Self self, RequestId id, ErrorCode code, std::string message) {
+  finish(self, id, make_failure(id, code, std::move(message)));
+}
+
+// Both halves are in: the prefill worker's report and the decode worker's done.
+void complete_if_done(Self self, RequestId id) {
+  auto it = self->state.requests.find(id);
+  if (it == self->state.requests.end()) return;
+  Request& r = it->second;
+  if (!r.prefill_report || !r.decode_done) return;
+  RequestOutcome out;
+  out.tokens = std::move(r.decode_done->tokens);
+  out.finish = r.decode_done->finish;
+  out.text = std::move(r.text);
+  out.timings.prefill_us = r.prefill_report->prefill_us;
+  out.timings.kv_transfer_us = r.prefill_report->kv_transfer_us;
+  out.timings.decode_us = r.decode_done->decode_us;
+  finish(self, id, std::move(out));
+}
+
+std::vector<PrefillCandidate> prefill_candidates(Self self) {
+  std::vector<PrefillCandidate> out;
+  for (const auto& kv : self->state.workers)
+    if (kv.second.prefill)
+      out.push_back({kv.first, kv.second.in_flight, kv.second.outstanding_tokens});
+  return out;
+}
+
+std::vector<DecodeCandidate> decode_candidates(Self self) {
+  std::vector<DecodeCandidate> out;
+  for (const auto& kv : self->state.workers) {
+    const Worker& w = kv.second;
+    if (!w.decode) continue;
+    // Room = what it reported, but never more than the router's own books
+    // allow (a report may predate requests already on their way to it).
+    const int by_books = w.info.total_blocks - w.reserved_blocks;
+    out.push_back({kv.first, std::max(1, w.info.block_size), w.info.total_blocks,
+                   std::min(w.load.free_blocks, by_books), w.load.active_sequences});
+  }
+  return out;
+}
+
+void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report);
+
+void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key) {
+  auto& st = self->state;
+  Request& r = st.requests.at(id);
+  Worker& p = st.workers.at(prefill_key);
+  Worker& d = st.workers.at(decode_key);
+  const int positions =
+      positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
+  r.queued = false;
+  if (!r.dispatched) r.dispatched = Clock::now();
+  r.attempt = st.next_serial++;
+  r.prefill_key = prefill_key;
+  r.decode_key = decode_key;
+  r.holds_prefill = true;
+  r.reserved_blocks = blocks_for(positions, std::max(1, d.info.block_size));
+  p.in_flight += 1;
+  p.outstanding_tokens += int64_t(r.prompt.size());
+  d.reserved_blocks += r.reserved_blocks;
+  d.load.free_blocks -= r.reserved_blocks;  // until its next report says otherwise
+  d.assigned += 1;
+  st.sessions.remember(r.request.session, decode_key);
+
+  const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - r.accepted);
+  PrefillJob job;
+  job.id = id;
+  job.prompt_tokens = r.prompt;
+  job.max_new_tokens = r.request.max_new_tokens;
+  job.sampling = r.request.sampling;
+  job.deadline_ms = std::max<int64_t>(1, r.request.deadline_ms - elapsed.count());
+  const uint64_t attempt = r.attempt;
+  // The router's own deadline timer fires first; this bound only guarantees
+  // that the response handler itself never waits forever.
+  const auto bound = std::chrono::milliseconds(job.deadline_ms + st.config.ack_timeout_ms);
+  self->request(p.prefill, bound, prefill_atom::value, std::move(job), d.decode)
+      .then([=](PrefillReport& report) { on_prefill_report(self, id, attempt, std::move(report)); },
+            [=](caf::error& e) {
+              PrefillReport report;
+              report.id = id;
+              report.code = code_of(e);
+              report.message = describe("prefill worker", e);
+              on_prefill_report(self, id, attempt, std::move(report));
+            });
+}
+
+// Moves queued requests to workers, oldest first, while there is room.
+void dispatch(Self self) {
+  auto& st = self->state;
+  while (!st.queue.empty() && st.limits) {
+    const RequestId id = st.queue.front();
+    Request& r = st.requests.at(id);
+    if (!r.validated) {
+      if (auto problem = validate_request(r.request, r.prompt, st.limits); !problem.empty()) {
+        fail(self, id, ErrorCode::invalid_request, problem);
+        continue;
+      }
+      r.validated = true;
+    }
+    const int positions =
+        positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
+    const auto decodes = decode_candidates(self);
+    if (!decodes.empty() && !any_decode_could_fit(decodes, positions, r.excluded)) {
+      fail(self, id, ErrorCode::overloaded,
+           r.excluded.empty()
+               ? "no decode worker can hold " + std::to_string(positions) + " positions"
+               : "every decode worker that could hold the request answered overloaded");
+      continue;
+    }
+    auto prefills = prefill_candidates(self);
+    size_t prefill_cursor = st.prefill_cursor;
+    const auto p = pick_prefill(prefills, st.config.max_prefill_inflight, prefill_cursor);
+    if (!p) return;  // every prefill worker is busy
+    const auto d = pick_decode(decodes, positions, st.sessions.find(r.request.session), r.excluded,
+                               st.decode_cursor);
+    if (!d) return;  // no decode room yet: wait for a finish or a load report
+    st.prefill_cursor = prefill_cursor;
+    st.queue.pop_front();
+    start(self, id, *p, *d);
+  }
+}
+
+void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report) {
+  auto& st = self->state;
+  auto it = st.requests.find(id);
+  if (it == st.requests.end() || it->second.attempt != attempt) return;  // finished or retried
+  Request& r = it->second;
+  if (r.holds_prefill) {
+    if (Worker* p = find_worker(self, r.prefill_key)) {
+      p->in_flight -= 1;
+      p->outstanding_tokens -= int64_t(r.prompt.size());
+    }
+    r.holds_prefill = false;
+  }
+  if (report.code == ErrorCode::none) {
+    r.prefill_report = std::move(report);
+    complete_if_done(self, id);
+  } else if (report.code == ErrorCode::overloaded && r.retries < st.config.max_decode_retries) {
+    // The decode worker had no room after all: nothing is held there, so try
+    // another one (the whole request again, from the front of the queue).
+    if (Worker* d = find_worker(self, r.decode_key)) {
+      if (report.decode_load.total_blocks > 0) d->load = report.decode_load;
+      d->reserved_blocks -= r.reserved_blocks;
+      d->assigned -= 1;
+    }
+    r.reserved_blocks = 0;
+    r.excluded.push_back(r.decode_key);
+    r.retries += 1;
+    r.queued = true;
+    st.queue.push_front(id);
+  } else {
+    fail(self, id, report.code, std::move(report.message));
+  }
+  dispatch(self);
+}
+
+caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& request,
+                                                  client_actor& client) {
+  auto& st = self->state;
+  auto promise = self->make_response_promise<RequestOutcome>();
+  const RequestId id = request.id;
+  auto reject = [&](ErrorCode code, std::string message) {
+    promise.deliver(make_failure(id, code, std::move(message)));
+    return promise;
+  };
+  if (st.requests.count(id))
+    return reject(ErrorCode::invalid_request, "request id " + std::to_string(id) + " is already in flight");
+  std::vector<int32_t> prompt = request.prompt_tokens;
+  if (request.prompt_is_text) {
+    if (!st.tokenizer) return reject(ErrorCode::invalid_request, "text prompt, but the router has no tokenizer");
+    prompt = st.tokenizer->encode(request.prompt_text);
+  }
+  if (auto problem = validate_request(request, prompt, st.limits); !problem.empty())
+    return reject(ErrorCode::invalid_request, problem);
+  if (request.deadline_ms == 0) request.deadline_ms = st.config.default_deadline_ms;
+
+  Request r;
+  r.previous_token = prompt.back();
+  r.prompt = std::move(prompt);
+  r.request = std::move(request);
+  r.client = std::move(client);
+  r.promise = promise;
+  r.serial = st.next_serial++;
+  r.validated = st.limits.has_value();
+  r.accepted = Clock::now();
+  const uint64_t serial = r.serial;
+  const auto deadline = std::chrono::milliseconds(r.request.deadline_ms);
+  st.requests.emplace(id, std::move(r));
+  st.queue.push_back(id);
+  dispatch(self);
+  // Still waiting, and the waiting room was already full: turn it away now.
+  auto it = st.requests.find(id);
+  if (it != st.requests.end() && it->second.queued &&
+      st.queue.size() > size_t(st.config.queue_capacity)) {
+    fail(self, id, ErrorCode::overloaded,
+         "admission queue full (" + std::to_string(st.config.queue_capacity) + " waiting)");
+  } else if (it != st.requests.end()) {
+    self->delayed_send(self, deadline, deadline_atom::value, id, serial);
+  }
+  return promise;
+}
+
+void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor decode) {
+  auto& st = self->state;
+  const caf::actor_addr address = prefill ? prefill.address() : decode.address();
+  for (auto& kv : st.workers)
+    if (kv.second.address == address) {  // registered again: refresh what it says
+      kv.second.info = std::move(info);
+      return;
+    }
+  if (info.role == WorkerRole::prefill && !st.limits)
+    st.limits = ModelLimits{info.model.vocab_size, info.model.seq_len};
+  Worker w;
+  w.address = address;
+  w.prefill = std::move(prefill);
+  w.decode = std::move(decode);
+  w.load.total_blocks = info.total_blocks;
+  w.load.free_blocks = info.total_blocks;
+  w.load.block_size = info.block_size;
+  w.info = std::move(info);
+  if (w.prefill) self->monitor(w.prefill);
+  if (w.decode) self->monitor(w.decode);
+  st.workers.emplace(st.next_worker_key++, std::move(w));
+  dispatch(self);
+}
+
+// A worker went down: every request it was serving fails with worker_lost.
+void remove_worker(Self self, const caf::actor_addr& address) {
+  auto& st = self->state;
+  auto wit = std::find_if(st.workers.begin(), st.workers.end(),
+                          [&](const auto& kv) { return kv.second.address == address; });
+  if (wit == st.workers.end()) return;
+  const WorkerKey key = wit->first;
+  const std::string name = wit->second.info.name;
+  std::vector<RequestId> lost;
+  for (const auto& kv : st.requests) {
+    const Request& r = kv.second;
+    if (r.queued) continue;
+    if ((r.prefill_key == key && !r.prefill_report) || (r.decode_key == key && !r.decode_done))
+      lost.push_back(kv.first);
+  }
+  for (RequestId id : lost) {
+    Request& r = st.requests.at(id);
+    release_reservations(self, r);  // nothing to give back on a worker that is gone
+    fail(self, id, ErrorCode::worker_lost, "worker " + name + " went down");
+  }
+  st.sessions.forget_worker(key);
+  st.workers.erase(key);
+  dispatch(self);
+}
+
+RouterStatus status_of(Self self) {
+  const auto& st = self->state;
+  RouterStatus s;
+  for (const auto& kv : st.workers) {
+    const Worker& w = kv.second;
+    WorkerStatus ws;
+    ws.name = w.info.name;
+    ws.role = w.info.role;
+    ws.fingerprint = w.info.model.fingerprint;
+    ws.in_flight = w.prefill ? w.in_flight : w.assigned;
+    ws.outstanding_tokens = w.outstanding_tokens;
+    ws.free_blocks = std::max(0, std::min(w.load.free_blocks, w.info.total_blocks - w.reserved_blocks));
+    ws.total_blocks = w.info.total_blocks;
+    ws.active_sequences = w.load.active_sequences;
+    ws.endpoint = w.info.endpoint;
+    s.workers.push_back(std::move(ws));
+  }
+  s.queued = int32_t(st.queue.size());
+  s.in_flight = int32_t(st.requests.size() - st.queue.size());
+  return s;
+}
+
+router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
+                                            std::shared_ptr<const gpu::Tokenizer> tokenizer) {
+  auto& st = self->state;
+  st.sessions = SessionAffinity(size_t(std::max(0, config.session_affinity_size)));
+  st.config = std::move(config);
+  st.tokenizer = std::move(tokenizer);
+  self->set_down_handler([=](caf::down_msg& down) { remove_worker(self, down.source); });
+  return {
+      [=](generate_atom, GenerateRequest& request, client_actor& client) {
+        return admit(self, request, client);
+      },
+      [=](cancel_atom, RequestId id) {
+        fail(self, id, ErrorCode::cancelled, "cancelled by the client");
+        dispatch(self);
+      },
+      [=](register_atom, WorkerInfo& info, prefill_actor& worker) {
+        info.role = WorkerRole::prefill;
+        add_worker(self, std::move(info), std::move(worker), decode_actor{});
+        return caf::ok_atom::value;
+      },
+      [=](register_atom, WorkerInfo& info, decode_actor& worker) {
+        info.role = WorkerRole::decode;
+        add_worker(self, std::move(info), prefill_actor{}, std::move(worker));
+        return caf::ok_atom::value;
+      },
+      [=](token_atom, TokenEvent& event) {
+        auto it = self->state.requests.find(event.id);
+        if (it == self->state.requests.end()) return;  // already finished (e.g. cancelled)
+        Request& r = it->second;
+        if (self->state.tokenizer) {
+          try {
+            event.text = self->state.tokenizer->decode(r.previous_token, event.token);
+          } catch (const std::exception&) {
+            event.text.clear();  // an id the tokenizer lacks: no text, tokens still count
+          }
+          r.text += event.text;
+        }
+        r.previous_token = event.token;
+        if (r.client) self->send(r.client, token_atom::value, std::move(event));
+      },
+      [=](done_atom, DecodeDone& done) {
+        auto it = self->state.requests.find(done.id);
+        if (it == self->state.requests.end()) return;
+        if (done.code != ErrorCode::none) {
+          it->second.decode_done = done;  // the decode worker already dropped it
+          fail(self, done.id, done.code, std::move(done.message));
+        } else {
+          Request& r = it->second;
+          if (r.reserved_blocks > 0) {  // freed at the decode worker
+            if (Worker* d = find_worker(self, r.decode_key)) {
+              d->reserved_blocks -= r.reserved_blocks;
+              d->assigned -= 1;
+            }
+            r.reserved_blocks = 0;
+          }
+          r.decode_done = std::move(done);
+          complete_if_done(self, r.request.id);
+        }
+        dispatch(self);
+      },
+      [=](load_atom, DecodeLoad& load) {
+        if (Worker* w = sender_worker(self)) {
+          w->load = load;
+          dispatch(self);
+        }
+      },
+      [=](deadline_atom, RequestId id, uint64_t serial) {
+        auto it = self->state.requests.find(id);
+        if (it == self->state.requests.end() || it->second.serial != serial) return;
+        fail(self, id, ErrorCode::timeout,
+             "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
+        dispatch(self);
+      },
+      [=](status_atom) { return status_of(self); },
+  };
+}
+
+}  // namespace
+
+router_actor spawn_router(caf::actor_system& system, const DisaggConfig& config,
+                          std::shared_ptr<const gpu::Tokenizer> tokenizer) {
+  return system.spawn(router_behavior, config, std::move(tokenizer));
+}
+
+}  // namespace disagg

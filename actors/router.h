@@ -1,0 +1,21 @@
+// The router: the one actor clients talk to. It validates and admits requests
+// (bounded queue), picks a prefill worker (least queued prompt tokens) and a
+// decode worker (room, then load; a session's previous one first), owns every
+// request's deadline, forwards streamed tokens to the client, and gives every
+// accepted request exactly one terminal reply. Workers join by registering.
+#pragma once
+#include <memory>
+
+#include "actors/config.h"
+#include "caf/actor_system.hpp"
+#include "gpu/tokenizer.h"
+#include "messages/interfaces.h"
+
+namespace disagg {
+
+// `tokenizer` may be null: then text prompts are rejected as invalid_request
+// and token events carry no text.
+router_actor spawn_router(caf::actor_system& system, const DisaggConfig& config,
+                          std::shared_ptr<const gpu::Tokenizer> tokenizer);
+
+}  // namespace disagg

@@ -1,0 +1,131 @@
+#include "actors/router_policy.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace disagg {
+
+std::string validate_request(const GenerateRequest& request, const std::vector<int32_t>& prompt,
+                             const std::optional<ModelLimits>& limits) {
+  if (prompt.empty()) return "empty prompt";
+  if (request.max_new_tokens <= 0)
+    return "max_new_tokens must be positive (got " + std::to_string(request.max_new_tokens) + ")";
+  const Sampling& s = request.sampling;
+  if (!std::isfinite(s.temperature) || s.temperature < 0.0f)
+    return "temperature must be >= 0 (got " + std::to_string(s.temperature) + ")";
+  if (!std::isfinite(s.top_p) || s.top_p <= 0.0f || s.top_p > 1.0f)
+    return "top_p must be in (0, 1] (got " + std::to_string(s.top_p) + ")";
+  if (request.deadline_ms < 0)
+    return "deadline_ms must be >= 0 (got " + std::to_string(request.deadline_ms) + ")";
+  if (!limits) return {};
+  for (size_t i = 0; i < prompt.size(); ++i)
+    if (prompt[i] < 0 || prompt[i] >= limits->vocab_size)
+      return "prompt token " + std::to_string(i) + " has id " + std::to_string(prompt[i]) +
+             ", outside the vocabulary [0, " + std::to_string(limits->vocab_size) + ")";
+  const int64_t total = int64_t(prompt.size()) + request.max_new_tokens;
+  if (total > limits->seq_len)
+    return "prompt of " + std::to_string(prompt.size()) + " tokens + max_new_tokens " +
+           std::to_string(request.max_new_tokens) + " exceeds the model's seq_len " +
+           std::to_string(limits->seq_len);
+  return {};
+}
+
+int positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
+  return std::min(seq_len, prompt_len + std::max(max_new_tokens, 1));
+}
+
+int blocks_for(int positions, int block_size) { return (positions + block_size - 1) / block_size; }
+
+std::optional<WorkerKey> pick_prefill(const std::vector<PrefillCandidate>& candidates,
+                                      int max_in_flight, size_t& cursor) {
+  const size_t n = candidates.size();
+  std::optional<size_t> best;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (cursor + k) % n;  // rotated start: the first of equals wins
+    const auto& c = candidates[i];
+    if (c.in_flight >= max_in_flight) continue;
+    if (!best || c.outstanding_tokens < candidates[*best].outstanding_tokens) best = i;
+  }
+  if (!best) return std::nullopt;
+  ++cursor;
+  return candidates[*best].key;
+}
+
+namespace {
+bool is_excluded(const std::vector<WorkerKey>& excluded, WorkerKey key) {
+  return std::find(excluded.begin(), excluded.end(), key) != excluded.end();
+}
+}  // namespace
+
+std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candidates, int positions,
+                                     std::optional<WorkerKey> preferred,
+                                     const std::vector<WorkerKey>& excluded, size_t& cursor) {
+  auto fits = [&](const DecodeCandidate& c) {
+    return !is_excluded(excluded, c.key) && c.free_blocks >= blocks_for(positions, c.block_size);
+  };
+  if (preferred)
+    for (const auto& c : candidates)
+      if (c.key == *preferred && fits(c)) return c.key;
+  const size_t n = candidates.size();
+  std::optional<size_t> best;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (cursor + k) % n;
+    const auto& c = candidates[i];
+    if (!fits(c)) continue;
+    if (!best) {
+      best = i;
+      continue;
+    }
+    const auto& b = candidates[*best];
+    if (c.free_blocks > b.free_blocks ||
+        (c.free_blocks == b.free_blocks && c.active_sequences < b.active_sequences))
+      best = i;
+  }
+  if (!best) return std::nullopt;
+  ++cursor;
+  return candidates[*best].key;
+}
+
+bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int positions,
+                          const std::vector<WorkerKey>& excluded) {
+  for (const auto& c : candidates)
+    if (!is_excluded(excluded, c.key) && c.total_blocks >= blocks_for(positions, c.block_size))
+      return true;
+  return false;
+}
+
+std::optional<WorkerKey> SessionAffinity::find(const std::string& session) {
+  auto it = index_.find(session);
+  if (it == index_.end()) return std::nullopt;
+  order_.splice(order_.begin(), order_, it->second);
+  return it->second->second;
+}
+
+void SessionAffinity::remember(const std::string& session, WorkerKey worker) {
+  if (capacity_ == 0 || session.empty()) return;
+  auto it = index_.find(session);
+  if (it != index_.end()) {
+    it->second->second = worker;
+    order_.splice(order_.begin(), order_, it->second);
+    return;
+  }
+  if (index_.size() >= capacity_) {
+    index_.erase(order_.back().first);
+    order_.pop_back();
+  }
+  order_.emplace_front(session, worker);
+  index_[session] = order_.begin();
+}
+
+void SessionAffinity::forget_worker(WorkerKey worker) {
+  for (auto it = order_.begin(); it != order_.end();) {
+    if (it->second == worker) {
+      index_.erase(it->first);
+      it = order_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace disagg

@@ -1,0 +1,85 @@
+// What the router decides, without CAF: whether a request is valid, which
+// prefill and decode worker take it, and which decode worker a session
+// returns to. Kept apart from the message plumbing in router.cpp.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "messages/request.h"
+
+namespace disagg {
+
+using WorkerKey = uint64_t;  // the router's name for a registered worker
+
+// What requests are checked against: the served model's limits.
+struct ModelLimits {
+  int vocab_size = 0;
+  int seq_len = 0;
+};
+
+// Empty when `request` with the (already encoded) `prompt` may be served,
+// else why not. Without limits only the model-independent checks run.
+std::string validate_request(const GenerateRequest& request, const std::vector<int32_t>& prompt,
+                             const std::optional<ModelLimits>& limits);
+
+// KV positions a request can ever hold: the prompt plus every generated token
+// but the last, as gpu::generate counts them; capped at seq_len.
+int positions_needed(int prompt_len, int max_new_tokens, int seq_len);
+
+struct PrefillCandidate {
+  WorkerKey key = 0;
+  int in_flight = 0;
+  int64_t outstanding_tokens = 0;  // prompt tokens dispatched and not yet reported
+};
+
+// The candidate with the fewest outstanding prompt tokens among those below
+// max_in_flight; ties go round robin (cursor advances on every pick).
+std::optional<WorkerKey> pick_prefill(const std::vector<PrefillCandidate>& candidates,
+                                      int max_in_flight, size_t& cursor);
+
+struct DecodeCandidate {
+  WorkerKey key = 0;
+  int block_size = 1;
+  int total_blocks = 0;
+  int free_blocks = 0;  // the router's estimate: room for new requests now
+  int active_sequences = 0;
+};
+
+// The preferred worker (a session's previous one) when it has room; else the
+// one with the most free blocks, then the fewest active sequences, ties round
+// robin. Workers in `excluded` are skipped; nullopt when none has room.
+std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candidates, int positions,
+                                     std::optional<WorkerKey> preferred,
+                                     const std::vector<WorkerKey>& excluded, size_t& cursor);
+
+// True when some candidate outside `excluded` could hold `positions` once
+// empty (so waiting can help).
+bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int positions,
+                          const std::vector<WorkerKey>& excluded);
+
+int blocks_for(int positions, int block_size);
+
+// Session key -> decode worker, bounded; the least recently used entry goes
+// first when full. Capacity 0 disables affinity.
+class SessionAffinity {
+ public:
+  explicit SessionAffinity(size_t capacity) : capacity_(capacity) {}
+  // The session's worker (and marks the session as recently used).
+  std::optional<WorkerKey> find(const std::string& session);
+  void remember(const std::string& session, WorkerKey worker);
+  void forget_worker(WorkerKey worker);
+  size_t size() const { return index_.size(); }
+
+ private:
+  using Entry = std::pair<std::string, WorkerKey>;
+  size_t capacity_;
+  std::list<Entry> order_;  // most recently used first
+  std::unordered_map<std::string, std::list<Entry>::iterator> index_;
+};
+
+}  // namespace disagg

@@ -1,0 +1,102 @@
+// Messages between a worker and its own compute actor (same process): the
+// compute actor owns the gpu::Engine (and, on a decode worker, the KV pool
+// storage) and runs the heavy work off CAF's shared scheduler.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "caf/meta/type_name.hpp"
+#include "messages/request.h"
+#include "messages/transfer.h"
+
+namespace disagg {
+
+// Prefill -> compute: run the prompt, sample the first token (step 0).
+struct PrefillWork {
+  RequestId id = 0;
+  std::vector<int32_t> tokens;
+  Sampling sampling;
+};
+
+struct PrefillResult {
+  RequestId id = 0;
+  ErrorCode code = ErrorCode::none;
+  std::string message;
+  int32_t first_token = 0;
+  std::vector<uint8_t> kv;  // gpu::serialize_kv bytes
+  int64_t compute_us = 0;
+};
+
+// Decode -> compute, sent as (admit_atom, KvAdmit): validate the KV against
+// the engine (gpu::parse_kv) and write it into these pool blocks.
+struct KvAdmit {
+  KvTransfer transfer;
+  std::vector<int32_t> blocks;
+};
+
+struct AdmitResult {
+  RequestId id = 0;
+  ErrorCode code = ErrorCode::none;  // none or incompatible_kv / internal
+  std::string message;
+};
+
+// One sequence of a batched decode step: feed `token` at `pos`, then sample
+// token number `step` of the request from the logits.
+struct StepSlot {
+  RequestId id = 0;
+  int32_t token = 0;
+  int32_t pos = 0;
+  int32_t step = 0;
+  Sampling sampling;
+  std::vector<int32_t> blocks;
+};
+
+struct DecodeStep {
+  std::vector<StepSlot> slots;
+};
+
+struct StepResult {
+  ErrorCode code = ErrorCode::none;
+  std::string message;
+  std::vector<int32_t> next_tokens;  // one per slot, in slot order
+  int64_t compute_us = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, PrefillWork& x) {
+  return f(caf::meta::type_name("PrefillWork"), x.id, x.tokens, x.sampling);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, PrefillResult& x) {
+  return f(caf::meta::type_name("PrefillResult"), x.id, x.code, x.message, x.first_token, x.kv,
+           x.compute_us);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, KvAdmit& x) {
+  return f(caf::meta::type_name("KvAdmit"), x.transfer, x.blocks);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, AdmitResult& x) {
+  return f(caf::meta::type_name("AdmitResult"), x.id, x.code, x.message);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, StepSlot& x) {
+  return f(caf::meta::type_name("StepSlot"), x.id, x.token, x.pos, x.step, x.sampling, x.blocks);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, DecodeStep& x) {
+  return f(caf::meta::type_name("DecodeStep"), x.slots);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, StepResult& x) {
+  return f(caf::meta::type_name("StepResult"), x.code, x.message, x.next_tokens, x.compute_us);
+}
+
+}  // namespace disagg

@@ -1,0 +1,58 @@
+// The typed actor interfaces of the cluster. Every message a role accepts is
+// listed here; CAF checks sends against these at compile time.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "caf/replies_to.hpp"
+#include "caf/typed_actor.hpp"
+#include "messages/atoms.h"
+#include "messages/compute.h"
+#include "messages/request.h"
+#include "messages/transfer.h"
+#include "messages/worker.h"
+
+namespace disagg {
+
+// Whoever submitted a request: receives its token events as they are produced.
+// (The terminal RequestOutcome is the response to its generate request.)
+using client_actor = caf::typed_actor<caf::reacts_to<token_atom, TokenEvent>>;
+
+// Owns one gpu::Engine (and a decode worker's KV pool storage); detached, so
+// heavy compute never blocks the scheduler threads of the other actors.
+using compute_actor = caf::typed_actor<
+    caf::replies_to<info_atom>::with<ModelInfo>,
+    caf::replies_to<prefill_atom, PrefillWork>::with<PrefillResult>,
+    caf::replies_to<admit_atom, KvAdmit>::with<AdmitResult>,
+    caf::replies_to<step_atom, DecodeStep>::with<StepResult>>;
+
+// Holds admitted sequences in a paged KV pool and decodes them with continuous
+// batching; streams tokens and its final report to the router.
+using decode_actor = caf::typed_actor<
+    caf::replies_to<kv_atom, KvTransfer>::with<KvAck>,
+    caf::reacts_to<cancel_atom, RequestId>,
+    caf::replies_to<status_atom>::with<DecodeLoad>>;
+
+// Runs prompts and ships their KV to the decode worker the router chose.
+using prefill_actor = caf::typed_actor<
+    caf::replies_to<prefill_atom, PrefillJob, decode_actor>::with<PrefillReport>,
+    caf::reacts_to<cancel_atom, RequestId>,
+    caf::replies_to<status_atom>::with<PrefillLoad>>;
+
+// Admits, schedules and finishes requests; the only actor clients talk to.
+using router_actor = caf::typed_actor<
+    // client: the reply is the request's one terminal outcome; token events go
+    // to the client handle (may be invalid: no streaming).
+    caf::replies_to<generate_atom, GenerateRequest, client_actor>::with<RequestOutcome>,
+    caf::reacts_to<cancel_atom, RequestId>,
+    // workers: membership (the router monitors them) and decode progress.
+    caf::replies_to<register_atom, WorkerInfo, prefill_actor>::with<caf::ok_atom>,
+    caf::replies_to<register_atom, WorkerInfo, decode_actor>::with<caf::ok_atom>,
+    caf::reacts_to<token_atom, TokenEvent>,
+    caf::reacts_to<done_atom, DecodeDone>,
+    caf::reacts_to<load_atom, DecodeLoad>,
+    // the router's own deadline timer: (request id, admission serial).
+    caf::reacts_to<deadline_atom, RequestId, uint64_t>,
+    caf::replies_to<status_atom>::with<RouterStatus>>;
+
+}  // namespace disagg

@@ -1,0 +1,65 @@
+// The disagg protocol: every message, every actor interface, and the path of
+// a request. Reading this directory alone explains the whole flow.
+//
+// Roles (messages/interfaces.h)
+//   router   one per cluster; admits requests, picks workers, owns deadlines,
+//            sends exactly one terminal reply per request.
+//   prefill  runs prompts (through its compute actor) and ships their KV.
+//   decode   holds sequences in a paged KV pool, decodes them in batches.
+//   compute  one per worker, owns the gpu::Engine; detached (own thread).
+//   client   whoever submits; receives the streamed token events.
+//
+// Membership (messages/worker.h)
+//   worker -> router   (register_atom, WorkerInfo, its typed handle) -> ok
+//   The router monitors each worker; a worker going down fails the requests it
+//   holds with worker_lost. Local and remote workers register the same way.
+//   decode -> router   (load_atom, DecodeLoad) whenever free blocks or active
+//                      sequences change.
+//
+// A request (ids everywhere: every per-request message carries RequestId)
+//   1. client  -> router  request(generate_atom, GenerateRequest, client_actor)
+//      The router validates it (invalid_request), encodes text prompts, and
+//      queues it (bounded: overloaded when full). A deadline timer starts.
+//   2. router  -> prefill request(prefill_atom, PrefillJob, decode_actor)
+//      When a prefill worker has a slot (least queued prompt tokens) and a
+//      decode worker has room (most free blocks, then fewest active sequences,
+//      round robin on ties; a session's previous decode worker first).
+//   3. prefill -> compute request(prefill_atom, PrefillWork) -> PrefillResult
+//      KV bytes (gpu::serialize_kv) and the first token (sampled, step 0).
+//      KV larger than max_kv_transfer_bytes: PrefillReport{kv_too_large} at once.
+//   4. prefill -> decode  request(kv_atom, KvTransfer) -> KvAck, with a deadline
+//      The decode worker reserves blocks for prompt + max_new_tokens positions
+//      (none: overloaded), has its compute validate and store the KV
+//      (request(admit_atom, KvAdmit) -> AdmitResult; mismatch:
+//      incompatible_kv), then acks.
+//   5. prefill -> router  PrefillReport (the reply to step 2): done, KV bytes,
+//      timings; or the error. On overloaded the router retries another decode
+//      worker (bounded), else replies overloaded.
+//   6. decode  -> compute request(step_atom, DecodeStep) -> StepResult, looping:
+//      one step in flight, all active sequences (up to max_batch) per step;
+//      sequences admitted meanwhile join the next step.
+//   7. decode  -> router  (token_atom, TokenEvent) per token, the first token
+//      included; the router adds the text piece and forwards it to the client.
+//   8. decode  -> router  (done_atom, DecodeDone) after the last token; the
+//      decode worker frees the request's blocks (also on cancel or error).
+//   9. router  -> client  RequestOutcome (the reply to step 1) once it has both
+//      the PrefillReport and the DecodeDone: tokens, finish reason, timings.
+//
+// Cancellation and failure
+//   client -> router (cancel_atom, id): the router replies cancelled and sends
+//   (cancel_atom, id) to the request's prefill and decode workers, which drop
+//   it and free its blocks. The same happens when the deadline passes
+//   (timeout), a worker goes down (worker_lost) or any step fails. Whatever
+//   the cause, the router finishes a request in one place, exactly once.
+//
+// Sampling is stateless per step (messages/request.h Sampling), so the tokens
+// equal gpu::generate's for the same prompt and sampling settings.
+#pragma once
+
+#include "messages/atoms.h"
+#include "messages/compute.h"
+#include "messages/interfaces.h"
+#include "messages/registration.h"
+#include "messages/request.h"
+#include "messages/transfer.h"
+#include "messages/worker.h"

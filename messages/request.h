@@ -1,0 +1,118 @@
+// What a client sends to the router and what it gets back: the request, the
+// streamed token events and the one terminal outcome.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "caf/meta/type_name.hpp"
+
+namespace disagg {
+
+// Chosen by the client (actors/client.h draws a random prefix per client and
+// counts up); the router rejects an id that is already in flight.
+using RequestId = uint64_t;
+
+// The code of a terminal reply. `none` means the request completed.
+enum class ErrorCode : uint8_t {
+  none = 0,
+  invalid_request,  // malformed request: empty prompt, bad token id, too long, ...
+  overloaded,       // admission queue full, or no decode worker has room
+  kv_too_large,     // the prompt's KV exceeds max_kv_transfer_bytes
+  incompatible_kv,  // the decode worker's model does not match the KV (fingerprint/shape/checksum)
+  timeout,          // the request's deadline passed
+  cancelled,        // cancel(request id)
+  worker_lost,      // a worker serving the request (or the router) went down
+  internal,         // a compute failure or a broken invariant
+};
+std::string to_string(ErrorCode code);
+
+enum class FinishReason : uint8_t {
+  eos = 0,     // the model emitted BOS (not included in the tokens)
+  length = 1,  // max_new_tokens reached, or the model's seq_len
+};
+std::string to_string(FinishReason reason);
+
+// Mirrors gpu::SamplingParams: token i of a request is sampled with (seed, i),
+// so the same request gives the same tokens wherever each step runs.
+struct Sampling {
+  float temperature = 0.0f;  // 0: greedy
+  float top_p = 1.0f;        // in (0, 1]
+  uint64_t seed = 0;
+};
+
+struct GenerateRequest {
+  RequestId id = 0;
+  // The prompt: token ids (BOS first, as the tokenizer emits them), or text
+  // that the router encodes with its tokenizer when prompt_is_text is set.
+  std::vector<int32_t> prompt_tokens;
+  std::string prompt_text;
+  bool prompt_is_text = false;
+  int32_t max_new_tokens = 0;
+  Sampling sampling;
+  std::string session;      // empty: no decode-worker affinity
+  int64_t deadline_ms = 0;  // from the router's receipt; 0: the router's default
+};
+
+// One generated token, streamed as soon as the decode step produced it.
+struct TokenEvent {
+  RequestId id = 0;
+  int32_t index = 0;  // 0 for the first generated token
+  int32_t token = 0;
+  std::string text;   // the token's text piece when the router has a tokenizer
+};
+
+// Durations in microseconds, each measured on one machine's clock.
+struct Timings {
+  int64_t queued_us = 0;       // router: accepted -> dispatched to prefill
+  int64_t prefill_us = 0;      // prefill worker: job received -> KV ready
+  int64_t kv_transfer_us = 0;  // prefill worker: KV sent -> decode's ack
+  int64_t decode_us = 0;       // decode worker: admitted -> finished
+};
+
+// The terminal reply: exactly one per request.
+struct RequestOutcome {
+  RequestId id = 0;
+  ErrorCode code = ErrorCode::none;
+  std::string message;          // why, when code != none
+  std::vector<int32_t> tokens;  // generated tokens (prompt excluded)
+  FinishReason finish = FinishReason::length;
+  std::string text;             // decoded tokens when the router has a tokenizer
+  Timings timings;
+  std::string prefill_worker;   // names of the workers that served it
+  std::string decode_worker;
+
+  bool ok() const { return code == ErrorCode::none; }
+};
+
+RequestOutcome make_failure(RequestId id, ErrorCode code, std::string message);
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, Sampling& x) {
+  return f(caf::meta::type_name("Sampling"), x.temperature, x.top_p, x.seed);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
+  return f(caf::meta::type_name("GenerateRequest"), x.id, x.prompt_tokens, x.prompt_text,
+           x.prompt_is_text, x.max_new_tokens, x.sampling, x.session, x.deadline_ms);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, TokenEvent& x) {
+  return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, Timings& x) {
+  return f(caf::meta::type_name("Timings"), x.queued_us, x.prefill_us, x.kv_transfer_us,
+           x.decode_us);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, RequestOutcome& x) {
+  return f(caf::meta::type_name("RequestOutcome"), x.id, x.code, x.message, x.tokens, x.finish,
+           x.text, x.timings, x.prefill_worker, x.decode_worker);
+}
+
+}  // namespace disagg

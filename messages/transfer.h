@@ -1,0 +1,105 @@
+// The per-request messages between workers: the router's prefill job and the
+// prefill worker's report, the KV transfer from prefill to decode and its ack,
+// and the decode worker's final report. Each carries the request id.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "caf/meta/type_name.hpp"
+#include "messages/request.h"
+#include "messages/worker.h"
+
+namespace disagg {
+
+// Router -> prefill, sent as (prefill_atom, PrefillJob, decode_actor): run the
+// prompt and ship its KV to that decode worker. Validated by the router.
+struct PrefillJob {
+  RequestId id = 0;
+  std::vector<int32_t> prompt_tokens;
+  int32_t max_new_tokens = 0;
+  Sampling sampling;
+  int64_t deadline_ms = 0;  // time left when the router sent it
+};
+
+// Prefill -> router: the reply to PrefillJob. code none: the decode worker
+// acked the KV and now owns the request; else nothing of it is held anywhere
+// (kv_too_large, overloaded, incompatible_kv, timeout, cancelled, internal).
+struct PrefillReport {
+  RequestId id = 0;
+  ErrorCode code = ErrorCode::none;
+  std::string message;
+  uint64_t kv_bytes = 0;       // serialized KV size
+  int64_t prefill_us = 0;
+  int64_t kv_transfer_us = 0;
+  DecodeLoad decode_load;      // from the decode worker's ack (overloaded: how full)
+};
+
+// Prefill -> decode, sent as request(kv_atom, KvTransfer): a request's KV in
+// the gpu/kv_format.h wire format (header, layer-major payload, checksum), and
+// what the decode side needs to continue it. The first token was sampled by the
+// prefill side (step 0) and has not been streamed yet.
+// A transfer is one chunk today (chunk 0 of 1); the layer-major layout lets a
+// later version send chunk_count pieces of whole layers with the same id.
+struct KvTransfer {
+  RequestId id = 0;
+  int32_t prompt_len = 0;
+  int32_t max_new_tokens = 0;
+  Sampling sampling;
+  int32_t first_token = 0;
+  uint32_t chunk = 0;
+  uint32_t chunk_count = 1;
+  std::vector<uint8_t> bytes;  // gpu::serialize_kv output
+};
+
+// Decode -> prefill: the reply to KvTransfer. code none: admitted (blocks
+// reserved, KV written); overloaded: no room (nothing kept); incompatible_kv:
+// header/fingerprint/shape/checksum mismatch; invalid_request; cancelled.
+struct KvAck {
+  RequestId id = 0;
+  ErrorCode code = ErrorCode::none;
+  std::string message;
+  DecodeLoad load;  // the decode worker's load after handling the transfer
+};
+
+// Decode -> router, sent as (done_atom, DecodeDone) after the last token event
+// of the request (same sender, so it arrives after them).
+struct DecodeDone {
+  RequestId id = 0;
+  ErrorCode code = ErrorCode::none;
+  std::string message;
+  std::vector<int32_t> tokens;  // all generated tokens, first included
+  FinishReason finish = FinishReason::length;
+  int64_t decode_us = 0;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
+  return f(caf::meta::type_name("PrefillJob"), x.id, x.prompt_tokens, x.max_new_tokens, x.sampling,
+           x.deadline_ms);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, PrefillReport& x) {
+  return f(caf::meta::type_name("PrefillReport"), x.id, x.code, x.message, x.kv_bytes,
+           x.prefill_us, x.kv_transfer_us, x.decode_load);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
+  return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
+           x.first_token, x.chunk, x.chunk_count, x.bytes);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, KvAck& x) {
+  return f(caf::meta::type_name("KvAck"), x.id, x.code, x.message, x.load);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, DecodeDone& x) {
+  return f(caf::meta::type_name("DecodeDone"), x.id, x.code, x.message, x.tokens, x.finish,
+           x.decode_us);
+}
+
+}  // namespace disagg

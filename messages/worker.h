@@ -1,0 +1,115 @@
+// Membership and load: what a worker tells the router about itself when it
+// registers, what a decode worker reports as its pool fills and drains, and
+// what the router reports about the cluster.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "caf/meta/type_name.hpp"
+
+namespace disagg {
+
+enum class WorkerRole : uint8_t { prefill = 0, decode = 1 };
+std::string to_string(WorkerRole role);
+
+// The model a compute actor serves (from its gpu::Engine).
+struct ModelInfo {
+  uint64_t fingerprint = 0;  // gpu::Checkpoint::fingerprint: equal => interchangeable KV
+  int32_t vocab_size = 0;
+  int32_t seq_len = 0;
+  int32_t n_layers = 0;
+  int32_t n_kv_heads = 0;
+  int32_t head_dim = 0;
+  std::string backend;  // "cpu" or "cuda:<device>"
+};
+
+// Sent with the worker's typed handle in (register_atom, WorkerInfo, handle).
+struct WorkerInfo {
+  WorkerRole role = WorkerRole::prefill;
+  std::string name;  // unique per cluster, e.g. "node1/decode-0"
+  ModelInfo model;
+  int32_t block_size = 0;    // decode only: positions per KV block
+  int32_t total_blocks = 0;  // decode only: KV pool capacity in blocks
+  // "host:port" where other nodes reach this worker's node directly (a decode
+  // node's own listening port: prefill nodes ship KV there, not via the
+  // router's node); empty for an in-process worker.
+  std::string endpoint;
+};
+
+// A decode worker's load: sent to the router whenever it changes (admit,
+// finish, cancel) and answered to (status_atom).
+struct DecodeLoad {
+  int32_t free_blocks = 0;
+  int32_t total_blocks = 0;
+  int32_t block_size = 0;
+  int32_t active_sequences = 0;
+};
+
+// A prefill worker's load, answered to (status_atom).
+struct PrefillLoad {
+  int32_t in_flight = 0;       // jobs received and not yet reported
+  int64_t queued_tokens = 0;   // prompt tokens of those jobs
+};
+
+// One worker as the router sees it.
+struct WorkerStatus {
+  std::string name;
+  WorkerRole role = WorkerRole::prefill;
+  uint64_t fingerprint = 0;
+  int32_t in_flight = 0;            // requests the router has on this worker
+  int64_t outstanding_tokens = 0;   // prefill: prompt tokens not yet reported
+  int32_t free_blocks = 0;          // decode: as last reported
+  int32_t total_blocks = 0;         // decode
+  int32_t active_sequences = 0;     // decode: as last reported
+  std::string endpoint;             // WorkerInfo::endpoint
+};
+
+// Answer of the router to (status_atom).
+struct RouterStatus {
+  std::vector<WorkerStatus> workers;
+  int32_t queued = 0;     // accepted, waiting for a prefill slot or decode room
+  int32_t in_flight = 0;  // dispatched, not yet finished
+
+  int count(WorkerRole role) const {
+    int n = 0;
+    for (const auto& w : workers) n += w.role == role ? 1 : 0;
+    return n;
+  }
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, ModelInfo& x) {
+  return f(caf::meta::type_name("ModelInfo"), x.fingerprint, x.vocab_size, x.seq_len, x.n_layers,
+           x.n_kv_heads, x.head_dim, x.backend);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
+  return f(caf::meta::type_name("WorkerInfo"), x.role, x.name, x.model, x.block_size,
+           x.total_blocks, x.endpoint);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, DecodeLoad& x) {
+  return f(caf::meta::type_name("DecodeLoad"), x.free_blocks, x.total_blocks, x.block_size,
+           x.active_sequences);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, PrefillLoad& x) {
+  return f(caf::meta::type_name("PrefillLoad"), x.in_flight, x.queued_tokens);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, WorkerStatus& x) {
+  return f(caf::meta::type_name("WorkerStatus"), x.name, x.role, x.fingerprint, x.in_flight,
+           x.outstanding_tokens, x.free_blocks, x.total_blocks, x.active_sequences, x.endpoint);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, RouterStatus& x) {
+  return f(caf::meta::type_name("RouterStatus"), x.workers, x.queued, x.in_flight);
+}
+
+}  // namespace disagg

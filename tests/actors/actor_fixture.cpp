@@ -1,0 +1,71 @@
+#include "actors/actor_fixture.h"
+
+#include <mutex>
+
+#include "gpu/checkpoint.h"
+#include "gpu/engine.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+
+DisaggConfig shared_model_config(int prefill, int decode) {
+  DisaggConfig c;
+  c.model = shared_model();
+  c.backend = "cpu";
+  c.prefill_workers = prefill;
+  c.decode_workers = decode;
+  c.pool_blocks = 512;  // 8192 positions: 16 full-length sequences
+  c.default_deadline_ms = 30000;
+  return c;
+}
+
+gpu::GenerateResult colocated(const std::vector<int32_t>& prompt, int max_new_tokens,
+                              const Sampling& sampling) {
+  static std::mutex mutex;
+  static std::unique_ptr<gpu::Engine> engine;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!engine) {
+    gpu::EngineOptions options;
+    options.backend = "cpu";
+    engine = std::make_unique<gpu::Engine>(gpu::Checkpoint::open(shared_model()), options);
+  }
+  return gpu::generate(*engine, prompt, max_new_tokens,
+                       gpu::SamplingParams{sampling.temperature, sampling.top_p, sampling.seed});
+}
+
+GenerateRequest make_request(std::vector<int32_t> prompt, int max_new_tokens, const Sampling& sampling) {
+  GenerateRequest r;
+  r.prompt_tokens = std::move(prompt);
+  r.max_new_tokens = max_new_tokens;
+  r.sampling = sampling;
+  return r;
+}
+
+void ActorTest::SetUp() { system_ = std::make_unique<caf::actor_system>(system_config_); }
+
+void ActorTest::TearDown() {
+  if (cluster_ && expect_pools_free_) {
+    EXPECT_TRUE(cluster_->wait_pools_free()) << "a decode pool did not return to full capacity";
+    for (const auto& load : cluster_->decode_loads()) {
+      EXPECT_EQ(load.free_blocks, load.total_blocks);
+      EXPECT_EQ(load.active_sequences, 0);
+    }
+  }
+  client_.reset();
+  cluster_.reset();
+  system_.reset();
+}
+
+LocalCluster& ActorTest::start(LocalClusterOptions options) {
+  cluster_ = std::make_unique<LocalCluster>(*system_, std::move(options));
+  client_ = std::make_unique<Client>(*system_, cluster_->router());
+  return *cluster_;
+}
+
+LocalCluster& ActorTest::start(int prefill, int decode) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(prefill, decode);
+  return start(std::move(options));
+}
+
+}  // namespace disagg::test

@@ -1,0 +1,61 @@
+// What the actor tests share: one actor_system per test, a local cluster on
+// the shared stories260K model (CPU backend), the colocated reference
+// (gpu::generate) and the check that every decode pool ends up empty.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <mutex>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "actors/client.h"
+#include "actors/config.h"
+#include "actors/local_cluster.h"
+#include "caf/actor_system.hpp"
+#include "gpu/generate.h"
+
+namespace disagg::test {
+
+// A config for the shared model on the CPU backend with `prefill` + `decode` workers.
+DisaggConfig shared_model_config(int prefill, int decode);
+
+// gpu::generate on the shared model (one engine for the whole test binary).
+gpu::GenerateResult colocated(const std::vector<int32_t>& prompt, int max_new_tokens,
+                              const Sampling& sampling = {});
+
+GenerateRequest make_request(std::vector<int32_t> prompt, int max_new_tokens,
+                             const Sampling& sampling = {});
+
+// Token events of one request, as the client saw them.
+struct TokenLog {
+  std::mutex mutex;
+  std::vector<TokenEvent> events;
+  TokenCallback callback() {
+    return [this](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lock(mutex);
+      events.push_back(e);
+    };
+  }
+};
+
+class ActorTest : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  // Checks that every decode pool is back to full capacity (unless a test
+  // killed a worker), then stops the cluster and the actor system.
+  void TearDown() override;
+
+  // Starts a cluster with options.config (see shared_model_config) and a client.
+  LocalCluster& start(LocalClusterOptions options);
+  LocalCluster& start(int prefill, int decode);
+
+  DisaggSystemConfig system_config_;
+  std::unique_ptr<caf::actor_system> system_;
+  std::unique_ptr<LocalCluster> cluster_;
+  std::unique_ptr<Client> client_;
+  bool expect_pools_free_ = true;
+};
+
+}  // namespace disagg::test

@@ -1,0 +1,285 @@
+// Every way a request can fail ends in exactly one terminal reply with the
+// right code, and leaves no KV blocks behind (ActorTest::TearDown checks).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <future>
+#include <optional>
+#include <thread>
+
+#include "actors/actor_fixture.h"
+#include "caf/all.hpp"
+#include "gpu/checkpoint.h"
+#include "gpu/kv_format.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+namespace {
+
+const std::vector<int32_t> kOnceUponATime{1, 403, 407, 261, 378};
+const std::vector<int32_t> kTomHadARedBall{1,   274, 287, 381, 261, 352, 266, 268, 388, 426,
+                                           346, 397, 355, 267, 308, 420, 327, 312, 270, 333,
+                                           415, 322, 265, 262, 433, 422, 426, 385, 328};
+
+size_t kv_bytes_for(int positions) {
+  const auto model = gpu::Checkpoint::open(shared_model())->config();
+  gpu::KvShape shape{uint32_t(model.n_layers), uint32_t(model.n_kv_heads), uint32_t(model.head_size()),
+                     uint32_t(positions)};
+  return gpu::kv_buffer_bytes(shape);
+}
+
+TEST_F(ActorTest, KvLargerThanTheCapIsRejectedWithoutHanging) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.max_kv_transfer_bytes = int64_t(kv_bytes_for(10));
+  start(std::move(options));
+
+  const RequestOutcome small = client_->generate(make_request(kOnceUponATime, 8));
+  EXPECT_TRUE(small.ok()) << small.message;
+
+  const RequestOutcome large = client_->generate(make_request(kTomHadARedBall, 8));
+  EXPECT_EQ(large.code, ErrorCode::kv_too_large) << large.message;
+  EXPECT_NE(large.message.find(std::to_string(kv_bytes_for(29))), std::string::npos) << large.message;
+  EXPECT_TRUE(large.tokens.empty());
+
+  // The worker is still fine afterwards.
+  EXPECT_TRUE(client_->generate(make_request(kOnceUponATime, 8)).ok());
+}
+
+TEST_F(ActorTest, DecodeWorkerWithAnotherModelAnswersIncompatibleKv) {
+  const auto dir = make_temp_dir("actors-incompatible");
+  const std::string other = dir + "/other.bin";
+  gpu::write_random_checkpoint(other, gpu::Checkpoint::open(shared_model())->config(), 7);
+  ASSERT_NE(gpu::Checkpoint::open(other)->fingerprint(), gpu::Checkpoint::open(shared_model())->fingerprint());
+
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.decode_models = {other};
+  start(std::move(options));
+  const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
+  EXPECT_EQ(out.code, ErrorCode::incompatible_kv) << out.message;
+  EXPECT_NE(out.message.find("model"), std::string::npos) << out.message;
+  ASSERT_TRUE(cluster_->wait_pools_free());
+  cluster_.reset();  // before the file goes
+  std::filesystem::remove_all(dir);
+}
+
+TEST_F(ActorTest, CancelMidGenerationStopsItAndFreesItsBlocks) {
+  start(1, 1);
+  const int max_new = 300;  // greedy output reaches BOS only after 341 tokens
+  ASSERT_EQ(colocated(kOnceUponATime, max_new).tokens.size(), size_t(max_new))
+      << "precondition: the prompt must not reach BOS before max_new_tokens";
+  auto request = make_request(kOnceUponATime, max_new);
+  request.id = client_->next_id();
+  std::atomic<int> seen{0};
+  Client* client = client_.get();
+  const RequestId id = request.id;
+  auto future = client_->submit(request, [&seen, client, id](const TokenEvent&) {
+    if (seen++ == 2) client->cancel(id);
+  });
+  const RequestOutcome out = future.get();
+  EXPECT_EQ(out.code, ErrorCode::cancelled) << out.message;
+  EXPECT_LT(seen.load(), max_new);
+  // The cancelled request's blocks come back (TearDown checks all pools too).
+  EXPECT_TRUE(cluster_->wait_pools_free());
+  // Cancelling again, or an unknown id, changes nothing.
+  client_->cancel(id);
+  client_->cancel(12345);
+  EXPECT_TRUE(client_->generate(make_request(kOnceUponATime, 4)).ok());
+}
+
+TEST_F(ActorTest, FullAdmissionQueueAnswersOverloadedAtOnce) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.block_size = 16;
+  options.config.pool_blocks = 32;    // one 405-position request (26 blocks) at a time
+  options.config.queue_capacity = 1;  // and one waiting
+  start(std::move(options));
+  // Three at once (each client request is its own actor, so they may reach
+  // the router in any order): one runs, one waits, one is turned away.
+  std::vector<RequestId> ids;
+  std::vector<std::future<RequestOutcome>> futures;
+  for (int i = 0; i < 3; ++i) {
+    auto request = make_request(kOnceUponATime, 400);
+    request.id = client_->next_id();
+    ids.push_back(request.id);
+    futures.push_back(client_->submit(request));
+  }
+  // The rejected one is answered at once, while the others still hold the
+  // pool and the queue: wait for it first, then cancel the rest.
+  std::optional<size_t> rejected;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!rejected && std::chrono::steady_clock::now() < deadline)
+    for (size_t i = 0; i < futures.size() && !rejected; ++i)
+      if (futures[i].wait_for(std::chrono::milliseconds(1)) == std::future_status::ready) rejected = i;
+  ASSERT_TRUE(rejected) << "no request was answered";
+  const RequestOutcome turned_away = futures[*rejected].get();
+  EXPECT_EQ(turned_away.code, ErrorCode::overloaded) << turned_away.message;
+  EXPECT_NE(turned_away.message.find("queue"), std::string::npos) << turned_away.message;
+  for (RequestId id : ids) client_->cancel(id);
+  for (size_t i = 0; i < futures.size(); ++i) {
+    if (i == *rejected) continue;
+    const RequestOutcome out = futures[i].get();
+    EXPECT_EQ(out.code, ErrorCode::cancelled) << to_string(out.code) << ": " << out.message;
+  }
+}
+
+TEST_F(ActorTest, RequestNoDecodeWorkerCanHoldIsOverloaded) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 4;  // 64 positions
+  start(std::move(options));
+  const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 100));
+  EXPECT_EQ(out.code, ErrorCode::overloaded) << out.message;
+  EXPECT_TRUE(client_->generate(make_request(kOnceUponATime, 20)).ok());
+}
+
+// A decode worker that registers like any other (by message) but never has
+// room: it claims a huge pool, so the router tries it first.
+decode_actor::behavior_type always_full_decode(decode_actor::pointer self, router_actor router) {
+  WorkerInfo info;
+  info.role = WorkerRole::decode;
+  info.name = "always-full";
+  info.block_size = 16;
+  info.total_blocks = 1 << 20;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info,
+                caf::actor_cast<decode_actor>(self))
+      .then([](caf::ok_atom) {});
+  return {
+      [=](kv_atom, KvTransfer& transfer) {
+        return KvAck{transfer.id, ErrorCode::overloaded, "always full", DecodeLoad{0, 1 << 20, 16, 0}};
+      },
+      [](cancel_atom, RequestId) {},
+      [](status_atom) { return DecodeLoad{0, 1 << 20, 16, 0}; },
+  };
+}
+
+void wait_for_decode_workers(Client& client, int n) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto status = client.status();
+    if (status && status->count(WorkerRole::decode) == n) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  FAIL() << "decode workers did not register";
+}
+
+TEST_F(ActorTest, DecodeOverloadedIsRetriedOnAnotherWorker) {
+  start(1, 1);
+  auto full = system_->spawn(always_full_decode, cluster_->router());
+  wait_for_decode_workers(*client_, 2);
+  const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
+  EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.decode_worker, "decode-0");
+  EXPECT_EQ(out.tokens, colocated(kOnceUponATime, 8).tokens);
+  caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
+}
+
+TEST_F(ActorTest, DecodeOverloadedWithoutRetriesLeftIsOverloaded) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.max_decode_retries = 0;
+  start(std::move(options));
+  auto full = system_->spawn(always_full_decode, cluster_->router());
+  wait_for_decode_workers(*client_, 2);
+  const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
+  EXPECT_EQ(out.code, ErrorCode::overloaded) << out.message;
+  EXPECT_EQ(out.message, "always full");
+  caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
+}
+
+TEST_F(ActorTest, InvalidRequestsAreRejected) {
+  start(1, 1);
+  struct Case {
+    const char* what;
+    GenerateRequest request;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"empty prompt", make_request({}, 8)});
+  cases.push_back({"out-of-vocabulary token", make_request({1, 403, 512}, 8)});
+  cases.push_back({"negative token", make_request({1, -1}, 8)});
+  cases.push_back({"prompt + max_new_tokens beyond seq_len", make_request(kOnceUponATime, 512 - 5 + 1)});
+  cases.push_back({"max_new_tokens 0", make_request(kOnceUponATime, 0)});
+  cases.push_back({"negative temperature", make_request(kOnceUponATime, 8, Sampling{-1.0f, 1.0f, 0})});
+  cases.push_back({"top_p 0", make_request(kOnceUponATime, 8, Sampling{0.8f, 0.0f, 0})});
+  GenerateRequest text;
+  text.prompt_is_text = true;
+  text.prompt_text = "Once upon a time";
+  text.max_new_tokens = 8;
+  cases.push_back({"text prompt without a tokenizer", text});
+  for (const auto& c : cases) {
+    const RequestOutcome out = client_->generate(c.request);
+    EXPECT_EQ(out.code, ErrorCode::invalid_request) << c.what << ": " << to_string(out.code);
+    EXPECT_FALSE(out.message.empty()) << c.what;
+  }
+  // The longest valid request is accepted.
+  EXPECT_TRUE(client_->generate(make_request({1}, 511)).ok());
+  const auto status = client_->status();
+  ASSERT_TRUE(status);
+  EXPECT_EQ(status->in_flight, 0);
+  EXPECT_EQ(status->queued, 0);
+}
+
+TEST_F(ActorTest, DuplicateRequestIdIsRejectedWhileInFlight) {
+  start(1, 1);
+  auto request = make_request(kOnceUponATime, 300);
+  request.id = client_->next_id();
+  auto first = client_->submit(request);
+  auto second = client_->submit(request);
+  // Either may reach the router first; the other is the duplicate.
+  const RequestOutcome a = first.get();
+  const RequestOutcome b = second.get();
+  EXPECT_TRUE((a.ok() && b.code == ErrorCode::invalid_request) ||
+              (b.ok() && a.code == ErrorCode::invalid_request))
+      << to_string(a.code) << " / " << to_string(b.code);
+}
+
+TEST_F(ActorTest, PassedDeadlineAnswersTimeout) {
+  start(1, 1);
+  auto request = make_request(kOnceUponATime, 400);
+  request.deadline_ms = 5;
+  const RequestOutcome out = client_->generate(request);
+  EXPECT_EQ(out.code, ErrorCode::timeout) << out.message;
+}
+
+TEST_F(ActorTest, DecodeWorkerGoingDownFailsItsRequestsWithWorkerLost) {
+  start(1, 2);
+  expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
+  ASSERT_EQ(colocated(kOnceUponATime, 300).tokens.size(), 300u);
+  std::promise<void> first_token;
+  std::atomic<bool> seen{false};
+  auto future = client_->submit(make_request(kOnceUponATime, 300), [&](const TokenEvent&) {
+    if (!seen.exchange(true)) first_token.set_value();
+  });
+  first_token.get_future().wait();
+  // Kill whichever decode worker holds the request.
+  int killed = 0;
+  for (const auto& d : cluster_->decode_workers()) {
+    caf::scoped_actor self{*system_};
+    self->request(d, std::chrono::seconds(5), status_atom::value)
+        .receive(
+            [&](DecodeLoad& load) {
+              if (load.active_sequences > 0) {
+                caf::anon_send_exit(d, caf::exit_reason::kill);
+                ++killed;
+              }
+            },
+            [](caf::error&) {});
+  }
+  ASSERT_EQ(killed, 1);
+  const RequestOutcome out = future.get();
+  EXPECT_EQ(out.code, ErrorCode::worker_lost) << to_string(out.code) << ": " << out.message;
+  // The survivor still serves requests, and its pool is empty afterwards.
+  const RequestOutcome next = client_->generate(make_request(kOnceUponATime, 8));
+  EXPECT_TRUE(next.ok()) << next.message;
+  const auto status = client_->status();
+  ASSERT_TRUE(status);
+  EXPECT_EQ(status->count(WorkerRole::decode), 1);
+  const auto loads = cluster_->decode_loads(std::chrono::milliseconds(500));
+  ASSERT_EQ(loads.size(), 1u);
+  EXPECT_EQ(loads[0].free_blocks, loads[0].total_blocks);
+}
+
+}  // namespace
+}  // namespace disagg::test

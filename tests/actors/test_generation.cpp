@@ -1,0 +1,175 @@
+// Disaggregated generation equals colocated generation (gpu::generate, which
+// disagg-generate uses) token for token: the shared reference cases on several
+// topologies, sampled output, text prompts, many concurrent requests.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <random>
+#include <set>
+
+#include "actors/actor_fixture.h"
+#include "support/reference_cases.h"
+#include "gpu/tokenizer.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+namespace {
+
+std::vector<int32_t> tokens_of(const std::vector<TokenEvent>& events) {
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < events.size(); ++i) {
+    EXPECT_EQ(events[i].index, int32_t(i)) << "token events out of order";
+    out.push_back(events[i].token);
+  }
+  return out;
+}
+
+struct Topology {
+  int prefill;
+  int decode;
+};
+
+void PrintTo(const Topology& t, std::ostream* os) { *os << t.prefill << " prefill + " << t.decode << " decode"; }
+
+class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface<Topology> {};
+
+TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
+  start(GetParam().prefill, GetParam().decode);
+  const auto cases = load_reference_cases(shared_reference());
+  ASSERT_FALSE(cases.empty());
+  // All cases at once, twice over, so several workers and batches are involved.
+  std::vector<std::unique_ptr<TokenLog>> logs;
+  std::vector<std::future<RequestOutcome>> futures;
+  std::vector<size_t> case_of;
+  for (int round = 0; round < 2; ++round)
+    for (size_t i = 0; i < cases.size(); ++i) {
+      logs.push_back(std::make_unique<TokenLog>());
+      futures.push_back(client_->submit(make_request(cases[i].prompt_tokens, cases[i].max_new_tokens),
+                                        logs.back()->callback()));
+      case_of.push_back(i);
+    }
+  for (size_t k = 0; k < futures.size(); ++k) {
+    const auto& ref = cases[case_of[k]];
+    const RequestOutcome out = futures[k].get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    EXPECT_EQ(out.tokens, ref.output_tokens) << "case " << case_of[k] << " (" << ref.prompt << ")";
+    const auto local = colocated(ref.prompt_tokens, ref.max_new_tokens);
+    EXPECT_EQ(out.tokens, local.tokens);
+    EXPECT_EQ(out.finish == FinishReason::eos, local.finish == gpu::FinishReason::eos);
+    EXPECT_EQ(tokens_of(logs[k]->events), out.tokens) << "streamed tokens differ from the outcome";
+    EXPECT_FALSE(out.prefill_worker.empty());
+    EXPECT_FALSE(out.decode_worker.empty());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
+                         ::testing::Values(Topology{1, 1}, Topology{2, 2}, Topology{1, 3}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.prefill) + "p" +
+                                  std::to_string(info.param.decode) + "d";
+                         });
+
+TEST_F(ActorTest, SampledOutputEqualsColocatedWithTheSameSeed) {
+  start(2, 2);
+  const auto cases = load_reference_cases(shared_reference());
+  std::vector<std::future<RequestOutcome>> futures;
+  std::vector<Sampling> samplings;
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    samplings.push_back(Sampling{0.8f, 0.9f, seed});
+    futures.push_back(client_->submit(make_request(cases[0].prompt_tokens, 48, samplings.back())));
+  }
+  std::set<std::vector<int32_t>> distinct;
+  for (size_t k = 0; k < futures.size(); ++k) {
+    const RequestOutcome out = futures[k].get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    EXPECT_EQ(out.tokens, colocated(cases[0].prompt_tokens, 48, samplings[k]).tokens) << "seed " << samplings[k].seed;
+    distinct.insert(out.tokens);
+  }
+  EXPECT_GT(distinct.size(), 1u) << "different seeds should sample different continuations";
+}
+
+TEST_F(ActorTest, TextPromptsAreEncodedAndTokensCarryTheirText) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.tokenizer = shared_tokenizer();
+  start(std::move(options));
+  for (const auto& ref : load_reference_cases(shared_reference())) {
+    GenerateRequest request;
+    request.prompt_is_text = true;
+    request.prompt_text = ref.prompt;
+    request.max_new_tokens = ref.max_new_tokens;
+    TokenLog log;
+    const RequestOutcome out = client_->generate(request, log.callback());
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    EXPECT_EQ(out.tokens, ref.output_tokens) << ref.prompt;
+    EXPECT_EQ(out.text, ref.text) << ref.prompt;
+    std::string streamed;
+    for (const auto& e : log.events) streamed += e.text;
+    EXPECT_EQ(streamed, ref.text);
+  }
+}
+
+TEST_F(ActorTest, SixtyFourConcurrentRequestsAllCompleteAsColocated) {
+  start(2, 2);
+  std::mt19937 rng(20240611);
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < 64; ++i) {
+    std::vector<int32_t> prompt{gpu::kBosToken};
+    const int extra = int(rng() % 24);
+    for (int k = 0; k < extra; ++k) prompt.push_back(int32_t(3 + rng() % 509));
+    Sampling sampling;
+    if (i % 2) sampling = Sampling{0.8f, 0.9f, uint64_t(1000 + i)};
+    requests.push_back(make_request(prompt, 8 + int(rng() % 41), sampling));
+  }
+  std::vector<std::future<RequestOutcome>> futures;
+  for (const auto& r : requests) futures.push_back(client_->submit(r));
+  std::set<std::string> decode_workers;
+  for (size_t i = 0; i < futures.size(); ++i) {
+    const RequestOutcome out = futures[i].get();
+    ASSERT_TRUE(out.ok()) << "request " << i << ": " << to_string(out.code) << ": " << out.message;
+    const auto local = colocated(requests[i].prompt_tokens, requests[i].max_new_tokens, requests[i].sampling);
+    EXPECT_EQ(out.tokens, local.tokens) << "request " << i;
+    EXPECT_EQ(out.finish == FinishReason::eos, local.finish == gpu::FinishReason::eos) << "request " << i;
+    decode_workers.insert(out.decode_worker);
+  }
+  EXPECT_EQ(decode_workers.size(), 2u) << "both decode workers should have served requests";
+}
+
+TEST_F(ActorTest, SessionsReturnToTheirDecodeWorker) {
+  start(1, 3);
+  const std::vector<int32_t> prompt{1, 403, 407, 261, 378};
+  std::set<std::string> without_session;
+  for (int i = 0; i < 3; ++i) {
+    const RequestOutcome out = client_->generate(make_request(prompt, 4));
+    ASSERT_TRUE(out.ok()) << out.message;
+    without_session.insert(out.decode_worker);
+    ASSERT_TRUE(cluster_->wait_pools_free());
+  }
+  EXPECT_GT(without_session.size(), 1u) << "equal load should spread requests round robin";
+
+  std::set<std::string> with_session;
+  for (int i = 0; i < 4; ++i) {
+    auto request = make_request(prompt, 4);
+    request.session = "conversation-7";
+    const RequestOutcome out = client_->generate(request);
+    ASSERT_TRUE(out.ok()) << out.message;
+    with_session.insert(out.decode_worker);
+    ASSERT_TRUE(cluster_->wait_pools_free());
+  }
+  EXPECT_EQ(with_session.size(), 1u) << "a session should stay on its decode worker";
+}
+
+TEST_F(ActorTest, OutcomeReportsTimingsAndWorkers) {
+  start(1, 1);
+  const RequestOutcome out = client_->generate(make_request({1, 403, 407, 261, 378}, 16));
+  ASSERT_TRUE(out.ok()) << out.message;
+  EXPECT_EQ(out.prefill_worker, "prefill-0");
+  EXPECT_EQ(out.decode_worker, "decode-0");
+  EXPECT_GE(out.timings.queued_us, 0);
+  EXPECT_GT(out.timings.prefill_us, 0);
+  EXPECT_GT(out.timings.kv_transfer_us, 0);
+  EXPECT_GT(out.timings.decode_us, 0);
+}
+
+}  // namespace
+}  // namespace disagg::test

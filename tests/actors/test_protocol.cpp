@@ -1,0 +1,190 @@
+// The protocol without a model: messages survive serialization (so they can
+// cross nodes), the configuration validates and parses, and the router's
+// choices (validation, worker picks, session affinity) are what they claim.
+#include <gtest/gtest.h>
+
+#include "actors/config.h"
+#include "actors/router_policy.h"
+#include "caf/all.hpp"
+#include "messages/protocol.h"
+
+namespace disagg::test {
+namespace {
+
+template <class T>
+T round_trip(caf::actor_system& system, T value) {
+  std::vector<char> buffer;
+  caf::binary_serializer sink{system, buffer};
+  EXPECT_FALSE(sink(value));
+  T copy;
+  caf::binary_deserializer source{system, buffer};
+  EXPECT_FALSE(source(copy));
+  return copy;
+}
+
+TEST(Protocol, MessagesSurviveSerialization) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+
+  GenerateRequest request;
+  request.id = 0x1234567890abcdefull;
+  request.prompt_tokens = {1, 403, 407};
+  request.prompt_text = "Once";
+  request.prompt_is_text = true;
+  request.max_new_tokens = 17;
+  request.sampling = Sampling{0.8f, 0.9f, 42};
+  request.session = "s";
+  request.deadline_ms = 1500;
+  EXPECT_EQ(caf::deep_to_string(round_trip(system, request)), caf::deep_to_string(request));
+
+  KvTransfer transfer;
+  transfer.id = 7;
+  transfer.prompt_len = 3;
+  transfer.max_new_tokens = 9;
+  transfer.first_token = 261;
+  transfer.bytes = {0, 1, 2, 250, 251, 252};
+  const KvTransfer t2 = round_trip(system, transfer);
+  EXPECT_EQ(t2.bytes, transfer.bytes);
+  EXPECT_EQ(t2.first_token, 261);
+  EXPECT_EQ(t2.chunk_count, 1u);
+
+  RequestOutcome outcome = make_failure(9, ErrorCode::kv_too_large, "too big");
+  outcome.tokens = {5, 6};
+  outcome.finish = FinishReason::eos;
+  outcome.timings.decode_us = 77;
+  const RequestOutcome o2 = round_trip(system, outcome);
+  EXPECT_EQ(o2.code, ErrorCode::kv_too_large);
+  EXPECT_EQ(o2.finish, FinishReason::eos);
+  EXPECT_EQ(o2.timings.decode_us, 77);
+  EXPECT_EQ(caf::deep_to_string(o2), caf::deep_to_string(outcome));
+
+  RouterStatus status;
+  WorkerStatus worker;
+  worker.name = "decode-0";
+  worker.role = WorkerRole::decode;
+  worker.fingerprint = 99;
+  worker.free_blocks = 10;
+  worker.total_blocks = 20;
+  worker.active_sequences = 1;
+  status.workers.push_back(worker);
+  EXPECT_EQ(caf::deep_to_string(round_trip(system, status)), caf::deep_to_string(status));
+}
+
+TEST(Protocol, EveryMessageTypeIsRegistered) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+  for (const char* name :
+       {"disagg::Sampling", "disagg::GenerateRequest", "disagg::TokenEvent", "disagg::Timings",
+        "disagg::RequestOutcome", "disagg::ModelInfo", "disagg::WorkerInfo", "disagg::DecodeLoad",
+        "disagg::PrefillLoad", "disagg::WorkerStatus", "disagg::RouterStatus", "disagg::PrefillJob",
+        "disagg::PrefillReport", "disagg::KvTransfer", "disagg::KvAck", "disagg::DecodeDone",
+        "disagg::PrefillWork", "disagg::PrefillResult", "disagg::KvAdmit", "disagg::AdmitResult",
+        "disagg::StepSlot", "disagg::DecodeStep", "disagg::StepResult", "disagg::client_actor",
+        "disagg::compute_actor", "disagg::decode_actor", "disagg::prefill_actor",
+        "disagg::router_actor"})
+    EXPECT_NE(system.types().make_value(name), nullptr) << name;
+}
+
+TEST(Protocol, ErrorCodesHaveNames) {
+  EXPECT_EQ(to_string(ErrorCode::kv_too_large), "kv_too_large");
+  EXPECT_EQ(to_string(ErrorCode::incompatible_kv), "incompatible_kv");
+  EXPECT_EQ(to_string(ErrorCode::worker_lost), "worker_lost");
+  EXPECT_EQ(to_string(FinishReason::eos), "eos");
+}
+
+TEST(Config, DefaultsAreValidAndBadValuesAreNamed) {
+  DisaggConfig config;
+  EXPECT_EQ(config.validate(), "");
+  config.block_size = 0;
+  config.backend = "tpu";
+  config.max_kv_transfer_bytes = 0;
+  const std::string problems = config.validate();
+  EXPECT_NE(problems.find("block-size"), std::string::npos) << problems;
+  EXPECT_NE(problems.find("backend"), std::string::npos) << problems;
+  EXPECT_NE(problems.find("max-kv-transfer-bytes"), std::string::npos) << problems;
+}
+
+TEST(Config, OptionsAreReadFromTheCommandLine) {
+  DisaggSystemConfig config;
+  const auto error = config.parse(caf::actor_system_config::string_list{
+      "--disagg.block-size=32", "--disagg.pool-blocks=77", "--disagg.max-kv-transfer-bytes=123456",
+      "--disagg.backend=cpu", "--disagg.default-deadline-ms=250"});
+  EXPECT_FALSE(error) << caf::to_string(error);
+  EXPECT_EQ(config.disagg.block_size, 32);
+  EXPECT_EQ(config.disagg.pool_blocks, 77);
+  EXPECT_EQ(config.disagg.max_kv_transfer_bytes, 123456);
+  EXPECT_EQ(config.disagg.backend, "cpu");
+  EXPECT_EQ(config.disagg.default_deadline_ms, 250);
+  EXPECT_EQ(config.disagg.max_batch, DisaggConfig{}.max_batch);
+}
+
+TEST(RouterPolicy, ValidationNamesTheProblem) {
+  const ModelLimits limits{512, 512};
+  GenerateRequest r;
+  r.max_new_tokens = 10;
+  EXPECT_NE(validate_request(r, {}, limits).find("empty"), std::string::npos);
+  EXPECT_NE(validate_request(r, {1, 512}, limits).find("vocabulary"), std::string::npos);
+  EXPECT_EQ(validate_request(r, {1, 511}, limits), "");
+  r.max_new_tokens = 511;
+  EXPECT_EQ(validate_request(r, {1}, limits), "");
+  r.max_new_tokens = 512;
+  EXPECT_NE(validate_request(r, {1}, limits).find("seq_len"), std::string::npos);
+  r.max_new_tokens = 0;
+  EXPECT_NE(validate_request(r, {1}, limits).find("max_new_tokens"), std::string::npos);
+  r.max_new_tokens = 4;
+  r.sampling.top_p = 1.5f;
+  EXPECT_NE(validate_request(r, {1}, limits).find("top_p"), std::string::npos);
+  // Without limits only what does not depend on the model is checked.
+  r.sampling.top_p = 1.0f;
+  EXPECT_EQ(validate_request(r, {1, 99999}, std::nullopt), "");
+}
+
+TEST(RouterPolicy, PrefillGoesToTheLeastQueuedTokensWithinTheInFlightCap) {
+  size_t cursor = 0;
+  std::vector<PrefillCandidate> c{{1, 2, 300}, {2, 1, 40}, {3, 0, 100}};
+  EXPECT_EQ(pick_prefill(c, 8, cursor), WorkerKey{2});
+  EXPECT_EQ(pick_prefill(c, 1, cursor), WorkerKey{3});  // 1 and 2 are at the cap
+  c[2].in_flight = 1;
+  EXPECT_FALSE(pick_prefill(c, 1, cursor));
+  // Ties rotate.
+  std::vector<PrefillCandidate> tie{{1, 0, 0}, {2, 0, 0}};
+  cursor = 0;
+  const auto first = pick_prefill(tie, 8, cursor);
+  const auto second = pick_prefill(tie, 8, cursor);
+  EXPECT_NE(first, second);
+}
+
+TEST(RouterPolicy, DecodeGoesToMostRoomThenFewestSequencesThenSession) {
+  size_t cursor = 0;
+  // key, block_size, total, free, active
+  std::vector<DecodeCandidate> c{{1, 16, 100, 10, 1}, {2, 16, 100, 50, 5}, {3, 16, 100, 50, 2}};
+  EXPECT_EQ(pick_decode(c, 160, std::nullopt, {}, cursor), WorkerKey{3});
+  EXPECT_EQ(pick_decode(c, 160, WorkerKey{1}, {}, cursor), WorkerKey{1});   // session, has room
+  EXPECT_EQ(pick_decode(c, 161, WorkerKey{1}, {}, cursor), WorkerKey{3});   // 11 blocks: no room on 1
+  EXPECT_EQ(pick_decode(c, 160, std::nullopt, {3}, cursor), WorkerKey{2});  // 3 excluded
+  EXPECT_FALSE(pick_decode(c, 16 * 51, std::nullopt, {}, cursor));
+  EXPECT_TRUE(any_decode_could_fit(c, 1600, {}));
+  EXPECT_FALSE(any_decode_could_fit(c, 1601, {}));
+  EXPECT_EQ(positions_needed(5, 10, 512), 15);
+  EXPECT_EQ(positions_needed(500, 100, 512), 512);
+}
+
+TEST(RouterPolicy, SessionAffinityForgetsTheLeastRecentlyUsed) {
+  SessionAffinity sessions(2);
+  sessions.remember("a", 1);
+  sessions.remember("b", 2);
+  EXPECT_EQ(sessions.find("a"), WorkerKey{1});  // a is now the most recent
+  sessions.remember("c", 3);                    // evicts b
+  EXPECT_FALSE(sessions.find("b"));
+  EXPECT_EQ(sessions.find("a"), WorkerKey{1});
+  EXPECT_EQ(sessions.find("c"), WorkerKey{3});
+  sessions.forget_worker(3);
+  EXPECT_FALSE(sessions.find("c"));
+  EXPECT_EQ(sessions.size(), 1u);
+  SessionAffinity off(0);
+  off.remember("a", 1);
+  EXPECT_FALSE(off.find("a"));
+}
+
+}  // namespace
+}  // namespace disagg::test
