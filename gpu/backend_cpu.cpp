@@ -56,6 +56,12 @@ class CpuBackend final : public Backend {
 
   void matmul_nt(const float* a, const float* b, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
+    // One row (a decode step of one sequence): sgemm would first pack all of
+    // W, tripling the memory traffic of a bandwidth-bound product.
+    if (m == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, b, k, a, 1, 0.0f, c, 1);
+      return;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
   }
   void embedding(const float* table, const int* tokens, float* out, int rows, int dim) override {
