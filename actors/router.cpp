@@ -148,6 +148,7 @@ void complete_if_done(Self self, RequestId id) {
   Request& r = it->second;
   if (!r.prefill_report || !r.decode_done) return;
   RequestOutcome out;
+  out.prompt_tokens = r.prompt;
   out.tokens = std::move(r.decode_done->tokens);
   out.finish = r.decode_done->finish;
   out.text = std::move(r.text);

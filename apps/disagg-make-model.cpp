@@ -8,11 +8,14 @@
 #include <map>
 #include <string>
 
+#include "apps/cli/cli.h"
 #include "gpu/checkpoint.h"
 #include "gpu/error.h"
 #include "gpu/tokenizer.h"
 
 namespace {
+
+using namespace disagg::cli;
 
 const char* kUsage =
     "usage: disagg-make-model --out DIR [--dim 64] [--hidden 172] [--layers 5] [--heads 8]\n"
@@ -20,25 +23,11 @@ const char* kUsage =
     "Writes DIR/model.bin (random weights from --seed) and DIR/tokenizer.bin\n"
     "(a byte tokenizer with the same vocabulary), creating DIR.\n";
 
-struct UsageError {
-  std::string message;  // empty for --help
-};
-
 struct Options {
   std::string out_dir;
   disagg::gpu::ModelConfig config;
   unsigned long long seed = 42;
 };
-
-long long parse_integer(const std::string& flag, const std::string& text, long long min, long long max) {
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE || v < min || v > max)
-    throw UsageError{flag + " expects an integer in [" + std::to_string(min) + ", " + std::to_string(max) +
-                     "], got '" + text + "'"};
-  return v;
-}
 
 Options parse_args(int argc, char** argv) {
   Options o;

@@ -75,6 +75,7 @@ struct RequestOutcome {
   RequestId id = 0;
   ErrorCode code = ErrorCode::none;
   std::string message;          // why, when code != none
+  std::vector<int32_t> prompt_tokens;  // the prompt as run (a text prompt encoded by the router)
   std::vector<int32_t> tokens;  // generated tokens (prompt excluded)
   FinishReason finish = FinishReason::length;
   std::string text;             // decoded tokens when the router has a tokenizer
@@ -111,7 +112,7 @@ typename Inspector::result_type inspect(Inspector& f, Timings& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RequestOutcome& x) {
-  return f(caf::meta::type_name("RequestOutcome"), x.id, x.code, x.message, x.tokens, x.finish,
+  return f(caf::meta::type_name("RequestOutcome"), x.id, x.code, x.message, x.prompt_tokens, x.tokens, x.finish,
            x.text, x.timings, x.prefill_worker, x.decode_worker);
 }
 

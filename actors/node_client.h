@@ -1,0 +1,37 @@
+// A client of a running multi-process cluster in one object: its own actor
+// system (io middleman, protocol types) connected to the router at
+// "HOST:PORT", and an actors/client.h Client on it. For disagg-client, tests
+// and benchmarks.
+#pragma once
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "actors/client.h"
+
+namespace disagg {
+
+class RemoteClient {
+ public:
+  // Connects to the router, retrying until `wait` has passed (0: one try).
+  // Throws gpu::Error("cannot reach the router at HOST:PORT: ...") on failure
+  // and for a malformed address.
+  explicit RemoteClient(const std::string& router_address,
+                        std::chrono::milliseconds wait = std::chrono::milliseconds(0),
+                        ClientOptions options = {});
+  ~RemoteClient();
+  RemoteClient(const RemoteClient&) = delete;
+  RemoteClient& operator=(const RemoteClient&) = delete;
+
+  Client& client() { return *client_; }
+  caf::actor_system& system() { return *system_; }
+  const std::string& address() const { return address_; }
+
+ private:
+  std::string address_;
+  std::unique_ptr<caf::actor_system_config> config_;
+  std::unique_ptr<caf::actor_system> system_;
+  std::unique_ptr<Client> client_;
+};
+
+}  // namespace disagg

@@ -1,0 +1,261 @@
+#include "actors/node_config.h"
+
+#include <cctype>
+#include <fstream>
+#include <sstream>
+#include <sys/stat.h>
+
+#include "caf/config_option_adder.hpp"
+#include "caf/io/middleman.hpp"
+#include "caf/settings.hpp"
+
+namespace disagg {
+
+namespace {
+
+void add_problem(std::string& problems, const std::string& what) {
+  if (!problems.empty()) problems += "; ";
+  problems += what;
+}
+
+std::string trim(const std::string& s) {
+  const auto begin = s.find_first_not_of(" \t\r");
+  if (begin == std::string::npos) return {};
+  const auto end = s.find_last_not_of(" \t\r");
+  return s.substr(begin, end - begin + 1);
+}
+
+// `s` up to a ';' comment that is not inside a quoted string.
+std::string strip_comment(const std::string& s) {
+  char quote = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (quote) {
+      if (c == '\\') ++i;
+      else if (c == quote) quote = 0;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == ';') {
+      return s.substr(0, i);
+    }
+  }
+  return s;
+}
+
+bool is_regular_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// One "key = value" line of the file, as the scanner saw it.
+struct Entry {
+  std::string name;  // "group.key"
+  std::string value;
+  int line = 0;
+  std::string type;  // the option's CAF type name
+};
+
+// The line number CAF's INI parser put into its error, or 0.
+int error_line(const caf::error& err) {
+  const caf::message& ctx = err.context();
+  if (ctx.size() == 1 && ctx.match_element<caf::settings>(0)) {
+    const auto& where = ctx.get_as<caf::settings>(0);
+    if (auto line = caf::get_if<int64_t>(&where, "line")) return int(*line);
+  }
+  return 0;
+}
+
+}  // namespace
+
+std::string NodeOptions::validate() const {
+  std::string problems;
+  const bool worker = role == "prefill" || role == "decode";
+  if (role.empty())
+    add_problem(problems, "node.role is required (router, prefill or decode)");
+  else if (role != "router" && !worker)
+    add_problem(problems, "node.role must be router, prefill or decode (got \"" + role + "\")");
+  if (host.empty()) add_problem(problems, "node.host must not be empty");
+  if (role == "decode" && advertise_host.empty() && (host == "0.0.0.0" || host == "::"))
+    add_problem(problems, "node.advertise-host is required when node.host is the wildcard " + host +
+                              " (prefill nodes must know where to connect)");
+  if (worker && router_host.empty()) add_problem(problems, "node.router-host must not be empty");
+  if (worker && router_port == 0)
+    add_problem(problems, "node.router-port is required for a " + role + " node");
+  if (connect_retry_ms <= 0) add_problem(problems, "node.connect-retry-ms must be > 0");
+  if (connect_backoff_max_ms < connect_retry_ms)
+    add_problem(problems, "node.connect-backoff-max-ms must be >= node.connect-retry-ms");
+  if (connect_timeout_ms < 0) add_problem(problems, "node.connect-timeout-ms must be >= 0");
+  if (peer_refresh_ms <= 0) add_problem(problems, "node.peer-refresh-ms must be > 0");
+  return problems;
+}
+
+NodeRole NodeOptions::parsed_role() const {
+  if (role == "prefill") return NodeRole::prefill;
+  if (role == "decode") return NodeRole::decode;
+  return NodeRole::router;
+}
+
+void add_node_options(caf::config_option_set& options, NodeOptions& n) {
+  caf::config_option_adder{options, "node"}
+      .add(n.role, "role", "router, prefill or decode")
+      .add(n.name, "name", "worker name at the router (default: role@host/pid)")
+      .add(n.host, "host", "address this node listens on (default 127.0.0.1)")
+      .add(n.port, "port", "router: client/worker port; decode: KV port (0: any free port)")
+      .add(n.advertise_host, "advertise-host", "decode: host prefill nodes dial (default: host)")
+      .add(n.router_host, "router-host", "workers: the router's address")
+      .add(n.router_port, "router-port", "workers: the router's port")
+      .add(n.connect_retry_ms, "connect-retry-ms", "first delay between tries to reach the router")
+      .add(n.connect_backoff_max_ms, "connect-backoff-max-ms", "longest delay between tries")
+      .add(n.connect_timeout_ms, "connect-timeout-ms", "give up reaching the router after (0: never)")
+      .add(n.peer_refresh_ms, "peer-refresh-ms", "prefill: how often to look for new decode nodes")
+      .add(n.ready_file, "ready-file", "file written once the node serves");
+}
+
+NodeSystemConfig::NodeSystemConfig() {
+  add_node_options(custom_options_, node);
+  load<caf::io::middleman>();
+}
+
+std::vector<std::string> check_config_file(const std::string& path,
+                                           const caf::config_option_set& options) {
+  std::vector<std::string> problems;
+  const std::string where = "config " + path;
+  std::ifstream in(path);
+  if (!in) return {where + ": cannot open"};
+  auto report = [&](int line, const std::string& what) {
+    problems.push_back(where + " line " + std::to_string(line) + ": " + what);
+  };
+  auto known_group = [&](const std::string& group) {
+    for (const auto& opt : options)
+      if (std::string(opt.category().data(), opt.category().size()) == group) return true;
+    return false;
+  };
+
+  std::vector<Entry> entries;
+  std::string group = "global";
+  std::string raw;
+  for (int number = 1; std::getline(in, raw); ++number) {
+    const std::string line = trim(raw);
+    if (line.empty() || line[0] == ';') continue;
+    if (line[0] == '#') {
+      report(number, "comments start with ';' ('#' is a CAF parse error)");
+      continue;
+    }
+    if (line[0] == '[') {
+      const auto close = line.find(']');
+      group = trim(line.substr(1, close == std::string::npos ? std::string::npos : close - 1));
+      if (close == std::string::npos || trim(strip_comment(line.substr(close + 1))) != "")
+        report(number, "malformed group header " + line);
+      else if (!known_group(group))
+        report(number, "unknown group [" + group + "]");
+      continue;
+    }
+    const auto eq = line.find('=');
+    if (eq == std::string::npos) {
+      report(number, "expected key = value, got " + line);
+      continue;
+    }
+    const std::string key = trim(line.substr(0, eq));
+    std::string value = trim(strip_comment(line.substr(eq + 1)));
+    const int first_line = number;
+    // A list may continue over the next lines until its closing bracket.
+    if (!value.empty() && value[0] == '[') {
+      while (value.find(']') == std::string::npos && std::getline(in, raw)) {
+        ++number;
+        value += " " + trim(strip_comment(raw));
+      }
+    }
+    const std::string name = group + "." + key;
+    auto option = options.qualified_name_lookup(group, key);
+    if (!option) {
+      report(first_line, "unknown option " + name);
+      continue;
+    }
+    const caf::string_view type_view = option->type_name();
+    const std::string type(type_view.data(), type_view.size());
+    if (value.empty()) {
+      report(first_line, name + " has no value");
+    } else if (value[0] == '\'' && type != "atom") {
+      report(first_line, name + " = " + value +
+                             ": single-quoted values are atoms, which CAF ignores for a " + type +
+                             " option; write \"" + value.substr(1, value.size() >= 2 ? value.size() - 2 : 0) +
+                             "\"");
+    } else if (std::isalpha(static_cast<unsigned char>(value[0])) && value != "true" &&
+               value != "false") {
+      report(first_line, name + " = " + value + ": strings must be double-quoted (\"" + value + "\")");
+    } else {
+      entries.push_back(Entry{name, value, first_line, type});
+    }
+  }
+  if (!problems.empty()) return problems;
+
+  // CAF keeps only values it could convert to the option's type: whatever
+  // the scanner accepted but CAF dropped had the wrong type or range.
+  std::ifstream again(path);
+  auto parsed = caf::actor_system_config::parse_config(again, options);
+  if (!parsed) {
+    const int line = error_line(parsed.error());
+    problems.push_back(where + (line > 0 ? " line " + std::to_string(line) : std::string()) +
+                       ": CAF cannot parse it (strings must be double-quoted): " +
+                       caf::actor_system_config::render(parsed.error()));
+    return problems;
+  }
+  for (const auto& e : entries)
+    if (caf::get_if(&*parsed, e.name) == nullptr)
+      report(e.line, e.name + " = " + e.value + ": not a valid " + e.type + " (CAF would ignore it)");
+  return problems;
+}
+
+NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** argv) {
+  NodeConfigResult result;
+  auto& errors = result.errors;
+  const std::string flag = "--config-file=";
+  std::string file;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.compare(0, flag.size(), flag) == 0) file = arg.substr(flag.size());
+    if (arg == "--config-file") {
+      errors.push_back("write --config-file=FILE (CAF reads no separate value)");
+      return result;
+    }
+  }
+  // Without --config-file CAF reads caf-application.ini when there is one.
+  if (file.empty() && is_regular_file("caf-application.ini")) file = "caf-application.ini";
+  if (!file.empty()) {
+    errors = check_config_file(file, config.options());
+    if (!errors.empty()) return result;
+  }
+  if (auto err = config.parse(argc, argv)) {
+    errors.push_back("command line: " + caf::actor_system_config::render(err));
+    return result;
+  }
+  if (config.cli_helptext_printed) {
+    result.help_printed = true;
+    return result;
+  }
+  for (const auto& arg : config.remainder) errors.push_back("unexpected argument " + arg);
+
+  const NodeOptions& node = config.node;
+  const DisaggConfig& disagg = config.disagg;
+  // validate() joins its problems with "; "; DisaggConfig names its options
+  // without their group.
+  auto split = [&](const std::string& problems, const std::string& prefix) {
+    std::istringstream in(problems);
+    std::string one;
+    while (std::getline(in, one, ';')) errors.push_back(prefix + trim(one));
+  };
+  split(node.validate(), "");
+  split(disagg.validate(), "disagg.");
+  if (!errors.empty()) return result;
+
+  const bool worker = node.role != "router";
+  if (worker && disagg.model.empty())
+    errors.push_back("disagg.model is required for a " + node.role + " node");
+  if (!disagg.model.empty() && !is_regular_file(disagg.model))
+    errors.push_back("disagg.model: " + disagg.model + " is not a readable file");
+  if (!disagg.tokenizer.empty() && !is_regular_file(disagg.tokenizer))
+    errors.push_back("disagg.tokenizer: " + disagg.tokenizer + " is not a readable file");
+  return result;
+}
+
+}  // namespace disagg

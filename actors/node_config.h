@@ -1,0 +1,67 @@
+// The options of one cluster node (disagg-node): its role, where it listens,
+// where the router is, how it retries; bound to CAF config group "node" next
+// to the "disagg" group of actors/config.h. Loading is strict: CAF 0.17
+// silently drops INI values of the wrong type (a single-quoted string, an
+// out-of-range port) and keeps unknown keys, so the config file is checked
+// line by line and every such value is an error naming its file and line.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "actors/config.h"
+
+namespace disagg {
+
+enum class NodeRole { router, prefill, decode };
+
+struct NodeOptions {
+  std::string role;                 // router | prefill | decode (required)
+  std::string name;                 // worker name at the router; empty: "<role>@<host>/<pid>"
+  std::string host = "127.0.0.1";   // address this node listens on
+  // router: where clients and workers connect (0: any free port, logged).
+  // decode: where prefill nodes connect to ship KV (0: any free port).
+  // prefill: unused (a prefill node only dials out).
+  uint16_t port = 0;
+  std::string advertise_host;       // decode: host prefill nodes dial; empty: `host`
+  std::string router_host = "127.0.0.1";  // workers: the router's address
+  uint16_t router_port = 0;               // workers: the router's port (required)
+  int64_t connect_retry_ms = 100;         // first delay between attempts to reach the router
+  int64_t connect_backoff_max_ms = 2000;  // the delay doubles up to this
+  int64_t connect_timeout_ms = 120000;    // give up after this long (0: never)
+  int64_t peer_refresh_ms = 1000;         // prefill: how often it asks the router for decode endpoints
+  std::string ready_file;  // written ("host:port" or the worker name) once the node serves
+
+  // Empty when usable, else every problem found, separated by "; ".
+  std::string validate() const;
+  NodeRole parsed_role() const;  // only after validate() passed
+};
+
+// Registers the fields of `node` as options of group "node".
+void add_node_options(caf::config_option_set& options, NodeOptions& node);
+
+// DisaggSystemConfig plus the "node" group and the io middleman.
+class NodeSystemConfig : public DisaggSystemConfig {
+ public:
+  NodeSystemConfig();
+  NodeOptions node;
+  const caf::config_option_set& options() const { return custom_options_; }
+};
+
+// Every line of the INI file `path` that CAF would reject or silently ignore:
+// unknown groups and keys, '#' comments, unquoted or single-quoted strings,
+// values of the wrong type or range. Each entry reads "config PATH line N: ...".
+std::vector<std::string> check_config_file(const std::string& path,
+                                           const caf::config_option_set& options);
+
+struct NodeConfigResult {
+  bool help_printed = false;        // --help / --dump-config: exit 0 without running
+  std::vector<std::string> errors;  // empty: config.node and config.disagg are usable
+};
+
+// Parses the command line (--config-file=F first, then the options given on
+// the command line override the file), checks the file, the values and the
+// model/tokenizer paths the role needs.
+NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** argv);
+
+}  // namespace disagg

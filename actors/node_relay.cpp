@@ -1,0 +1,363 @@
+#include "actors/node_relay.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <set>
+#include <vector>
+
+#include "actors/node_log.h"
+#include "caf/all.hpp"
+#include "caf/io/middleman.hpp"
+
+namespace disagg {
+
+namespace {
+
+using refresh_atom = caf::atom_constant<caf::atom("refresh")>;
+using endpoint_atom = caf::atom_constant<caf::atom("endpoint")>;
+using router_atom = caf::atom_constant<caf::atom("router")>;
+
+// "host:port" -> (host, port); port 0 when malformed.
+std::pair<std::string, uint16_t> split_endpoint(const std::string& endpoint) {
+  const auto colon = endpoint.rfind(':');
+  if (colon == std::string::npos) return {endpoint, 0};
+  const std::string port = endpoint.substr(colon + 1);
+  char* end = nullptr;
+  const unsigned long value = std::strtoul(port.c_str(), &end, 10);
+  if (port.empty() || *end != '\0' || value == 0 || value > 65535) return {endpoint, 0};
+  return {endpoint.substr(0, colon), uint16_t(value)};
+}
+
+// ---------------------------------------------------------------- the prefill gate
+
+using gate_actor = prefill_actor::extend<caf::reacts_to<refresh_atom>,
+                                         caf::reacts_to<router_atom, router_actor>>;
+
+struct WaitingJob {
+  PrefillJob job;
+  decode_actor decode;
+  caf::typed_response_promise<PrefillReport> promise;
+  bool covered = false;  // a router status asked for after its arrival was seen
+};
+
+struct GateState {
+  prefill_actor prefill;
+  router_actor router;  // invalid until the node has reached one
+  std::chrono::milliseconds refresh{1000};
+  std::map<std::string, caf::node_id> direct;      // dialled decode endpoint -> its node
+  std::map<caf::actor_addr, std::string> watched;  // published decode actor -> its endpoint
+  std::set<std::string> dialing;
+  bool asking_router = false;
+  uint64_t ask_serial = 0;  // answers to questions asked of a previous router are ignored
+  std::vector<WaitingJob> waiting;
+  static inline const char* name = "prefill-gate";
+};
+
+using GateSelf = gate_actor::stateful_pointer<GateState>;
+
+bool has_direct_route(GateSelf self, const decode_actor& decode) {
+  if (decode.node() == self->node()) return true;
+  for (const auto& kv : self->state.direct)
+    if (kv.second == decode.node()) return true;
+  return false;
+}
+
+void pass_on(GateSelf self, WaitingJob& w) {
+  w.promise.delegate(self->state.prefill, prefill_atom::value, std::move(w.job), std::move(w.decode));
+}
+
+void ask_router(GateSelf self);
+
+// Once no lookup is in flight: jobs with a direct route go on; jobs that
+// arrived before the last status was asked for and still have none fail;
+// jobs that arrived later make the gate ask again.
+void settle(GateSelf self) {
+  auto& st = self->state;
+  if (st.asking_router || !st.dialing.empty()) return;
+  std::vector<WaitingJob> still;
+  for (auto& w : st.waiting) {
+    if (has_direct_route(self, w.decode)) {
+      pass_on(self, w);
+    } else if (w.covered) {
+      PrefillReport r;
+      r.id = w.job.id;
+      r.code = ErrorCode::internal;
+      r.message = "no direct connection from this prefill node to the decode worker's node (" +
+                  caf::to_string(w.decode.node()) +
+                  "): its endpoint is unknown to the router or unreachable";
+      node_log("request " + std::to_string(w.job.id) + ": " + r.message);
+      w.promise.deliver(std::move(r));
+    } else {
+      still.push_back(std::move(w));
+    }
+  }
+  st.waiting = std::move(still);
+  if (!st.waiting.empty()) ask_router(self);
+}
+
+void dial(GateSelf self, const std::string& endpoint, const std::string& worker) {
+  const auto [host, port] = split_endpoint(endpoint);
+  if (port == 0) {
+    node_log("decode worker " + worker + " advertises a malformed endpoint \"" + endpoint + "\"");
+    return;
+  }
+  self->state.dialing.insert(endpoint);
+  auto mm = self->system().middleman().actor_handle();
+  self->request(mm, std::chrono::seconds(10), caf::connect_atom::value, host, port)
+      .then(
+          [=](caf::node_id& node, caf::strong_actor_ptr& published, std::set<std::string>&) {
+            auto& st = self->state;
+            st.dialing.erase(endpoint);
+            st.direct[endpoint] = node;
+            if (published) {
+              // Forget the route when that decode worker goes away, so a new
+              // one on the same endpoint is dialled again.
+              self->monitor(published);
+              st.watched[published->address()] = endpoint;
+            }
+            node_log("direct connection to decode worker " + worker + " at " + endpoint + " (node " +
+                     caf::to_string(node) + ")");
+            settle(self);
+          },
+          [=](caf::error& e) {
+            self->state.dialing.erase(endpoint);
+            node_log("cannot connect to decode worker " + worker + " at " + endpoint + ": " +
+                     self->system().render(e));
+            settle(self);
+          });
+}
+
+void ask_router(GateSelf self) {
+  auto& st = self->state;
+  if (st.asking_router) return;
+  if (!st.router) {  // no router yet: nothing can be dispatched here either
+    settle(self);
+    return;
+  }
+  st.asking_router = true;
+  const uint64_t serial = ++st.ask_serial;
+  for (auto& w : st.waiting) w.covered = true;
+  self->request(st.router, std::chrono::seconds(5), status_atom::value)
+      .then(
+          [=](RouterStatus& status) {
+            auto& st = self->state;
+            if (serial != st.ask_serial) return;
+            st.asking_router = false;
+            for (const auto& w : status.workers)
+              if (w.role == WorkerRole::decode && !w.endpoint.empty() && !st.direct.count(w.endpoint) &&
+                  !st.dialing.count(w.endpoint))
+                dial(self, w.endpoint, w.name);
+            settle(self);
+          },
+          [=](caf::error& e) {
+            if (serial != self->state.ask_serial) return;
+            self->state.asking_router = false;
+            node_log("asking the router for decode endpoints failed: " + self->system().render(e));
+            settle(self);
+          });
+}
+
+gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
+                                        std::chrono::milliseconds refresh) {
+  self->state.prefill = prefill;
+  self->state.refresh = refresh;
+  self->link_to(prefill);  // the gate is the prefill worker's face: they live and die together
+  self->set_down_handler([=](caf::down_msg& down) {
+    auto& st = self->state;
+    auto it = st.watched.find(down.source);
+    if (it == st.watched.end()) return;
+    node_log("decode worker at " + it->second + " went away");
+    st.direct.erase(it->second);
+    st.watched.erase(it);
+  });
+  self->delayed_send(self, refresh, refresh_atom::value);
+  return {
+      [=](prefill_atom, PrefillJob& job,
+          decode_actor& decode) -> caf::typed_response_promise<PrefillReport> {
+        auto promise = self->make_response_promise<PrefillReport>();
+        WaitingJob w{std::move(job), std::move(decode), promise, false};
+        if (has_direct_route(self, w.decode)) {
+          pass_on(self, w);
+        } else {
+          self->state.waiting.push_back(std::move(w));
+          ask_router(self);
+        }
+        return promise;
+      },
+      [=](cancel_atom, RequestId id) {
+        auto& waiting = self->state.waiting;
+        for (auto it = waiting.begin(); it != waiting.end(); ++it)
+          if (it->job.id == id) {  // still here: the prefill worker never saw it
+            PrefillReport r;
+            r.id = id;
+            r.code = ErrorCode::cancelled;
+            r.message = "cancelled";
+            it->promise.deliver(std::move(r));
+            waiting.erase(it);
+            return;
+          }
+        self->send(self->state.prefill, cancel_atom::value, id);
+      },
+      [=](status_atom) { return self->delegate(self->state.prefill, status_atom::value); },
+      [=](refresh_atom) {
+        ask_router(self);
+        self->delayed_send(self, self->state.refresh, refresh_atom::value);
+      },
+      [=](router_atom, router_actor& router) {
+        // A question still out to the previous router may never be answered.
+        self->state.router = std::move(router);
+        self->state.asking_router = false;
+        ++self->state.ask_serial;
+        ask_router(self);
+      },
+  };
+}
+
+// ---------------------------------------------------------------- the relay
+
+using relay_actor = router_actor::extend<caf::reacts_to<router_atom, router_actor>,
+                                         caf::reacts_to<endpoint_atom, std::string>>;
+
+// The one worker that registered through this relay, as the router sees it.
+struct Registration {
+  WorkerInfo info;
+  prefill_actor face;  // prefill: the gate
+  decode_actor decode;
+  gate_actor gate;
+};
+
+struct RelayState {
+  RelaySpec spec;
+  router_actor router;   // invalid until set_relay_router
+  std::string endpoint;  // decode: set_relay_endpoint
+  std::optional<Registration> worker;
+  static inline const char* name = "router-relay";
+};
+
+using RelaySelf = relay_actor::stateful_pointer<RelayState>;
+
+// Registers the worker with the current router, once everything is known.
+void register_worker(RelaySelf self) {
+  auto& st = self->state;
+  if (!st.worker || !st.router) return;
+  Registration& w = *st.worker;
+  if (w.decode && st.endpoint.empty()) return;
+  w.info.endpoint = st.endpoint;
+  const std::string name = w.info.name;
+  const router_actor router = st.router;
+  auto on_ok = [=](caf::ok_atom) {
+    node_log("registered with the router as " + name +
+             (self->state.endpoint.empty() ? "" : " (KV endpoint " + self->state.endpoint + ")"));
+    const std::string& ready = self->state.spec.ready_file;
+    if (!ready.empty() && !write_ready_file(ready, name)) node_log("cannot write ready file " + ready);
+  };
+  auto on_error = [=](caf::error& e) {
+    // A router that went away is replaced by the node (set_relay_router); a
+    // question that was out to it may only time out now.
+    if (router == self->state.router)
+      node_log("registration of " + name + " failed: " + self->system().render(e));
+  };
+  if (w.face)
+    self->request(router, st.spec.register_timeout, register_atom::value, w.info, w.face).then(on_ok, on_error);
+  else
+    self->request(router, st.spec.register_timeout, register_atom::value, w.info, w.decode).then(on_ok, on_error);
+}
+
+// The worker's own registration: answered at once (the relay registers it
+// whenever there is a router, so the worker never waits on the network).
+caf::ok_atom take_registration(RelaySelf self, WorkerInfo& info, prefill_actor prefill,
+                               decode_actor decode) {
+  auto& st = self->state;
+  Registration w;
+  w.info = std::move(info);
+  if (prefill) {
+    self->link_to(prefill);
+    w.gate = self->spawn(gate_behavior, prefill, st.spec.peer_refresh);
+    w.face = caf::actor_cast<prefill_actor>(w.gate);
+    if (st.router) self->send(w.gate, router_atom::value, st.router);
+  } else {
+    self->link_to(decode);
+    w.decode = std::move(decode);
+  }
+  st.worker = std::move(w);
+  register_worker(self);
+  return caf::ok_atom::value;
+}
+
+relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
+  self->state.spec = std::move(spec);
+  // Before the node has reached a router nothing is dispatched to this
+  // worker, so nothing is sent either; requests then fail at once.
+  auto no_router = [] { return caf::make_error(caf::sec::request_receiver_down); };
+  return {
+      [=](generate_atom, GenerateRequest& request,
+          client_actor& client) -> caf::result<RequestOutcome> {
+        if (!self->state.router) return no_router();
+        return self->delegate(self->state.router, generate_atom::value, std::move(request),
+                              std::move(client));
+      },
+      [=](cancel_atom, RequestId id) {
+        if (self->state.router) self->delegate(self->state.router, cancel_atom::value, id);
+      },
+      [=](register_atom, WorkerInfo& info, prefill_actor& worker) {
+        return take_registration(self, info, std::move(worker), decode_actor{});
+      },
+      [=](register_atom, WorkerInfo& info, decode_actor& worker) {
+        return take_registration(self, info, prefill_actor{}, std::move(worker));
+      },
+      // Delegated: the router attributes load reports to their sender.
+      [=](token_atom, TokenEvent& event) {
+        if (self->state.router) self->delegate(self->state.router, token_atom::value, std::move(event));
+      },
+      [=](done_atom, DecodeDone& done) {
+        if (self->state.router) self->delegate(self->state.router, done_atom::value, std::move(done));
+      },
+      [=](load_atom, DecodeLoad& load) {
+        if (self->state.router) self->delegate(self->state.router, load_atom::value, std::move(load));
+      },
+      [=](deadline_atom, RequestId id, uint64_t serial) {
+        if (self->state.router) self->delegate(self->state.router, deadline_atom::value, id, serial);
+      },
+      [=](status_atom) -> caf::result<RouterStatus> {
+        if (!self->state.router) return no_router();
+        return self->delegate(self->state.router, status_atom::value);
+      },
+      [=](router_atom, router_actor& router) {
+        self->state.router = std::move(router);
+        if (self->state.worker && self->state.worker->gate)
+          self->send(self->state.worker->gate, router_atom::value, self->state.router);
+        register_worker(self);
+      },
+      [=](endpoint_atom, std::string& endpoint) {
+        self->state.endpoint = std::move(endpoint);
+        register_worker(self);
+      },
+  };
+}
+
+}  // namespace
+
+router_actor spawn_router_relay(caf::actor_system& system, RelaySpec spec) {
+  return system.spawn(relay_behavior, std::move(spec));
+}
+
+void set_relay_router(const router_actor& relay, const router_actor& router) {
+  caf::anon_send(caf::actor_cast<relay_actor>(relay), router_atom::value, router);
+}
+
+void set_relay_endpoint(const router_actor& relay, const std::string& endpoint) {
+  caf::anon_send(caf::actor_cast<relay_actor>(relay), endpoint_atom::value, endpoint);
+}
+
+bool write_ready_file(const std::string& path, const std::string& content) {
+  const std::string temp = path + ".tmp";
+  FILE* f = std::fopen(temp.c_str(), "w");
+  if (!f) return false;
+  const bool written = std::fputs((content + "\n").c_str(), f) >= 0;
+  if (std::fclose(f) != 0 || !written) return false;
+  return std::rename(temp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace disagg

@@ -1,0 +1,275 @@
+#include "actors/node_runtime.h"
+
+#include <csignal>
+#include <iostream>
+#include <optional>
+#include <thread>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <cerrno>
+#include <cstring>
+
+#include "actors/compute.h"
+#include "actors/decode.h"
+#include "actors/node_config.h"
+#include "actors/node_log.h"
+#include "actors/node_relay.h"
+#include "actors/prefill.h"
+#include "actors/router.h"
+#include "caf/all.hpp"
+#include "caf/io/all.hpp"
+#include "gpu/checkpoint.h"
+#include "gpu/tokenizer.h"
+
+namespace disagg {
+
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+volatile std::sig_atomic_t g_stop = 0;
+extern "C" void on_stop_signal(int) { g_stop = 1; }
+bool stopping() { return g_stop != 0; }
+
+std::string endpoint_of(const std::string& host, uint16_t port) { return host + ":" + std::to_string(port); }
+
+// Why `host:port` cannot be listened on, in the words of the OS ("Address
+// already in use"); CAF only says "tcp socket creation failed".
+std::string listen_problem(const std::string& host, uint16_t port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return "not an IPv4 address";
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return std::strerror(errno);
+  const int on = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  std::string problem;
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 1) != 0)
+    problem = std::strerror(errno);
+  ::close(fd);
+  return problem;
+}
+
+// Publishes `who` on host:port (port 0: any free one). SO_REUSEADDR lets a
+// restarted node take its port back at once while old connections linger in
+// TIME_WAIT; a port another process listens on is still refused.
+template <class Handle>
+std::optional<uint16_t> publish_on(caf::actor_system& system, const Handle& who, const std::string& host,
+                                   uint16_t port) {
+  auto published = system.middleman().publish(who, port, host.c_str(), true);
+  if (published) return *published;
+  const std::string why = listen_problem(host, port);
+  node_log("cannot listen on " + endpoint_of(host, port) + ": " +
+           (why.empty() ? system.render(published.error()) : why));
+  return std::nullopt;
+}
+
+// What a node waits for in its main thread: a signal, or one of `watched`
+// going down (its reason is returned).
+struct WaitResult {
+  bool stopped = false;
+  caf::actor_addr down;
+  caf::error reason;
+};
+
+WaitResult wait_for_stop_or_down(caf::scoped_actor& self) {
+  WaitResult r;
+  while (!stopping()) {
+    bool got = false;
+    self->receive(
+        [&](caf::down_msg& down) {
+          r.down = down.source;
+          r.reason = down.reason;
+          got = true;
+        },
+        caf::after(100ms) >> [] {});
+    if (got) return r;
+  }
+  r.stopped = true;
+  return r;
+}
+
+// Sends an exit to `who` and waits (bounded) until it is gone, so the actor
+// system can shut down without waiting on half-finished work.
+template <class Handle>
+void stop_actor(caf::scoped_actor& self, const Handle& who) {
+  if (!who) return;
+  self->monitor(who);
+  self->send_exit(who, caf::exit_reason::user_shutdown);
+  bool gone = false;
+  const auto deadline = Clock::now() + 5s;
+  while (!gone && Clock::now() < deadline)
+    self->receive([&](caf::down_msg& down) { gone = down.source == who.address(); },
+                  caf::after(100ms) >> [] {});
+}
+
+// ---------------------------------------------------------------- router
+
+int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
+  std::shared_ptr<const gpu::Tokenizer> tokenizer;
+  try {
+    if (!cfg.tokenizer.empty()) {
+      const int vocab = cfg.model.empty() ? 0 : gpu::Checkpoint::open(cfg.model)->config().vocab_size;
+      tokenizer = std::make_shared<const gpu::Tokenizer>(gpu::Tokenizer::load(cfg.tokenizer, vocab));
+    }
+  } catch (const std::exception& e) {
+    node_log(std::string("cannot load the tokenizer: ") + e.what());
+    return 1;
+  }
+  auto router = spawn_router(system, cfg, tokenizer);
+  caf::scoped_actor self{system};
+  auto port = publish_on(system, router, node.host, node.port);
+  if (!port) {
+    stop_actor(self, router);
+    return 1;
+  }
+  const std::string endpoint = endpoint_of(node.host, *port);
+  node_log("router listening on " + endpoint +
+           (tokenizer ? " (tokenizer " + cfg.tokenizer + ")" : " (no tokenizer: token prompts only)"));
+  if (!node.ready_file.empty() && !write_ready_file(node.ready_file, endpoint))
+    node_log("cannot write ready file " + node.ready_file);
+
+  self->monitor(router);
+  const WaitResult r = wait_for_stop_or_down(self);
+  if (!r.stopped) {
+    node_log("the router actor stopped: " + system.render(r.reason));
+    return 1;
+  }
+  node_log("stopping");
+  stop_actor(self, router);
+  return 0;
+}
+
+// ---------------------------------------------------------------- workers
+
+// Tries to reach the router until it answers, the node is told to stop, or
+// node.connect-timeout-ms passes; the delay between tries doubles up to
+// node.connect-backoff-max-ms.
+std::optional<router_actor> connect_to_router(caf::actor_system& system, const NodeOptions& node) {
+  const std::string where = endpoint_of(node.router_host, node.router_port);
+  const auto start = Clock::now();
+  auto delay = std::chrono::milliseconds(node.connect_retry_ms);
+  for (int attempt = 1;; ++attempt) {
+    auto router = system.middleman().remote_actor<router_actor>(node.router_host, node.router_port);
+    if (router) {
+      node_log("connected to the router at " + where);
+      return *router;
+    }
+    if (stopping()) return std::nullopt;
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    if (node.connect_timeout_ms > 0 && waited.count() >= node.connect_timeout_ms) {
+      node_log("giving up: the router at " + where + " did not answer within " +
+               std::to_string(node.connect_timeout_ms) + " ms (" + system.render(router.error()) + ")");
+      return std::nullopt;
+    }
+    if (attempt == 1 || attempt % 10 == 0)
+      node_log("router at " + where + " not reachable yet (" + system.render(router.error()) +
+               "); retrying with backoff");
+    for (auto slept = 0ms; slept < delay && !stopping(); slept += 50ms) std::this_thread::sleep_for(50ms);
+    delay = std::min(delay * 2, std::chrono::milliseconds(node.connect_backoff_max_ms));
+  }
+}
+
+int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
+  const bool is_decode = node.parsed_role() == NodeRole::decode;
+  caf::scoped_actor self{system};
+
+  // Model and engine first: a bad model fails the node before it joins.
+  compute_actor compute;
+  try {
+    ComputeSpec spec;
+    spec.checkpoint = gpu::Checkpoint::open(cfg.model);
+    spec.engine.backend = cfg.backend;
+    if (is_decode) {
+      spec.pool_block_size = cfg.block_size;
+      spec.pool_blocks = cfg.pool_blocks;
+    }
+    compute = spawn_compute(system, spec);
+  } catch (const std::exception& e) {
+    node_log(std::string("cannot load the model: ") + e.what());
+    return 1;
+  }
+
+  RelaySpec relay_spec;
+  relay_spec.ready_file = node.ready_file;
+  relay_spec.register_timeout = std::chrono::milliseconds(cfg.compute_timeout_ms);
+  relay_spec.peer_refresh = std::chrono::milliseconds(node.peer_refresh_ms);
+  router_actor relay = spawn_router_relay(system, relay_spec);
+
+  const std::string name =
+      !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
+  caf::actor worker;
+  if (is_decode) {
+    auto decode = spawn_decode(system, cfg, compute, relay, name);
+    worker = caf::actor_cast<caf::actor>(decode);
+    // The KV port: prefill nodes connect here directly.
+    auto port = publish_on(system, decode, node.host, node.port);
+    if (!port) {
+      stop_actor(self, worker);
+      return 1;
+    }
+    const std::string endpoint =
+        endpoint_of(node.advertise_host.empty() ? node.host : node.advertise_host, *port);
+    node_log("decode worker listening for KV on " + endpoint_of(node.host, *port) +
+             (node.advertise_host.empty() ? "" : " (advertised as " + endpoint + ")"));
+    set_relay_endpoint(relay, endpoint);
+  } else {
+    worker = caf::actor_cast<caf::actor>(spawn_prefill(system, cfg, compute, relay, name));
+  }
+  self->monitor(worker);
+
+  // Join, and join again whenever the router goes away.
+  for (;;) {
+    auto router = connect_to_router(system, node);
+    if (!router) {
+      const bool told_to_stop = stopping();
+      stop_actor(self, worker);
+      return told_to_stop ? 0 : 1;
+    }
+    self->monitor(*router);
+    set_relay_router(relay, *router);
+    const WaitResult r = wait_for_stop_or_down(self);
+    if (r.stopped) {
+      node_log("stopping");
+      stop_actor(self, worker);
+      return 0;
+    }
+    if (r.down == worker.address()) {
+      node_log("the worker stopped: " + system.render(r.reason));
+      return 1;
+    }
+    node_log("lost the router (" + system.render(r.reason) + "); joining again");
+    // Give the old router's port a moment to close, so the next try does not
+    // reach the node that is shutting down.
+    for (auto slept = 0ms; slept < std::chrono::milliseconds(node.connect_retry_ms) && !stopping(); slept += 10ms)
+      std::this_thread::sleep_for(10ms);
+  }
+}
+
+}  // namespace
+
+int node_main(int argc, char** argv) {
+  NodeSystemConfig config;
+  const NodeConfigResult loaded = load_node_config(config, argc, argv);
+  if (loaded.help_printed) return 0;
+  if (!loaded.errors.empty()) {
+    for (const auto& e : loaded.errors) std::cerr << "disagg-node: error: " << e << "\n";
+    return 2;
+  }
+  const NodeOptions& node = config.node;
+  set_node_log_name(node.name.empty() ? node.role : node.role + " " + node.name);
+
+  std::signal(SIGINT, on_stop_signal);
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGPIPE, SIG_IGN);
+  caf::actor_system system{config};
+  return node.parsed_role() == NodeRole::router ? run_router(system, node, config.disagg)
+                                                : run_worker(system, node, config.disagg);
+}
+
+}  // namespace disagg

@@ -1,0 +1,232 @@
+// disagg-client: sends one request to a running cluster's router (as a remote
+// CAF node), streams the generated text to stdout as tokens arrive and prints
+// the time to first token and the token rate to stderr; or, with --status,
+// prints the router's view of the cluster.
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "actors/node_client.h"
+#include "apps/cli/cli.h"
+#include "gpu/error.h"
+#include "gpu/tokenizer.h"
+
+namespace {
+
+using namespace disagg::cli;
+
+const char* kUsage =
+    "usage: disagg-client --router HOST:PORT (--prompt TEXT | --prompt-tokens \"1 403 407\")\n"
+    "                     --max-new-tokens N [--temperature X] [--top-p P] [--seed S]\n"
+    "                     [--session KEY] [--deadline-ms MS] [--tokenizer T] [--json]\n"
+    "       disagg-client --router HOST:PORT --status\n"
+    "Streams the continuation to stdout and prints TTFT and tokens/s to stderr; with --json\n"
+    "prints one line {\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\", timings}.\n"
+    "--tokenizer (default: $TOKENIZER) encodes a text prompt here; without it the router\n"
+    "encodes it (prompt_tokens in the JSON are the router's). --status prints \"workers prefill=P decode=D queued=Q\n"
+    "in_flight=F\" and one line per worker. Exit codes: 0 ok, 1 the cluster answered an error,\n"
+    "2 bad usage, 3 the router is unreachable.\n";
+
+struct Options {
+  std::string router_host;
+  uint16_t router_port = 0;
+  std::string prompt, tokenizer, session;
+  std::vector<int32_t> prompt_tokens;
+  bool has_prompt = false, has_prompt_tokens = false, json = false, status = false;
+  int max_new_tokens = -1;
+  int64_t deadline_ms = 0;
+  disagg::Sampling sampling;
+};
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  if (const char* env = std::getenv("TOKENIZER"); env && *env) o.tokenizer = env;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") throw UsageError{};
+    if (flag == "--json" || flag == "--status") {
+      (flag == "--json" ? o.json : o.status) = true;
+      continue;
+    }
+    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
+    const std::string value = argv[++i];
+    if (flag == "--router") {
+      const auto colon = value.rfind(':');
+      if (colon == std::string::npos || colon == 0) throw UsageError{"--router expects HOST:PORT, got '" + value + "'"};
+      o.router_host = value.substr(0, colon);
+      o.router_port = uint16_t(parse_integer("--router port", value.substr(colon + 1), 1, 65535));
+    } else if (flag == "--prompt") {
+      o.prompt = value;
+      o.has_prompt = true;
+    } else if (flag == "--prompt-tokens") {
+      o.prompt_tokens = parse_token_list(flag, value);
+      o.has_prompt_tokens = true;
+    } else if (flag == "--max-new-tokens") {
+      o.max_new_tokens = int(parse_integer(flag, value, 0, INT_MAX));
+    } else if (flag == "--temperature") {
+      o.sampling.temperature = parse_float(flag, value, 0.0f, 100.0f);
+    } else if (flag == "--top-p") {
+      o.sampling.top_p = parse_float(flag, value, 1e-6f, 1.0f);
+    } else if (flag == "--seed") {
+      o.sampling.seed = uint64_t(parse_integer(flag, value, 0, LLONG_MAX));
+    } else if (flag == "--session") {
+      o.session = value;
+    } else if (flag == "--deadline-ms") {
+      o.deadline_ms = parse_integer(flag, value, 1, LLONG_MAX / 2);
+    } else if (flag == "--tokenizer") {
+      o.tokenizer = value;
+    } else {
+      throw UsageError{"unknown option " + flag};
+    }
+  }
+  if (o.router_host.empty()) throw UsageError{"--router HOST:PORT is required"};
+  if (o.status) return o;
+  if (o.has_prompt == o.has_prompt_tokens) throw UsageError{"give exactly one of --prompt and --prompt-tokens"};
+  if (o.max_new_tokens < 0) throw UsageError{"--max-new-tokens N is required"};
+  return o;
+}
+
+int print_status(disagg::Client& client, const std::string& where) {
+  auto status = client.status();
+  if (!status) {
+    std::cerr << "disagg-client: the router at " << where << " did not answer the status request\n";
+    return 3;
+  }
+  using disagg::WorkerRole;
+  std::cout << "workers prefill=" << status->count(WorkerRole::prefill)
+            << " decode=" << status->count(WorkerRole::decode) << " queued=" << status->queued
+            << " in_flight=" << status->in_flight << "\n";
+  for (const auto& w : status->workers) {
+    std::cout << to_string(w.role) << " " << w.name << " in_flight=" << w.in_flight;
+    if (w.role == WorkerRole::prefill)
+      std::cout << " outstanding_tokens=" << w.outstanding_tokens;
+    else
+      std::cout << " free_blocks=" << w.free_blocks << "/" << w.total_blocks
+                << " active_sequences=" << w.active_sequences << " endpoint=" << w.endpoint;
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+int run(const Options& o) {
+  using Clock = std::chrono::steady_clock;
+  std::unique_ptr<disagg::gpu::Tokenizer> tokenizer;
+  if (!o.tokenizer.empty() && (o.has_prompt || !o.json))
+    tokenizer = std::make_unique<disagg::gpu::Tokenizer>(disagg::gpu::Tokenizer::load(o.tokenizer, 0));
+
+  const std::string where = o.router_host + ":" + std::to_string(o.router_port);
+  std::unique_ptr<disagg::RemoteClient> remote;
+  try {
+    remote = std::make_unique<disagg::RemoteClient>(where);
+  } catch (const disagg::gpu::Error& e) {
+    std::cerr << "disagg-client: " << e.what() << "\n";
+    return 3;
+  }
+  disagg::Client& client = remote->client();
+  if (o.status) return print_status(client, where);
+
+  disagg::GenerateRequest request;
+  if (o.has_prompt_tokens) {
+    request.prompt_tokens = o.prompt_tokens;
+  } else if (tokenizer) {
+    request.prompt_tokens = tokenizer->encode(o.prompt);
+  } else {
+    request.prompt_text = o.prompt;
+    request.prompt_is_text = true;
+  }
+  request.max_new_tokens = o.max_new_tokens;
+  request.sampling = o.sampling;
+  request.session = o.session;
+  request.deadline_ms = o.deadline_ms;
+  const bool stream = !o.json;
+  if (stream && o.has_prompt) std::cout << o.prompt << std::flush;
+
+  // The token callback runs on a CAF thread; the main thread reads these
+  // only after the outcome arrived (which the client sets after the tokens).
+  std::mutex mutex;
+  std::optional<Clock::time_point> first_token_at;
+  int previous = request.prompt_tokens.empty() ? disagg::gpu::kBosToken : request.prompt_tokens.back();
+  const auto start = Clock::now();
+  auto on_token = [&](const disagg::TokenEvent& event) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!first_token_at) first_token_at = Clock::now();
+    if (!stream) return;
+    std::string piece = event.text;
+    if (tokenizer && piece.empty()) {
+      try {
+        piece = tokenizer->decode(previous, event.token);
+      } catch (const std::exception&) {
+      }
+    }
+    previous = event.token;
+    std::cout << piece << std::flush;
+  };
+  const disagg::RequestOutcome outcome = client.generate(request, on_token);
+  const auto end = Clock::now();
+  if (stream) std::cout << std::endl;
+  if (!outcome.ok()) {
+    std::cerr << "disagg-client: error " << to_string(outcome.code) << ": " << outcome.message << "\n";
+    return 1;
+  }
+
+  std::lock_guard<std::mutex> lock(mutex);
+  const double total_ms = std::chrono::duration<double, std::milli>(end - start).count();
+  const double ttft_ms =
+      first_token_at ? std::chrono::duration<double, std::milli>(*first_token_at - start).count() : total_ms;
+  const size_t n = outcome.tokens.size();
+  const double tokens_per_s = total_ms > 0 ? 1000.0 * double(n) / total_ms : 0.0;
+  std::string text = outcome.text;
+  if (text.empty() && tokenizer && !outcome.prompt_tokens.empty())
+    text = tokenizer->decode_all(outcome.prompt_tokens.back(), outcome.tokens);
+
+  char summary[256];
+  std::snprintf(summary, sizeof summary, "ttft %.1f ms, %zu tokens in %.1f ms (%.1f tokens/s), finish %s", ttft_ms,
+                n, total_ms, tokens_per_s, to_string(outcome.finish).c_str());
+  std::cerr << summary << " [prefill " << outcome.prefill_worker << " " << outcome.timings.prefill_us / 1000.0
+            << " ms, kv transfer " << outcome.timings.kv_transfer_us / 1000.0 << " ms, decode "
+            << outcome.decode_worker << " " << outcome.timings.decode_us / 1000.0 << " ms]\n";
+  if (o.json) {
+    std::cout << "{";
+    std::cout << "\"prompt_tokens\":" << json_int_array(outcome.prompt_tokens) << ",\"output_tokens\":" << json_int_array(outcome.tokens) << ",\"text\":" << json_string(text)
+              << ",\"finish\":" << json_string(to_string(outcome.finish)) << ",\"ttft_ms\":" << ttft_ms
+              << ",\"total_ms\":" << total_ms << ",\"tokens_per_s\":" << tokens_per_s
+              << ",\"timings\":{\"queued_us\":" << outcome.timings.queued_us
+              << ",\"prefill_us\":" << outcome.timings.prefill_us
+              << ",\"kv_transfer_us\":" << outcome.timings.kv_transfer_us
+              << ",\"decode_us\":" << outcome.timings.decode_us << "},\"prefill_worker\":"
+              << json_string(outcome.prefill_worker) << ",\"decode_worker\":" << json_string(outcome.decode_worker)
+              << "}" << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse_args(argc, argv);
+  } catch (const UsageError& e) {
+    if (e.message.empty()) {
+      std::cout << kUsage;
+      return 0;
+    }
+    std::cerr << "disagg-client: " << e.message << "\n" << kUsage;
+    return 2;
+  }
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    std::cerr << "disagg-client: " << e.what() << "\n";
+    return 1;
+  }
+}

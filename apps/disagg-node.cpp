@@ -1,0 +1,7 @@
+// disagg-node: one process of a multi-process cluster (router, prefill or
+// decode), configured by a CAF config file and command-line options:
+//   disagg-node --config-file=config/local/router.ini [--node.port=4600 ...]
+// Options: config/README.md. Runs until SIGINT/SIGTERM.
+#include "actors/node_runtime.h"
+
+int main(int argc, char** argv) { return disagg::node_main(argc, argv); }

@@ -1,0 +1,60 @@
+// Processes a cluster test starts (disagg-node, disagg-client, scripts), and
+// what it inspects about them. A child never outlives the test binary: it is
+// killed when its handle goes away and, should the test binary itself die,
+// by the kernel (PR_SET_PDEATHSIG).
+#pragma once
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace disagg::test {
+
+class ChildProcess {
+ public:
+  // Runs argv[0] (a path) with stdout and stderr appended to `log_path`, and
+  // `env` ("NAME=value") added to the environment.
+  ChildProcess(std::vector<std::string> argv, std::string log_path, std::vector<std::string> env = {});
+  ~ChildProcess();  // SIGKILL unless it has exited; always reaped
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool running();
+  // The exit code (128 + signal when killed), or nullopt if still running after `timeout`.
+  std::optional<int> wait_exit(std::chrono::milliseconds timeout);
+  // SIGTERM, then SIGKILL after `grace`; the exit code.
+  int stop(std::chrono::milliseconds grace = std::chrono::seconds(5));
+  void kill_hard();  // SIGKILL and reap
+  std::string log() const;
+  const std::string& log_path() const { return log_path_; }
+
+ private:
+  bool reap(bool block);
+  pid_t pid_ = -1;
+  std::optional<int> exit_code_;
+  std::string log_path_;
+};
+
+// Runs a command to completion (bounded by `timeout`, then killed); returns
+// its exit code and fills `output` with its stdout (stderr goes to `err`).
+int run_to_completion(const std::vector<std::string>& argv, std::string& output, std::string& err,
+                      std::chrono::milliseconds timeout, std::vector<std::string> env = {});
+
+// A loopback TCP port nothing listens on right now (the kernel's pick).
+uint16_t free_loopback_port();
+
+// Whether process `pid` has an established TCP connection to `remote_port`
+// (read from /proc: the process's socket inodes matched against /proc/net/tcp).
+bool has_connection_to_port(pid_t pid, uint16_t remote_port);
+
+// Whether a process with this pid exists (and is not a zombie).
+bool process_alive(pid_t pid);
+
+void write_text_file(const std::string& path, const std::string& text);
+std::string read_text_file(const std::string& path);
+
+}  // namespace disagg::test

@@ -1,0 +1,138 @@
+#include "cluster/cluster_fixture.h"
+
+#include <filesystem>
+#include <sstream>
+#include <thread>
+
+#include "gpu/error.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+std::string node_binary() { return bin_dir() + "/disagg-node"; }
+std::string client_binary() { return bin_dir() + "/disagg-client"; }
+
+TestCluster::TestCluster(const std::string& tag) : dir_(make_temp_dir(tag)), router_port_(free_loopback_port()) {
+  if (!std::filesystem::exists(node_binary()))
+    throw std::runtime_error(node_binary() + " is missing: build the disagg-node target");
+}
+
+TestCluster::~TestCluster() {
+  remote_.reset();
+  for (auto& kv : nodes_) kv.second->stop(std::chrono::seconds(3));
+  nodes_.clear();
+  std::error_code ignored;
+  if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_, ignored);
+}
+
+std::string TestCluster::config_text(const std::string& role, const std::string& name, uint16_t port,
+                                     const std::string& extra) const {
+  std::ostringstream ini;
+  ini << "; written by test_cluster\n[node]\nrole = \"" << role << "\"\n";
+  if (role != "router") ini << "name = \"" << name << "\"\nrouter-port = " << router_port_ << "\n";
+  if (role != "prefill") ini << "port = " << port << "\n";
+  ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";
+  ini << "peer-refresh-ms = 200\n" << extra;
+  ini << "\n[disagg]\nmodel = \"" << shared_model() << "\"\nbackend = \"cpu\"\n";
+  if (role == "router") ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
+  if (role == "decode") ini << "pool-blocks = 512\n";
+  return ini.str();
+}
+
+ChildProcess& TestCluster::start_node(const std::string& role, const std::string& name, const std::string& extra) {
+  uint16_t port = 0;
+  if (role == "router") port = router_port_;
+  else if (role == "decode") port = ports_.count(name) ? ports_.at(name) : free_loopback_port();
+  const std::string ini = dir_ + "/" + name + ".ini";
+  write_text_file(ini, config_text(role, name, port, extra));
+  roles_[name] = role;
+  ports_[name] = port;
+  if (auto it = nodes_.find(name); it != nodes_.end()) it->second->stop();
+  stopped_.erase(name);
+  nodes_[name] = std::make_unique<ChildProcess>(
+      std::vector<std::string>{node_binary(), "--config-file=" + ini}, dir_ + "/" + name + ".log");
+  return *nodes_[name];
+}
+
+void TestCluster::start_all(int prefill, int decode) {
+  start_router();
+  for (int i = 1; i <= prefill; ++i) start_node("prefill", "prefill-" + std::to_string(i));
+  for (int i = 1; i <= decode; ++i) start_node("decode", "decode-" + std::to_string(i));
+  ASSERT_TRUE(wait_for_workers(prefill, decode));
+}
+
+int TestCluster::stop_node(const std::string& name) {
+  stopped_.insert(name);
+  return nodes_.at(name)->stop();
+}
+
+void TestCluster::kill_node(const std::string& name) {
+  stopped_.insert(name);
+  nodes_.at(name)->kill_hard();
+}
+
+std::vector<std::string> TestCluster::names(const std::string& role) const {
+  std::vector<std::string> out;
+  for (const auto& kv : roles_)
+    if (kv.second == role) out.push_back(kv.first);
+  return out;
+}
+
+Client& TestCluster::client() {
+  if (!remote_) {
+    try {
+      remote_ = std::make_unique<RemoteClient>(router_address(), std::chrono::seconds(20));
+    } catch (const gpu::Error& e) {
+      throw std::runtime_error(std::string(e.what()) + "\n" + logs());
+    }
+  }
+  return remote_->client();
+}
+
+::testing::AssertionResult TestCluster::wait_for_workers(int prefill, int decode, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::string last = "no status";
+  for (;;) {
+    for (auto& kv : nodes_)
+      if (!stopped_.count(kv.first) && !kv.second->running())
+        return ::testing::AssertionFailure() << "node " << kv.first << " exited\n" << logs();
+    if (auto status = client().status(std::chrono::seconds(2))) {
+      const int p = status->count(WorkerRole::prefill), d = status->count(WorkerRole::decode);
+      if (p == prefill && d == decode) return ::testing::AssertionSuccess();
+      last = "prefill=" + std::to_string(p) + " decode=" + std::to_string(d);
+    }
+    if (Clock::now() >= deadline)
+      return ::testing::AssertionFailure() << "expected prefill=" << prefill << " decode=" << decode
+                                           << ", the router reports " << last << "\n"
+                                           << logs();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+::testing::AssertionResult TestCluster::stop_all() {
+  remote_.reset();
+  std::string failures;
+  // Workers first, so none of them spends its shutdown looking for the router.
+  for (const char* role : {"prefill", "decode", "router"})
+    for (auto& kv : nodes_) {
+      if (roles_[kv.first] != role) continue;
+      const bool was_running = kv.second->running();
+      const int code = kv.second->stop();
+      if (was_running && code != 0) failures += kv.first + " exited with " + std::to_string(code) + "; ";
+      if (process_alive(kv.second->pid())) failures += kv.first + " is still alive; ";
+    }
+  if (failures.empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << failures << "\n" << logs();
+}
+
+std::string TestCluster::logs() const {
+  std::string out;
+  for (const auto& kv : nodes_) out += "---- " + kv.first + ".log\n" + kv.second->log();
+  return out;
+}
+
+}  // namespace disagg::test

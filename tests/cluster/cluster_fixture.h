@@ -1,0 +1,75 @@
+// A multi-process cluster for tests: disagg-node processes on free loopback
+// ports, configured by INI files written into a temp dir, sharing the shared
+// stories260K model; and a client in the test process (a remote CAF node).
+// Everything started is stopped by the destructor, also when a test fails.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "actors/node_client.h"
+#include "cluster/child_process.h"
+
+namespace disagg::test {
+
+std::string node_binary();    // build/bin/disagg-node
+std::string client_binary();  // build/bin/disagg-client
+
+class TestCluster {
+ public:
+  explicit TestCluster(const std::string& tag);
+  ~TestCluster();  // stops every node, removes the temp dir
+  TestCluster(const TestCluster&) = delete;
+  TestCluster& operator=(const TestCluster&) = delete;
+
+  const std::string& dir() const { return dir_; }
+  uint16_t router_port() const { return router_port_; }
+  std::string router_address() const { return "127.0.0.1:" + std::to_string(router_port_); }
+
+  // The INI text of a node of this cluster (shared model; the router also
+  // gets the tokenizer); `extra` lines are appended to its [node] group.
+  std::string config_text(const std::string& role, const std::string& name, uint16_t port,
+                          const std::string& extra = "") const;
+  // Writes <dir>/<name>.ini and starts disagg-node on it.
+  ChildProcess& start_node(const std::string& role, const std::string& name, const std::string& extra = "");
+  ChildProcess& start_router() { return start_node("router", "router"); }
+  // 1 router + `prefill` + `decode` workers, then waits for all to register.
+  void start_all(int prefill, int decode);
+
+  ChildProcess& node(const std::string& name) { return *nodes_.at(name); }
+  // Stops (SIGTERM; its exit code) or kills (SIGKILL) a node on purpose:
+  // wait_for_workers no longer counts its exit as a failure.
+  int stop_node(const std::string& name);
+  void kill_node(const std::string& name);
+  uint16_t port_of(const std::string& name) const { return ports_.at(name); }
+  std::vector<std::string> names(const std::string& role) const;
+
+  // Waits until the router reports exactly these worker counts.
+  ::testing::AssertionResult wait_for_workers(int prefill, int decode,
+                                              std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+  // A client connected to the router (connects on first use).
+  Client& client();
+  void reconnect_client() { remote_.reset(); }  // after a router restart
+
+  // Stops every node with SIGTERM; each must exit 0. Returns the failures.
+  ::testing::AssertionResult stop_all();
+  // The logs of every node, for failure messages.
+  std::string logs() const;
+
+ private:
+  std::string dir_;
+  uint16_t router_port_;
+  std::map<std::string, std::string> roles_;
+  std::map<std::string, uint16_t> ports_;
+  std::map<std::string, std::unique_ptr<ChildProcess>> nodes_;
+  std::set<std::string> stopped_;  // by stop_node / kill_node
+  std::unique_ptr<RemoteClient> remote_;
+};
+
+}  // namespace disagg::test

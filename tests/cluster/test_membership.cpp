@@ -1,0 +1,82 @@
+// Membership across processes: workers that start before the router, a
+// worker node that dies, a decode node that comes back on its port, a router
+// that restarts.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <set>
+#include <thread>
+
+#include "cluster/cluster_fixture.h"
+
+namespace disagg::test {
+namespace {
+
+GenerateRequest small_request(int max_new_tokens = 8) {
+  GenerateRequest r;
+  r.prompt_tokens = {1, 403, 407, 261, 378};
+  r.max_new_tokens = max_new_tokens;
+  return r;
+}
+
+TEST(ClusterMembership, WorkersStartedBeforeTheRouterJoinOnceItIsUp) {
+  TestCluster cluster("cluster-early-workers");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  ASSERT_TRUE(cluster.node("prefill-1").running()) << cluster.logs();
+  ASSERT_TRUE(cluster.node("decode-1").running()) << cluster.logs();
+  EXPECT_NE(cluster.node("prefill-1").log().find("not reachable yet"), std::string::npos);
+
+  cluster.start_router();
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  const RequestOutcome out = cluster.client().generate(small_request());
+  EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+TEST(ClusterMembership, RouterDropsAWorkerWhoseProcessDiesAndTakesItBackWhenItReturns) {
+  TestCluster cluster("cluster-worker-loss");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 2));
+  cluster.kill_node("decode-2");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1, std::chrono::seconds(10)));
+  for (int i = 0; i < 3; ++i) {
+    const RequestOutcome out = cluster.client().generate(small_request());
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    EXPECT_EQ(out.decode_worker, "decode-1");
+  }
+
+  // A new decode node on the same port: the prefill node dials it again.
+  cluster.start_node("decode", "decode-2");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 2));
+  std::vector<std::future<RequestOutcome>> pending;
+  for (int i = 0; i < 6; ++i) pending.push_back(cluster.client().submit(small_request(16)));
+  std::set<std::string> decode_workers;
+  for (auto& f : pending) {
+    const RequestOutcome out = f.get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+    decode_workers.insert(out.decode_worker);
+  }
+  EXPECT_EQ(decode_workers.count("decode-2"), 1u);
+  EXPECT_TRUE(has_connection_to_port(cluster.node("prefill-1").pid(), cluster.port_of("decode-2")));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+TEST(ClusterMembership, WorkersJoinARestartedRouter) {
+  TestCluster cluster("cluster-router-restart");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  EXPECT_EQ(cluster.stop_node("router"), 0);
+  cluster.reconnect_client();
+  cluster.start_router();
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  const auto start = std::chrono::steady_clock::now();
+  const RequestOutcome out = cluster.client().generate(small_request());
+  EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  // Nothing waits on the old router (e.g. the prefill node's question for decode endpoints).
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3)) << cluster.logs();
+  EXPECT_NE(cluster.node("decode-1").log().find("lost the router"), std::string::npos);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+}  // namespace
+}  // namespace disagg::test

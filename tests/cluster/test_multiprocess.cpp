@@ -1,0 +1,205 @@
+// A real multi-process cluster (1 router, 2 prefill, 2 decode disagg-node
+// processes on loopback) serving the shared model: token identity with the
+// shared references and with colocated generation, concurrency, the direct
+// prefill -> decode connections that carry the KV, and the client binary.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <set>
+
+#include "cluster/cluster_fixture.h"
+#include "cluster/tcp_traffic.h"
+#include "gpu/checkpoint.h"
+#include "gpu/engine.h"
+#include "gpu/generate.h"
+#include "gpu/tokenizer.h"
+#include "support/reference_cases.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+namespace {
+
+GenerateRequest token_request(const std::vector<int>& prompt, int max_new_tokens, Sampling sampling = {}) {
+  GenerateRequest r;
+  r.prompt_tokens.assign(prompt.begin(), prompt.end());
+  r.max_new_tokens = max_new_tokens;
+  r.sampling = sampling;
+  return r;
+}
+
+TEST(MultiProcessCluster, ServesTheSharedReferenceCasesTokenForToken) {
+  TestCluster cluster("cluster-reference");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  const auto cases = load_reference_cases(shared_reference());
+  ASSERT_FALSE(cases.empty());
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.prompt);
+    const RequestOutcome by_tokens = cluster.client().generate(token_request(c.prompt_tokens, c.max_new_tokens));
+    ASSERT_TRUE(by_tokens.ok()) << to_string(by_tokens.code) << ": " << by_tokens.message;
+    EXPECT_EQ(by_tokens.tokens, std::vector<int32_t>(c.output_tokens.begin(), c.output_tokens.end()));
+    EXPECT_EQ(by_tokens.text, c.text);
+
+    GenerateRequest text = token_request({}, c.max_new_tokens);
+    text.prompt_text = c.prompt;  // encoded by the router's tokenizer
+    text.prompt_is_text = true;
+    const RequestOutcome by_text = cluster.client().generate(text);
+    ASSERT_TRUE(by_text.ok()) << to_string(by_text.code) << ": " << by_text.message;
+    EXPECT_EQ(by_text.tokens, by_tokens.tokens);
+    EXPECT_EQ(by_text.text, c.text);
+  }
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+TEST(MultiProcessCluster, ConcurrentRequestsMatchColocatedGenerationOverDirectKvConnections) {
+  TestCluster cluster("cluster-concurrent");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+
+  auto checkpoint = gpu::Checkpoint::open(shared_model());
+  gpu::Engine engine(checkpoint, gpu::EngineOptions{"cpu"});
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), checkpoint->config().vocab_size);
+  const std::vector<std::string> prompts = {"Once upon a time", "The little dog", "Lily and Tom went to the",
+                                            "One day, a big", "Sam saw a bird"};
+
+  struct Pending {
+    GenerateRequest request;
+    gpu::GenerateResult expected;
+    std::shared_ptr<std::mutex> mutex = std::make_shared<std::mutex>();
+    std::shared_ptr<std::vector<TokenEvent>> events = std::make_shared<std::vector<TokenEvent>>();
+    std::future<RequestOutcome> outcome;
+  };
+  std::vector<Pending> requests(32);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Sampling sampling;
+    if (i % 2 == 1) sampling = Sampling{0.9f, i % 4 == 1 ? 0.9f : 1.0f, 1000 + i};  // odd: sampled
+    const auto prompt = tokenizer.encode(prompts[i % prompts.size()]);
+    requests[i].request = token_request(prompt, 8 + int(i * 7) % 56, sampling);
+    requests[i].expected = gpu::generate(engine, prompt, requests[i].request.max_new_tokens,
+                                         gpu::SamplingParams{sampling.temperature, sampling.top_p, sampling.seed});
+  }
+  for (auto& p : requests) {
+    auto mutex = p.mutex;
+    auto events = p.events;
+    p.outcome = cluster.client().submit(p.request, [mutex, events](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lock(*mutex);
+      events->push_back(e);
+    });
+  }
+  std::set<std::string> prefill_workers, decode_workers;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
+    const RequestOutcome out = requests[i].outcome.get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+    EXPECT_EQ(out.tokens, std::vector<int32_t>(requests[i].expected.tokens.begin(), requests[i].expected.tokens.end()));
+    std::lock_guard<std::mutex> lock(*requests[i].mutex);
+    std::vector<int32_t> streamed;
+    for (size_t k = 0; k < requests[i].events->size(); ++k) {
+      EXPECT_EQ((*requests[i].events)[k].index, int(k));
+      streamed.push_back((*requests[i].events)[k].token);
+    }
+    EXPECT_EQ(streamed, out.tokens);
+    prefill_workers.insert(out.prefill_worker);
+    decode_workers.insert(out.decode_worker);
+  }
+  EXPECT_EQ(prefill_workers, (std::set<std::string>{"prefill-1", "prefill-2"}));
+  EXPECT_EQ(decode_workers, (std::set<std::string>{"decode-1", "decode-2"}));
+
+  // The KV went over each prefill node's own connection to each decode
+  // node's port (CAF routes to a node over a direct connection when one
+  // exists; the prefill gate lets no job through without one).
+  for (const auto& prefill : cluster.names("prefill"))
+    for (const auto& decode : cluster.names("decode"))
+      EXPECT_TRUE(has_connection_to_port(cluster.node(prefill).pid(), cluster.port_of(decode)))
+          << prefill << " has no direct connection to " << decode << " (port " << cluster.port_of(decode) << ")";
+  // The router never dials a decode node's KV port.
+  for (const auto& decode : cluster.names("decode"))
+    EXPECT_FALSE(has_connection_to_port(cluster.node("router").pid(), cluster.port_of(decode)));
+  EXPECT_NE(cluster.node("prefill-1").log().find("direct connection to decode worker decode-2"), std::string::npos);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) {
+  TestCluster cluster("cluster-kv-route");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  // Long prompts, short answers: the traffic is almost all KV.
+  std::vector<int> prompt = {1};
+  for (int i = 0; i < 299; ++i) prompt.push_back(300 + i % 200);
+  const gpu::ModelConfig model = gpu::Checkpoint::open(shared_model())->config();
+  const uint64_t kv_bytes_per_request =
+      uint64_t(prompt.size()) * model.n_layers * 2 * model.n_kv_heads * model.head_size() * sizeof(float);
+  const int requests = 8;
+  std::vector<std::future<RequestOutcome>> pending;
+  for (int i = 0; i < requests; ++i) pending.push_back(cluster.client().submit(token_request(prompt, 2)));
+  for (auto& f : pending) {
+    const RequestOutcome out = f.get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  }
+
+  const auto connections = established_connections();
+  ASSERT_TRUE(connections) << "`ss` (iproute2, scripts/install-deps) is needed to read TCP counters";
+  std::set<pid_t> prefill_pids;
+  std::set<uint16_t> decode_ports;
+  for (const auto& name : cluster.names("prefill")) prefill_pids.insert(cluster.node(name).pid());
+  for (const auto& name : cluster.names("decode")) decode_ports.insert(cluster.port_of(name));
+  const pid_t router = cluster.node("router").pid();
+  uint64_t router_received = 0, prefill_to_decode = 0;
+  for (const auto& c : *connections) {
+    if (c.pid == router) router_received += c.bytes_received;
+    if (prefill_pids.count(c.pid) && decode_ports.count(c.remote_port)) prefill_to_decode += c.bytes_sent;
+  }
+  const uint64_t kv_total = requests * kv_bytes_per_request;
+  EXPECT_GE(prefill_to_decode, kv_total) << "the KV did not go over the prefill nodes' own connections";
+  EXPECT_LT(router_received, kv_total / 10) << "the router's node received " << router_received << " bytes";
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+TEST(MultiProcessCluster, ClientBinaryPrintsWhatDisaggGenerateDoes) {
+  TestCluster cluster("cluster-client");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  const auto timeout = std::chrono::seconds(60);
+  std::string out, err, ref_out, ref_err;
+
+  // --json with a text prompt: the same object as disagg-generate, plus timings.
+  ASSERT_EQ(run_to_completion({client_binary(), "--router", cluster.router_address(), "--prompt", "Once upon a time",
+                               "--max-new-tokens", "40", "--tokenizer", shared_tokenizer(), "--json"},
+                              out, err, timeout),
+            0)
+      << err;
+  ASSERT_EQ(run_to_completion({bin_dir() + "/disagg-generate", "--model", shared_model(), "--tokenizer",
+                               shared_tokenizer(), "--prompt", "Once upon a time", "--max-new-tokens", "40", "--json"},
+                              ref_out, ref_err, timeout),
+            0)
+      << ref_err;
+  const ReferenceCase got = parse_reference_case(out);
+  const ReferenceCase want = parse_reference_case(ref_out);
+  EXPECT_EQ(got.prompt_tokens, want.prompt_tokens);
+  EXPECT_EQ(got.output_tokens, want.output_tokens);
+  EXPECT_EQ(got.text, want.text);
+  EXPECT_NE(out.find("\"ttft_ms\":"), std::string::npos);
+  EXPECT_NE(err.find("tokens/s"), std::string::npos);
+
+  // Streaming, sampled, by token ids: stdout holds the continuation.
+  ASSERT_EQ(run_to_completion({client_binary(), "--router", cluster.router_address(), "--prompt-tokens",
+                               "1 403 407 261 378", "--max-new-tokens", "30", "--temperature", "0.8", "--seed", "7"},
+                              out, err, timeout),
+            0)
+      << err;
+  EXPECT_GT(out.size(), 10u);
+  EXPECT_NE(err.find("ttft"), std::string::npos);
+
+  // An error from the cluster: its code and message, exit 1.
+  ASSERT_EQ(run_to_completion({client_binary(), "--router", cluster.router_address(), "--prompt-tokens", "1 99999",
+                               "--max-new-tokens", "4"},
+                              out, err, timeout),
+            1);
+  EXPECT_NE(err.find("invalid_request"), std::string::npos) << err;
+
+  // No router there: exit 3.
+  EXPECT_EQ(run_to_completion({client_binary(), "--router", "127.0.0.1:" + std::to_string(free_loopback_port()),
+                               "--status"},
+                              out, err, timeout),
+            3);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+}  // namespace
+}  // namespace disagg::test

@@ -1,0 +1,193 @@
+// A node's configuration: what CAF would silently drop is an error with its
+// file and line; a misconfigured node exits at once with a clear message; the
+// example configs are valid; scripts/cluster starts and stops a cluster.
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <regex>
+
+#include "actors/node_config.h"
+#include "cluster/child_process.h"
+#include "cluster/cluster_fixture.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+namespace {
+
+// The problems check_config_file finds in `text`, one string.
+std::string problems_in(const std::string& text) {
+  const std::string dir = make_temp_dir("node-config");
+  const std::string path = dir + "/node.ini";
+  write_text_file(path, text);
+  NodeSystemConfig config;
+  std::string all;
+  for (const auto& p : check_config_file(path, config.options())) all += p + "\n";
+  std::filesystem::remove_all(dir);
+  return all;
+}
+
+TEST(NodeConfigFile, AcceptsWhatCafReadsFaithfully) {
+  EXPECT_EQ(problems_in("; comment\n[node]\nrole = \"decode\" ; why\nport = 4611\nconnect-retry-ms = 50\n"
+                        "[disagg]\nmodel = \"m.bin\"\nblock-size = 32\n[middleman]\n"
+                        "enable-automatic-connections = false\nheartbeat-interval = 1s\n"
+                        "app-identifiers = [\"a\",\n  \"b\"]\n[scheduler]\npolicy = 'sharing'\n"),
+            "");
+}
+
+TEST(NodeConfigFile, ReportsEveryValueCafWouldIgnoreOrRejectWithItsLine) {
+  const std::string single = problems_in("[node]\nrole = 'router'\n");
+  EXPECT_NE(single.find("line 2: node.role = 'router': single-quoted"), std::string::npos) << single;
+  const std::string bare = problems_in("[node]\n\nrole = router\n");
+  EXPECT_NE(bare.find("line 3: node.role = router: strings must be double-quoted"), std::string::npos) << bare;
+  const std::string range = problems_in("[node]\nrole = \"router\"\nport = 70000\n");
+  EXPECT_NE(range.find("line 3: node.port = 70000: not a valid uint16"), std::string::npos) << range;
+  const std::string type = problems_in("[disagg]\nblock-size = \"16\"\n");
+  EXPECT_NE(type.find("line 2: disagg.block-size = \"16\": not a valid"), std::string::npos) << type;
+  const std::string key = problems_in("[disagg]\nblock-sise = 16\n");
+  EXPECT_NE(key.find("line 2: unknown option disagg.block-sise"), std::string::npos) << key;
+  const std::string group = problems_in("[nodes]\n");
+  EXPECT_NE(group.find("line 1: unknown group [nodes]"), std::string::npos) << group;
+  const std::string hash = problems_in("# comment\n");
+  EXPECT_NE(hash.find("line 1: comments start with ';'"), std::string::npos) << hash;
+}
+
+TEST(NodeConfigFile, ExampleClusterConfigsAreValid) {
+  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/config/local";
+  NodeSystemConfig config;
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".ini") continue;
+    ++files;
+    const auto problems = check_config_file(entry.path().string(), config.options());
+    EXPECT_TRUE(problems.empty()) << problems.front();
+  }
+  EXPECT_EQ(files, 5);
+}
+
+struct Misconfiguration {
+  std::string what;
+  std::string ini;
+  std::vector<std::string> args;
+  int exit_code;
+  std::string message;
+};
+
+// Runs disagg-node on `ini` (written to a temp file): it must exit quickly.
+void expect_fails_fast(const Misconfiguration& m) {
+  SCOPED_TRACE(m.what);
+  const std::string dir = make_temp_dir("node-misconfig");
+  const std::string path = dir + "/node.ini";
+  write_text_file(path, m.ini);
+  std::vector<std::string> argv = {node_binary(), "--config-file=" + path};
+  argv.insert(argv.end(), m.args.begin(), m.args.end());
+  std::string out, err;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(run_to_completion(argv, out, err, std::chrono::seconds(20)), m.exit_code) << err;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(err.find(m.message), std::string::npos) << "stderr: " << err;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
+  const std::string model = "model = \"" + shared_model() + "\"\n";
+  expect_fails_fast({"unknown role", "[node]\nrole = \"worker\"\n", {}, 2,
+                     "node.role must be router, prefill or decode (got \"worker\")"});
+  expect_fails_fast({"single-quoted value", "[node]\nrole = \"decode\"\nrouter-host = '127.0.0.1'\n", {}, 2,
+                     "line 3: node.router-host = '127.0.0.1': single-quoted"});
+  expect_fails_fast({"missing model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\n"
+                     "model = \"/nonexistent/model.bin\"\n", {}, 2,
+                     "disagg.model: /nonexistent/model.bin is not a readable file"});
+  expect_fails_fast({"no model", "[node]\nrole = \"decode\"\nrouter-port = 4000\n", {}, 2,
+                     "disagg.model is required for a decode node"});
+  expect_fails_fast({"worker without router port", "[node]\nrole = \"decode\"\n[disagg]\n" + model, {}, 2,
+                     "node.router-port is required"});
+  expect_fails_fast({"bad command-line value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=x"}, 2,
+                     "command line"});
+  expect_fails_fast({"invalid disagg value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=0"}, 2,
+                     "disagg.block-size must be >= 1"});
+  const std::string dir = make_temp_dir("node-bad-model");
+  write_text_file(dir + "/model.bin", "not a checkpoint");
+  expect_fails_fast({"corrupt model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\nmodel = \"" +
+                                          dir + "/model.bin\"\n", {}, 1, "cannot load the model"});
+  std::filesystem::remove_all(dir);
+}
+
+TEST(NodeStartup, APortInUseIsReported) {
+  // Hold a listening socket on a loopback port.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  expect_fails_fast({"router port in use", "[node]\nrole = \"router\"\nport = " + port + "\n", {}, 1,
+                     "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
+  expect_fails_fast({"decode port in use",
+                     "[node]\nrole = \"decode\"\nport = " + port + "\nrouter-port = 4000\n[disagg]\nmodel = \"" +
+                         shared_model() + "\"\n",
+                     {}, 1, "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
+  ::close(fd);
+}
+
+TEST(ClusterScript, StartsWaitsForEveryWorkerAndStopsExactlyItsNodes) {
+  TestCluster ports("cluster-script");  // only for its temp dir and free ports
+  const std::string config_dir = ports.dir() + "/config";
+  const std::string run_dir = ports.dir() + "/run";
+  std::filesystem::create_directories(config_dir);
+  // The files name a model that does not exist: MODEL / TOKENIZER replace it.
+  auto with_fake_model = [](std::string ini) {
+    return std::regex_replace(ini, std::regex("(model|tokenizer) = \"[^\"]*\""), "$1 = \"/nonexistent.bin\"");
+  };
+  write_text_file(config_dir + "/router.ini", with_fake_model(ports.config_text("router", "router", ports.router_port())));
+  write_text_file(config_dir + "/prefill-1.ini", with_fake_model(ports.config_text("prefill", "prefill-1", 0)));
+  write_text_file(config_dir + "/decode-1.ini",
+                  with_fake_model(ports.config_text("decode", "decode-1", free_loopback_port())));
+  const std::string script = std::string(DISAGG_SOURCE_DIR) + "/scripts/cluster";
+  const std::vector<std::string> env = {"DISAGG_RUN_DIR=" + run_dir, "DISAGG_BIN_DIR=" + bin_dir(),
+                                        "MODEL=" + shared_model(), "TOKENIZER=" + shared_tokenizer(),
+                                        "CLUSTER_TIMEOUT=30"};
+  struct Down {  // whatever happens, the nodes the script started go away
+    std::string script;
+    std::vector<std::string> env;
+    ~Down() {
+      std::string o, e;
+      run_to_completion({"/bin/bash", script, "down"}, o, e, std::chrono::seconds(30), env);
+    }
+  } down{script, env};
+
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({"/bin/bash", script, "up", config_dir}, out, err, std::chrono::seconds(60), env), 0)
+      << out << err;
+  EXPECT_NE(out.find("router=" + ports.router_address()), std::string::npos) << out;
+  std::vector<pid_t> pids;
+  for (const char* name : {"router", "prefill-1", "decode-1"})
+    pids.push_back(pid_t(std::stol(read_text_file(run_dir + "/" + name + ".pid"))));
+  for (pid_t pid : pids) EXPECT_TRUE(process_alive(pid));
+
+  ASSERT_EQ(run_to_completion({client_binary(), "--router", ports.router_address(), "--prompt", "Once upon a time",
+                               "--max-new-tokens", "10"},
+                              out, err, std::chrono::seconds(30)),
+            0)
+      << err;
+  EXPECT_EQ(out.rfind("Once upon a time,", 0), 0u) << out;
+
+  // A second `up` refuses while this cluster runs.
+  EXPECT_EQ(run_to_completion({"/bin/bash", script, "up", config_dir}, out, err, std::chrono::seconds(30), env), 1);
+  EXPECT_NE(err.find("already running"), std::string::npos) << err;
+
+  ASSERT_EQ(run_to_completion({"/bin/bash", script, "down"}, out, err, std::chrono::seconds(30), env), 0) << err;
+  EXPECT_NE(out.find("stopped 3 node(s)"), std::string::npos) << out;
+  for (pid_t pid : pids) EXPECT_FALSE(process_alive(pid)) << "pid " << pid;
+}
+
+}  // namespace
+}  // namespace disagg::test
