@@ -52,8 +52,13 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.compute_timeout_ms, "compute-timeout-ms", "deadline of every call to a compute actor");
 }
 
+void prefer_sharing_scheduler(caf::actor_system_config& config) {
+  config.set("scheduler.policy", caf::atom("sharing"));
+}
+
 DisaggSystemConfig::DisaggSystemConfig() {
   register_messages(*this);
+  prefer_sharing_scheduler(*this);
   add_disagg_options(custom_options_, disagg);
 }
 

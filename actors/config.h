@@ -47,8 +47,15 @@ struct DisaggConfig {
 // the parse).
 void add_disagg_options(caf::config_option_set& options, DisaggConfig& config);
 
-// An actor_system_config with all protocol messages registered and the
-// "disagg" options bound to `disagg`.
+// Makes `scheduler.policy` default to 'sharing' (a config file or the command
+// line may still choose 'stealing'). CAF 0.17's work-stealing workers poll
+// their queues and sleep up to 10 ms between polls when idle; every decode step
+// hands its result from the detached compute thread back to a scheduled actor,
+// so that polling would add to every token. Sharing wakes a worker at once.
+void prefer_sharing_scheduler(caf::actor_system_config& config);
+
+// An actor_system_config with all protocol messages registered, the sharing
+// scheduler, and the "disagg" options bound to `disagg`.
 class DisaggSystemConfig : public caf::actor_system_config {
  public:
   DisaggSystemConfig();

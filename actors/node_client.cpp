@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "caf/all.hpp"
+#include "actors/config.h"
 #include "caf/io/all.hpp"
 #include "gpu/error.h"
 #include "messages/registration.h"
@@ -23,6 +24,7 @@ RemoteClient::RemoteClient(const std::string& router_address, std::chrono::milli
 
   config_ = std::make_unique<caf::actor_system_config>();
   register_messages(*config_);
+  prefer_sharing_scheduler(*config_);
   config_->load<caf::io::middleman>();
   system_ = std::make_unique<caf::actor_system>(*config_);
   const auto deadline = std::chrono::steady_clock::now() + wait;
