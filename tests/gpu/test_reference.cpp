@@ -15,6 +15,7 @@
 #include "gpu/generate.h"
 #include "gpu/tokenizer.h"
 #include "support/reference_cases.h"
+#include "support/run_command.h"
 #include "support/test_paths.h"
 
 namespace disagg::gpu {
@@ -68,23 +69,8 @@ TEST_F(ReferenceTest, GenerateStepwiseReproducesGreedyOutputs) {
   }
 }
 
-// Runs a command and returns its standard output and exit status.
-std::pair<std::string, int> run_command(const std::string& command) {
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (!pipe) return {"", -1};
-  std::string output;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) output.append(buf.data(), n);
-  const int status = ::pclose(pipe);
-  return {output, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
-}
-
-std::string shell_quoted(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
+using test::run_command;
+using test::shell_quoted;
 
 TEST_F(ReferenceTest, GenerateAppPrintsReferenceJson) {
   const std::string app = test::bin_dir() + "/disagg-generate";
