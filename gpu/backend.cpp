@@ -24,11 +24,13 @@ std::unique_ptr<Backend> make_backend(const std::string& name) {
   if (name == "cpu") return make_cpu_backend();
   if (name == "auto" || name == "cuda") {
 #if DISAGG_CUDA_BUILT
-    if (cuda_device_count() > 0) return make_cuda_backend(0);
+    std::string why_none;
+    if (cuda_runtime_device_count(&why_none) > 0) return make_cuda_backend(0);
+#else
+    const std::string why_none = "this build has no CUDA backend";
 #endif
     if (name == "auto") return make_cpu_backend();
-    throw Error(DISAGG_CUDA_BUILT ? "no CUDA device found (backend \"cuda\" requested)"
-                                  : "no CUDA device: this build has no CUDA backend (backend \"cuda\" requested)");
+    throw Error("no CUDA device: " + why_none + " (backend \"cuda\" requested)");
   }
   throw Error("unknown backend \"" + name + "\" (expected auto, cpu or cuda)");
 }
