@@ -1,5 +1,6 @@
 #include "actors/client.h"
 
+#include <algorithm>
 #include <random>
 
 #include "actors/errors.h"
@@ -51,8 +52,10 @@ std::future<RequestOutcome> Client::submit(GenerateRequest request, TokenCallbac
   if (request.deadline_ms == 0) request.deadline_ms = options_.default_deadline_ms;
   auto result = std::make_shared<std::promise<RequestOutcome>>();
   auto future = result->get_future();
-  // A negative deadline is the router's to reject; wait only the grace then.
-  const auto wait = std::chrono::milliseconds(std::max<int64_t>(request.deadline_ms, 0) + options_.grace_ms);
+  // A deadline outside [0, kMaxDeadlineMs] is the router's to reject (at
+  // once); clamped here so the wait itself cannot overflow.
+  const auto wait = std::chrono::milliseconds(std::clamp<int64_t>(request.deadline_ms, 0, kMaxDeadlineMs) +
+                                              options_.grace_ms);
   system_.spawn(request_behavior, router_, std::move(request), std::move(on_token), result, wait);
   return future;
 }

@@ -33,6 +33,17 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
   PrefillResult r;
   r.id = work.id;
   const auto start = Clock::now();
+  // Skipped, not computed, when the request has ended while this waited.
+  if (work.cancelled && work.cancelled->load()) {
+    r.code = ErrorCode::cancelled;
+    r.message = "cancelled before its prefill ran";
+    return r;
+  }
+  if (work.deadline_ns > 0 && start.time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns)) {
+    r.code = ErrorCode::timeout;
+    r.message = "deadline passed before its prefill ran";
+    return r;
+  }
   try {
     gpu::PrefillOutput out = st.engine->prefill(work.tokens);
     r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,

@@ -1,6 +1,7 @@
 #include "actors/config.h"
 
 #include "messages/registration.h"
+#include "messages/request.h"
 
 namespace disagg {
 
@@ -22,7 +23,9 @@ std::string DisaggConfig::validate() const {
   require(max_batch >= 1, "max-batch must be >= 1");
   require(queue_capacity >= 0, "queue-capacity must be >= 0");
   require(max_prefill_inflight >= 1, "max-prefill-inflight must be >= 1");
-  require(default_deadline_ms > 0, "default-deadline-ms must be > 0");
+  require(default_deadline_ms > 0 && default_deadline_ms <= kMaxDeadlineMs,
+          "default-deadline-ms must be in [1, " + std::to_string(kMaxDeadlineMs) + "] (24 h)");
+  require(max_prompt_bytes >= 1, "max-prompt-bytes must be >= 1");
   require(session_affinity_size >= 0, "session-affinity-size must be >= 0");
   require(max_decode_retries >= 0, "max-decode-retries must be >= 0");
   require(compute_timeout_ms > 0, "compute-timeout-ms must be > 0");
@@ -46,6 +49,8 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
            "requests the router holds before dispatch (more: overloaded)")
       .add(c.max_prefill_inflight, "max-prefill-inflight", "jobs per prefill worker at once")
       .add(c.default_deadline_ms, "default-deadline-ms", "deadline of a request that sets none")
+      .add(c.max_prompt_bytes, "max-prompt-bytes",
+           "longest text prompt the router encodes (longer: invalid_request)")
       .add(c.session_affinity_size, "session-affinity-size", "sessions the router remembers")
       .add(c.max_decode_retries, "max-decode-retries",
            "other decode workers tried after an overloaded reply")

@@ -59,7 +59,8 @@ struct DecodeState {
   compute_actor compute;
   router_actor router;
   std::optional<gpu::BlockAllocator> allocator;
-  int32_t seq_len = 0;  // from the compute actor's model
+  int32_t seq_len = 0;     // from the compute actor's model
+  int32_t vocab_size = 0;  // from the compute actor's model
   std::map<RequestId, Sequence> active;
   std::unordered_set<RequestId> admitting;  // blocks reserved, compute writing the KV
   RecentIds cancelled{4096};
@@ -206,6 +207,12 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
                   "prompt_len " + std::to_string(transfer.prompt_len) + ", max_new_tokens " +
                       std::to_string(transfer.max_new_tokens) + " do not fit seq_len " +
                       std::to_string(st.seq_len));
+  // Checked here: the token is fed to the next batched step, where an id the
+  // model lacks would fail every sequence of that batch.
+  if (transfer.first_token < 0 || transfer.first_token >= st.vocab_size)
+    return refuse(ErrorCode::invalid_request,
+                  "first_token " + std::to_string(transfer.first_token) + " is outside the vocabulary [0, " +
+                      std::to_string(st.vocab_size) + ")");
   const int positions = positions_needed(transfer.prompt_len, transfer.max_new_tokens, st.seq_len);
   const int needed = blocks_for(positions, st.config.block_size);
   std::vector<int32_t> blocks = st.allocator->allocate(needed);
@@ -268,6 +275,7 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
       .then(
           [=](ModelInfo& model) {
             self->state.seq_len = model.seq_len;
+            self->state.vocab_size = model.vocab_size;
             WorkerInfo info;
             info.role = WorkerRole::decode;
             info.name = self->state.name;
@@ -285,9 +293,13 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         auto& state = self->state;
         state.cancelled.add(id);
         auto it = state.active.find(id);
-        if (it == state.active.end()) return;  // admitting: refused when compute answers
-        state.allocator->release(it->second.blocks);
-        state.active.erase(it);
+        if (it != state.active.end()) {
+          state.allocator->release(it->second.blocks);
+          state.active.erase(it);
+        }
+        // Also when it held nothing (never arrived, or admitting: refused when
+        // compute answers): the router gives back what it had reserved here
+        // and needs the real load to count on again.
         report_load(self);
       },
       [=](status_atom) { return load_of(self); },

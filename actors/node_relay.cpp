@@ -1,5 +1,6 @@
 #include "actors/node_relay.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -18,6 +19,7 @@ namespace {
 using refresh_atom = caf::atom_constant<caf::atom("refresh")>;
 using endpoint_atom = caf::atom_constant<caf::atom("endpoint")>;
 using router_atom = caf::atom_constant<caf::atom("router")>;
+using retry_atom = caf::atom_constant<caf::atom("retry")>;
 
 // "host:port" -> (host, port); port 0 when malformed.
 std::pair<std::string, uint16_t> split_endpoint(const std::string& endpoint) {
@@ -218,7 +220,8 @@ gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
 // ---------------------------------------------------------------- the relay
 
 using relay_actor = router_actor::extend<caf::reacts_to<router_atom, router_actor>,
-                                         caf::reacts_to<endpoint_atom, std::string>>;
+                                         caf::reacts_to<endpoint_atom, std::string>,
+                                         caf::reacts_to<retry_atom, uint64_t>>;
 
 // The one worker that registered through this relay, as the router sees it.
 struct Registration {
@@ -233,6 +236,8 @@ struct RelayState {
   router_actor router;   // invalid until set_relay_router
   std::string endpoint;  // decode: set_relay_endpoint
   std::optional<Registration> worker;
+  uint64_t registration = 0;           // the latest attempt; a retry names the one that failed
+  std::chrono::milliseconds retry_delay;  // until the next attempt after a failed one
   static inline const char* name = "router-relay";
 };
 
@@ -247,17 +252,26 @@ void register_worker(RelaySelf self) {
   w.info.endpoint = st.endpoint;
   const std::string name = w.info.name;
   const router_actor router = st.router;
+  const uint64_t attempt = ++st.registration;
   auto on_ok = [=](caf::ok_atom) {
+    self->state.retry_delay = self->state.spec.register_retry;
     node_log("registered with the router as " + name +
              (self->state.endpoint.empty() ? "" : " (KV endpoint " + self->state.endpoint + ")"));
     const std::string& ready = self->state.spec.ready_file;
     if (!ready.empty() && !write_ready_file(ready, name)) node_log("cannot write ready file " + ready);
   };
   auto on_error = [=](caf::error& e) {
-    // A router that went away is replaced by the node (set_relay_router); a
-    // question that was out to it may only time out now.
-    if (router == self->state.router)
-      node_log("registration of " + name + " failed: " + self->system().render(e));
+    // A router that went away is replaced by the node (set_relay_router),
+    // which registers again; a question that was out to it may only time out
+    // now. The same router refused or did not answer: try again, with backoff
+    // (unless a newer attempt is already out).
+    auto& st = self->state;
+    if (router != st.router) return;
+    node_log("registration of " + name + " failed: " + self->system().render(e) + "; trying again in " +
+             std::to_string(st.retry_delay.count()) + " ms");
+    if (attempt != st.registration) return;
+    self->delayed_send(self, st.retry_delay, retry_atom::value, attempt);
+    st.retry_delay = std::min(st.retry_delay * 2, st.spec.register_retry_max);
   };
   if (w.face)
     self->request(router, st.spec.register_timeout, register_atom::value, w.info, w.face).then(on_ok, on_error);
@@ -288,6 +302,7 @@ caf::ok_atom take_registration(RelaySelf self, WorkerInfo& info, prefill_actor p
 
 relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
   self->state.spec = std::move(spec);
+  self->state.retry_delay = self->state.spec.register_retry;
   // Before the node has reached a router nothing is dispatched to this
   // worker, so nothing is sent either; requests then fail at once.
   auto no_router = [] { return caf::make_error(caf::sec::request_receiver_down); };
@@ -326,6 +341,7 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
       },
       [=](router_atom, router_actor& router) {
         self->state.router = std::move(router);
+        self->state.retry_delay = self->state.spec.register_retry;
         if (self->state.worker && self->state.worker->gate)
           self->send(self->state.worker->gate, router_atom::value, self->state.router);
         register_worker(self);
@@ -333,6 +349,9 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
       [=](endpoint_atom, std::string& endpoint) {
         self->state.endpoint = std::move(endpoint);
         register_worker(self);
+      },
+      [=](retry_atom, uint64_t attempt) {
+        if (attempt == self->state.registration) register_worker(self);
       },
   };
 }

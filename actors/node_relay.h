@@ -5,7 +5,8 @@
 // which it completes for the multi-process cluster and owns from then on:
 //   - it answers the worker at once and registers it with the router as soon
 //     as the node has reached one (set_relay_router), and again with every
-//     new router after the old one went away;
+//     new router after the old one went away; a registration the router
+//     refuses or does not answer is retried with backoff (register_retry);
 //   decode:  WorkerInfo::endpoint = this node's own listening "host:port",
 //            where prefill nodes connect to ship KV (set_relay_endpoint);
 //   prefill: the handle registered is a *gate* in front of the prefill actor.
@@ -31,12 +32,17 @@ namespace disagg {
 struct RelaySpec {
   std::string ready_file;  // rewritten with the worker's name on each registration (may be empty)
   std::chrono::milliseconds register_timeout{10000};
+  // A registration the router refused or did not answer is tried again after
+  // this delay, doubling up to register_retry_max, while that router is alive.
+  std::chrono::milliseconds register_retry{100};
+  std::chrono::milliseconds register_retry_max{2000};
   std::chrono::milliseconds peer_refresh{1000};  // prefill gate
 };
 
 // A relay without a router yet; registrations wait for set_relay_router (and,
 // for a decode worker, set_relay_endpoint). It links itself to the worker
-// that registers through it, so they stop together.
+// that registers through it, so they stop together (node_runtime links them
+// as soon as the worker is spawned, for a worker that stops before that).
 router_actor spawn_router_relay(caf::actor_system& system, RelaySpec spec);
 
 // The router the relay passes messages to; (re-)registers its worker there.

@@ -199,16 +199,23 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
   relay_spec.ready_file = node.ready_file;
   relay_spec.register_timeout = std::chrono::milliseconds(cfg.compute_timeout_ms);
   relay_spec.peer_refresh = std::chrono::milliseconds(node.peer_refresh_ms);
+  relay_spec.register_retry = std::chrono::milliseconds(node.connect_retry_ms);
+  relay_spec.register_retry_max = std::chrono::milliseconds(node.connect_backoff_max_ms);
   router_actor relay = spawn_router_relay(system, relay_spec);
 
   const std::string name =
       !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
-  caf::actor worker;
+  caf::actor worker = is_decode
+                          ? caf::actor_cast<caf::actor>(spawn_decode(system, cfg, compute, relay, name))
+                          : caf::actor_cast<caf::actor>(spawn_prefill(system, cfg, compute, relay, name));
+  // Linked now, not only once the worker has registered through the relay: a
+  // worker that stops before (e.g. its KV port is taken) must take the relay
+  // with it, or the actor system would wait for the relay forever on exit.
+  // (add_link is thread-safe; an actor already gone makes the other exit.)
+  caf::actor_cast<caf::abstract_actor*>(relay)->add_link(caf::actor_cast<caf::abstract_actor*>(worker));
   if (is_decode) {
-    auto decode = spawn_decode(system, cfg, compute, relay, name);
-    worker = caf::actor_cast<caf::actor>(decode);
     // The KV port: prefill nodes connect here directly.
-    auto port = publish_on(system, decode, node.host, node.port);
+    auto port = publish_on(system, caf::actor_cast<decode_actor>(worker), node.host, node.port);
     if (!port) {
       stop_actor(self, worker);
       return 1;
@@ -218,8 +225,6 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
     node_log("decode worker listening for KV on " + endpoint_of(node.host, *port) +
              (node.advertise_host.empty() ? "" : " (advertised as " + endpoint + ")"));
     set_relay_endpoint(relay, endpoint);
-  } else {
-    worker = caf::actor_cast<caf::actor>(spawn_prefill(system, cfg, compute, relay, name));
   }
   self->monitor(worker);
 

@@ -1,6 +1,9 @@
 #include "actors/prefill.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <unordered_map>
 
 #include "actors/errors.h"
@@ -16,10 +19,16 @@ int64_t micros_since(Clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
 }
 
+// A job from its arrival until its one report. Cancelling only sets the flag:
+// the report goes out when the work in progress (compute, or the KV ack) is
+// over, so the router's slot for this worker stays held while it is busy.
 struct Job {
+  RequestId id = 0;
   caf::typed_response_promise<PrefillReport> promise;
   int64_t prompt_tokens = 0;
   Clock::time_point received;
+  Clock::time_point deadline;
+  CancelFlag cancelled = std::make_shared<std::atomic<bool>>(false);
 };
 
 struct PrefillState {
@@ -27,19 +36,29 @@ struct PrefillState {
   std::string name;  // also the actor's name in CAF (stateful_actor reads state.name)
   compute_actor compute;
   router_actor router;
-  std::unordered_map<RequestId, Job> jobs;
+  std::unordered_map<uint64_t, Job> jobs;        // by serial: received, not yet reported
+  std::unordered_map<RequestId, uint64_t> live;  // request id -> its job, until cancelled
+  uint64_t next_serial = 1;
   int64_t queued_tokens = 0;
 };
 
 using Self = prefill_actor::stateful_pointer<PrefillState>;
 
 // Every job ends here: its one report goes to the router and it is forgotten.
-void finish(Self self, PrefillReport report) {
-  auto it = self->state.jobs.find(report.id);
-  if (it == self->state.jobs.end()) return;  // already cancelled
-  self->state.queued_tokens -= it->second.prompt_tokens;
-  it->second.promise.deliver(std::move(report));
-  self->state.jobs.erase(it);
+void finish(Self self, uint64_t serial, PrefillReport report) {
+  auto& st = self->state;
+  auto it = st.jobs.find(serial);
+  if (it == st.jobs.end()) return;
+  Job& job = it->second;
+  if (job.cancelled->load()) {
+    report.code = ErrorCode::cancelled;
+    report.message = "cancelled";
+  }
+  st.queued_tokens -= job.prompt_tokens;
+  auto live = st.live.find(job.id);
+  if (live != st.live.end() && live->second == serial) st.live.erase(live);
+  job.promise.deliver(std::move(report));
+  st.jobs.erase(it);
 }
 
 PrefillReport failure(RequestId id, ErrorCode code, std::string message) {
@@ -50,7 +69,7 @@ PrefillReport failure(RequestId id, ErrorCode code, std::string message) {
   return r;
 }
 
-void ship_kv(Self self, PrefillJob job, decode_actor decode, PrefillResult computed,
+void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, PrefillResult computed,
              int64_t prefill_us) {
   const auto& cfg = self->state.config;
   const uint64_t kv_bytes = computed.kv.size();
@@ -60,7 +79,7 @@ void ship_kv(Self self, PrefillJob job, decode_actor decode, PrefillResult compu
                          std::to_string(cfg.max_kv_transfer_bytes));
     r.kv_bytes = kv_bytes;
     r.prefill_us = prefill_us;
-    finish(self, std::move(r));
+    finish(self, serial, std::move(r));
     return;
   }
   KvTransfer transfer;
@@ -84,14 +103,32 @@ void ship_kv(Self self, PrefillJob job, decode_actor decode, PrefillResult compu
             r.prefill_us = prefill_us;
             r.kv_transfer_us = micros_since(sent);
             r.decode_load = ack.load;
-            finish(self, std::move(r));
+            finish(self, serial, std::move(r));
           },
           [=](caf::error& e) {
             auto r = failure(id, code_of(e), describe("KV ack from decode worker", e));
             r.kv_bytes = kv_bytes;
             r.prefill_us = prefill_us;
-            finish(self, std::move(r));
+            finish(self, serial, std::move(r));
           });
+}
+
+// The compute actor's answer to a job's prompt: ship the KV, unless the job
+// ended meanwhile.
+void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode_actor& decode,
+                 PrefillResult& computed) {
+  auto it = self->state.jobs.find(serial);
+  if (it == self->state.jobs.end()) return;
+  const Job& j = it->second;
+  if (j.cancelled->load()) {
+    finish(self, serial, failure(job.id, ErrorCode::cancelled, "cancelled"));
+  } else if (computed.code != ErrorCode::none) {
+    finish(self, serial, failure(job.id, computed.code, std::move(computed.message)));
+  } else if (Clock::now() >= j.deadline) {
+    finish(self, serial, failure(job.id, ErrorCode::timeout, "deadline passed during the prefill"));
+  } else {
+    ship_kv(self, serial, job, decode, std::move(computed), micros_since(j.received));
+  }
 }
 
 prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, compute_actor compute,
@@ -118,36 +155,51 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
   return {
       [=](prefill_atom, PrefillJob& job,
           decode_actor& decode) -> caf::typed_response_promise<PrefillReport> {
+        auto& st = self->state;
         auto promise = self->make_response_promise<PrefillReport>();
-        if (self->state.jobs.count(job.id)) {
+        if (st.live.count(job.id)) {
           promise.deliver(failure(job.id, ErrorCode::invalid_request,
                                   "request " + std::to_string(job.id) + " is already in prefill"));
           return promise;
         }
-        const auto received = Clock::now();
-        self->state.jobs[job.id] = Job{promise, int64_t(job.prompt_tokens.size()), received};
-        self->state.queued_tokens += int64_t(job.prompt_tokens.size());
-        PrefillWork work{job.id, job.prompt_tokens, job.sampling};
-        const auto deadline = std::chrono::milliseconds(std::max<int64_t>(job.deadline_ms, 1));
-        self->request(self->state.compute, deadline, prefill_atom::value, std::move(work))
-            .then(
-                [=](PrefillResult& computed) {
-                  if (!self->state.jobs.count(job.id)) return;  // cancelled meanwhile
-                  if (computed.code != ErrorCode::none) {
-                    finish(self, failure(job.id, computed.code, std::move(computed.message)));
-                    return;
-                  }
-                  ship_kv(self, job, decode, std::move(computed), micros_since(received));
-                },
-                [=](caf::error& e) {
-                  finish(self, failure(job.id, code_of(e), describe("prefill compute", e)));
-                });
+        const uint64_t serial = st.next_serial++;
+        // (clamped: a job from elsewhere than the router may carry anything)
+        const auto time_left = std::chrono::milliseconds(std::clamp<int64_t>(job.deadline_ms, 1, kMaxDeadlineMs));
+        Job j;
+        j.id = job.id;
+        j.promise = promise;
+        j.prompt_tokens = int64_t(job.prompt_tokens.size());
+        j.received = Clock::now();
+        j.deadline = j.received + time_left;
+        PrefillWork work;
+        work.id = job.id;
+        work.tokens = job.prompt_tokens;
+        work.sampling = job.sampling;
+        work.deadline_ns =
+            std::chrono::duration_cast<std::chrono::nanoseconds>(j.deadline.time_since_epoch()).count();
+        work.cancelled = j.cancelled;
+        st.queued_tokens += j.prompt_tokens;
+        st.live[job.id] = serial;
+        st.jobs.emplace(serial, std::move(j));
+        // The compute actor answers by the deadline by itself (it skips work
+        // it reaches later); the margin covers a prompt it had already begun.
+        const auto bound = time_left + std::chrono::milliseconds(st.config.compute_timeout_ms);
+        self->request(st.compute, bound, prefill_atom::value, std::move(work))
+            .then([=](PrefillResult& computed) { on_computed(self, serial, job, decode, computed); },
+                  [=](caf::error& e) {
+                    finish(self, serial, failure(job.id, code_of(e), describe("prefill compute", e)));
+                  });
         return promise;
       },
       [=](cancel_atom, RequestId id) {
-        // The router has already answered its client; this only stops the work
-        // (a KV already sent is cancelled at the decode worker by the router).
-        finish(self, failure(id, ErrorCode::cancelled, "cancelled"));
+        // The router has already answered its client; this only stops the
+        // work: the compute actor skips the prompt if it has not begun it (a
+        // KV already sent is cancelled at the decode worker by the router).
+        auto& st = self->state;
+        auto it = st.live.find(id);
+        if (it == st.live.end()) return;
+        st.jobs.at(it->second).cancelled->store(true);
+        st.live.erase(it);  // the id may come again, as a new job
       },
       [=](status_atom) {
         return PrefillLoad{int32_t(self->state.jobs.size()), self->state.queued_tokens};

@@ -26,7 +26,8 @@ struct Worker {
   caf::actor_addr address;
   prefill_actor prefill;  // exactly one of prefill / decode is valid
   decode_actor decode;
-  // prefill: what the router has sent and not yet heard back about
+  // prefill: jobs the router has sent and not yet heard back about (held
+  // until the worker's report arrives, also for requests that ended before)
   int in_flight = 0;
   int64_t outstanding_tokens = 0;
   // decode: as last reported, lowered by the router's own reservations
@@ -51,7 +52,6 @@ struct Request {
   // while dispatched:
   WorkerKey prefill_key = 0;
   WorkerKey decode_key = 0;
-  bool holds_prefill = false;
   int reserved_blocks = 0;
   std::optional<PrefillReport> prefill_report;
   std::optional<DecodeDone> decode_done;
@@ -94,22 +94,41 @@ std::string worker_name(Self self, WorkerKey key) {
   return w ? w->info.name : std::string();
 }
 
-// Gives back what a request holds on its workers in the router's books.
+// The request's blocks on its decode worker go back in the router's books:
+// the reservation, and the free-block estimate that start() lowered (capped:
+// a load report may have counted them free already). The decode worker's
+// next report corrects the estimate; this keeps it right if none comes.
 void release_reservations(Self self, Request& r) {
-  if (r.holds_prefill) {
-    if (Worker* p = find_worker(self, r.prefill_key)) {
-      p->in_flight -= 1;
-      p->outstanding_tokens -= int64_t(r.prompt.size());
-    }
-    r.holds_prefill = false;
+  if (r.reserved_blocks <= 0) return;
+  if (Worker* d = find_worker(self, r.decode_key)) {
+    d->reserved_blocks -= r.reserved_blocks;
+    d->load.free_blocks = std::min(d->info.total_blocks, d->load.free_blocks + r.reserved_blocks);
+    d->assigned -= 1;
   }
-  if (r.reserved_blocks > 0) {
-    if (Worker* d = find_worker(self, r.decode_key)) {
-      d->reserved_blocks -= r.reserved_blocks;
-      d->assigned -= 1;
-    }
-    r.reserved_blocks = 0;
+  r.reserved_blocks = 0;
+}
+
+// A prefill job's slot is free once the worker has answered it (or the
+// answer's own deadline passed): until then its compute may still be busy
+// with it, whether or not the request has ended meanwhile.
+void release_prefill_slot(Self self, WorkerKey prefill_key, int64_t prompt_tokens) {
+  if (Worker* p = find_worker(self, prefill_key)) {
+    p->in_flight -= 1;
+    p->outstanding_tokens -= prompt_tokens;
   }
+}
+
+// The request `id` when the current message comes from its decode worker:
+// token and done messages of anybody else (e.g. a late one of an earlier
+// request with the same id from another worker) must not touch it.
+Request* from_its_decode_worker(Self self, RequestId id) {
+  auto it = self->state.requests.find(id);
+  if (it == self->state.requests.end()) return nullptr;  // already finished (e.g. cancelled)
+  Request& r = it->second;
+  if (r.queued) return nullptr;  // waiting for (another) dispatch: no decode worker holds it
+  const Worker* d = find_worker(self, r.decode_key);
+  if (!d || d->address != caf::actor_cast<caf::actor_addr>(self->current_sender())) return nullptr;
+  return &r;
 }
 
 // THE exit of every accepted request: one terminal reply, everything it holds
@@ -194,7 +213,6 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   r.attempt = st.next_serial++;
   r.prefill_key = prefill_key;
   r.decode_key = decode_key;
-  r.holds_prefill = true;
   r.reserved_blocks = blocks_for(positions, std::max(1, d.info.block_size));
   p.in_flight += 1;
   p.outstanding_tokens += int64_t(r.prompt.size());
@@ -211,18 +229,24 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   job.sampling = r.request.sampling;
   job.deadline_ms = std::max<int64_t>(1, r.request.deadline_ms - elapsed.count());
   const uint64_t attempt = r.attempt;
+  const int64_t prompt_tokens = int64_t(r.prompt.size());
   // The router's own deadline timer fires first; this bound only guarantees
   // that the response handler itself never waits forever.
   const auto bound = std::chrono::milliseconds(job.deadline_ms + st.config.ack_timeout_ms);
   self->request(p.prefill, bound, prefill_atom::value, std::move(job), d.decode)
-      .then([=](PrefillReport& report) { on_prefill_report(self, id, attempt, std::move(report)); },
-            [=](caf::error& e) {
-              PrefillReport report;
-              report.id = id;
-              report.code = code_of(e);
-              report.message = describe("prefill worker", e);
-              on_prefill_report(self, id, attempt, std::move(report));
-            });
+      .then(
+          [=](PrefillReport& report) {
+            release_prefill_slot(self, prefill_key, prompt_tokens);
+            on_prefill_report(self, id, attempt, std::move(report));
+          },
+          [=](caf::error& e) {
+            release_prefill_slot(self, prefill_key, prompt_tokens);
+            PrefillReport report;
+            report.id = id;
+            report.code = code_of(e);
+            report.message = describe("prefill worker", e);
+            on_prefill_report(self, id, attempt, std::move(report));
+          });
 }
 
 // Moves queued requests to workers, oldest first, while there is room.
@@ -261,30 +285,24 @@ void dispatch(Self self) {
   }
 }
 
+// The prefill worker's answer to a job (its slot is already released).
 void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report) {
   auto& st = self->state;
   auto it = st.requests.find(id);
-  if (it == st.requests.end() || it->second.attempt != attempt) return;  // finished or retried
-  Request& r = it->second;
-  if (r.holds_prefill) {
-    if (Worker* p = find_worker(self, r.prefill_key)) {
-      p->in_flight -= 1;
-      p->outstanding_tokens -= int64_t(r.prompt.size());
-    }
-    r.holds_prefill = false;
+  if (it == st.requests.end() || it->second.attempt != attempt) {
+    dispatch(self);  // finished or retried meanwhile; the freed slot may take another
+    return;
   }
+  Request& r = it->second;
   if (report.code == ErrorCode::none) {
     r.prefill_report = std::move(report);
     complete_if_done(self, id);
   } else if (report.code == ErrorCode::overloaded && r.retries < st.config.max_decode_retries) {
     // The decode worker had no room after all: nothing is held there, so try
     // another one (the whole request again, from the front of the queue).
-    if (Worker* d = find_worker(self, r.decode_key)) {
+    release_reservations(self, r);
+    if (Worker* d = find_worker(self, r.decode_key))
       if (report.decode_load.total_blocks > 0) d->load = report.decode_load;
-      d->reserved_blocks -= r.reserved_blocks;
-      d->assigned -= 1;
-    }
-    r.reserved_blocks = 0;
     r.excluded.push_back(r.decode_key);
     r.retries += 1;
     r.queued = true;
@@ -309,6 +327,11 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   std::vector<int32_t> prompt = request.prompt_tokens;
   if (request.prompt_is_text) {
     if (!st.tokenizer) return reject(ErrorCode::invalid_request, "text prompt, but the router has no tokenizer");
+    // Checked before encoding: encoding is quadratic, on this actor's thread.
+    if (int64_t(request.prompt_text.size()) > st.config.max_prompt_bytes)
+      return reject(ErrorCode::invalid_request,
+                    "text prompt of " + std::to_string(request.prompt_text.size()) +
+                        " bytes exceeds max-prompt-bytes " + std::to_string(st.config.max_prompt_bytes));
     prompt = st.tokenizer->encode(request.prompt_text);
   }
   if (auto problem = validate_request(request, prompt, st.limits); !problem.empty())
@@ -438,9 +461,9 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         return caf::ok_atom::value;
       },
       [=](token_atom, TokenEvent& event) {
-        auto it = self->state.requests.find(event.id);
-        if (it == self->state.requests.end()) return;  // already finished (e.g. cancelled)
-        Request& r = it->second;
+        Request* found = from_its_decode_worker(self, event.id);
+        if (!found) return;
+        Request& r = *found;
         if (self->state.tokenizer) {
           try {
             event.text = self->state.tokenizer->decode(r.previous_token, event.token);
@@ -453,20 +476,14 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
       [=](done_atom, DecodeDone& done) {
-        auto it = self->state.requests.find(done.id);
-        if (it == self->state.requests.end()) return;
+        Request* found = from_its_decode_worker(self, done.id);
+        if (!found) return;
+        Request& r = *found;
         if (done.code != ErrorCode::none) {
-          it->second.decode_done = done;  // the decode worker already dropped it
+          r.decode_done = done;  // the decode worker already dropped it
           fail(self, done.id, done.code, std::move(done.message));
         } else {
-          Request& r = it->second;
-          if (r.reserved_blocks > 0) {  // freed at the decode worker
-            if (Worker* d = find_worker(self, r.decode_key)) {
-              d->reserved_blocks -= r.reserved_blocks;
-              d->assigned -= 1;
-            }
-            r.reserved_blocks = 0;
-          }
+          release_reservations(self, r);  // freed at the decode worker
           r.decode_done = std::move(done);
           complete_if_done(self, r.request.id);
         }

@@ -15,8 +15,9 @@ std::string validate_request(const GenerateRequest& request, const std::vector<i
     return "temperature must be >= 0 (got " + std::to_string(s.temperature) + ")";
   if (!std::isfinite(s.top_p) || s.top_p <= 0.0f || s.top_p > 1.0f)
     return "top_p must be in (0, 1] (got " + std::to_string(s.top_p) + ")";
-  if (request.deadline_ms < 0)
-    return "deadline_ms must be >= 0 (got " + std::to_string(request.deadline_ms) + ")";
+  if (request.deadline_ms < 0 || request.deadline_ms > kMaxDeadlineMs)
+    return "deadline_ms must be in [0, " + std::to_string(kMaxDeadlineMs) + "] (24 h; got " +
+           std::to_string(request.deadline_ms) + ")";
   if (!limits) return {};
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0 || prompt[i] >= limits->vocab_size)
@@ -31,7 +32,7 @@ std::string validate_request(const GenerateRequest& request, const std::vector<i
 }
 
 int positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
-  return std::min(seq_len, prompt_len + std::max(max_new_tokens, 1));
+  return std::min(seq_len, prompt_len + std::max(max_new_tokens, 1) - 1);
 }
 
 int blocks_for(int positions, int block_size) { return (positions + block_size - 1) / block_size; }

@@ -81,7 +81,7 @@ Options parse_args(int argc, char** argv) {
     } else if (flag == "--session") {
       o.session = value;
     } else if (flag == "--deadline-ms") {
-      o.deadline_ms = parse_integer(flag, value, 1, LLONG_MAX / 2);
+      o.deadline_ms = parse_integer(flag, value, 1, disagg::kMaxDeadlineMs);
     } else if (flag == "--tokenizer") {
       o.tokenizer = value;
     } else {

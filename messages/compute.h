@@ -2,7 +2,9 @@
 // compute actor owns the gpu::Engine (and, on a decode worker, the KV pool
 // storage) and runs the heavy work off CAF's shared scheduler.
 #pragma once
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -12,16 +14,30 @@
 
 namespace disagg {
 
+// Set by the prefill worker when its request is cancelled. The compute actor
+// handles messages in order, so a cancel *message* would reach it only after
+// the work it should stop; it reads this flag instead, just before the work.
+// Shared between the prefill worker and its compute actor, which always live
+// in one process: never serialized.
+using CancelFlag = std::shared_ptr<std::atomic<bool>>;
+
 // Prefill -> compute: run the prompt, sample the first token (step 0).
+// Work reached after its deadline or cancellation is skipped, not computed
+// (PrefillResult code timeout / cancelled), so prompts of requests that have
+// ended cannot pile up in the compute actor's mailbox.
 struct PrefillWork {
   RequestId id = 0;
   std::vector<int32_t> tokens;
   Sampling sampling;
+  // The request's deadline as std::chrono::steady_clock's time_since_epoch
+  // in nanoseconds (the clock of the one process both actors share); 0: none.
+  int64_t deadline_ns = 0;
+  CancelFlag cancelled;  // null: cannot be cancelled
 };
 
 struct PrefillResult {
   RequestId id = 0;
-  ErrorCode code = ErrorCode::none;
+  ErrorCode code = ErrorCode::none;  // none, timeout, cancelled (skipped) or internal
   std::string message;
   int32_t first_token = 0;
   std::vector<uint8_t> kv;  // gpu::serialize_kv bytes
@@ -65,7 +81,7 @@ struct StepResult {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillWork& x) {
-  return f(caf::meta::type_name("PrefillWork"), x.id, x.tokens, x.sampling);
+  return f(caf::meta::type_name("PrefillWork"), x.id, x.tokens, x.sampling, x.deadline_ns);
 }
 
 template <class Inspector>

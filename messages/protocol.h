@@ -18,18 +18,26 @@
 //
 // A request (ids everywhere: every per-request message carries RequestId)
 //   1. client  -> router  request(generate_atom, GenerateRequest, client_actor)
-//      The router validates it (invalid_request), encodes text prompts, and
-//      queues it (bounded: overloaded when full). A deadline timer starts.
+//      The router validates it (invalid_request; deadline_ms at most
+//      kMaxDeadlineMs, a text prompt at most max-prompt-bytes, checked before
+//      it is encoded), encodes text prompts, and queues it (bounded:
+//      overloaded when full). A deadline timer starts.
 //   2. router  -> prefill request(prefill_atom, PrefillJob, decode_actor)
 //      When a prefill worker has a slot (least queued prompt tokens) and a
 //      decode worker has room (most free blocks, then fewest active sequences,
 //      round robin on ties; a session's previous decode worker first).
+//      The job holds one of the worker's max-prefill-inflight slots until its
+//      report (step 5) arrives, even if the request ends before.
 //   3. prefill -> compute request(prefill_atom, PrefillWork) -> PrefillResult
 //      KV bytes (gpu::serialize_kv) and the first token (sampled, step 0).
+//      Work whose deadline passed or whose request was cancelled before the
+//      compute actor reached it is skipped (timeout / cancelled).
 //      KV larger than max_kv_transfer_bytes: PrefillReport{kv_too_large} at once.
 //   4. prefill -> decode  request(kv_atom, KvTransfer) -> KvAck, with a deadline
-//      The decode worker reserves blocks for prompt + max_new_tokens positions
-//      (none: overloaded), has its compute validate and store the KV
+//      The decode worker refuses a first token outside the vocabulary
+//      (invalid_request), reserves blocks for prompt + max_new_tokens - 1
+//      positions, as gpu::generate feeds them (none: overloaded), has its
+//      compute validate and store the KV
 //      (request(admit_atom, KvAdmit) -> AdmitResult; mismatch:
 //      incompatible_kv), then acks.
 //   5. prefill -> router  PrefillReport (the reply to step 2): done, KV bytes,
@@ -40,6 +48,7 @@
 //      sequences admitted meanwhile join the next step.
 //   7. decode  -> router  (token_atom, TokenEvent) per token, the first token
 //      included; the router adds the text piece and forwards it to the client.
+//      Token and done messages count only from the request's decode worker.
 //   8. decode  -> router  (done_atom, DecodeDone) after the last token; the
 //      decode worker frees the request's blocks (also on cancel or error).
 //   9. router  -> client  RequestOutcome (the reply to step 1) once it has both
@@ -48,7 +57,9 @@
 // Cancellation and failure
 //   client -> router (cancel_atom, id): the router replies cancelled and sends
 //   (cancel_atom, id) to the request's prefill and decode workers, which drop
-//   it and free its blocks. The same happens when the deadline passes
+//   it and free its blocks (a decode worker reports its load even when it held
+//   nothing of it; the prefill worker reports the job once its compute has
+//   finished or skipped it). The same happens when the deadline passes
 //   (timeout), a worker goes down (worker_lost) or any step fails. Whatever
 //   the cause, the router finishes a request in one place, exactly once.
 //

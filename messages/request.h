@@ -41,6 +41,10 @@ struct Sampling {
   uint64_t seed = 0;
 };
 
+// The longest deadline a request may ask for: 24 hours. The router refuses
+// more (invalid_request), so no deadline arithmetic can overflow.
+constexpr int64_t kMaxDeadlineMs = int64_t{24} * 60 * 60 * 1000;
+
 struct GenerateRequest {
   RequestId id = 0;
   // The prompt: token ids (BOS first, as the tokenizer emits them), or text
@@ -51,7 +55,7 @@ struct GenerateRequest {
   int32_t max_new_tokens = 0;
   Sampling sampling;
   std::string session;      // empty: no decode-worker affinity
-  int64_t deadline_ms = 0;  // from the router's receipt; 0: the router's default
+  int64_t deadline_ms = 0;  // from the router's receipt; 0: the router's default; <= kMaxDeadlineMs
 };
 
 // One generated token, streamed as soon as the decode step produced it.

@@ -57,7 +57,7 @@ struct WorkerStatus {
   std::string name;
   WorkerRole role = WorkerRole::prefill;
   uint64_t fingerprint = 0;
-  int32_t in_flight = 0;            // requests the router has on this worker
+  int32_t in_flight = 0;            // prefill: jobs sent, not yet reported; decode: requests not finished
   int64_t outstanding_tokens = 0;   // prefill: prompt tokens not yet reported
   int32_t free_blocks = 0;          // decode: as last reported
   int32_t total_blocks = 0;         // decode

@@ -4,6 +4,7 @@
 
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
+#include "gpu/kv_format.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -39,6 +40,18 @@ GenerateRequest make_request(std::vector<int32_t> prompt, int max_new_tokens, co
   r.max_new_tokens = max_new_tokens;
   r.sampling = sampling;
   return r;
+}
+
+const std::vector<int32_t> kOnceUponATime{1, 403, 407, 261, 378};
+const std::vector<int32_t> kTomHadARedBall{1,   274, 287, 381, 261, 352, 266, 268, 388, 426,
+                                           346, 397, 355, 267, 308, 420, 327, 312, 270, 333,
+                                           415, 322, 265, 262, 433, 422, 426, 385, 328};
+
+size_t kv_bytes_for(int positions) {
+  const auto model = gpu::Checkpoint::open(shared_model())->config();
+  gpu::KvShape shape{uint32_t(model.n_layers), uint32_t(model.n_kv_heads), uint32_t(model.head_size()),
+                     uint32_t(positions)};
+  return gpu::kv_buffer_bytes(shape);
 }
 
 void ActorTest::SetUp() { system_ = std::make_unique<caf::actor_system>(system_config_); }

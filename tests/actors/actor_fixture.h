@@ -28,6 +28,13 @@ gpu::GenerateResult colocated(const std::vector<int32_t>& prompt, int max_new_to
 GenerateRequest make_request(std::vector<int32_t> prompt, int max_new_tokens,
                              const Sampling& sampling = {});
 
+// Prompts of the shared model, as tok512 encodes them.
+extern const std::vector<int32_t> kOnceUponATime;   // 5 tokens
+extern const std::vector<int32_t> kTomHadARedBall;  // 29 tokens
+
+// Bytes of the serialized KV of `positions` positions of the shared model.
+size_t kv_bytes_for(int positions);
+
 // Token events of one request, as the client saw them.
 struct TokenLog {
   std::mutex mutex;

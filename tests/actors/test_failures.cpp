@@ -11,23 +11,10 @@
 #include "actors/actor_fixture.h"
 #include "caf/all.hpp"
 #include "gpu/checkpoint.h"
-#include "gpu/kv_format.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
 namespace {
-
-const std::vector<int32_t> kOnceUponATime{1, 403, 407, 261, 378};
-const std::vector<int32_t> kTomHadARedBall{1,   274, 287, 381, 261, 352, 266, 268, 388, 426,
-                                           346, 397, 355, 267, 308, 420, 327, 312, 270, 333,
-                                           415, 322, 265, 262, 433, 422, 426, 385, 328};
-
-size_t kv_bytes_for(int positions) {
-  const auto model = gpu::Checkpoint::open(shared_model())->config();
-  gpu::KvShape shape{uint32_t(model.n_layers), uint32_t(model.n_kv_heads), uint32_t(model.head_size()),
-                     uint32_t(positions)};
-  return gpu::kv_buffer_bytes(shape);
-}
 
 TEST_F(ActorTest, KvLargerThanTheCapIsRejectedWithoutHanging) {
   LocalClusterOptions options;

@@ -98,8 +98,12 @@ TEST(Config, DefaultsAreValidAndBadValuesAreNamed) {
   config.block_size = 0;
   config.backend = "tpu";
   config.max_kv_transfer_bytes = 0;
+  config.max_prompt_bytes = 0;
+  config.default_deadline_ms = kMaxDeadlineMs + 1;
   const std::string problems = config.validate();
   EXPECT_NE(problems.find("block-size"), std::string::npos) << problems;
+  EXPECT_NE(problems.find("max-prompt-bytes"), std::string::npos) << problems;
+  EXPECT_NE(problems.find("default-deadline-ms"), std::string::npos) << problems;
   EXPECT_NE(problems.find("backend"), std::string::npos) << problems;
   EXPECT_NE(problems.find("max-kv-transfer-bytes"), std::string::npos) << problems;
 }
@@ -108,13 +112,15 @@ TEST(Config, OptionsAreReadFromTheCommandLine) {
   DisaggSystemConfig config;
   const auto error = config.parse(caf::actor_system_config::string_list{
       "--disagg.block-size=32", "--disagg.pool-blocks=77", "--disagg.max-kv-transfer-bytes=123456",
-      "--disagg.backend=cpu", "--disagg.default-deadline-ms=250"});
+      "--disagg.backend=cpu", "--disagg.default-deadline-ms=250",
+      "--disagg.max-prompt-bytes=4096"});
   EXPECT_FALSE(error) << caf::to_string(error);
   EXPECT_EQ(config.disagg.block_size, 32);
   EXPECT_EQ(config.disagg.pool_blocks, 77);
   EXPECT_EQ(config.disagg.max_kv_transfer_bytes, 123456);
   EXPECT_EQ(config.disagg.backend, "cpu");
   EXPECT_EQ(config.disagg.default_deadline_ms, 250);
+  EXPECT_EQ(config.disagg.max_prompt_bytes, 4096);
   EXPECT_EQ(config.disagg.max_batch, DisaggConfig{}.max_batch);
 }
 
@@ -134,8 +140,16 @@ TEST(RouterPolicy, ValidationNamesTheProblem) {
   r.max_new_tokens = 4;
   r.sampling.top_p = 1.5f;
   EXPECT_NE(validate_request(r, {1}, limits).find("top_p"), std::string::npos);
-  // Without limits only what does not depend on the model is checked.
   r.sampling.top_p = 1.0f;
+  r.deadline_ms = kMaxDeadlineMs;
+  EXPECT_EQ(validate_request(r, {1}, limits), "");
+  r.deadline_ms = kMaxDeadlineMs + 1;
+  EXPECT_NE(validate_request(r, {1}, std::nullopt).find("deadline_ms must be in [0, 86400000]"), std::string::npos)
+      << validate_request(r, {1}, std::nullopt);
+  r.deadline_ms = -1;
+  EXPECT_NE(validate_request(r, {1}, std::nullopt).find("deadline_ms"), std::string::npos);
+  r.deadline_ms = 0;
+  // Without limits only what does not depend on the model is checked.
   EXPECT_EQ(validate_request(r, {1, 99999}, std::nullopt), "");
 }
 
@@ -165,7 +179,10 @@ TEST(RouterPolicy, DecodeGoesToMostRoomThenFewestSequencesThenSession) {
   EXPECT_FALSE(pick_decode(c, 16 * 51, std::nullopt, {}, cursor));
   EXPECT_TRUE(any_decode_could_fit(c, 1600, {}));
   EXPECT_FALSE(any_decode_could_fit(c, 1601, {}));
-  EXPECT_EQ(positions_needed(5, 10, 512), 15);
+  // As gpu::generate feeds them: the last generated token is never fed back.
+  EXPECT_EQ(positions_needed(5, 10, 512), 14);
+  EXPECT_EQ(positions_needed(5, 1, 512), 5);
+  EXPECT_EQ(positions_needed(500, 12, 512), 511);
   EXPECT_EQ(positions_needed(500, 100, 512), 512);
 }
 
