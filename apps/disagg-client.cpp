@@ -212,21 +212,5 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options options;
-  try {
-    options = parse_args(argc, argv);
-  } catch (const UsageError& e) {
-    if (e.message.empty()) {
-      std::cout << kUsage;
-      return 0;
-    }
-    std::cerr << "disagg-client: " << e.message << "\n" << kUsage;
-    return 2;
-  }
-  try {
-    return run(options);
-  } catch (const std::exception& e) {
-    std::cerr << "disagg-client: " << e.what() << "\n";
-    return 1;
-  }
+  return disagg::cli::main_with_usage("disagg-client", kUsage, argc, argv, parse_args, run);
 }

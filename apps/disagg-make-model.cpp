@@ -59,32 +59,20 @@ Options parse_args(int argc, char** argv) {
   return o;
 }
 
+// Writes DIR/model.bin and DIR/tokenizer.bin and prints their paths.
+int run(const Options& options) {
+  namespace fs = std::filesystem;
+  fs::create_directories(options.out_dir);
+  const std::string model = (fs::path(options.out_dir) / "model.bin").string();
+  const std::string tokenizer = (fs::path(options.out_dir) / "tokenizer.bin").string();
+  disagg::gpu::write_random_checkpoint(model, options.config, options.seed);
+  disagg::gpu::write_byte_tokenizer(tokenizer, options.config.vocab_size);
+  std::cout << model << "\n" << tokenizer << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options options;
-  try {
-    options = parse_args(argc, argv);
-  } catch (const UsageError& e) {
-    if (e.message.empty()) {  // --help
-      std::cout << kUsage;
-      return 0;
-    }
-    std::cerr << "disagg-make-model: " << e.message << "\n" << kUsage;
-    return 2;
-  }
-
-  try {
-    namespace fs = std::filesystem;
-    fs::create_directories(options.out_dir);
-    const std::string model = (fs::path(options.out_dir) / "model.bin").string();
-    const std::string tokenizer = (fs::path(options.out_dir) / "tokenizer.bin").string();
-    disagg::gpu::write_random_checkpoint(model, options.config, options.seed);
-    disagg::gpu::write_byte_tokenizer(tokenizer, options.config.vocab_size);
-    std::cout << model << "\n" << tokenizer << "\n";
-  } catch (const std::exception& e) {  // gpu::Error and filesystem errors
-    std::cerr << "disagg-make-model: " << e.what() << "\n";
-    return 1;
-  }
-  return 0;
+  return disagg::cli::main_with_usage("disagg-make-model", kUsage, argc, argv, parse_args, run);
 }

@@ -1,6 +1,8 @@
 // Command-line helpers shared by the executables: strict number parsing with
 // usage errors that name the flag, and the JSON output of generated tokens.
 #pragma once
+#include <exception>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -21,5 +23,29 @@ std::vector<int> parse_token_list(const std::string& flag, const std::string& te
 // byte of a multi-byte character) become U+FFFD, so the output stays valid JSON.
 std::string json_string(const std::string& s);
 std::string json_int_array(const std::vector<int>& values);
+
+// main() of every executable: parse (UsageError: the message and the usage on
+// stderr, exit 2; --help: the usage on stdout, exit 0), then run (any
+// exception: its message on stderr, exit 1; else run's exit code).
+template <class Parse, class Run>
+int main_with_usage(const char* program, const char* usage, int argc, char** argv, Parse parse, Run run) {
+  decltype(parse(argc, argv)) options;
+  try {
+    options = parse(argc, argv);
+  } catch (const UsageError& e) {
+    if (e.message.empty()) {
+      std::cout << usage;
+      return 0;
+    }
+    std::cerr << program << ": " << e.message << "\n" << usage;
+    return 2;
+  }
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    std::cerr << program << ": " << e.what() << "\n";
+    return 1;
+  }
+}
 
 }  // namespace disagg::cli
