@@ -39,12 +39,10 @@ const char* kUsage =
 struct Options {
   std::string router_host;
   uint16_t router_port = 0;
-  std::string prompt, tokenizer, session;
-  std::vector<int32_t> prompt_tokens;
-  bool has_prompt = false, has_prompt_tokens = false, json = false, status = false;
-  int max_new_tokens = -1;
+  std::string tokenizer, session;
+  GenerationFlags gen;
+  bool json = false, status = false;
   int64_t deadline_ms = 0;
-  disagg::Sampling sampling;
 };
 
 Options parse_args(int argc, char** argv) {
@@ -59,25 +57,12 @@ Options parse_args(int argc, char** argv) {
     }
     if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
     const std::string value = argv[++i];
+    if (o.gen.take(flag, value)) continue;
     if (flag == "--router") {
       const auto colon = value.rfind(':');
       if (colon == std::string::npos || colon == 0) throw UsageError{"--router expects HOST:PORT, got '" + value + "'"};
       o.router_host = value.substr(0, colon);
       o.router_port = uint16_t(parse_integer("--router port", value.substr(colon + 1), 1, 65535));
-    } else if (flag == "--prompt") {
-      o.prompt = value;
-      o.has_prompt = true;
-    } else if (flag == "--prompt-tokens") {
-      o.prompt_tokens = parse_token_list(flag, value);
-      o.has_prompt_tokens = true;
-    } else if (flag == "--max-new-tokens") {
-      o.max_new_tokens = int(parse_integer(flag, value, 0, INT_MAX));
-    } else if (flag == "--temperature") {
-      o.sampling.temperature = parse_float(flag, value, 0.0f, 100.0f);
-    } else if (flag == "--top-p") {
-      o.sampling.top_p = parse_float(flag, value, 1e-6f, 1.0f);
-    } else if (flag == "--seed") {
-      o.sampling.seed = uint64_t(parse_integer(flag, value, 0, LLONG_MAX));
     } else if (flag == "--session") {
       o.session = value;
     } else if (flag == "--deadline-ms") {
@@ -90,8 +75,7 @@ Options parse_args(int argc, char** argv) {
   }
   if (o.router_host.empty()) throw UsageError{"--router HOST:PORT is required"};
   if (o.status) return o;
-  if (o.has_prompt == o.has_prompt_tokens) throw UsageError{"give exactly one of --prompt and --prompt-tokens"};
-  if (o.max_new_tokens < 0) throw UsageError{"--max-new-tokens N is required"};
+  o.gen.require_complete();
   return o;
 }
 
@@ -120,7 +104,7 @@ int print_status(disagg::Client& client, const std::string& where) {
 int run(const Options& o) {
   using Clock = std::chrono::steady_clock;
   std::unique_ptr<disagg::gpu::Tokenizer> tokenizer;
-  if (!o.tokenizer.empty() && (o.has_prompt || !o.json))
+  if (!o.tokenizer.empty() && (o.gen.has_prompt || !o.json))
     tokenizer = std::make_unique<disagg::gpu::Tokenizer>(disagg::gpu::Tokenizer::load(o.tokenizer, 0));
 
   const std::string where = o.router_host + ":" + std::to_string(o.router_port);
@@ -135,20 +119,20 @@ int run(const Options& o) {
   if (o.status) return print_status(client, where);
 
   disagg::GenerateRequest request;
-  if (o.has_prompt_tokens) {
-    request.prompt_tokens = o.prompt_tokens;
+  if (o.gen.has_prompt_tokens) {
+    request.prompt_tokens = o.gen.prompt_tokens;
   } else if (tokenizer) {
-    request.prompt_tokens = tokenizer->encode(o.prompt);
+    request.prompt_tokens = tokenizer->encode(o.gen.prompt);
   } else {
-    request.prompt_text = o.prompt;
+    request.prompt_text = o.gen.prompt;
     request.prompt_is_text = true;
   }
-  request.max_new_tokens = o.max_new_tokens;
-  request.sampling = o.sampling;
+  request.max_new_tokens = o.gen.max_new_tokens;
+  request.sampling = disagg::Sampling{o.gen.temperature, o.gen.top_p, o.gen.seed};
   request.session = o.session;
   request.deadline_ms = o.deadline_ms;
   const bool stream = !o.json;
-  if (stream && o.has_prompt) std::cout << o.prompt << std::flush;
+  if (stream && o.gen.has_prompt) std::cout << o.gen.prompt << std::flush;
 
   // The token callback runs on a CAF thread; the main thread reads these
   // only after the outcome arrived (which the client sets after the tokens).

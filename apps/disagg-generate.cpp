@@ -30,11 +30,9 @@ const char* kUsage =
     "{\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\"} (text: the continuation).\n";
 
 struct Options {
-  std::string model, tokenizer, prompt, backend = "auto";
-  std::vector<int> prompt_tokens;
-  bool has_prompt = false, has_prompt_tokens = false, json = false;
-  int max_new_tokens = -1;
-  disagg::gpu::SamplingParams sampling;
+  std::string model, tokenizer, backend = "auto";
+  GenerationFlags gen;
+  bool json = false;
 };
 
 Options parse_args(int argc, char** argv) {
@@ -48,24 +46,11 @@ Options parse_args(int argc, char** argv) {
     }
     if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
     const std::string value = argv[++i];
+    if (o.gen.take(flag, value)) continue;
     if (flag == "--model") {
       o.model = value;
     } else if (flag == "--tokenizer") {
       o.tokenizer = value;
-    } else if (flag == "--prompt") {
-      o.prompt = value;
-      o.has_prompt = true;
-    } else if (flag == "--prompt-tokens") {
-      o.prompt_tokens = parse_token_list(flag, value);
-      o.has_prompt_tokens = true;
-    } else if (flag == "--max-new-tokens") {
-      o.max_new_tokens = int(parse_integer(flag, value, 0, INT_MAX));
-    } else if (flag == "--temperature") {
-      o.sampling.temperature = parse_float(flag, value, 0.0f, 100.0f);
-    } else if (flag == "--top-p") {
-      o.sampling.top_p = parse_float(flag, value, 1e-6f, 1.0f);
-    } else if (flag == "--seed") {
-      o.sampling.seed = uint64_t(parse_integer(flag, value, 0, LLONG_MAX));
     } else if (flag == "--backend") {
       if (value != "auto" && value != "cpu" && value != "cuda")
         throw UsageError{"--backend expects auto, cpu or cuda, got '" + value + "'"};
@@ -76,8 +61,7 @@ Options parse_args(int argc, char** argv) {
   }
   if (o.model.empty()) throw UsageError{"--model M is required"};
   if (o.tokenizer.empty()) throw UsageError{"--tokenizer T is required"};
-  if (o.has_prompt == o.has_prompt_tokens) throw UsageError{"give exactly one of --prompt and --prompt-tokens"};
-  if (o.max_new_tokens < 0) throw UsageError{"--max-new-tokens N is required"};
+  o.gen.require_complete();
   return o;
 }
 
@@ -96,11 +80,11 @@ int run(const Options& o) {
   using namespace disagg::gpu;
   auto checkpoint = Checkpoint::open(o.model);
   const Tokenizer tokenizer = Tokenizer::load(o.tokenizer, checkpoint->config().vocab_size);
-  const std::vector<int> prompt = o.has_prompt ? tokenizer.encode(o.prompt) : o.prompt_tokens;
+  const std::vector<int> prompt = o.gen.has_prompt ? tokenizer.encode(o.gen.prompt) : o.gen.prompt_tokens;
 
   Engine engine(checkpoint, EngineOptions{o.backend});
   const auto start = std::chrono::steady_clock::now();
-  const GenerateResult result = generate(engine, prompt, o.max_new_tokens, o.sampling);
+  const GenerateResult result = generate(engine, prompt, o.gen.max_new_tokens, disagg::gpu::SamplingParams{o.gen.temperature, o.gen.top_p, o.gen.seed});
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::string text = tokenizer.decode_all(prompt.back(), result.tokens);
 

@@ -38,6 +38,32 @@ std::vector<int> parse_token_list(const std::string& flag, const std::string& te
   return tokens;
 }
 
+bool GenerationFlags::take(const std::string& flag, const std::string& value) {
+  if (flag == "--prompt") {
+    prompt = value;
+    has_prompt = true;
+  } else if (flag == "--prompt-tokens") {
+    prompt_tokens = parse_token_list(flag, value);
+    has_prompt_tokens = true;
+  } else if (flag == "--max-new-tokens") {
+    max_new_tokens = int(parse_integer(flag, value, 0, INT_MAX));
+  } else if (flag == "--temperature") {
+    temperature = parse_float(flag, value, 0.0f, 100.0f);
+  } else if (flag == "--top-p") {
+    top_p = parse_float(flag, value, 1e-6f, 1.0f);
+  } else if (flag == "--seed") {
+    seed = uint64_t(parse_integer(flag, value, 0, LLONG_MAX));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+void GenerationFlags::require_complete() const {
+  if (has_prompt == has_prompt_tokens) throw UsageError{"give exactly one of --prompt and --prompt-tokens"};
+  if (max_new_tokens < 0) throw UsageError{"--max-new-tokens N is required"};
+}
+
 namespace {
 
 // Appends the code point as \uXXXX (a surrogate pair above the BMP).

@@ -1,6 +1,7 @@
 // Command-line helpers shared by the executables: strict number parsing with
 // usage errors that name the flag, and the JSON output of generated tokens.
 #pragma once
+#include <cstdint>
 #include <exception>
 #include <iostream>
 #include <string>
@@ -18,6 +19,26 @@ long long parse_integer(const std::string& flag, const std::string& text, long l
 float parse_float(const std::string& flag, const std::string& text, float min, float max);
 // Whitespace-separated token ids ("1 403 407"), at least one.
 std::vector<int> parse_token_list(const std::string& flag, const std::string& text);
+
+// The request flags that disagg-generate and disagg-client share:
+// (--prompt TEXT | --prompt-tokens "1 403 407") --max-new-tokens N
+// [--temperature X] [--top-p P] [--seed S].
+struct GenerationFlags {
+  std::string prompt;
+  std::vector<int> prompt_tokens;
+  bool has_prompt = false;
+  bool has_prompt_tokens = false;
+  int max_new_tokens = -1;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  uint64_t seed = 0;
+
+  // Takes `flag value` when it is one of these flags (UsageError on a bad
+  // value); false when the flag is not one of them.
+  bool take(const std::string& flag, const std::string& value);
+  // UsageError unless exactly one prompt and --max-new-tokens were given.
+  void require_complete() const;
+};
 
 // A JSON string literal; bytes that are not valid UTF-8 (a token may be one
 // byte of a multi-byte character) become U+FFFD, so the output stays valid JSON.
