@@ -56,12 +56,10 @@ class CpuBackend final : public Backend {
 
   void matmul_nt(const float* a, const float* b, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
-    // One row (a decode step of one sequence): sgemm would first pack all of
-    // W, tripling the memory traffic of a bandwidth-bound product.
-    if (m == 1) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, b, k, a, 1, 0.0f, c, 1);
-      return;
-    }
+    // Always sgemm, even for one row: sgemv would be ~2x faster at m == 1 (no
+    // packing of W) but sums in another order, so a sequence's logits would
+    // depend on how many others share its decode step, and so could a sampled
+    // token. Each row of sgemm comes out the same whatever m is.
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, k, b, k, 0.0f, c, n);
   }
   void embedding(const float* table, const int* tokens, float* out, int rows, int dim) override {
