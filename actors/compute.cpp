@@ -3,6 +3,7 @@
 #include <chrono>
 #include <type_traits>
 
+#include "actors/timing.h"
 #include "caf/all.hpp"
 #include "gpu/kv_format.h"
 #include "gpu/sampling.h"
@@ -14,12 +15,6 @@ namespace disagg {
 static_assert(std::is_same<int32_t, int>::value, "int32_t must be int");
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-int64_t micros_since(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
-}
 
 gpu::SamplingParams to_gpu(const Sampling& s) { return {s.temperature, s.top_p, s.seed}; }
 

@@ -8,20 +8,15 @@
 #include <unordered_set>
 
 #include "actors/errors.h"
-#include "actors/router_policy.h"
+#include "actors/timing.h"
 #include "caf/all.hpp"
 #include "gpu/engine.h"
+#include "gpu/generate.h"
 #include "gpu/tokenizer.h"
 
 namespace disagg {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-int64_t micros_since(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
-}
 
 struct Sequence {
   std::vector<int32_t> blocks;
@@ -213,8 +208,8 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
     return refuse(ErrorCode::invalid_request,
                   "first_token " + std::to_string(transfer.first_token) + " is outside the vocabulary [0, " +
                       std::to_string(st.vocab_size) + ")");
-  const int positions = positions_needed(transfer.prompt_len, transfer.max_new_tokens, st.seq_len);
-  const int needed = blocks_for(positions, st.config.block_size);
+  const int positions = gpu::kv_positions_needed(transfer.prompt_len, transfer.max_new_tokens, st.seq_len);
+  const int needed = gpu::KvPool::blocks_for(positions, st.config.block_size);
   std::vector<int32_t> blocks = st.allocator->allocate(needed);
   if (blocks.empty())
     return refuse(ErrorCode::overloaded,

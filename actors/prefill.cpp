@@ -7,17 +7,12 @@
 #include <unordered_map>
 
 #include "actors/errors.h"
+#include "actors/timing.h"
 #include "caf/all.hpp"
 
 namespace disagg {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-int64_t micros_since(Clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
-}
 
 // A job from its arrival until its one report. Cancelling only sets the flag:
 // the report goes out when the work in progress (compute, or the KV ack) is

@@ -9,17 +9,12 @@
 
 #include "actors/errors.h"
 #include "actors/router_policy.h"
+#include "actors/timing.h"
 #include "caf/all.hpp"
 
 namespace disagg {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-int64_t micros_between(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration_cast<std::chrono::microseconds>(to - from).count();
-}
 
 struct Worker {
   WorkerInfo info;
@@ -207,13 +202,13 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   Worker& p = st.workers.at(prefill_key);
   Worker& d = st.workers.at(decode_key);
   const int positions =
-      positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
+      gpu::kv_positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
   r.queued = false;
   if (!r.dispatched) r.dispatched = Clock::now();
   r.attempt = st.next_serial++;
   r.prefill_key = prefill_key;
   r.decode_key = decode_key;
-  r.reserved_blocks = blocks_for(positions, std::max(1, d.info.block_size));
+  r.reserved_blocks = gpu::KvPool::blocks_for(positions, std::max(1, d.info.block_size));
   p.in_flight += 1;
   p.outstanding_tokens += int64_t(r.prompt.size());
   d.reserved_blocks += r.reserved_blocks;
@@ -263,7 +258,7 @@ void dispatch(Self self) {
       r.validated = true;
     }
     const int positions =
-        positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
+        gpu::kv_positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
     const auto decodes = decode_candidates(self);
     if (!decodes.empty() && !any_decode_could_fit(decodes, positions, r.excluded)) {
       fail(self, id, ErrorCode::overloaded,

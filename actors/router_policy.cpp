@@ -31,12 +31,6 @@ std::string validate_request(const GenerateRequest& request, const std::vector<i
   return {};
 }
 
-int positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
-  return std::min(seq_len, prompt_len + std::max(max_new_tokens, 1) - 1);
-}
-
-int blocks_for(int positions, int block_size) { return (positions + block_size - 1) / block_size; }
-
 std::optional<WorkerKey> pick_prefill(const std::vector<PrefillCandidate>& candidates,
                                       int max_in_flight, size_t& cursor) {
   const size_t n = candidates.size();
@@ -62,7 +56,7 @@ std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candida
                                      std::optional<WorkerKey> preferred,
                                      const std::vector<WorkerKey>& excluded, size_t& cursor) {
   auto fits = [&](const DecodeCandidate& c) {
-    return !is_excluded(excluded, c.key) && c.free_blocks >= blocks_for(positions, c.block_size);
+    return !is_excluded(excluded, c.key) && c.free_blocks >= gpu::KvPool::blocks_for(positions, c.block_size);
   };
   if (preferred)
     for (const auto& c : candidates)
@@ -90,7 +84,7 @@ std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candida
 bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int positions,
                           const std::vector<WorkerKey>& excluded) {
   for (const auto& c : candidates)
-    if (!is_excluded(excluded, c.key) && c.total_blocks >= blocks_for(positions, c.block_size))
+    if (!is_excluded(excluded, c.key) && c.total_blocks >= gpu::KvPool::blocks_for(positions, c.block_size))
       return true;
   return false;
 }

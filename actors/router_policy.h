@@ -10,6 +10,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "gpu/engine.h"
+#include "gpu/generate.h"
 #include "messages/request.h"
 
 namespace disagg {
@@ -27,9 +29,6 @@ struct ModelLimits {
 std::string validate_request(const GenerateRequest& request, const std::vector<int32_t>& prompt,
                              const std::optional<ModelLimits>& limits);
 
-// KV positions a request can ever hold: the prompt plus every generated token
-// but the last, as gpu::generate counts them; capped at seq_len.
-int positions_needed(int prompt_len, int max_new_tokens, int seq_len);
 
 struct PrefillCandidate {
   WorkerKey key = 0;
@@ -62,7 +61,6 @@ std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candida
 bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int positions,
                           const std::vector<WorkerKey>& excluded);
 
-int blocks_for(int positions, int block_size);
 
 // Session key -> decode worker, bounded; the least recently used entry goes
 // first when full. Capacity 0 disables affinity.

@@ -28,10 +28,8 @@ void check_request(const Engine& engine, const std::vector<int>& prompt, int max
                   std::to_string(c.vocab_size) + ")");
 }
 
-// The positions a request can ever feed: the prompt plus every generated
-// token but the last (which is emitted, never fed), capped at seq_len.
 int positions_needed(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens) {
-  return std::min(engine.config().seq_len, int(prompt.size()) + std::max(max_new_tokens, 1) - 1);
+  return kv_positions_needed(int(prompt.size()), max_new_tokens, engine.config().seq_len);
 }
 
 // Samples token 0 from `logits` (after the prompt), then feeds each emitted
@@ -64,6 +62,10 @@ std::vector<int> all_blocks(int n) {
 }
 
 }  // namespace
+
+int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
+  return std::min(seq_len, prompt_len + std::max(max_new_tokens, 1) - 1);
+}
 
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                         const SamplingParams& sampling) {

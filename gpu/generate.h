@@ -15,6 +15,11 @@ struct GenerateResult {
   FinishReason finish = FinishReason::length;
 };
 
+// KV positions a request can ever hold: the prompt plus every generated token
+// but the last (which is emitted, never fed), capped at seq_len. The decode
+// pool reserves this many for a request, colocated or disaggregated.
+int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len);
+
 // Stops before an emitted BOS, after max_new_tokens, or when the sequence
 // reaches the model's seq_len. Throws Error on an empty prompt or a bad token id.
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,

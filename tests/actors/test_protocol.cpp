@@ -180,10 +180,10 @@ TEST(RouterPolicy, DecodeGoesToMostRoomThenFewestSequencesThenSession) {
   EXPECT_TRUE(any_decode_could_fit(c, 1600, {}));
   EXPECT_FALSE(any_decode_could_fit(c, 1601, {}));
   // As gpu::generate feeds them: the last generated token is never fed back.
-  EXPECT_EQ(positions_needed(5, 10, 512), 14);
-  EXPECT_EQ(positions_needed(5, 1, 512), 5);
-  EXPECT_EQ(positions_needed(500, 12, 512), 511);
-  EXPECT_EQ(positions_needed(500, 100, 512), 512);
+  EXPECT_EQ(gpu::kv_positions_needed(5, 10, 512), 14);
+  EXPECT_EQ(gpu::kv_positions_needed(5, 1, 512), 5);
+  EXPECT_EQ(gpu::kv_positions_needed(500, 12, 512), 511);
+  EXPECT_EQ(gpu::kv_positions_needed(500, 100, 512), 512);
 }
 
 TEST(RouterPolicy, SessionAffinityForgetsTheLeastRecentlyUsed) {
