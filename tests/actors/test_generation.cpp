@@ -1,6 +1,7 @@
 // Disaggregated generation equals colocated generation (gpu::generate, which
-// disagg-generate uses) token for token: the shared reference cases on several
-// topologies, sampled output, text prompts, many concurrent requests.
+// disagg-generate uses) token for token: the shared reference cases (both
+// reference files) on several topologies, sampled output, text prompts, many
+// concurrent requests.
 #include <gtest/gtest.h>
 
 #include <future>
@@ -35,7 +36,7 @@ class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface
 
 TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
   start(GetParam().prefill, GetParam().decode);
-  const auto cases = load_reference_cases(shared_reference());
+  const auto cases = load_all_reference_cases();
   ASSERT_FALSE(cases.empty());
   // All cases at once, twice over, so several workers and batches are involved.
   std::vector<std::unique_ptr<TokenLog>> logs;
@@ -50,12 +51,14 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
     }
   for (size_t k = 0; k < futures.size(); ++k) {
     const auto& ref = cases[case_of[k]];
+    SCOPED_TRACE(describe(ref));
     const RequestOutcome out = futures[k].get();
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
-    EXPECT_EQ(out.tokens, ref.output_tokens) << "case " << case_of[k] << " (" << ref.prompt << ")";
+    EXPECT_EQ(out.tokens, ref.output_tokens);
     const auto local = colocated(ref.prompt_tokens, ref.max_new_tokens);
     EXPECT_EQ(out.tokens, local.tokens);
     EXPECT_EQ(out.finish == FinishReason::eos, local.finish == gpu::FinishReason::eos);
+    EXPECT_EQ(out.finish == FinishReason::eos, int(ref.output_tokens.size()) < ref.max_new_tokens);
     EXPECT_EQ(tokens_of(logs[k]->events), out.tokens) << "streamed tokens differ from the outcome";
     EXPECT_FALSE(out.prefill_worker.empty());
     EXPECT_FALSE(out.decode_worker.empty());
@@ -71,7 +74,7 @@ INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
 
 TEST_F(ActorTest, SampledOutputEqualsColocatedWithTheSameSeed) {
   start(2, 2);
-  const auto cases = load_reference_cases(shared_reference());
+  const auto cases = load_all_reference_cases();
   std::vector<std::future<RequestOutcome>> futures;
   std::vector<Sampling> samplings;
   for (uint64_t seed = 1; seed <= 6; ++seed) {
@@ -93,7 +96,8 @@ TEST_F(ActorTest, TextPromptsAreEncodedAndTokensCarryTheirText) {
   options.config = shared_model_config(1, 1);
   options.config.tokenizer = shared_tokenizer();
   start(std::move(options));
-  for (const auto& ref : load_reference_cases(shared_reference())) {
+  for (const auto& ref : load_all_reference_cases()) {
+    SCOPED_TRACE(describe(ref));
     GenerateRequest request;
     request.prompt_is_text = true;
     request.prompt_text = ref.prompt;
@@ -101,8 +105,9 @@ TEST_F(ActorTest, TextPromptsAreEncodedAndTokensCarryTheirText) {
     TokenLog log;
     const RequestOutcome out = client_->generate(request, log.callback());
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
-    EXPECT_EQ(out.tokens, ref.output_tokens) << ref.prompt;
-    EXPECT_EQ(out.text, ref.text) << ref.prompt;
+    EXPECT_EQ(out.prompt_tokens, ref.prompt_tokens) << "the router's tokenizer encoded the text prompt differently";
+    EXPECT_EQ(out.tokens, ref.output_tokens);
+    EXPECT_EQ(out.text, ref.text);
     std::string streamed;
     for (const auto& e : log.events) streamed += e.text;
     EXPECT_EQ(streamed, ref.text);

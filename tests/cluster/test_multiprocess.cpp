@@ -30,20 +30,23 @@ GenerateRequest token_request(const std::vector<int>& prompt, int max_new_tokens
 TEST(MultiProcessCluster, ServesTheSharedReferenceCasesTokenForToken) {
   TestCluster cluster("cluster-reference");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
-  const auto cases = load_reference_cases(shared_reference());
+  const auto cases = load_all_reference_cases();  // both reference files
   ASSERT_FALSE(cases.empty());
   for (const auto& c : cases) {
-    SCOPED_TRACE(c.prompt);
+    SCOPED_TRACE(describe(c));
     const RequestOutcome by_tokens = cluster.client().generate(token_request(c.prompt_tokens, c.max_new_tokens));
     ASSERT_TRUE(by_tokens.ok()) << to_string(by_tokens.code) << ": " << by_tokens.message;
     EXPECT_EQ(by_tokens.tokens, std::vector<int32_t>(c.output_tokens.begin(), c.output_tokens.end()));
     EXPECT_EQ(by_tokens.text, c.text);
+    EXPECT_EQ(by_tokens.finish == FinishReason::eos, int(c.output_tokens.size()) < c.max_new_tokens);
 
     GenerateRequest text = token_request({}, c.max_new_tokens);
     text.prompt_text = c.prompt;  // encoded by the router's tokenizer
     text.prompt_is_text = true;
     const RequestOutcome by_text = cluster.client().generate(text);
     ASSERT_TRUE(by_text.ok()) << to_string(by_text.code) << ": " << by_text.message;
+    EXPECT_EQ(by_text.prompt_tokens, std::vector<int32_t>(c.prompt_tokens.begin(), c.prompt_tokens.end()))
+        << "the router's tokenizer encoded the text prompt differently";
     EXPECT_EQ(by_text.tokens, by_tokens.tokens);
     EXPECT_EQ(by_text.text, c.text);
   }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -30,12 +31,22 @@ std::shared_ptr<const Checkpoint> shared_checkpoint() {
   return checkpoint;
 }
 
-// The longest prompt of the shared reference (29 tokens: spans two 16-position blocks).
+// The longest prompt of the shared reference files (478 tokens today; callers
+// size their blocks from its length).
 std::vector<int> long_prompt() {
   std::vector<int> best;
-  for (const auto& c : test::load_reference_cases(test::shared_reference()))
+  for (const auto& c : test::load_all_reference_cases())
     if (c.prompt_tokens.size() > best.size()) best = c.prompt_tokens;
   return best;
+}
+
+// Blocks for `positions` positions, scattered: out of order with gaps
+// ({3, 1} for two blocks); the pool needs 2 * their count blocks.
+std::vector<int> scattered_blocks(int positions, int block_size) {
+  std::vector<int> blocks;
+  const int n = KvPool::blocks_for(positions, block_size);
+  for (int i = 0; i < n; ++i) blocks.push_back(2 * (n - 1 - i) + 1);
+  return blocks;
 }
 
 void expect_close(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
@@ -90,7 +101,9 @@ void expect_prefill_matches_stepwise(Engine& engine, const std::vector<int>& pro
 
 TEST(Engine, PrefillMatchesStepwiseDecodeOnTheSharedModel) {
   Engine engine(shared_checkpoint());
-  expect_prefill_matches_stepwise(engine, long_prompt(), 16, {3, 0});
+  const std::vector<int> prompt = long_prompt();
+  ASSERT_GT(prompt.size(), 16u) << "the longest reference prompt should span several blocks";
+  expect_prefill_matches_stepwise(engine, prompt, 16, scattered_blocks(int(prompt.size()), 16));
   expect_prefill_matches_stepwise(engine, {kBosToken}, 16, {0});
 }
 
@@ -132,7 +145,8 @@ TEST(Engine, PrefillMatchesStepwiseOnARandomGqaModelWithItsOwnClassifier) {
 TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
   Engine engine(shared_checkpoint());
   const int steps = 12, block_size = 16;
-  const std::vector<std::vector<int>> prompts = {{kBosToken}, {1, 403, 407, 261, 378}, long_prompt()};
+  std::vector<std::vector<int>> prompts = {{kBosToken}, {1, 403, 407, 261, 378}, long_prompt()};
+  if (int(prompts[2].size()) + steps > engine.config().seq_len) prompts[2].resize(engine.config().seq_len - steps);
   // Sequence 2 joins the batch after 4 steps of the others (mid-generation).
   const std::vector<int> joins_at = {0, 0, 4};
 
@@ -143,10 +157,10 @@ TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
   };
   std::vector<Sequence> seqs(prompts.size());
   // Blocks handed out round-robin, so every sequence's blocks are scattered.
-  BlockAllocator allocator(32);
   std::vector<int> needed(prompts.size());
   for (size_t s = 0; s < prompts.size(); ++s)
     needed[s] = KvPool::blocks_for(int(prompts[s].size()) + steps, block_size);
+  BlockAllocator allocator(std::accumulate(needed.begin(), needed.end(), 0));
   for (int round = 0; round < *std::max_element(needed.begin(), needed.end()); ++round)
     for (size_t s = 0; s < prompts.size(); ++s)
       if (round < needed[s]) seqs[s].blocks.push_back(allocator.allocate(1).at(0));

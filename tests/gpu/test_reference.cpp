@@ -1,6 +1,7 @@
-// The shared greedy references, token for token: tokenizer, batched prefill +
-// paged decode (generate), decode-only (generate_stepwise) and the
-// disagg-generate app. Backend "auto": CPU here, CUDA on a GPU machine.
+// The shared greedy references (every case of both reference files), token for
+// token: tokenizer, batched prefill + paged decode (generate), decode-only
+// (generate_stepwise) and the disagg-generate app. Backend "auto": CPU here,
+// CUDA on a GPU machine.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -24,7 +25,7 @@ namespace {
 class ReferenceTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    cases_ = new std::vector<test::ReferenceCase>(test::load_reference_cases(test::shared_reference()));
+    cases_ = new std::vector<test::ReferenceCase>(test::load_all_reference_cases());
     checkpoint_ = new std::shared_ptr<const Checkpoint>(Checkpoint::open(test::shared_model()));
   }
   static void TearDownTestSuite() {
@@ -42,22 +43,40 @@ class ReferenceTest : public ::testing::Test {
 std::vector<test::ReferenceCase>* ReferenceTest::cases_ = nullptr;
 std::shared_ptr<const Checkpoint>* ReferenceTest::checkpoint_ = nullptr;
 
-TEST_F(ReferenceTest, FileHasCases) { ASSERT_GE(cases().size(), 3u); }
+// Every reference file has cases, and each case is one the model can run:
+// a BOS-first prompt, outputs within max_new_tokens and the context.
+TEST_F(ReferenceTest, FilesHaveCases) {
+  for (const std::string& path : test::shared_reference_files())
+    EXPECT_FALSE(test::load_reference_cases(path).empty()) << path;
+  const int seq_len = checkpoint()->config().seq_len;
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(test::describe(c));
+    ASSERT_FALSE(c.prompt_tokens.empty());
+    EXPECT_EQ(c.prompt_tokens.front(), kBosToken);
+    EXPECT_GT(c.max_new_tokens, 0);
+    EXPECT_LE(int(c.output_tokens.size()), c.max_new_tokens);
+    EXPECT_LE(c.prompt_tokens.size() + c.output_tokens.size(), size_t(seq_len));
+  }
+}
 
 TEST_F(ReferenceTest, TokenizerEncodesPromptsAndDecodesOutputs) {
   const Tokenizer tokenizer = Tokenizer::load(test::shared_tokenizer(), checkpoint()->config().vocab_size);
   for (const auto& c : cases()) {
-    EXPECT_EQ(tokenizer.encode(c.prompt), c.prompt_tokens) << "prompt \"" << c.prompt << "\"";
-    EXPECT_EQ(tokenizer.decode_all(c.prompt_tokens.back(), c.output_tokens), c.text) << "prompt \"" << c.prompt << "\"";
+    EXPECT_EQ(tokenizer.encode(c.prompt), c.prompt_tokens) << test::describe(c);
+    EXPECT_EQ(tokenizer.decode_all(c.prompt_tokens.back(), c.output_tokens), c.text) << test::describe(c);
   }
+}
+
+FinishReason expected_finish(const test::ReferenceCase& c) {
+  return int(c.output_tokens.size()) < c.max_new_tokens ? FinishReason::eos : FinishReason::length;
 }
 
 TEST_F(ReferenceTest, GenerateReproducesGreedyOutputs) {
   Engine engine(checkpoint());
   for (const auto& c : cases()) {
     const GenerateResult r = generate(engine, c.prompt_tokens, c.max_new_tokens, SamplingParams{});
-    EXPECT_EQ(r.tokens, c.output_tokens) << "prompt \"" << c.prompt << "\" on " << engine.backend_name();
-    EXPECT_EQ(r.finish, int(c.output_tokens.size()) < c.max_new_tokens ? FinishReason::eos : FinishReason::length);
+    EXPECT_EQ(r.tokens, c.output_tokens) << test::describe(c) << " on " << engine.backend_name();
+    EXPECT_EQ(r.finish, expected_finish(c)) << test::describe(c);
   }
 }
 
@@ -65,7 +84,8 @@ TEST_F(ReferenceTest, GenerateStepwiseReproducesGreedyOutputs) {
   Engine engine(checkpoint());
   for (const auto& c : cases()) {
     const GenerateResult r = generate_stepwise(engine, c.prompt_tokens, c.max_new_tokens, SamplingParams{});
-    EXPECT_EQ(r.tokens, c.output_tokens) << "prompt \"" << c.prompt << "\" on " << engine.backend_name();
+    EXPECT_EQ(r.tokens, c.output_tokens) << test::describe(c) << " on " << engine.backend_name();
+    EXPECT_EQ(r.finish, expected_finish(c)) << test::describe(c);
   }
 }
 
@@ -80,11 +100,11 @@ TEST_F(ReferenceTest, GenerateAppPrintsReferenceJson) {
   for (const auto& c : cases()) {
     const auto [out, status] =
         run_command(common + " --prompt " + shell_quoted(c.prompt) + " --max-new-tokens " + std::to_string(c.max_new_tokens));
-    ASSERT_EQ(status, 0) << out;
+    ASSERT_EQ(status, 0) << test::describe(c) << ": " << out;
     const test::ReferenceCase got = test::parse_reference_case(out);
-    EXPECT_EQ(got.prompt_tokens, c.prompt_tokens);
-    EXPECT_EQ(got.output_tokens, c.output_tokens);
-    EXPECT_EQ(got.text, c.text);
+    EXPECT_EQ(got.prompt_tokens, c.prompt_tokens) << test::describe(c);
+    EXPECT_EQ(got.output_tokens, c.output_tokens) << test::describe(c);
+    EXPECT_EQ(got.text, c.text) << test::describe(c);
   }
   // --prompt-tokens is the same request as its text.
   const auto& c = cases().front();

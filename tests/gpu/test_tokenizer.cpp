@@ -21,7 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::vector<test::ReferenceCase> reference_cases() {
-  return test::load_reference_cases(test::shared_reference());
+  return test::load_all_reference_cases();
 }
 
 Tokenizer shared_tokenizer() { return Tokenizer::load(test::shared_tokenizer(), 512); }
@@ -34,7 +34,7 @@ TEST(Tokenizer, EncodesReferencePrompts) {
   const Tokenizer tok = shared_tokenizer();
   const auto cases = reference_cases();
   ASSERT_FALSE(cases.empty());
-  for (const auto& c : cases) EXPECT_EQ(tok.encode(c.prompt), c.prompt_tokens) << "prompt: " << c.prompt;
+  for (const auto& c : cases) EXPECT_EQ(tok.encode(c.prompt), c.prompt_tokens) << test::describe(c);
 }
 
 TEST(Tokenizer, DecodesReferenceOutputs) {
@@ -42,7 +42,7 @@ TEST(Tokenizer, DecodesReferenceOutputs) {
   const auto cases = reference_cases();
   ASSERT_FALSE(cases.empty());
   for (const auto& c : cases)
-    EXPECT_EQ(tok.decode_all(c.prompt_tokens.back(), c.output_tokens), c.text) << "prompt: " << c.prompt;
+    EXPECT_EQ(tok.decode_all(c.prompt_tokens.back(), c.output_tokens), c.text) << test::describe(c);
 }
 
 TEST(Tokenizer, EmptyTextIsJustBos) { EXPECT_EQ(shared_tokenizer().encode(""), std::vector<int>{kBosToken}); }

@@ -14,6 +14,8 @@ std::string shared_dir() {
 std::string shared_model() { return shared_dir() + "/models/stories260K.bin"; }
 std::string shared_tokenizer() { return shared_dir() + "/models/tok512.bin"; }
 std::string shared_reference() { return shared_dir() + "/reference/stories260K-greedy.jsonl"; }
+std::string shared_reference_more() { return shared_dir() + "/reference/stories260K-greedy-more.jsonl"; }
+std::vector<std::string> shared_reference_files() { return {shared_reference(), shared_reference_more()}; }
 std::string bin_dir() { return DISAGG_BIN_DIR; }
 
 std::string make_temp_dir(const std::string& tag) {
