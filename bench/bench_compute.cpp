@@ -1,99 +1,212 @@
-// Compute-library throughput on the current backend: prefill tokens/s by
-// prompt length, decode tokens/s by batch size (continuous batching pays off
-// when batch B gives more than B=1 tokens/s), and KV serialize/parse bytes/s.
-// The model is synthetic (seeded), so the benchmark runs anywhere.
+// Compute-library throughput on the current backend (Google Benchmark; run by
+// `scripts/bench micro`, not by ctest). Two synthetic (seeded) models:
+//   m50: dim 512, hidden 1376, 16 layers, 8 heads, vocab 4096, seq 2048 (~50M)
+//   m15: dim 288, hidden 768, 6 layers, 6 heads, vocab 32000, seq 256 (stories15M's shape)
+// Each benchmark takes the OpenMP thread count as its last argument.
+// - Prefill/<model>/<tokens>/<threads>: tokens/s, and attn_share, the share of
+//   the prefill's time spent in attention (the attention op timed alone on the
+//   same shapes).
+// - DecodeStep/<model>/<batch>/<context>/<threads>: one decode step of `batch`
+//   sequences at `context` positions (they share the KV of their context, each
+//   writes its own last block), tokens/s.
+// - Matmul/<m>/<n>/<k>/<threads>: our fixed-order product against OpenBLAS's
+//   sgemm on the same shapes (ratio = ours / sgemm time; BLAS threads = ours).
+// - KvSerializeParse: bytes/s of the KV wire format.
 #include <benchmark/benchmark.h>
+#include <cblas.h>
+#include <omp.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <numeric>
+#include <random>
+#include <string>
 #include <vector>
 
+#include "gpu/backend.h"
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
 #include "gpu/kv_format.h"
 
+extern "C" void openblas_set_num_threads(int);
+
 namespace {
 
 using namespace disagg::gpu;
+using Clock = std::chrono::steady_clock;
 
-// A model big enough that GEMMs dominate: ~25M parameters.
-ModelConfig bench_config() {
+ModelConfig model_config(int which) {
   ModelConfig c;
-  c.dim = 512;
-  c.hidden_dim = 1376;
-  c.n_layers = 8;
-  c.n_heads = 8;
-  c.n_kv_heads = 4;
-  c.vocab_size = 4096;
-  c.seq_len = 1024;
+  if (which == 50) {
+    c.dim = 512, c.hidden_dim = 1376, c.n_layers = 16, c.n_heads = 8, c.n_kv_heads = 8;
+    c.vocab_size = 4096, c.seq_len = 2048;
+  } else {
+    c.dim = 288, c.hidden_dim = 768, c.n_layers = 6, c.n_heads = 6, c.n_kv_heads = 6;
+    c.vocab_size = 32000, c.seq_len = 256;
+  }
   c.shared_classifier = true;
   return c;
 }
 
-Engine& engine() {
-  static std::unique_ptr<Engine> e = [] {
-    auto path = std::filesystem::temp_directory_path() / "disagg-bench-model.bin";
-    write_random_checkpoint(path.string(), bench_config(), 7);
-    return std::make_unique<Engine>(Checkpoint::open(path.string()));
-  }();
+Engine& engine(int which) {
+  static std::map<int, std::unique_ptr<Engine>> engines;
+  auto& e = engines[which];
+  if (!e) {
+    auto path = std::filesystem::temp_directory_path() / ("disagg-bench-m" + std::to_string(which) + ".bin");
+    write_random_checkpoint(path.string(), model_config(which), 7);
+    e = std::make_unique<Engine>(Checkpoint::open(path.string()));
+    std::fprintf(stderr, "m%d on %s\n", which, e->backend().describe().c_str());
+  }
   return *e;
 }
 
-std::vector<int> prompt_of(int n) {
+std::vector<int> prompt_of(int n, int vocab) {
   std::vector<int> tokens(n);
-  for (int i = 0; i < n; ++i) tokens[i] = 3 + (i * 37) % (bench_config().vocab_size - 3);
+  for (int i = 0; i < n; ++i) tokens[i] = 3 + (i * 37) % (vocab - 3);
   tokens[0] = 1;
   return tokens;
 }
 
-void BM_Prefill(benchmark::State& state) {
-  const auto tokens = prompt_of(int(state.range(0)));
-  for (auto _ : state) benchmark::DoNotOptimize(engine().prefill(tokens));
-  state.SetItemsProcessed(state.iterations() * int64_t(tokens.size()));
-  state.SetLabel("tokens/s");
-}
-BENCHMARK(BM_Prefill)->Arg(16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// One decode step for B sequences, each with a 128-token context.
+// Seconds of the attention op for a prefill of n tokens (all layers).
+double attention_seconds(Engine& e, int n) {
+  const ModelConfig& c = e.config();
+  Backend& b = e.backend();
+  const int hs = c.head_size(), width = c.n_heads * hs;
+  const KvShape shape = e.kv_shape(n);
+  DeviceArray<float> cache(b, shape.floats()), q(b, size_t(n) * width), out(b, size_t(n) * width);
+  std::vector<float> host(shape.floats());
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (float& x : host) x = dist(rng);
+  cache.upload(host.data(), host.size());
+  q.upload(host.data(), size_t(n) * width);
+  std::vector<int> positions(n);
+  std::iota(positions.begin(), positions.end(), 0);
+  DeviceArray<int> pos(b), table(b);
+  pos.upload(positions.data(), positions.size());
+  const int zero = 0;
+  table.upload(&zero, 1);
+  const PagedKv kv{cache.get(), n, (long long)shape.floats(), c.kv_dim(), table.get(), 0};
+  const auto t0 = Clock::now();
+  for (int l = 0; l < c.n_layers; ++l) b.attention(q.get(), out.get(), kv, l, pos.get(), n, c.n_heads, c.n_kv_heads, hs);
+  b.synchronize();
+  return seconds_since(t0);
+}
+
+void BM_Prefill(benchmark::State& state) {
+  const int which = int(state.range(0)), n = int(state.range(1));
+  omp_set_num_threads(int(state.range(2)));
+  Engine& e = engine(which);
+  const auto tokens = prompt_of(n, e.config().vocab_size);
+  e.prefill(tokens);  // warm-up: the engine's buffers reach their size once, as in a server
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    benchmark::DoNotOptimize(e.prefill(tokens));
+    total += seconds_since(t0);
+  }
+  state.counters["tok_s"] = benchmark::Counter(double(n) * state.iterations() / total);
+  state.counters["attn_share"] = attention_seconds(e, n) / (total / state.iterations());
+}
+
+// One decode step for `batch` sequences at `context` positions.
 void BM_DecodeStep(benchmark::State& state) {
-  const int batch = int(state.range(0));
-  const int context = 128;
+  const int which = int(state.range(0)), batch = int(state.range(1)), context = int(state.range(2));
+  omp_set_num_threads(int(state.range(3)));
+  Engine& e = engine(which);
   const int block_size = 16;
-  const int blocks_per_seq = KvPool::blocks_for(context + 1, block_size);
-  KvPool pool(engine(), block_size, batch * blocks_per_seq);
-  const auto prefill = engine().prefill(prompt_of(context));
-  const auto bytes = serialize_kv(engine().fingerprint(), prefill.shape, prefill.kv.data());
-  const auto view = parse_kv(bytes.data(), bytes.size(), engine().kv_expectation());
+  const int shared_blocks = context / block_size;  // full blocks of the common context
+  const int own_blocks = KvPool::blocks_for(context + 1, block_size) - shared_blocks;
+  KvPool pool(e, block_size, shared_blocks + batch * own_blocks);
+  const auto prefill = e.prefill(prompt_of(context, e.config().vocab_size));
+  const auto bytes = serialize_kv(e.fingerprint(), prefill.shape, prefill.kv.data());
+  const auto view = parse_kv(bytes.data(), bytes.size(), e.kv_expectation());
   std::vector<std::vector<int>> tables(batch);
   std::vector<DecodeSlot> slots(batch);
   for (int b = 0; b < batch; ++b) {
-    tables[b].resize(blocks_per_seq);
-    std::iota(tables[b].begin(), tables[b].end(), b * blocks_per_seq);
-    pool.write(tables[b], view);
+    tables[b].resize(shared_blocks + own_blocks);
+    std::iota(tables[b].begin(), tables[b].begin() + shared_blocks, 0);
+    std::iota(tables[b].begin() + shared_blocks, tables[b].end(), shared_blocks + b * own_blocks);
+    // The shared blocks once; a tail block holds context positions only when
+    // the context is not a multiple of the block size.
+    if (b == 0 || context % block_size != 0) pool.write(tables[b], view);
     slots[b] = DecodeSlot{3 + b, context, &tables[b]};
   }
-  for (auto _ : state) benchmark::DoNotOptimize(engine().decode_step(pool, slots));
-  state.SetItemsProcessed(state.iterations() * batch);
-  state.SetLabel("tokens/s");
+  for (auto _ : state) benchmark::DoNotOptimize(e.decode_step(pool, slots));
+  state.counters["tok_s"] = benchmark::Counter(double(batch) * state.iterations(), benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_DecodeStep)->Arg(1)->Arg(4)->Arg(16)->Arg(64)->Unit(benchmark::kMillisecond);
 
-// KV of a 256-token prompt of the bench model (8 MiB).
+void BM_Matmul(benchmark::State& state) {
+  const int m = int(state.range(0)), n = int(state.range(1)), k = int(state.range(2)), threads = int(state.range(3));
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+  auto b = make_cpu_backend();
+  std::vector<float> a(size_t(m) * k, 0.5f), w(size_t(n) * k, 0.25f), c(size_t(m) * n);
+  DeviceArray<float> pw(*b, b->packed_floats(n, k));
+  b->pack_matrix(w.data(), pw.get(), n, k);
+  double ours = 0, blas = 0;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    b->matmul(a.data(), pw.get(), c.data(), m, n, k);
+    ours += seconds_since(t0);
+    t0 = Clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, w.data(), k, 0.0f, c.data(), n);
+    blas += seconds_since(t0);
+  }
+  const double flops = 2.0 * m * n * k * state.iterations();
+  state.counters["ours_gflops"] = flops / ours / 1e9;
+  state.counters["sgemm_gflops"] = flops / blas / 1e9;
+  state.counters["ours_vs_sgemm"] = blas / ours;
+}
+
+// KV of a 256-token prompt of the m50 model (16 MiB).
 void BM_KvSerializeParse(benchmark::State& state) {
-  KvShape shape{uint32_t(bench_config().n_layers), uint32_t(bench_config().n_kv_heads),
-                uint32_t(bench_config().dim / bench_config().n_heads), 256};
+  const ModelConfig c = model_config(50);
+  KvShape shape{uint32_t(c.n_layers), uint32_t(c.n_kv_heads), uint32_t(c.head_size()), 256};
   std::vector<float> payload(shape.floats(), 0.5f);
-  KvExpectation expect{42, shape.n_layers, shape.n_kv_heads, shape.head_dim, 1024};
+  KvExpectation expect{42, shape.n_layers, shape.n_kv_heads, shape.head_dim, uint32_t(c.seq_len)};
   for (auto _ : state) {
     auto bytes = serialize_kv(42, shape, payload.data());
     benchmark::DoNotOptimize(parse_kv(bytes.data(), bytes.size(), expect));
   }
   state.SetBytesProcessed(state.iterations() * int64_t(kv_buffer_bytes(shape)));
 }
-BENCHMARK(BM_KvSerializeParse)->Unit(benchmark::kMillisecond);
+
+void prefill_args(benchmark::internal::Benchmark* b) {
+  for (int threads : {1, 2}) {
+    for (int n : {256, 1024, 2048}) b->Args({50, n, threads});
+    for (int n : {64, 256}) b->Args({15, n, threads});
+  }
+}
+void decode_args(benchmark::internal::Benchmark* b) {
+  for (int threads : {1, 2}) {
+    for (int context : {128, 1920})
+      for (int batch : {1, 16, 64}) b->Args({50, batch, context, threads});
+    for (int context : {128, 240})
+      for (int batch : {1, 16, 64}) b->Args({15, batch, context, threads});
+  }
+}
 
 }  // namespace
+
+BENCHMARK(BM_Prefill)->Apply(prefill_args)->ArgNames({"model", "tokens", "threads"})->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeStep)->Apply(decode_args)->ArgNames({"model", "batch", "context", "threads"})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Matmul)
+    ->ArgNames({"m", "n", "k", "threads"})
+    ->Args({1, 1376, 512, 1})
+    ->Args({64, 1376, 512, 1})
+    ->Args({512, 1376, 512, 1})
+    ->Args({512, 512, 1376, 1})
+    ->Args({512, 1376, 512, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_KvSerializeParse)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

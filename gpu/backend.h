@@ -33,6 +33,9 @@ class Backend {
 
   // "cpu" or "cuda:<device name>".
   virtual std::string name() const = 0;
+  // True when device pointers are host pointers (the CPU backend): a caller
+  // may then read and write them directly instead of copying.
+  virtual bool host_memory() const { return false; }
 
   // ---- memory (bytes; throws Error when an allocation fails)
   virtual void* alloc_bytes(size_t bytes) = 0;
@@ -42,33 +45,45 @@ class Backend {
   virtual void copy(void* device_dst, const void* device_src, size_t bytes) = 0;
   virtual void synchronize() = 0;
 
-  // ---- operations
-  // C[m,n] = A[m,k] * B[n,k]^T: y = x W^T for a batch of rows x and "out x in" weights W.
-  virtual void matmul_nt(const float* a, const float* b, float* c, int m, int n, int k) = 0;
+  // ---- weights
+  // Floats a weight matrix W[n][k] ("out x in") takes in this backend's own
+  // layout (the CPU packs it in panels; CUDA keeps it row-major).
+  virtual size_t packed_floats(int n, int k) const = 0;
+  // Stores the row-major host matrix W[n][k] at `packed` (packed_floats(n, k) floats).
+  virtual void pack_matrix(const float* host_w, float* packed, int n, int k) = 0;
+
+  // ---- operations (the arithmetic of each is fixed: gpu/fixed_math.h)
+  // C[m,n] = A[m,k] W^T with W from pack_matrix: y = x W^T for a batch of rows.
+  // Each element sums over k in order with one FMA per term, so a row's result
+  // does not depend on m or on the other rows.
+  virtual void matmul(const float* a, const float* packed_w, float* c, int m, int n, int k) = 0;
   // out[r] = table[tokens[r]] (rows of dim floats).
   virtual void embedding(const float* table, const int* tokens, float* out, int rows, int dim) = 0;
   // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + 1e-5); out may equal x.
   virtual void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) = 0;
   // Rotary embedding in place, row r at position positions[r]: pairs (2i, 2i+1)
-  // within each head rotated by pos * 10000^(-2i/head_size).
-  virtual void rope(float* x, const int* positions, int rows, int n_heads, int head_size) = 0;
-  // gate[i] = silu(gate[i]) * up[i].
+  // within each head rotated by the angle pos * 10000^(-2i/head_size), whose
+  // cosine and sine are rope_table[(pos * head_size/2 + i) * 2 + {0, 1}].
+  virtual void rope(float* x, const int* positions, const float* rope_table, int rows, int n_heads,
+                    int head_size) = 0;
+  // gate[i] = silu(gate[i]) * up[i] (fixed::swiglu).
   virtual void swiglu(float* gate, const float* up, size_t n) = 0;
   // x[i] += y[i].
   virtual void add(float* x, const float* y, size_t n) = 0;
-  // Numerically stable softmax of each row of `cols` floats, in place.
-  virtual void softmax_rows(float* x, int rows, int cols) = 0;
   // Stores row r of k and v (kv_dim floats each) at position positions[r] of
   // `layer` in row r's blocks.
   virtual void kv_write(const PagedKv& kv, int layer, const float* k, const float* v, const int* positions,
                         int rows) = 0;
   // Causal attention of `layer`: for row r and query head h, softmax of
   // q.k / sqrt(head_size) over positions [0, positions[r]] against kv head
-  // h / (n_heads / n_kv_heads), then the weighted sum of V into out.
-  // q, out: rows x (n_heads*head_size). scores: scratch of rows*n_heads*max_ctx
-  // floats, max_ctx >= positions[r] + 1 for every row.
+  // h / (n_heads / n_kv_heads), then the weighted sum of V into out; tiled
+  // with an online softmax (fixed_math.h), scratch bounded by threads x tile.
+  // q, out: rows x (n_heads*head_size).
   virtual void attention(const float* q, float* out, const PagedKv& kv, int layer, const int* positions, int rows,
-                         int n_heads, int n_kv_heads, int head_size, float* scores, int max_ctx) = 0;
+                         int n_heads, int n_kv_heads, int head_size) = 0;
+
+  // "cpu (avx512 kernels, 2 threads)", "cuda:<device name>": for logs and benchmarks.
+  virtual std::string describe() const { return name(); }
 };
 
 // A typed, growable allocation on a backend (scratch buffers of the engine).
@@ -107,7 +122,9 @@ class DeviceArray {
 // Number of usable CUDA devices; 0 when built without CUDA or none is present.
 int cuda_device_count();
 
-std::unique_ptr<Backend> make_cpu_backend();
+// The CPU backend with the kernels of `isa` ("generic", "avx2", "avx512"; ""
+// = DISAGG_CPU_ISA or the widest this CPU runs). Throws Error if it cannot.
+std::unique_ptr<Backend> make_cpu_backend(const std::string& isa = "");
 
 // "auto": CUDA device 0 when cuda_device_count() > 0, else CPU; "cpu"; "cuda"
 // (throws Error when there is no CUDA device). Throws Error on any other name.

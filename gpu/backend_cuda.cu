@@ -1,7 +1,9 @@
 // The CUDA backend: device memory from cudaMalloc, the shared Thrust kernels
-// under a CUDA policy on the backend's stream, the GEMMs on cuBLAS.
-// Everything is queued on one stream; download() and synchronize() wait for it.
-#include <cublas_v2.h>
+// under a CUDA policy on the backend's stream, and CUDA kernels of its own for
+// the matrix products and attention, in the fixed arithmetic of
+// gpu/fixed_math.h (so they give the CPU backend's bits; cuBLAS picks its
+// summation order by problem size and could not). Everything is queued on one
+// stream; download() and synchronize() wait for it.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -15,6 +17,7 @@
 #include "gpu/backend.h"
 #include "gpu/backend_cuda.h"
 #include "gpu/error.h"
+#include "gpu/fixed_math.h"
 
 namespace disagg::gpu {
 
@@ -31,14 +34,6 @@ void check(cudaError_t status, const char* what) {
     cudaGetLastError();
     throw Error(std::string("cuda backend: ") + what + ": " + cudaGetErrorName(status) + ": " +
                 cudaGetErrorString(status));
-  }
-}
-
-void check(cublasStatus_t status, const char* what) {
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    cudaGetLastError();  // a failed cuBLAS launch may have left a CUDA error behind
-    throw Error(std::string("cuda backend: ") + what + ": " + cublasGetStatusString(status) + " (cuBLAS status " +
-                std::to_string(int(status)) + ")");
   }
 }
 
@@ -64,6 +59,113 @@ void run_thrust(const char* what, F&& kernel) {
 // kernel: the stream orders them, download() and synchronize() wait.
 auto stream_policy(cudaStream_t stream) { return thrust::cuda::par_nosync.on(stream); }
 
+// ---------------------------------------------------------------- fixed-order kernels
+
+// Matrix product tiles: a block of 16 x 16 threads computes kTileRows x 64
+// outputs of C (each thread TM rows x 4 columns), staging kTileK columns of A
+// and W in shared memory. Every output is one thread's sequential fmaf chain
+// over k: the fixed rule, whatever the tiling.
+constexpr int kTileK = 16;
+
+template <int TM>
+__global__ void matmul_kernel(const float* __restrict__ a, const float* __restrict__ w, float* __restrict__ c, int m,
+                              int n, int k) {
+  constexpr int kRows = 16 * TM, kCols = 64;
+  __shared__ float as[kTileK][kRows + 1];
+  __shared__ float ws[kTileK][kCols + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y, tid = ty * 16 + tx;
+  const int row0 = blockIdx.y * kRows, col0 = blockIdx.x * kCols;
+  float acc[TM][4];
+  for (int r = 0; r < TM; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = 0.0f;
+  for (int k0 = 0; k0 < k; k0 += kTileK) {
+    const int kk_n = min(kTileK, k - k0);
+    for (int i = tid; i < kRows * kTileK; i += 256) {
+      const int r = i / kTileK, kk = i % kTileK;
+      as[kk][r] = (row0 + r < m && kk < kk_n) ? a[(long long)(row0 + r) * k + k0 + kk] : 0.0f;
+    }
+    for (int i = tid; i < kCols * kTileK; i += 256) {
+      const int col = i / kTileK, kk = i % kTileK;
+      ws[kk][col] = (col0 + col < n && kk < kk_n) ? w[(long long)(col0 + col) * k + k0 + kk] : 0.0f;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < kk_n; ++kk)
+      for (int r = 0; r < TM; ++r)
+        for (int q = 0; q < 4; ++q) acc[r][q] = fmaf(as[kk][ty * TM + r], ws[kk][tx * 4 + q], acc[r][q]);
+    __syncthreads();
+  }
+  for (int r = 0; r < TM; ++r)
+    for (int q = 0; q < 4; ++q) {
+      const int row = row0 + ty * TM + r, col = col0 + tx * 4 + q;
+      if (row < m && col < n) c[(long long)row * n + col] = acc[r][q];
+    }
+}
+
+__device__ inline const float* paged_k_row(const PagedKv& kv, int layer, int row, int pos) {
+  const long long block = kv.tables[(long long)row * kv.table_stride + pos / kv.block_size];
+  return kv.data + block * kv.block_stride +
+         ((long long)layer * 2 * kv.block_size + pos % kv.block_size) * (long long)kv.kv_dim;
+}
+
+// Head elements per lane of attention_kernel: head_size <= 32 * kMaxPerLane.
+constexpr int kMaxPerLane = 8;
+
+// One warp per (row, query head). Lanes 0-15 score the 16 positions of a key
+// tile (each a sequential fmaf chain over the head), the tile's sum is the
+// xor-butterfly over those 16 lanes (fixed::tree_sum16's tree), and lane L
+// accumulates the outputs j = L + 32i, positions in order: fixed_math.h's rule.
+__global__ void attention_kernel(const float* __restrict__ q, float* __restrict__ out, PagedKv kv, int layer,
+                                 const int* __restrict__ positions, int rows, int n_heads, int group, int hs) {
+  const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= (long long)rows * n_heads) return;
+  const int row = int(warp / n_heads), h = int(warp % n_heads), kvh = h / group;
+  const int pos = positions[row];
+  const float* qh = q + (long long)row * n_heads * hs + (long long)h * hs;
+  const long long v_offset = (long long)kv.block_size * kv.kv_dim;
+  const float sqrt_hs = sqrtf(float(hs));
+  constexpr int T = fixed::kKeyTile;
+  float o[kMaxPerLane];
+  for (int i = 0; i < kMaxPerLane; ++i) o[i] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  for (int t0 = 0; t0 <= pos; t0 += T) {
+    const int valid = min(T, pos - t0 + 1);
+    const bool scores = lane < valid;
+    float s = -INFINITY;
+    if (scores) {
+      const float* kr = paged_k_row(kv, layer, row, t0 + lane) + (long long)kvh * hs;
+      float acc = 0.0f;
+      for (int j = 0; j < hs; ++j) acc = fmaf(qh[j], kr[j], acc);
+      s = acc / sqrt_hs;
+    }
+    float tile_max = s;
+    for (int off = 16; off >= 1; off /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, off));
+    const float m_new = m > tile_max ? m : tile_max;
+    const float corr = fixed::fixed_exp(m - m_new);
+    const float p = scores ? fixed::fixed_exp(s - m_new) : 0.0f;
+    float sum = p;
+    for (int off = 8; off >= 1; off /= 2) sum = sum + __shfl_xor_sync(0xffffffffu, sum, off);
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    l = l * corr;
+    l = l + sum;
+    for (int i = 0; i < kMaxPerLane; ++i) o[i] = o[i] * corr;
+    for (int t = 0; t < valid; ++t) {
+      const float pt = __shfl_sync(0xffffffffu, p, t);
+      const float* vr = paged_k_row(kv, layer, row, t0 + t) + v_offset + (long long)kvh * hs;
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        const int j = lane + 32 * i;
+        if (j < hs) o[i] = fmaf(pt, vr[j], o[i]);
+      }
+    }
+    m = m_new;
+  }
+  float* dst = out + (long long)row * n_heads * hs + (long long)h * hs;
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    const int j = lane + 32 * i;
+    if (j < hs) dst[j] = o[i] / l;
+  }
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -72,16 +174,6 @@ class CudaBackend final : public Backend {
     check(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties");
     name_ = std::string("cuda:") + prop.name;
     check(cudaStreamCreate(&stream_), "cudaStreamCreate");
-    try {
-      check(cublasCreate(&blas_), "cublasCreate");
-      check(cublasSetStream(blas_, stream_), "cublasSetStream");
-      // Plain FP32 GEMMs (no TF32) so the CPU and GPU results agree closely.
-      check(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-    } catch (...) {
-      // The destructor does not run for a constructor that throws.
-      release();
-      throw;
-    }
   }
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -128,15 +220,20 @@ class CudaBackend final : public Backend {
     check(cudaStreamSynchronize(stream_), "synchronize");
   }
 
-  void matmul_nt(const float* a, const float* b, float* c, int m, int n, int k) override {
+  size_t packed_floats(int n, int k) const override { return size_t(n) * size_t(k); }  // row-major
+  void pack_matrix(const float* host_w, float* packed, int n, int k) override {
+    upload(packed, host_w, size_t(n) * size_t(k) * sizeof(float));
+  }
+  void matmul(const float* a, const float* w, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
     activate();
-    // cuBLAS is column-major: the row-major C[m,n] is the column-major C^T[n,m]
-    // = B[n,k] * A^T, where the row-major B[n,k] reads as column-major [k,n]
-    // (hence OP_T) and the row-major A[m,k] as column-major [k,m] (OP_N).
-    const float one = 1.0f;
-    const float zero = 0.0f;
-    check(cublasSgemm(blas_, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, b, k, a, k, &zero, c, n), "cublasSgemm");
+    const dim3 threads(16, 16);
+    if (m <= 16) {  // decode steps: tiles of 16 rows
+      matmul_kernel<1><<<dim3((n + 63) / 64, (m + 15) / 16), threads, 0, stream_>>>(a, w, c, m, n, k);
+    } else {
+      matmul_kernel<4><<<dim3((n + 63) / 64, (m + 63) / 64), threads, 0, stream_>>>(a, w, c, m, n, k);
+    }
+    check(cudaGetLastError(), "matmul kernel launch");
   }
   void embedding(const float* table, const int* tokens, float* out, int rows, int dim) override {
     activate();
@@ -146,9 +243,10 @@ class CudaBackend final : public Backend {
     activate();
     run_thrust("rmsnorm", [&] { cuda_kernels::rmsnorm(stream_policy(stream_), x, weight, out, rows, dim); });
   }
-  void rope(float* x, const int* positions, int rows, int n_heads, int head_size) override {
+  void rope(float* x, const int* positions, const float* table, int rows, int n_heads, int head_size) override {
     activate();
-    run_thrust("rope", [&] { cuda_kernels::rope(stream_policy(stream_), x, positions, rows, n_heads, head_size); });
+    run_thrust("rope",
+               [&] { cuda_kernels::rope(stream_policy(stream_), x, positions, table, rows, n_heads, head_size); });
   }
   void swiglu(float* gate, const float* up, size_t n) override {
     activate();
@@ -158,33 +256,32 @@ class CudaBackend final : public Backend {
     activate();
     run_thrust("add", [&] { cuda_kernels::add(stream_policy(stream_), x, y, n); });
   }
-  void softmax_rows(float* x, int rows, int cols) override {
-    activate();
-    run_thrust("softmax_rows", [&] { cuda_kernels::softmax_rows(stream_policy(stream_), x, rows, cols); });
-  }
   void kv_write(const PagedKv& kv, int layer, const float* k, const float* v, const int* positions,
                 int rows) override {
     activate();
     run_thrust("kv_write", [&] { cuda_kernels::kv_write(stream_policy(stream_), kv, layer, k, v, positions, rows); });
   }
   void attention(const float* q, float* out, const PagedKv& kv, int layer, const int* positions, int rows,
-                 int n_heads, int n_kv_heads, int head_size, float* scores, int max_ctx) override {
+                 int n_heads, int n_kv_heads, int head_size) override {
+    if (rows <= 0) return;
+    if (head_size > 32 * kMaxPerLane)
+      throw Error("cuda backend: attention supports head_size <= " + std::to_string(32 * kMaxPerLane) + ", got " +
+                  std::to_string(head_size));
     activate();
-    run_thrust("attention", [&] {
-      cuda_kernels::attention(stream_policy(stream_), q, out, kv, layer, positions, rows, n_heads, n_kv_heads,
-                              head_size, scores, max_ctx);
-    });
+    const long long warps = (long long)rows * n_heads;
+    constexpr int kThreads = 128;
+    attention_kernel<<<unsigned((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream_>>>(
+        q, out, kv, layer, positions, rows, n_heads, n_heads / n_kv_heads, head_size);
+    check(cudaGetLastError(), "attention kernel launch");
   }
 
  private:
   // The calling thread may differ from call to call (actors migrate).
   void activate() { check(cudaSetDevice(device_), "cudaSetDevice"); }
 
-  // Frees the cuBLAS handle and the stream (either may be null); errors are ignored.
+  // Frees the stream (may be null); errors are ignored.
   void release() {
-    if (blas_) cublasDestroy(blas_);
     if (stream_) cudaStreamDestroy(stream_);
-    blas_ = nullptr;
     stream_ = nullptr;
     cudaGetLastError();
   }
@@ -192,7 +289,6 @@ class CudaBackend final : public Backend {
   int device_;
   std::string name_;
   cudaStream_t stream_ = nullptr;
-  cublasHandle_t blas_ = nullptr;
 };
 
 }  // namespace

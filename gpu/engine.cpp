@@ -3,7 +3,11 @@
 // batched decode step (rows = sequences, K/V in a paged pool).
 #include "gpu/engine.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdint>
+#include <cmath>
 #include <string>
 
 #include "gpu/backend.h"
@@ -13,16 +17,49 @@ namespace disagg::gpu {
 
 namespace {
 
-// Upper bound of the attention score scratch (floats, 4 MiB): long prompts
-// are attended in row chunks so the scratch stays O(chunk * heads * positions)
-// instead of O(positions^2 * heads).
-constexpr long long kScoreBudget = 1LL << 20;
+// Prompt positions per forward pass of a prefill: activations stay
+// O(kPrefillChunk * hidden) whatever the prompt length. Every row's arithmetic
+// is independent of the rows computed with it (gpu/fixed_math.h), so the chunk
+// size changes no bit of the result.
+constexpr int kPrefillChunk = 512;
 
-// One weight tensor (all layers) on the backend.
+// Asks for transparent huge pages for the whole 2 MiB pages inside [p, p + bytes):
+// a large host buffer then faults in 512x fewer times. Advice only.
+void advise_huge_pages(void* p, size_t bytes) {
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+// One vector tensor (all layers) on the backend.
 DeviceArray<float> upload_tensor(Backend& backend, const float* host, size_t n) {
   DeviceArray<float> a(backend, n);
   a.upload(host, n);
   return a;
+}
+
+// One weight matrix per layer, each n x k row-major on the host, in the
+// backend's matmul layout; layer l starts at l * packed_floats(n, k).
+DeviceArray<float> upload_matrices(Backend& backend, const float* host, size_t layers, int n, int k) {
+  const size_t each = backend.packed_floats(n, k);
+  DeviceArray<float> a(backend, layers * each);
+  for (size_t l = 0; l < layers; ++l) backend.pack_matrix(host + l * size_t(n) * k, a.get() + l * each, n, k);
+  return a;
+}
+
+// cos and sin of every (position, pair) RoPE angle, as RopeOp reads them.
+DeviceArray<float> rope_table(Backend& backend, int seq_len, int head_size) {
+  const int half = head_size / 2;
+  std::vector<float> t(size_t(seq_len) * half * 2);
+  for (int pos = 0; pos < seq_len; ++pos)
+    for (int pair = 0; pair < half; ++pair) {
+      const float freq = 1.0f / powf(10000.0f, float(2 * pair) / float(head_size));
+      const float val = float(pos) * freq;
+      t[(size_t(pos) * half + pair) * 2] = cosf(val);
+      t[(size_t(pos) * half + pair) * 2 + 1] = sinf(val);
+    }
+  return upload_tensor(backend, t.data(), t.size());
 }
 
 }  // namespace
@@ -39,26 +76,26 @@ struct Engine::Impl {
         vocab(size_t(cfg.vocab_size)),
         token_embedding(upload_tensor(*backend, weights().token_embedding, vocab * dim)),
         rms_att(upload_tensor(*backend, weights().rms_att, layers * dim)),
-        wq(upload_tensor(*backend, weights().wq, layers * dim * dim)),
-        wk(upload_tensor(*backend, weights().wk, layers * kv_dim * dim)),
-        wv(upload_tensor(*backend, weights().wv, layers * kv_dim * dim)),
-        wo(upload_tensor(*backend, weights().wo, layers * dim * dim)),
+        wq(upload_matrices(*backend, weights().wq, layers, cfg.dim, cfg.dim)),
+        wk(upload_matrices(*backend, weights().wk, layers, cfg.kv_dim(), cfg.dim)),
+        wv(upload_matrices(*backend, weights().wv, layers, cfg.kv_dim(), cfg.dim)),
+        wo(upload_matrices(*backend, weights().wo, layers, cfg.dim, cfg.dim)),
         rms_ffn(upload_tensor(*backend, weights().rms_ffn, layers * dim)),
-        w1(upload_tensor(*backend, weights().w1, layers * hidden * dim)),
-        w2(upload_tensor(*backend, weights().w2, layers * dim * hidden)),
-        w3(upload_tensor(*backend, weights().w3, layers * hidden * dim)),
+        w1(upload_matrices(*backend, weights().w1, layers, cfg.hidden_dim, cfg.dim)),
+        w2(upload_matrices(*backend, weights().w2, layers, cfg.dim, cfg.hidden_dim)),
+        w3(upload_matrices(*backend, weights().w3, layers, cfg.hidden_dim, cfg.dim)),
         rms_final(upload_tensor(*backend, weights().rms_final, dim)),
-        wcls_separate(cfg.shared_classifier || weights().wcls == weights().token_embedding
-                          ? DeviceArray<float>(*backend)
-                          : upload_tensor(*backend, weights().wcls, vocab * dim)),
+        wcls(upload_matrices(*backend, weights().wcls, 1, cfg.vocab_size, cfg.dim)),
+        rope(rope_table(*backend, cfg.seq_len, cfg.head_size())),
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
-        hb2(*backend), scores(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend),
-        positions(*backend), tables(*backend) {
+        hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
+        tables(*backend) {
     backend->synchronize();
   }
 
   const Weights& weights() const { return checkpoint->weights(); }
-  const float* wcls() const { return wcls_separate.get() ? wcls_separate.get() : token_embedding.get(); }
+  // Floats between two layers' matrices of each shape.
+  size_t stride(int n, int k) const { return backend->packed_floats(n, k); }
 
   void validate_token(int token, const char* where) const {
     if (token < 0 || token >= cfg.vocab_size)
@@ -79,18 +116,21 @@ struct Engine::Impl {
   std::unique_ptr<Backend> backend;
   size_t dim, kv_dim, hidden, layers, vocab;
 
-  // Weights, all layers per tensor; layer l's matrix starts at l * (its rows * cols).
-  DeviceArray<float> token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls_separate;
+  // Weights, all layers per tensor. Vectors and the embedding table row-major;
+  // matrices in the backend's layout, layer l's at l * stride(rows, cols).
+  // wcls is the classifier, packed from the embedding table when shared.
+  DeviceArray<float> token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls;
+  DeviceArray<float> rope;  // [seq_len][head_size/2][cos, sin]
 
   // Scratch, grown on demand and reused across calls.
-  DeviceArray<float> x, xb, xb2, q, k, v, hb, hb2, scores, logits, prefill_kv;
+  DeviceArray<float> x, xb, xb2, q, k, v, hb, hb2, logits, prefill_kv;
   DeviceArray<int> tokens, positions, tables;
 };
 
 // The forward pass of one row per (token, position), top to bottom as in
 // llama2.c's run.c. Row r's K and V are written to `kv` at its position, and
 // its attention reads positions [0, position] from there. Leaves the logits of
-// rows [first_logit_row, rows) in `logits`.
+// rows [first_logit_row, rows) in `logits` (none when first_logit_row == rows).
 void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vector<int>& host_positions,
                            const PagedKv& kv, int first_logit_row) {
   Backend& b = *backend;
@@ -111,45 +151,35 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   float* hb2_ = hb2.ensure(size_t(rows) * hidden);
   const int* pos_ = positions.get();
 
-  // Attention chunks: rows [r0, r0 + chunk) with at most max_ctx positions each.
-  const int max_ctx = *std::max_element(host_positions.begin(), host_positions.end()) + 1;
-  const int chunk = int(std::clamp<long long>(kScoreBudget / (1LL * n_heads * max_ctx), 1, rows));
-  float* scores_ = scores.ensure(size_t(chunk) * n_heads * max_ctx);
-
   b.embedding(token_embedding.get(), tokens.get(), x_, rows, n_dim);
 
   for (size_t l = 0; l < layers; ++l) {
     // attention block
     b.rmsnorm(x_, rms_att.get() + l * dim, xb_, rows, n_dim);
-    b.matmul_nt(xb_, wq.get() + l * dim * dim, q_, rows, n_dim, n_dim);
-    b.matmul_nt(xb_, wk.get() + l * kv_dim * dim, k_, rows, n_kv, n_dim);
-    b.matmul_nt(xb_, wv.get() + l * kv_dim * dim, v_, rows, n_kv, n_dim);
-    b.rope(q_, pos_, rows, n_heads, head_size);
-    b.rope(k_, pos_, rows, n_kv_heads, head_size);
+    b.matmul(xb_, wq.get() + l * stride(n_dim, n_dim), q_, rows, n_dim, n_dim);
+    b.matmul(xb_, wk.get() + l * stride(n_kv, n_dim), k_, rows, n_kv, n_dim);
+    b.matmul(xb_, wv.get() + l * stride(n_kv, n_dim), v_, rows, n_kv, n_dim);
+    b.rope(q_, pos_, rope.get(), rows, n_heads, head_size);
+    b.rope(k_, pos_, rope.get(), rows, n_kv_heads, head_size);
     b.kv_write(kv, int(l), k_, v_, pos_, rows);
-    for (int r0 = 0; r0 < rows; r0 += chunk) {
-      const int n = std::min(chunk, rows - r0);
-      PagedKv chunk_kv = kv;
-      chunk_kv.tables += size_t(r0) * kv.table_stride;
-      b.attention(q_ + r0 * dim, xb_ + r0 * dim, chunk_kv, int(l), pos_ + r0, n, n_heads, n_kv_heads, head_size,
-                  scores_, max_ctx);
-    }
-    b.matmul_nt(xb_, wo.get() + l * dim * dim, xb2_, rows, n_dim, n_dim);
+    b.attention(q_, xb_, kv, int(l), pos_, rows, n_heads, n_kv_heads, head_size);
+    b.matmul(xb_, wo.get() + l * stride(n_dim, n_dim), xb2_, rows, n_dim, n_dim);
     b.add(x_, xb2_, row_floats);
 
     // feed-forward block: w2(silu(w1 x) * w3 x)
     b.rmsnorm(x_, rms_ffn.get() + l * dim, xb_, rows, n_dim);
-    b.matmul_nt(xb_, w1.get() + l * hidden * dim, hb_, rows, n_hidden, n_dim);
-    b.matmul_nt(xb_, w3.get() + l * hidden * dim, hb2_, rows, n_hidden, n_dim);
+    b.matmul(xb_, w1.get() + l * stride(n_hidden, n_dim), hb_, rows, n_hidden, n_dim);
+    b.matmul(xb_, w3.get() + l * stride(n_hidden, n_dim), hb2_, rows, n_hidden, n_dim);
     b.swiglu(hb_, hb2_, size_t(rows) * hidden);
-    b.matmul_nt(hb_, w2.get() + l * dim * hidden, xb_, rows, n_dim, n_hidden);
+    b.matmul(hb_, w2.get() + l * stride(n_dim, n_hidden), xb_, rows, n_dim, n_hidden);
     b.add(x_, xb_, row_floats);
   }
 
   const int out_rows = rows - first_logit_row;
+  if (out_rows <= 0) return;
   float* x_out = x_ + size_t(first_logit_row) * dim;
   b.rmsnorm(x_out, rms_final.get(), x_out, out_rows, n_dim);
-  b.matmul_nt(x_out, wcls(), logits.ensure(size_t(out_rows) * vocab), out_rows, cfg.vocab_size, n_dim);
+  b.matmul(x_out, wcls.get(), logits.ensure(size_t(out_rows) * vocab), out_rows, cfg.vocab_size, n_dim);
 }
 
 // ---------------------------------------------------------------- Engine
@@ -186,26 +216,41 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens) {
                 std::to_string(m.cfg.seq_len));
   for (int t : tokens) m.validate_token(t, "prefill");
 
-  std::vector<int> positions(n);
-  for (int i = 0; i < n; ++i) positions[i] = i;
-
-  // The contiguous cache is a pool of one block holding all n positions.
+  // The contiguous cache is a pool of one block holding all n positions. On a
+  // backend whose memory is the host's, the forward pass writes it straight
+  // into the output; otherwise into a device buffer, downloaded at the end.
   PrefillOutput out;
   out.shape = kv_shape(n);
+  const bool direct = m.backend->host_memory();
+  if (direct) {
+    out.kv.reserve(out.shape.floats());
+    advise_huge_pages(out.kv.data(), out.kv.capacity() * sizeof(float));  // before its pages are touched
+    out.kv.resize(out.shape.floats());
+  }
   const int zero_block = 0;
   m.tables.upload(&zero_block, 1);
   PagedKv kv;
-  kv.data = m.prefill_kv.ensure(out.shape.floats());
+  kv.data = direct ? out.kv.data() : m.prefill_kv.ensure(out.shape.floats());
   kv.block_size = n;
   kv.block_stride = static_cast<long long>(out.shape.floats());
   kv.kv_dim = int(m.kv_dim);
   kv.tables = m.tables.get();
   kv.table_stride = 0;
 
-  m.forward(tokens, positions, kv, n - 1);
+  // Chunks of kPrefillChunk positions; each attends to the cache written so
+  // far, and only the last position's logits are computed.
+  for (int c0 = 0; c0 < n; c0 += kPrefillChunk) {
+    const int rows = std::min(kPrefillChunk, n - c0);
+    const std::vector<int> chunk(tokens.begin() + c0, tokens.begin() + c0 + rows);
+    std::vector<int> positions(rows);
+    for (int i = 0; i < rows; ++i) positions[i] = c0 + i;
+    m.forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows);
+  }
 
-  out.kv.resize(out.shape.floats());
-  m.prefill_kv.download(out.kv.data(), out.kv.size());
+  if (!direct) {
+    out.kv.resize(out.shape.floats());
+    m.prefill_kv.download(out.kv.data(), out.kv.size());
+  }
   out.logits.resize(m.vocab);
   m.logits.download(out.logits.data(), m.vocab);
   return out;

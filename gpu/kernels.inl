@@ -1,16 +1,16 @@
 // The elementwise and per-row kernels of the forward pass, written once as
 // Thrust functors and compiled twice: by gpu/backend_cpu.cpp with an OpenMP
 // policy and by gpu/backend_cuda.cu with a CUDA policy. The GEMMs are not here:
-// they go to OpenBLAS / cuBLAS.
+// and attention are backend-specific (gpu/cpu/ for the CPU, gpu/backend_cuda.cu).
 //
 // How to include: first include <cmath>, <thrust/for_each.h>,
-// <thrust/iterator/counting_iterator.h> and gpu/backend.h at global scope, then
+// <thrust/iterator/counting_iterator.h>, gpu/backend.h and gpu/fixed_math.h at global scope, then
 // include this file inside a namespace of its own (cpu_kernels, cuda_kernels),
 // so the two instantiations never share a symbol. This file includes nothing.
 //
 // Each functor handles one index of a flat iteration space; the comments name
-// what one index is. Float operations mirror llama2.c's run.c so that the
-// reference outputs are reproduced token for token.
+// what one index is. Float operations mirror llama2.c's run.c, with the
+// fixed exp of gpu/fixed_math.h, so both backends compute the same bits.
 
 #ifndef HD
 #ifdef __CUDACC__
@@ -30,17 +30,6 @@ void launch(const Policy& policy, Index n, const F& f) {
 }
 
 // ---------------------------------------------------------------- shared helpers
-
-HD inline void softmax_inplace(float* x, int n) {
-  float max_val = x[0];
-  for (int i = 1; i < n; ++i) max_val = x[i] > max_val ? x[i] : max_val;
-  float sum = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    x[i] = expf(x[i] - max_val);
-    sum += x[i];
-  }
-  for (int i = 0; i < n; ++i) x[i] /= sum;
-}
 
 // K of `layer` at position `pos` of row `row` (kv_dim floats); V follows
 // block_size * kv_dim floats later.
@@ -71,8 +60,12 @@ struct RmsNormOp {  // index: one row
   int dim;
   HD void operator()(Index row) const {
     const float* xr = x + row * dim;
-    float ss = 0.0f;
-    for (int j = 0; j < dim; ++j) ss += xr[j] * xr[j];
+    // Sum of squares in 16 lanes (lane i: j = i mod 16, in order), then
+    // fixed::tree_sum16: the order a 16-thread reduction can repeat.
+    float lanes[16];
+    for (int i = 0; i < 16; ++i) lanes[i] = 0.0f;
+    for (int j = 0; j < dim; ++j) lanes[j % 16] += xr[j] * xr[j];
+    float ss = ::disagg::gpu::fixed::tree_sum16(lanes);
     ss /= dim;
     ss += 1e-5f;
     ss = 1.0f / sqrtf(ss);
@@ -84,6 +77,7 @@ struct RmsNormOp {  // index: one row
 struct RopeOp {  // index: one (row, head, pair)
   float* x;
   const int* positions;
+  const float* table;  // [position][pair][cos, sin]
   int n_heads;
   int head_size;
   HD void operator()(Index i) const {
@@ -92,12 +86,10 @@ struct RopeOp {  // index: one (row, head, pair)
     const Index row_head = i / half;
     const int head = int(row_head % n_heads);
     const Index row = row_head / n_heads;
-    const int head_dim = 2 * pair;
-    const float freq = 1.0f / powf(10000.0f, head_dim / float(head_size));
-    const float val = positions[row] * freq;
-    const float fcr = cosf(val);
-    const float fci = sinf(val);
-    float* v = x + (row * n_heads + head) * head_size + head_dim;
+    const float* cs = table + (Index(positions[row]) * half + pair) * 2;
+    const float fcr = cs[0];
+    const float fci = cs[1];
+    float* v = x + (row * n_heads + head) * head_size + 2 * pair;
     const float v0 = v[0];
     const float v1 = v[1];
     v[0] = v0 * fcr - v1 * fci;
@@ -108,23 +100,13 @@ struct RopeOp {  // index: one (row, head, pair)
 struct SwiGluOp {  // index: one float
   float* gate;
   const float* up;
-  HD void operator()(Index i) const {
-    float g = gate[i];
-    g *= 1.0f / (1.0f + expf(-g));
-    gate[i] = g * up[i];
-  }
+  HD void operator()(Index i) const { gate[i] = ::disagg::gpu::fixed::swiglu(gate[i], up[i]); }
 };
 
 struct AddOp {  // index: one float
   float* x;
   const float* y;
   HD void operator()(Index i) const { x[i] += y[i]; }
-};
-
-struct SoftmaxRowsOp {  // index: one row
-  float* x;
-  int cols;
-  HD void operator()(Index row) const { softmax_inplace(x + row * cols, cols); }
 };
 
 struct KvWriteOp {  // index: one (row, element of kv_dim)
@@ -142,67 +124,6 @@ struct KvWriteOp {  // index: one (row, element of kv_dim)
   }
 };
 
-struct AttentionScoresOp {  // index: one (row, query head, position < max_ctx)
-  const float* q;
-  ::disagg::gpu::PagedKv kv;
-  int layer;
-  const int* positions;
-  int n_heads;
-  int kv_group;
-  int head_size;
-  float* scores;
-  int max_ctx;
-  HD void operator()(Index i) const {
-    const int t = int(i % max_ctx);
-    const Index row_head = i / max_ctx;
-    const Index row = row_head / n_heads;
-    const int head = int(row_head % n_heads);
-    if (t > positions[row]) {  // beyond this row's context: never read
-      scores[i] = 0.0f;
-      return;
-    }
-    const float* qh = q + row_head * head_size;
-    const float* kh = paged_k(kv, layer, row, t) + (head / kv_group) * head_size;
-    float score = 0.0f;
-    for (int j = 0; j < head_size; ++j) score += qh[j] * kh[j];
-    scores[i] = score / sqrtf(float(head_size));
-  }
-};
-
-struct AttentionSoftmaxOp {  // index: one (row, query head)
-  const int* positions;
-  int n_heads;
-  float* scores;
-  int max_ctx;
-  HD void operator()(Index row_head) const {
-    softmax_inplace(scores + row_head * max_ctx, positions[row_head / n_heads] + 1);
-  }
-};
-
-struct AttentionValuesOp {  // index: one (row, query head, element of head)
-  float* out;
-  ::disagg::gpu::PagedKv kv;
-  int layer;
-  const int* positions;
-  int n_heads;
-  int kv_group;
-  int head_size;
-  const float* scores;
-  int max_ctx;
-  HD void operator()(Index i) const {
-    const int e = int(i % head_size);
-    const Index row_head = i / head_size;
-    const Index row = row_head / n_heads;
-    const int head = int(row_head % n_heads);
-    const float* att = scores + row_head * max_ctx;
-    const Index v_offset = paged_v_offset(kv) + (head / kv_group) * head_size + e;
-    float acc = 0.0f;
-    const int ctx = positions[row] + 1;
-    for (int t = 0; t < ctx; ++t) acc += att[t] * paged_k(kv, layer, row, t)[v_offset];
-    out[i] = acc;
-  }
-};
-
 // ---------------------------------------------------------------- entry points
 
 template <class Policy>
@@ -216,8 +137,9 @@ void rmsnorm(const Policy& p, const float* x, const float* weight, float* out, i
 }
 
 template <class Policy>
-void rope(const Policy& p, float* x, const int* positions, int rows, int n_heads, int head_size) {
-  launch(p, Index(rows) * n_heads * (head_size / 2), RopeOp{x, positions, n_heads, head_size});
+void rope(const Policy& p, float* x, const int* positions, const float* table, int rows, int n_heads,
+          int head_size) {
+  launch(p, Index(rows) * n_heads * (head_size / 2), RopeOp{x, positions, table, n_heads, head_size});
 }
 
 template <class Policy>
@@ -231,28 +153,7 @@ void add(const Policy& p, float* x, const float* y, size_t n) {
 }
 
 template <class Policy>
-void softmax_rows(const Policy& p, float* x, int rows, int cols) {
-  if (cols <= 0) return;
-  launch(p, rows, SoftmaxRowsOp{x, cols});
-}
-
-template <class Policy>
 void kv_write(const Policy& p, const ::disagg::gpu::PagedKv& kv, int layer, const float* k, const float* v,
               const int* positions, int rows) {
   launch(p, Index(rows) * kv.kv_dim, KvWriteOp{kv, layer, k, v, positions});
-}
-
-// Three passes (scores, softmax, weighted values) so every pass has
-// rows * heads * (positions or head elements) independent indices.
-template <class Policy>
-void attention(const Policy& p, const float* q, float* out, const ::disagg::gpu::PagedKv& kv, int layer,
-               const int* positions, int rows, int n_heads, int n_kv_heads, int head_size, float* scores,
-               int max_ctx) {
-  const int kv_group = n_heads / n_kv_heads;
-  const Index row_heads = Index(rows) * n_heads;
-  launch(p, row_heads * max_ctx,
-         AttentionScoresOp{q, kv, layer, positions, n_heads, kv_group, head_size, scores, max_ctx});
-  launch(p, row_heads, AttentionSoftmaxOp{positions, n_heads, scores, max_ctx});
-  launch(p, row_heads * head_size,
-         AttentionValuesOp{out, kv, layer, positions, n_heads, kv_group, head_size, scores, max_ctx});
 }

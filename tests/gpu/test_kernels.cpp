@@ -1,8 +1,12 @@
 // Every backend operation against a naive reference written here. The suite
-// runs for each backend; "cuda" is skipped on machines without a GPU.
+// runs for each backend: the CPU one with each kernel set this CPU runs
+// (generic, avx2, avx512; the others are skipped with a message), and "cuda"
+// (skipped on machines without a GPU). The fixed-order operations
+// (gpu/fixed_math.h) are also compared bit for bit with a scalar reference.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -11,7 +15,9 @@
 #include <vector>
 
 #include "gpu/backend.h"
+#include "gpu/cpu/cpu_kernels.h"
 #include "gpu/error.h"
+#include "gpu/fixed_math.h"
 
 namespace disagg::gpu {
 namespace {
@@ -43,11 +49,44 @@ struct PoolGeometry {
   }
 };
 
+bool cpu_runs(const std::string& isa) {
+  const auto isas = cpu::supported_isas();
+  return std::find(isas.begin(), isas.end(), isa) != isas.end();
+}
+
+// "cpu-<isa>" or "cuda"; nullptr when this machine cannot run it.
+std::unique_ptr<Backend> backend_named(const std::string& name) {
+  if (name == "cuda") return cuda_device_count() > 0 ? make_backend("cuda") : nullptr;
+  const std::string isa = name.substr(4);
+  return cpu_runs(isa) ? make_cpu_backend(isa) : nullptr;
+}
+
+// The matrix rule of fixed_math.h on a row-major W: per element, k in order,
+// one fma per term, from 0.
+std::vector<float> fixed_order_matmul(const std::vector<float>& a, const std::vector<float>& w, int m, int n,
+                                      int k) {
+  std::vector<float> c(size_t(m) * n);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int l = 0; l < k; ++l) acc = std::fma(a[size_t(i) * k + l], w[size_t(j) * k + l], acc);
+      c[size_t(i) * n + j] = acc;
+    }
+  return c;
+}
+
 class KernelTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    if (GetParam() == "cuda" && cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
-    backend_ = make_backend(GetParam());
+    backend_ = backend_named(GetParam());
+    if (!backend_) GTEST_SKIP() << GetParam() << ": this machine cannot run it";
+  }
+
+  // W (n x k, row-major) in the backend's matmul layout.
+  DeviceArray<float> packed(const std::vector<float>& w, int n, int k) {
+    DeviceArray<float> a(*backend_, backend_->packed_floats(n, k));
+    backend_->pack_matrix(w.data(), a.get(), n, k);
+    return a;
   }
 
   template <class T>
@@ -72,22 +111,52 @@ class KernelTest : public ::testing::TestWithParam<std::string> {
   std::unique_ptr<Backend> backend_;
 };
 
-TEST_P(KernelTest, MatmulNtComputesXTimesWTransposed) {
-  for (auto [m, n, k] : {std::tuple{1, 7, 13}, std::tuple{5, 7, 13}, std::tuple{9, 33, 64}}) {
+TEST_P(KernelTest, MatmulComputesXTimesWTransposedInTheFixedOrder) {
+  // Row counts over every block tail of the kernels (1..30), column counts
+  // that are and are not multiples of a panel, and one case large enough to
+  // run on several threads.
+  std::vector<std::tuple<int, int, int>> sizes = {{1, 7, 13}, {5, 7, 13}, {9, 33, 64}, {64, 512, 288}};
+  for (int m = 1; m <= 30; ++m) sizes.emplace_back(m, 37, 21);
+  for (auto [m, n, k] : sizes) {
     const auto a = random_floats(size_t(m) * k, 1);
-    const auto b = random_floats(size_t(n) * k, 2);
+    const auto w = random_floats(size_t(n) * k, 2);
     std::vector<float> expected(size_t(m) * n);
     for (int i = 0; i < m; ++i)
       for (int j = 0; j < n; ++j) {
         double s = 0;
-        for (int l = 0; l < k; ++l) s += double(a[i * k + l]) * b[j * k + l];
+        for (int l = 0; l < k; ++l) s += double(a[i * k + l]) * w[j * k + l];
         expected[i * n + j] = float(s);
       }
-    auto da = to_device(a), db = to_device(b);
+    auto da = to_device(a);
+    auto dw = packed(w, n, k);
     DeviceArray<float> dc(*backend_, expected.size());
-    backend_->matmul_nt(da.get(), db.get(), dc.get(), m, n, k);
-    expect_near_all(to_host(dc, expected.size()), expected, 1e-5f,
-                    "matmul " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k));
+    backend_->matmul(da.get(), dw.get(), dc.get(), m, n, k);
+    const std::string what = "matmul " + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k);
+    const auto got = to_host(dc, expected.size());
+    expect_near_all(got, expected, 1e-5f, what);
+    EXPECT_EQ(got, fixed_order_matmul(a, w, m, n, k)) << what << ": not the fixed summation order";
+  }
+}
+
+TEST_P(KernelTest, MatmulRowsDoNotDependOnTheBatch) {
+  // Each row alone equals the same row inside batches of every size up to 70.
+  const int n = 100, k = 96, max_m = 70;
+  const auto a = random_floats(size_t(max_m) * k, 16);
+  const auto w = random_floats(size_t(n) * k, 17);
+  auto dw = packed(w, n, k);
+  auto da = to_device(a);
+  DeviceArray<float> dc(*backend_, size_t(max_m) * n);
+  std::vector<std::vector<float>> alone(max_m);
+  for (int i = 0; i < max_m; ++i) {
+    backend_->matmul(da.get() + size_t(i) * k, dw.get(), dc.get(), 1, n, k);
+    alone[i] = to_host(dc, n);
+  }
+  for (int m = 2; m <= max_m; ++m) {
+    backend_->matmul(da.get(), dw.get(), dc.get(), m, n, k);
+    const auto batch = to_host(dc, size_t(m) * n);
+    for (int i = 0; i < m; ++i)
+      ASSERT_TRUE(std::equal(alone[i].begin(), alone[i].end(), batch.begin() + size_t(i) * n))
+          << "row " << i << " differs in a batch of " << m;
   }
 }
 
@@ -143,9 +212,17 @@ TEST_P(KernelTest, RopeRotatesPairsPerHeadAtEachRowsPosition) {
           expected[at] = float(x[at] * std::cos(angle) - x[at + 1] * std::sin(angle));
           expected[at + 1] = float(x[at] * std::sin(angle) + x[at + 1] * std::cos(angle));
         }
+    std::vector<float> table(size_t(512) * (head_size / 2) * 2);  // as the engine builds it
+    for (int pos = 0; pos < 512; ++pos)
+      for (int i = 0; i < head_size / 2; ++i) {
+        const float angle = float(pos) * (1.0f / powf(10000.0f, float(2 * i) / float(head_size)));
+        table[(size_t(pos) * (head_size / 2) + i) * 2] = cosf(angle);
+        table[(size_t(pos) * (head_size / 2) + i) * 2 + 1] = sinf(angle);
+      }
     auto dx = to_device(x);
     auto dpos = to_device(positions);
-    backend_->rope(dx.get(), dpos.get(), rows, n_heads, head_size);
+    auto dtable = to_device(table);
+    backend_->rope(dx.get(), dpos.get(), dtable.get(), rows, n_heads, head_size);
     // float32 angles at position 511 carry ~1e-4 absolute error.
     expect_near_all(to_host(dx, x.size()), expected, 2e-4f, "rope");
     // Position 0 is the identity.
@@ -164,36 +241,15 @@ TEST_P(KernelTest, SwigluAndAdd) {
     }
     auto dg = to_device(gate), du = to_device(up);
     backend_->swiglu(dg.get(), du.get(), n);
-    expect_near_all(to_host(dg, n), expected, 1e-5f, "swiglu");
+    const auto got = to_host(dg, n);
+    expect_near_all(got, expected, 1e-5f, "swiglu");
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_EQ(got[i], fixed::swiglu(gate[i], up[i])) << "swiglu is not fixed::swiglu at " << i;
 
     auto dx = to_device(gate);
     backend_->add(dx.get(), du.get(), n);
     expect_near_all(to_host(dx, n), sum, 1e-6f, "add");
   }
-}
-
-std::vector<float> naive_softmax_rows(const std::vector<float>& x, int rows, int cols) {
-  std::vector<float> expected(x.size());
-  for (int r = 0; r < rows; ++r) {
-    const float* row = &x[r * cols];
-    const double mx = *std::max_element(row, row + cols);
-    double total = 0;
-    for (int c = 0; c < cols; ++c) total += std::exp(row[c] - mx);
-    for (int c = 0; c < cols; ++c) expected[r * cols + c] = float(std::exp(row[c] - mx) / total);
-  }
-  return expected;
-}
-
-TEST_P(KernelTest, SoftmaxRowsIsStableForLargeValues) {
-  const std::vector<float> x = {1, 2, 3, 4, 5, 1000, 1001, 999, 1000, 998, -3, -3, -3, -3, -3};
-  auto dx = to_device(x);
-  backend_->softmax_rows(dx.get(), 3, 5);
-  expect_near_all(to_host(dx, x.size()), naive_softmax_rows(x, 3, 5), 1e-6f, "softmax");
-
-  const auto big = random_floats(100 * 400, 13, 20.0f);
-  auto dbig = to_device(big);
-  backend_->softmax_rows(dbig.get(), 100, 400);
-  expect_near_all(to_host(dbig, big.size()), naive_softmax_rows(big, 100, 400), 1e-6f, "softmax 100x400");
 }
 
 TEST_P(KernelTest, KvWriteStoresEachRowInItsOwnBlocks) {
@@ -283,13 +339,10 @@ void KernelTest::check_attention(int n_heads, int n_kv_heads, int head_size, con
   auto dq = to_device(q);
   auto dtables = to_device(flat);
   auto dpos = to_device(positions);
-  const int max_ctx = *std::max_element(positions.begin(), positions.end()) + 3;  // slack is allowed
-  DeviceArray<float> scores(*backend_, size_t(rows) * n_heads * max_ctx);
   DeviceArray<float> out(*backend_, expected.size());
   const int stride = table_stride_override >= 0 ? table_stride_override : table_width;
   PagedKv kv{dpool.get(), g.block_size, (long long)g.block_stride(), g.kv_dim, dtables.get(), stride};
-  backend_->attention(dq.get(), out.get(), kv, layer, dpos.get(), rows, n_heads, n_kv_heads, head_size, scores.get(),
-                      max_ctx);
+  backend_->attention(dq.get(), out.get(), kv, layer, dpos.get(), rows, n_heads, n_kv_heads, head_size);
   expect_near_all(to_host(out, expected.size()), expected, 1e-5f, "attention");
 }
 
@@ -326,14 +379,153 @@ TEST_P(KernelTest, AttentionIsCausalOverAContiguousCache) {
                   /*table_stride_override=*/0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, KernelTest, ::testing::Values("cpu", "cuda"),
-                         [](const auto& info) { return info.param; });
+TEST_P(KernelTest, AttentionOfAPrefillRowEqualsTheDecodeStepAtItsPosition) {
+  // A 150-position prompt in a contiguous cache (all rows at once, one shared
+  // table), then each position alone as a decode step over a paged copy of the
+  // same K/V (blocks of 5, scattered): bit for bit the same output.
+  const int n_heads = 4, n_kv_heads = 2, head_size = 24, n = 150, layers = 2, layer = 1;
+  const int kv_dim = n_kv_heads * head_size, width = n_heads * head_size;
+  const PoolGeometry contiguous{layers, n, kv_dim};
+  const auto cache = random_floats(contiguous.block_stride(), 18);
+  const auto q = random_floats(size_t(n) * width, 19);
+  std::vector<int> positions(n);
+  for (int i = 0; i < n; ++i) positions[i] = i;
+  auto dcache = to_device(cache);
+  auto dq = to_device(q);
+  auto dpos = to_device(positions);
+  auto dzero = to_device(std::vector<int>{0});
+  DeviceArray<float> prefill_out(*backend_, size_t(n) * width);
+  backend_->attention(dq.get(), prefill_out.get(), PagedKv{dcache.get(), n, (long long)contiguous.block_stride(),
+                                                           kv_dim, dzero.get(), 0},
+                      layer, dpos.get(), n, n_heads, n_kv_heads, head_size);
+  const auto prefill = to_host(prefill_out, size_t(n) * width);
+
+  const PoolGeometry paged{layers, 5, kv_dim};
+  const int blocks = n / 5;
+  std::vector<int> table(blocks);
+  for (int i = 0; i < blocks; ++i) table[i] = (i * 7) % blocks;  // 7 and 30 coprime: a permutation
+  std::vector<float> pool(size_t(blocks) * paged.block_stride());
+  for (int l = 0; l < layers; ++l)
+    for (int kvk = 0; kvk < 2; ++kvk)
+      for (int p = 0; p < n; ++p)
+        for (int e = 0; e < kv_dim; ++e)
+          pool[paged.index(table, l, kvk, p, e)] = cache[contiguous.index({0}, l, kvk, p, e)];
+  auto dpool = to_device(pool);
+  auto dtable = to_device(table);
+  DeviceArray<float> step_out(*backend_, width);
+  for (int p = 0; p < n; ++p) {
+    auto dp = to_device(std::vector<int>{p});
+    backend_->attention(dq.get() + size_t(p) * width, step_out.get(),
+                        PagedKv{dpool.get(), 5, (long long)paged.block_stride(), kv_dim, dtable.get(), blocks},
+                        layer, dp.get(), 1, n_heads, n_kv_heads, head_size);
+    const auto step = to_host(step_out, width);
+    ASSERT_TRUE(std::equal(step.begin(), step.end(), prefill.begin() + size_t(p) * width))
+        << "position " << p << ": decode step differs from the prefill row";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, KernelTest,
+                         ::testing::Values("cpu-generic", "cpu-avx2", "cpu-avx512", "cuda"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// ---------------------------------------------------------------- fixed arithmetic
+
+// Inputs over fixed_exp's whole range, its edges and the special values.
+std::vector<float> exp_inputs() {
+  std::vector<float> x = {0.0f, -0.0f, 1.0f, -1.0f, fixed::kExpLo, std::nextafter(fixed::kExpLo, 0.0f),
+                          std::nextafter(fixed::kExpLo, -100.0f), fixed::kExpHi, 100.0f, -100.0f,
+                          -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::infinity(),
+                          0.34657359f, -0.34657359f, 1e-8f, -1e-8f};
+  const auto r = random_floats(100000, 30, 90.0f);
+  x.insert(x.end(), r.begin(), r.end());
+  const auto small = random_floats(10000, 31, 2.0f);
+  x.insert(x.end(), small.begin(), small.end());
+  return x;
+}
+
+TEST(FixedMath, ExpIsAccurateAndEveryKernelSetAgreesBitForBit) {
+  const auto x = exp_inputs();
+  std::vector<float> scalar(x.size());
+  for (size_t i = 0; i < x.size(); ++i) scalar[i] = fixed::fixed_exp(x[i]);
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (x[i] < fixed::kExpLo) {
+      ASSERT_EQ(scalar[i], 0.0f) << x[i];
+    } else if (x[i] <= fixed::kExpHi) {
+      const double e = std::exp(double(x[i]));
+      ASSERT_NEAR(scalar[i], e, 3e-7 * e) << "exp(" << x[i] << ")";
+    }
+  }
+  for (const std::string& isa : cpu::supported_isas()) {
+    std::vector<float> vec(x.size());
+    cpu::kernels_for(isa).exp(x.data(), vec.data(), (long long)x.size());
+    for (size_t i = 0; i < x.size(); ++i)
+      ASSERT_EQ(std::memcmp(&vec[i], &scalar[i], sizeof(float)), 0)
+          << isa << ": exp(" << x[i] << ") = " << vec[i] << ", scalar " << scalar[i];
+  }
+}
+
+TEST(FixedMath, TreeSumFollowsItsTree) {
+  // Values whose sum depends on the order: the tree's order is a specific one.
+  float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = (i % 2 ? 1e8f : 1.0f) * (i % 3 ? 1.0f : -1.0f) + float(i);
+  float h8[8], h4[4];
+  for (int i = 0; i < 8; ++i) h8[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
+  EXPECT_EQ(fixed::tree_sum16(v), (h4[0] + h4[2]) + (h4[1] + h4[3]));
+}
+
+// The same operations on every kernel set this CPU runs give the same bits:
+// a request's tokens do not depend on which machine of a cluster runs it.
+TEST(FixedMath, EveryKernelSetComputesTheSameBits) {
+  const auto isas = cpu::supported_isas();
+  if (isas.size() < 2) GTEST_SKIP() << "this CPU runs only the generic kernels";
+  const int m = 13, n = 70, k = 45;
+  const auto a = random_floats(size_t(m) * k, 40), w = random_floats(size_t(n) * k, 41);
+  const int n_heads = 6, n_kv_heads = 2, hs = 20, ctx = 77, kv_dim = n_kv_heads * hs;
+  const PoolGeometry g{1, ctx, kv_dim};
+  const auto cache = random_floats(g.block_stride(), 42), q = random_floats(size_t(ctx) * n_heads * hs, 43);
+  std::vector<int> positions(ctx);
+  for (int i = 0; i < ctx; ++i) positions[i] = i;
+  const int zero = 0;
+  std::vector<std::vector<float>> results;
+  for (const std::string& isa : isas) {
+    auto b = make_cpu_backend(isa);
+    DeviceArray<float> dw(*b, b->packed_floats(n, k)), da(*b), dc(*b, size_t(m) * n), dq(*b), dcache(*b),
+        dout(*b, q.size());
+    DeviceArray<int> dpos(*b), dtable(*b);
+    b->pack_matrix(w.data(), dw.get(), n, k);
+    da.upload(a.data(), a.size());
+    dq.upload(q.data(), q.size());
+    dcache.upload(cache.data(), cache.size());
+    dpos.upload(positions.data(), positions.size());
+    dtable.upload(&zero, 1);
+    b->matmul(da.get(), dw.get(), dc.get(), m, n, k);
+    b->attention(dq.get(), dout.get(), PagedKv{dcache.get(), ctx, (long long)g.block_stride(), kv_dim, dtable.get(), 0},
+                 0, dpos.get(), ctx, n_heads, n_kv_heads, hs);
+    std::vector<float> r(size_t(m) * n + q.size());
+    dc.download(r.data(), size_t(m) * n);
+    dout.download(r.data() + size_t(m) * n, q.size());
+    results.push_back(std::move(r));
+  }
+  for (size_t i = 1; i < isas.size(); ++i)
+    EXPECT_EQ(std::memcmp(results[i].data(), results[0].data(), results[0].size() * sizeof(float)), 0)
+        << isas[i] << " and " << isas[0] << " differ";
+}
 
 // ---------------------------------------------------------------- selection
 
 TEST(BackendSelection, NamesAndErrors) {
   EXPECT_EQ(make_backend("cpu")->name(), "cpu");
   EXPECT_THROW(make_backend("tpu"), Error);
+  EXPECT_THROW(make_cpu_backend("sse9"), Error);
+  if (!cpu_runs("avx512")) EXPECT_THROW(make_cpu_backend("avx512"), Error);
+  // The widest kernel set by default; "generic" always.
+  EXPECT_NE(make_cpu_backend()->describe().find(cpu::supported_isas().back() + " kernels"), std::string::npos);
+  EXPECT_NE(make_cpu_backend("generic")->describe().find("generic kernels"), std::string::npos);
   if (cuda_device_count() == 0) {
     EXPECT_EQ(make_backend("auto")->name(), "cpu");
     try {
@@ -360,25 +552,26 @@ TEST(CudaVersusCpu, LayerOfOperationsAgrees) {
   const auto w2 = random_floats(size_t(dim) * hidden, 23, 0.2f);
   const auto norm = random_floats(dim, 24);
   auto run = [&](Backend& b) {
-    DeviceArray<float> dx(b), dn(b), d1(b), d3(b), d2(b), h1(b, size_t(rows) * hidden), h3(b, size_t(rows) * hidden),
+    DeviceArray<float> dx(b), dn(b), d1(b, b.packed_floats(hidden, dim)), d3(b, b.packed_floats(hidden, dim)),
+        d2(b, b.packed_floats(dim, hidden)), h1(b, size_t(rows) * hidden), h3(b, size_t(rows) * hidden),
         xb(b, x.size());
     dx.upload(x.data(), x.size());
     dn.upload(norm.data(), norm.size());
-    d1.upload(w1.data(), w1.size());
-    d3.upload(w3.data(), w3.size());
-    d2.upload(w2.data(), w2.size());
+    b.pack_matrix(w1.data(), d1.get(), hidden, dim);
+    b.pack_matrix(w3.data(), d3.get(), hidden, dim);
+    b.pack_matrix(w2.data(), d2.get(), dim, hidden);
     b.rmsnorm(dx.get(), dn.get(), xb.get(), rows, dim);
-    b.matmul_nt(xb.get(), d1.get(), h1.get(), rows, hidden, dim);
-    b.matmul_nt(xb.get(), d3.get(), h3.get(), rows, hidden, dim);
+    b.matmul(xb.get(), d1.get(), h1.get(), rows, hidden, dim);
+    b.matmul(xb.get(), d3.get(), h3.get(), rows, hidden, dim);
     b.swiglu(h1.get(), h3.get(), size_t(rows) * hidden);
-    b.matmul_nt(h1.get(), d2.get(), xb.get(), rows, dim, hidden);
+    b.matmul(h1.get(), d2.get(), xb.get(), rows, dim, hidden);
     b.add(dx.get(), xb.get(), x.size());
-    b.softmax_rows(dx.get(), rows, dim);
     std::vector<float> result(x.size());
     dx.download(result.data(), result.size());
     return result;
   };
-  expect_near_all(run(*cuda), run(*cpu), 1e-5f, "cuda vs cpu");
+  // The same fixed arithmetic on both: the same bits.
+  EXPECT_EQ(run(*cuda), run(*cpu)) << "cuda and cpu differ";
 }
 
 }  // namespace

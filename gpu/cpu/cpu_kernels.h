@@ -1,0 +1,74 @@
+// The CPU backend's hot kernels (matrix products, attention, SwiGLU), written
+// once in gpu/cpu/simd_kernels.inl over a 16-lane vector type and compiled
+// three times: portable scalar code ("generic"), AVX2 + FMA ("avx2") and
+// AVX-512 ("avx512"). All three follow the fixed arithmetic of
+// gpu/fixed_math.h, so they return the same bits; the backend picks the widest
+// one the CPU runs (or the one DISAGG_CPU_ISA names) once, at start.
+//
+// Threading is not in here: each kernel computes a sub-range, and the backend
+// (gpu/backend_cpu.cpp) splits the work over its OpenMP threads.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "gpu/backend.h"
+
+namespace disagg::gpu::cpu {
+
+// Weight matrices W[n][k] ("out x in") are stored as panels of kPanel output
+// columns: panel p holds W[16p .. 16p+15][kk] as k rows of 16 floats
+// (zero-padded past n), so a product streams each panel front to back.
+constexpr int kPanel = 16;
+
+// Query rows that share one block table (a prefill) are attended in groups of
+// this many, so each transposed K tile is reused by all of them.
+constexpr int kQueryRows = 64;
+
+// Key tiles transposed at once per attention step: the dot products of 4
+// tiles run as independent FMA chains.
+constexpr int kSuperTiles = 4;
+
+size_t packed_floats(int n, int k);
+void pack_matrix(const float* w, float* packed, int n, int k);
+
+struct AttentionArgs {
+  const float* q;          // rows x (n_heads * head_size)
+  float* out;              // rows x (n_heads * head_size)
+  PagedKv kv;
+  int layer;
+  const int* positions;    // rows
+  int n_heads, n_kv_heads, head_size;
+};
+
+// Floats of scratch attention_group needs for `rows` rows.
+size_t attention_scratch_floats(int rows, int n_heads, int n_kv_heads, int head_size);
+
+struct KernelTable {
+  const char* isa;
+  // C[m][n] = A[m][k] W^T for the columns of panels [panel_begin, panel_end).
+  void (*matmul)(const float* a, const float* packed_w, float* c, int m, int n, int k, int panel_begin,
+                 int panel_end);
+  // Attention of rows [row_begin, row_end) (one block table unless the range
+  // is one row) for the query heads of kv head `kv_head`.
+  void (*attention)(const AttentionArgs& args, int row_begin, int row_end, int kv_head, float* scratch);
+  // gate[i] = swiglu(gate[i], up[i]) for i in [begin, end).
+  void (*swiglu)(float* gate, const float* up, long long begin, long long end);
+  // y[i] = fixed_exp(x[i]) with this ISA's vector code (tests).
+  void (*exp)(const float* x, float* y, long long n);
+};
+
+const KernelTable& generic_kernels();
+const KernelTable& avx2_kernels();
+const KernelTable& avx512_kernels();
+
+// ISAs this CPU runs, narrowest first: "generic", then "avx2", "avx512".
+std::vector<std::string> supported_isas();
+
+// The table of `isa` ("generic", "avx2", "avx512"); "" or "auto": the
+// environment variable DISAGG_CPU_ISA if set, else the widest supported.
+// Throws Error for an unknown name or one this CPU cannot run.
+const KernelTable& kernels_for(const std::string& isa);
+
+}  // namespace disagg::gpu::cpu

@@ -1,0 +1,101 @@
+// The arithmetic every backend performs in one fixed order, so that a value
+// never depends on the batch it was computed in, on the CPU's vector width, or
+// on the device (scalar CPU, AVX2, AVX-512 and CUDA give the same bits).
+//
+// The rules (each implementation follows them; tests compare them bit for bit):
+// - A matrix product C = A W^T sums each element in increasing k, one fused
+//   multiply-add per term, from 0: c = fma(a[k-1], w[k-1], ... fma(a[0], w[0], 0)).
+//   Rows and columns never mix, so a row's result does not depend on the others.
+// - Attention of a query row at position p reads key tiles [16i, 16i + 16)
+//   (kKeyTile) in increasing order, online softmax:
+//     s_t  = dot(q, k_t) / sqrt(head_size)       dot as the matrix rule, over j
+//     m'   = max(m, max_t s_t)                    (m starts at -inf)
+//     c    = fixed_exp(m - m')
+//     p_t  = fixed_exp(s_t - m')                  positions > p: p_t = 0
+//     l    = l * c + tree_sum16(p)                (l starts at 0)
+//     o[j] = o[j] * c, then o[j] = fma(p_t, v_t[j], o[j]) for t in order
+//   and out[j] = o[j] / l at the end. Tiles start at 0 whatever rows are
+//   computed together, so a prefill row equals the decode step at its position.
+// - No other contraction: a * b + c is two roundings unless written as fma
+//   (-ffp-contract=off on the CPU, --fmad=false for CUDA).
+//
+// Header-only, CAF-free, usable from host and device code. The functions are
+// static: gpu/cpu/ compiles them once per instruction set, and the linker must
+// never pick an AVX-512 copy for a caller on another CPU.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#ifndef HD
+#ifdef __CUDACC__
+#define HD __host__ __device__
+#else
+#define HD
+#endif
+#endif
+
+namespace disagg::gpu::fixed {
+
+constexpr int kKeyTile = 16;  // key positions per attention tile (and lanes of tree_sum16)
+
+// fixed_exp's constants: range, ln(2) split in a high part exact in float and
+// the rest, and the Cephes expf polynomial for e^r - 1 - r on [-ln2/2, ln2/2].
+constexpr float kExpLo = -87.0f;  // below: 0 (e^-87 ~ 1.6e-38; 2^n stays normal)
+constexpr float kExpHi = 88.0f;   // above: clamped (2^127 * 1.5 < FLT_MAX)
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpC0 = 1.9875691500e-4f;
+constexpr float kExpC1 = 1.3981999507e-3f;
+constexpr float kExpC2 = 8.3334519073e-3f;
+constexpr float kExpC3 = 4.1665795894e-2f;
+constexpr float kExpC4 = 1.6666665459e-1f;
+constexpr float kExpC5 = 5.0000001201e-1f;
+
+// 2^n for an integral n in [-126, 127].
+static inline HD float pow2i(float n) {
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// e^x within ~2 ulp by one sequence of IEEE operations; 0 below kExpLo
+// (-inf included). The vector versions (gpu/cpu/) repeat it lane by lane.
+static inline HD float fixed_exp(float x) {
+  if (x < kExpLo) return 0.0f;
+  x = x < kExpHi ? x : kExpHi;
+  const float n = rintf(x * kLog2e);
+  float r = fmaf(n, -kLn2Hi, x);
+  r = fmaf(n, -kLn2Lo, r);
+  float p = kExpC0;
+  p = fmaf(p, r, kExpC1);
+  p = fmaf(p, r, kExpC2);
+  p = fmaf(p, r, kExpC3);
+  p = fmaf(p, r, kExpC4);
+  p = fmaf(p, r, kExpC5);
+  const float z = r * r;
+  const float y = fmaf(p, z, r) + 1.0f;
+  return y * pow2i(n);
+}
+
+// silu(g) * u, the SwiGLU gate, with fixed_exp.
+static inline HD float swiglu(float g, float u) {
+  const float s = g * (1.0f / (1.0f + fixed_exp(-g)));
+  return s * u;
+}
+
+// Sum of 16 values as the tree (i, i+8), then (i, i+4), (i, i+2), (i, i+1):
+// what a butterfly of xor-shuffles over 16 lanes computes.
+static inline HD float tree_sum16(const float* v) {
+  float h8[8], h4[4];
+  for (int i = 0; i < 8; ++i) h8[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
+  const float h2a = h4[0] + h4[2];
+  const float h2b = h4[1] + h4[3];
+  return h2a + h2b;
+}
+
+}  // namespace disagg::gpu::fixed

@@ -1,0 +1,112 @@
+// A prompt at a long model's full context: prefilled in bounded chunks, its
+// logits, KV and the greedy tokens after it are bit for bit those of feeding
+// the same prompt one decode step at a time (the fixed arithmetic of
+// gpu/fixed_math.h makes a prefill row and a decode step the same computation).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gpu/backend.h"
+#include "gpu/checkpoint.h"
+#include "gpu/engine.h"
+#include "gpu/error.h"
+
+namespace disagg::gpu {
+namespace {
+
+constexpr int kPrompt = 2048;  // prompt tokens
+constexpr int kNew = 16;       // greedy tokens after it
+constexpr int kBlock = 16;     // positions per KV block
+
+// Small dimensions, long context: 2 layers, 4 query heads on 2 KV heads.
+std::shared_ptr<const Checkpoint> long_model() {
+  ModelConfig c;
+  c.dim = 64;
+  c.hidden_dim = 160;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.vocab_size = 300;
+  c.seq_len = kPrompt + kNew;
+  c.shared_classifier = false;
+  const auto path = std::filesystem::temp_directory_path() / "disagg-test-long-context.bin";
+  write_random_checkpoint(path.string(), c, 2048);
+  return Checkpoint::open(path.string());
+}
+
+int argmax(const float* logits, int n) { return int(std::max_element(logits, logits + n) - logits); }
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The pool's positions [0, n) of `blocks` in the prefill cache's order.
+std::vector<float> gather(Engine& e, KvPool& pool, const std::vector<int>& blocks, int n) {
+  const ModelConfig& c = e.config();
+  const size_t kv_dim = size_t(c.kv_dim());
+  std::vector<float> all(size_t(pool.num_blocks()) * pool.block_stride());
+  e.backend().download(all.data(), pool.data(), all.size() * sizeof(float));
+  std::vector<float> out(size_t(c.n_layers) * 2 * n * kv_dim);
+  for (int l = 0; l < c.n_layers; ++l)
+    for (int kv = 0; kv < 2; ++kv)
+      for (int p = 0; p < n; ++p)
+        std::copy_n(all.begin() + blocks[p / kBlock] * pool.block_stride() +
+                        ((size_t(l) * 2 + kv) * kBlock + p % kBlock) * kv_dim,
+                    kv_dim, out.begin() + ((size_t(l) * 2 + kv) * n + p) * kv_dim);
+  return out;
+}
+
+TEST(LongContext, FullContextPromptPrefillsInChunksBitIdenticalToStepwiseDecode) {
+  Engine engine(long_model());
+  const int vocab = engine.config().vocab_size;
+  std::vector<int> prompt(kPrompt);
+  for (int i = 0; i < kPrompt; ++i) prompt[i] = 3 + (i * 131 + i / 7) % (vocab - 3);
+  prompt[0] = 1;
+
+  // Blocks for prompt + generated positions, in reverse order (scattered).
+  const int n_blocks = KvPool::blocks_for(kPrompt + kNew, kBlock);
+  std::vector<int> blocks(n_blocks);
+  std::iota(blocks.rbegin(), blocks.rend(), 0);
+
+  // Path 1: one prefill (in chunks inside the engine), its KV into a pool, then greedy steps.
+  const PrefillOutput pre = engine.prefill(prompt);
+  KvPool pool_a(engine, kBlock, n_blocks);
+  KvView view;
+  view.header.fingerprint = engine.fingerprint();
+  view.header.shape = pre.shape;
+  view.payload = pre.kv.data();
+  pool_a.write(blocks, view);
+  std::vector<int> tokens_a = {argmax(pre.logits.data(), vocab)};
+  for (int i = 1; i < kNew; ++i) {
+    const auto logits = engine.decode_step(pool_a, {DecodeSlot{tokens_a.back(), kPrompt + i - 1, &blocks}});
+    tokens_a.push_back(argmax(logits.data(), vocab));
+  }
+
+  // Path 2: every prompt token through a decode step, then the same greedy steps.
+  KvPool pool_b(engine, kBlock, n_blocks);
+  std::vector<float> logits;
+  for (int p = 0; p < kPrompt; ++p) logits = engine.decode_step(pool_b, {DecodeSlot{prompt[p], p, &blocks}});
+  EXPECT_TRUE(same_bits(logits, pre.logits)) << "last prompt position: prefill and stepwise logits differ";
+  EXPECT_TRUE(same_bits(gather(engine, pool_b, blocks, kPrompt), pre.kv)) << "prefill and stepwise KV differ";
+  std::vector<int> tokens_b = {argmax(logits.data(), vocab)};
+  for (int i = 1; i < kNew; ++i) {
+    logits = engine.decode_step(pool_b, {DecodeSlot{tokens_b.back(), kPrompt + i - 1, &blocks}});
+    tokens_b.push_back(argmax(logits.data(), vocab));
+  }
+  EXPECT_EQ(tokens_a, tokens_b);
+}
+
+TEST(LongContext, APromptBeyondTheContextIsRejected) {
+  Engine engine(long_model());
+  const std::vector<int> too_long(size_t(engine.config().seq_len) + 1, 5);
+  EXPECT_THROW(engine.prefill(too_long), Error);
+}
+
+}  // namespace
+}  // namespace disagg::gpu
