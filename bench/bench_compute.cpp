@@ -9,12 +9,18 @@
 // - DecodeStep/<model>/<batch>/<context>/<threads>: one decode step of `batch`
 //   sequences at `context` positions (they share the KV of their context, each
 //   writes its own last block), tokens/s.
-// - Matmul/<m>/<n>/<k>/<threads>: our fixed-order product against OpenBLAS's
-//   sgemm on the same shapes (ratio = ours / sgemm time; BLAS threads = ours).
+// - Attention/<model>/<tokens>/<threads>: the attention op of a prefill alone.
+// - Matmul/<m>/<n>/<k>/<threads>: our fixed-order product, and OpenBLAS's
+//   sgemm on the same shapes when built with it (ours_vs_sgemm = sgemm time /
+//   ours; BLAS threads = ours). Both pools then exist in one process: compare
+//   at 1 thread, where neither spins against the other.
 // - KvSerializeParse: bytes/s of the KV wire format.
 #include <benchmark/benchmark.h>
-#include <cblas.h>
 #include <omp.h>
+#if DISAGG_BENCH_SGEMM
+#include <cblas.h>
+extern "C" void openblas_set_num_threads(int);
+#endif
 
 #include <chrono>
 #include <cstdio>
@@ -30,8 +36,6 @@
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
 #include "gpu/kv_format.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace {
 
@@ -141,10 +145,22 @@ void BM_DecodeStep(benchmark::State& state) {
   state.counters["tok_s"] = benchmark::Counter(double(batch) * state.iterations(), benchmark::Counter::kIsRate);
 }
 
+// The attention op alone over a prefill of n tokens of a model (all layers).
+void BM_Attention(benchmark::State& state) {
+  const int which = int(state.range(0)), n = int(state.range(1));
+  omp_set_num_threads(int(state.range(2)));
+  Engine& e = engine(which);
+  double total = 0;
+  for (auto _ : state) total += attention_seconds(e, n);
+  const ModelConfig& c = e.config();
+  // Causal: row r attends r + 1 positions; 2 flops per multiply-add, QK and PV.
+  const double flops = 4.0 * c.n_layers * c.n_heads * c.head_size() * (double(n) * (n + 1) / 2);
+  state.counters["gflops"] = flops * state.iterations() / total / 1e9;
+}
+
 void BM_Matmul(benchmark::State& state) {
   const int m = int(state.range(0)), n = int(state.range(1)), k = int(state.range(2)), threads = int(state.range(3));
   omp_set_num_threads(threads);
-  openblas_set_num_threads(threads);
   auto b = make_cpu_backend();
   std::vector<float> a(size_t(m) * k, 0.5f), w(size_t(n) * k, 0.25f), c(size_t(m) * n);
   DeviceArray<float> pw(*b, b->packed_floats(n, k));
@@ -154,14 +170,19 @@ void BM_Matmul(benchmark::State& state) {
     auto t0 = Clock::now();
     b->matmul(a.data(), pw.get(), c.data(), m, n, k);
     ours += seconds_since(t0);
+#if DISAGG_BENCH_SGEMM
+    openblas_set_num_threads(threads);
     t0 = Clock::now();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a.data(), k, w.data(), k, 0.0f, c.data(), n);
     blas += seconds_since(t0);
+#endif
   }
   const double flops = 2.0 * m * n * k * state.iterations();
   state.counters["ours_gflops"] = flops / ours / 1e9;
-  state.counters["sgemm_gflops"] = flops / blas / 1e9;
-  state.counters["ours_vs_sgemm"] = blas / ours;
+  if (blas > 0) {
+    state.counters["sgemm_gflops"] = flops / blas / 1e9;
+    state.counters["ours_vs_sgemm"] = blas / ours;
+  }
 }
 
 // KV of a 256-token prompt of the m50 model (16 MiB).
@@ -197,6 +218,8 @@ void decode_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_Prefill)->Apply(prefill_args)->ArgNames({"model", "tokens", "threads"})->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_DecodeStep)->Apply(decode_args)->ArgNames({"model", "batch", "context", "threads"})
+    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Attention)->ArgNames({"model", "tokens", "threads"})->Args({50, 2048, 1})->Args({50, 2048, 2})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Matmul)
     ->ArgNames({"m", "n", "k", "threads"})

@@ -24,7 +24,7 @@ constexpr int kPanel = 16;
 
 // Query rows that share one block table (a prefill) are attended in groups of
 // this many, so each transposed K tile is reused by all of them.
-constexpr int kQueryRows = 64;
+constexpr int kQueryRows = 128;
 
 // Key tiles transposed at once per attention step: the dot products of 4
 // tiles run as independent FMA chains.

@@ -253,7 +253,7 @@ void attend_heads(const HeadState* hb, int s0, int ntiles, const float* kt, cons
   const int nt = imin(ntiles, (max_pos - s0) / T + 1);
   V s[NR][kSuperTiles];
   scores_call<NR, kSuperTiles>(NR, nt, hb, kt, hs, s);
-  const V sqrt_hs = vset1(sqrtf(float(hs)));
+  const float root = sqrtf(float(hs));
   const V iota = viota();
   const int hv = (hs + 15) / 16;
   const bool whole = hs == 16 * hv && (hv == 1 || hv == 2 || hv == 4 || hv == 8);
@@ -265,22 +265,37 @@ void attend_heads(const HeadState* hb, int s0, int ntiles, const float* kt, cons
   float pl[kSuperTiles][NR][16];
   float l[NR];
   V sc[kSuperTiles][NR];
+  // dot / sqrt(head_size); when sqrt(head_size) is a power of two, dividing
+  // and multiplying by its inverse round alike, and multiplying is faster.
+  int exponent_unused = 0;
+  const bool exact_inverse = frexpf(root, &exponent_unused) == 0.5f;
+  const V scale = vset1(exact_inverse ? 1.0f / root : root);
   for (int q = 0; q < nt; ++q)
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       valid[q][r] = imin(T, hb[r].pos - (s0 + q * T) + 1);
-      sc[q][r] = vselect_lt(iota, vset1(float(valid[q][r])), vdiv(s[r][q], sqrt_hs), vset1(-INFINITY));
+      const V scaled = exact_inverse ? vmul(s[r][q], scale) : vdiv(s[r][q], scale);
+      sc[q][r] = vselect_lt(iota, vset1(float(valid[q][r])), scaled, vset1(-INFINITY));
     }
-  for (int r = 0; r < NR; ++r) {  // the running max through the tiles a head covers
+  // The running max through the tiles a head covers; the correction
+  // exponents of all (tile, head) pairs go through one vector exp.
+  float corr_arg[kSuperTiles * NR];
+  for (int r = 0; r < NR; ++r) {
     float m = *hb[r].m;
     for (int q = 0; q < nt; ++q) {
       const float tile_max = vreduce_max(sc[q][r]);
       const float mn = m > tile_max ? m : tile_max;
-      corr[q][r] = fixed::fixed_exp(m - mn);
+      corr_arg[q * NR + r] = m - mn;
       m_new[q][r] = mn;
       if (valid[q][r] > 0) m = mn;
     }
     *hb[r].m = m;
+  }
+  for (int i = 0; i < nt * NR; i += 16) {
+    const int w = imin(16, nt * NR - i);
+    float e[16];
+    vstore(e, vexp(vload_n(corr_arg + i, w)));
+    for (int k = 0; k < w; ++k) corr[(i + k) / NR][(i + k) % NR] = e[k];
   }
   for (int q = 0; q < nt; ++q)
 #pragma GCC unroll 8
