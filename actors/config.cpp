@@ -1,5 +1,6 @@
 #include "actors/config.h"
 
+#include "gpu/kv_layout.h"
 #include "messages/registration.h"
 #include "messages/request.h"
 
@@ -18,7 +19,9 @@ std::string DisaggConfig::validate() const {
   require(decode_workers >= 1, "decode-workers must be >= 1");
   require(max_kv_transfer_bytes > 0, "max-kv-transfer-bytes must be > 0");
   require(ack_timeout_ms > 0, "ack-timeout-ms must be > 0");
-  require(block_size >= 1, "block-size must be >= 1");
+  require(block_size >= 1 && block_size % gpu::kv_layout::kTile == 0,
+          "block-size must be a positive multiple of " + std::to_string(gpu::kv_layout::kTile) +
+              " (whole key tiles, gpu/kv_layout.h)");
   require(pool_blocks >= 1, "pool-blocks must be >= 1");
   require(max_batch >= 1, "max-batch must be >= 1");
   require(queue_capacity >= 0, "queue-capacity must be >= 0");

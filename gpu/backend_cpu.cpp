@@ -18,6 +18,7 @@
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/error.h"
 #include "gpu/fixed_math.h"
+#include "gpu/kv_layout.h"
 
 namespace disagg::gpu {
 
@@ -125,19 +126,19 @@ class CpuBackend final : public Backend {
   void add(float* x, const float* y, size_t n) override {
     dispatch(n, [&](const auto& p) { cpu_kernels::add(p, x, y, n); });
   }
-  // Row by row (two copies of kv_dim floats each), not the per-float Thrust
-  // functor: its index arithmetic cost more than the copy.
+  // Row by row, not the per-float Thrust functor (its index arithmetic cost
+  // more than the copy): K scattered into its tile, V one copy.
   void kv_write(const PagedKv& kv, int layer, const float* k, const float* v, const int* positions,
                 int rows) override {
-    const size_t row_bytes = size_t(kv.kv_dim) * sizeof(float);
-    const long long v_offset = (long long)kv.block_size * kv.kv_dim;
     auto write_row = [&](int r) {
       const int pos = positions[r];
-      const long long block = kv.tables[(long long)r * kv.table_stride + pos / kv.block_size];
-      float* dst = kv.data + block * kv.block_stride +
-                   ((long long)layer * 2 * kv.block_size + pos % kv.block_size) * kv.kv_dim;
-      std::memcpy(dst, k + (long long)r * kv.kv_dim, row_bytes);
-      std::memcpy(dst + v_offset, v + (long long)r * kv.kv_dim, row_bytes);
+      float* region = kv_layout::layer_region(kv, layer, r, pos);
+      const int p = pos % kv.block_size;
+      const float* kr = k + (long long)r * kv.kv_dim;
+      float* kdst = region + kv_layout::k_index(kv.kv_dim, p, 0);
+      for (int e = 0; e < kv.kv_dim; ++e) kdst[(long long)e * kv_layout::kTile] = kr[e];
+      std::memcpy(region + kv_layout::v_index(kv.block_size, kv.kv_dim, p), v + (long long)r * kv.kv_dim,
+                  size_t(kv.kv_dim) * sizeof(float));
     };
     if (2 * size_t(rows) * kv.kv_dim < kParallelWork) {
       for (int r = 0; r < rows; ++r) write_row(r);

@@ -18,6 +18,7 @@
 #include "gpu/backend_cuda.h"
 #include "gpu/error.h"
 #include "gpu/fixed_math.h"
+#include "gpu/kv_layout.h"
 
 namespace disagg::gpu {
 
@@ -101,12 +102,6 @@ __global__ void matmul_kernel(const float* __restrict__ a, const float* __restri
     }
 }
 
-__device__ inline const float* paged_k_row(const PagedKv& kv, int layer, int row, int pos) {
-  const long long block = kv.tables[(long long)row * kv.table_stride + pos / kv.block_size];
-  return kv.data + block * kv.block_stride +
-         ((long long)layer * 2 * kv.block_size + pos % kv.block_size) * (long long)kv.kv_dim;
-}
-
 // Head elements per lane of attention_kernel: head_size <= 32 * kMaxPerLane.
 constexpr int kMaxPerLane = 8;
 
@@ -122,7 +117,6 @@ __global__ void attention_kernel(const float* __restrict__ q, float* __restrict_
   const int row = int(warp / n_heads), h = int(warp % n_heads), kvh = h / group;
   const int pos = positions[row];
   const float* qh = q + (long long)row * n_heads * hs + (long long)h * hs;
-  const long long v_offset = (long long)kv.block_size * kv.kv_dim;
   const float sqrt_hs = sqrtf(float(hs));
   constexpr int T = fixed::kKeyTile;
   float o[kMaxPerLane];
@@ -132,10 +126,13 @@ __global__ void attention_kernel(const float* __restrict__ q, float* __restrict_
     const int valid = min(T, pos - t0 + 1);
     const bool scores = lane < valid;
     float s = -INFINITY;
+    // The tile's K, [kv_dim][16] (gpu/kv_layout.h): lane t reads position
+    // t0 + t, the 16 lanes 64 consecutive bytes per dimension.
+    const float* kt = kv_layout::layer_region(kv, layer, row, t0) +
+                      kv_layout::k_index(kv.kv_dim, t0 % kv.block_size, kvh * hs);
     if (scores) {
-      const float* kr = paged_k_row(kv, layer, row, t0 + lane) + (long long)kvh * hs;
       float acc = 0.0f;
-      for (int j = 0; j < hs; ++j) acc = fmaf(qh[j], kr[j], acc);
+      for (int j = 0; j < hs; ++j) acc = fmaf(qh[j], kt[j * T + lane], acc);
       s = acc / sqrt_hs;
     }
     float tile_max = s;
@@ -151,7 +148,9 @@ __global__ void attention_kernel(const float* __restrict__ q, float* __restrict_
     for (int i = 0; i < kMaxPerLane; ++i) o[i] = o[i] * corr;
     for (int t = 0; t < valid; ++t) {
       const float pt = __shfl_sync(0xffffffffu, p, t);
-      const float* vr = paged_k_row(kv, layer, row, t0 + t) + v_offset + (long long)kvh * hs;
+      const int pos_t = t0 + t;
+      const float* vr = kv_layout::layer_region(kv, layer, row, pos_t) +
+                        kv_layout::v_index(kv.block_size, kv.kv_dim, pos_t % kv.block_size) + (long long)kvh * hs;
       for (int i = 0; i < kMaxPerLane; ++i) {
         const int j = lane + 32 * i;
         if (j < hs) o[i] = fmaf(pt, vr[j], o[i]);

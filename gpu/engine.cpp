@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <string>
 
 #include "gpu/backend.h"
 #include "gpu/error.h"
+#include "gpu/kv_layout.h"
 
 namespace disagg::gpu {
 
@@ -30,6 +32,20 @@ void advise_huge_pages(void* p, size_t bytes) {
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+// A request's cache (one block of `block` positions, gpu/kv_layout.h) as the
+// wire layout [layer][K then V][position][kv_dim] of its first n positions.
+void cache_to_wire(const float* cache, int block, int n, int layers, int kv_dim, float* out) {
+  const size_t plane = size_t(n) * kv_dim;  // one layer's K (or V) on the wire
+#pragma omp parallel for schedule(static) if (size_t(layers) * plane > (size_t(1) << 20))
+  for (int l = 0; l < layers; ++l) {
+    const float* region = cache + size_t(l) * 2 * block * kv_dim;
+    float* k_out = out + size_t(l) * 2 * plane;
+    for (int p = 0; p < n; ++p)
+      for (int e = 0; e < kv_dim; ++e) k_out[size_t(p) * kv_dim + e] = region[kv_layout::k_index(kv_dim, p, e)];
+    std::memcpy(k_out + plane, region + kv_layout::v_index(block, kv_dim, 0), plane * sizeof(float));
+  }
 }
 
 // One vector tensor (all layers) on the backend.
@@ -216,23 +232,18 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens) {
                 std::to_string(m.cfg.seq_len));
   for (int t : tokens) m.validate_token(t, "prefill");
 
-  // The contiguous cache is a pool of one block holding all n positions. On a
-  // backend whose memory is the host's, the forward pass writes it straight
-  // into the output; otherwise into a device buffer, downloaded at the end.
+  // The request's cache is a pool of one block holding all n positions
+  // (rounded up to whole key tiles), converted to the wire layout at the end.
   PrefillOutput out;
   out.shape = kv_shape(n);
-  const bool direct = m.backend->host_memory();
-  if (direct) {
-    out.kv.reserve(out.shape.floats());
-    advise_huge_pages(out.kv.data(), out.kv.capacity() * sizeof(float));  // before its pages are touched
-    out.kv.resize(out.shape.floats());
-  }
+  const int cache_positions = kv_layout::padded(n);
+  const size_t cache_floats = size_t(m.layers) * 2 * size_t(cache_positions) * m.kv_dim;
   const int zero_block = 0;
   m.tables.upload(&zero_block, 1);
   PagedKv kv;
-  kv.data = direct ? out.kv.data() : m.prefill_kv.ensure(out.shape.floats());
-  kv.block_size = n;
-  kv.block_stride = static_cast<long long>(out.shape.floats());
+  kv.data = m.prefill_kv.ensure(cache_floats);
+  kv.block_size = cache_positions;
+  kv.block_stride = static_cast<long long>(cache_floats);
   kv.kv_dim = int(m.kv_dim);
   kv.tables = m.tables.get();
   kv.table_stride = 0;
@@ -247,10 +258,18 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens) {
     m.forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows);
   }
 
-  if (!direct) {
-    out.kv.resize(out.shape.floats());
-    m.prefill_kv.download(out.kv.data(), out.kv.size());
+  // Wire layout (KvLayout::layer_kv_position): K de-tiled, the padding dropped.
+  const float* cache = kv.data;
+  std::vector<float> staged;
+  if (!m.backend->host_memory()) {
+    staged.resize(cache_floats);
+    m.prefill_kv.download(staged.data(), cache_floats);
+    cache = staged.data();
   }
+  out.kv.reserve(out.shape.floats());
+  advise_huge_pages(out.kv.data(), out.kv.capacity() * sizeof(float));  // before its pages are touched
+  out.kv.resize(out.shape.floats());
+  cache_to_wire(cache, cache_positions, n, int(m.layers), int(m.kv_dim), out.kv.data());
   out.logits.resize(m.vocab);
   m.logits.download(out.logits.data(), m.vocab);
   return out;
@@ -338,7 +357,9 @@ void BlockAllocator::release(const std::vector<int>& blocks) {
 
 KvPool::KvPool(Engine& engine, int block_size, int num_blocks)
     : engine_(engine), block_size_(block_size), num_blocks_(num_blocks) {
-  if (block_size <= 0) throw Error("KvPool: block size must be positive, got " + std::to_string(block_size));
+  if (block_size <= 0 || block_size % kv_layout::kTile != 0)
+    throw Error("KvPool: block size must be a positive multiple of " + std::to_string(kv_layout::kTile) + ", got " +
+                std::to_string(block_size));
   if (num_blocks <= 0) throw Error("KvPool: block count must be positive, got " + std::to_string(num_blocks));
   data_ = static_cast<float*>(engine_.backend().alloc_bytes(size_t(num_blocks) * block_stride() * sizeof(float)));
 }

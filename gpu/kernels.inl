@@ -4,7 +4,7 @@
 // and attention are backend-specific (gpu/cpu/ for the CPU, gpu/backend_cuda.cu).
 //
 // How to include: first include <cmath>, <thrust/for_each.h>,
-// <thrust/iterator/counting_iterator.h>, gpu/backend.h and gpu/fixed_math.h at global scope, then
+// <thrust/iterator/counting_iterator.h>, gpu/backend.h, gpu/fixed_math.h and gpu/kv_layout.h at global scope, then
 // include this file inside a namespace of its own (cpu_kernels, cuda_kernels),
 // so the two instantiations never share a symbol. This file includes nothing.
 //
@@ -30,15 +30,6 @@ void launch(const Policy& policy, Index n, const F& f) {
 }
 
 // ---------------------------------------------------------------- shared helpers
-
-// K of `layer` at position `pos` of row `row` (kv_dim floats); V follows
-// block_size * kv_dim floats later.
-HD inline float* paged_k(const ::disagg::gpu::PagedKv& kv, int layer, Index row, int pos) {
-  const Index block = kv.tables[row * kv.table_stride + pos / kv.block_size];
-  return kv.data + block * kv.block_stride +
-         (Index(layer) * 2 * kv.block_size + pos % kv.block_size) * Index(kv.kv_dim);
-}
-HD inline Index paged_v_offset(const ::disagg::gpu::PagedKv& kv) { return Index(kv.block_size) * kv.kv_dim; }
 
 // ---------------------------------------------------------------- functors
 
@@ -116,11 +107,14 @@ struct KvWriteOp {  // index: one (row, element of kv_dim)
   const float* v;
   const int* positions;
   HD void operator()(Index i) const {
+    namespace kvl = ::disagg::gpu::kv_layout;
     const Index row = i / kv.kv_dim;
     const int e = int(i % kv.kv_dim);
-    float* dst = paged_k(kv, layer, row, positions[row]);
-    dst[e] = k[i];
-    dst[paged_v_offset(kv) + e] = v[i];
+    const int pos = positions[row];
+    float* region = kvl::layer_region(kv, layer, row, pos);
+    const int p = pos % kv.block_size;
+    region[kvl::k_index(kv.kv_dim, p, e)] = k[i];
+    region[kvl::v_index(kv.block_size, kv.kv_dim, p) + e] = v[i];
   }
 };
 

@@ -24,7 +24,7 @@ void pack_matrix(const float* w, float* packed, int n, int k) {
 size_t attention_scratch_floats(int rows, int n_heads, int n_kv_heads, int head_size) {
   const size_t group = size_t(n_heads / n_kv_heads);
   const size_t head_floats = size_t((head_size + 15) / 16) * 16;
-  return size_t(kSuperTiles) * head_size * 16 + size_t(rows) * group * (head_floats + 2);
+  return size_t(rows) * group * (head_floats + 2);
 }
 
 namespace {

@@ -23,11 +23,11 @@ namespace disagg::gpu::cpu {
 constexpr int kPanel = 16;
 
 // Query rows that share one block table (a prefill) are attended in groups of
-// this many, so each transposed K tile is reused by all of them.
+// this many, so each K/V tile is read from memory once for all of them.
 constexpr int kQueryRows = 128;
 
-// Key tiles transposed at once per attention step: the dot products of 4
-// tiles run as independent FMA chains.
+// Key tiles scored at once per attention step: the dot products of 4 tiles
+// run as independent FMA chains.
 constexpr int kSuperTiles = 4;
 
 size_t packed_floats(int n, int k);

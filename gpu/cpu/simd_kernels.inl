@@ -138,13 +138,6 @@ void matmul_panels(const float* a, const float* w, float* c, int m, int n, int k
 
 // ---------------------------------------------------------------- attention
 
-// K of `layer` at position `pos` in the block table of `row` (kv_dim floats);
-// V follows block_size * kv_dim floats later.
-inline const float* paged_k(const PagedKv& kv, int layer, int row, int pos) {
-  const Index block = kv.tables[Index(row) * kv.table_stride + pos / kv.block_size];
-  return kv.data + block * kv.block_stride + (Index(layer) * 2 * kv.block_size + pos % kv.block_size) * kv.kv_dim;
-}
-
 // One query head of one row while its group is attended: its query, running
 // output, max and sum, and its position (it attends keys [0, pos]).
 struct HeadState {
@@ -155,10 +148,11 @@ struct HeadState {
   int pos;
 };
 
-// s[r][q]: the raw scores of heads h[0..NR) against NT transposed key tiles
-// (kt: [tile][j][lane]), each lane a sequential fma chain over j.
+// s[r][q]: the raw scores of heads h[0..NR) against NT key tiles (kt[q]:
+// the tile's K of this head, [j][16] as the cache stores it), each lane a
+// sequential fma chain over j.
 template <int NR, int NT>
-inline void scores_rows(const HeadState* h, const float* kt, int hs, V (*s)[kSuperTiles]) {
+inline void scores_rows(const HeadState* h, const float* const* kt, int hs, V (*s)[kSuperTiles]) {
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
@@ -166,7 +160,7 @@ inline void scores_rows(const HeadState* h, const float* kt, int hs, V (*s)[kSup
   for (int j = 0; j < hs; ++j) {
     V kj[NT];
 #pragma GCC unroll 4
-    for (int q = 0; q < NT; ++q) kj[q] = vload(kt + (Index(q) * hs + j) * 16);
+    for (int q = 0; q < NT; ++q) kj[q] = vload(kt[q] + Index(j) * 16);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       const V qj = vset1(h[r].q[j]);
@@ -177,7 +171,8 @@ inline void scores_rows(const HeadState* h, const float* kt, int hs, V (*s)[kSup
 }
 
 template <int NR, int NT>
-inline void scores_call(int nr, int nt, const HeadState* h, const float* kt, int hs, V (*s)[kSuperTiles]) {
+inline void scores_call(int nr, int nt, const HeadState* h, const float* const* kt, int hs,
+                        V (*s)[kSuperTiles]) {
   if constexpr (NR > 1) {
     if (nr < NR) return scores_call<NR - 1, NT>(nr, nt, h, kt, hs, s);
   }
@@ -246,7 +241,8 @@ inline void values_any(const HeadState& h, float corr, const float* p, int valid
 // for all NR heads at once (independent chains the CPU overlaps); a head whose
 // position ends before a tile computes it but keeps nothing of it.
 template <int NR>
-void attend_heads(const HeadState* hb, int s0, int ntiles, const float* kt, const float* const* vrow, int hs) {
+void attend_heads(const HeadState* hb, int s0, int ntiles, const float* const* kt, const float* const* vrow,
+                  int hs) {
   constexpr int T = fixed::kKeyTile;
   int max_pos = 0;
   for (int r = 0; r < NR; ++r) max_pos = imax(max_pos, hb[r].pos);
@@ -330,8 +326,8 @@ void attend_heads(const HeadState* hb, int s0, int ntiles, const float* kt, cons
 
 // Up to kAttnRows heads: attend_heads<nb>.
 template <int NR>
-void attend_batch(const HeadState* hb, int nb, int s0, int ntiles, const float* kt, const float* const* vrow,
-                  int hs) {
+void attend_batch(const HeadState* hb, int nb, int s0, int ntiles, const float* const* kt,
+                  const float* const* vrow, int hs) {
   if constexpr (NR > 1) {
     if (nb < NR) return attend_batch<NR - 1>(hb, nb, s0, ntiles, kt, vrow, hs);
   }
@@ -340,13 +336,12 @@ void attend_batch(const HeadState* hb, int nb, int s0, int ntiles, const float* 
 
 void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scratch) {
   constexpr int T = fixed::kKeyTile;
+  namespace kvl = kv_layout;
   const int hs = a.head_size, group = a.n_heads / a.n_kv_heads, nrows = r1 - r0;
   const int hv = (hs + 15) / 16;  // vectors per head
   const Index qw = Index(a.n_heads) * hs;
-  const Index v_offset = Index(a.kv.block_size) * a.kv.kv_dim;
 
-  float* kt = scratch;                                  // [kSuperTiles][hs][16]: K tiles, transposed
-  float* o = kt + Index(kSuperTiles) * hs * T;          // [nrows * group][hv * 16]: running outputs
+  float* o = scratch;                                   // [nrows * group][hv * 16]: running outputs
   float* mrun = o + Index(nrows) * group * hv * T;      // [nrows * group]: running max
   float* lrun = mrun + Index(nrows) * group;            // [nrows * group]: running sum
   int max_pos = 0;
@@ -361,22 +356,20 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
     return HeadState{a.q + Index(r0 + rr) * qw + Index(kvh * group + g) * hs, o + Index(i) * hv * T, mrun + i,
                      lrun + i, a.positions[r0 + rr]};
   };
+  const float* kt[kSuperTiles];
   const float* vrow[kSuperTiles * T];
 
   for (int s0 = 0; s0 <= max_pos; s0 += kSuperTiles * T) {
     const int ntiles = imin(kSuperTiles, (max_pos - s0) / T + 1);
-    // Transpose the K rows of these tiles (zeros past max_pos) and note the V rows.
-    for (int i = 0; i < ntiles * T; ++i) {
-      const int t = s0 + i;
-      float* dst = kt + Index(i / T) * hs * T + i % T;
-      if (t <= max_pos) {
-        const float* kr = paged_k(a.kv, a.layer, r0, t) + Index(kvh) * hs;
-        vrow[i] = kr + v_offset;
-        for (int j = 0; j < hs; ++j) dst[Index(j) * T] = kr[j];
-      } else {
-        vrow[i] = nullptr;
-        for (int j = 0; j < hs; ++j) dst[Index(j) * T] = 0.0f;
-      }
+    // The tiles' K as stored ([j][16] per tile: no transpose) and their V
+    // rows; keys past max_pos in the last tile are never kept (masked).
+    for (int q = 0; q < ntiles; ++q) {
+      const int t0 = s0 + q * T;
+      const float* region = kvl::layer_region(a.kv, a.layer, r0, t0);
+      kt[q] = region + kvl::k_index(a.kv.kv_dim, t0 % a.kv.block_size, kvh * hs);
+      for (int i = 0; i < T; ++i)
+        vrow[q * T + i] = region + kvl::v_index(a.kv.block_size, a.kv.kv_dim, (t0 + i) % a.kv.block_size) +
+                          Index(kvh) * hs;
     }
     // The heads that attend these tiles, kAttnRows at a time.
     HeadState hb[kAttnRows];

@@ -95,7 +95,7 @@ TEST(Protocol, ErrorCodesHaveNames) {
 TEST(Config, DefaultsAreValidAndBadValuesAreNamed) {
   DisaggConfig config;
   EXPECT_EQ(config.validate(), "");
-  config.block_size = 0;
+  config.block_size = 8;  // not whole key tiles of 16
   config.backend = "tpu";
   config.max_kv_transfer_bytes = 0;
   config.max_prompt_bytes = 0;

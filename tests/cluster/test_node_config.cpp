@@ -109,7 +109,7 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
   expect_fails_fast({"bad command-line value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=x"}, 2,
                      "command line"});
   expect_fails_fast({"invalid disagg value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=0"}, 2,
-                     "disagg.block-size must be >= 1"});
+                     "disagg.block-size must be a positive multiple of 16"});
   const std::string dir = make_temp_dir("node-bad-model");
   write_text_file(dir + "/model.bin", "not a checkpoint");
   expect_fails_fast({"corrupt model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\nmodel = \"" +

@@ -75,10 +75,13 @@ std::vector<float> gather_kv(Engine& engine, KvPool& pool, const std::vector<int
   for (int l = 0; l < c.n_layers; ++l)
     for (int kv = 0; kv < 2; ++kv)
       for (int p = 0; p < n_positions; ++p) {
-        const size_t src = blocks[p / pool.block_size()] * pool.block_stride() +
-                           ((size_t(l) * 2 + kv) * pool.block_size() + p % pool.block_size()) * kv_dim;
+        // The pool's layout (gpu/kv_layout.h): K tiled by 16 positions, then V rows.
+        const size_t bs = size_t(pool.block_size()), pb = size_t(p) % bs;
+        const size_t region = blocks[p / pool.block_size()] * pool.block_stride() + size_t(l) * 2 * bs * kv_dim;
         const size_t dst = ((size_t(l) * 2 + kv) * n_positions + p) * kv_dim;
-        std::copy_n(all.begin() + src, kv_dim, out.begin() + dst);
+        for (size_t e = 0; e < kv_dim; ++e)
+          out[dst + e] = kv == 0 ? all[region + ((pb / 16) * kv_dim + e) * 16 + pb % 16]
+                                 : all[region + (bs + pb) * kv_dim + e];
       }
   return out;
 }
@@ -137,8 +140,8 @@ TEST(Engine, PrefillMatchesStepwiseOnARandomGqaModelWithItsOwnClassifier) {
   write_random_checkpoint(path, config, 7);
   Engine engine(Checkpoint::open(path));
   std::vector<int> prompt;
-  for (int i = 0; i < 11; ++i) prompt.push_back((i * 37 + 5) % config.vocab_size);
-  expect_prefill_matches_stepwise(engine, prompt, 4, {2, 5, 0});
+  for (int i = 0; i < 30; ++i) prompt.push_back((i * 37 + 5) % config.vocab_size);
+  expect_prefill_matches_stepwise(engine, prompt, 16, {2, 0});
 
   // generate stops when prompt + generated reaches seq_len.
   const std::vector<int> near_end(35, 7);
@@ -216,11 +219,18 @@ TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
   }
 }
 
+// 20 positions: two blocks of 16.
+std::vector<int> twenty_tokens() {
+  std::vector<int> prompt = {1, 403, 407, 261, 378};
+  for (int i = 0; prompt.size() < 20; ++i) prompt.push_back(3 + (i * 37) % 500);
+  return prompt;
+}
+
 TEST(Engine, KvPoolWriteScattersThePrefillCacheIntoItsBlocks) {
   Engine engine(shared_checkpoint());
-  const std::vector<int> prompt = {1, 403, 407, 261, 378};
+  const std::vector<int> prompt = twenty_tokens();
   const PrefillOutput prefilled = engine.prefill(prompt);
-  KvPool pool(engine, 4, 8);
+  KvPool pool(engine, 16, 8);
   const std::vector<int> blocks = {5, 2};
   pool.write(blocks, view_of(engine, prefilled));
   EXPECT_EQ(gather_kv(engine, pool, blocks, int(prompt.size())), prefilled.kv);  // a pure copy
@@ -228,7 +238,7 @@ TEST(Engine, KvPoolWriteScattersThePrefillCacheIntoItsBlocks) {
   // Decoding on from the written cache equals decoding on from a stepwise one.
   const int next = argmax(prefilled.logits.data(), engine.config().vocab_size);
   const auto from_written = engine.decode_step(pool, {DecodeSlot{next, int(prompt.size()), &blocks}});
-  KvPool stepwise_pool(engine, 4, 2);
+  KvPool stepwise_pool(engine, 16, 2);
   const std::vector<int> stepwise_blocks = {1, 0};
   for (size_t pos = 0; pos < prompt.size(); ++pos)
     engine.decode_step(stepwise_pool, {DecodeSlot{prompt[pos], int(pos), &stepwise_blocks}});
@@ -239,14 +249,15 @@ TEST(Engine, KvPoolWriteScattersThePrefillCacheIntoItsBlocks) {
 
 TEST(Engine, KvPoolWriteRejectsMismatchedInput) {
   Engine engine(shared_checkpoint());
-  const PrefillOutput prefilled = engine.prefill({1, 403, 407, 261, 378});
-  KvPool pool(engine, 4, 3);
+  const PrefillOutput prefilled = engine.prefill(twenty_tokens());
+  KvPool pool(engine, 16, 3);
   KvView view = view_of(engine, prefilled);
-  EXPECT_THROW(pool.write({0}, view), Error);      // 5 positions need 2 blocks
+  EXPECT_THROW(pool.write({0}, view), Error);      // 20 positions need 2 blocks
   EXPECT_THROW(pool.write({0, 3}, view), Error);   // block outside the pool
   view.header.shape.n_layers += 1;
   EXPECT_THROW(pool.write({0, 1}, view), Error);   // another model's shape
   EXPECT_THROW(KvPool(engine, 0, 3), Error);
+  EXPECT_THROW(KvPool(engine, 8, 3), Error);  // not whole key tiles of 16
 }
 
 // The message of the Error thrown by f, or "" when none is thrown.

@@ -39,13 +39,19 @@ void expect_near_all(const std::vector<float>& actual, const std::vector<float>&
   }
 }
 
-// Naive layout helpers of the paged pool: [block][layer][K,V][pos in block][kv_dim].
+// The pool's layout, written out here as gpu/kv_layout.h defines it: per
+// block, per layer, K in tiles of 16 positions ([tile][kv_dim][16]), then V
+// as [position][kv_dim]. block_size is a multiple of 16.
 struct PoolGeometry {
   int n_layers, block_size, kv_dim;
   size_t block_stride() const { return size_t(n_layers) * 2 * block_size * kv_dim; }
+  // kv: 0 for K, 1 for V.
   size_t index(const std::vector<int>& table, int layer, int kv, int pos, int e) const {
-    const int block = table[pos / block_size];
-    return block * block_stride() + ((size_t(layer) * 2 + kv) * block_size + pos % block_size) * kv_dim + e;
+    const size_t block = size_t(table[pos / block_size]);
+    const size_t region = block * block_stride() + size_t(layer) * 2 * block_size * kv_dim;
+    const int p = pos % block_size;
+    if (kv == 0) return region + (size_t(p / 16) * kv_dim + e) * 16 + p % 16;
+    return region + (size_t(block_size) + p) * kv_dim + e;
   }
 };
 
@@ -253,13 +259,13 @@ TEST_P(KernelTest, SwigluAndAdd) {
 }
 
 TEST_P(KernelTest, KvWriteStoresEachRowInItsOwnBlocks) {
-  const PoolGeometry g{2, 2, 6};
+  const PoolGeometry g{2, 16, 6};
   const int num_blocks = 5;
   const float sentinel = -7.0f;
   std::vector<float> pool(num_blocks * g.block_stride(), sentinel);
-  // Row 0 at position 3 (its second block: 4), row 1 at position 0 (block 2).
+  // Row 0 at position 19 (its second block: 4), row 1 at position 0 (block 2).
   const std::vector<std::vector<int>> tables = {{1, 4}, {2, 0}};
-  const std::vector<int> positions = {3, 0};
+  const std::vector<int> positions = {19, 0};
   const auto k = random_floats(2 * size_t(g.kv_dim), 9), v = random_floats(2 * size_t(g.kv_dim), 10);
 
   auto dpool = to_device(pool);
@@ -280,23 +286,27 @@ TEST_P(KernelTest, KvWriteStoresEachRowInItsOwnBlocks) {
 }
 
 TEST_P(KernelTest, KvWriteFillsAContiguousCache) {
-  // The prefill case: n rows at positions 0..n-1 into one block of n positions.
-  const int n = 1100;
-  const PoolGeometry g{2, n, 128};
+  // The prefill case: n rows at positions 0..n-1 into one block of n positions
+  // rounded up to whole tiles; the padding is left as it was.
+  const int n = 1100, padded = 1104;
+  const PoolGeometry g{2, padded, 128};
   std::vector<int> positions(n);
   for (int i = 0; i < n; ++i) positions[i] = i;
   const auto k = random_floats(size_t(n) * g.kv_dim, 14), v = random_floats(size_t(n) * g.kv_dim, 15);
-  DeviceArray<float> dcache(*backend_, g.block_stride());
+  const std::vector<float> before(g.block_stride(), -3.0f);
+  auto dcache = to_device(before);
   auto dtable = to_device(std::vector<int>{0});
   auto dpos = to_device(positions);
   auto dk = to_device(k), dv = to_device(v);
-  PagedKv kv{dcache.get(), n, (long long)g.block_stride(), g.kv_dim, dtable.get(), 0};
+  PagedKv kv{dcache.get(), padded, (long long)g.block_stride(), g.kv_dim, dtable.get(), 0};
   for (int layer = 0; layer < g.n_layers; ++layer) backend_->kv_write(kv, layer, dk.get(), dv.get(), dpos.get(), n);
-  std::vector<float> expected;  // [layer][K then V][pos][kv_dim]
-  for (int layer = 0; layer < g.n_layers; ++layer) {
-    expected.insert(expected.end(), k.begin(), k.end());
-    expected.insert(expected.end(), v.begin(), v.end());
-  }
+  std::vector<float> expected = before;
+  for (int layer = 0; layer < g.n_layers; ++layer)
+    for (int p = 0; p < n; ++p)
+      for (int e = 0; e < g.kv_dim; ++e) {
+        expected[g.index({0}, layer, 0, p, e)] = k[size_t(p) * g.kv_dim + e];
+        expected[g.index({0}, layer, 1, p, e)] = v[size_t(p) * g.kv_dim + e];
+      }
   EXPECT_EQ(to_host(dcache, expected.size()), expected);
 }
 
@@ -349,9 +359,9 @@ void KernelTest::check_attention(int n_heads, int n_kv_heads, int head_size, con
 TEST_P(KernelTest, AttentionOverPagedBlocksWithGroupedQueryHeads) {
   // 4 query heads share 2 kv heads; rows of different lengths in scattered blocks.
   const int n_heads = 4, n_kv_heads = 2, head_size = 4;
-  const PoolGeometry g{2, 3, n_kv_heads * head_size};
+  const PoolGeometry g{2, 16, n_kv_heads * head_size};
   const std::vector<std::vector<int>> tables = {{6, 0, 0}, {3, 5, 1}, {2, 4, 7}};
-  const std::vector<int> positions = {0, 4, 8};
+  const std::vector<int> positions = {0, 20, 40};
   check_attention(n_heads, n_kv_heads, head_size, g, 8, tables, positions, 1);
 }
 
@@ -371,7 +381,7 @@ TEST_P(KernelTest, AttentionIsCausalOverAContiguousCache) {
   // The prefill case: one block of all positions, shared by every row (stride 0);
   // row r must ignore positions after r.
   const int n_heads = 2, n_kv_heads = 2, head_size = 8, n = 6;
-  const PoolGeometry g{3, n, n_kv_heads * head_size};
+  const PoolGeometry g{3, 16, n_kv_heads * head_size};
   std::vector<int> positions(n);
   for (int i = 0; i < n; ++i) positions[i] = i;
   // The naive side reads every row through table {0}; the backend gets it once.
@@ -382,10 +392,10 @@ TEST_P(KernelTest, AttentionIsCausalOverAContiguousCache) {
 TEST_P(KernelTest, AttentionOfAPrefillRowEqualsTheDecodeStepAtItsPosition) {
   // A 150-position prompt in a contiguous cache (all rows at once, one shared
   // table), then each position alone as a decode step over a paged copy of the
-  // same K/V (blocks of 5, scattered): bit for bit the same output.
-  const int n_heads = 4, n_kv_heads = 2, head_size = 24, n = 150, layers = 2, layer = 1;
+  // same K/V (blocks of 16, scattered): bit for bit the same output.
+  const int n_heads = 4, n_kv_heads = 2, head_size = 24, n = 150, padded = 160, layers = 2, layer = 1;
   const int kv_dim = n_kv_heads * head_size, width = n_heads * head_size;
-  const PoolGeometry contiguous{layers, n, kv_dim};
+  const PoolGeometry contiguous{layers, padded, kv_dim};
   const auto cache = random_floats(contiguous.block_stride(), 18);
   const auto q = random_floats(size_t(n) * width, 19);
   std::vector<int> positions(n);
@@ -395,15 +405,15 @@ TEST_P(KernelTest, AttentionOfAPrefillRowEqualsTheDecodeStepAtItsPosition) {
   auto dpos = to_device(positions);
   auto dzero = to_device(std::vector<int>{0});
   DeviceArray<float> prefill_out(*backend_, size_t(n) * width);
-  backend_->attention(dq.get(), prefill_out.get(), PagedKv{dcache.get(), n, (long long)contiguous.block_stride(),
+  backend_->attention(dq.get(), prefill_out.get(), PagedKv{dcache.get(), padded, (long long)contiguous.block_stride(),
                                                            kv_dim, dzero.get(), 0},
                       layer, dpos.get(), n, n_heads, n_kv_heads, head_size);
   const auto prefill = to_host(prefill_out, size_t(n) * width);
 
-  const PoolGeometry paged{layers, 5, kv_dim};
-  const int blocks = n / 5;
+  const PoolGeometry paged{layers, 16, kv_dim};
+  const int blocks = padded / 16;
   std::vector<int> table(blocks);
-  for (int i = 0; i < blocks; ++i) table[i] = (i * 7) % blocks;  // 7 and 30 coprime: a permutation
+  for (int i = 0; i < blocks; ++i) table[i] = (i * 7) % blocks;  // 7 and 10 coprime: a permutation
   std::vector<float> pool(size_t(blocks) * paged.block_stride());
   for (int l = 0; l < layers; ++l)
     for (int kvk = 0; kvk < 2; ++kvk)
@@ -416,7 +426,7 @@ TEST_P(KernelTest, AttentionOfAPrefillRowEqualsTheDecodeStepAtItsPosition) {
   for (int p = 0; p < n; ++p) {
     auto dp = to_device(std::vector<int>{p});
     backend_->attention(dq.get() + size_t(p) * width, step_out.get(),
-                        PagedKv{dpool.get(), 5, (long long)paged.block_stride(), kv_dim, dtable.get(), blocks},
+                        PagedKv{dpool.get(), 16, (long long)paged.block_stride(), kv_dim, dtable.get(), blocks},
                         layer, dp.get(), 1, n_heads, n_kv_heads, head_size);
     const auto step = to_host(step_out, width);
     ASSERT_TRUE(std::equal(step.begin(), step.end(), prefill.begin() + size_t(p) * width))
@@ -486,7 +496,7 @@ TEST(FixedMath, EveryKernelSetComputesTheSameBits) {
   const int m = 13, n = 70, k = 45;
   const auto a = random_floats(size_t(m) * k, 40), w = random_floats(size_t(n) * k, 41);
   const int n_heads = 6, n_kv_heads = 2, hs = 20, ctx = 77, kv_dim = n_kv_heads * hs;
-  const PoolGeometry g{1, ctx, kv_dim};
+  const PoolGeometry g{1, 80, kv_dim};
   const auto cache = random_floats(g.block_stride(), 42), q = random_floats(size_t(ctx) * n_heads * hs, 43);
   std::vector<int> positions(ctx);
   for (int i = 0; i < ctx; ++i) positions[i] = i;
@@ -504,7 +514,7 @@ TEST(FixedMath, EveryKernelSetComputesTheSameBits) {
     dpos.upload(positions.data(), positions.size());
     dtable.upload(&zero, 1);
     b->matmul(da.get(), dw.get(), dc.get(), m, n, k);
-    b->attention(dq.get(), dout.get(), PagedKv{dcache.get(), ctx, (long long)g.block_stride(), kv_dim, dtable.get(), 0},
+    b->attention(dq.get(), dout.get(), PagedKv{dcache.get(), 80, (long long)g.block_stride(), kv_dim, dtable.get(), 0},
                  0, dpos.get(), ctx, n_heads, n_kv_heads, hs);
     std::vector<float> r(size_t(m) * n + q.size());
     dc.download(r.data(), size_t(m) * n);

@@ -55,10 +55,14 @@ std::vector<float> gather(Engine& e, KvPool& pool, const std::vector<int>& block
   std::vector<float> out(size_t(c.n_layers) * 2 * n * kv_dim);
   for (int l = 0; l < c.n_layers; ++l)
     for (int kv = 0; kv < 2; ++kv)
-      for (int p = 0; p < n; ++p)
-        std::copy_n(all.begin() + blocks[p / kBlock] * pool.block_stride() +
-                        ((size_t(l) * 2 + kv) * kBlock + p % kBlock) * kv_dim,
-                    kv_dim, out.begin() + ((size_t(l) * 2 + kv) * n + p) * kv_dim);
+      for (int p = 0; p < n; ++p) {
+        // gpu/kv_layout.h: K tiled by 16 positions ([kv_dim][16]), then V rows.
+        const size_t region = blocks[p / kBlock] * pool.block_stride() + size_t(l) * 2 * kBlock * kv_dim;
+        const size_t pb = size_t(p % kBlock);
+        for (size_t e = 0; e < kv_dim; ++e)
+          out[((size_t(l) * 2 + kv) * n + p) * kv_dim + e] =
+              kv == 0 ? all[region + ((pb / 16) * kv_dim + e) * 16 + pb % 16] : all[region + (kBlock + pb) * kv_dim + e];
+      }
   return out;
 }
 
