@@ -7,12 +7,12 @@
 #include <vector>
 
 #include "gpu/checkpoint.h"
+#include "gpu/kv_cache.h"
 #include "gpu/kv_format.h"
 
 namespace disagg::gpu {
 
 class Backend;
-class KvPool;
 
 // "auto": CUDA when built with it and a GPU is present, else CPU; "cpu"; "cuda".
 struct EngineOptions {
@@ -57,48 +57,6 @@ class Engine {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
-};
-
-// Bookkeeping of which pool blocks are free (no storage, no arithmetic).
-class BlockAllocator {
- public:
-  explicit BlockAllocator(int num_blocks);
-  int num_blocks() const { return num_blocks_; }
-  int free_blocks() const { return static_cast<int>(free_.size()); }
-  // n blocks, or an empty vector when fewer than n are free (nothing taken).
-  std::vector<int> allocate(int n);
-  void release(const std::vector<int>& blocks);
-
- private:
-  int num_blocks_;
-  std::vector<int> free_;
-};
-
-// Paged KV storage on the engine's backend: num_blocks blocks, each holding
-// block_size positions of K and V for every layer.
-class KvPool {
- public:
-  KvPool(Engine& engine, int block_size, int num_blocks);
-  ~KvPool();
-  KvPool(const KvPool&) = delete;
-  KvPool& operator=(const KvPool&) = delete;
-
-  Engine& engine() const { return engine_; }  // whose backend holds the blocks
-  int block_size() const { return block_size_; }
-  int num_blocks() const { return num_blocks_; }
-  static int blocks_for(int positions, int block_size) { return (positions + block_size - 1) / block_size; }
-
-  // Copies positions [0, view.shape.n_positions) of a received KV cache into blocks.
-  void write(const std::vector<int>& blocks, const KvView& view);
-
-  float* data() { return data_; }  // backend memory, for Engine
-  size_t block_stride() const;     // floats per block (all layers, K and V)
-
- private:
-  Engine& engine_;
-  int block_size_;
-  int num_blocks_;
-  float* data_ = nullptr;
 };
 
 }  // namespace disagg::gpu

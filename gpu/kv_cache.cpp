@@ -1,0 +1,107 @@
+// The KV cache's block bookkeeping and storage (gpu/kv_cache.h).
+#include "gpu/kv_cache.h"
+
+#include <algorithm>
+#include <string>
+
+#include "gpu/backend.h"
+#include "gpu/engine.h"
+#include "gpu/error.h"
+#include "gpu/kv_layout.h"
+
+namespace disagg::gpu {
+
+// ---------------------------------------------------------------- BlockAllocator
+
+BlockAllocator::BlockAllocator(int num_blocks) : num_blocks_(num_blocks) {
+  if (num_blocks < 0) throw Error("BlockAllocator: negative block count " + std::to_string(num_blocks));
+  // Highest id at the back, so allocate() hands out low ids first.
+  for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
+}
+
+std::vector<int> BlockAllocator::allocate(int n) {
+  if (n < 0 || n > free_blocks()) return {};
+  std::vector<int> blocks(free_.end() - n, free_.end());
+  std::reverse(blocks.begin(), blocks.end());
+  free_.resize(free_.size() - size_t(n));
+  return blocks;
+}
+
+// Checks everything before releasing anything, so a bad call changes nothing.
+void BlockAllocator::release(const std::vector<int>& blocks) {
+  for (int b : blocks)
+    if (b < 0 || b >= num_blocks_) throw Error("BlockAllocator: release of unknown block " + std::to_string(b));
+  if (free_.size() + blocks.size() > size_t(num_blocks_))
+    throw Error("BlockAllocator: " + std::to_string(blocks.size()) + " blocks released but only " +
+                std::to_string(num_blocks_ - free_blocks()) + " are allocated");
+  free_.insert(free_.end(), blocks.begin(), blocks.end());
+}
+
+// ---------------------------------------------------------------- KvPool
+
+KvPool::KvPool(Engine& engine, int block_size, int num_blocks)
+    : engine_(engine), block_size_(block_size), num_blocks_(num_blocks) {
+  if (block_size <= 0 || block_size % kv_layout::kTile != 0)
+    throw Error("KvPool: block size must be a positive multiple of " + std::to_string(kv_layout::kTile) + ", got " +
+                std::to_string(block_size));
+  if (num_blocks <= 0) throw Error("KvPool: block count must be positive, got " + std::to_string(num_blocks));
+  data_ = static_cast<float*>(engine_.backend().alloc_bytes(size_t(num_blocks) * block_stride() * sizeof(float)));
+}
+
+KvPool::~KvPool() { engine_.backend().free_bytes(data_); }
+
+size_t KvPool::block_stride() const {
+  const ModelConfig& c = engine_.config();
+  return size_t(c.n_layers) * 2 * size_t(block_size_) * size_t(c.kv_dim());
+}
+
+void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
+  const KvShape& shape = view.header.shape;
+  const KvShape expected = engine_.kv_shape(int(shape.n_positions));
+  if (!(shape == expected))
+    throw Error("KvPool::write: KV shape (layers " + std::to_string(shape.n_layers) + ", kv heads " +
+                std::to_string(shape.n_kv_heads) + ", head dim " + std::to_string(shape.head_dim) +
+                ") does not match the model (layers " + std::to_string(expected.n_layers) + ", kv heads " +
+                std::to_string(expected.n_kv_heads) + ", head dim " + std::to_string(expected.head_dim) + ")");
+  const int n = int(shape.n_positions);
+  if (n == 0) return;
+  if (n > engine_.config().seq_len)
+    throw Error("KvPool::write: " + std::to_string(n) + " positions exceed seq_len " +
+                std::to_string(engine_.config().seq_len));
+  if (!view.payload) throw Error("KvPool::write: KV view without payload");
+  const int needed = blocks_for(n, block_size_);
+  if (int(blocks.size()) < needed)
+    throw Error("KvPool::write: " + std::to_string(n) + " positions need " + std::to_string(needed) +
+                " blocks, got " + std::to_string(blocks.size()));
+  for (int i = 0; i < needed; ++i)
+    if (blocks[i] < 0 || blocks[i] >= num_blocks_)
+      throw Error("KvPool::write: block " + std::to_string(blocks[i]) + " outside the pool of " +
+                  std::to_string(num_blocks_));
+
+  // Stage the contiguous cache on the backend, then scatter each layer's
+  // positions 0..n-1 into the blocks with the decode step's own kv_write.
+  Backend& b = engine_.backend();
+  DeviceArray<float> staged(b);
+  staged.upload(view.payload, shape.floats());
+  std::vector<int> host_ints(size_t(n) + size_t(needed));
+  for (int p = 0; p < n; ++p) host_ints[size_t(p)] = p;
+  std::copy_n(blocks.begin(), needed, host_ints.begin() + n);
+  DeviceArray<int> ints(b);
+  ints.upload(host_ints.data(), host_ints.size());
+
+  PagedKv kv;
+  kv.data = data_;
+  kv.block_size = block_size_;
+  kv.block_stride = static_cast<long long>(block_stride());
+  kv.kv_dim = int(shape.kv_dim());
+  kv.tables = ints.get() + n;
+  kv.table_stride = 0;
+  const size_t plane = size_t(n) * shape.kv_dim();  // one layer's K (or V)
+  for (uint32_t l = 0; l < shape.n_layers; ++l) {
+    const float* k = staged.get() + 2 * l * plane;
+    b.kv_write(kv, int(l), k, k + plane, ints.get(), n);
+  }
+  b.synchronize();
+}
+
+}  // namespace disagg::gpu
