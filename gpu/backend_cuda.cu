@@ -102,6 +102,30 @@ __global__ void matmul_kernel(const float* __restrict__ a, const float* __restri
     }
 }
 
+// RMSNorm with 16 threads per row: lane i sums x[j]^2 for j = i mod 16 in
+// order, the xor butterfly adds the lanes as fixed::tree_sum16 does; the same
+// bits as the CPU's RmsNormOp, without one thread walking a whole row.
+constexpr int kNormLanes = 16;
+
+__global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ weight, float* out, int rows,
+                               int dim) {
+  const long long thread = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long row = thread / kNormLanes;
+  const int lane = int(thread % kNormLanes);
+  if (row >= rows) return;  // whole 16-lane groups leave together (blockDim is a multiple of 16)
+  const float* xr = x + row * dim;
+  float ss = 0.0f;
+  for (int j = lane; j < dim; j += kNormLanes) ss += xr[j] * xr[j];
+  const unsigned group = 0xffffu << (threadIdx.x & 16);  // this half-warp
+  for (int off = 8; off >= 1; off /= 2) ss = ss + __shfl_xor_sync(group, ss, off, kNormLanes);
+  ss /= dim;
+  ss += 1e-5f;
+  ss = 1.0f / sqrtf(ss);
+  float* o = out + row * dim;
+  // A lane reads and writes only its own indices j, so out may equal x.
+  for (int j = lane; j < dim; j += kNormLanes) o[j] = weight[j] * (ss * xr[j]);
+}
+
 // Head elements per lane of attention_kernel: head_size <= 32 * kMaxPerLane.
 constexpr int kMaxPerLane = 8;
 
@@ -239,8 +263,13 @@ class CudaBackend final : public Backend {
     run_thrust("embedding", [&] { cuda_kernels::embedding(stream_policy(stream_), table, tokens, out, rows, dim); });
   }
   void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) override {
+    if (rows <= 0) return;
     activate();
-    run_thrust("rmsnorm", [&] { cuda_kernels::rmsnorm(stream_policy(stream_), x, weight, out, rows, dim); });
+    constexpr int kThreads = 128;
+    const long long threads = (long long)rows * kNormLanes;
+    rmsnorm_kernel<<<unsigned((threads + kThreads - 1) / kThreads), kThreads, 0, stream_>>>(x, weight, out, rows,
+                                                                                               dim);
+    check(cudaGetLastError(), "rmsnorm kernel launch");
   }
   void rope(float* x, const int* positions, const float* table, int rows, int n_heads, int head_size) override {
     activate();
