@@ -113,6 +113,22 @@ struct Engine::Impl {
   // Floats between two layers' matrices of each shape.
   size_t stride(int n, int k) const { return backend->packed_floats(n, k); }
 
+  // Gives a hook this layer's K and V rows as host memory (a copy only when
+  // the backend's memory is not the host's).
+  void hand_out_layer(const PrefillHooks& hooks, int layer, int first, int rows, const float* k_dev,
+                      const float* v_dev) {
+    const size_t n = size_t(rows) * kv_dim;
+    if (backend->host_memory()) {
+      hooks.on_layer_kv(layer, first, rows, k_dev, v_dev);
+      return;
+    }
+    host_k.resize(n);
+    host_v.resize(n);
+    backend->download(host_k.data(), k_dev, n * sizeof(float));
+    backend->download(host_v.data(), v_dev, n * sizeof(float));
+    hooks.on_layer_kv(layer, first, rows, host_k.data(), host_v.data());
+  }
+
   void validate_token(int token, const char* where) const {
     if (token < 0 || token >= cfg.vocab_size)
       throw Error(std::string(where) + ": token id " + std::to_string(token) + " is outside the vocabulary [0, " +
@@ -125,7 +141,7 @@ struct Engine::Impl {
   }
 
   void forward(const std::vector<int>& host_tokens, const std::vector<int>& host_positions, const PagedKv& kv,
-               int first_logit_row);
+               int first_logit_row, const PrefillHooks* hooks = nullptr);
 
   std::shared_ptr<const Checkpoint> checkpoint;
   ModelConfig cfg;
@@ -141,6 +157,7 @@ struct Engine::Impl {
   // Scratch, grown on demand and reused across calls.
   DeviceArray<float> x, xb, xb2, q, k, v, hb, hb2, logits, prefill_kv;
   DeviceArray<int> tokens, positions, tables;
+  std::vector<float> host_k, host_v;  // hook staging when the backend's memory is not the host's
 };
 
 // The forward pass of one row per (token, position), top to bottom as in
@@ -148,7 +165,7 @@ struct Engine::Impl {
 // its attention reads positions [0, position] from there. Leaves the logits of
 // rows [first_logit_row, rows) in `logits` (none when first_logit_row == rows).
 void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vector<int>& host_positions,
-                           const PagedKv& kv, int first_logit_row) {
+                           const PagedKv& kv, int first_logit_row, const PrefillHooks* hooks) {
   Backend& b = *backend;
   const int rows = int(host_tokens.size());
   const int n_dim = cfg.dim, n_kv = int(kv_dim), n_hidden = cfg.hidden_dim;
@@ -178,6 +195,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
     b.rope(q_, pos_, rope.get(), rows, n_heads, head_size);
     b.rope(k_, pos_, rope.get(), rows, n_kv_heads, head_size);
     b.kv_write(kv, int(l), k_, v_, pos_, rows);
+    if (hooks && hooks->on_layer_kv) hand_out_layer(*hooks, int(l), host_positions.front(), rows, k_, v_);
     b.attention(q_, xb_, kv, int(l), pos_, rows, n_heads, n_kv_heads, head_size);
     b.matmul(xb_, wo.get() + l * stride(n_dim, n_dim), xb2_, rows, n_dim, n_dim);
     b.add(x_, xb2_, row_floats);
@@ -223,7 +241,7 @@ KvExpectation Engine::kv_expectation() const {
                        uint32_t(c.seq_len)};
 }
 
-PrefillOutput Engine::prefill(const std::vector<int>& tokens) {
+PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks& hooks) {
   Impl& m = *impl_;
   const int n = int(tokens.size());
   if (n == 0) throw Error("prefill: empty prompt");
@@ -255,7 +273,7 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens) {
     const std::vector<int> chunk(tokens.begin() + c0, tokens.begin() + c0 + rows);
     std::vector<int> positions(rows);
     for (int i = 0; i < rows; ++i) positions[i] = c0 + i;
-    m.forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows);
+    m.forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows, &hooks);
   }
 
   // Wire layout (KvLayout::layer_kv_position): K de-tiled, the padding dropped.

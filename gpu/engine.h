@@ -2,6 +2,7 @@
 // batched decode step over many sequences held in a paged KV pool.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,16 @@ struct PrefillOutput {
   KvShape shape;             // n_positions == number of prompt tokens
   std::vector<float> kv;     // KvLayout::layer_kv_position, shape.floats() values
   std::vector<float> logits; // last position, vocab_size values
+};
+
+// What a prefill hands out while it runs (the KV transfer's per-layer hook):
+// after layer `layer` of a chunk of prompt positions [first, first + count)
+// has computed its K and V, on_layer_kv gets them as host memory, each
+// count x kv_dim floats in position order (the wire layout's rows). Called in
+// order of chunks, and of layers within a chunk; the pointers are valid only
+// during the call. A throw aborts the prefill.
+struct PrefillHooks {
+  std::function<void(int layer, int first, int count, const float* k, const float* v)> on_layer_kv;
 };
 
 // One sequence in a decode step: feed `token` at position `pos`; its KV for
@@ -48,8 +59,10 @@ class Engine {
   KvShape kv_shape(int n_positions) const;
   KvExpectation kv_expectation() const;
 
-  // All prompt tokens in one pass: GEMMs over the token dimension, causal attention.
-  PrefillOutput prefill(const std::vector<int>& tokens);
+  // All prompt tokens, in chunks of positions: matrix products over the
+  // chunk's rows, causal attention over the cache so far. `hooks` (optional)
+  // sees each layer's K and V as soon as they exist.
+  PrefillOutput prefill(const std::vector<int>& tokens, const PrefillHooks& hooks = {});
 
   // One token for each slot; returns logits, slots.size() x vocab_size.
   std::vector<float> decode_step(KvPool& pool, const std::vector<DecodeSlot>& slots);

@@ -106,6 +106,39 @@ TEST(LongContext, FullContextPromptPrefillsInChunksBitIdenticalToStepwiseDecode)
   EXPECT_EQ(tokens_a, tokens_b);
 }
 
+// The per-layer hook (the KV transfer's source): every (chunk, layer) piece in
+// order, and the pieces put together are the prefill's KV, byte for byte.
+TEST(LongContext, PrefillHookHandsOutEveryLayerOfEveryChunkInOrder) {
+  Engine engine(long_model());
+  const ModelConfig& c = engine.config();
+  std::vector<int> prompt(kPrompt);
+  for (int i = 0; i < kPrompt; ++i) prompt[i] = 3 + (i * 17) % (c.vocab_size - 3);
+  const size_t kv_dim = size_t(c.kv_dim()), plane = size_t(kPrompt) * kv_dim;
+  std::vector<float> assembled(size_t(c.n_layers) * 2 * plane, -1.0f);
+  std::vector<std::pair<int, int>> calls;  // (first position, layer)
+  PrefillHooks hooks;
+  hooks.on_layer_kv = [&](int layer, int first, int count, const float* k, const float* v) {
+    calls.emplace_back(first, layer);
+    std::copy_n(k, size_t(count) * kv_dim, assembled.begin() + size_t(layer) * 2 * plane + size_t(first) * kv_dim);
+    std::copy_n(v, size_t(count) * kv_dim, assembled.begin() + (size_t(layer) * 2 + 1) * plane + size_t(first) * kv_dim);
+  };
+  const PrefillOutput out = engine.prefill(prompt, hooks);
+  EXPECT_TRUE(same_bits(assembled, out.kv)) << "the hook's pieces are not the prefill's KV";
+  // Chunks in order, each with every layer in order.
+  ASSERT_FALSE(calls.empty());
+  EXPECT_GT(calls.back().first, 0) << "a 2,048-token prompt should prefill in several chunks";
+  for (size_t i = 1; i < calls.size(); ++i) {
+    const bool next_layer = calls[i].first == calls[i - 1].first && calls[i].second == calls[i - 1].second + 1;
+    const bool next_chunk = calls[i].first > calls[i - 1].first && calls[i].second == 0 &&
+                            calls[i - 1].second == c.n_layers - 1;
+    EXPECT_TRUE(next_layer || next_chunk) << "call " << i << " out of order";
+  }
+
+  // A hook that throws aborts the prefill with its error.
+  hooks.on_layer_kv = [](int, int, int, const float*, const float*) { throw Error("transfer cancelled"); };
+  EXPECT_THROW(engine.prefill(prompt, hooks), Error);
+}
+
 TEST(LongContext, APromptBeyondTheContextIsRejected) {
   Engine engine(long_model());
   const std::vector<int> too_long(size_t(engine.config().seq_len) + 1, 5);
