@@ -18,6 +18,15 @@ namespace disagg {
 
 namespace {
 
+// A request's blocks, taken when the router reserved them and held until its
+// KV arrives (then they become the Sequence's), it is cancelled, or the lease
+// timer with this serial fires.
+struct Reservation {
+  std::vector<int32_t> blocks;
+  int32_t positions = 0;
+  uint64_t serial = 0;
+};
+
 struct Sequence {
   std::vector<int32_t> blocks;
   int32_t prompt_len = 0;
@@ -56,8 +65,12 @@ struct DecodeState {
   std::optional<gpu::BlockAllocator> allocator;
   int32_t seq_len = 0;     // from the compute actor's model
   int32_t vocab_size = 0;  // from the compute actor's model
+  // A request's phases here: reserved (blocks held, KV not yet arrived) ->
+  // admitting (compute writing the KV into them) -> active (decoding) -> gone.
+  std::map<RequestId, Reservation> reserved;
   std::map<RequestId, Sequence> active;
-  std::unordered_set<RequestId> admitting;  // blocks reserved, compute writing the KV
+  std::unordered_set<RequestId> admitting;
+  uint64_t next_serial = 1;
   RecentIds cancelled{4096};
   bool step_in_flight = false;
   size_t cursor = 0;  // round robin over active sequences when more than max_batch
@@ -181,8 +194,43 @@ void schedule_step(Self self) {
           });
 }
 
-// The answer to a KV transfer: checks, block reservation, then the compute
-// actor validates and stores the KV; the ack waits for it.
+// The answer to the router's reservation: the receiver allocates before any
+// prefill work is done, so a full worker costs nothing but this message.
+ReserveReply reserve(Self self, const KvReservation& r) {
+  auto& st = self->state;
+  auto reply = [&](ErrorCode code, std::string message) {
+    return ReserveReply{r.id, code, std::move(message), load_of(self)};
+  };
+  if (st.cancelled.contains(r.id)) return reply(ErrorCode::cancelled, "request was cancelled");
+  if (st.reserved.count(r.id) || st.active.count(r.id) || st.admitting.count(r.id))
+    return reply(ErrorCode::invalid_request, "request " + std::to_string(r.id) + " is already held");
+  if (r.positions <= 0 || r.positions > st.seq_len || r.lease_ms <= 0)
+    return reply(ErrorCode::invalid_request, "reservation of " + std::to_string(r.positions) +
+                                                 " positions for " + std::to_string(r.lease_ms) +
+                                                 " ms (seq_len " + std::to_string(st.seq_len) + ")");
+  const int needed = gpu::KvPool::blocks_for(r.positions, st.config.block_size);
+  std::vector<int32_t> blocks = st.allocator->allocate(needed);
+  if (blocks.empty())
+    return reply(ErrorCode::overloaded, st.name + " needs " + std::to_string(needed) + " KV blocks, " +
+                                            std::to_string(st.allocator->free_blocks()) + " free");
+  const uint64_t serial = st.next_serial++;
+  st.reserved.emplace(r.id, Reservation{std::move(blocks), r.positions, serial});
+  self->delayed_send(self, std::chrono::milliseconds(r.lease_ms), lease_atom::value, r.id, serial);
+  return reply(ErrorCode::none, {});
+}
+
+// Gives a reservation's blocks back (cancel, lease end); false when none.
+bool drop_reservation(Self self, RequestId id) {
+  auto& st = self->state;
+  auto it = st.reserved.find(id);
+  if (it == st.reserved.end()) return false;
+  st.allocator->release(it->second.blocks);
+  st.reserved.erase(it);
+  return true;
+}
+
+// The answer to a KV transfer: checks, the request's reserved blocks, then
+// the compute actor validates and stores the KV; the ack waits for it.
 caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   auto& st = self->state;
   auto promise = self->make_response_promise<KvAck>();
@@ -208,13 +256,16 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
     return refuse(ErrorCode::invalid_request,
                   "first_token " + std::to_string(transfer.first_token) + " is outside the vocabulary [0, " +
                       std::to_string(st.vocab_size) + ")");
+  auto held = st.reserved.find(id);
+  if (held == st.reserved.end())
+    return refuse(ErrorCode::timeout, "no KV blocks reserved for request " + std::to_string(id) +
+                                          " (its reservation's lease ended, or none was made)");
   const int positions = gpu::kv_positions_needed(transfer.prompt_len, transfer.max_new_tokens, st.seq_len);
-  const int needed = gpu::KvPool::blocks_for(positions, st.config.block_size);
-  std::vector<int32_t> blocks = st.allocator->allocate(needed);
-  if (blocks.empty())
-    return refuse(ErrorCode::overloaded,
-                  st.name + " needs " + std::to_string(needed) + " KV blocks, " +
-                      std::to_string(st.allocator->free_blocks()) + " free");
+  if (positions > held->second.positions)
+    return refuse(ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
+                                                  std::to_string(held->second.positions) + " were reserved");
+  std::vector<int32_t> blocks = std::move(held->second.blocks);
+  st.reserved.erase(held);
   Sequence seq;
   seq.blocks = blocks;
   seq.prompt_len = transfer.prompt_len;
@@ -283,10 +334,18 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
           },
           [=](caf::error& e) { self->quit(e); });
   return {
+      [=](reserve_atom, const KvReservation& r) { return reserve(self, r); },
       [=](kv_atom, KvTransfer& transfer) { return admit(self, transfer); },
+      [=](lease_atom, RequestId id, uint64_t serial) {
+        auto it = self->state.reserved.find(id);
+        if (it == self->state.reserved.end() || it->second.serial != serial) return;  // filled or gone
+        drop_reservation(self, id);
+        report_load(self);
+      },
       [=](cancel_atom, RequestId id) {
         auto& state = self->state;
         state.cancelled.add(id);
+        drop_reservation(self, id);
         auto it = state.active.find(id);
         if (it != state.active.end()) {
           state.allocator->release(it->second.blocks);

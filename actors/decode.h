@@ -1,6 +1,7 @@
-// The decode worker: admits a request's KV from any prefill worker into its
-// paged pool (blocks for prompt + max_new_tokens positions, reserved up front),
-// acks, and decodes all admitted sequences with continuous batching: one step
+// The decode worker: reserves a request's blocks (prompt + max_new_tokens
+// positions) when the router asks, before any prefill work, with a lease;
+// admits the request's KV from any prefill worker into them, acks, and
+// decodes all admitted sequences with continuous batching: one step
 // in flight at its compute actor, every active sequence (up to max_batch) in
 // each step, newcomers joining the next one. Each token is streamed to the
 // router as soon as it exists; blocks are freed at finish, cancel or error.

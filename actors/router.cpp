@@ -31,6 +31,15 @@ struct Worker {
   int assigned = 0;
 };
 
+// A request's phases at the router:
+//   queued -> reserving (the decode worker reserves its blocks) ->
+//   prefilling (the prefill worker computes and ships the KV) ->
+//   decoding (prefill reported; tokens stream) -> finished (one terminal reply)
+// A refused reservation sends it back to queued (another decode worker, or
+// later); every other failure finishes it. finish() releases what each phase
+// holds: the prefill slot (reserving), the decode blocks (reserving on).
+enum class Phase { queued, reserving, prefilling, decoding };
+
 struct Request {
   GenerateRequest request;
   std::vector<int32_t> prompt;
@@ -38,7 +47,8 @@ struct Request {
   caf::typed_response_promise<RequestOutcome> promise;
   uint64_t serial = 0;   // this admission (the deadline timer names it)
   uint64_t attempt = 0;  // this dispatch (stale prefill reports name another)
-  bool queued = true;
+  bool queued = true;    // phase == queued
+  Phase phase = Phase::queued;
   bool validated = false;  // against the model limits (known once a prefill worker registered)
   Clock::time_point accepted;
   std::optional<Clock::time_point> dispatched;
@@ -140,6 +150,9 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
       if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
   }
   release_reservations(self, r);
+  // While reserving, no prefill job is out: its slot comes back here (once a
+  // job is out, only the worker's report frees it).
+  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
   if (r.queued) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
   outcome.id = id;
   if (r.dispatched) {
@@ -194,8 +207,19 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
   return out;
 }
 
+void dispatch(Self self);
 void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report);
+void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply reply);
 
+// Milliseconds left of the request's deadline (at least 1).
+int64_t time_left_ms(const Request& r) {
+  const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - r.accepted);
+  return std::max<int64_t>(1, r.request.deadline_ms - elapsed.count());
+}
+
+// Books the request on both workers (a prefill slot, the decode blocks) and
+// asks the decode worker to reserve the blocks; the prefill job waits for its
+// answer, so no prompt is computed for a worker without room.
 void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key) {
   auto& st = self->state;
   Request& r = st.requests.at(id);
@@ -204,6 +228,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   const int positions =
       gpu::kv_positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
   r.queued = false;
+  r.phase = Phase::reserving;
   if (!r.dispatched) r.dispatched = Clock::now();
   r.attempt = st.next_serial++;
   r.prefill_key = prefill_key;
@@ -216,19 +241,42 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   d.assigned += 1;
   st.sessions.remember(r.request.session, decode_key);
 
-  const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - r.accepted);
+  // The lease outlives the request's deadline by the ack timeout: a request
+  // still alive never loses its blocks, a lost one frees them by itself.
+  const KvReservation reservation{id, positions, time_left_ms(r) + st.config.ack_timeout_ms};
+  const uint64_t attempt = r.attempt;
+  self->request(d.decode, std::chrono::milliseconds(st.config.ack_timeout_ms), reserve_atom::value, reservation)
+      .then([=](ReserveReply& reply) { on_reservation(self, id, attempt, std::move(reply)); },
+            [=](caf::error& e) {
+              on_reservation(self, id, attempt,
+                             ReserveReply{id, code_of(e), describe("decode worker (reservation)", e), {}});
+            });
+}
+
+// The blocks are reserved: the prefill worker runs the prompt and ships the KV.
+void send_prefill_job(Self self, RequestId id) {
+  auto& st = self->state;
+  Request& r = st.requests.at(id);
+  Worker* p = find_worker(self, r.prefill_key);
+  Worker* d = find_worker(self, r.decode_key);
+  if (!p || !d) {  // gone meanwhile (remove_worker fails its requests; defensive)
+    fail(self, id, ErrorCode::worker_lost, "a worker chosen for the request went down");
+    return;
+  }
+  r.phase = Phase::prefilling;
   PrefillJob job;
   job.id = id;
   job.prompt_tokens = r.prompt;
   job.max_new_tokens = r.request.max_new_tokens;
   job.sampling = r.request.sampling;
-  job.deadline_ms = std::max<int64_t>(1, r.request.deadline_ms - elapsed.count());
+  job.deadline_ms = time_left_ms(r);
   const uint64_t attempt = r.attempt;
+  const WorkerKey prefill_key = r.prefill_key;
   const int64_t prompt_tokens = int64_t(r.prompt.size());
   // The router's own deadline timer fires first; this bound only guarantees
   // that the response handler itself never waits forever.
   const auto bound = std::chrono::milliseconds(job.deadline_ms + st.config.ack_timeout_ms);
-  self->request(p.prefill, bound, prefill_atom::value, std::move(job), d.decode)
+  self->request(p->prefill, bound, prefill_atom::value, std::move(job), d->decode)
       .then(
           [=](PrefillReport& report) {
             release_prefill_slot(self, prefill_key, prompt_tokens);
@@ -242,6 +290,51 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
             report.message = describe("prefill worker", e);
             on_prefill_report(self, id, attempt, std::move(report));
           });
+}
+
+// Sends a request whose decode worker had no room (nothing is held anywhere)
+// back to the front of the queue for another worker, within its retries.
+void requeue_elsewhere(Self self, Request& r) {
+  release_reservations(self, r);
+  r.excluded.push_back(r.decode_key);
+  r.retries += 1;
+  r.queued = true;
+  r.phase = Phase::queued;
+  self->state.queue.push_front(r.request.id);
+}
+
+// The decode worker's answer to a reservation.
+void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply reply) {
+  auto& st = self->state;
+  auto it = st.requests.find(id);
+  if (it == st.requests.end() || it->second.attempt != attempt || it->second.phase != Phase::reserving) {
+    // Finished meanwhile: finish() released its books and told the decode
+    // worker to drop it (a reservation made after that cancel is refused or
+    // dropped there).
+    dispatch(self);
+    return;
+  }
+  Request& r = it->second;
+  if (reply.code == ErrorCode::none) {
+    if (Worker* d = find_worker(self, r.decode_key))
+      if (reply.load.total_blocks > 0) d->load = reply.load;
+    send_prefill_job(self, id);
+    return;
+  }
+  // Refused or unanswered: no job went out.
+  if (Worker* d = find_worker(self, r.decode_key))
+    if (reply.load.total_blocks > 0) d->load = reply.load;
+  const bool elsewhere = reply.code == ErrorCode::overloaded || reply.code == ErrorCode::timeout ||
+                         reply.code == ErrorCode::worker_lost;
+  if (elsewhere && r.retries < st.config.max_decode_retries) {
+    if (reply.code != ErrorCode::overloaded)  // it may hold the blocks after all
+      if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
+    release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
+    requeue_elsewhere(self, r);
+  } else {
+    fail(self, id, reply.code, std::move(reply.message));  // finish() frees the slot and the blocks
+  }
+  dispatch(self);
 }
 
 // Moves queued requests to workers, oldest first, while there is room.
@@ -290,18 +383,15 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
   }
   Request& r = it->second;
   if (report.code == ErrorCode::none) {
+    r.phase = Phase::decoding;
     r.prefill_report = std::move(report);
     complete_if_done(self, id);
   } else if (report.code == ErrorCode::overloaded && r.retries < st.config.max_decode_retries) {
-    // The decode worker had no room after all: nothing is held there, so try
-    // another one (the whole request again, from the front of the queue).
-    release_reservations(self, r);
+    // A decode worker that had reserved the blocks should never say this;
+    // nothing is held there then, so try another one.
     if (Worker* d = find_worker(self, r.decode_key))
       if (report.decode_load.total_blocks > 0) d->load = report.decode_load;
-    r.excluded.push_back(r.decode_key);
-    r.retries += 1;
-    r.queued = true;
-    st.queue.push_front(id);
+    requeue_elsewhere(self, r);
   } else {
     fail(self, id, report.code, std::move(report.message));
   }

@@ -29,8 +29,11 @@ using compute_actor = caf::typed_actor<
 // Holds admitted sequences in a paged KV pool and decodes them with continuous
 // batching; streams tokens and its final report to the router.
 using decode_actor = caf::typed_actor<
+    caf::replies_to<reserve_atom, KvReservation>::with<ReserveReply>,
     caf::replies_to<kv_atom, KvTransfer>::with<KvAck>,
     caf::reacts_to<cancel_atom, RequestId>,
+    // its own lease timer: (request id, reservation serial).
+    caf::reacts_to<lease_atom, RequestId, uint64_t>,
     caf::replies_to<status_atom>::with<DecodeLoad>>;
 
 // Runs prompts and ships their KV to the decode worker the router chose.

@@ -22,12 +22,22 @@
 //      kMaxDeadlineMs, a text prompt at most max-prompt-bytes, checked before
 //      it is encoded), encodes text prompts, and queues it (bounded:
 //      overloaded when full). A deadline timer starts.
-//   2. router  -> prefill request(prefill_atom, PrefillJob, decode_actor)
+//   2. router  -> decode  request(reserve_atom, KvReservation) -> ReserveReply
 //      When a prefill worker has a slot (least queued prompt tokens) and a
 //      decode worker has room (most free blocks, then fewest active sequences,
-//      round robin on ties; a session's previous decode worker first).
-//      The job holds one of the worker's max-prefill-inflight slots until its
-//      report (step 5) arrives, even if the request ends before.
+//      round robin on ties; a session's previous decode worker first), the
+//      receiver allocates first: the decode worker reserves the blocks of
+//      prompt + new tokens, with a lease (the request's time left + the ack
+//      timeout) after which it frees them by itself. No room (overloaded):
+//      the router tries another decode worker (max-decode-retries), no prompt
+//      having been computed. Phases at the router: queued -> reserving ->
+//      prefilling -> decoding -> finished; at the decode worker: reserved ->
+//      admitting -> active -> gone.
+//   2b. router -> prefill request(prefill_atom, PrefillJob, decode_actor)
+//      once the blocks are reserved.
+//      The job holds one of the worker's max-prefill-inflight slots (taken
+//      when the reservation was asked for) until its report (step 5)
+//      arrives, even if the request ends before.
 //   3. prefill -> compute request(prefill_atom, PrefillWork) -> PrefillResult
 //      KV bytes (gpu::serialize_kv) and the first token (sampled, step 0).
 //      Work whose deadline passed or whose request was cancelled before the
@@ -35,14 +45,12 @@
 //      KV larger than max_kv_transfer_bytes: PrefillReport{kv_too_large} at once.
 //   4. prefill -> decode  request(kv_atom, KvTransfer) -> KvAck, with a deadline
 //      The decode worker refuses a first token outside the vocabulary
-//      (invalid_request), reserves blocks for prompt + max_new_tokens - 1
-//      positions, as gpu::generate feeds them (none: overloaded), has its
-//      compute validate and store the KV
+//      (invalid_request), takes the request's reserved blocks (none left:
+//      timeout, the lease ended), has its compute validate and store the KV
 //      (request(admit_atom, KvAdmit) -> AdmitResult; mismatch:
 //      incompatible_kv), then acks.
-//   5. prefill -> router  PrefillReport (the reply to step 2): done, KV bytes,
-//      timings; or the error. On overloaded the router retries another decode
-//      worker (bounded), else replies overloaded.
+//   5. prefill -> router  PrefillReport (the reply to step 2b): done, KV
+//      bytes, timings; or the error.
 //   6. decode  -> compute request(step_atom, DecodeStep) -> StepResult, looping:
 //      one step in flight, all active sequences (up to max_batch) per step;
 //      sequences admitted meanwhile join the next step.

@@ -59,6 +59,8 @@ void register_messages(caf::actor_system_config& config) {
   config.add_message_type<WorkerStatus>("disagg::WorkerStatus");
   config.add_message_type<RouterStatus>("disagg::RouterStatus");
   // Between workers.
+  config.add_message_type<KvReservation>("disagg::KvReservation");
+  config.add_message_type<ReserveReply>("disagg::ReserveReply");
   config.add_message_type<PrefillJob>("disagg::PrefillJob");
   config.add_message_type<PrefillReport>("disagg::PrefillReport");
   config.add_message_type<KvTransfer>("disagg::KvTransfer");

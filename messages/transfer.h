@@ -12,6 +12,27 @@
 
 namespace disagg {
 
+// Router -> decode, sent as request(reserve_atom, KvReservation) before any
+// prefill work starts: the receiver allocates first. The decode worker takes
+// the blocks of `positions` (gpu::kv_positions_needed: prompt + new tokens)
+// and holds them for the request until its KV arrives, it is cancelled, or
+// the lease ends (so a prefill that never comes cannot strand them).
+struct KvReservation {
+  RequestId id = 0;
+  int32_t positions = 0;
+  int64_t lease_ms = 0;
+};
+
+// Decode -> router: the reply to KvReservation. code none: reserved;
+// overloaded: no room (nothing held; the router tries another worker or
+// waits); cancelled / invalid_request: refused.
+struct ReserveReply {
+  RequestId id = 0;
+  ErrorCode code = ErrorCode::none;
+  std::string message;
+  DecodeLoad load;  // after the reservation
+};
+
 // Router -> prefill, sent as (prefill_atom, PrefillJob, decode_actor): run the
 // prompt and ship its KV to that decode worker. Validated by the router.
 struct PrefillJob {
@@ -52,9 +73,10 @@ struct KvTransfer {
   std::vector<uint8_t> bytes;  // gpu::serialize_kv output
 };
 
-// Decode -> prefill: the reply to KvTransfer. code none: admitted (blocks
-// reserved, KV written); overloaded: no room (nothing kept); incompatible_kv:
-// header/fingerprint/shape/checksum mismatch; invalid_request; cancelled.
+// Decode -> prefill: the reply to KvTransfer. code none: admitted into the
+// blocks reserved for it, KV written; timeout: no reservation (its lease
+// ended); incompatible_kv: header/fingerprint/shape/checksum mismatch;
+// invalid_request; cancelled.
 struct KvAck {
   RequestId id = 0;
   ErrorCode code = ErrorCode::none;
@@ -72,6 +94,16 @@ struct DecodeDone {
   FinishReason finish = FinishReason::length;
   int64_t decode_us = 0;
 };
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
+  return f(caf::meta::type_name("KvReservation"), x.id, x.positions, x.lease_ms);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, ReserveReply& x) {
+  return f(caf::meta::type_name("ReserveReply"), x.id, x.code, x.message, x.load);
+}
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {

@@ -123,8 +123,10 @@ TEST_F(ActorTest, RequestNoDecodeWorkerCanHoldIsOverloaded) {
 }
 
 // A decode worker that registers like any other (by message) but never has
-// room: it claims a huge pool, so the router tries it first.
-decode_actor::behavior_type always_full_decode(decode_actor::pointer self, router_actor router) {
+// room: it claims a huge pool, so the router tries it first. It counts the KV
+// transfers it is sent: with the receiver reserving first, there are none.
+decode_actor::behavior_type always_full_decode(decode_actor::pointer self, router_actor router,
+                                               std::shared_ptr<std::atomic<int>> kv_sent) {
   WorkerInfo info;
   info.role = WorkerRole::decode;
   info.name = "always-full";
@@ -134,10 +136,15 @@ decode_actor::behavior_type always_full_decode(decode_actor::pointer self, route
                 caf::actor_cast<decode_actor>(self))
       .then([](caf::ok_atom) {});
   return {
+      [=](reserve_atom, const KvReservation& r) {
+        return ReserveReply{r.id, ErrorCode::overloaded, "always full", DecodeLoad{0, 1 << 20, 16, 0}};
+      },
       [=](kv_atom, KvTransfer& transfer) {
+        kv_sent->fetch_add(1);
         return KvAck{transfer.id, ErrorCode::overloaded, "always full", DecodeLoad{0, 1 << 20, 16, 0}};
       },
       [](cancel_atom, RequestId) {},
+      [](lease_atom, RequestId, uint64_t) {},
       [](status_atom) { return DecodeLoad{0, 1 << 20, 16, 0}; },
   };
 }
@@ -152,27 +159,32 @@ void wait_for_decode_workers(Client& client, int n) {
   FAIL() << "decode workers did not register";
 }
 
-TEST_F(ActorTest, DecodeOverloadedIsRetriedOnAnotherWorker) {
+TEST_F(ActorTest, DecodeWithoutRoomIsRetriedOnAnotherWorkerBeforeAnyPrefill) {
   start(1, 1);
-  auto full = system_->spawn(always_full_decode, cluster_->router());
+  auto kv_sent = std::make_shared<std::atomic<int>>(0);
+  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent);
   wait_for_decode_workers(*client_, 2);
   const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
   EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
   EXPECT_EQ(out.decode_worker, "decode-0");
   EXPECT_EQ(out.tokens, colocated(kOnceUponATime, 8).tokens);
+  // The full worker refused the reservation, so no prompt was computed for it.
+  EXPECT_EQ(kv_sent->load(), 0);
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
-TEST_F(ActorTest, DecodeOverloadedWithoutRetriesLeftIsOverloaded) {
+TEST_F(ActorTest, DecodeWithoutRoomAndNoRetriesLeftIsOverloaded) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
   options.config.max_decode_retries = 0;
   start(std::move(options));
-  auto full = system_->spawn(always_full_decode, cluster_->router());
+  auto kv_sent = std::make_shared<std::atomic<int>>(0);
+  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent);
   wait_for_decode_workers(*client_, 2);
   const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
   EXPECT_EQ(out.code, ErrorCode::overloaded) << out.message;
   EXPECT_EQ(out.message, "always full");
+  EXPECT_EQ(kv_sent->load(), 0);
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 

@@ -1,0 +1,105 @@
+// The receiver allocates first: a decode worker reserves a request's blocks
+// when the router asks, before any prefill work, and holds them until the KV
+// arrives, the request is cancelled, or the reservation's lease ends.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "actors/actor_fixture.h"
+#include "caf/all.hpp"
+
+namespace disagg::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The decode worker's free blocks once they equal `expected` (or the last
+// seen value after 2 s).
+int free_blocks_when(LocalCluster& cluster, int expected) {
+  const auto deadline = std::chrono::steady_clock::now() + 2s;
+  int seen = -1;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto loads = cluster.decode_loads();
+    if (loads.size() == 1) seen = loads[0].free_blocks;
+    if (seen == expected) return seen;
+    std::this_thread::sleep_for(2ms);
+  }
+  return seen;
+}
+
+class ReservationTest : public ActorTest {
+ protected:
+  ReserveReply reserve(RequestId id, int positions, int64_t lease_ms) {
+    caf::scoped_actor self{*system_};
+    ReserveReply reply;
+    self->request(cluster_->decode_workers().at(0), 5s, reserve_atom::value, KvReservation{id, positions, lease_ms})
+        .receive([&](ReserveReply& r) { reply = std::move(r); },
+                 [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    return reply;
+  }
+  KvAck send_kv(RequestId id, int prompt_len) {
+    caf::scoped_actor self{*system_};
+    KvTransfer t;
+    t.id = id;
+    t.prompt_len = prompt_len;
+    t.max_new_tokens = 4;
+    t.first_token = 5;
+    KvAck ack;
+    self->request(cluster_->decode_workers().at(0), 5s, kv_atom::value, std::move(t))
+        .receive([&](KvAck& a) { ack = std::move(a); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    return ack;
+  }
+};
+
+TEST_F(ReservationTest, AReservationWhoseKvNeverComesExpiresAndFreesItsBlocks) {
+  start(1, 1);
+  const int total = cluster_->decode_loads().at(0).total_blocks;
+  const ReserveReply reply = reserve(9001, 40, 150);  // 40 positions: 3 blocks of 16
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  EXPECT_EQ(reply.load.free_blocks, total - 3);
+  EXPECT_EQ(free_blocks_when(*cluster_, total - 3), total - 3);
+  EXPECT_EQ(free_blocks_when(*cluster_, total), total) << "the lease ended but the blocks are still held";
+  // KV arriving after the lease: refused, nothing taken.
+  const KvAck late = send_kv(9001, 20);
+  EXPECT_EQ(late.code, ErrorCode::timeout) << late.message;
+  EXPECT_EQ(late.load.free_blocks, total);
+}
+
+TEST_F(ReservationTest, CancelFreesAReservation) {
+  start(1, 1);
+  const int total = cluster_->decode_loads().at(0).total_blocks;
+  ASSERT_EQ(reserve(9002, 16, 60000).code, ErrorCode::none);
+  EXPECT_EQ(free_blocks_when(*cluster_, total - 1), total - 1);
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9002});
+  EXPECT_EQ(free_blocks_when(*cluster_, total), total);
+  // A reservation for a cancelled id is refused.
+  EXPECT_EQ(reserve(9002, 16, 60000).code, ErrorCode::cancelled);
+}
+
+TEST_F(ReservationTest, NoRoomIsOverloadedAndHoldsNothing) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 4;
+  start(std::move(options));
+  ASSERT_EQ(reserve(9003, 48, 60000).code, ErrorCode::none);  // 3 of 4 blocks
+  const ReserveReply full = reserve(9004, 32, 60000);        // 2 more: no
+  EXPECT_EQ(full.code, ErrorCode::overloaded) << full.message;
+  EXPECT_EQ(full.load.free_blocks, 1);
+  EXPECT_EQ(reserve(9003, 16, 60000).code, ErrorCode::invalid_request);  // already held
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9003});
+  EXPECT_EQ(free_blocks_when(*cluster_, 4), 4);
+}
+
+TEST_F(ReservationTest, KvNeedingMorePositionsThanReservedIsRefused) {
+  start(1, 1);
+  const int total = cluster_->decode_loads().at(0).total_blocks;
+  ASSERT_EQ(reserve(9005, 10, 60000).code, ErrorCode::none);
+  const KvAck ack = send_kv(9005, 30);  // 30 + 4 new tokens > 10 reserved
+  EXPECT_EQ(ack.code, ErrorCode::invalid_request) << ack.message;
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9005});
+  EXPECT_EQ(free_blocks_when(*cluster_, total), total);
+}
+
+}  // namespace
+}  // namespace disagg::test
