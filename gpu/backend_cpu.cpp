@@ -32,7 +32,7 @@ namespace {
 // An OpenMP parallel region costs microseconds on an idle machine, but on a
 // busy one its fork/join waits for descheduled workers (milliseconds): a small
 // model's decode step, ~20 kernels per layer, must not pay that.
-constexpr size_t kParallelWork = size_t(1) << 18;
+constexpr size_t kParallelWork = size_t(1) << 16;
 
 // Calls launch(policy) with the serial or the OpenMP Thrust policy.
 template <class Launch>
@@ -77,8 +77,20 @@ class CpuBackend final : public Backend {
   void free_bytes(void* ptr) override { std::free(ptr); }
   void upload(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void download(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
+  // Large copies (a batch's logits: 64 x 32,000 floats) on every thread: one
+  // thread alone moves less than the memory system can.
   void copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes) std::memcpy(dst, src, bytes);
+    constexpr size_t kChunk = size_t(1) << 20;
+    if (bytes < 2 * kChunk) {
+      if (bytes) std::memcpy(dst, src, bytes);
+      return;
+    }
+    const long long chunks = (long long)((bytes + kChunk - 1) / kChunk);
+#pragma omp parallel for schedule(static)
+    for (long long c = 0; c < chunks; ++c) {
+      const size_t at = size_t(c) * kChunk;
+      std::memcpy(static_cast<char*>(dst) + at, static_cast<const char*>(src) + at, std::min(kChunk, bytes - at));
+    }
   }
   void synchronize() override {}
 
@@ -98,7 +110,7 @@ class CpuBackend final : public Backend {
     // the fixed order, so the result does not depend on the thread count.
 #pragma omp parallel
     {
-      const auto [p0, p1] = share(panels, omp_get_thread_num(), omp_get_num_threads(), 2);
+      const auto [p0, p1] = share(panels, omp_get_thread_num(), omp_get_num_threads(), 1);
       if (p0 < p1) k_.matmul(a, w, c, m, n, k, p0, p1);
     }
   }
