@@ -106,4 +106,16 @@ void EventLoop::run() {
   }
 }
 
+void set_am_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t param{};
+  param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  param.id = id;
+  param.flags = UCP_AM_FLAG_WHOLE_MSG;
+  param.cb = cb;
+  param.arg = arg;
+  const ucs_status_t status = ucp_worker_set_am_recv_handler(worker, &param);
+  if (status != UCS_OK) throw KvError(KvErrc::ucx_error, ucx_message("ucp_worker_set_am_recv_handler", status));
+}
+
 }  // namespace disagg::kv::detail

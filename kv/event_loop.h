@@ -29,6 +29,11 @@ namespace disagg::kv::detail {
 // "what: UCX's words for status".
 std::string ucx_message(const std::string& what, ucs_status_t status);
 
+// Registers `cb` (with `arg`) for active messages `id` on `worker`, each
+// delivered whole (an eager piece in one call, reassembled by UCX); throws
+// KvError (ucx_error) when UCX refuses.
+void set_am_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb, void* arg);
+
 class EventLoop {
  public:
   explicit EventLoop(ucp_context_h context);

@@ -184,17 +184,7 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
  private:
   // ---------------------------------------------------------------- UCX callbacks (record, defer)
 
-  void set_handler(unsigned id, ucp_am_recv_callback_t cb) {
-    ucp_am_handler_param_t param{};
-    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    param.id = id;
-    param.flags = UCP_AM_FLAG_WHOLE_MSG;  // an eager piece arrives in one call, reassembled
-    param.cb = cb;
-    param.arg = this;
-    const ucs_status_t status = ucp_worker_set_am_recv_handler(worker(), &param);
-    if (status != UCS_OK) throw KvError(KvErrc::ucx_error, ucx_message("ucp_worker_set_am_recv_handler", status));
-  }
+  void set_handler(unsigned id, ucp_am_recv_callback_t cb) { detail::set_am_handler(worker(), id, cb, this); }
 
   static void on_conn_request(ucp_conn_request_h request, void* arg) {
     static_cast<Impl*>(arg)->conn_requests_.push_back(request);

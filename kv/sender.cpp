@@ -174,17 +174,7 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
  private:
   // ---------------------------------------------------------------- setup and teardown (loop thread)
 
-  void set_handler(unsigned id, ucp_am_recv_callback_t cb) {
-    ucp_am_handler_param_t param{};
-    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                       UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    param.id = id;
-    param.flags = UCP_AM_FLAG_WHOLE_MSG;
-    param.cb = cb;
-    param.arg = this;
-    const ucs_status_t status = ucp_worker_set_am_recv_handler(worker(), &param);
-    if (status != UCS_OK) throw KvError(KvErrc::ucx_error, ucx_message("ucp_worker_set_am_recv_handler", status));
-  }
+  void set_handler(unsigned id, ucp_am_recv_callback_t cb) { detail::set_am_handler(worker(), id, cb, this); }
 
   void connect(const detail::SocketAddress& peer) {
     ucp_ep_params_t params{};
