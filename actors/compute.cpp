@@ -1,5 +1,6 @@
 #include "actors/compute.h"
 
+#include <atomic>
 #include <chrono>
 #include <type_traits>
 
@@ -18,6 +19,11 @@ namespace {
 
 gpu::SamplingParams to_gpu(const Sampling& s) { return {s.temperature, s.top_p, s.seed}; }
 
+// prefill_counts(): process-wide, so every compute actor adds to the same counts.
+std::atomic<int64_t> prefills_computed{0};
+std::atomic<int64_t> prefills_skipped_cancelled{0};
+std::atomic<int64_t> prefills_skipped_expired{0};
+
 // Declared pool after engine: the pool (which refers to the engine) goes first.
 struct ComputeState {
   std::unique_ptr<gpu::Engine> engine;
@@ -30,15 +36,18 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
   const auto start = Clock::now();
   // Skipped, not computed, when the request has ended while this waited.
   if (work.cancelled && work.cancelled->load()) {
+    ++prefills_skipped_cancelled;
     r.code = ErrorCode::cancelled;
     r.message = "cancelled before its prefill ran";
     return r;
   }
   if (work.deadline_ns > 0 && start.time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns)) {
+    ++prefills_skipped_expired;
     r.code = ErrorCode::timeout;
     r.message = "deadline passed before its prefill ran";
     return r;
   }
+  ++prefills_computed;
   try {
     gpu::PrefillOutput out = st.engine->prefill(work.tokens);
     r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,
@@ -114,6 +123,14 @@ compute_actor::behavior_type compute_behavior(compute_actor::pointer, std::share
 }
 
 }  // namespace
+
+PrefillCounts prefill_counts() {
+  PrefillCounts c;
+  c.computed = prefills_computed.load();
+  c.skipped_cancelled = prefills_skipped_cancelled.load();
+  c.skipped_expired = prefills_skipped_expired.load();
+  return c;
+}
 
 ModelInfo model_info(const gpu::Engine& engine) {
   const gpu::ModelConfig& c = engine.config();

@@ -25,4 +25,15 @@ compute_actor spawn_compute(caf::actor_system& system, const ComputeSpec& spec);
 
 ModelInfo model_info(const gpu::Engine& engine);
 
+// What the compute actors of this process did with the prompts they were
+// given, since the process started: computed, or skipped because the request
+// was cancelled or past its deadline before its prefill began. (Counts for
+// tests and diagnostics: they show that ended requests cost no compute.)
+struct PrefillCounts {
+  int64_t computed = 0;
+  int64_t skipped_cancelled = 0;
+  int64_t skipped_expired = 0;
+};
+PrefillCounts prefill_counts();
+
 }  // namespace disagg

@@ -15,6 +15,11 @@
 #include <utility>
 #include <vector>
 
+#include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>  // Debian's libxxhash picks AVX2/AVX-512 at run time: ~2x SSE2
+#endif
+
 #include "gpu/error.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -77,30 +82,14 @@ uint64_t mix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-class FingerprintHasher {
- public:
-  void add(uint64_t word) { state_ = mix64(state_ ^ word) + 0x9e3779b97f4a7c15ULL; }
-
-  // A strided sample (every kStride-th float, plus the last) keeps this O(size/kStride):
-  // cheap for multi-gigabyte models, yet any retraining or re-seeding of a tensor
-  // changes sampled values. The element count is hashed too, so shapes matter.
-  void add_tensor(const float* data, size_t count) {
-    constexpr size_t kStride = 1021;  // prime: does not alias with power-of-two row widths
-    add(count);
-    for (size_t i = 0; i < count; i += kStride) add(bits(data[i]));
-    if (count > 0) add(bits(data[count - 1]));
-  }
-
-  uint64_t value() const { return mix64(state_); }
-
- private:
-  static uint64_t bits(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    return u;
-  }
-  uint64_t state_ = 0x6a09e667f3bcc908ULL;
-};
+// XXH3-64 (libxxhash, seed 0) of every byte of the checkpoint file. A model
+// not yet in the page cache is read ahead (asynchronously) while it is hashed.
+// Cost on a 211 MB model (2 cores): ~8 ms of hashing (AVX2) on top of faulting
+// the pages in, which the engine's load does anyway.
+uint64_t fingerprint_bytes(void* mapping, size_t size) {
+  ::madvise(mapping, size, MADV_WILLNEED);  // advice only: a failure changes nothing
+  return XXH3_64bits(mapping, size);
+}
 
 struct FileCloser {
   int fd;
@@ -183,15 +172,9 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   take(sizes.rope_unused);
   w.wcls = config.shared_classifier ? w.token_embedding : take(sizes.wcls);
 
-  FingerprintHasher h;
-  for (int32_t v : header) h.add(uint32_t(v));
-  const std::pair<const float*, size_t> tensors[] = {
-      {w.token_embedding, sizes.token_embedding}, {w.rms_att, sizes.rms_att}, {w.wq, sizes.wq},
-      {w.wk, sizes.wk}, {w.wv, sizes.wv}, {w.wo, sizes.wo}, {w.rms_ffn, sizes.rms_ffn},
-      {w.w1, sizes.w1}, {w.w2, sizes.w2}, {w.w3, sizes.w3}, {w.rms_final, sizes.rms_final},
-      {w.wcls, sizes.wcls}};
-  for (const auto& [data, count] : tensors) h.add_tensor(data, count);
-  cp->fingerprint_ = h.value();
+  // Every byte of the file (header and all tensors, the unused RoPE tables
+  // too): any changed, swapped or shuffled weight changes the fingerprint.
+  cp->fingerprint_ = fingerprint_bytes(mapping, file_size);
   return cp;
 }
 

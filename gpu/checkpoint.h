@@ -27,8 +27,9 @@ struct Weights {
 
 class Checkpoint {
  public:
-  // Maps and validates the file. Throws Error("<path>: <problem>") for a missing,
-  // truncated or oversized file, non-positive or inconsistent dimensions.
+  // Maps and validates the file and computes its fingerprint (reading every
+  // byte once). Throws Error("<path>: <problem>") for a missing, truncated or
+  // oversized file, non-positive or inconsistent dimensions.
   static std::shared_ptr<const Checkpoint> open(const std::string& path);
 
   ~Checkpoint();
@@ -38,8 +39,10 @@ class Checkpoint {
   const std::string& path() const { return path_; }
   const ModelConfig& config() const { return config_; }
   const Weights& weights() const { return weights_; }
-  // Derived from the config and the weights: two checkpoints with equal
-  // fingerprints produce interchangeable KV caches.
+  // XXH3-64 of every byte of the file (header, i.e. the config, and all the
+  // weights): two checkpoints with equal fingerprints produce interchangeable
+  // KV caches; any changed, swapped or shuffled weight changes it. Computed by
+  // open(), which thereby reads the whole file once.
   uint64_t fingerprint() const { return fingerprint_; }
 
  private:

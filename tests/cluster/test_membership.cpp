@@ -23,10 +23,17 @@ TEST(ClusterMembership, WorkersStartedBeforeTheRouterJoinOnceItIsUp) {
   TestCluster cluster("cluster-early-workers");
   cluster.start_node("prefill", "prefill-1");
   cluster.start_node("decode", "decode-1");
-  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  // Both have tried the router and found it absent (and keep running).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  auto tried = [&](const std::string& name) {
+    return cluster.node(name).log().find("not reachable yet") != std::string::npos;
+  };
+  while (!(tried("prefill-1") && tried("decode-1")) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(tried("prefill-1")) << cluster.logs();
+  ASSERT_TRUE(tried("decode-1")) << cluster.logs();
   ASSERT_TRUE(cluster.node("prefill-1").running()) << cluster.logs();
   ASSERT_TRUE(cluster.node("decode-1").running()) << cluster.logs();
-  EXPECT_NE(cluster.node("prefill-1").log().find("not reachable yet"), std::string::npos);
 
   cluster.start_router();
   ASSERT_TRUE(cluster.wait_for_workers(1, 1));

@@ -186,8 +186,20 @@ TEST(MultiProcessCluster, ClientBinaryPrintsWhatDisaggGenerateDoes) {
                               out, err, timeout),
             0)
       << err;
-  EXPECT_GT(out.size(), 10u);
   EXPECT_NE(err.find("ttft"), std::string::npos);
+  // The streamed text is colocated generation's, same seed and temperature.
+  std::string sampled_ref, sampled_err;
+  ASSERT_EQ(run_to_completion({bin_dir() + "/disagg-generate", "--model", shared_model(), "--tokenizer",
+                               shared_tokenizer(), "--prompt-tokens", "1 403 407 261 378", "--max-new-tokens", "30",
+                               "--temperature", "0.8", "--seed", "7", "--json"},
+                              sampled_ref, sampled_err, timeout),
+            0)
+      << sampled_err;
+  const ReferenceCase sampled = parse_reference_case(sampled_ref);
+  ASSERT_FALSE(sampled.text.empty());
+  std::string streamed = out;
+  while (!streamed.empty() && streamed.back() == '\n') streamed.pop_back();
+  EXPECT_EQ(streamed, sampled.text);
 
   // An error from the cluster: its code and message, exit 1.
   ASSERT_EQ(run_to_completion({client_binary(), "--router", cluster.router_address(), "--prompt-tokens", "1 99999",

@@ -131,9 +131,10 @@ TEST(Checkpoint, LoadsSharedModel) {
   EXPECT_EQ(cp->weights().w2[7], float_at(bytes, 28 + 4 * (l.w2 + 7)));
 }
 
-TEST(Checkpoint, FingerprintIsStableAcrossOpens) {
-  EXPECT_EQ(Checkpoint::open(test::shared_model())->fingerprint(),
-            Checkpoint::open(test::shared_model())->fingerprint());
+TEST(Checkpoint, FingerprintIsXxh3OfTheFile) {
+  // XXH3-64 (seed 0) of stories260K.bin's bytes, pinned: the fingerprint
+  // depends on the file's content only, in every build and every release.
+  EXPECT_EQ(Checkpoint::open(test::shared_model())->fingerprint(), 0x0c9b5a18d38a945fULL);
 }
 
 TEST_F(CheckpointFiles, RandomCheckpointRoundTrips) {
@@ -196,14 +197,48 @@ TEST_F(CheckpointFiles, FingerprintChangesWhenAnyTensorChanges) {
   const auto base = read_bytes(path("base.bin"));
   const uint64_t base_fp = Checkpoint::open(path("base.bin"))->fingerprint();
   const Layout l(c);
-  for (size_t offset : {l.token_embedding, l.rms_att, l.wq, l.wk, l.wv, l.wo, l.rms_ffn, l.w1, l.w2, l.w3,
-                        l.rms_final, l.wcls}) {
-    auto bytes = base;
-    const float changed = float_at(bytes, 28 + 4 * offset) + 0.5f;
-    std::memcpy(bytes.data() + 28 + 4 * offset, &changed, sizeof changed);
-    write_bytes(path("changed.bin"), bytes);
-    EXPECT_NE(Checkpoint::open(path("changed.bin"))->fingerprint(), base_fp) << "tensor at float " << offset;
+  const std::pair<size_t, size_t> tensors[] = {  // (first float, end)
+      {l.token_embedding, l.rms_att}, {l.rms_att, l.wq}, {l.wq, l.wk}, {l.wk, l.wv}, {l.wv, l.wo},
+      {l.wo, l.rms_ffn}, {l.rms_ffn, l.w1}, {l.w1, l.w2}, {l.w2, l.w3}, {l.w3, l.rms_final},
+      {l.rms_final, l.rope}, {l.rope, l.wcls}, {l.wcls, l.end}};
+  for (const auto& [first, end] : tensors) {
+    ASSERT_LT(first, end);
+    // The first, a middle and the last float of each tensor (the unused RoPE
+    // tables too: the fingerprint covers every byte of the file).
+    for (size_t offset : {first, first + (end - first) / 2 + 1, end - 1}) {
+      if (offset >= end) continue;
+      auto bytes = base;
+      const float changed = float_at(bytes, 28 + 4 * offset) + 0.5f;
+      std::memcpy(bytes.data() + 28 + 4 * offset, &changed, sizeof changed);
+      write_bytes(path("changed.bin"), bytes);
+      EXPECT_NE(Checkpoint::open(path("changed.bin"))->fingerprint(), base_fp) << "float " << offset;
+    }
   }
+  // One bit of one float in the middle of w2.
+  auto flipped = base;
+  flipped[28 + 4 * (l.w2 + (l.w3 - l.w2) / 3) + 1] ^= 0x01;
+  write_bytes(path("flipped.bin"), flipped);
+  EXPECT_NE(Checkpoint::open(path("flipped.bin"))->fingerprint(), base_fp);
+}
+
+TEST_F(CheckpointFiles, FingerprintChangesWhenTwoWeightsAreSwapped) {
+  write_random_checkpoint(path("base.bin"), small_config(), 3);
+  const auto base = read_bytes(path("base.bin"));
+  const uint64_t base_fp = Checkpoint::open(path("base.bin"))->fingerprint();
+  const Layout l(small_config());
+  // Two different floats of wq swapped: same multiset of values, other model.
+  const size_t a = 28 + 4 * (l.wq + 5), b = 28 + 4 * (l.wq + 500);
+  ASSERT_NE(float_at(base, a), float_at(base, b));
+  auto swapped = base;
+  std::swap_ranges(swapped.begin() + long(a), swapped.begin() + long(a + 4), swapped.begin() + long(b));
+  write_bytes(path("swapped.bin"), swapped);
+  EXPECT_NE(Checkpoint::open(path("swapped.bin"))->fingerprint(), base_fp);
+  // Two whole rows of w1 swapped.
+  const size_t row = 4 * size_t(small_config().dim), r0 = 28 + 4 * l.w1, r1 = r0 + 3 * row;
+  auto rows = base;
+  std::swap_ranges(rows.begin() + long(r0), rows.begin() + long(r0 + row), rows.begin() + long(r1));
+  write_bytes(path("rows.bin"), rows);
+  EXPECT_NE(Checkpoint::open(path("rows.bin"))->fingerprint(), base_fp);
 }
 
 TEST_F(CheckpointFiles, WriteRejectsInvalidConfig) {

@@ -108,9 +108,17 @@ TEST(Sampling, GreedyIsArgmax) {
 }
 
 TEST(Sampling, DeterministicForSeedAndStep) {
+  // A token depends on (logits, parameters, seed, step) only: drawn again in
+  // reverse order, interleaved with draws of other seeds (any hidden state
+  // would move), the sequence is the same; and it is not one token repeated.
   const auto logits = random_logits(100, 3, 0.5f);
-  for (uint64_t step = 0; step < 200; ++step)
-    EXPECT_EQ(sample(logits, 1.0f, 0.95f, 7, step), sample(logits, 1.0f, 0.95f, 7, step));
+  std::vector<int> forward;
+  for (uint64_t step = 0; step < 200; ++step) forward.push_back(sample(logits, 1.0f, 0.95f, 7, step));
+  EXPECT_GT(std::set<int>(forward.begin(), forward.end()).size(), 10u);
+  for (uint64_t step = 200; step-- > 0;) {
+    sample(logits, 1.0f, 0.95f, 8 + step, step);
+    EXPECT_EQ(sample(logits, 1.0f, 0.95f, 7, step), forward[step]) << "step " << step;
+  }
 }
 
 TEST(Sampling, DifferentSeedsGiveDifferentSequences) {
