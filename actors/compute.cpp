@@ -132,15 +132,27 @@ PrefillCounts prefill_counts() {
   return c;
 }
 
-ModelInfo model_info(const gpu::Engine& engine) {
-  const gpu::ModelConfig& c = engine.config();
+ModelInfo model_info(const gpu::Checkpoint& checkpoint) {
+  const gpu::ModelConfig& c = checkpoint.config();
   ModelInfo info;
-  info.fingerprint = engine.fingerprint();
+  info.fingerprint = checkpoint.fingerprint();
   info.vocab_size = c.vocab_size;
   info.seq_len = c.seq_len;
   info.n_layers = c.n_layers;
   info.n_kv_heads = c.n_kv_heads;
   info.head_dim = c.head_size();
+  return info;
+}
+
+ModelInfo model_info(const gpu::Engine& engine) {
+  ModelInfo info;
+  info.fingerprint = engine.fingerprint();
+  const gpu::KvShape shape = engine.kv_shape(0);
+  info.vocab_size = engine.config().vocab_size;
+  info.seq_len = engine.config().seq_len;
+  info.n_layers = int32_t(shape.n_layers);
+  info.n_kv_heads = int32_t(shape.n_kv_heads);
+  info.head_dim = int32_t(shape.head_dim);
   info.backend = engine.backend_name();
   return info;
 }

@@ -24,6 +24,9 @@ struct ComputeSpec {
 compute_actor spawn_compute(caf::actor_system& system, const ComputeSpec& spec);
 
 ModelInfo model_info(const gpu::Engine& engine);
+// The same from a checkpoint alone (no engine, no backend): what the router
+// knows of the cluster's model.
+ModelInfo model_info(const gpu::Checkpoint& checkpoint);
 
 // What the compute actors of this process did with the prompts they were
 // given, since the process started: computed, or skipped because the request

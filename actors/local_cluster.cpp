@@ -66,7 +66,7 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
     throw;
   }
 
-  router_ = spawn_router(system_, cfg, tokenizer);
+  router_ = spawn_router(system_, cfg, tokenizer, model_info(*checkpoints.get(cfg.model)));
   for (int i = 0; i < cfg.prefill_workers; ++i)
     prefill_.push_back(spawn_prefill(system_, cfg, prefill_compute[size_t(i)], router_,
                                      "prefill-" + std::to_string(i)));

@@ -112,16 +112,22 @@ void stop_actor(caf::scoped_actor& self, const Handle& who) {
 
 int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
   std::shared_ptr<const gpu::Tokenizer> tokenizer;
+  std::optional<ModelInfo> model;  // the router's own: the authority on vocabulary and context
   try {
+    std::shared_ptr<const gpu::Checkpoint> checkpoint;
+    if (!cfg.model.empty()) {
+      checkpoint = gpu::Checkpoint::open(cfg.model);
+      model = model_info(*checkpoint);
+    }
     if (!cfg.tokenizer.empty()) {
-      const int vocab = cfg.model.empty() ? 0 : gpu::Checkpoint::open(cfg.model)->config().vocab_size;
+      const int vocab = checkpoint ? checkpoint->config().vocab_size : 0;
       tokenizer = std::make_shared<const gpu::Tokenizer>(gpu::Tokenizer::load(cfg.tokenizer, vocab));
     }
   } catch (const std::exception& e) {
-    node_log(std::string("cannot load the tokenizer: ") + e.what());
+    node_log(std::string("cannot load the model or tokenizer: ") + e.what());
     return 1;
   }
-  auto router = spawn_router(system, cfg, tokenizer);
+  auto router = spawn_router(system, cfg, tokenizer, model);
   caf::scoped_actor self{system};
   auto port = publish_on(system, router, node.host, node.port);
   if (!port) {

@@ -521,8 +521,10 @@ RouterStatus status_of(Self self) {
 }
 
 router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
-                                            std::shared_ptr<const gpu::Tokenizer> tokenizer) {
+                                            std::shared_ptr<const gpu::Tokenizer> tokenizer,
+                                            std::optional<ModelInfo> model) {
   auto& st = self->state;
+  if (model) st.limits = ModelLimits{model->vocab_size, model->seq_len};
   st.sessions = SessionAffinity(size_t(std::max(0, config.session_affinity_size)));
   st.config = std::move(config);
   st.tokenizer = std::move(tokenizer);
@@ -594,8 +596,8 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
 }  // namespace
 
 router_actor spawn_router(caf::actor_system& system, const DisaggConfig& config,
-                          std::shared_ptr<const gpu::Tokenizer> tokenizer) {
-  return system.spawn(router_behavior, config, std::move(tokenizer));
+                          std::shared_ptr<const gpu::Tokenizer> tokenizer, std::optional<ModelInfo> model) {
+  return system.spawn(router_behavior, config, std::move(tokenizer), std::move(model));
 }
 
 }  // namespace disagg

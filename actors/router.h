@@ -5,6 +5,7 @@
 // accepted request exactly one terminal reply. Workers join by registering.
 #pragma once
 #include <memory>
+#include <optional>
 
 #include "actors/config.h"
 #include "caf/actor_system.hpp"
@@ -14,8 +15,12 @@
 namespace disagg {
 
 // `tokenizer` may be null: then text prompts are rejected as invalid_request
-// and token events carry no text.
+// and token events carry no text. `model`, the cluster's model (the router's
+// own disagg.model), makes the router the authority on vocabulary and
+// context from the start; without it (tests of the router alone), the first
+// prefill worker to register sets them.
 router_actor spawn_router(caf::actor_system& system, const DisaggConfig& config,
-                          std::shared_ptr<const gpu::Tokenizer> tokenizer);
+                          std::shared_ptr<const gpu::Tokenizer> tokenizer,
+                          std::optional<ModelInfo> model = std::nullopt);
 
 }  // namespace disagg

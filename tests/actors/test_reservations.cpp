@@ -7,6 +7,9 @@
 #include <thread>
 
 #include "actors/actor_fixture.h"
+#include "actors/compute.h"
+#include "actors/router.h"
+#include "gpu/checkpoint.h"
 #include "caf/all.hpp"
 
 namespace disagg::test {
@@ -99,6 +102,63 @@ TEST_F(ReservationTest, KvNeedingMorePositionsThanReservedIsRefused) {
   EXPECT_EQ(ack.code, ErrorCode::invalid_request) << ack.message;
   caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9005});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
+}
+
+}  // namespace
+}  // namespace disagg::test
+
+namespace disagg::test {
+namespace {
+
+// A prefill worker that registers with a small model's limits and never
+// computes anything.
+prefill_actor::behavior_type small_model_prefill(prefill_actor::pointer self, router_actor router) {
+  WorkerInfo info;
+  info.role = WorkerRole::prefill;
+  info.name = "small-model-prefill";
+  info.model.vocab_size = 100;
+  info.model.seq_len = 50;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
+      .then([](caf::ok_atom) {});
+  return {
+      [=](prefill_atom, PrefillJob&, decode_actor&) -> caf::result<PrefillReport> {
+        return caf::make_error(caf::sec::request_timeout);
+      },
+      [](cancel_atom, RequestId) {},
+      [](status_atom) { return PrefillLoad{}; },
+  };
+}
+
+// The router takes vocabulary and context from its own model: a worker of a
+// smaller model registering first no longer narrows which requests are valid
+// (it did: after a small-model prefill registered, every valid request of the
+// real model was rejected until the router restarted).
+TEST(RouterAuthority, ThePromptLimitsAreTheRoutersModelsNotTheFirstWorkers) {
+  DisaggSystemConfig system_config;
+  caf::actor_system system{system_config};
+  const auto checkpoint = gpu::Checkpoint::open(shared_model_config(1, 1).model);
+  const router_actor router = spawn_router(system, shared_model_config(1, 1), nullptr, model_info(*checkpoint));
+  auto small = system.spawn(small_model_prefill, router);
+  caf::scoped_actor self{system};
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (std::chrono::steady_clock::now() < deadline) {  // until the small worker is registered
+    RouterStatus status;
+    self->request(router, 5s, status_atom::value).receive([&](RouterStatus& s) { status = s; }, [](caf::error&) {});
+    if (status.count(WorkerRole::prefill) == 1) break;
+    std::this_thread::sleep_for(2ms);
+  }
+  // 100 prompt tokens with ids up to 400: beyond the small model, within the real one.
+  std::vector<int32_t> prompt(100, 400);
+  prompt[0] = 1;
+  GenerateRequest request = make_request(prompt, 20);
+  request.deadline_ms = 300;
+  RequestOutcome out;
+  self->request(router, 10s, generate_atom::value, request, client_actor{})
+      .receive([&](RequestOutcome& o) { out = std::move(o); }, [&](caf::error& e) { FAIL() << system.render(e); });
+  // Valid: it waited for a decode worker until its deadline.
+  EXPECT_EQ(out.code, ErrorCode::timeout) << to_string(out.code) << ": " << out.message;
+  caf::anon_send_exit(small, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
 }
 
 }  // namespace
