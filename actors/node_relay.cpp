@@ -263,10 +263,17 @@ void register_worker(RelaySelf self) {
   auto on_error = [=](caf::error& e) {
     // A router that went away is replaced by the node (set_relay_router),
     // which registers again; a question that was out to it may only time out
-    // now. The same router refused or did not answer: try again, with backoff
-    // (unless a newer attempt is already out).
+    // now. The router refused this worker (another model, a taken name):
+    // trying again cannot help, so the relay stops, and with it (linked) the
+    // worker and its node, naming the reason. The same router did not
+    // answer: try again, with backoff (unless a newer attempt is already out).
     auto& st = self->state;
     if (router != st.router) return;
+    if (e == caf::sec::invalid_argument) {
+      node_log("the router refused " + name + ": " + self->system().render(e) + "; exiting");
+      self->quit(e);
+      return;
+    }
     node_log("registration of " + name + " failed: " + self->system().render(e) + "; trying again in " +
              std::to_string(st.retry_delay.count()) + " ms");
     if (attempt != st.registration) return;

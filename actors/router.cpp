@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "actors/errors.h"
+#include "actors/node_log.h"
 #include "actors/router_policy.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
@@ -69,6 +70,7 @@ struct RouterState {
   DisaggConfig config;
   std::shared_ptr<const gpu::Tokenizer> tokenizer;
   std::optional<ModelLimits> limits;
+  std::optional<ModelInfo> model;  // the cluster's model (the router's own), when it has one
   std::map<WorkerKey, Worker> workers;
   WorkerKey next_worker_key = 1;
   std::unordered_map<RequestId, Request> requests;
@@ -449,6 +451,31 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   return promise;
 }
 
+// Why a worker may not join, if it may not: another model than the
+// cluster's (its KV would be garbage to the others: the fingerprint hashes
+// every byte of the checkpoint), or a name another worker holds.
+std::optional<std::string> refusal(Self self, const WorkerInfo& info, const caf::actor_addr& address) {
+  const auto& st = self->state;
+  if (st.model && (info.model.fingerprint != st.model->fingerprint || info.model.vocab_size != st.model->vocab_size ||
+                   info.model.seq_len != st.model->seq_len))
+    return "its model (fingerprint " + std::to_string(info.model.fingerprint) + ", vocabulary " +
+           std::to_string(info.model.vocab_size) + ", context " + std::to_string(info.model.seq_len) +
+           ") is not the cluster's (fingerprint " + std::to_string(st.model->fingerprint) + ", vocabulary " +
+           std::to_string(st.model->vocab_size) + ", context " + std::to_string(st.model->seq_len) + ")";
+  for (const auto& kv : st.workers)
+    if (kv.second.info.name == info.name && kv.second.address != address)
+      return "the name \"" + info.name + "\" is taken by another worker";
+  return std::nullopt;
+}
+
+// A refused registration: logged here, and an error the worker's node exits on.
+caf::error refuse(const WorkerInfo& info, const std::string& why) {
+  const std::string message = "registration of " + to_string(info.role) + " worker \"" + info.name +
+                              "\" refused: " + why;
+  node_log(message);
+  return caf::make_error(caf::sec::invalid_argument, message);
+}
+
 void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor decode) {
   auto& st = self->state;
   const caf::actor_addr address = prefill ? prefill.address() : decode.address();
@@ -525,6 +552,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
                                             std::optional<ModelInfo> model) {
   auto& st = self->state;
   if (model) st.limits = ModelLimits{model->vocab_size, model->seq_len};
+  st.model = std::move(model);
   st.sessions = SessionAffinity(size_t(std::max(0, config.session_affinity_size)));
   st.config = std::move(config);
   st.tokenizer = std::move(tokenizer);
@@ -537,13 +565,15 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         fail(self, id, ErrorCode::cancelled, "cancelled by the client");
         dispatch(self);
       },
-      [=](register_atom, WorkerInfo& info, prefill_actor& worker) {
+      [=](register_atom, WorkerInfo& info, prefill_actor& worker) -> caf::result<caf::ok_atom> {
         info.role = WorkerRole::prefill;
+        if (auto why = refusal(self, info, worker.address())) return refuse(info, *why);
         add_worker(self, std::move(info), std::move(worker), decode_actor{});
         return caf::ok_atom::value;
       },
-      [=](register_atom, WorkerInfo& info, decode_actor& worker) {
+      [=](register_atom, WorkerInfo& info, decode_actor& worker) -> caf::result<caf::ok_atom> {
         info.role = WorkerRole::decode;
+        if (auto why = refusal(self, info, worker.address())) return refuse(info, *why);
         add_worker(self, std::move(info), prefill_actor{}, std::move(worker));
         return caf::ok_atom::value;
       },

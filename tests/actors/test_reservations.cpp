@@ -119,7 +119,7 @@ prefill_actor::behavior_type small_model_prefill(prefill_actor::pointer self, ro
   info.model.vocab_size = 100;
   info.model.seq_len = 50;
   self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
-      .then([](caf::ok_atom) {});
+      .then([](caf::ok_atom) {}, [=](caf::error& e) { self->quit(e); });
   return {
       [=](prefill_atom, PrefillJob&, decode_actor&) -> caf::result<PrefillReport> {
         return caf::make_error(caf::sec::request_timeout);
@@ -129,35 +129,39 @@ prefill_actor::behavior_type small_model_prefill(prefill_actor::pointer self, ro
   };
 }
 
-// The router takes vocabulary and context from its own model: a worker of a
-// smaller model registering first no longer narrows which requests are valid
-// (it did: after a small-model prefill registered, every valid request of the
-// real model was rejected until the router restarted).
-TEST(RouterAuthority, ThePromptLimitsAreTheRoutersModelsNotTheFirstWorkers) {
+// The router takes vocabulary and context from its own model, from the start
+// (it took them from the first prefill worker to register: after a smaller
+// model's worker registered, every valid request of the real model was
+// rejected until the router restarted), and refuses a worker of another model.
+TEST(RouterAuthority, TheLimitsAreTheRoutersModelAndAnotherModelsWorkerIsRefused) {
   DisaggSystemConfig system_config;
   caf::actor_system system{system_config};
   const auto checkpoint = gpu::Checkpoint::open(shared_model_config(1, 1).model);
   const router_actor router = spawn_router(system, shared_model_config(1, 1), nullptr, model_info(*checkpoint));
-  auto small = system.spawn(small_model_prefill, router);
   caf::scoped_actor self{system};
-  const auto deadline = std::chrono::steady_clock::now() + 5s;
-  while (std::chrono::steady_clock::now() < deadline) {  // until the small worker is registered
-    RouterStatus status;
-    self->request(router, 5s, status_atom::value).receive([&](RouterStatus& s) { status = s; }, [](caf::error&) {});
-    if (status.count(WorkerRole::prefill) == 1) break;
-    std::this_thread::sleep_for(2ms);
-  }
-  // 100 prompt tokens with ids up to 400: beyond the small model, within the real one.
+  // No worker yet, and still the context is known: 600 tokens exceed 512.
+  std::vector<int32_t> too_long(600, 400);
+  too_long[0] = 1;
+  RequestOutcome out;
+  self->request(router, 10s, generate_atom::value, make_request(too_long, 4), client_actor{})
+      .receive([&](RequestOutcome& o) { out = std::move(o); }, [&](caf::error& e) { FAIL() << system.render(e); });
+  EXPECT_EQ(out.code, ErrorCode::invalid_request) << out.message;
+  // A worker of a smaller model is refused, naming why.
+  auto small = system.spawn(small_model_prefill, router);
+  self->monitor(small);
+  std::string why;
+  self->receive([&](caf::down_msg& down) { why = system.render(down.reason); },
+                caf::after(10s) >> [&] { caf::anon_send_exit(small, caf::exit_reason::user_shutdown); });
+  EXPECT_NE(why.find("is not the cluster's"), std::string::npos) << why;
+  // A request within the real model (ids up to 400, 100 tokens) stays valid:
+  // it waits for workers until its deadline.
   std::vector<int32_t> prompt(100, 400);
   prompt[0] = 1;
   GenerateRequest request = make_request(prompt, 20);
   request.deadline_ms = 300;
-  RequestOutcome out;
   self->request(router, 10s, generate_atom::value, request, client_actor{})
       .receive([&](RequestOutcome& o) { out = std::move(o); }, [&](caf::error& e) { FAIL() << system.render(e); });
-  // Valid: it waited for a decode worker until its deadline.
   EXPECT_EQ(out.code, ErrorCode::timeout) << to_string(out.code) << ": " << out.message;
-  caf::anon_send_exit(small, caf::exit_reason::user_shutdown);
   caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
 }
 

@@ -1,6 +1,6 @@
 // Membership across processes: workers that start before the router, a
 // worker node that dies, a decode node that comes back on its port, a router
-// that restarts.
+// that restarts, a worker of another model that is refused.
 #include <gtest/gtest.h>
 
 #include <future>
@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "cluster/cluster_fixture.h"
+#include "gpu/checkpoint.h"
+#include "support/test_paths.h"
 
 namespace disagg::test {
 namespace {
@@ -82,6 +84,28 @@ TEST(ClusterMembership, WorkersJoinARestartedRouter) {
   // Nothing waits on the old router (e.g. the prefill node's question for decode endpoints).
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3)) << cluster.logs();
   EXPECT_NE(cluster.node("decode-1").log().find("lost the router"), std::string::npos);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The router refuses a worker whose model is not the cluster's (same shape,
+// other weights: it used to join, and its KV turned requests into garbage or
+// incompatible_kv errors); the node logs why and exits 1.
+TEST(ClusterMembership, AWorkerOfAnotherModelIsRefusedAndItsNodeExits) {
+  TestCluster cluster("refused-model");
+  cluster.start_all(1, 1);
+  const std::string other = cluster.dir() + "/other.bin";
+  gpu::write_random_checkpoint(other, gpu::Checkpoint::open(shared_model())->config(), 7);
+  std::string ini = cluster.config_text("decode", "stranger", free_loopback_port());
+  ini.replace(ini.find(shared_model()), shared_model().size(), other);
+  write_text_file(cluster.dir() + "/stranger.ini", ini);
+  ChildProcess stranger({node_binary(), "--config-file=" + cluster.dir() + "/stranger.ini"},
+                        cluster.dir() + "/stranger.log");
+  const auto code = stranger.wait_exit(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value()) << "the refused worker is still running\n" << stranger.log();
+  EXPECT_EQ(*code, 1) << stranger.log();
+  EXPECT_NE(stranger.log().find("refused"), std::string::npos) << stranger.log();
+  EXPECT_NE(cluster.node("router").log().find("refused"), std::string::npos) << cluster.logs();
+  EXPECT_TRUE(cluster.wait_for_workers(1, 1));
   EXPECT_TRUE(cluster.stop_all());
 }
 
