@@ -1,5 +1,7 @@
 #include "actors/node_config.h"
 
+#include "actors/node_log.h"
+
 #include <cctype>
 #include <fstream>
 #include <sstream>
@@ -86,6 +88,9 @@ std::string NodeOptions::validate() const {
     add_problem(problems, "node.connect-backoff-max-ms must be >= node.connect-retry-ms");
   if (connect_timeout_ms < 0) add_problem(problems, "node.connect-timeout-ms must be >= 0");
   if (peer_refresh_ms <= 0) add_problem(problems, "node.peer-refresh-ms must be > 0");
+  LogLevel level;
+  if (!parse_log_level(log_level, &level))
+    add_problem(problems, "node.log-level must be \"error\", \"warning\" or \"info\" (got \"" + log_level + "\")");
   return problems;
 }
 
@@ -108,7 +113,8 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.connect_backoff_max_ms, "connect-backoff-max-ms", "longest delay between tries")
       .add(n.connect_timeout_ms, "connect-timeout-ms", "give up reaching the router after (0: never)")
       .add(n.peer_refresh_ms, "peer-refresh-ms", "prefill: how often to look for new decode nodes")
-      .add(n.ready_file, "ready-file", "file written once the node serves");
+      .add(n.ready_file, "ready-file", "file written once the node serves")
+      .add(n.log_level, "log-level", "error, warning or info (default)");
 }
 
 NodeSystemConfig::NodeSystemConfig() {

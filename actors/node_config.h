@@ -31,6 +31,7 @@ struct NodeOptions {
   int64_t connect_timeout_ms = 120000;    // give up after this long (0: never)
   int64_t peer_refresh_ms = 1000;         // prefill: how often it asks the router for decode endpoints
   std::string ready_file;  // written ("host:port" or the worker name) once the node serves
+  std::string log_level = "info";  // "error", "warning" or "info" (actors/node_log.h)
 
   // Empty when usable, else every problem found, separated by "; ".
   std::string validate() const;

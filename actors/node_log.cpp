@@ -1,5 +1,6 @@
 #include "actors/node_log.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -19,6 +20,11 @@ std::string& log_name() {
   return name;
 }
 
+std::atomic<int>& log_level() {
+  static std::atomic<int> level{int(LogLevel::info)};
+  return level;
+}
+
 }  // namespace
 
 void set_node_log_name(const std::string& name) {
@@ -26,7 +32,18 @@ void set_node_log_name(const std::string& name) {
   log_name() = name;
 }
 
-void node_log(const std::string& message) {
+bool parse_log_level(const std::string& text, LogLevel* level) {
+  if (text == "error") *level = LogLevel::error;
+  else if (text == "warning") *level = LogLevel::warning;
+  else if (text == "info") *level = LogLevel::info;
+  else return false;
+  return true;
+}
+
+void set_node_log_level(LogLevel level) { log_level() = int(level); }
+
+void node_log(LogLevel level, const std::string& message) {
+  if (int(level) > log_level().load()) return;
   const auto now = std::chrono::system_clock::now();
   const std::time_t seconds = std::chrono::system_clock::to_time_t(now);
   const int millis = int(std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000);

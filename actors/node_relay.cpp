@@ -270,11 +270,11 @@ void register_worker(RelaySelf self) {
     auto& st = self->state;
     if (router != st.router) return;
     if (e == caf::sec::invalid_argument) {
-      node_log("the router refused " + name + ": " + self->system().render(e) + "; exiting");
+      node_log(LogLevel::error, "the router refused " + name + ": " + self->system().render(e) + "; exiting");
       self->quit(e);
       return;
     }
-    node_log("registration of " + name + " failed: " + self->system().render(e) + "; trying again in " +
+    node_log(LogLevel::warning, "registration of " + name + " failed: " + self->system().render(e) + "; trying again in " +
              std::to_string(st.retry_delay.count()) + " ms");
     if (attempt != st.registration) return;
     self->delayed_send(self, st.retry_delay, retry_atom::value, attempt);

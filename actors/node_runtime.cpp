@@ -274,6 +274,9 @@ int node_main(int argc, char** argv) {
   }
   const NodeOptions& node = config.node;
   set_node_log_name(node.name.empty() ? node.role : node.role + " " + node.name);
+  LogLevel level = LogLevel::info;
+  parse_log_level(node.log_level, &level);  // validated with the config
+  set_node_log_level(level);
 
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);

@@ -167,6 +167,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
 }
 
 void fail(Self self, RequestId id, ErrorCode code, std::string message) {
+  node_log(LogLevel::warning, "request " + std::to_string(id) + " failed: " + to_string(code) + ": " + message);
   finish(self, id, make_failure(id, code, std::move(message)));
 }
 
@@ -406,6 +407,7 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   auto promise = self->make_response_promise<RequestOutcome>();
   const RequestId id = request.id;
   auto reject = [&](ErrorCode code, std::string message) {
+    node_log(LogLevel::warning, "request " + std::to_string(id) + " refused: " + to_string(code) + ": " + message);
     promise.deliver(make_failure(id, code, std::move(message)));
     return promise;
   };
@@ -472,7 +474,7 @@ std::optional<std::string> refusal(Self self, const WorkerInfo& info, const caf:
 caf::error refuse(const WorkerInfo& info, const std::string& why) {
   const std::string message = "registration of " + to_string(info.role) + " worker \"" + info.name +
                               "\" refused: " + why;
-  node_log(message);
+  node_log(LogLevel::error, message);
   return caf::make_error(caf::sec::invalid_argument, message);
 }
 
@@ -496,6 +498,8 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
   w.info = std::move(info);
   if (w.prefill) self->monitor(w.prefill);
   if (w.decode) self->monitor(w.decode);
+  node_log("registered " + to_string(w.info.role) + " worker " + w.info.name +
+           (w.info.endpoint.empty() ? "" : " (KV endpoint " + w.info.endpoint + ")"));
   st.workers.emplace(st.next_worker_key++, std::move(w));
   dispatch(self);
 }
@@ -515,6 +519,8 @@ void remove_worker(Self self, const caf::actor_addr& address) {
     if ((r.prefill_key == key && !r.prefill_report) || (r.decode_key == key && !r.decode_done))
       lost.push_back(kv.first);
   }
+  node_log(LogLevel::error, "lost worker " + name + " (" + std::to_string(lost.size()) +
+                                " requests in flight on it fail with worker_lost)");
   for (RequestId id : lost) {
     Request& r = st.requests.at(id);
     release_reservations(self, r);  // nothing to give back on a worker that is gone

@@ -106,6 +106,16 @@ TEST(ClusterMembership, AWorkerOfAnotherModelIsRefusedAndItsNodeExits) {
   EXPECT_NE(stranger.log().find("refused"), std::string::npos) << stranger.log();
   EXPECT_NE(cluster.node("router").log().find("refused"), std::string::npos) << cluster.logs();
   EXPECT_TRUE(cluster.wait_for_workers(1, 1));
+  // The router logs each registration and each failed request (id and code).
+  const std::string router_log = cluster.node("router").log();
+  EXPECT_NE(router_log.find("registered decode worker decode-1"), std::string::npos) << router_log;
+  EXPECT_NE(router_log.find("registered prefill worker prefill-1"), std::string::npos) << router_log;
+  GenerateRequest bad = small_request();
+  bad.prompt_tokens = {1, 99999};
+  const RequestOutcome out = cluster.client().generate(bad);
+  EXPECT_EQ(out.code, ErrorCode::invalid_request);
+  const std::string failed_line = "request " + std::to_string(out.id) + " refused: invalid_request";
+  EXPECT_NE(cluster.node("router").log().find(failed_line), std::string::npos) << cluster.node("router").log();
   EXPECT_TRUE(cluster.stop_all());
 }
 

@@ -108,6 +108,8 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
                      "node.router-port is required"});
   expect_fails_fast({"bad command-line value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=x"}, 2,
                      "command line"});
+  expect_fails_fast({"unknown log level", "[node]\nrole = \"router\"\nlog-level = \"loud\"\n", {}, 2,
+                     "node.log-level must be"});
   expect_fails_fast({"invalid disagg value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=0"}, 2,
                      "disagg.block-size must be a positive multiple of 16"});
   const std::string dir = make_temp_dir("node-bad-model");
