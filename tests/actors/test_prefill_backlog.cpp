@@ -40,6 +40,23 @@ Clock::duration timed_request(Client& client, Clock::duration* prefill = nullptr
 // Prompts the compute actors of this process computed since `before`.
 int64_t computed_since(const PrefillCounts& before) { return prefill_counts().computed - before.computed; }
 
+// Sends `jobs` prefill jobs of the long prompt, ids first_id.., straight to
+// the cluster's prefill worker (the router knows nothing of them); their
+// reports come back to `self` as messages.
+void send_jobs_straight(caf::scoped_actor& self, LocalCluster& cluster, RequestId first_id, int jobs,
+                        int64_t deadline_ms) {
+  const prefill_actor prefill = cluster.prefill_workers().at(0);
+  const decode_actor decode = cluster.decode_workers().at(0);
+  for (int i = 0; i < jobs; ++i) {
+    PrefillJob job;
+    job.id = first_id + RequestId(i);
+    job.prompt_tokens = long_prompt();
+    job.max_new_tokens = 1;
+    job.deadline_ms = deadline_ms;
+    self->send(prefill, prefill_atom::value, std::move(job), decode);
+  }
+}
+
 TEST_F(ActorTest, TimedOutPromptsDoNotDelayTheNextRequest) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
@@ -83,19 +100,10 @@ TEST_F(ActorTest, TimedOutPromptsDoNotDelayTheNextRequest) {
   // the compute actor's own check is shown with jobs sent straight to the
   // prefill worker: 40 prompts of 20 ms deadlines queue behind each other, and
   // only those begun within their 20 ms may run.
-  const prefill_actor prefill = cluster_->prefill_workers().at(0);
-  const decode_actor decode = cluster_->decode_workers().at(0);
   caf::scoped_actor self{*system_};
   const int jobs = 40;
   const PrefillCounts before = prefill_counts();
-  for (int i = 0; i < jobs; ++i) {
-    PrefillJob job;
-    job.id = 800000 + RequestId(i);
-    job.prompt_tokens = long_prompt();
-    job.max_new_tokens = 1;
-    job.deadline_ms = 20;
-    self->send(prefill, prefill_atom::value, std::move(job), decode);
-  }
+  send_jobs_straight(self, *cluster_, 800000, jobs, 20);
   int reports = 0;
   for (int i = 0; i < jobs; ++i)
     self->receive([&](PrefillReport&) { ++reports; }, [&](caf::error&) {},
@@ -114,18 +122,10 @@ TEST_F(ActorTest, CancelledJobsAreSkippedByThePrefillCompute) {
   // Straight to the prefill worker (the router knows nothing of these ids),
   // and cancelled at once: at most the first is computed.
   const prefill_actor prefill = cluster_->prefill_workers().at(0);
-  const decode_actor decode = cluster_->decode_workers().at(0);
   caf::scoped_actor self{*system_};
   const int jobs = 40;
   const PrefillCounts before = prefill_counts();
-  for (int i = 0; i < jobs; ++i) {
-    PrefillJob job;
-    job.id = 700000 + RequestId(i);
-    job.prompt_tokens = long_prompt();
-    job.max_new_tokens = 1;
-    job.deadline_ms = 60000;
-    self->send(prefill, prefill_atom::value, std::move(job), decode);  // the report comes back as a message
-  }
+  send_jobs_straight(self, *cluster_, 700000, jobs, 60000);
   // Sent after the jobs (same sender, so each finds its job), as the router would.
   for (int i = 0; i < jobs; ++i) self->send(prefill, cancel_atom::value, 700000 + RequestId(i));
   int cancelled = 0, reports = 0;
