@@ -327,11 +327,19 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
   // Refused or unanswered: no job went out.
   if (Worker* d = find_worker(self, r.decode_key))
     if (reply.load.total_blocks > 0) d->load = reply.load;
-  const bool elsewhere = reply.code == ErrorCode::overloaded || reply.code == ErrorCode::timeout ||
-                         reply.code == ErrorCode::worker_lost;
-  if (elsewhere && r.retries < st.config.max_decode_retries) {
-    if (reply.code != ErrorCode::overloaded)  // it may hold the blocks after all
-      if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
+  if (reply.code == ErrorCode::overloaded) {
+    // No room there now. Its real load is in the router's books from this
+    // answer, so the request waits at the front of the queue until some
+    // decode worker has room (another one, or this one after a finish).
+    release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
+    release_reservations(self, r);
+    r.queued = true;
+    r.phase = Phase::queued;
+    st.queue.push_front(id);
+  } else if ((reply.code == ErrorCode::timeout || reply.code == ErrorCode::worker_lost) &&
+             r.retries < st.config.max_decode_retries) {
+    // Unanswered: it may hold the blocks after all; try another worker.
+    if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
     release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
     requeue_elsewhere(self, r);
   } else {

@@ -29,8 +29,10 @@
 //      receiver allocates first: the decode worker reserves the blocks of
 //      prompt + new tokens, with a lease (the request's time left + the ack
 //      timeout) after which it frees them by itself. No room (overloaded):
-//      the router tries another decode worker (max-decode-retries), no prompt
-//      having been computed. Phases at the router: queued -> reserving ->
+//      the request goes back to the front of the queue, with that worker's
+//      real load in the router's books, and waits for room on any decode
+//      worker; no prompt has been computed. A worker that does not answer is
+//      left for another one (max-decode-retries). Phases at the router: queued -> reserving ->
 //      prefilling -> decoding -> finished; at the decode worker: reserved ->
 //      admitting -> active -> gone.
 //   2b. router -> prefill request(prefill_atom, PrefillJob, decode_actor)

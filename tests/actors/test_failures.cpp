@@ -203,17 +203,26 @@ TEST_F(ActorTest, DecodeWithoutRoomIsRetriedOnAnotherWorkerBeforeAnyPrefill) {
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
-TEST_F(ActorTest, DecodeWithoutRoomAndNoRetriesLeftIsOverloaded) {
+// No room is not a failure: a refused reservation sends the request back to
+// the queue, where it waits for room on any decode worker (it used to fail
+// with overloaded once max-decode-retries were used up, here at once).
+TEST_F(ActorTest, ARequestWithoutDecodeRoomWaitsForItInsteadOfFailing) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 24;  // 384 positions
   options.config.max_decode_retries = 0;
   start(std::move(options));
+  auto first = client_->submit(make_request(kOnceUponATime, 300));  // 305 positions: 20 of the 24 blocks
   auto kv_sent = std::make_shared<std::atomic<int>>(0);
   auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent);
   wait_for_decode_workers(*client_, 2);
-  const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
-  EXPECT_EQ(out.code, ErrorCode::overloaded) << out.message;
-  EXPECT_EQ(out.message, "always full");
+  // 7 blocks: the full worker refuses, the real one has 4 free until the first ends.
+  const RequestOutcome second = client_->generate(make_request(kOnceUponATime, 100));
+  const RequestOutcome one = first.get();
+  ASSERT_TRUE(one.ok()) << one.message;
+  ASSERT_TRUE(second.ok()) << to_string(second.code) << ": " << second.message;
+  EXPECT_EQ(second.decode_worker, "decode-0");
+  EXPECT_EQ(second.tokens, colocated(kOnceUponATime, 100).tokens);
   EXPECT_EQ(kv_sent->load(), 0);
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
