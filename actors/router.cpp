@@ -74,6 +74,9 @@ struct RouterState {
   std::map<WorkerKey, Worker> workers;
   WorkerKey next_worker_key = 1;
   std::unordered_map<RequestId, Request> requests;
+  // Each request's client actor, monitored: a client that goes away (its
+  // process killed, Ctrl-C) cancels what it asked for.
+  std::unordered_multimap<caf::actor_addr, RequestId> clients;
   std::deque<RequestId> queue;  // accepted, not dispatched, in arrival order
   uint64_t next_serial = 1;
   SessionAffinity sessions{0};
@@ -163,6 +166,14 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
     if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, r.decode_key);
   }
   r.promise.deliver(std::move(outcome));
+  if (r.client) {
+    auto [first, last] = st.clients.equal_range(r.client.address());
+    for (auto c = first; c != last; ++c)
+      if (c->second == id) {
+        st.clients.erase(c);
+        break;
+      }
+  }
   st.requests.erase(it);
 }
 
@@ -446,6 +457,10 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   r.accepted = Clock::now();
   const uint64_t serial = r.serial;
   const auto deadline = std::chrono::milliseconds(r.request.deadline_ms);
+  if (r.client) {
+    self->monitor(r.client);
+    st.clients.emplace(r.client.address(), id);
+  }
   st.requests.emplace(id, std::move(r));
   st.queue.push_back(id);
   dispatch(self);
@@ -570,7 +585,21 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
   st.sessions = SessionAffinity(size_t(std::max(0, config.session_affinity_size)));
   st.config = std::move(config);
   st.tokenizer = std::move(tokenizer);
-  self->set_down_handler([=](caf::down_msg& down) { remove_worker(self, down.source); });
+  self->set_down_handler([=](caf::down_msg& down) {
+    // A client gone: its requests are cancelled, their blocks freed now, not
+    // at their deadlines. (A client that got its reply has quit normally:
+    // nothing of it is left.)
+    auto& clients = self->state.clients;
+    std::vector<RequestId> orphans;
+    auto [first, last] = clients.equal_range(down.source);
+    for (auto c = first; c != last; ++c) orphans.push_back(c->second);
+    if (!orphans.empty()) {
+      for (RequestId id : orphans) fail(self, id, ErrorCode::cancelled, "the client went away");
+      dispatch(self);
+      return;
+    }
+    remove_worker(self, down.source);
+  });
   return {
       [=](generate_atom, GenerateRequest& request, client_actor& client) {
         return admit(self, request, client);

@@ -65,6 +65,8 @@
 //      the PrefillReport and the DecodeDone: tokens, finish reason, timings.
 //
 // Cancellation and failure
+//   The router monitors each request's client actor: a client that goes
+//   away (its process killed, Ctrl-C) cancels its requests, as below.
 //   client -> router (cancel_atom, id): the router replies cancelled and sends
 //   (cancel_atom, id) to the request's prefill and decode workers, which drop
 //   it and free its blocks (a decode worker reports its load even when it held

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
 #include <thread>
 
 #include "actors/actor_fixture.h"
@@ -163,6 +164,49 @@ TEST(RouterAuthority, TheLimitsAreTheRoutersModelAndAnotherModelsWorkerIsRefused
       .receive([&](RequestOutcome& o) { out = std::move(o); }, [&](caf::error& e) { FAIL() << system.render(e); });
   EXPECT_EQ(out.code, ErrorCode::timeout) << to_string(out.code) << ": " << out.message;
   caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
+}
+
+}  // namespace
+}  // namespace disagg::test
+
+namespace disagg::test {
+namespace {
+
+// A client that asks for a generation and waits (as a disagg-client does
+// until Ctrl-C makes its node disappear).
+client_actor::behavior_type waiting_client(client_actor::pointer self, router_actor router, GenerateRequest request) {
+  self->request(router, std::chrono::seconds(60), generate_atom::value, std::move(request),
+                caf::actor_cast<client_actor>(self))
+      .then([](RequestOutcome&) {}, [](caf::error&) {});
+  return {
+      [](token_atom, TokenEvent&) {},
+  };
+}
+
+TEST_F(ReservationTest, AClientThatGoesAwayCancelsItsRequestAtOnce) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 8;
+  start(std::move(options));
+  // The pool taken by a reservation the router does not know of: the
+  // client's request (2 blocks) waits in the router's queue.
+  ASSERT_EQ(reserve(9100, 128, 60000).code, ErrorCode::none);
+  auto request = make_request(kOnceUponATime, 20);
+  request.deadline_ms = 60000;
+  auto client = system_->spawn(waiting_client, cluster_->router(), request);
+  auto queued = [&] {
+    const auto status = client_->status();
+    return status ? status->queued + status->in_flight : -1;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (queued() != 1 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(2ms);
+  ASSERT_EQ(queued(), 1) << "the request should be waiting for decode room";
+  caf::anon_send_exit(client, caf::exit_reason::kill);
+  // Gone within a second, not at its 60 s deadline.
+  const auto gone_by = std::chrono::steady_clock::now() + 1s;
+  while (queued() != 0 && std::chrono::steady_clock::now() < gone_by) std::this_thread::sleep_for(2ms);
+  EXPECT_EQ(queued(), 0) << "the request of a client that went away is still held";
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9100});
 }
 
 }  // namespace
