@@ -28,7 +28,7 @@ struct NodeOptions {
   uint16_t router_port = 0;               // workers: the router's port (required)
   int64_t connect_retry_ms = 100;         // first delay between attempts to reach the router
   int64_t connect_backoff_max_ms = 2000;  // the delay doubles up to this
-  int64_t connect_timeout_ms = 120000;    // give up after this long (0: never)
+  int64_t connect_timeout_ms = 0;         // give up after this long; 0 (the default): never
   int64_t peer_refresh_ms = 1000;         // prefill: how often it asks the router for decode endpoints
   std::string ready_file;  // written ("host:port" or the worker name) once the node serves
   std::string log_level = "info";  // "error", "warning" or "info" (actors/node_log.h)
