@@ -132,10 +132,11 @@ PrefillCounts prefill_counts() {
   return c;
 }
 
-ModelInfo model_info(const gpu::Checkpoint& checkpoint) {
-  const gpu::ModelConfig& c = checkpoint.config();
+namespace {
+
+ModelInfo model_info_of(uint64_t fingerprint, const gpu::ModelConfig& c) {
   ModelInfo info;
-  info.fingerprint = checkpoint.fingerprint();
+  info.fingerprint = fingerprint;
   info.vocab_size = c.vocab_size;
   info.seq_len = c.seq_len;
   info.n_layers = c.n_layers;
@@ -144,15 +145,14 @@ ModelInfo model_info(const gpu::Checkpoint& checkpoint) {
   return info;
 }
 
+}  // namespace
+
+ModelInfo model_info(const gpu::Checkpoint& checkpoint) {
+  return model_info_of(checkpoint.fingerprint(), checkpoint.config());
+}
+
 ModelInfo model_info(const gpu::Engine& engine) {
-  ModelInfo info;
-  info.fingerprint = engine.fingerprint();
-  const gpu::KvShape shape = engine.kv_shape(0);
-  info.vocab_size = engine.config().vocab_size;
-  info.seq_len = engine.config().seq_len;
-  info.n_layers = int32_t(shape.n_layers);
-  info.n_kv_heads = int32_t(shape.n_kv_heads);
-  info.head_dim = int32_t(shape.head_dim);
+  ModelInfo info = model_info_of(engine.fingerprint(), engine.config());
   info.backend = engine.backend_name();
   return info;
 }

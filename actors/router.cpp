@@ -48,7 +48,6 @@ struct Request {
   caf::typed_response_promise<RequestOutcome> promise;
   uint64_t serial = 0;   // this admission (the deadline timer names it)
   uint64_t attempt = 0;  // this dispatch (stale prefill reports name another)
-  bool queued = true;    // phase == queued
   Phase phase = Phase::queued;
   bool validated = false;  // against the model limits (known once a prefill worker registered)
   Clock::time_point accepted;
@@ -135,7 +134,7 @@ Request* from_its_decode_worker(Self self, RequestId id) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end()) return nullptr;  // already finished (e.g. cancelled)
   Request& r = it->second;
-  if (r.queued) return nullptr;  // waiting for (another) dispatch: no decode worker holds it
+  if (r.phase == Phase::queued) return nullptr;  // waiting for (another) dispatch: no decode worker holds it
   const Worker* d = find_worker(self, r.decode_key);
   if (!d || d->address != caf::actor_cast<caf::actor_addr>(self->current_sender())) return nullptr;
   return &r;
@@ -158,7 +157,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
   // While reserving, no prefill job is out: its slot comes back here (once a
   // job is out, only the worker's report frees it).
   if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
-  if (r.queued) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
+  if (r.phase == Phase::queued) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
   outcome.id = id;
   if (r.dispatched) {
     outcome.timings.queued_us = micros_between(r.accepted, *r.dispatched);
@@ -241,7 +240,6 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   Worker& d = st.workers.at(decode_key);
   const int positions =
       gpu::kv_positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
-  r.queued = false;
   r.phase = Phase::reserving;
   if (!r.dispatched) r.dispatched = Clock::now();
   r.attempt = st.next_serial++;
@@ -306,15 +304,19 @@ void send_prefill_job(Self self, RequestId id) {
           });
 }
 
-// Sends a request whose decode worker had no room (nothing is held anywhere)
-// back to the front of the queue for another worker, within its retries.
-void requeue_elsewhere(Self self, Request& r) {
+// Puts a dispatched request that holds nothing on its workers any more back
+// at the front of the queue.
+void back_to_queue(Self self, Request& r) {
   release_reservations(self, r);
-  r.excluded.push_back(r.decode_key);
-  r.retries += 1;
-  r.queued = true;
   r.phase = Phase::queued;
   self->state.queue.push_front(r.request.id);
+}
+
+// The same, for another decode worker than this one, within its retries.
+void requeue_elsewhere(Self self, Request& r) {
+  r.excluded.push_back(r.decode_key);
+  r.retries += 1;
+  back_to_queue(self, r);
 }
 
 // The decode worker's answer to a reservation.
@@ -329,24 +331,19 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     return;
   }
   Request& r = it->second;
+  if (Worker* d = find_worker(self, r.decode_key))
+    if (reply.load.total_blocks > 0) d->load = reply.load;
   if (reply.code == ErrorCode::none) {
-    if (Worker* d = find_worker(self, r.decode_key))
-      if (reply.load.total_blocks > 0) d->load = reply.load;
     send_prefill_job(self, id);
     return;
   }
   // Refused or unanswered: no job went out.
-  if (Worker* d = find_worker(self, r.decode_key))
-    if (reply.load.total_blocks > 0) d->load = reply.load;
   if (reply.code == ErrorCode::overloaded) {
     // No room there now. Its real load is in the router's books from this
     // answer, so the request waits at the front of the queue until some
     // decode worker has room (another one, or this one after a finish).
     release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
-    release_reservations(self, r);
-    r.queued = true;
-    r.phase = Phase::queued;
-    st.queue.push_front(id);
+    back_to_queue(self, r);
   } else if ((reply.code == ErrorCode::timeout || reply.code == ErrorCode::worker_lost) &&
              r.retries < st.config.max_decode_retries) {
     // Unanswered: it may hold the blocks after all; try another worker.
@@ -466,7 +463,7 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   dispatch(self);
   // Still waiting, and the waiting room was already full: turn it away now.
   auto it = st.requests.find(id);
-  if (it != st.requests.end() && it->second.queued &&
+  if (it != st.requests.end() && it->second.phase == Phase::queued &&
       st.queue.size() > size_t(st.config.queue_capacity)) {
     fail(self, id, ErrorCode::overloaded,
          "admission queue full (" + std::to_string(st.config.queue_capacity) + " waiting)");
@@ -538,7 +535,7 @@ void remove_worker(Self self, const caf::actor_addr& address) {
   std::vector<RequestId> lost;
   for (const auto& kv : st.requests) {
     const Request& r = kv.second;
-    if (r.queued) continue;
+    if (r.phase == Phase::queued) continue;
     if ((r.prefill_key == key && !r.prefill_report) || (r.decode_key == key && !r.decode_done))
       lost.push_back(kv.first);
   }

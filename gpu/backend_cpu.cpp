@@ -3,7 +3,6 @@
 // products, attention and SwiGLU are the vector kernels of gpu/cpu/, split
 // over the same OpenMP threads. One thread pool: no BLAS library runs here.
 #include <omp.h>
-#include <sys/mman.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -18,6 +17,7 @@
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/error.h"
 #include "gpu/fixed_math.h"
+#include "gpu/host_memory.h"
 #include "gpu/kv_layout.h"
 
 namespace disagg::gpu {
@@ -44,12 +44,21 @@ void dispatch(size_t work, const Launch& launch) {
   }
 }
 
-// [begin, end) of `n` items for thread `t` of `threads`, in `align`-sized steps.
-std::pair<int, int> share(int n, int t, int threads, int align) {
-  const int units = (n + align - 1) / align;
-  const int begin = int((long long)units * t / threads) * align;
-  const int end = int((long long)units * (t + 1) / threads) * align;
-  return {std::min(begin, n), std::min(end, n)};
+// [begin, end) of `n` items for thread `t` of `threads`.
+std::pair<int, int> share(int n, int t, int threads) {
+  return {int((long long)n * t / threads), int((long long)n * (t + 1) / threads)};
+}
+
+// f(i) for i in [0, n), on the calling thread when `work` (rough float
+// operations) is small, else split statically over the OpenMP threads.
+template <class F>
+void for_each_index(size_t work, long long n, const F& f) {
+  if (work < kParallelWork) {
+    for (long long i = 0; i < n; ++i) f(i);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (long long i = 0; i < n; ++i) f(i);
 }
 
 class CpuBackend final : public Backend {
@@ -62,16 +71,14 @@ class CpuBackend final : public Backend {
     return std::string("cpu (") + k_.isa + " kernels, " + std::to_string(omp_get_max_threads()) + " threads)";
   }
 
-  // Large buffers (weights, KV, prefill scratch) on 2 MiB boundaries and in
-  // transparent huge pages where the kernel allows it: 512x fewer page faults
-  // when a buffer is first touched (each costs microseconds in a VM) and
-  // fewer TLB misses while weights stream through the matrix kernel.
+  // Large buffers (weights, KV, prefill scratch) on 2 MiB boundaries, in
+  // transparent huge pages (gpu/host_memory.h).
   void* alloc_bytes(size_t bytes) override {
     const size_t align = bytes >= kHugePage ? kHugePage : kAlign;
     const size_t size = (bytes + align - 1) / align * align + align;
     void* ptr = std::aligned_alloc(align, size);
     if (!ptr) throw Error("cpu backend: cannot allocate " + std::to_string(bytes) + " bytes");
-    if (align == kHugePage) madvise(ptr, size, MADV_HUGEPAGE);  // advice only: failure changes nothing
+    if (align == kHugePage) advise_huge_pages(ptr, size);
     return ptr;
   }
   void free_bytes(void* ptr) override { std::free(ptr); }
@@ -110,7 +117,7 @@ class CpuBackend final : public Backend {
     // the fixed order, so the result does not depend on the thread count.
 #pragma omp parallel
     {
-      const auto [p0, p1] = share(panels, omp_get_thread_num(), omp_get_num_threads(), 1);
+      const auto [p0, p1] = share(panels, omp_get_thread_num(), omp_get_num_threads());
       if (p0 < p1) k_.matmul(a, w, c, m, n, k, p0, p1);
     }
   }
@@ -128,12 +135,9 @@ class CpuBackend final : public Backend {
   void swiglu(float* gate, const float* up, size_t n) override {
     constexpr long long kChunk = 4096;  // floats per parallel piece (a multiple of 16)
     const long long total = (long long)n;
-    if (n * 16 < kParallelWork) {
-      k_.swiglu(gate, up, 0, total);
-      return;
-    }
-#pragma omp parallel for schedule(static)
-    for (long long i = 0; i < total; i += kChunk) k_.swiglu(gate, up, i, std::min(total, i + kChunk));
+    for_each_index(16 * n, (total + kChunk - 1) / kChunk, [&](long long c) {
+      k_.swiglu(gate, up, c * kChunk, std::min(total, (c + 1) * kChunk));
+    });
   }
   void add(float* x, const float* y, size_t n) override {
     dispatch(n, [&](const auto& p) { cpu_kernels::add(p, x, y, n); });
@@ -142,22 +146,16 @@ class CpuBackend final : public Backend {
   // more than the copy): K scattered into its tile, V one copy.
   void kv_write(const PagedKv& kv, int layer, const float* k, const float* v, const int* positions,
                 int rows) override {
-    auto write_row = [&](int r) {
+    for_each_index(2 * size_t(rows) * kv.kv_dim, rows, [&](long long r) {
       const int pos = positions[r];
       float* region = kv_layout::layer_region(kv, layer, r, pos);
       const int p = pos % kv.block_size;
-      const float* kr = k + (long long)r * kv.kv_dim;
+      const float* kr = k + r * kv.kv_dim;
       float* kdst = region + kv_layout::k_index(kv.kv_dim, p, 0);
       for (int e = 0; e < kv.kv_dim; ++e) kdst[(long long)e * kv_layout::kTile] = kr[e];
-      std::memcpy(region + kv_layout::v_index(kv.block_size, kv.kv_dim, p), v + (long long)r * kv.kv_dim,
+      std::memcpy(region + kv_layout::v_index(kv.block_size, kv.kv_dim, p), v + r * kv.kv_dim,
                   size_t(kv.kv_dim) * sizeof(float));
-    };
-    if (2 * size_t(rows) * kv.kv_dim < kParallelWork) {
-      for (int r = 0; r < rows; ++r) write_row(r);
-      return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < rows; ++r) write_row(r);
+    });
   }
   void attention(const float* q, float* out, const PagedKv& kv, int layer, const int* positions, int rows,
                  int n_heads, int n_kv_heads, int head_size) override {
@@ -192,10 +190,9 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  static constexpr size_t kAlign = 64;               // cache line: vector loads never split one
-  static constexpr size_t kHugePage = size_t(2) << 20;  // x86-64 transparent huge page
+  static constexpr size_t kAlign = 64;  // cache line: vector loads never split one
   const cpu::KernelTable& k_;
-  std::vector<std::vector<float>> scratch_;  // per OpenMP thread: attention tiles and running state
+  std::vector<std::vector<float>> scratch_;  // per OpenMP thread: attention's running outputs, maxima, sums
 };
 
 }  // namespace

@@ -3,8 +3,6 @@
 // batched decode step (rows = sequences, K/V in a paged pool).
 #include "gpu/engine.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +11,7 @@
 
 #include "gpu/backend.h"
 #include "gpu/error.h"
+#include "gpu/host_memory.h"
 #include "gpu/kv_layout.h"
 
 namespace disagg::gpu {
@@ -24,15 +23,6 @@ namespace {
 // is independent of the rows computed with it (gpu/fixed_math.h), so the chunk
 // size changes no bit of the result.
 constexpr int kPrefillChunk = 512;
-
-// Asks for transparent huge pages for the whole 2 MiB pages inside [p, p + bytes):
-// a large host buffer then faults in 512x fewer times. Advice only.
-void advise_huge_pages(void* p, size_t bytes) {
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-}
 
 // A request's cache (one block of `block` positions, gpu/kv_layout.h) as the
 // wire layout [layer][K then V][position][kv_dim] of its first n positions.

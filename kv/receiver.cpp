@@ -201,10 +201,9 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
                                   const ucp_am_recv_param_t* param) {
     auto* self = static_cast<Impl*>(arg);
     wire::HelloHeader hello;
-    if (header_length != sizeof hello || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
-    std::memcpy(&hello, header, sizeof hello);
     // Another build or not a KV sender: no answer, its handshake times out.
-    if (hello.magic != wire::kMagic || hello.version != wire::kVersion) return UCS_OK;
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || !wire::read_header(header, header_length, &hello))
+      return UCS_OK;
     self->hello_acks_.push_back(param->reply_ep);
     return UCS_OK;
   }

@@ -277,9 +277,7 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
                                       const ucp_am_recv_param_t*) {
     auto* self = static_cast<Impl*>(arg);
     wire::HelloHeader hello;
-    if (header_length != sizeof hello) return UCS_OK;
-    std::memcpy(&hello, header, sizeof hello);
-    if (hello.magic != wire::kMagic || hello.version != wire::kVersion) return UCS_OK;
+    if (!wire::read_header(header, header_length, &hello)) return UCS_OK;
     std::lock_guard<std::mutex> lock(self->mu_);
     self->hello_acked_ = true;
     self->cv_.notify_all();
@@ -290,9 +288,7 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
                                     const ucp_am_recv_param_t*) {
     auto* self = static_cast<Impl*>(arg);
     wire::VerdictHeader verdict;
-    if (header_length != sizeof verdict) return UCS_OK;
-    std::memcpy(&verdict, header, sizeof verdict);
-    if (verdict.magic != wire::kMagic || verdict.version != wire::kVersion) return UCS_OK;
+    if (!wire::read_header(header, header_length, &verdict)) return UCS_OK;
     std::lock_guard<std::mutex> lock(self->mu_);
     auto it = self->transfers_.find(verdict.transfer_id);
     if (it == self->transfers_.end() || it->second.verdict_in) return UCS_OK;  // the first verdict counts

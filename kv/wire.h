@@ -20,6 +20,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace disagg::kv {
 
@@ -71,6 +72,16 @@ struct VerdictHeader {
   uint32_t has_piece = 0;    // 1: piece_index is meaningful
 };
 static_assert(sizeof(VerdictHeader) == 32, "VerdictHeader is a wire format");
+
+// A hello or verdict header from an active message's header bytes: true when
+// it has H's size, this magic and this version (anything else is another
+// build, or not a KV peer, and is ignored).
+template <class H>
+bool read_header(const void* data, size_t length, H* out) {
+  if (length != sizeof(H)) return false;
+  std::memcpy(out, data, sizeof(H));
+  return out->magic == kMagic && out->version == kVersion;
+}
 
 }  // namespace wire
 

@@ -16,6 +16,19 @@ using Index = long long;
 inline int imin(int a, int b) { return a < b ? a : b; }
 inline int imax(int a, int b) { return a > b ? a : b; }
 
+// The first w (<= 16) floats at p, the other lanes 0: a whole load when all
+// 16 are wanted.
+inline V vload_upto(const float* p, int w) { return w == 16 ? vload(p) : vload_n(p, w); }
+
+// The first w (<= 16) lanes of v to p: a whole store when all 16 are wanted.
+inline void vstore_upto(float* p, const V& v, int w) {
+  if (w == 16) {
+    vstore(p, v);
+  } else if (w > 0) {
+    vstore_n(p, v, w);
+  }
+}
+
 // ---------------------------------------------------------------- exp
 
 // fixed::fixed_exp on every lane; lanes below kExpLo compute garbage that the
@@ -50,14 +63,10 @@ void swiglu_range(float* gate, const float* up, long long begin, long long end) 
   long long i = begin;
   for (; i < end; i += 16) {
     const int w = int(end - i < 16 ? end - i : 16);
-    const V g = w == 16 ? vload(gate + i) : vload_n(gate + i, w);
-    const V u = w == 16 ? vload(up + i) : vload_n(up + i, w);
+    const V g = vload_upto(gate + i, w);
+    const V u = vload_upto(up + i, w);
     const V s = vmul(g, vdiv(one, vadd(one, vexp(vsub(vzero(), g)))));
-    if (w == 16) {
-      vstore(gate + i, vmul(s, u));
-    } else {
-      vstore_n(gate + i, vmul(s, u), w);
-    }
+    vstore_upto(gate + i, vmul(s, u), w);
   }
 }
 
@@ -85,14 +94,7 @@ inline void mm_block(const float* a, int lda, const float* panel, Index panel_fl
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NP; ++j) {
-      const int w = imin(16, cols - 16 * j);
-      if (w == 16) {
-        vstore(c + Index(r) * ldc + 16 * j, acc[r][j]);
-      } else if (w > 0) {
-        vstore_n(c + Index(r) * ldc + 16 * j, acc[r][j], w);
-      }
-    }
+    for (int j = 0; j < NP; ++j) vstore_upto(c + Index(r) * ldc + 16 * j, acc[r][j], imin(16, cols - 16 * j));
 }
 
 // mm_block<rows, np> for rows <= MR, np <= NP chosen at run time.
@@ -138,6 +140,21 @@ void matmul_panels(const float* a, const float* w, float* c, int m, int n, int k
 
 // ---------------------------------------------------------------- attention
 
+// How raw scores become q.k / sqrt(head_size): dividing by the root, or, when
+// the root is a power of two, multiplying by its inverse (which rounds the
+// same, and is faster). Worked out once per attention call.
+struct ScoreScale {
+  V factor;
+  bool multiply;
+  explicit ScoreScale(int head_size) {
+    const float root = sqrtf(float(head_size));
+    int exponent = 0;
+    multiply = frexpf(root, &exponent) == 0.5f;
+    factor = vset1(multiply ? 1.0f / root : root);
+  }
+  V apply(const V& raw) const { return multiply ? vmul(raw, factor) : vdiv(raw, factor); }
+};
+
 // One query head of one row while its group is attended: its query, running
 // output, max and sum, and its position (it attends keys [0, pos]).
 struct HeadState {
@@ -170,14 +187,11 @@ inline void scores_rows(const HeadState* h, const float* const* kt, int hs, V (*
   }
 }
 
+// scores_rows<NR, nt> for nt <= NT chosen at run time.
 template <int NR, int NT>
-inline void scores_call(int nr, int nt, const HeadState* h, const float* const* kt, int hs,
-                        V (*s)[kSuperTiles]) {
-  if constexpr (NR > 1) {
-    if (nr < NR) return scores_call<NR - 1, NT>(nr, nt, h, kt, hs, s);
-  }
+inline void scores_call(int nt, const HeadState* h, const float* const* kt, int hs, V (*s)[kSuperTiles]) {
   if constexpr (NT > 1) {
-    if (nt < NT) return scores_call<NR, NT - 1>(nr, nt, h, kt, hs, s);
+    if (nt < NT) return scores_call<NR, NT - 1>(nt, h, kt, hs, s);
   }
   scores_rows<NR, NT>(h, kt, hs, s);
 }
@@ -217,15 +231,6 @@ inline void values_rows(const HeadState* const* h, const float* corr, const floa
     for (int c = 0; c < HV; ++c) vstore(h[r]->o + 16 * c, acc[r][c]);
 }
 
-template <int NR, int HV>
-inline void values_call(int nr, const HeadState* const* h, const float* corr, const float (*p)[16],
-                        const int* valid, const float* const* vrows) {
-  if constexpr (NR > 1) {
-    if (nr < NR) return values_call<NR - 1, HV>(nr, h, corr, p, valid, vrows);
-  }
-  values_rows<NR, HV>(h, corr, p, valid, vrows);
-}
-
 // The same for any head size (a partial last vector), one head at a time.
 inline void values_any(const HeadState& h, float corr, const float* p, int valid, const float* const* vrows, int hs) {
   const V cv = vset1(corr);
@@ -242,14 +247,13 @@ inline void values_any(const HeadState& h, float corr, const float* p, int valid
 // position ends before a tile computes it but keeps nothing of it.
 template <int NR>
 void attend_heads(const HeadState* hb, int s0, int ntiles, const float* const* kt, const float* const* vrow,
-                  int hs) {
+                  int hs, const ScoreScale& scale) {
   constexpr int T = fixed::kKeyTile;
   int max_pos = 0;
   for (int r = 0; r < NR; ++r) max_pos = imax(max_pos, hb[r].pos);
   const int nt = imin(ntiles, (max_pos - s0) / T + 1);
   V s[NR][kSuperTiles];
-  scores_call<NR, kSuperTiles>(NR, nt, hb, kt, hs, s);
-  const float root = sqrtf(float(hs));
+  scores_call<NR, kSuperTiles>(nt, hb, kt, hs, s);
   const V iota = viota();
   const int hv = (hs + 15) / 16;
   const bool whole = hs == 16 * hv && (hv == 1 || hv == 2 || hv == 4 || hv == 8);
@@ -261,17 +265,11 @@ void attend_heads(const HeadState* hb, int s0, int ntiles, const float* const* k
   float pl[kSuperTiles][NR][16];
   float l[NR];
   V sc[kSuperTiles][NR];
-  // dot / sqrt(head_size); when sqrt(head_size) is a power of two, dividing
-  // and multiplying by its inverse round alike, and multiplying is faster.
-  int exponent_unused = 0;
-  const bool exact_inverse = frexpf(root, &exponent_unused) == 0.5f;
-  const V scale = vset1(exact_inverse ? 1.0f / root : root);
   for (int q = 0; q < nt; ++q)
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       valid[q][r] = imin(T, hb[r].pos - (s0 + q * T) + 1);
-      const V scaled = exact_inverse ? vmul(s[r][q], scale) : vdiv(s[r][q], scale);
-      sc[q][r] = vselect_lt(iota, vset1(float(valid[q][r])), scaled, vset1(-INFINITY));
+      sc[q][r] = vselect_lt(iota, vset1(float(valid[q][r])), scale.apply(s[r][q]), vset1(-INFINITY));
     }
   // The running max through the tiles a head covers; the correction
   // exponents of all (tile, head) pairs go through one vector exp.
@@ -327,11 +325,11 @@ void attend_heads(const HeadState* hb, int s0, int ntiles, const float* const* k
 // Up to kAttnRows heads: attend_heads<nb>.
 template <int NR>
 void attend_batch(const HeadState* hb, int nb, int s0, int ntiles, const float* const* kt,
-                  const float* const* vrow, int hs) {
+                  const float* const* vrow, int hs, const ScoreScale& scale) {
   if constexpr (NR > 1) {
-    if (nb < NR) return attend_batch<NR - 1>(hb, nb, s0, ntiles, kt, vrow, hs);
+    if (nb < NR) return attend_batch<NR - 1>(hb, nb, s0, ntiles, kt, vrow, hs, scale);
   }
-  attend_heads<NR>(hb, s0, ntiles, kt, vrow, hs);
+  attend_heads<NR>(hb, s0, ntiles, kt, vrow, hs, scale);
 }
 
 void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scratch) {
@@ -356,6 +354,7 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
     return HeadState{a.q + Index(r0 + rr) * qw + Index(kvh * group + g) * hs, o + Index(i) * hv * T, mrun + i,
                      lrun + i, a.positions[r0 + rr]};
   };
+  const ScoreScale scale(hs);
   const float* kt[kSuperTiles];
   const float* vrow[kSuperTiles * T];
 
@@ -379,12 +378,12 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
       for (int g = 0; g < group; ++g) {
         hb[nb++] = state(rr, g);
         if (nb == kAttnRows) {
-          attend_batch<kAttnRows>(hb, nb, s0, ntiles, kt, vrow, hs);
+          attend_batch<kAttnRows>(hb, nb, s0, ntiles, kt, vrow, hs, scale);
           nb = 0;
         }
       }
     }
-    if (nb > 0) attend_batch<kAttnRows>(hb, nb, s0, ntiles, kt, vrow, hs);
+    if (nb > 0) attend_batch<kAttnRows>(hb, nb, s0, ntiles, kt, vrow, hs, scale);
   }
   for (int rr = 0; rr < nrows; ++rr)
     for (int g = 0; g < group; ++g) {
@@ -393,12 +392,7 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
       float* dst = a.out + Index(r0 + rr) * qw + Index(kvh * group + g) * hs;
       for (int c = 0; c < hv; ++c) {
         const int w = imin(16, hs - 16 * c);
-        const V val = vdiv(vload(o + Index(i) * hv * T + 16 * c), lv);
-        if (w == 16) {
-          vstore(dst + 16 * c, val);
-        } else {
-          vstore_n(dst + 16 * c, val, w);
-        }
+        vstore_upto(dst + 16 * c, vdiv(vload(o + Index(i) * hv * T + 16 * c), lv), w);
       }
     }
 }

@@ -15,6 +15,7 @@
 #include "gpu/backend.h"
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
+#include "gpu/pool_contents.h"
 #include "gpu/error.h"
 #include "gpu/generate.h"
 #include "gpu/sampling.h"
@@ -64,27 +65,7 @@ void expect_same_bits(const std::vector<float>& a, const std::vector<float>& b, 
                            << " values differ, max abs difference " << worst;
 }
 
-// Positions [0, n_positions) of a sequence's blocks, gathered into the
-// contiguous KvLayout::layer_kv_position order of a prefill cache.
-std::vector<float> gather_kv(Engine& engine, KvPool& pool, const std::vector<int>& blocks, int n_positions) {
-  const ModelConfig& c = engine.config();
-  const size_t kv_dim = size_t(c.kv_dim());
-  std::vector<float> all(pool.num_blocks() * pool.block_stride());
-  engine.backend().download(all.data(), pool.data(), all.size() * sizeof(float));
-  std::vector<float> out(size_t(c.n_layers) * 2 * n_positions * kv_dim);
-  for (int l = 0; l < c.n_layers; ++l)
-    for (int kv = 0; kv < 2; ++kv)
-      for (int p = 0; p < n_positions; ++p) {
-        // The pool's layout (gpu/kv_layout.h): K tiled by 16 positions, then V rows.
-        const size_t bs = size_t(pool.block_size()), pb = size_t(p) % bs;
-        const size_t region = blocks[p / pool.block_size()] * pool.block_stride() + size_t(l) * 2 * bs * kv_dim;
-        const size_t dst = ((size_t(l) * 2 + kv) * n_positions + p) * kv_dim;
-        for (size_t e = 0; e < kv_dim; ++e)
-          out[dst + e] = kv == 0 ? all[region + ((pb / 16) * kv_dim + e) * 16 + pb % 16]
-                                 : all[region + (bs + pb) * kv_dim + e];
-      }
-  return out;
-}
+using test::gather_kv;
 
 KvView view_of(const Engine& engine, const PrefillOutput& prefilled) {
   KvView view;

@@ -16,6 +16,7 @@
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
 #include "gpu/error.h"
+#include "gpu/pool_contents.h"
 
 namespace disagg::gpu {
 namespace {
@@ -44,26 +45,6 @@ int argmax(const float* logits, int n) { return int(std::max_element(logits, log
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-// The pool's positions [0, n) of `blocks` in the prefill cache's order.
-std::vector<float> gather(Engine& e, KvPool& pool, const std::vector<int>& blocks, int n) {
-  const ModelConfig& c = e.config();
-  const size_t kv_dim = size_t(c.kv_dim());
-  std::vector<float> all(size_t(pool.num_blocks()) * pool.block_stride());
-  e.backend().download(all.data(), pool.data(), all.size() * sizeof(float));
-  std::vector<float> out(size_t(c.n_layers) * 2 * n * kv_dim);
-  for (int l = 0; l < c.n_layers; ++l)
-    for (int kv = 0; kv < 2; ++kv)
-      for (int p = 0; p < n; ++p) {
-        // gpu/kv_layout.h: K tiled by 16 positions ([kv_dim][16]), then V rows.
-        const size_t region = blocks[p / kBlock] * pool.block_stride() + size_t(l) * 2 * kBlock * kv_dim;
-        const size_t pb = size_t(p % kBlock);
-        for (size_t e = 0; e < kv_dim; ++e)
-          out[((size_t(l) * 2 + kv) * n + p) * kv_dim + e] =
-              kv == 0 ? all[region + ((pb / 16) * kv_dim + e) * 16 + pb % 16] : all[region + (kBlock + pb) * kv_dim + e];
-      }
-  return out;
 }
 
 TEST(LongContext, FullContextPromptPrefillsInChunksBitIdenticalToStepwiseDecode) {
@@ -97,7 +78,7 @@ TEST(LongContext, FullContextPromptPrefillsInChunksBitIdenticalToStepwiseDecode)
   std::vector<float> logits;
   for (int p = 0; p < kPrompt; ++p) logits = engine.decode_step(pool_b, {DecodeSlot{prompt[p], p, &blocks}});
   EXPECT_TRUE(same_bits(logits, pre.logits)) << "last prompt position: prefill and stepwise logits differ";
-  EXPECT_TRUE(same_bits(gather(engine, pool_b, blocks, kPrompt), pre.kv)) << "prefill and stepwise KV differ";
+  EXPECT_TRUE(same_bits(test::gather_kv(engine, pool_b, blocks, kPrompt), pre.kv)) << "prefill and stepwise KV differ";
   std::vector<int> tokens_b = {argmax(logits.data(), vocab)};
   for (int i = 1; i < kNew; ++i) {
     logits = engine.decode_step(pool_b, {DecodeSlot{tokens_b.back(), kPrompt + i - 1, &blocks}});
