@@ -1,12 +1,16 @@
 #include "actors/compute.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <type_traits>
 
+#include "actors/errors.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "gpu/kv_format.h"
+#include "gpu/kv_stream.h"
 #include "gpu/sampling.h"
 
 namespace disagg {
@@ -24,11 +28,84 @@ std::atomic<int64_t> prefills_computed{0};
 std::atomic<int64_t> prefills_skipped_cancelled{0};
 std::atomic<int64_t> prefills_skipped_expired{0};
 
-// Declared pool after engine: the pool (which refers to the engine) goes first.
 struct ComputeState {
-  std::unique_ptr<gpu::Engine> engine;
-  std::unique_ptr<gpu::KvPool> pool;
+  std::shared_ptr<gpu::Engine> engine;
+  std::shared_ptr<gpu::KvPool> pool;  // holds the engine too (spawn_compute_unit)
+  std::shared_ptr<kv::KvPlane> plane;
 };
+
+// Thrown by the prefill hook to stop a streamed prefill part way.
+struct StreamStopped {
+  ErrorCode code;
+  std::string message;
+};
+
+// How long an abandoned stream may take to get its pieces in flight back
+// (they are bounded by the sender's in-flight budget).
+constexpr auto kAbandonWait = std::chrono::seconds(2);
+
+// The prompt's KV streams to the decode worker's blocks while it is computed:
+// after each layer of each chunk, that layer's new positions go out as pieces
+// (gpu/kv_stream.h) straight from the engine's prefill cache, which stays
+// unchanged until the next prefill, i.e. until this function has the
+// receiver's verdict (or has abandoned the stream).
+void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r) {
+  const KvTarget& target = work.target;
+  const gpu::ModelConfig& c = st.engine->config();
+  const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size);
+  const auto transport = target.transport == uint8_t(kv::Transport::shm) ? kv::Transport::shm : kv::Transport::tcp;
+  std::shared_ptr<kv::KvSender> tx;
+  try {
+    if (!st.plane) throw kv::KvError(kv::KvErrc::invalid_argument, "this node has no KV data plane");
+    tx = st.plane->sender(transport, target.address);
+  } catch (const kv::KvError& e) {
+    r.code = ErrorCode::worker_lost;
+    r.message = std::string("KV stream to the decode worker (") + kv::to_string(transport) + " " + target.address +
+                "): " + e.what();
+    return;
+  }
+  uint32_t piece = 0;
+  gpu::PrefillHooks hooks;
+  hooks.wire_kv = false;
+  hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
+    if (work.cancelled && work.cancelled->load()) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
+    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t from, size_t bytes) {
+      if (!tx->send(target.transfer_id, piece++, offset, cache + from, bytes))
+        throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
+    });
+  };
+  const auto start = Clock::now();
+  std::optional<StreamStopped> stopped;
+  try {
+    gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks);
+    r.first_token = gpu::sample_token(out.logits.data(), c.vocab_size, to_gpu(work.sampling), 0);
+  } catch (const StreamStopped& s) {
+    stopped = s;
+  } catch (const kv::KvError& e) {
+    stopped = StreamStopped{ErrorCode::worker_lost, std::string("KV stream: ") + e.what()};
+  } catch (const std::exception& e) {
+    stopped = StreamStopped{ErrorCode::internal, std::string("prefill: ") + e.what()};
+  }
+  const auto computed = Clock::now();
+  r.compute_us = std::chrono::duration_cast<std::chrono::microseconds>(computed - start).count();
+  r.kv_bytes = plan.total_bytes();
+  if (stopped && stopped->code != ErrorCode::none) {
+    tx->abandon(target.transfer_id, computed + kAbandonWait);
+    r.code = stopped->code;
+    r.message = stopped->message;
+    return;
+  }
+  const kv::TransferResult verdict =
+      tx->wait(target.transfer_id, computed + std::chrono::milliseconds(std::max<int64_t>(1, work.kv_wait_ms)));
+  r.tail_us = micros_since(computed);
+  if (!verdict.ok()) {
+    r.code = code_of(verdict.status);
+    r.message = "KV stream to " + target.address + ": " + kv::to_string(verdict.status) +
+                (verdict.detail.empty() ? "" : " (" + verdict.detail + ")");
+    return;
+  }
+  r.streamed = true;
+}
 
 PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
   PrefillResult r;
@@ -48,6 +125,15 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
     return r;
   }
   ++prefills_computed;
+  if (work.target.transfer_id != 0) {
+    try {
+      run_streamed_prefill(st, work, r);
+    } catch (const std::exception& e) {  // a plan the prompt does not fit (the decode's block size)
+      r.code = ErrorCode::invalid_request;
+      r.message = std::string("KV stream: ") + e.what();
+    }
+    return r;
+  }
   try {
     gpu::PrefillOutput out = st.engine->prefill(work.tokens);
     r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,
@@ -157,13 +243,34 @@ ModelInfo model_info(const gpu::Engine& engine) {
   return info;
 }
 
-compute_actor spawn_compute(caf::actor_system& system, const ComputeSpec& spec) {
+ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spec) {
   if (!spec.checkpoint) throw gpu::Error("spawn_compute: no checkpoint");
   auto st = std::make_shared<ComputeState>();
-  st->engine = std::make_unique<gpu::Engine>(spec.checkpoint, spec.engine);
-  if (spec.pool_blocks > 0)
-    st->pool = std::make_unique<gpu::KvPool>(*st->engine, spec.pool_block_size, spec.pool_blocks);
-  return system.spawn<caf::detached>(compute_behavior, std::move(st));
+  st->engine = std::make_shared<gpu::Engine>(spec.checkpoint, spec.engine);
+  st->plane = spec.kv_plane;
+  if (spec.pool_blocks > 0) {
+    auto* pool = new gpu::KvPool(*st->engine, spec.pool_block_size, spec.pool_blocks);
+    st->pool = std::shared_ptr<gpu::KvPool>(pool, [engine = st->engine](gpu::KvPool* p) { delete p; });
+  }
+  ComputeUnit unit;
+  unit.pool = st->pool;
+  unit.actor = system.spawn<caf::detached>(compute_behavior, std::move(st));
+  return unit;
+}
+
+compute_actor spawn_compute(caf::actor_system& system, const ComputeSpec& spec) {
+  return spawn_compute_unit(system, spec).actor;
+}
+
+std::shared_ptr<kv::KvPlane> make_kv_plane(const DisaggConfig& config, bool receive) {
+  // A stream's pieces are one per (layer, block, K|V) of each prefill chunk,
+  // so small blocks make many small pieces: let the byte budget be the bound.
+  constexpr uint32_t kStreamInflightPieces = 1024;
+  kv::PlaneOptions options;
+  if (receive) options.listen_host = config.kv_host;
+  options.shared_memory = config.kv_transport == "auto";
+  options.sender.max_inflight_pieces = kStreamInflightPieces;
+  return std::make_shared<kv::KvPlane>(options);
 }
 
 }  // namespace disagg

@@ -5,9 +5,12 @@
 #pragma once
 #include <memory>
 
+#include "actors/config.h"
 #include "caf/actor_system.hpp"
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
+#include "gpu/kv_cache.h"
+#include "kv/plane.h"
 #include "messages/interfaces.h"
 
 namespace disagg {
@@ -17,11 +20,29 @@ struct ComputeSpec {
   gpu::EngineOptions engine;
   int pool_block_size = 16;
   int pool_blocks = 0;  // 0: no KV pool (a prefill worker's compute)
+  // The process's KV data plane: a prefill compute streams KV through it
+  // (PrefillWork::target). Null: it can only return KV serialized.
+  std::shared_ptr<kv::KvPlane> kv_plane;
+};
+
+// A compute actor and, on a decode worker, its pool: the decode actor lets
+// its KV receiver write streamed pieces straight into the pool's reserved
+// blocks. The pool keeps its engine alive, so the memory stays valid while
+// any holder needs it.
+struct ComputeUnit {
+  compute_actor actor;
+  std::shared_ptr<gpu::KvPool> pool;  // null without one
 };
 
 // Builds the engine and pool here, so a load or backend failure throws
 // gpu::Error in the caller; then spawns the detached actor that owns them.
+ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spec);
 compute_actor spawn_compute(caf::actor_system& system, const ComputeSpec& spec);
+
+// The process's KV data plane as `config` asks for it (kv-transport,
+// kv-host); receivers only when `receive` (a decode worker lives here).
+// Throws kv::KvError when UCX cannot make it.
+std::shared_ptr<kv::KvPlane> make_kv_plane(const DisaggConfig& config, bool receive);
 
 ModelInfo model_info(const gpu::Engine& engine);
 // The same from a checkpoint alone (no engine, no backend): what the router

@@ -23,6 +23,19 @@ struct DisaggConfig {
   int64_t max_kv_transfer_bytes = int64_t{256} << 20;  // larger KV: kv_too_large
   int64_t ack_timeout_ms = 10000;  // KV sent -> decode's ack
 
+  // KV data plane (kv/plane.h). How prefill ships KV to decode:
+  //   auto:    streamed over UCX while the prefill runs; shared memory when
+  //            both workers are on one host, TCP otherwise (the default);
+  //   tcp:     streamed over UCX, always TCP;
+  //   message: one CAF message after the prefill (the earlier path, kept for
+  //            comparison and for nodes without UCX).
+  // The decode worker decides (it registers the memory); a prefill worker
+  // set to message sends a message whatever the decode worker offers.
+  std::string kv_transport = "auto";
+  // Address a decode node's KV receivers listen on (reachable by the prefill
+  // nodes, and by nothing else: UCX authenticates no one).
+  std::string kv_host = "127.0.0.1";
+
   // Decode worker.
   int block_size = 16;     // positions per KV block
   int pool_blocks = 1024;  // KV pool capacity in blocks

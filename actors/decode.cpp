@@ -11,6 +11,7 @@
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "gpu/engine.h"
+#include "gpu/kv_stream.h"
 #include "gpu/generate.h"
 #include "gpu/tokenizer.h"
 
@@ -18,13 +19,27 @@ namespace disagg {
 
 namespace {
 
+// The prefill worker's commit of a streamed KV, held until the receiver's
+// verdict on the stream is in.
+struct PendingCommit {
+  KvTransfer transfer;
+  caf::typed_response_promise<KvAck> promise;
+};
+
 // A request's blocks, taken when the router reserved them and held until its
 // KV arrives (then they become the Sequence's), it is cancelled, or the lease
-// timer with this serial fires.
+// timer with this serial fires. With a stream open (transfer_id != 0 and no
+// verdict yet) the KV receiver may write into the blocks: they are freed only
+// after the receiver gave them back (cancel).
 struct Reservation {
   std::vector<int32_t> blocks;
   int32_t positions = 0;
   uint64_t serial = 0;
+  uint64_t transfer_id = 0;
+  kv::Transport transport = kv::Transport::tcp;
+  std::optional<KvLanded> verdict;      // the stream is over
+  std::optional<PendingCommit> commit;  // arrived before the verdict
+  bool streaming() const { return transfer_id != 0 && !verdict; }
 };
 
 struct Sequence {
@@ -58,13 +73,18 @@ class RecentIds {
 };
 
 struct DecodeState {
+  ~DecodeState();
   DisaggConfig config;
+  DecodeKv kv;             // streams: the pool's memory and the process's receivers
   std::string name;  // also the actor's name in CAF (stateful_actor reads state.name)
   compute_actor compute;
   router_actor router;
   std::optional<gpu::BlockAllocator> allocator;
   int32_t seq_len = 0;     // from the compute actor's model
   int32_t vocab_size = 0;  // from the compute actor's model
+  int32_t n_layers = 0;    // from the compute actor's model (stream plans)
+  int32_t kv_dim = 0;
+  uint64_t fingerprint = 0;
   // A request's phases here: reserved (blocks held, KV not yet arrived) ->
   // admitting (compute writing the KV into them) -> active (decoding) -> gone.
   std::map<RequestId, Reservation> reserved;
@@ -74,7 +94,18 @@ struct DecodeState {
   RecentIds cancelled{4096};
   bool step_in_flight = false;
   size_t cursor = 0;  // round robin over active sequences when more than max_batch
+  // The sequences of the step in flight, and blocks of those among them that
+  // ended meanwhile: the step still writes their KV at one position, so the
+  // blocks go back to the allocator (and to a stream's receiver) only after it.
+  std::unordered_set<RequestId> in_step;
+  std::vector<int32_t> release_after_step;
 };
+
+// An actor that ends with streams open gives their memory back first.
+DecodeState::~DecodeState() {
+  for (auto& [id, r] : reserved)
+    if (r.streaming()) kv.plane->receiver(r.transport).cancel(r.transfer_id);
+}
 
 using Self = decode_actor::stateful_pointer<DecodeState>;
 
@@ -96,10 +127,20 @@ KvAck make_ack(Self self, RequestId id, ErrorCode code, std::string message) {
 
 // Every sequence ends here: blocks freed, its one DecodeDone sent (after all
 // of its token events, so the router sees them first).
+// Blocks of a sequence that ended: back to the allocator now, or after the
+// step in flight if it includes the sequence.
+void release_sequence_blocks(Self self, RequestId id, const std::vector<int32_t>& blocks) {
+  auto& st = self->state;
+  if (st.in_step.count(id))
+    st.release_after_step.insert(st.release_after_step.end(), blocks.begin(), blocks.end());
+  else
+    st.allocator->release(blocks);
+}
+
 void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, ErrorCode code,
                      std::string message, FinishReason finish) {
   auto& st = self->state;
-  st.allocator->release(it->second.blocks);
+  release_sequence_blocks(self, it->first, it->second.blocks);
   DecodeDone done;
   done.id = it->first;
   done.code = code;
@@ -129,6 +170,17 @@ bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t
   return false;
 }
 
+// The step in flight has ended: what waited for it is released.
+void step_over(Self self) {
+  auto& st = self->state;
+  st.step_in_flight = false;
+  st.in_step.clear();
+  if (!st.release_after_step.empty()) {
+    st.allocator->release(st.release_after_step);
+    st.release_after_step.clear();
+  }
+}
+
 // Continuous batching: whenever no step is running, run one over the active
 // sequences (those admitted meanwhile included).
 void schedule_step(Self self) {
@@ -155,6 +207,7 @@ void schedule_step(Self self) {
   }
   st.cursor += take;
   st.step_in_flight = true;
+  st.in_step.insert(ids.begin(), ids.end());
   // A step may write into the blocks of a sequence cancelled while it runs;
   // harmless: the compute actor handles messages in order, so any later
   // admission overwrites those blocks only after this step is done.
@@ -162,7 +215,7 @@ void schedule_step(Self self) {
                 step_atom::value, std::move(step))
       .then(
           [=](StepResult& r) {
-            self->state.step_in_flight = false;
+            step_over(self);
             if (r.code == ErrorCode::none && r.next_tokens.size() != ids.size()) {
               r.code = ErrorCode::internal;
               r.message = "decode step returned " + std::to_string(r.next_tokens.size()) +
@@ -183,7 +236,7 @@ void schedule_step(Self self) {
             schedule_step(self);
           },
           [=](caf::error& e) {
-            self->state.step_in_flight = false;
+            step_over(self);
             for (RequestId id : ids) {
               auto it = self->state.active.find(id);
               if (it != self->state.active.end())
@@ -192,6 +245,44 @@ void schedule_step(Self self) {
             report_load(self);
             schedule_step(self);
           });
+}
+
+bool can_stream(const DecodeState& st) {
+  return st.config.kv_transport != "message" && st.kv.pool && st.kv.plane && st.kv.plane->receiving();
+}
+
+// Registers the reserved blocks with the KV receiver for the prompt's
+// positions (gpu/kv_stream.h) under a new transfer id, before the router (and
+// through it the prefill worker) learns the id. The receiver's verdict comes
+// back as a landed_atom message to this actor.
+KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
+  auto& st = self->state;
+  const gpu::KvStreamPlan plan(st.n_layers, st.kv_dim, r.prompt_len, st.config.block_size);
+  if (size_t(plan.blocks()) > held.blocks.size())
+    throw std::invalid_argument(std::to_string(r.prompt_len) + " prompt positions need " +
+                                std::to_string(plan.blocks()) + " blocks");
+  float* pool = st.kv.pool->data();
+  const size_t stride = st.kv.pool->block_stride();
+  std::vector<kv::Region> regions;
+  plan.for_each_region([&](int, int j, bool, size_t offset, size_t floats) {
+    regions.push_back({pool + size_t(held.blocks[size_t(j)]) * stride + offset, floats * sizeof(float)});
+  });
+  held.transport = st.config.kv_transport == "tcp" ? kv::Transport::tcp : st.kv.plane->transport_for(r.prefill_host);
+  held.transfer_id = kv::new_transfer_id();
+  // (weak: the receiver's thread must never hold the last reference to this actor)
+  const caf::actor_addr me = self->address();
+  const RequestId id = r.id;
+  const uint64_t serial = held.serial;
+  st.kv.plane->receiver(held.transport)
+      .expect(held.transfer_id, std::move(regions), kv::Clock::now() + std::chrono::milliseconds(r.lease_ms),
+              [me, id, serial](const kv::TransferResult& result) {
+                if (auto decode = caf::actor_cast<decode_actor>(me))
+                  caf::anon_send(decode, landed_atom::value, id, serial,
+                                 KvLanded{result.transfer_id, uint8_t(result.status), result.bytes_received,
+                                          result.detail});
+              });
+  return KvTarget{held.transfer_id, uint8_t(held.transport), st.kv.plane->address(held.transport),
+                  st.config.block_size};
 }
 
 // The answer to the router's reservation: the receiver allocates before any
@@ -214,19 +305,97 @@ ReserveReply reserve(Self self, const KvReservation& r) {
     return reply(ErrorCode::overloaded, st.name + " needs " + std::to_string(needed) + " KV blocks, " +
                                             std::to_string(st.allocator->free_blocks()) + " free");
   const uint64_t serial = st.next_serial++;
-  st.reserved.emplace(r.id, Reservation{std::move(blocks), r.positions, serial});
+  Reservation held{std::move(blocks), r.positions, serial};
+  ReserveReply answer = reply(ErrorCode::none, {});
+  if (can_stream(st) && r.prompt_len > 0 && r.prompt_len <= r.positions) {
+    try {
+      answer.target = open_stream(self, r, held);
+    } catch (const std::exception& e) {
+      st.allocator->release(held.blocks);
+      return reply(ErrorCode::internal, std::string("cannot open the KV stream: ") + e.what());
+    }
+  }
+  st.reserved.emplace(r.id, std::move(held));
   self->delayed_send(self, std::chrono::milliseconds(r.lease_ms), lease_atom::value, r.id, serial);
-  return reply(ErrorCode::none, {});
+  answer.load = load_of(self);
+  return answer;
 }
 
-// Gives a reservation's blocks back (cancel, lease end); false when none.
-bool drop_reservation(Self self, RequestId id) {
+// Gives a reservation's blocks back (cancel, lease end, failed stream): a
+// stream still open is cancelled first (its receiver no longer writes into
+// the blocks once cancel returns), a commit waiting for it is refused with
+// `code`. False when nothing was reserved.
+bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cancelled,
+                      const std::string& message = "request was cancelled") {
   auto& st = self->state;
   auto it = st.reserved.find(id);
   if (it == st.reserved.end()) return false;
-  st.allocator->release(it->second.blocks);
+  Reservation& r = it->second;
+  if (r.streaming()) st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
+  if (r.commit) r.commit->promise.deliver(make_ack(self, id, code, message));
+  st.allocator->release(r.blocks);
   st.reserved.erase(it);
   return true;
+}
+
+// The KV is in the sequence's blocks: it joins the next decode step.
+void activate(Self self, RequestId id, Sequence seq, int32_t first_token, caf::typed_response_promise<KvAck> promise) {
+  seq.admitted = Clock::now();
+  auto it = self->state.active.emplace(id, std::move(seq)).first;
+  accept_token(self, it, first_token);  // token 0, sampled by the prefill side
+  promise.deliver(make_ack(self, id, ErrorCode::none, {}));
+  report_load(self);
+  schedule_step(self);
+}
+
+// A streamed KV's commit and the receiver's verdict are both in: the
+// sequence starts, or its reservation ends with the stream's failure.
+void settle_stream(Self self, RequestId id) {
+  auto& st = self->state;
+  auto it = st.reserved.find(id);
+  if (it == st.reserved.end() || !it->second.verdict || !it->second.commit) return;
+  const KvLanded verdict = *it->second.verdict;
+  PendingCommit commit = std::move(*it->second.commit);
+  it->second.commit.reset();
+  const auto status = kv::TransferStatus(verdict.status);
+  if (status != kv::TransferStatus::complete) {
+    commit.promise.deliver(make_ack(self, id, code_of(status),
+                                    std::string("KV stream ") + kv::to_string(status) +
+                                        (verdict.detail.empty() ? "" : ": " + verdict.detail)));
+    drop_reservation(self, id);
+    report_load(self);
+    return;
+  }
+  const KvTransfer& t = commit.transfer;
+  Sequence seq;
+  seq.blocks = std::move(it->second.blocks);
+  seq.prompt_len = t.prompt_len;
+  seq.limit = std::min(t.max_new_tokens, st.seq_len - t.prompt_len);
+  seq.sampling = t.sampling;
+  st.reserved.erase(it);
+  activate(self, id, std::move(seq), t.first_token, commit.promise);
+}
+
+// The prefill worker's commit of a KV it streamed into `held`'s blocks.
+caf::typed_response_promise<KvAck> commit_stream(Self self, Reservation& held, KvTransfer transfer,
+                                                  caf::typed_response_promise<KvAck> promise) {
+  auto& st = self->state;
+  const RequestId id = transfer.id;
+  if (transfer.transfer_id != held.transfer_id || held.commit) {
+    promise.deliver(make_ack(self, id, ErrorCode::invalid_request,
+                             "no KV stream " + std::to_string(transfer.transfer_id) + " for request " +
+                                 std::to_string(id)));
+    return promise;
+  }
+  if (transfer.fingerprint != st.fingerprint) {
+    promise.deliver(make_ack(self, id, ErrorCode::incompatible_kv, "KV of another model (fingerprint)"));
+    drop_reservation(self, id);
+    report_load(self);
+    return promise;
+  }
+  held.commit = PendingCommit{std::move(transfer), promise};
+  settle_stream(self, id);  // now, or when the verdict comes
+  return promise;
 }
 
 // The answer to a KV transfer: checks, the request's reserved blocks, then
@@ -264,6 +433,12 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   if (positions > held->second.positions)
     return refuse(ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
                                                   std::to_string(held->second.positions) + " were reserved");
+  if (transfer.transfer_id != 0) return commit_stream(self, held->second, std::move(transfer), promise);
+  // One message: a stream offered for this reservation is not used.
+  if (held->second.streaming()) {
+    st.kv.plane->receiver(held->second.transport).cancel(held->second.transfer_id);
+    held->second.verdict = KvLanded{held->second.transfer_id, uint8_t(kv::TransferStatus::cancelled), 0, {}};
+  }
   std::vector<int32_t> blocks = std::move(held->second.blocks);
   st.reserved.erase(held);
   Sequence seq;
@@ -290,12 +465,7 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
               report_load(self);
               return;
             }
-            seq.admitted = Clock::now();
-            auto it = state.active.emplace(id, std::move(seq)).first;
-            accept_token(self, it, first_token);  // token 0, sampled by the prefill side
-            promise.deliver(make_ack(self, id, ErrorCode::none, {}));
-            report_load(self);
-            schedule_step(self);
+            activate(self, id, std::move(seq), first_token, promise);
           },
           [=](caf::error& e) mutable {
             self->state.admitting.erase(id);
@@ -307,9 +477,10 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
 }
 
 decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, compute_actor compute,
-                                            router_actor router, std::string name) {
+                                            router_actor router, std::string name, DecodeKv kv) {
   auto& st = self->state;
   st.config = std::move(config);
+  st.kv = std::move(kv);
   st.name = std::move(name);
   st.compute = compute;
   st.router = router;
@@ -322,8 +493,12 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
           [=](ModelInfo& model) {
             self->state.seq_len = model.seq_len;
             self->state.vocab_size = model.vocab_size;
+            self->state.n_layers = model.n_layers;
+            self->state.kv_dim = model.n_kv_heads * model.head_dim;
+            self->state.fingerprint = model.fingerprint;
             WorkerInfo info;
             info.role = WorkerRole::decode;
+            info.host_id = kv::host_identity();
             info.name = self->state.name;
             info.model = std::move(model);
             info.block_size = self->state.config.block_size;
@@ -339,8 +514,24 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
       [=](lease_atom, RequestId id, uint64_t serial) {
         auto it = self->state.reserved.find(id);
         if (it == self->state.reserved.end() || it->second.serial != serial) return;  // filled or gone
-        drop_reservation(self, id);
+        drop_reservation(self, id, ErrorCode::timeout, "the reservation's lease ended before its KV arrived");
         report_load(self);
+      },
+      [=](landed_atom, RequestId id, uint64_t serial, KvLanded& verdict) {
+        auto it = self->state.reserved.find(id);
+        if (it == self->state.reserved.end() || it->second.serial != serial ||
+            it->second.transfer_id != verdict.transfer_id || it->second.verdict)
+          return;  // the reservation ended meanwhile
+        const bool ok = kv::TransferStatus(verdict.status) == kv::TransferStatus::complete;
+        it->second.verdict = std::move(verdict);
+        if (it->second.commit) {
+          settle_stream(self, id);
+        } else if (!ok) {
+          // No commit will come (the prefill worker hears the same verdict):
+          // the blocks are free now, not at the lease's end.
+          drop_reservation(self, id);
+          report_load(self);
+        }
       },
       [=](cancel_atom, RequestId id) {
         auto& state = self->state;
@@ -348,7 +539,7 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         drop_reservation(self, id);
         auto it = state.active.find(id);
         if (it != state.active.end()) {
-          state.allocator->release(it->second.blocks);
+          release_sequence_blocks(self, id, it->second.blocks);
           state.active.erase(it);
         }
         // Also when it held nothing (never arrived, or admitting: refused when
@@ -363,9 +554,9 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
 }  // namespace
 
 decode_actor spawn_decode(caf::actor_system& system, const DisaggConfig& config,
-                          compute_actor compute, router_actor router, std::string name) {
+                          compute_actor compute, router_actor router, std::string name, DecodeKv kv) {
   return system.spawn(decode_behavior, config, std::move(compute), std::move(router),
-                      std::move(name));
+                      std::move(name), std::move(kv));
 }
 
 }  // namespace disagg

@@ -8,16 +8,29 @@
 #pragma once
 #include <string>
 
+#include <memory>
+
 #include "actors/config.h"
 #include "caf/actor_system.hpp"
+#include "gpu/kv_cache.h"
+#include "kv/plane.h"
 #include "messages/interfaces.h"
 
 namespace disagg {
+
+// What a decode worker needs to take streamed KV: its compute actor's pool
+// (ComputeUnit::pool), into whose reserved blocks the process's KV receiver
+// writes. Without both it only takes KV as one message.
+struct DecodeKv {
+  std::shared_ptr<gpu::KvPool> pool;
+  std::shared_ptr<kv::KvPlane> plane;  // must be receiving()
+};
 
 // `compute` must own a KV pool of config.block_size x config.pool_blocks
 // (actors/compute.h). The worker links itself to `compute`, asks it for its
 // model and registers with `router` under `name`.
 decode_actor spawn_decode(caf::actor_system& system, const DisaggConfig& config,
-                          compute_actor compute, router_actor router, std::string name);
+                          compute_actor compute, router_actor router, std::string name,
+                          DecodeKv kv = {});
 
 }  // namespace disagg

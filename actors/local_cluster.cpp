@@ -50,19 +50,26 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   gpu::EngineOptions engine;
   engine.backend = cfg.backend;
 
+  // The process's KV data plane: every decode worker's receivers, every
+  // prefill worker's connections (in one process: the shared-memory path).
+  std::shared_ptr<kv::KvPlane> plane;
+  if (cfg.kv_transport != "message") plane = make_kv_plane(cfg, true);
+
   // Engines first (they throw on failure), then the actors.
-  std::vector<compute_actor> prefill_compute, decode_compute;
+  std::vector<compute_actor> prefill_compute;
+  std::vector<ComputeUnit> decode_compute;
   try {
     for (int i = 0; i < cfg.prefill_workers; ++i)
       prefill_compute.push_back(spawn_compute(
-          system_, {checkpoints.get(model_for(options_.prefill_models, size_t(i), cfg.model)), engine, 0, 0}));
+          system_,
+          {checkpoints.get(model_for(options_.prefill_models, size_t(i), cfg.model)), engine, 0, 0, plane}));
     for (int i = 0; i < cfg.decode_workers; ++i)
-      decode_compute.push_back(spawn_compute(
+      decode_compute.push_back(spawn_compute_unit(
           system_, {checkpoints.get(model_for(options_.decode_models, size_t(i), cfg.model)), engine,
-                    cfg.block_size, cfg.pool_blocks}));
+                    cfg.block_size, cfg.pool_blocks, plane}));
   } catch (...) {
     for (auto& c : prefill_compute) caf::anon_send_exit(c, caf::exit_reason::user_shutdown);
-    for (auto& c : decode_compute) caf::anon_send_exit(c, caf::exit_reason::user_shutdown);
+    for (auto& c : decode_compute) caf::anon_send_exit(c.actor, caf::exit_reason::user_shutdown);
     throw;
   }
 
@@ -71,8 +78,8 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
     prefill_.push_back(spawn_prefill(system_, cfg, prefill_compute[size_t(i)], router_,
                                      "prefill-" + std::to_string(i)));
   for (int i = 0; i < cfg.decode_workers; ++i)
-    decode_.push_back(spawn_decode(system_, cfg, decode_compute[size_t(i)], router_,
-                                   "decode-" + std::to_string(i)));
+    decode_.push_back(spawn_decode(system_, cfg, decode_compute[size_t(i)].actor, router_,
+                                   "decode-" + std::to_string(i), DecodeKv{decode_compute[size_t(i)].pool, plane}));
 
   // Registration is asynchronous (worker -> compute -> router): wait for it.
   const auto deadline = std::chrono::steady_clock::now() + options_.ready_timeout;

@@ -185,17 +185,32 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
   const bool is_decode = node.parsed_role() == NodeRole::decode;
   caf::scoped_actor self{system};
 
+  // The KV data plane: a decode node's receivers listen from here on.
+  std::shared_ptr<kv::KvPlane> plane;
+  if (cfg.kv_transport != "message") {
+    try {
+      plane = make_kv_plane(cfg, is_decode);
+      if (is_decode)
+        node_log("KV receivers at tcp " + plane->address(kv::Transport::tcp) +
+                 (plane->address(kv::Transport::shm).empty() ? "" : ", shm " + plane->address(kv::Transport::shm)));
+    } catch (const std::exception& e) {
+      node_log(std::string("cannot start the KV data plane (kv-transport ") + cfg.kv_transport + "): " + e.what());
+      return 1;
+    }
+  }
+
   // Model and engine first: a bad model fails the node before it joins.
-  compute_actor compute;
+  ComputeUnit compute;
   try {
     ComputeSpec spec;
     spec.checkpoint = gpu::Checkpoint::open(cfg.model);
     spec.engine.backend = cfg.backend;
+    spec.kv_plane = plane;
     if (is_decode) {
       spec.pool_block_size = cfg.block_size;
       spec.pool_blocks = cfg.pool_blocks;
     }
-    compute = spawn_compute(system, spec);
+    compute = spawn_compute_unit(system, spec);
   } catch (const std::exception& e) {
     node_log(std::string("cannot load the model: ") + e.what());
     return 1;
@@ -211,9 +226,10 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
 
   const std::string name =
       !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
-  caf::actor worker = is_decode
-                          ? caf::actor_cast<caf::actor>(spawn_decode(system, cfg, compute, relay, name))
-                          : caf::actor_cast<caf::actor>(spawn_prefill(system, cfg, compute, relay, name));
+  caf::actor worker =
+      is_decode ? caf::actor_cast<caf::actor>(
+                      spawn_decode(system, cfg, compute.actor, relay, name, DecodeKv{compute.pool, plane}))
+                : caf::actor_cast<caf::actor>(spawn_prefill(system, cfg, compute.actor, relay, name));
   // Linked now, not only once the worker has registered through the relay: a
   // worker that stops before (e.g. its KV port is taken) must take the relay
   // with it, or the actor system would wait for the relay forever on exit.

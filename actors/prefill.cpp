@@ -9,6 +9,8 @@
 #include "actors/errors.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
+#include "gpu/kv_stream.h"
+#include "kv/plane.h"
 
 namespace disagg {
 
@@ -35,6 +37,7 @@ struct PrefillState {
   std::unordered_map<RequestId, uint64_t> live;  // request id -> its job, until cancelled
   uint64_t next_serial = 1;
   int64_t queued_tokens = 0;
+  ModelInfo model;  // from compute: the fingerprint sent with streamed KV, the shape of stream plans
 };
 
 using Self = prefill_actor::stateful_pointer<PrefillState>;
@@ -64,11 +67,15 @@ PrefillReport failure(RequestId id, ErrorCode code, std::string message) {
   return r;
 }
 
+// Hands the KV to the decode worker: one KvTransfer message carrying it, or,
+// when it was streamed into the decode worker's blocks during the prefill,
+// one carrying only what the decode side needs to continue (the commit).
+// Either way the decode worker's KvAck ends the job.
 void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, PrefillResult computed,
              int64_t prefill_us) {
   const auto& cfg = self->state.config;
-  const uint64_t kv_bytes = computed.kv.size();
-  if (int64_t(kv_bytes) > cfg.max_kv_transfer_bytes) {
+  const uint64_t kv_bytes = computed.streamed ? computed.kv_bytes : computed.kv.size();
+  if (!computed.streamed && int64_t(kv_bytes) > cfg.max_kv_transfer_bytes) {
     auto r = failure(job.id, ErrorCode::kv_too_large,
                      "KV of " + std::to_string(kv_bytes) + " bytes exceeds max-kv-transfer-bytes " +
                          std::to_string(cfg.max_kv_transfer_bytes));
@@ -84,6 +91,12 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
   transfer.sampling = job.sampling;
   transfer.first_token = computed.first_token;
   transfer.bytes = std::move(computed.kv);
+  if (computed.streamed) {
+    transfer.transfer_id = job.target.transfer_id;
+    transfer.fingerprint = self->state.model.fingerprint;
+  }
+  const bool streamed = computed.streamed;
+  const int64_t tail_us = computed.tail_us;  // streamed: already spent between the last layer and the verdict
   const auto sent = Clock::now();
   const RequestId id = job.id;
   self->request(decode, std::chrono::milliseconds(cfg.ack_timeout_ms), kv_atom::value,
@@ -96,7 +109,8 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
             r.message = std::move(ack.message);
             r.kv_bytes = kv_bytes;
             r.prefill_us = prefill_us;
-            r.kv_transfer_us = micros_since(sent);
+            r.kv_transfer_us = tail_us + micros_since(sent);
+            r.streamed = streamed;
             r.decode_load = ack.load;
             finish(self, serial, std::move(r));
           },
@@ -122,7 +136,9 @@ void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode
   } else if (Clock::now() >= j.deadline) {
     finish(self, serial, failure(job.id, ErrorCode::timeout, "deadline passed during the prefill"));
   } else {
-    ship_kv(self, serial, job, decode, std::move(computed), micros_since(j.received));
+    // (streamed: prefill_us ends with the last layer, the rest is transfer)
+    const int64_t prefill_us = micros_since(j.received) - computed.tail_us;
+    ship_kv(self, serial, job, decode, std::move(computed), prefill_us);
   }
 }
 
@@ -138,8 +154,10 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
   self->request(compute, compute_timeout, info_atom::value)
       .then(
           [=](ModelInfo& model) {
+            self->state.model = model;
             WorkerInfo info;
             info.role = WorkerRole::prefill;
+            info.host_id = kv::host_identity();
             info.name = self->state.name;
             info.model = std::move(model);
             self->request(router, compute_timeout, register_atom::value, std::move(info),
@@ -157,6 +175,22 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
                                   "request " + std::to_string(job.id) + " is already in prefill"));
           return promise;
         }
+        const bool stream = st.config.kv_transport != "message" && job.target.transfer_id != 0;
+        if (stream && job.target.block_size > 0 && !job.prompt_tokens.empty()) {
+          // A stream's size is known before any compute: refuse it now.
+          const uint64_t bytes = gpu::KvStreamPlan(std::max(1, st.model.n_layers),
+                                                   std::max(1, st.model.n_kv_heads * st.model.head_dim),
+                                                   int(job.prompt_tokens.size()), job.target.block_size)
+                                     .total_bytes();
+          if (int64_t(bytes) > st.config.max_kv_transfer_bytes) {
+            auto r = failure(job.id, ErrorCode::kv_too_large,
+                             "KV of " + std::to_string(bytes) + " bytes exceeds max-kv-transfer-bytes " +
+                                 std::to_string(st.config.max_kv_transfer_bytes));
+            r.kv_bytes = bytes;
+            promise.deliver(std::move(r));
+            return promise;
+          }
+        }
         const uint64_t serial = st.next_serial++;
         // (clamped: a job from elsewhere than the router may carry anything)
         const auto time_left = std::chrono::milliseconds(std::clamp<int64_t>(job.deadline_ms, 1, kMaxDeadlineMs));
@@ -173,6 +207,8 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
         work.deadline_ns =
             std::chrono::duration_cast<std::chrono::nanoseconds>(j.deadline.time_since_epoch()).count();
         work.cancelled = j.cancelled;
+        if (stream) work.target = job.target;  // else: send it as a message
+        work.kv_wait_ms = st.config.ack_timeout_ms;
         st.queued_tokens += j.prompt_tokens;
         st.live[job.id] = serial;
         st.jobs.emplace(serial, std::move(j));

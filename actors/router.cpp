@@ -58,6 +58,7 @@ struct Request {
   WorkerKey prefill_key = 0;
   WorkerKey decode_key = 0;
   int reserved_blocks = 0;
+  KvTarget kv_target;  // where the decode worker takes the KV (its ReserveReply)
   std::optional<PrefillReport> prefill_report;
   std::optional<DecodeDone> decode_done;
   // streaming:
@@ -194,6 +195,8 @@ void complete_if_done(Self self, RequestId id) {
   out.text = std::move(r.text);
   out.timings.prefill_us = r.prefill_report->prefill_us;
   out.timings.kv_transfer_us = r.prefill_report->kv_transfer_us;
+  out.timings.kv_bytes = r.prefill_report->kv_bytes;
+  out.timings.kv_streamed = r.prefill_report->streamed;
   out.timings.decode_us = r.decode_done->decode_us;
   finish(self, id, std::move(out));
 }
@@ -255,7 +258,8 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
 
   // The lease outlives the request's deadline by the ack timeout: a request
   // still alive never loses its blocks, a lost one frees them by itself.
-  const KvReservation reservation{id, positions, time_left_ms(r) + st.config.ack_timeout_ms};
+  const KvReservation reservation{id, positions, time_left_ms(r) + st.config.ack_timeout_ms,
+                                  int32_t(r.prompt.size()), p.info.host_id};
   const uint64_t attempt = r.attempt;
   self->request(d.decode, std::chrono::milliseconds(st.config.ack_timeout_ms), reserve_atom::value, reservation)
       .then([=](ReserveReply& reply) { on_reservation(self, id, attempt, std::move(reply)); },
@@ -282,6 +286,7 @@ void send_prefill_job(Self self, RequestId id) {
   job.max_new_tokens = r.request.max_new_tokens;
   job.sampling = r.request.sampling;
   job.deadline_ms = time_left_ms(r);
+  job.target = r.kv_target;
   const uint64_t attempt = r.attempt;
   const WorkerKey prefill_key = r.prefill_key;
   const int64_t prompt_tokens = int64_t(r.prompt.size());
@@ -334,6 +339,7 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
   if (Worker* d = find_worker(self, r.decode_key))
     if (reply.load.total_blocks > 0) d->load = reply.load;
   if (reply.code == ErrorCode::none) {
+    r.kv_target = std::move(reply.target);
     send_prefill_job(self, id);
     return;
   }

@@ -23,6 +23,7 @@ namespace {
 // is independent of the rows computed with it (gpu/fixed_math.h), so the chunk
 // size changes no bit of the result.
 constexpr int kPrefillChunk = 512;
+static_assert(kPrefillChunk % kv_layout::kTile == 0, "a chunk starts on a key tile (PrefillHooks::on_layer_cache)");
 
 // A request's cache (one block of `block` positions, gpu/kv_layout.h) as the
 // wire layout [layer][K then V][position][kv_dim] of its first n positions.
@@ -148,6 +149,25 @@ struct Engine::Impl {
   DeviceArray<float> x, xb, xb2, q, k, v, hb, hb2, logits, prefill_kv;
   DeviceArray<int> tokens, positions, tables;
   std::vector<float> host_k, host_v;  // hook staging when the backend's memory is not the host's
+  std::vector<float> host_cache;      // on_layer_cache's mirror of the prefill cache, likewise
+
+  // Gives on_layer_cache the cache once layer `layer` of positions [first,
+  // first + rows) is in it: the backend's memory itself, or the host mirror
+  // after copying that layer's new K tiles and V rows into it.
+  void hand_out_cache(const PrefillHooks& hooks, int layer, int first, int rows, const PagedKv& cache) {
+    if (backend->host_memory()) {
+      hooks.on_layer_cache(layer, first, rows, cache.data);
+      return;
+    }
+    const int end = std::min(cache.block_size, kv_layout::padded(first + rows));
+    const size_t layer_base = size_t(layer) * 2 * size_t(cache.block_size) * kv_dim;
+    const size_t k_at = layer_base + size_t(first) * kv_dim;  // whole tiles from position `first`
+    const size_t v_at = layer_base + kv_layout::v_index(cache.block_size, int(kv_dim), first);
+    const size_t bytes = size_t(end - first) * kv_dim * sizeof(float);
+    backend->download(host_cache.data() + k_at, cache.data + k_at, bytes);
+    backend->download(host_cache.data() + v_at, cache.data + v_at, bytes);
+    hooks.on_layer_cache(layer, first, rows, host_cache.data());
+  }
 };
 
 // The forward pass of one row per (token, position), top to bottom as in
@@ -186,6 +206,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
     b.rope(k_, pos_, rope.get(), rows, n_kv_heads, head_size);
     b.kv_write(kv, int(l), k_, v_, pos_, rows);
     if (hooks && hooks->on_layer_kv) hand_out_layer(*hooks, int(l), host_positions.front(), rows, k_, v_);
+    if (hooks && hooks->on_layer_cache) hand_out_cache(*hooks, int(l), host_positions.front(), rows, kv);
     b.attention(q_, xb_, kv, int(l), pos_, rows, n_heads, n_kv_heads, head_size);
     b.matmul(xb_, wo.get() + l * stride(n_dim, n_dim), xb2_, rows, n_dim, n_dim);
     b.add(x_, xb2_, row_floats);
@@ -255,6 +276,7 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   kv.kv_dim = int(m.kv_dim);
   kv.tables = m.tables.get();
   kv.table_stride = 0;
+  if (hooks.on_layer_cache && !m.backend->host_memory()) m.host_cache.resize(cache_floats);
 
   // Chunks of kPrefillChunk positions; each attends to the cache written so
   // far, and only the last position's logits are computed.
@@ -265,6 +287,10 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
     for (int i = 0; i < rows; ++i) positions[i] = c0 + i;
     m.forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows, &hooks);
   }
+
+  out.logits.resize(m.vocab);
+  m.logits.download(out.logits.data(), m.vocab);
+  if (!hooks.wire_kv) return out;
 
   // Wire layout (KvLayout::layer_kv_position): K de-tiled, the padding dropped.
   const float* cache = kv.data;
@@ -278,8 +304,6 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   advise_huge_pages(out.kv.data(), out.kv.capacity() * sizeof(float));  // before its pages are touched
   out.kv.resize(out.shape.floats());
   cache_to_wire(cache, cache_positions, n, int(m.layers), int(m.kv_dim), out.kv.data());
-  out.logits.resize(m.vocab);
-  m.logits.download(out.logits.data(), m.vocab);
   return out;
 }
 

@@ -34,6 +34,16 @@ struct PrefillOutput {
 // during the call. A throw aborts the prefill.
 struct PrefillHooks {
   std::function<void(int layer, int first, int count, const float* k, const float* v)> on_layer_kv;
+  // The same moment, as the request's whole cache (gpu/kv_layout.h: one block
+  // of padded(n) positions, all layers) in host memory, of which layer
+  // `layer`'s positions [first, first + count) are now final. The pointer
+  // stays valid, and those positions unchanged, until this engine's next
+  // prefill begins: the streamed KV transfer sends from it in place
+  // (gpu/kv_stream.h). (A backend with memory of its own copies each such
+  // range to a host mirror first.)
+  std::function<void(int layer, int first, int count, const float* cache)> on_layer_cache;
+  // false: PrefillOutput::kv stays empty (the hooks took the KV).
+  bool wire_kv = true;
 };
 
 // One sequence in a decode step: feed `token` at position `pos`; its KV for

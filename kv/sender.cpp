@@ -166,6 +166,20 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
     return result;
   }
 
+  void abandon(uint64_t id, Deadline until) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = transfers_.find(id);
+    if (it == transfers_.end()) return;
+    SentTransfer& t = it->second;
+    if (!cv_.wait_until(lock, until, [&] { return t.outstanding == 0; })) {
+      lock.unlock();
+      call([this] { cut("a transfer was abandoned with pieces in flight"); });
+      lock.lock();
+      cv_.wait_for(lock, kCutTimeout, [&] { return t.outstanding == 0; });
+    }
+    transfers_.erase(id);
+  }
+
   bool connected() const {
     std::lock_guard<std::mutex> lock(mu_);
     return !broken_;
@@ -407,6 +421,8 @@ bool KvSender::send_all(uint64_t id, const void* data, size_t bytes, size_t piec
 }
 
 TransferResult KvSender::wait(uint64_t id, Deadline until) { return impl_->wait(id, until); }
+
+void KvSender::abandon(uint64_t id, Deadline until) { impl_->abandon(id, until); }
 
 bool KvSender::connected() const { return impl_->connected(); }
 

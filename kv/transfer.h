@@ -259,6 +259,14 @@ class KvSender {
   // that holds a piece that long is stuck), so the memory is free either way.
   TransferResult wait(uint64_t id, Deadline until);
 
+  // Gives up on transfer `id` without waiting for a verdict (the caller's
+  // prefill failed or was cancelled part way): returns once no piece of it is
+  // in flight any more, so its memory is the caller's again, and forgets it.
+  // At `until` with pieces still in flight the connection is cut first, as in
+  // wait(). The receiver learns of the end from its owner (cancel) or its
+  // deadline; pieces it already has stay unverified-complete there.
+  void abandon(uint64_t id, Deadline until);
+
   // False once the connection is broken; every later send() throws.
   bool connected() const;
 

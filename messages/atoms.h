@@ -16,6 +16,7 @@ using prefill_atom = caf::atom_constant<caf::atom("prefill")>;    // router -> p
 using reserve_atom = caf::atom_constant<caf::atom("reserve")>;    // router -> decode
 using lease_atom = caf::atom_constant<caf::atom("lease")>;        // decode -> itself
 using kv_atom = caf::atom_constant<caf::atom("kv")>;              // prefill -> decode
+using landed_atom = caf::atom_constant<caf::atom("landed")>;    // KV receiver callback -> decode
 using admit_atom = caf::atom_constant<caf::atom("admit")>;        // decode -> compute
 using step_atom = caf::atom_constant<caf::atom("step")>;          // decode -> compute
 using info_atom = caf::atom_constant<caf::atom("info")>;          // worker -> compute

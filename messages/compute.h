@@ -33,6 +33,11 @@ struct PrefillWork {
   // in nanoseconds (the clock of the one process both actors share); 0: none.
   int64_t deadline_ns = 0;
   CancelFlag cancelled;  // null: cannot be cancelled
+  // Where to stream the KV while the prompt runs (transfer_id 0: return it
+  // serialized in PrefillResult::kv instead), and how long to wait for the
+  // receiver's verdict after the last piece.
+  KvTarget target;
+  int64_t kv_wait_ms = 0;
 };
 
 struct PrefillResult {
@@ -40,8 +45,12 @@ struct PrefillResult {
   ErrorCode code = ErrorCode::none;  // none, timeout, cancelled (skipped) or internal
   std::string message;
   int32_t first_token = 0;
-  std::vector<uint8_t> kv;  // gpu::serialize_kv bytes
-  int64_t compute_us = 0;
+  std::vector<uint8_t> kv;  // gpu::serialize_kv bytes (not streamed)
+  int64_t compute_us = 0;   // the prompt's forward pass (streamed: sending overlapped it)
+  // Streamed: every piece is in the decode worker's blocks, verified.
+  bool streamed = false;
+  uint64_t kv_bytes = 0;
+  int64_t tail_us = 0;  // from the last layer computed to the receiver's verdict
 };
 
 // Decode -> compute, sent as (admit_atom, KvAdmit): validate the KV against
@@ -81,13 +90,14 @@ struct StepResult {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillWork& x) {
-  return f(caf::meta::type_name("PrefillWork"), x.id, x.tokens, x.sampling, x.deadline_ns);
+  return f(caf::meta::type_name("PrefillWork"), x.id, x.tokens, x.sampling, x.deadline_ns, x.target,
+           x.kv_wait_ms);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillResult& x) {
   return f(caf::meta::type_name("PrefillResult"), x.id, x.code, x.message, x.first_token, x.kv,
-           x.compute_us);
+           x.compute_us, x.streamed, x.kv_bytes, x.tail_us);
 }
 
 template <class Inspector>

@@ -34,6 +34,8 @@ using decode_actor = caf::typed_actor<
     caf::reacts_to<cancel_atom, RequestId>,
     // its own lease timer: (request id, reservation serial).
     caf::reacts_to<lease_atom, RequestId, uint64_t>,
+    // its KV receiver's verdict on a streamed transfer: (request id, reservation serial, verdict).
+    caf::reacts_to<landed_atom, RequestId, uint64_t, KvLanded>,
     caf::replies_to<status_atom>::with<DecodeLoad>>;
 
 // Runs prompts and ships their KV to the decode worker the router chose.

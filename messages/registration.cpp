@@ -60,6 +60,8 @@ void register_messages(caf::actor_system_config& config) {
   config.add_message_type<RouterStatus>("disagg::RouterStatus");
   // Between workers.
   config.add_message_type<KvReservation>("disagg::KvReservation");
+  config.add_message_type<KvTarget>("disagg::KvTarget");
+  config.add_message_type<KvLanded>("disagg::KvLanded");
   config.add_message_type<ReserveReply>("disagg::ReserveReply");
   config.add_message_type<PrefillJob>("disagg::PrefillJob");
   config.add_message_type<PrefillReport>("disagg::PrefillReport");

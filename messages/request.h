@@ -69,9 +69,11 @@ struct TokenEvent {
 // Durations in microseconds, each measured on one machine's clock.
 struct Timings {
   int64_t queued_us = 0;       // router: accepted -> dispatched to prefill
-  int64_t prefill_us = 0;      // prefill worker: job received -> KV ready
-  int64_t kv_transfer_us = 0;  // prefill worker: KV sent -> decode's ack
+  int64_t prefill_us = 0;      // prefill worker: job received -> KV ready (streamed: last layer computed)
+  int64_t kv_transfer_us = 0;  // prefill worker: KV sent -> decode's ack (streamed: last layer -> ack)
   int64_t decode_us = 0;       // decode worker: admitted -> finished
+  uint64_t kv_bytes = 0;       // the KV as it travelled
+  bool kv_streamed = false;    // streamed during the prefill (else one message after it)
 };
 
 // The terminal reply: exactly one per request.
@@ -111,7 +113,7 @@ typename Inspector::result_type inspect(Inspector& f, TokenEvent& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, Timings& x) {
   return f(caf::meta::type_name("Timings"), x.queued_us, x.prefill_us, x.kv_transfer_us,
-           x.decode_us);
+           x.decode_us, x.kv_bytes, x.kv_streamed);
 }
 
 template <class Inspector>

@@ -21,6 +21,19 @@ struct KvReservation {
   RequestId id = 0;
   int32_t positions = 0;
   int64_t lease_ms = 0;
+  int32_t prompt_len = 0;    // positions the prefill will stream into the blocks
+  std::string prefill_host;  // the prefill worker's WorkerInfo::host_id (same host: shared memory)
+};
+
+// Where a prefill worker streams a request's KV (kv/plane.h): the decode
+// worker registered its reserved blocks under `transfer_id` with the receiver
+// at `address` before answering. transfer_id 0: no stream, send the KV as one
+// KvTransfer message (kv-transport "message", or a node without UCX).
+struct KvTarget {
+  uint64_t transfer_id = 0;   // 64 random bits, a capability: only its pieces land in the blocks
+  uint8_t transport = 0;      // kv::Transport: 0 tcp, 1 shm
+  std::string address;        // "host:port" of the decode node's receiver
+  int32_t block_size = 0;     // the decode pool's positions per block (gpu::KvStreamPlan)
 };
 
 // Decode -> router: the reply to KvReservation. code none: reserved;
@@ -31,6 +44,7 @@ struct ReserveReply {
   ErrorCode code = ErrorCode::none;
   std::string message;
   DecodeLoad load;  // after the reservation
+  KvTarget target;  // code none: where the KV goes
 };
 
 // Router -> prefill, sent as (prefill_atom, PrefillJob, decode_actor): run the
@@ -41,6 +55,7 @@ struct PrefillJob {
   int32_t max_new_tokens = 0;
   Sampling sampling;
   int64_t deadline_ms = 0;  // time left when the router sent it
+  KvTarget target;          // from the decode worker's ReserveReply
 };
 
 // Prefill -> router: the reply to PrefillJob. code none: the decode worker
@@ -50,9 +65,10 @@ struct PrefillReport {
   RequestId id = 0;
   ErrorCode code = ErrorCode::none;
   std::string message;
-  uint64_t kv_bytes = 0;       // serialized KV size
-  int64_t prefill_us = 0;
-  int64_t kv_transfer_us = 0;
+  uint64_t kv_bytes = 0;       // KV bytes sent (serialized, or streamed)
+  int64_t prefill_us = 0;      // from the job's arrival to the prompt computed (and, streamed, sent)
+  int64_t kv_transfer_us = 0;  // one message: send to ack; streamed: the last layer computed to the ack
+  bool streamed = false;       // the KV went as a stream of pieces during the prefill
   DecodeLoad decode_load;      // from the decode worker's ack (overloaded: how full)
 };
 
@@ -70,7 +86,21 @@ struct KvTransfer {
   int32_t first_token = 0;
   uint32_t chunk = 0;
   uint32_t chunk_count = 1;
-  std::vector<uint8_t> bytes;  // gpu::serialize_kv output
+  std::vector<uint8_t> bytes;  // gpu::serialize_kv output; empty when streamed
+  // Streamed (KvTarget): the KV is already in the reserved blocks, this only
+  // commits it. The receiver verified every piece; the fingerprint is
+  // checked again against the decode worker's model.
+  uint64_t transfer_id = 0;
+  uint64_t fingerprint = 0;
+};
+
+// The KV receiver's verdict on a stream, posted by its callback to the decode
+// actor (same process) as (landed_atom, request id, reservation serial, KvLanded).
+struct KvLanded {
+  uint64_t transfer_id = 0;
+  uint8_t status = 0;  // kv::TransferStatus
+  uint64_t bytes = 0;
+  std::string detail;
 };
 
 // Decode -> prefill: the reply to KvTransfer. code none: admitted into the
@@ -97,30 +127,40 @@ struct DecodeDone {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
-  return f(caf::meta::type_name("KvReservation"), x.id, x.positions, x.lease_ms);
+  return f(caf::meta::type_name("KvReservation"), x.id, x.positions, x.lease_ms, x.prompt_len, x.prefill_host);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, KvTarget& x) {
+  return f(caf::meta::type_name("KvTarget"), x.transfer_id, x.transport, x.address, x.block_size);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, ReserveReply& x) {
-  return f(caf::meta::type_name("ReserveReply"), x.id, x.code, x.message, x.load);
+  return f(caf::meta::type_name("ReserveReply"), x.id, x.code, x.message, x.load, x.target);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
   return f(caf::meta::type_name("PrefillJob"), x.id, x.prompt_tokens, x.max_new_tokens, x.sampling,
-           x.deadline_ms);
+           x.deadline_ms, x.target);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillReport& x) {
   return f(caf::meta::type_name("PrefillReport"), x.id, x.code, x.message, x.kv_bytes,
-           x.prefill_us, x.kv_transfer_us, x.decode_load);
+           x.prefill_us, x.kv_transfer_us, x.streamed, x.decode_load);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
   return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
-           x.first_token, x.chunk, x.chunk_count, x.bytes);
+           x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, KvLanded& x) {
+  return f(caf::meta::type_name("KvLanded"), x.transfer_id, x.status, x.bytes, x.detail);
 }
 
 template <class Inspector>

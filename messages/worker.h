@@ -35,6 +35,9 @@ struct WorkerInfo {
   // node's own listening port: prefill nodes ship KV there, not via the
   // router's node); empty for an in-process worker.
   std::string endpoint;
+  // kv::host_identity() of the worker's process: a prefill and a decode
+  // worker with equal ids stream KV through shared memory (kv/plane.h).
+  std::string host_id;
 };
 
 // A decode worker's load: sent to the router whenever it changes (admit,
@@ -87,7 +90,7 @@ typename Inspector::result_type inspect(Inspector& f, ModelInfo& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
   return f(caf::meta::type_name("WorkerInfo"), x.role, x.name, x.model, x.block_size,
-           x.total_blocks, x.endpoint);
+           x.total_blocks, x.endpoint, x.host_id);
 }
 
 template <class Inspector>

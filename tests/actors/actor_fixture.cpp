@@ -1,5 +1,7 @@
 #include "actors/actor_fixture.h"
 
+#include "gpu/kv_stream.h"
+
 #include <mutex>
 
 #include "gpu/checkpoint.h"
@@ -52,6 +54,11 @@ size_t kv_bytes_for(int positions) {
   gpu::KvShape shape{uint32_t(model.n_layers), uint32_t(model.n_kv_heads), uint32_t(model.head_size()),
                      uint32_t(positions)};
   return gpu::kv_buffer_bytes(shape);
+}
+
+size_t stream_bytes_for(int prompt_len, int block_size) {
+  const auto model = gpu::Checkpoint::open(shared_model())->config();
+  return gpu::KvStreamPlan(model.n_layers, model.kv_dim(), prompt_len, block_size).total_bytes();
 }
 
 void ActorTest::SetUp() { system_ = std::make_unique<caf::actor_system>(system_config_); }

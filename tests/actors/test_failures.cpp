@@ -18,10 +18,18 @@
 namespace disagg::test {
 namespace {
 
-TEST_F(ActorTest, KvLargerThanTheCapIsRejectedWithoutHanging) {
+// The cap on the KV a prefill worker ships: a streamed KV is refused before
+// any compute (its size follows from the prompt), one message once computed.
+class KvCapTest : public ActorTest {
+ protected:
+  void expect_kv_cap(const std::string& transport, size_t cap, size_t large_bytes);
+};
+
+void KvCapTest::expect_kv_cap(const std::string& transport, size_t cap, size_t large_bytes) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
-  options.config.max_kv_transfer_bytes = int64_t(kv_bytes_for(10));
+  options.config.kv_transport = transport;
+  options.config.max_kv_transfer_bytes = int64_t(cap);
   start(std::move(options));
 
   const RequestOutcome small = client_->generate(make_request(kOnceUponATime, 8));
@@ -29,11 +37,21 @@ TEST_F(ActorTest, KvLargerThanTheCapIsRejectedWithoutHanging) {
 
   const RequestOutcome large = client_->generate(make_request(kTomHadARedBall, 8));
   EXPECT_EQ(large.code, ErrorCode::kv_too_large) << large.message;
-  EXPECT_NE(large.message.find(std::to_string(kv_bytes_for(29))), std::string::npos) << large.message;
+  EXPECT_NE(large.message.find(std::to_string(large_bytes)), std::string::npos) << large.message;
   EXPECT_TRUE(large.tokens.empty());
 
   // The worker is still fine afterwards.
   EXPECT_TRUE(client_->generate(make_request(kOnceUponATime, 8)).ok());
+}
+
+TEST_F(KvCapTest, KvLargerThanTheCapIsRejectedWithoutHanging) {
+  expect_kv_cap("message", kv_bytes_for(10), kv_bytes_for(29));
+}
+
+TEST_F(KvCapTest, StreamedKvLargerThanTheCapIsRejectedBeforeItsPrefill) {
+  const int64_t computed_before = prefill_counts().computed;
+  expect_kv_cap("auto", stream_bytes_for(16), stream_bytes_for(29));
+  EXPECT_EQ(prefill_counts().computed - computed_before, 2) << "only the two small prompts ran";
 }
 
 // A decode worker spawned into a running cluster, on `model`, named `name`;
@@ -175,6 +193,7 @@ decode_actor::behavior_type always_full_decode(decode_actor::pointer self, route
       },
       [](cancel_atom, RequestId) {},
       [](lease_atom, RequestId, uint64_t) {},
+      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
       [](status_atom) { return DecodeLoad{0, 1 << 20, 16, 0}; },
   };
 }

@@ -39,7 +39,7 @@ TEST_F(ActorTest, RequestFailingInPrefillGivesItsBlocksBackToTheRouter) {
   options.config = shared_model_config(1, 1);
   options.config.block_size = 16;
   options.config.pool_blocks = 4;  // 64 positions
-  options.config.max_kv_transfer_bytes = int64_t(kv_bytes_for(10));
+  options.config.max_kv_transfer_bytes = int64_t(stream_bytes_for(16));
   start(std::move(options));
 
   // 29 + 35 - 1 = 63 positions: the whole pool, reserved at dispatch; the

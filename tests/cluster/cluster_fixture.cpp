@@ -40,6 +40,7 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   ini << "\n[disagg]\nmodel = \"" << shared_model() << "\"\nbackend = \"cpu\"\n";
   if (role == "router") ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
   if (role == "decode") ini << "pool-blocks = 512\n";
+  ini << disagg_extra_ << "\n";
   return ini.str();
 }
 

@@ -35,6 +35,8 @@ class TestCluster {
   // gets the tokenizer); `extra` lines are appended to its [node] group.
   std::string config_text(const std::string& role, const std::string& name, uint16_t port,
                           const std::string& extra = "") const;
+  // Lines appended to the [disagg] group of every node started from now on.
+  void set_disagg_options(const std::string& lines) { disagg_extra_ = lines; }
   // Writes <dir>/<name>.ini and starts disagg-node on it.
   ChildProcess& start_node(const std::string& role, const std::string& name, const std::string& extra = "");
   ChildProcess& start_router() { return start_node("router", "router"); }
@@ -70,6 +72,7 @@ class TestCluster {
   std::map<std::string, std::unique_ptr<ChildProcess>> nodes_;
   std::set<std::string> stopped_;  // by stop_node / kill_node
   std::unique_ptr<RemoteClient> remote_;
+  std::string disagg_extra_;
 };
 
 }  // namespace disagg::test

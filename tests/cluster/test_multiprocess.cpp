@@ -120,8 +120,15 @@ TEST(MultiProcessCluster, ConcurrentRequestsMatchColocatedGenerationOverDirectKv
   EXPECT_TRUE(cluster.stop_all());
 }
 
-TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) {
-  TestCluster cluster("cluster-kv-route");
+// The KV goes from the prefill nodes to the decode nodes over connections of
+// their own, streamed over UCX's TCP transport (kv-transport tcp) or as CAF
+// messages to the decode nodes' ports (message), and never through the
+// router's node. (The default, auto, takes shared memory on one host: no TCP
+// bytes to count.)
+void expect_kv_goes_prefill_to_decode(const std::string& transport) {
+  SCOPED_TRACE("kv-transport " + transport);
+  TestCluster cluster("cluster-kv-route-" + transport);
+  cluster.set_disagg_options("kv-transport = \"" + transport + "\"");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
   // Long prompts, short answers: the traffic is almost all KV.
   std::vector<int> prompt = {1};
@@ -135,24 +142,33 @@ TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) 
   for (auto& f : pending) {
     const RequestOutcome out = f.get();
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    EXPECT_EQ(out.timings.kv_streamed, transport != "message");
   }
 
   const auto connections = established_connections();
   ASSERT_TRUE(connections) << "`ss` (iproute2, scripts/install-deps) is needed to read TCP counters";
-  std::set<pid_t> prefill_pids;
-  std::set<uint16_t> decode_ports;
+  std::set<pid_t> prefill_pids, decode_pids;
   for (const auto& name : cluster.names("prefill")) prefill_pids.insert(cluster.node(name).pid());
-  for (const auto& name : cluster.names("decode")) decode_ports.insert(cluster.port_of(name));
+  for (const auto& name : cluster.names("decode")) decode_pids.insert(cluster.node(name).pid());
+  // Ports of the decode nodes' ends of every connection.
+  std::set<std::pair<uint16_t, uint16_t>> decode_ends;  // (local, remote) as the decode node sees them
+  for (const auto& c : *connections)
+    if (decode_pids.count(c.pid)) decode_ends.insert({c.local_port, c.remote_port});
   const pid_t router = cluster.node("router").pid();
   uint64_t router_received = 0, prefill_to_decode = 0;
   for (const auto& c : *connections) {
     if (c.pid == router) router_received += c.bytes_received;
-    if (prefill_pids.count(c.pid) && decode_ports.count(c.remote_port)) prefill_to_decode += c.bytes_sent;
+    if (prefill_pids.count(c.pid) && decode_ends.count({c.remote_port, c.local_port})) prefill_to_decode += c.bytes_sent;
   }
   const uint64_t kv_total = requests * kv_bytes_per_request;
   EXPECT_GE(prefill_to_decode, kv_total) << "the KV did not go over the prefill nodes' own connections";
   EXPECT_LT(router_received, kv_total / 10) << "the router's node received " << router_received << " bytes";
   EXPECT_TRUE(cluster.stop_all());
+}
+
+TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) {
+  expect_kv_goes_prefill_to_decode("tcp");
+  expect_kv_goes_prefill_to_decode("message");
 }
 
 TEST(MultiProcessCluster, ClientBinaryPrintsWhatDisaggGenerateDoes) {

@@ -16,6 +16,8 @@
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
 #include "gpu/error.h"
+#include "gpu/kv_cache.h"
+#include "gpu/kv_stream.h"
 #include "gpu/pool_contents.h"
 
 namespace disagg::gpu {
@@ -118,6 +120,57 @@ TEST(LongContext, PrefillHookHandsOutEveryLayerOfEveryChunkInOrder) {
   // A hook that throws aborts the prefill with its error.
   hooks.on_layer_kv = [](int, int, int, const float*, const float*) { throw Error("transfer cancelled"); };
   EXPECT_THROW(engine.prefill(prompt, hooks), Error);
+}
+
+// The streamed KV transfer's arithmetic (gpu/kv_stream.h): the pieces a
+// prefill hands out from its cache, each copied to its byte offset in the
+// regions of a decode pool's blocks, give that pool exactly the KV a
+// one-message admission (KvPool::write) gives it, for prompt lengths that end
+// mid-tile, on a tile and on a block, blocks of several sizes, and blocks
+// handed out in no particular order. Every byte of the regions is written
+// once (no piece overlaps another or leaves a gap).
+TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
+  Engine engine(long_model());
+  const ModelConfig& c = engine.config();
+  for (const int block : {16, 48, 128}) {
+    for (const int n : {1, 15, 16, 100, 512, 700, kPrompt}) {
+      SCOPED_TRACE("block " + std::to_string(block) + ", prompt " + std::to_string(n));
+      std::vector<int> prompt(static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) prompt[size_t(i)] = 3 + (i * 31) % (c.vocab_size - 3);
+      const KvStreamPlan plan(c.n_layers, c.kv_dim(), n, block);
+      // Destination blocks in reverse order, every other one of the pool.
+      KvPool streamed(engine, block, 2 * plan.blocks() + 1);
+      std::vector<int> blocks;
+      for (int j = plan.blocks() - 1; j >= 0; --j) blocks.push_back(2 * j + 1);
+      std::vector<std::pair<char*, size_t>> regions;  // the receiver's view, in byte-space order
+      plan.for_each_region([&](int, int j, bool, size_t offset, size_t floats) {
+        regions.emplace_back(reinterpret_cast<char*>(streamed.data() + size_t(blocks[size_t(j)]) * streamed.block_stride() + offset),
+                             floats * sizeof(float));
+      });
+      size_t region_bytes = 0;
+      for (const auto& r : regions) region_bytes += r.second;
+      ASSERT_EQ(region_bytes, plan.total_bytes());
+      std::vector<int> written(plan.total_bytes(), 0);
+      PrefillHooks hooks;
+      hooks.wire_kv = true;
+      hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
+        plan.for_each_piece(layer, first, count, [&](size_t offset, size_t from, size_t bytes) {
+          size_t start = 0;  // the region holding [offset, offset + bytes): it must be one
+          size_t r = 0;
+          while (r < regions.size() && start + regions[r].second <= offset) start += regions[r++].second;
+          ASSERT_LT(r, regions.size());
+          ASSERT_LE(offset + bytes, start + regions[r].second) << "a piece crosses a region";
+          std::memcpy(regions[r].first + (offset - start), cache + from, bytes);
+          for (size_t b = offset; b < offset + bytes; ++b) written[b] += 1;
+        });
+      };
+      const PrefillOutput out = engine.prefill(prompt, hooks);
+      EXPECT_TRUE(std::all_of(written.begin(), written.end(), [](int w) { return w == 1; }))
+          << "every byte of the transfer is written exactly once";
+      EXPECT_TRUE(same_bits(test::gather_kv(engine, streamed, blocks, n), out.kv))
+          << "the streamed pool differs from the prefill's KV";
+    }
+  }
 }
 
 TEST(LongContext, APromptBeyondTheContextIsRejected) {

@@ -1,0 +1,88 @@
+#include "kv/plane.h"
+
+#include <unistd.h>
+
+#include <climits>
+#include <fstream>
+
+namespace disagg::kv {
+
+namespace {
+
+// UCX_TLS of the same-host context: the data takes posix shared memory and
+// CMA; tcp is there for UCX's client-server handshake only (without it the
+// connection never completes; docs/kv-transfer.md, transports).
+constexpr const char* kSharedMemoryTransports = "posix,cma,tcp";
+constexpr const char* kNetworkTransports = "tcp";
+
+}  // namespace
+
+const char* to_string(Transport transport) { return transport == Transport::shm ? "shm" : "tcp"; }
+
+KvPlane::KvPlane(const PlaneOptions& options) : options_(options) {
+  ContextOptions tcp;
+  tcp.transports = kNetworkTransports;
+  tcp.peer_failure_detection = true;
+  tcp_context_ = KvContext::create(tcp);
+  if (options_.shared_memory) {
+    ContextOptions shm;
+    shm.transports = kSharedMemoryTransports;
+    shm.peer_failure_detection = false;
+    shm_context_ = KvContext::create(shm);
+  }
+  if (!options_.listen_host.empty()) {
+    ReceiverOptions listen;
+    listen.host = options_.listen_host;
+    tcp_receiver_ = std::make_unique<KvReceiver>(tcp_context_, listen);
+    if (shm_context_) shm_receiver_ = std::make_unique<KvReceiver>(shm_context_, listen);
+  }
+}
+
+KvPlane::~KvPlane() {
+  // Senders first (they flush and say bye), then the receivers.
+  senders_.clear();
+  shm_receiver_.reset();
+  tcp_receiver_.reset();
+}
+
+Transport KvPlane::transport_for(const std::string& peer_host_id) const {
+  return shm_receiver_ && !peer_host_id.empty() && peer_host_id == host_identity() ? Transport::shm
+                                                                                    : Transport::tcp;
+}
+
+KvReceiver& KvPlane::receiver(Transport transport) {
+  KvReceiver* r = transport == Transport::shm ? shm_receiver_.get() : tcp_receiver_.get();
+  if (!r) throw KvError(KvErrc::invalid_argument, std::string("this node has no ") + to_string(transport) + " KV receiver");
+  return *r;
+}
+
+std::string KvPlane::address(Transport transport) const {
+  const KvReceiver* r = transport == Transport::shm ? shm_receiver_.get() : tcp_receiver_.get();
+  return r ? r->address() : std::string();
+}
+
+std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string& address) {
+  const auto context = transport == Transport::shm ? shm_context_ : tcp_context_;
+  if (!context)
+    throw KvError(KvErrc::invalid_argument, "shared-memory KV transfers are off on this node (kv-shared-memory)");
+  std::lock_guard<std::mutex> lock(senders_mu_);
+  auto& slot = senders_[{transport, address}];
+  if (!slot || !slot->connected()) {
+    slot.reset();  // a broken connection is closed before its replacement opens
+    slot = std::make_shared<KvSender>(context, address, options_.sender);
+  }
+  return slot;
+}
+
+std::string host_identity() {
+  static const std::string id = [] {
+    char name[HOST_NAME_MAX + 1] = {};
+    ::gethostname(name, sizeof name - 1);
+    std::string boot;
+    std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+    return std::string(name) + "/" + boot;
+  }();
+  return id;
+}
+
+}  // namespace disagg::kv

@@ -1,0 +1,73 @@
+// One process's end of the KV data plane: the UCX contexts, the receivers a
+// decode node listens with, and the senders a prefill node keeps to each
+// decode node it has shipped KV to. Built once per process (node runtime,
+// in-process cluster) and shared by its workers' actors; CAF-free.
+//
+// Two transports, chosen per transfer by the receiving side:
+//   tcp: UCX over TCP with peer-failure handling; works between hosts.
+//   shm: UCX over posix shared memory + CMA (one copy, process_vm_readv),
+//        between processes of one host only; without peer-failure handling
+//        (UCX 1.13 has none for these transports: the deadlines and the
+//        control plane's cancel end a transfer whose peer died).
+// A decode node picks shm when the prefill node has the same host identity
+// (host_identity()) and both allow it, else tcp.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "kv/transfer.h"
+
+namespace disagg::kv {
+
+enum class Transport : uint8_t { tcp = 0, shm = 1 };
+const char* to_string(Transport transport);
+
+struct PlaneOptions {
+  // Receivers: listen on this address (a decode node; empty: no receivers).
+  // It must be reachable by the prefill nodes, and only by them (UCX
+  // authenticates nothing: docs/kv-transfer.md, security).
+  std::string listen_host;
+  // Offer and use the same-host path. Off: always TCP.
+  bool shared_memory = true;
+  SenderOptions sender;  // for every connection this process opens
+};
+
+class KvPlane {
+ public:
+  // Throws KvError when a context or receiver cannot be made (a bad host, a
+  // UCX installation without the transports).
+  explicit KvPlane(const PlaneOptions& options);
+  ~KvPlane();
+  KvPlane(const KvPlane&) = delete;
+  KvPlane& operator=(const KvPlane&) = delete;
+
+  const PlaneOptions& options() const { return options_; }
+  bool receiving() const { return tcp_receiver_ != nullptr; }
+
+  // The transport a receiver here uses for a sender on `peer_host_id`.
+  Transport transport_for(const std::string& peer_host_id) const;
+  // The receiver of that transport (receiving() only) and its address.
+  KvReceiver& receiver(Transport transport);
+  std::string address(Transport transport) const;
+
+  // The connection to the receiver at `address` over `transport`, opened on
+  // first use and opened again after it broke. Throws KvError when the
+  // receiver cannot be reached (unreachable, timed_out). Thread-safe.
+  std::shared_ptr<KvSender> sender(Transport transport, const std::string& address);
+
+ private:
+  PlaneOptions options_;
+  std::shared_ptr<KvContext> tcp_context_, shm_context_;
+  std::unique_ptr<KvReceiver> tcp_receiver_, shm_receiver_;
+  std::mutex senders_mu_;
+  std::map<std::pair<Transport, std::string>, std::shared_ptr<KvSender>> senders_;
+};
+
+// This machine's identity for choosing the same-host path: the hostname and
+// the kernel's boot id. Processes in one network and PID namespace share it.
+std::string host_identity();
+
+}  // namespace disagg::kv
