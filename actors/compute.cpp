@@ -65,12 +65,18 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
     return;
   }
   uint32_t piece = 0;
+  // A receiver that takes no piece for this long (a dead decode node over
+  // shared memory, which has no peer-failure detection) ends the stream.
+  const auto stall_limit = std::chrono::milliseconds(std::max<int64_t>(1, work.kv_wait_ms));
+  const kv::Deadline request_deadline =
+      work.deadline_ns > 0 ? kv::Deadline(std::chrono::nanoseconds(work.deadline_ns)) : kv::Deadline::max();
   gpu::PrefillHooks hooks;
   hooks.wire_kv = false;
   hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
     if (work.cancelled && work.cancelled->load()) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
     plan.for_each_piece(layer, first, count, [&](size_t offset, size_t from, size_t bytes) {
-      if (!tx->send(target.transfer_id, piece++, offset, cache + from, bytes))
+      const kv::Deadline until = std::min(request_deadline, kv::Clock::now() + stall_limit);
+      if (!tx->send(target.transfer_id, piece++, offset, cache + from, bytes, until))
         throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
     });
   };

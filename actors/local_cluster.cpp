@@ -52,8 +52,8 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
 
   // The process's KV data plane: every decode worker's receivers, every
   // prefill worker's connections (in one process: the shared-memory path).
-  std::shared_ptr<kv::KvPlane> plane;
-  if (cfg.kv_transport != "message") plane = make_kv_plane(cfg, true);
+  if (cfg.kv_transport != "message") plane_ = make_kv_plane(cfg, true);
+  const auto& plane = plane_;
 
   // Engines first (they throw on failure), then the actors.
   std::vector<compute_actor> prefill_compute;

@@ -4,10 +4,12 @@
 // actors spawned on different nodes (they register with the router alike).
 #pragma once
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "actors/config.h"
+#include "kv/plane.h"
 #include "caf/actor_system.hpp"
 #include "messages/interfaces.h"
 
@@ -36,6 +38,8 @@ class LocalCluster {
   const std::vector<prefill_actor>& prefill_workers() const { return prefill_; }
   const std::vector<decode_actor>& decode_workers() const { return decode_; }
   const DisaggConfig& config() const { return options_.config; }
+  // The process's KV data plane (null with kv-transport message).
+  const std::shared_ptr<kv::KvPlane>& kv_plane() const { return plane_; }
 
   // Each decode worker's load (asked directly), in worker order; a worker
   // that does not answer in time is missing from the result.
@@ -49,6 +53,7 @@ class LocalCluster {
  private:
   caf::actor_system& system_;
   LocalClusterOptions options_;
+  std::shared_ptr<kv::KvPlane> plane_;
   router_actor router_;
   std::vector<prefill_actor> prefill_;
   std::vector<decode_actor> decode_;

@@ -92,7 +92,7 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
 
   // ---------------------------------------------------------------- public side
 
-  bool send(uint64_t id, uint32_t piece_index, uint64_t offset, const void* data, size_t bytes) {
+  bool send(uint64_t id, uint32_t piece_index, uint64_t offset, const void* data, size_t bytes, Deadline until) {
     if (id == 0) throw KvError(KvErrc::invalid_argument, "transfer id 0 is reserved");
     if (data == nullptr || bytes == 0) throw KvError(KvErrc::invalid_argument, "a piece needs bytes");
     PieceHeader header;
@@ -105,11 +105,14 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
 
     std::unique_lock<std::mutex> lock(mu_);
     // A piece larger than the byte budget goes when nothing else is in flight.
-    cv_.wait(lock, [&] {
+    const bool room = cv_.wait_until(lock, until, [&] {
       return broken_ || (!free_slots_.empty() &&
                          (inflight_bytes_ == 0 || inflight_bytes_ + bytes <= options_.max_inflight_bytes));
     });
     if (broken_) throw KvError(KvErrc::connection_lost, "KV connection to " + address_ + ": " + reason_);
+    if (!room)
+      throw KvError(KvErrc::timed_out, "KV connection to " + address_ + ": the receiver took no piece in time (" +
+                                           std::to_string(inflight_bytes_) + " bytes in flight)");
     SentTransfer& t = transfers_[id];
     if (t.refused || t.verdict_in) return false;
     const uint32_t index = free_slots_.back();
@@ -406,8 +409,9 @@ KvSender::KvSender(std::shared_ptr<KvContext> context, const std::string& addres
 
 KvSender::~KvSender() = default;
 
-bool KvSender::send(uint64_t id, uint32_t piece_index, uint64_t offset, const void* data, size_t bytes) {
-  return impl_->send(id, piece_index, offset, data, bytes);
+bool KvSender::send(uint64_t id, uint32_t piece_index, uint64_t offset, const void* data, size_t bytes,
+                    Deadline until) {
+  return impl_->send(id, piece_index, offset, data, bytes, until);
 }
 
 bool KvSender::send_all(uint64_t id, const void* data, size_t bytes, size_t piece_bytes) {
@@ -415,7 +419,8 @@ bool KvSender::send_all(uint64_t id, const void* data, size_t bytes, size_t piec
   const auto* p = static_cast<const uint8_t*>(data);
   uint32_t index = 0;
   for (size_t offset = 0; offset < bytes; offset += piece_bytes, ++index) {
-    if (!impl_->send(id, index, offset, p + offset, std::min(piece_bytes, bytes - offset))) return false;
+    if (!impl_->send(id, index, offset, p + offset, std::min(piece_bytes, bytes - offset), Deadline::max()))
+      return false;
   }
   return true;
 }

@@ -243,10 +243,13 @@ class KvSender {
   // Sends `bytes` (> 0) at `data` as piece `piece_index` of transfer `id`, to
   // land at `offset` in the receiver's memory. Zero-copy: `data` must stay
   // valid and unchanged until wait(id) returns. Blocks while the in-flight
-  // bounds are reached. Returns false, sending nothing, when the transfer
-  // already failed (the reason comes from wait). Throws KvError
-  // (connection_lost) when the connection is gone.
-  bool send(uint64_t id, uint32_t piece_index, uint64_t offset, const void* data, size_t bytes);
+  // bounds are reached, until `until` at most. Returns false, sending
+  // nothing, when the transfer already failed (the reason comes from wait).
+  // Throws KvError: connection_lost when the connection is gone, timed_out
+  // when the receiver took no piece by `until` (a stalled or, over shared
+  // memory, dead receiver; follow with abandon()).
+  bool send(uint64_t id, uint32_t piece_index, uint64_t offset, const void* data, size_t bytes,
+            Deadline until = Deadline::max());
 
   // Sends [data, data + bytes) as pieces of at most piece_bytes, in order
   // (piece i at offset i * piece_bytes). Same contract as send().

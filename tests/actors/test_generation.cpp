@@ -29,14 +29,21 @@ std::vector<int32_t> tokens_of(const std::vector<TokenEvent>& events) {
 struct Topology {
   int prefill;
   int decode;
+  const char* kv_transport = "auto";  // how the KV travels (DisaggConfig::kv_transport)
 };
 
-void PrintTo(const Topology& t, std::ostream* os) { *os << t.prefill << " prefill + " << t.decode << " decode"; }
+void PrintTo(const Topology& t, std::ostream* os) {
+  *os << t.prefill << " prefill + " << t.decode << " decode, kv-transport " << t.kv_transport;
+}
 
 class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface<Topology> {};
 
 TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
-  start(GetParam().prefill, GetParam().decode);
+  LocalClusterOptions options;
+  options.config = shared_model_config(GetParam().prefill, GetParam().decode);
+  options.config.kv_transport = GetParam().kv_transport;
+  start(std::move(options));
+  const bool streamed = std::string(GetParam().kv_transport) != "message";
   const auto cases = load_all_reference_cases();
   ASSERT_FALSE(cases.empty());
   // All cases at once, twice over, so several workers and batches are involved.
@@ -63,14 +70,16 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
     EXPECT_EQ(tokens_of(logs[k]->events), out.tokens) << "streamed tokens differ from the outcome";
     EXPECT_FALSE(out.prefill_worker.empty());
     EXPECT_FALSE(out.decode_worker.empty());
+    EXPECT_EQ(out.timings.kv_streamed, streamed);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
-                         ::testing::Values(Topology{1, 1}, Topology{2, 2}, Topology{1, 3}),
+                         ::testing::Values(Topology{1, 1}, Topology{2, 2}, Topology{1, 3},
+                                           Topology{2, 2, "tcp"}, Topology{2, 2, "message"}),
                          [](const auto& info) {
                            return std::to_string(info.param.prefill) + "p" +
-                                  std::to_string(info.param.decode) + "d";
+                                  std::to_string(info.param.decode) + "d_" + info.param.kv_transport;
                          });
 
 TEST_F(ActorTest, SampledOutputEqualsColocatedWithTheSameSeed) {

@@ -1,0 +1,179 @@
+// Streamed KV at the decode worker: a reservation with a prompt opens a
+// stream (its blocks registered with the KV receiver under a fresh transfer
+// id); every way the stream can end gives the blocks back: the lease ends
+// before any piece, a cancel in the middle, a corrupt piece, a commit that
+// does not match. (Streams that complete are what every generation test runs.)
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "actors/actor_fixture.h"
+#include "caf/all.hpp"
+#include "gpu/checkpoint.h"
+#include "gpu/kv_stream.h"
+#include "kv/plane.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int kPromptLen = 20;  // positions streamed: 32 (two key tiles), 2 blocks of 16
+constexpr int kPositions = 40;  // reserved: 3 blocks of 16
+
+class KvStreamTest : public ActorTest {
+ protected:
+  void SetUp() override {
+    ActorTest::SetUp();
+    start(1, 1);
+    total_ = cluster_->decode_loads().at(0).total_blocks;
+    const auto model = gpu::Checkpoint::open(shared_model());
+    fingerprint_ = model->fingerprint();
+    layers_ = model->config().n_layers;
+    plan_.emplace(model->config().n_layers, model->config().kv_dim(), kPromptLen, cluster_->config().block_size);
+  }
+
+  // A reservation as the router makes it, for a prefill worker on this host
+  // (same host: shared memory) or elsewhere ("": TCP).
+  ReserveReply reserve(RequestId id, int64_t lease_ms, const std::string& prefill_host) {
+    caf::scoped_actor self{*system_};
+    ReserveReply reply;
+    self->request(cluster_->decode_workers().at(0), 5s, reserve_atom::value,
+                  KvReservation{id, kPositions, lease_ms, kPromptLen, prefill_host})
+        .receive([&](ReserveReply& r) { reply = std::move(r); },
+                 [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    return reply;
+  }
+
+  KvAck commit(RequestId id, uint64_t transfer_id, uint64_t fingerprint) {
+    caf::scoped_actor self{*system_};
+    KvTransfer t;
+    t.id = id;
+    t.prompt_len = kPromptLen;
+    t.max_new_tokens = 4;
+    t.first_token = 5;
+    t.transfer_id = transfer_id;
+    t.fingerprint = fingerprint;
+    KvAck ack;
+    self->request(cluster_->decode_workers().at(0), 5s, kv_atom::value, std::move(t))
+        .receive([&](KvAck& a) { ack = std::move(a); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    return ack;
+  }
+
+  kv::KvReceiver& receiver(const KvTarget& target) {
+    return cluster_->kv_plane()->receiver(kv::Transport(target.transport));
+  }
+
+  // The decode worker's free blocks once they equal `expected` (or the last
+  // seen value after 3 s).
+  int free_blocks_when(int expected) {
+    const auto deadline = std::chrono::steady_clock::now() + 3s;
+    int seen = -1;
+    while (std::chrono::steady_clock::now() < deadline) {
+      const auto loads = cluster_->decode_loads();
+      if (loads.size() == 1) seen = loads[0].free_blocks;
+      if (seen == expected) return seen;
+      std::this_thread::sleep_for(2ms);
+    }
+    return seen;
+  }
+
+  int total_ = 0;
+  int layers_ = 0;
+  uint64_t fingerprint_ = 0;
+  std::optional<gpu::KvStreamPlan> plan_;
+};
+
+TEST_F(KvStreamTest, AReservationWithAPromptOpensAStreamOnTheTransportOfThePrefillsHost) {
+  const ReserveReply same_host = reserve(9101, 60000, kv::host_identity());
+  ASSERT_EQ(same_host.code, ErrorCode::none) << same_host.message;
+  EXPECT_NE(same_host.target.transfer_id, 0u);
+  EXPECT_EQ(same_host.target.transport, uint8_t(kv::Transport::shm));
+  EXPECT_EQ(same_host.target.block_size, cluster_->config().block_size);
+  EXPECT_FALSE(same_host.target.address.empty());
+  const ReserveReply elsewhere = reserve(9102, 60000, "another-host/boot");
+  ASSERT_EQ(elsewhere.code, ErrorCode::none) << elsewhere.message;
+  EXPECT_EQ(elsewhere.target.transport, uint8_t(kv::Transport::tcp));
+  EXPECT_NE(elsewhere.target.transfer_id, same_host.target.transfer_id);
+  EXPECT_EQ(receiver(same_host.target).pending_transfers(), 1u);
+  EXPECT_EQ(receiver(elsewhere.target).pending_transfers(), 1u);
+  for (RequestId id : {9101, 9102}) caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, id);
+  EXPECT_EQ(free_blocks_when(total_), total_);
+  EXPECT_EQ(receiver(same_host.target).pending_transfers(), 0u);
+  EXPECT_EQ(receiver(elsewhere.target).pending_transfers(), 0u);
+}
+
+TEST_F(KvStreamTest, AStreamWhosePrefillNeverComesExpiresAndFreesItsBlocks) {
+  const ReserveReply reply = reserve(9111, 200, kv::host_identity());
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  EXPECT_EQ(reply.load.free_blocks, total_ - 3);
+  EXPECT_EQ(free_blocks_when(total_), total_) << "the lease ended but the blocks are still held";
+  EXPECT_EQ(receiver(reply.target).pending_transfers(), 0u) << "the stream outlived its reservation";
+  const KvAck late = commit(9111, reply.target.transfer_id, fingerprint_);
+  EXPECT_EQ(late.code, ErrorCode::timeout) << late.message;
+}
+
+TEST_F(KvStreamTest, CancellingAHalfSentStreamFreesItsBlocksAndTheSenderHearsIt) {
+  const std::vector<std::string> hosts = {kv::host_identity(), "another-host/boot"};  // shm, tcp
+  for (size_t h = 0; h < hosts.size(); ++h) {
+    const std::string& host = hosts[h];
+    SCOPED_TRACE("prefill host " + host);
+    const RequestId id = 9121 + h;
+    const ReserveReply reply = reserve(id, 60000, host);
+    ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+    auto tx = cluster_->kv_plane()->sender(kv::Transport(reply.target.transport), reply.target.address);
+    std::vector<float> layer0(plan_->total_bytes() / sizeof(float), 1.0f);
+    int pieces = 0;
+    plan_->for_each_piece(0, 0, kPromptLen, [&](size_t offset, size_t from, size_t bytes) {
+      ASSERT_TRUE(tx->send(reply.target.transfer_id, uint32_t(pieces++), offset, layer0.data() + from, bytes));
+    });
+    EXPECT_GT(pieces, 0);
+    caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, id);
+    EXPECT_EQ(free_blocks_when(total_), total_);
+    EXPECT_EQ(receiver(reply.target).pending_transfers(), 0u);
+    const kv::TransferResult verdict = tx->wait(reply.target.transfer_id, kv::Clock::now() + 5s);
+    EXPECT_EQ(verdict.status, kv::TransferStatus::cancelled) << verdict.detail;
+  }
+}
+
+TEST_F(KvStreamTest, ACorruptPieceFailsTheStreamAndFreesItsBlocksAtOnce) {
+  const ReserveReply reply = reserve(9131, 60000, "another-host/boot");  // TCP
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  kv::ContextOptions tcp;
+  tcp.transports = "tcp";
+  kv::SenderOptions corrupting;
+  int sent = 0;
+  corrupting.after_checksum = [&](const kv::PieceHeader&, const void* data, size_t) {
+    if (sent++ == 3) const_cast<float*>(static_cast<const float*>(data))[0] += 1.0f;  // our own buffer
+  };
+  kv::KvSender tx(kv::KvContext::create(tcp), reply.target.address, corrupting);
+  std::vector<float> cache(plan_->total_bytes() / sizeof(float), 0.5f);
+  bool refused = false;  // the receiver failed the stream: send() says so from then on
+  for (int layer = 0; layer < layers_ && !refused; ++layer)
+    plan_->for_each_piece(layer, 0, kPromptLen, [&](size_t offset, size_t from, size_t bytes) {
+      if (!refused) refused = !tx.send(reply.target.transfer_id, uint32_t(sent), offset, cache.data() + from, bytes);
+    });
+  const kv::TransferResult verdict = tx.wait(reply.target.transfer_id, kv::Clock::now() + 5s);
+  EXPECT_EQ(verdict.status, kv::TransferStatus::bad_checksum) << verdict.detail;
+  EXPECT_EQ(free_blocks_when(total_), total_) << "a failed stream keeps its blocks";
+  const KvAck ack = commit(9131, reply.target.transfer_id, fingerprint_);
+  EXPECT_NE(ack.code, ErrorCode::none);
+}
+
+TEST_F(KvStreamTest, ACommitOfAnotherStreamOrModelIsRefused) {
+  const ReserveReply reply = reserve(9141, 60000, kv::host_identity());
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  const KvAck wrong_stream = commit(9141, reply.target.transfer_id + 1, fingerprint_);
+  EXPECT_EQ(wrong_stream.code, ErrorCode::invalid_request) << wrong_stream.message;
+  EXPECT_EQ(free_blocks_when(total_ - 3), total_ - 3) << "a stray commit must not end the reservation";
+  const KvAck wrong_model = commit(9141, reply.target.transfer_id, fingerprint_ ^ 1);
+  EXPECT_EQ(wrong_model.code, ErrorCode::incompatible_kv) << wrong_model.message;
+  EXPECT_EQ(free_blocks_when(total_), total_);
+  EXPECT_EQ(receiver(reply.target).pending_transfers(), 0u);
+}
+
+}  // namespace
+}  // namespace disagg::test
