@@ -274,7 +274,7 @@ std::shared_ptr<kv::KvPlane> make_kv_plane(const DisaggConfig& config, bool rece
   constexpr uint32_t kStreamInflightPieces = 1024;
   kv::PlaneOptions options;
   if (receive) options.listen_host = config.kv_host;
-  options.shared_memory = config.kv_transport == "auto";
+  options.shared_memory = config.kv_transport == "shm";
   options.sender.max_inflight_pieces = kStreamInflightPieces;
   return std::make_shared<kv::KvPlane>(options);
 }

@@ -19,8 +19,8 @@ std::string DisaggConfig::validate() const {
   require(decode_workers >= 1, "decode-workers must be >= 1");
   require(max_kv_transfer_bytes > 0, "max-kv-transfer-bytes must be > 0");
   require(ack_timeout_ms > 0, "ack-timeout-ms must be > 0");
-  require(kv_transport == "auto" || kv_transport == "tcp" || kv_transport == "message",
-          "kv-transport must be auto, tcp or message (got '" + kv_transport + "')");
+  require(kv_transport == "tcp" || kv_transport == "shm" || kv_transport == "message",
+          "kv-transport must be tcp, shm or message (got '" + kv_transport + "')");
   require(!kv_host.empty(), "kv-host must not be empty");
   require(block_size >= 1 && block_size % gpu::kv_layout::kTile == 0,
           "block-size must be a positive multiple of " + std::to_string(gpu::kv_layout::kTile) +
@@ -49,7 +49,7 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
            "largest KV a prefill worker ships (larger: kv_too_large)")
       .add(c.ack_timeout_ms, "ack-timeout-ms", "how long a prefill worker waits for the KV ack")
       .add(c.kv_transport, "kv-transport",
-           "KV from prefill to decode: auto (UCX stream, shared memory on one host), tcp (UCX stream), "
+           "KV from prefill to decode: tcp (UCX stream), shm (UCX stream, shared memory on one host; see README), "
            "message (one CAF message)")
       .add(c.kv_host, "kv-host", "address a decode node's KV receivers listen on")
       .add(c.block_size, "block-size", "positions per KV block of the decode pool")

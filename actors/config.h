@@ -24,14 +24,17 @@ struct DisaggConfig {
   int64_t ack_timeout_ms = 10000;  // KV sent -> decode's ack
 
   // KV data plane (kv/plane.h). How prefill ships KV to decode:
-  //   auto:    streamed over UCX while the prefill runs; shared memory when
-  //            both workers are on one host, TCP otherwise (the default);
-  //   tcp:     streamed over UCX, always TCP;
+  //   tcp:     streamed over UCX's TCP transport while the prefill runs (the
+  //            default; between hosts and on one);
+  //   shm:     the same, over shared memory (posix + CMA) when both workers
+  //            are on one host, TCP otherwise. Faster on one host, but UCX
+  //            1.13's CMA aborts the receiving process when the sending one
+  //            dies mid-stream (README, KV data plane): opt in knowingly;
   //   message: one CAF message after the prefill (the earlier path, kept for
-  //            comparison and for nodes without UCX).
+  //            comparison).
   // The decode worker decides (it registers the memory); a prefill worker
   // set to message sends a message whatever the decode worker offers.
-  std::string kv_transport = "auto";
+  std::string kv_transport = "tcp";
   // Address a decode node's KV receivers listen on (reachable by the prefill
   // nodes, and by nothing else: UCX authenticates no one).
   std::string kv_host = "127.0.0.1";

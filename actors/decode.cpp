@@ -267,7 +267,7 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
   plan.for_each_region([&](int, int j, bool, size_t offset, size_t floats) {
     regions.push_back({pool + size_t(held.blocks[size_t(j)]) * stride + offset, floats * sizeof(float)});
   });
-  held.transport = st.config.kv_transport == "tcp" ? kv::Transport::tcp : st.kv.plane->transport_for(r.prefill_host);
+  held.transport = st.config.kv_transport == "shm" ? st.kv.plane->transport_for(r.prefill_host) : kv::Transport::tcp;
   held.transfer_id = kv::new_transfer_id();
   // (weak: the receiver's thread must never hold the last reference to this actor)
   const caf::actor_addr me = self->address();

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Time to first token of long prompts on a multi-process cluster (1 router, 1
 # prefill, 1 decode node on 127.0.0.1), for each way the KV can travel
-# (kv-transport auto = UCX stream over shared memory, tcp = UCX stream over
+# (kv-transport shm = UCX stream over shared memory, tcp = UCX stream over
 # TCP, message = one CAF message after the prefill). Issue 8, item 5.
 #
 #   bench/ttft.sh [PROMPT_LENGTHS...]     (default 256 1024 1900; run by `scripts/bench ttft`)
@@ -69,7 +69,7 @@ EOF
 
 median() { sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
-for transport in auto tcp message; do
+for transport in shm tcp message; do
   dir=$OUT/$transport
   write_configs "$dir/config" "$transport"
   export DISAGG_RUN_DIR=$dir/run

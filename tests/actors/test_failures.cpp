@@ -50,7 +50,7 @@ TEST_F(KvCapTest, KvLargerThanTheCapIsRejectedWithoutHanging) {
 
 TEST_F(KvCapTest, StreamedKvLargerThanTheCapIsRejectedBeforeItsPrefill) {
   const int64_t computed_before = prefill_counts().computed;
-  expect_kv_cap("auto", stream_bytes_for(16), stream_bytes_for(29));
+  expect_kv_cap("tcp", stream_bytes_for(16), stream_bytes_for(29));
   EXPECT_EQ(prefill_counts().computed - computed_before, 2) << "only the two small prompts ran";
 }
 

@@ -29,7 +29,7 @@ std::vector<int32_t> tokens_of(const std::vector<TokenEvent>& events) {
 struct Topology {
   int prefill;
   int decode;
-  const char* kv_transport = "auto";  // how the KV travels (DisaggConfig::kv_transport)
+  const char* kv_transport = "tcp";  // how the KV travels (DisaggConfig::kv_transport)
 };
 
 void PrintTo(const Topology& t, std::ostream* os) {
@@ -76,7 +76,7 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
 
 INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
                          ::testing::Values(Topology{1, 1}, Topology{2, 2}, Topology{1, 3},
-                                           Topology{2, 2, "tcp"}, Topology{2, 2, "message"}),
+                                           Topology{2, 2, "shm"}, Topology{2, 2, "message"}),
                          [](const auto& info) {
                            return std::to_string(info.param.prefill) + "p" +
                                   std::to_string(info.param.decode) + "d_" + info.param.kv_transport;

@@ -28,7 +28,10 @@ class KvStreamTest : public ActorTest {
  protected:
   void SetUp() override {
     ActorTest::SetUp();
-    start(1, 1);
+    LocalClusterOptions options;
+    options.config = shared_model_config(1, 1);
+    options.config.kv_transport = "shm";  // both receivers: shared memory for this host, TCP for others
+    start(std::move(options));
     total_ = cluster_->decode_loads().at(0).total_blocks;
     const auto model = gpu::Checkpoint::open(shared_model());
     fingerprint_ = model->fingerprint();
@@ -135,7 +138,10 @@ TEST_F(KvStreamTest, CancellingAHalfSentStreamFreesItsBlocksAndTheSenderHearsIt)
     EXPECT_EQ(free_blocks_when(total_), total_);
     EXPECT_EQ(receiver(reply.target).pending_transfers(), 0u);
     const kv::TransferResult verdict = tx->wait(reply.target.transfer_id, kv::Clock::now() + 5s);
-    EXPECT_EQ(verdict.status, kv::TransferStatus::cancelled) << verdict.detail;
+    // cancelled; or, when the cancel overtook the piece, unknown_transfer for it
+    EXPECT_TRUE(verdict.status == kv::TransferStatus::cancelled ||
+                verdict.status == kv::TransferStatus::unknown_transfer)
+        << kv::to_string(verdict.status) << ": " << verdict.detail;
   }
 }
 

@@ -37,7 +37,7 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   if (role != "prefill") ini << "port = " << port << "\n";
   ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";
   ini << "peer-refresh-ms = 200\n" << extra;
-  ini << "\n[disagg]\nmodel = \"" << shared_model() << "\"\nbackend = \"cpu\"\n";
+  ini << "\n[disagg]\nmodel = \"" << (model_.empty() ? shared_model() : model_) << "\"\nbackend = \"cpu\"\n";
   if (role == "router") ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
   if (role == "decode") ini << "pool-blocks = 512\n";
   ini << disagg_extra_ << "\n";

@@ -35,6 +35,8 @@ class TestCluster {
   // gets the tokenizer); `extra` lines are appended to its [node] group.
   std::string config_text(const std::string& role, const std::string& name, uint16_t port,
                           const std::string& extra = "") const;
+  // The checkpoint every node started from now on serves (default: the shared model).
+  void set_model(const std::string& path) { model_ = path; }
   // Lines appended to the [disagg] group of every node started from now on.
   void set_disagg_options(const std::string& lines) { disagg_extra_ = lines; }
   // Writes <dir>/<name>.ini and starts disagg-node on it.
@@ -73,6 +75,7 @@ class TestCluster {
   std::set<std::string> stopped_;  // by stop_node / kill_node
   std::unique_ptr<RemoteClient> remote_;
   std::string disagg_extra_;
+  std::string model_;
 };
 
 }  // namespace disagg::test

@@ -123,8 +123,7 @@ TEST(MultiProcessCluster, ConcurrentRequestsMatchColocatedGenerationOverDirectKv
 // The KV goes from the prefill nodes to the decode nodes over connections of
 // their own, streamed over UCX's TCP transport (kv-transport tcp) or as CAF
 // messages to the decode nodes' ports (message), and never through the
-// router's node. (The default, auto, takes shared memory on one host: no TCP
-// bytes to count.)
+// router's node. (shm takes shared memory on one host: no TCP bytes to count.)
 void expect_kv_goes_prefill_to_decode(const std::string& transport) {
   SCOPED_TRACE("kv-transport " + transport);
   TestCluster cluster("cluster-kv-route-" + transport);
