@@ -35,6 +35,9 @@ struct WorkerInfo {
   // node's own listening port: prefill nodes ship KV there, not via the
   // router's node); empty for an in-process worker.
   std::string endpoint;
+  // The cluster the worker's node belongs to (disagg.cluster), set by the
+  // node's relay (actors/node_relay.h); empty for an in-process worker.
+  std::string cluster;
 };
 
 // A decode worker's load: sent to the router whenever it changes (admit,
@@ -87,7 +90,7 @@ typename Inspector::result_type inspect(Inspector& f, ModelInfo& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
   return f(caf::meta::type_name("WorkerInfo"), x.role, x.name, x.model, x.block_size,
-           x.total_blocks, x.endpoint);
+           x.total_blocks, x.endpoint, x.cluster);
 }
 
 template <class Inspector>
