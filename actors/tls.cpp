@@ -1,12 +1,19 @@
 #include "actors/tls.h"
 
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <netinet/in.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <openssl/x509_vfy.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <atomic>
 #include <memory>
+
+#include "actors/node_log.h"
 
 #include "caf/config_option_adder.hpp"
 #include "caf/function_view.hpp"
@@ -45,6 +52,140 @@ struct StoreCtxFree {
 };
 
 }  // namespace
+
+// ---------------------------------------------------------------- OpenSSL calls of CAF's session
+//
+// CAF 0.17.6's openssl session (libcaf_openssl/src/openssl/session.cpp)
+// calls SSL_accept/SSL_connect/SSL_read/SSL_write and then SSL_get_error
+// without clearing the thread's OpenSSL error queue first, and drains the
+// queue only inside CAF_LOG_INFO(...), which Debian's build compiles out
+// (CAF_LOG_LEVEL_QUIET). So one failed handshake (a peer without a valid
+// certificate, a plain-TCP client, a port scanner) leaves its error in the
+// queue of the middleman's network thread, and from then on SSL_get_error
+// reports SSL_ERROR_SSL for the ordinary "want read" of every healthy
+// connection on that thread: CAF closes them all, again and again (seen:
+// every worker lost and re-registering in a loop after one refused peer).
+// OpenSSL's rule is to clear the queue before each of these calls; these
+// definitions do that and call the real functions. They take precedence
+// over libssl's because the executable is searched first when
+// libcaf_openssl.so's references are bound (ld exports them from the
+// executable since a shared library on the link line uses them). A failed
+// handshake is logged here too (CAF has no hook for it), with the peer's
+// address and OpenSSL's reason, and counted.
+
+namespace {
+
+std::atomic<uint64_t> g_refused_handshakes{0};
+
+template <class Fn>
+Fn next_definition(const char* name) {
+  void* f = ::dlsym(RTLD_NEXT, name);
+  if (!f) {
+    node_log(LogLevel::error, std::string("cannot find OpenSSL's ") + name + ": " + ::dlerror());
+    std::abort();
+  }
+  return reinterpret_cast<Fn>(f);
+}
+
+// Per connection: its peer (read while the socket is connected) and whether
+// its failure was logged (CAF calls SSL_accept again after a failure).
+struct HandshakeNote {
+  std::string peer;
+  bool logged = false;
+};
+
+void free_note(void*, void* ptr, CRYPTO_EX_DATA*, int, long, void*) { delete static_cast<HandshakeNote*>(ptr); }
+
+int note_index() {
+  static const int index = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, free_note);
+  return index;
+}
+
+std::string peer_of(SSL* ssl);
+
+HandshakeNote& note_of(SSL* ssl) {
+  auto* note = static_cast<HandshakeNote*>(SSL_get_ex_data(ssl, note_index()));
+  if (!note) {
+    note = new HandshakeNote{peer_of(ssl), false};
+    SSL_set_ex_data(ssl, note_index(), note);
+  }
+  return *note;
+}
+
+std::string peer_of(SSL* ssl) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof addr;
+  const int fd = SSL_get_fd(ssl);
+  if (fd < 0 || ::getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "an unknown peer";
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (addr.ss_family == AF_INET) {
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&addr);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+    port = ntohs(a->sin_port);
+  } else if (addr.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&addr);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+    port = ntohs(a->sin6_port);
+  }
+  return std::string(host) + ":" + std::to_string(port);
+}
+
+// Logs a handshake that failed for good (not "call again"); leaves the error
+// queue as it is, for CAF's SSL_get_error.
+int after_handshake_step(SSL* ssl, int ret, bool accepting) {
+  HandshakeNote& note = note_of(ssl);
+  if (ret == 1 || note.logged) return ret;
+  const int err = SSL_get_error(ssl, ret);
+  if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return ret;
+  note.logged = true;
+  const uint64_t n = ++g_refused_handshakes;
+  std::string why = "the connection closed before the handshake completed";
+  if (const unsigned long e = ERR_peek_last_error()) {
+    char buf[256];
+    ERR_error_string_n(e, buf, sizeof buf);
+    why = buf;
+  }
+  if (SSL_get_verify_result(ssl) != X509_V_OK)
+    why += " (" + std::string(X509_verify_cert_error_string(SSL_get_verify_result(ssl))) + ")";
+  node_log(LogLevel::error, std::string(accepting ? "refused a TLS connection from " : "TLS handshake with ") +
+                                note.peer + (accepting ? "" : " failed") + ": " + why + " (" + std::to_string(n) +
+                                " failed TLS handshakes so far)");
+  return ret;
+}
+
+}  // namespace
+}  // namespace disagg
+
+extern "C" {
+
+int SSL_accept(SSL* ssl) {
+  static const auto real = disagg::next_definition<int (*)(SSL*)>("SSL_accept");
+  ERR_clear_error();
+  return disagg::after_handshake_step(ssl, real(ssl), true);
+}
+
+int SSL_connect(SSL* ssl) {
+  static const auto real = disagg::next_definition<int (*)(SSL*)>("SSL_connect");
+  ERR_clear_error();
+  return disagg::after_handshake_step(ssl, real(ssl), false);
+}
+
+int SSL_read(SSL* ssl, void* buf, int num) {
+  static const auto real = disagg::next_definition<int (*)(SSL*, void*, int)>("SSL_read");
+  ERR_clear_error();
+  return real(ssl, buf, num);
+}
+
+int SSL_write(SSL* ssl, const void* buf, int num) {
+  static const auto real = disagg::next_definition<int (*)(SSL*, const void*, int)>("SSL_write");
+  ERR_clear_error();
+  return real(ssl, buf, num);
+}
+
+}  // extern "C"
+
+namespace disagg {
 
 std::string TlsOptions::validate() const {
   if (!enabled()) return {};
@@ -122,6 +263,8 @@ caf::expected<caf::strong_actor_ptr> remote_actor_at(caf::actor_system& system, 
                            std::move(std::get<2>(*res)));
   return ptr;
 }
+
+uint64_t refused_tls_handshakes() { return g_refused_handshakes.load(); }
 
 void use_tls(caf::actor_system_config& config, const TlsOptions& tls) {
   if (!tls.enabled()) return;

@@ -58,6 +58,10 @@ void add_tls_options(caf::config_option_set& options, TlsOptions& tls);
 // before the actor system is made from `config`.
 void use_tls(caf::actor_system_config& config, const TlsOptions& tls);
 
+// TLS handshakes of this process that failed for good (each is logged at
+// level error with the peer's address and OpenSSL's reason).
+uint64_t refused_tls_handshakes();
+
 // Whether `system` talks TLS (it was made from a config given to use_tls).
 inline bool uses_tls(caf::actor_system& system) { return system.has_openssl_manager(); }
 
