@@ -272,7 +272,11 @@ void register_worker(RelaySelf self) {
     auto& st = self->state;
     if (router != st.router) return;
     if (e == caf::sec::invalid_argument) {
-      node_log(LogLevel::error, "the router refused " + name + ": " + self->system().render(e) + "; exiting");
+      // The router's reason, unquoted (render() escapes it inside a tuple).
+      const caf::message& why = e.context();
+      const std::string reason = why.size() == 1 && why.match_element<std::string>(0) ? why.get_as<std::string>(0)
+                                                                                    : self->system().render(e);
+      node_log(LogLevel::error, "the router refused " + name + ": " + reason + "; exiting");
       self->quit(e);
       return;
     }

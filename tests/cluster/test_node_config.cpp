@@ -112,6 +112,8 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
                      "node.log-level must be"});
   expect_fails_fast({"invalid disagg value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=0"}, 2,
                      "disagg.block-size must be a positive multiple of 16"});
+  expect_fails_fast({"bad cluster name", "[node]\nrole = \"router\"\n", {"--disagg.cluster=a b"}, 2,
+                     "disagg.cluster must be 1-64 characters"});
   const std::string dir = make_temp_dir("node-bad-model");
   write_text_file(dir + "/model.bin", "not a checkpoint");
   expect_fails_fast({"corrupt model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\nmodel = \"" +
@@ -189,6 +191,34 @@ TEST(ClusterScript, StartsWaitsForEveryWorkerAndStopsExactlyItsNodes) {
   ASSERT_EQ(run_to_completion({"/bin/bash", script, "down"}, out, err, std::chrono::seconds(30), env), 0) << err;
   EXPECT_NE(out.find("stopped 3 node(s)"), std::string::npos) << out;
   for (pid_t pid : pids) EXPECT_FALSE(process_alive(pid)) << "pid " << pid;
+}
+
+// TLS options are all or nothing, and their files must load and fit
+// together: CAF's openssl module would otherwise fail inside its network loop
+// at the first connection, or a node would start unable to reach any peer.
+TEST(NodeStartup, TlsFilesAreCheckedBeforeTheNodeStarts) {
+  const std::string dir = make_temp_dir("node-tls");
+  make_certificates(dir + "/a", {"router"});
+  make_certificates(dir + "/b", {"router"});
+  const TlsOptions a = certificate_files(dir + "/a", "router"), b = certificate_files(dir + "/b", "router");
+  const std::string router = "[node]\nrole = \"router\"\n";
+  expect_fails_fast({"certificate without key and CA", router, {"--tls.certificate=" + a.certificate}, 2,
+                     "tls.key is required with TLS"});
+  expect_fails_fast({"missing CA file", router,
+                     {"--tls.certificate=" + a.certificate, "--tls.key=" + a.key, "--tls.ca-file=/nonexistent.pem"}, 2,
+                     "tls.ca-file: /nonexistent.pem is not a readable file"});
+  expect_fails_fast({"another certificate's key", router,
+                     {"--tls.certificate=" + a.certificate, "--tls.key=" + b.key, "--tls.ca-file=" + a.ca_file}, 2,
+                     "key values mismatch"});
+  expect_fails_fast({"certificate of another CA", router,
+                     {"--tls.certificate=" + b.certificate, "--tls.key=" + b.key, "--tls.ca-file=" + a.ca_file}, 2,
+                     "is not signed by the CA of tls.ca-file"});
+  expect_fails_fast({"not PEM", router,
+                     {"--tls.certificate=" + a.key, "--tls.key=" + a.key, "--tls.ca-file=" + a.ca_file}, 2,
+                     "tls.certificate: cannot load"});
+  expect_fails_fast({"CAF's own openssl group", router + "[openssl]\ncertificate = \"" + a.certificate + "\"\n", {},
+                     2, "set tls.certificate, tls.key and tls.ca-file instead"});
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
