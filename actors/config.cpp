@@ -13,6 +13,10 @@ std::string DisaggConfig::validate() const {
     if (!problems.empty()) problems += "; ";
     problems += what;
   };
+  const bool cluster_ok = !cluster.empty() && cluster.size() <= 64 &&
+                          cluster.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                    "0123456789._-") == std::string::npos;
+  require(cluster_ok, "cluster must be 1-64 characters of A-Z a-z 0-9 . _ - (got '" + cluster + "')");
   require(backend == "auto" || backend == "cpu" || backend == "cuda",
           "backend must be auto, cpu or cuda (got '" + backend + "')");
   require(prefill_workers >= 1, "prefill-workers must be >= 1");
@@ -40,6 +44,7 @@ std::string DisaggConfig::validate() const {
 
 void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
   caf::config_option_adder{options, "disagg"}
+      .add(c.cluster, "cluster", "the cluster's name; the router refuses workers of another (default disagg)")
       .add(c.model, "model", "llama2.c checkpoint path")
       .add(c.tokenizer, "tokenizer", "tokenizer path (text prompts and token text)")
       .add(c.backend, "backend", "compute backend: auto, cpu or cuda")

@@ -10,6 +10,11 @@
 namespace disagg {
 
 struct DisaggConfig {
+  // The cluster's name: a worker registers with it, and the router refuses a
+  // worker of another cluster (e.g. a second cluster started on the same
+  // hosts whose nodes dial the first one's router by mistake).
+  std::string cluster = "disagg";
+
   // Model and compute.
   std::string model;              // llama2.c checkpoint path
   std::string tokenizer;          // optional: text prompts and token text at the router

@@ -12,7 +12,7 @@
 namespace disagg {
 
 RemoteClient::RemoteClient(const std::string& router_address, std::chrono::milliseconds wait,
-                           ClientOptions options)
+                           ClientOptions options, TlsOptions tls)
     : address_(router_address) {
   const auto colon = router_address.rfind(':');
   char* end = nullptr;
@@ -26,10 +26,12 @@ RemoteClient::RemoteClient(const std::string& router_address, std::chrono::milli
   register_messages(*config_);
   prefer_sharing_scheduler(*config_);
   config_->load<caf::io::middleman>();
+  if (const std::string problems = tls.validate(); !problems.empty()) throw gpu::Error(problems);
+  use_tls(*config_, tls);
   system_ = std::make_unique<caf::actor_system>(*config_);
   const auto deadline = std::chrono::steady_clock::now() + wait;
   for (;;) {
-    auto router = system_->middleman().remote_actor<router_actor>(host, uint16_t(port));
+    auto router = remote_actor_at<router_actor>(*system_, host, uint16_t(port), std::chrono::seconds(10));
     if (router) {
       client_ = std::make_unique<Client>(*system_, *router, options);
       return;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "actors/client.h"
+#include "actors/tls.h"
 
 namespace disagg {
 
@@ -16,9 +17,13 @@ class RemoteClient {
   // Connects to the router, retrying until `wait` has passed (0: one try).
   // Throws gpu::Error("cannot reach the router at HOST:PORT: ...") on failure
   // and for a malformed address.
+  // With `tls` enabled (actors/tls.h) the connection is mutual TLS: the
+  // router must present a certificate of tls.ca_file's CA, and this client
+  // presents tls.certificate; a problem with the files throws gpu::Error.
+  // Each attempt waits at most 10 s for the router's handshake.
   explicit RemoteClient(const std::string& router_address,
                         std::chrono::milliseconds wait = std::chrono::milliseconds(0),
-                        ClientOptions options = {});
+                        ClientOptions options = {}, TlsOptions tls = {});
   ~RemoteClient();
   RemoteClient(const RemoteClient&) = delete;
   RemoteClient& operator=(const RemoteClient&) = delete;

@@ -119,6 +119,7 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
 
 NodeSystemConfig::NodeSystemConfig() {
   add_node_options(custom_options_, node);
+  add_tls_options(custom_options_, tls);
   load<caf::io::middleman>();
 }
 
@@ -252,6 +253,12 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
   };
   split(node.validate(), "");
   split(disagg.validate(), "disagg.");
+  // CAF's own [openssl] group alone would configure certificates that no
+  // connection uses (the openssl module is loaded only for [tls]).
+  if (!config.openssl_certificate.empty() || !config.openssl_key.empty() || !config.openssl_cafile.empty() ||
+      !config.openssl_capath.empty() || !config.openssl_passphrase.empty())
+    errors.push_back("the [openssl] options are not used: set tls.certificate, tls.key and tls.ca-file instead");
+  split(config.tls.validate(), "");
   if (!errors.empty()) return result;
 
   const bool worker = node.role != "router";

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "actors/config.h"
+#include "actors/tls.h"
 
 namespace disagg {
 
@@ -41,11 +42,13 @@ struct NodeOptions {
 // Registers the fields of `node` as options of group "node".
 void add_node_options(caf::config_option_set& options, NodeOptions& node);
 
-// DisaggSystemConfig plus the "node" group and the io middleman.
+// DisaggSystemConfig plus the "node" and "tls" groups and the io middleman
+// (node_main loads CAF's openssl module too when tls is configured).
 class NodeSystemConfig : public DisaggSystemConfig {
  public:
   NodeSystemConfig();
   NodeOptions node;
+  TlsOptions tls;
   const caf::config_option_set& options() const { return custom_options_; }
 };
 

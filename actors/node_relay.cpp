@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "actors/node_log.h"
+#include "actors/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/middleman.hpp"
 
@@ -106,7 +107,7 @@ void dial(GateSelf self, const std::string& endpoint, const std::string& worker)
     return;
   }
   self->state.dialing.insert(endpoint);
-  auto mm = self->system().middleman().actor_handle();
+  auto mm = connection_manager(self->system());  // TLS when the node is configured for it
   self->request(mm, std::chrono::seconds(10), caf::connect_atom::value, host, port)
       .then(
           [=](caf::node_id& node, caf::strong_actor_ptr& published, std::set<std::string>&) {
@@ -250,6 +251,7 @@ void register_worker(RelaySelf self) {
   Registration& w = *st.worker;
   if (w.decode && st.endpoint.empty()) return;
   w.info.endpoint = st.endpoint;
+  w.info.cluster = st.spec.cluster;
   const std::string name = w.info.name;
   const router_actor router = st.router;
   const uint64_t attempt = ++st.registration;
@@ -270,7 +272,11 @@ void register_worker(RelaySelf self) {
     auto& st = self->state;
     if (router != st.router) return;
     if (e == caf::sec::invalid_argument) {
-      node_log(LogLevel::error, "the router refused " + name + ": " + self->system().render(e) + "; exiting");
+      // The router's reason, unquoted (render() escapes it inside a tuple).
+      const caf::message& why = e.context();
+      const std::string reason = why.size() == 1 && why.match_element<std::string>(0) ? why.get_as<std::string>(0)
+                                                                                    : self->system().render(e);
+      node_log(LogLevel::error, "the router refused " + name + ": " + reason + "; exiting");
       self->quit(e);
       return;
     }

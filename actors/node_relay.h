@@ -3,6 +3,7 @@
 // The relay passes every message on to the real router unchanged (delegated,
 // so the router still sees the worker as sender) except the registration,
 // which it completes for the multi-process cluster and owns from then on:
+//   - it registers the worker with the node's cluster name (RelaySpec::cluster);
 //   - it answers the worker at once and registers it with the router as soon
 //     as the node has reached one (set_relay_router), and again with every
 //     new router after the old one went away; a registration the router
@@ -30,6 +31,7 @@
 namespace disagg {
 
 struct RelaySpec {
+  std::string cluster;     // WorkerInfo::cluster of the registration (disagg.cluster)
   std::string ready_file;  // rewritten with the worker's name on each registration (may be empty)
   std::chrono::milliseconds register_timeout{10000};
   // A registration the router refused or did not answer is tried again after

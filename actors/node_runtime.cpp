@@ -19,6 +19,7 @@
 #include "actors/node_relay.h"
 #include "actors/prefill.h"
 #include "actors/router.h"
+#include "actors/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/all.hpp"
 #include "gpu/checkpoint.h"
@@ -61,7 +62,7 @@ std::string listen_problem(const std::string& host, uint16_t port) {
 template <class Handle>
 std::optional<uint16_t> publish_on(caf::actor_system& system, const Handle& who, const std::string& host,
                                    uint16_t port) {
-  auto published = system.middleman().publish(who, port, host.c_str(), true);
+  auto published = publish_actor(system, who, port, host);  // TLS when configured (actors/tls.h)
   if (published) return *published;
   const std::string why = listen_problem(host, port);
   node_log("cannot listen on " + endpoint_of(host, port) + ": " +
@@ -135,7 +136,7 @@ int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggC
     return 1;
   }
   const std::string endpoint = endpoint_of(node.host, *port);
-  node_log("router listening on " + endpoint +
+  node_log("router of cluster \"" + cfg.cluster + "\" listening on " + endpoint + (uses_tls(system) ? " (TLS)" : "") +
            (tokenizer ? " (tokenizer " + cfg.tokenizer + ")" : " (no tokenizer: token prompts only)"));
   if (!node.ready_file.empty() && !write_ready_file(node.ready_file, endpoint))
     node_log("cannot write ready file " + node.ready_file);
@@ -161,7 +162,7 @@ std::optional<router_actor> connect_to_router(caf::actor_system& system, const N
   const auto start = Clock::now();
   auto delay = std::chrono::milliseconds(node.connect_retry_ms);
   for (int attempt = 1;; ++attempt) {
-    auto router = system.middleman().remote_actor<router_actor>(node.router_host, node.router_port);
+    auto router = remote_actor_at<router_actor>(system, node.router_host, node.router_port);
     if (router) {
       node_log("connected to the router at " + where);
       return *router;
@@ -217,6 +218,7 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
   }
 
   RelaySpec relay_spec;
+  relay_spec.cluster = cfg.cluster;
   relay_spec.ready_file = node.ready_file;
   relay_spec.register_timeout = std::chrono::milliseconds(cfg.compute_timeout_ms);
   relay_spec.peer_refresh = std::chrono::milliseconds(node.peer_refresh_ms);
@@ -297,7 +299,10 @@ int node_main(int argc, char** argv) {
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGPIPE, SIG_IGN);
+  use_tls(config, config.tls);
   caf::actor_system system{config};
+  if (config.tls.enabled())
+    node_log("mutual TLS on every connection: certificate " + config.tls.certificate + ", CA " + config.tls.ca_file);
   return node.parsed_role() == NodeRole::router ? run_router(system, node, config.disagg)
                                                 : run_worker(system, node, config.disagg);
 }

@@ -479,11 +479,16 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   return promise;
 }
 
-// Why a worker may not join, if it may not: another model than the
+// Why a worker may not join, if it may not: another cluster's name, another model than the
 // cluster's (its KV would be garbage to the others: the fingerprint hashes
 // every byte of the checkpoint), or a name another worker holds.
 std::optional<std::string> refusal(Self self, const WorkerInfo& info, const caf::actor_addr& address) {
   const auto& st = self->state;
+  // A worker node's relay names its cluster; an in-process worker (same
+  // node as the router, e.g. actors/local_cluster.h) is the router's own.
+  const bool own_process = info.cluster.empty() && address.node() == self->node();
+  if (!own_process && info.cluster != st.config.cluster)
+    return "it belongs to cluster \"" + info.cluster + "\", this router serves cluster \"" + st.config.cluster + "\"";
   if (st.model && (info.model.fingerprint != st.model->fingerprint || info.model.vocab_size != st.model->vocab_size ||
                    info.model.seq_len != st.model->seq_len))
     return "its model (fingerprint " + std::to_string(info.model.fingerprint) + ", vocabulary " +

@@ -29,12 +29,15 @@ const char* kUsage =
     "                     --max-new-tokens N [--temperature X] [--top-p P] [--seed S]\n"
     "                     [--session KEY] [--deadline-ms MS] [--tokenizer T] [--json]\n"
     "       disagg-client --router HOST:PORT --status\n"
+    "       (either form) [--tls-cert PEM --tls-key PEM --tls-ca PEM]\n"
     "Streams the continuation to stdout and prints TTFT and tokens/s to stderr; with --json\n"
     "prints one line {\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\", timings}.\n"
     "--tokenizer (default: $TOKENIZER) encodes a text prompt here; without it the router\n"
     "encodes it (prompt_tokens in the JSON are the router's). --status prints \"workers prefill=P decode=D queued=Q\n"
     "in_flight=F\" and one line per worker. Exit codes: 0 ok, 1 the cluster answered an error,\n"
-    "2 bad usage, 3 the router is unreachable.\n";
+    "2 bad usage, 3 the router is unreachable.\n"
+    "--tls-cert/--tls-key/--tls-ca (all three): mutual TLS with a router whose nodes set tls.*; the\n"
+    "client's certificate must be signed by the cluster's CA (scripts/cluster certs makes one).\n";
 
 struct Options {
   std::string router_host;
@@ -43,6 +46,7 @@ struct Options {
   GenerationFlags gen;
   bool json = false, status = false;
   int64_t deadline_ms = 0;
+  disagg::TlsOptions tls;
 };
 
 Options parse_args(int argc, char** argv) {
@@ -69,11 +73,19 @@ Options parse_args(int argc, char** argv) {
       o.deadline_ms = parse_integer(flag, value, 1, disagg::kMaxDeadlineMs);
     } else if (flag == "--tokenizer") {
       o.tokenizer = value;
+    } else if (flag == "--tls-cert") {
+      o.tls.certificate = value;
+    } else if (flag == "--tls-key") {
+      o.tls.key = value;
+    } else if (flag == "--tls-ca") {
+      o.tls.ca_file = value;
     } else {
       throw UsageError{"unknown option " + flag};
     }
   }
   if (o.router_host.empty()) throw UsageError{"--router HOST:PORT is required"};
+  if (const std::string problems = o.tls.validate(); !problems.empty())
+    throw UsageError{problems + " (--tls-cert, --tls-key, --tls-ca)"};
   if (o.status) return o;
   o.gen.require_complete();
   return o;
@@ -110,7 +122,8 @@ int run(const Options& o) {
   const std::string where = o.router_host + ":" + std::to_string(o.router_port);
   std::unique_ptr<disagg::RemoteClient> remote;
   try {
-    remote = std::make_unique<disagg::RemoteClient>(where);
+    remote = std::make_unique<disagg::RemoteClient>(where, std::chrono::milliseconds(0), disagg::ClientOptions{},
+                                                    o.tls);
   } catch (const disagg::gpu::Error& e) {
     std::cerr << "disagg-client: " << e.what() << "\n";
     return 3;

@@ -38,6 +38,9 @@ struct WorkerInfo {
   // kv::host_identity() of the worker's process: a prefill and a decode
   // worker with equal ids stream KV through shared memory (kv/plane.h).
   std::string host_id;
+  // The cluster the worker's node belongs to (disagg.cluster), set by the
+  // node's relay (actors/node_relay.h); empty for an in-process worker.
+  std::string cluster;
 };
 
 // A decode worker's load: sent to the router whenever it changes (admit,
@@ -90,7 +93,7 @@ typename Inspector::result_type inspect(Inspector& f, ModelInfo& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
   return f(caf::meta::type_name("WorkerInfo"), x.role, x.name, x.model, x.block_size,
-           x.total_blocks, x.endpoint, x.host_id);
+           x.total_blocks, x.endpoint, x.host_id, x.cluster);
 }
 
 template <class Inspector>

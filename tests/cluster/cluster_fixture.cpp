@@ -16,6 +16,19 @@ using Clock = std::chrono::steady_clock;
 std::string node_binary() { return bin_dir() + "/disagg-node"; }
 std::string client_binary() { return bin_dir() + "/disagg-client"; }
 
+void make_certificates(const std::string& dir, const std::vector<std::string>& names) {
+  std::vector<std::string> argv{std::string(DISAGG_SOURCE_DIR) + "/scripts/cluster", "certs", dir};
+  argv.insert(argv.end(), names.begin(), names.end());
+  std::string out, err;
+  const int code = run_to_completion(argv, out, err, std::chrono::seconds(60));
+  if (code != 0)
+    throw std::runtime_error("scripts/cluster certs " + dir + " failed (" + std::to_string(code) + "): " + out + err);
+}
+
+TlsOptions certificate_files(const std::string& dir, const std::string& name) {
+  return TlsOptions{dir + "/" + name + ".pem", dir + "/" + name + ".key", dir + "/ca.pem"};
+}
+
 TestCluster::TestCluster(const std::string& tag) : dir_(make_temp_dir(tag)), router_port_(free_loopback_port()) {
   if (!std::filesystem::exists(node_binary()))
     throw std::runtime_error(node_binary() + " is missing: build the disagg-node target");
@@ -27,6 +40,12 @@ TestCluster::~TestCluster() {
   nodes_.clear();
   std::error_code ignored;
   if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_, ignored);
+}
+
+void TestCluster::enable_tls() {
+  tls_dir_ = dir_ + "/tls";
+  make_certificates(tls_dir_, {"router", "prefill-1", "prefill-2", "decode-1", "decode-2", "client"});
+  remote_.reset();
 }
 
 std::string TestCluster::config_text(const std::string& role, const std::string& name, uint16_t port,
@@ -41,6 +60,11 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   if (role == "router") ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
   if (role == "decode") ini << "pool-blocks = 512\n";
   ini << disagg_extra_ << "\n";
+  if (tls()) {
+    const TlsOptions files = certificate_files(tls_dir_, name);
+    ini << "\n[tls]\ncertificate = \"" << files.certificate << "\"\nkey = \"" << files.key << "\"\nca-file = \""
+        << files.ca_file << "\"\n";
+  }
   return ini.str();
 }
 
@@ -86,7 +110,8 @@ std::vector<std::string> TestCluster::names(const std::string& role) const {
 Client& TestCluster::client() {
   if (!remote_) {
     try {
-      remote_ = std::make_unique<RemoteClient>(router_address(), std::chrono::seconds(20));
+      remote_ = std::make_unique<RemoteClient>(router_address(), std::chrono::seconds(20), ClientOptions{},
+                                               tls() ? certificate_files(tls_dir_, "client") : TlsOptions{});
     } catch (const gpu::Error& e) {
       throw std::runtime_error(std::string(e.what()) + "\n" + logs());
     }

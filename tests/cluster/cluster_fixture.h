@@ -20,6 +20,12 @@ namespace disagg::test {
 std::string node_binary();    // build/bin/disagg-node
 std::string client_binary();  // build/bin/disagg-client
 
+// Makes a test CA in `dir` (ca.pem) and a certificate NAME.pem + NAME.key
+// signed by it for each name, with `scripts/cluster certs`; throws on failure.
+void make_certificates(const std::string& dir, const std::vector<std::string>& names);
+// The files of certificate `name` in `dir`, as TlsOptions.
+TlsOptions certificate_files(const std::string& dir, const std::string& name);
+
 class TestCluster {
  public:
   explicit TestCluster(const std::string& tag);
@@ -30,6 +36,13 @@ class TestCluster {
   const std::string& dir() const { return dir_; }
   uint16_t router_port() const { return router_port_; }
   std::string router_address() const { return "127.0.0.1:" + std::to_string(router_port_); }
+
+  // Mutual TLS for every node started from now on (a [tls] group with the
+  // certificate named like the node) and for client(): a CA and certificates
+  // for router, prefill-1..2, decode-1..2 and client, in <dir>/tls.
+  void enable_tls();
+  bool tls() const { return !tls_dir_.empty(); }
+  const std::string& tls_dir() const { return tls_dir_; }
 
   // The INI text of a node of this cluster (shared model; the router also
   // gets the tokenizer); `extra` lines are appended to its [node] group.
@@ -76,6 +89,7 @@ class TestCluster {
   std::unique_ptr<RemoteClient> remote_;
   std::string disagg_extra_;
   std::string model_;
+  std::string tls_dir_;
 };
 
 }  // namespace disagg::test

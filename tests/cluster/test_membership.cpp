@@ -119,5 +119,38 @@ TEST(ClusterMembership, AWorkerOfAnotherModelIsRefusedAndItsNodeExits) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// The router refuses a worker of another cluster (disagg.cluster), e.g. a
+// node of a second cluster pointed at this one's router: logged there, and
+// the node exits 1 naming the reason, as for another model.
+TEST(ClusterMembership, AWorkerOfAnotherClusterIsRefusedAndItsNodeExits) {
+  TestCluster cluster("refused-cluster");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  std::string ini = cluster.config_text("prefill", "neighbour", 0);
+  ini.replace(ini.find("[disagg]\n"), 9, "[disagg]\ncluster = \"other\"\n");
+  write_text_file(cluster.dir() + "/neighbour.ini", ini);
+  ChildProcess neighbour({node_binary(), "--config-file=" + cluster.dir() + "/neighbour.ini"},
+                         cluster.dir() + "/neighbour.log");
+  const auto code = neighbour.wait_exit(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value()) << "the refused worker is still running\n" << neighbour.log();
+  EXPECT_EQ(*code, 1) << neighbour.log();
+  const std::string why = "belongs to cluster \"other\", this router serves cluster \"disagg\"";
+  EXPECT_NE(neighbour.log().find("refused"), std::string::npos) << neighbour.log();
+  EXPECT_NE(neighbour.log().find(why), std::string::npos) << neighbour.log();
+  EXPECT_NE(cluster.node("router").log().find("registration of prefill worker \"neighbour\" refused: it " + why),
+            std::string::npos)
+      << cluster.node("router").log();
+  EXPECT_NE(cluster.node("router").log().find("router of cluster \"disagg\" listening"), std::string::npos);
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  // The same node naming this cluster joins.
+  ini = cluster.config_text("prefill", "neighbour", 0);
+  ini.replace(ini.find("[disagg]\n"), 9, "[disagg]\ncluster = \"disagg\"\n");
+  write_text_file(cluster.dir() + "/neighbour.ini", ini);
+  ChildProcess member({node_binary(), "--config-file=" + cluster.dir() + "/neighbour.ini"},
+                      cluster.dir() + "/member.log");
+  EXPECT_TRUE(cluster.wait_for_workers(2, 1)) << member.log();
+  EXPECT_EQ(member.stop(), 0) << member.log();
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 }  // namespace
 }  // namespace disagg::test

@@ -112,6 +112,8 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
                      "node.log-level must be"});
   expect_fails_fast({"invalid disagg value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=0"}, 2,
                      "disagg.block-size must be a positive multiple of 16"});
+  expect_fails_fast({"bad cluster name", "[node]\nrole = \"router\"\n", {"--disagg.cluster=a b"}, 2,
+                     "disagg.cluster must be 1-64 characters"});
   const std::string dir = make_temp_dir("node-bad-model");
   write_text_file(dir + "/model.bin", "not a checkpoint");
   expect_fails_fast({"corrupt model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\nmodel = \"" +
@@ -189,6 +191,84 @@ TEST(ClusterScript, StartsWaitsForEveryWorkerAndStopsExactlyItsNodes) {
   ASSERT_EQ(run_to_completion({"/bin/bash", script, "down"}, out, err, std::chrono::seconds(30), env), 0) << err;
   EXPECT_NE(out.find("stopped 3 node(s)"), std::string::npos) << out;
   for (pid_t pid : pids) EXPECT_FALSE(process_alive(pid)) << "pid " << pid;
+}
+
+// TLS=1 scripts/cluster up: a test CA and a certificate per node in the run
+// dir, every node with mutual TLS; status and the start-up wait use the
+// client certificate; a client without one is turned away.
+TEST(ClusterScript, Tls1StartsAMutualTlsCluster) {
+  TestCluster ports("cluster-script-tls");  // only for its temp dir and free ports
+  const std::string config_dir = ports.dir() + "/config";
+  const std::string run_dir = ports.dir() + "/run";
+  std::filesystem::create_directories(config_dir);
+  write_text_file(config_dir + "/router.ini", ports.config_text("router", "router", ports.router_port()));
+  write_text_file(config_dir + "/prefill-1.ini", ports.config_text("prefill", "prefill-1", 0));
+  write_text_file(config_dir + "/decode-1.ini", ports.config_text("decode", "decode-1", free_loopback_port()));
+  const std::string script = std::string(DISAGG_SOURCE_DIR) + "/scripts/cluster";
+  const std::vector<std::string> env = {"DISAGG_RUN_DIR=" + run_dir, "DISAGG_BIN_DIR=" + bin_dir(), "TLS=1",
+                                        "CLUSTER_TIMEOUT=30"};
+  struct Down {
+    std::string script;
+    std::vector<std::string> env;
+    ~Down() {
+      std::string o, e;
+      run_to_completion({"/bin/bash", script, "down"}, o, e, std::chrono::seconds(30), env);
+    }
+  } down{script, env};
+
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({"/bin/bash", script, "up", config_dir}, out, err, std::chrono::seconds(60), env), 0)
+      << out << err;
+  EXPECT_NE(out.find("mutual TLS"), std::string::npos) << out;
+  for (const std::string name : {"router", "prefill-1", "decode-1", "client"})
+    EXPECT_TRUE(std::filesystem::exists(run_dir + "/tls/" + name + ".pem")) << name;
+  for (const std::string name : {"router", "prefill-1", "decode-1"})
+    EXPECT_NE(read_text_file(run_dir + "/" + name + ".log").find("mutual TLS on every connection"), std::string::npos)
+        << name;
+  ASSERT_EQ(run_to_completion({"/bin/bash", script, "status"}, out, err, std::chrono::seconds(30), env), 0) << err;
+  EXPECT_NE(out.find("workers prefill=1 decode=1"), std::string::npos) << out;
+  EXPECT_EQ(run_to_completion({client_binary(), "--router", ports.router_address(), "--status"}, out, err,
+                              std::chrono::seconds(30)),
+            3)
+      << out << err;
+  const TlsOptions client = certificate_files(run_dir + "/tls", "client");
+  ASSERT_EQ(run_to_completion({client_binary(), "--router", ports.router_address(), "--prompt", "Once upon a time",
+                               "--max-new-tokens", "10", "--tls-cert", client.certificate, "--tls-key", client.key,
+                               "--tls-ca", client.ca_file},
+                              out, err, std::chrono::seconds(30)),
+            0)
+      << err;
+  EXPECT_EQ(out.rfind("Once upon a time,", 0), 0u) << out;
+  ASSERT_EQ(run_to_completion({"/bin/bash", script, "down"}, out, err, std::chrono::seconds(30), env), 0) << err;
+  EXPECT_NE(out.find("stopped 3 node(s)"), std::string::npos) << out;
+}
+
+// TLS options are all or nothing, and their files must load and fit
+// together: CAF's openssl module would otherwise fail inside its network loop
+// at the first connection, or a node would start unable to reach any peer.
+TEST(NodeStartup, TlsFilesAreCheckedBeforeTheNodeStarts) {
+  const std::string dir = make_temp_dir("node-tls");
+  make_certificates(dir + "/a", {"router"});
+  make_certificates(dir + "/b", {"router"});
+  const TlsOptions a = certificate_files(dir + "/a", "router"), b = certificate_files(dir + "/b", "router");
+  const std::string router = "[node]\nrole = \"router\"\n";
+  expect_fails_fast({"certificate without key and CA", router, {"--tls.certificate=" + a.certificate}, 2,
+                     "tls.key is required with TLS"});
+  expect_fails_fast({"missing CA file", router,
+                     {"--tls.certificate=" + a.certificate, "--tls.key=" + a.key, "--tls.ca-file=/nonexistent.pem"}, 2,
+                     "tls.ca-file: /nonexistent.pem is not a readable file"});
+  expect_fails_fast({"another certificate's key", router,
+                     {"--tls.certificate=" + a.certificate, "--tls.key=" + b.key, "--tls.ca-file=" + a.ca_file}, 2,
+                     "key values mismatch"});
+  expect_fails_fast({"certificate of another CA", router,
+                     {"--tls.certificate=" + b.certificate, "--tls.key=" + b.key, "--tls.ca-file=" + a.ca_file}, 2,
+                     "is not signed by the CA of tls.ca-file"});
+  expect_fails_fast({"not PEM", router,
+                     {"--tls.certificate=" + a.key, "--tls.key=" + a.key, "--tls.ca-file=" + a.ca_file}, 2,
+                     "tls.certificate: cannot load"});
+  expect_fails_fast({"CAF's own openssl group", router + "[openssl]\ncertificate = \"" + a.certificate + "\"\n", {},
+                     2, "set tls.certificate, tls.key and tls.ca-file instead"});
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
