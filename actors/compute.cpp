@@ -52,7 +52,7 @@ constexpr auto kAbandonWait = std::chrono::seconds(2);
 void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r) {
   const KvTarget& target = work.target;
   const gpu::ModelConfig& c = st.engine->config();
-  const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size);
+  const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs);
   const auto transport = target.transport == uint8_t(kv::Transport::shm) ? kv::Transport::shm : kv::Transport::tcp;
   std::shared_ptr<kv::KvSender> tx;
   try {
@@ -74,9 +74,10 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   hooks.wire_kv = false;
   hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
     if (work.cancelled && work.cancelled->load()) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
-    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t from, size_t bytes) {
+    const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
+    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
       const kv::Deadline until = std::min(request_deadline, kv::Clock::now() + stall_limit);
-      if (!tx->send(target.transfer_id, piece++, offset, cache + from, bytes, until))
+      if (!tx->send(target.transfer_id, piece++, offset, bytes_of_cache + offset, bytes, until))
         throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
     });
   };

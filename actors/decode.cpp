@@ -257,15 +257,21 @@ bool can_stream(const DecodeState& st) {
 // back as a landed_atom message to this actor.
 KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
   auto& st = self->state;
-  const gpu::KvStreamPlan plan(st.n_layers, st.kv_dim, r.prompt_len, st.config.block_size);
-  if (size_t(plan.blocks()) > held.blocks.size())
+  const int bs = st.config.block_size;
+  const int prompt_blocks = gpu::KvPool::blocks_for(gpu::kv_layout::padded(r.prompt_len), bs);
+  if (size_t(prompt_blocks) > held.blocks.size())
     throw std::invalid_argument(std::to_string(r.prompt_len) + " prompt positions need " +
-                                std::to_string(plan.blocks()) + " blocks");
+                                std::to_string(prompt_blocks) + " blocks");
+  std::vector<int32_t> runs = gpu::KvStreamPlan::runs_of(held.blocks, prompt_blocks);
+  const gpu::KvStreamPlan plan(st.n_layers, st.kv_dim, r.prompt_len, bs, runs);
   float* pool = st.kv.pool->data();
-  const size_t stride = st.kv.pool->block_stride();
+  const int pool_blocks = st.kv.pool->num_blocks();
   std::vector<kv::Region> regions;
-  plan.for_each_region([&](int, int j, bool, size_t offset, size_t floats) {
-    regions.push_back({pool + size_t(held.blocks[size_t(j)]) * stride + offset, floats * sizeof(float)});
+  plan.for_each_region([&](int layer, bool value, int j, size_t floats) {
+    namespace kvl = gpu::kv_layout;
+    regions.push_back({pool + kvl::plane_offset(pool_blocks, bs, st.kv_dim, layer, value ? 1 : 0) +
+                           kvl::block_offset(bs, st.kv_dim, held.blocks[size_t(j)]),
+                       floats * sizeof(float)});
   });
   held.transport = st.config.kv_transport == "shm" ? st.kv.plane->transport_for(r.prefill_host) : kv::Transport::tcp;
   held.transfer_id = kv::new_transfer_id();
@@ -281,8 +287,8 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
                                  KvLanded{result.transfer_id, uint8_t(result.status), result.bytes_received,
                                           result.detail});
               });
-  return KvTarget{held.transfer_id, uint8_t(held.transport), st.kv.plane->address(held.transport),
-                  st.config.block_size};
+  return KvTarget{held.transfer_id, uint8_t(held.transport), st.kv.plane->address(held.transport), bs,
+                  std::move(runs)};
 }
 
 // The answer to the router's reservation: the receiver allocates before any

@@ -13,16 +13,19 @@ namespace disagg::gpu {
 
 // Where attention reads and kv_write stores K and V: a paged pool whose blocks
 // each hold `block_size` positions (a multiple of kv_layout::kTile) of every
-// layer. Within a block, layer l's region holds K then V (gpu/kv_layout.h):
-// K in tiles of 16 positions, each tile [kv_dim][16] (a key tile's values of
-// one dimension side by side, as attention reads them), V as [position][kv_dim].
-// Row r's blocks are tables[r * table_stride + i] for its positions
-// [i*block_size, (i+1)*block_size). A per-request cache (a prefill's) is the
-// special case of one block of block_size >= n_positions and table {0}.
+// layer. The memory is one plane per (layer, K or V), each holding that part
+// of every block in block order (gpu/kv_layout.h): K in tiles of 16
+// positions, each tile [kv_dim][16] (a key tile's values of one dimension
+// side by side, as attention reads them), V as [position][kv_dim]. So a run
+// of consecutive blocks is one contiguous range per plane (one piece of a
+// streamed KV transfer). Row r's blocks are tables[r * table_stride + i] for
+// its positions [i*block_size, (i+1)*block_size). A per-request cache (a
+// prefill's) is the special case of one block of block_size >= n_positions
+// and table {0}.
 struct PagedKv {
-  float* data = nullptr;       // start of block 0 (device)
+  float* data = nullptr;       // start of the pool (device)
   int block_size = 0;          // positions per block, a multiple of kv_layout::kTile
-  long long block_stride = 0;  // floats per block: n_layers * 2 * block_size * kv_dim
+  int num_blocks = 0;          // blocks in the pool: each plane holds this many
   int kv_dim = 0;              // n_kv_heads * head_size
   const int* tables = nullptr; // block ids (device)
   int table_stride = 0;        // ints between rows' tables; 0 = all rows share one table

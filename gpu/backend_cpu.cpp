@@ -153,7 +153,7 @@ class CpuBackend final : public Backend {
       const float* kr = k + r * kv.kv_dim;
       float* kdst = region + kv_layout::k_index(kv.kv_dim, p, 0);
       for (int e = 0; e < kv.kv_dim; ++e) kdst[(long long)e * kv_layout::kTile] = kr[e];
-      std::memcpy(region + kv_layout::v_index(kv.block_size, kv.kv_dim, p), v + r * kv.kv_dim,
+      std::memcpy(region + kv_layout::v_index(kv, p), v + r * kv.kv_dim,
                   size_t(kv.kv_dim) * sizeof(float));
     });
   }

@@ -174,7 +174,7 @@ __global__ void attention_kernel(const float* __restrict__ q, float* __restrict_
       const float pt = __shfl_sync(0xffffffffu, p, t);
       const int pos_t = t0 + t;
       const float* vr = kv_layout::layer_region(kv, layer, row, pos_t) +
-                        kv_layout::v_index(kv.block_size, kv.kv_dim, pos_t % kv.block_size) + (long long)kvh * hs;
+                        kv_layout::v_index(kv, pos_t % kv.block_size) + (long long)kvh * hs;
       for (int i = 0; i < kMaxPerLane; ++i) {
         const int j = lane + 32 * i;
         if (j < hs) o[i] = fmaf(pt, vr[j], o[i]);

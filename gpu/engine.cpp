@@ -35,7 +35,7 @@ void cache_to_wire(const float* cache, int block, int n, int layers, int kv_dim,
     float* k_out = out + size_t(l) * 2 * plane;
     for (int p = 0; p < n; ++p)
       for (int e = 0; e < kv_dim; ++e) k_out[size_t(p) * kv_dim + e] = region[kv_layout::k_index(kv_dim, p, e)];
-    std::memcpy(k_out + plane, region + kv_layout::v_index(block, kv_dim, 0), plane * sizeof(float));
+    std::memcpy(k_out + plane, region + kv_layout::block_floats(block, kv_dim), plane * sizeof(float));
   }
 }
 
@@ -162,7 +162,7 @@ struct Engine::Impl {
     const int end = std::min(cache.block_size, kv_layout::padded(first + rows));
     const size_t layer_base = size_t(layer) * 2 * size_t(cache.block_size) * kv_dim;
     const size_t k_at = layer_base + size_t(first) * kv_dim;  // whole tiles from position `first`
-    const size_t v_at = layer_base + kv_layout::v_index(cache.block_size, int(kv_dim), first);
+    const size_t v_at = layer_base + kv_layout::v_index(cache, first);
     const size_t bytes = size_t(end - first) * kv_dim * sizeof(float);
     backend->download(host_cache.data() + k_at, cache.data + k_at, bytes);
     backend->download(host_cache.data() + v_at, cache.data + v_at, bytes);
@@ -272,7 +272,7 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   PagedKv kv;
   kv.data = m.prefill_kv.ensure(cache_floats);
   kv.block_size = cache_positions;
-  kv.block_stride = static_cast<long long>(cache_floats);
+  kv.num_blocks = 1;
   kv.kv_dim = int(m.kv_dim);
   kv.tables = m.tables.get();
   kv.table_stride = 0;
@@ -347,7 +347,7 @@ std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlo
   PagedKv kv;
   kv.data = pool.data();
   kv.block_size = bs;
-  kv.block_stride = static_cast<long long>(pool.block_stride());
+  kv.num_blocks = pool.num_blocks();
   kv.kv_dim = int(m.kv_dim);
   kv.tables = m.tables.get();
   kv.table_stride = table_width;

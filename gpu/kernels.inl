@@ -114,7 +114,7 @@ struct KvWriteOp {  // index: one (row, element of kv_dim)
     float* region = kvl::layer_region(kv, layer, row, pos);
     const int p = pos % kv.block_size;
     region[kvl::k_index(kv.kv_dim, p, e)] = k[i];
-    region[kvl::v_index(kv.block_size, kv.kv_dim, p) + e] = v[i];
+    region[kvl::v_index(kv, p) + e] = v[i];
   }
 };
 

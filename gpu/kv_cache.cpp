@@ -34,7 +34,10 @@ void BlockAllocator::release(const std::vector<int>& blocks) {
   if (free_.size() + blocks.size() > size_t(num_blocks_))
     throw Error("BlockAllocator: " + std::to_string(blocks.size()) + " blocks released but only " +
                 std::to_string(num_blocks_ - free_blocks()) + " are allocated");
-  free_.insert(free_.end(), blocks.begin(), blocks.end());
+  // In reverse, so that allocating as many again hands back the same run in
+  // the same (ascending) order: consecutive blocks are one contiguous piece
+  // per layer of a streamed KV (gpu/kv_layout.h).
+  free_.insert(free_.end(), blocks.rbegin(), blocks.rend());
 }
 
 // ---------------------------------------------------------------- KvPool
@@ -45,14 +48,14 @@ KvPool::KvPool(Engine& engine, int block_size, int num_blocks)
     throw Error("KvPool: block size must be a positive multiple of " + std::to_string(kv_layout::kTile) + ", got " +
                 std::to_string(block_size));
   if (num_blocks <= 0) throw Error("KvPool: block count must be positive, got " + std::to_string(num_blocks));
-  data_ = static_cast<float*>(engine_.backend().alloc_bytes(size_t(num_blocks) * block_stride() * sizeof(float)));
+  data_ = static_cast<float*>(engine_.backend().alloc_bytes(floats() * sizeof(float)));
 }
 
 KvPool::~KvPool() { engine_.backend().free_bytes(data_); }
 
-size_t KvPool::block_stride() const {
+size_t KvPool::floats() const {
   const ModelConfig& c = engine_.config();
-  return size_t(c.n_layers) * 2 * size_t(block_size_) * size_t(c.kv_dim());
+  return size_t(c.n_layers) * 2 * size_t(num_blocks_) * size_t(block_size_) * size_t(c.kv_dim());
 }
 
 void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
@@ -92,7 +95,7 @@ void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
   PagedKv kv;
   kv.data = data_;
   kv.block_size = block_size_;
-  kv.block_stride = static_cast<long long>(block_stride());
+  kv.num_blocks = num_blocks_;
   kv.kv_dim = int(shape.kv_dim());
   kv.tables = ints.get() + n;
   kv.table_stride = 0;

@@ -27,7 +27,7 @@ class BlockAllocator {
 };
 
 // Paged KV storage on the engine's backend: num_blocks blocks, each holding
-// block_size positions of K and V for every layer.
+// block_size positions of K and V for every layer (layout: gpu/kv_layout.h).
 class KvPool {
  public:
   KvPool(Engine& engine, int block_size, int num_blocks);
@@ -43,8 +43,8 @@ class KvPool {
   // Copies positions [0, view.shape.n_positions) of a received KV cache into blocks.
   void write(const std::vector<int>& blocks, const KvView& view);
 
-  float* data() { return data_; }  // backend memory, for Engine
-  size_t block_stride() const;     // floats per block (all layers, K and V)
+  float* data() { return data_; }  // backend memory (gpu/kv_layout.h), for Engine and the KV receiver
+  size_t floats() const;           // the pool's size: n_layers * 2 planes of num_blocks blocks
 
  private:
   Engine& engine_;

@@ -34,6 +34,7 @@ struct KvTarget {
   uint8_t transport = 0;      // kv::Transport: 0 tcp, 1 shm
   std::string address;        // "host:port" of the decode node's receiver
   int32_t block_size = 0;     // the decode pool's positions per block (gpu::KvStreamPlan)
+  std::vector<int32_t> runs;  // the prompt's blocks as runs of consecutive ids (gpu::KvStreamPlan::runs_of)
 };
 
 // Decode -> router: the reply to KvReservation. code none: reserved;
@@ -132,7 +133,7 @@ typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTarget& x) {
-  return f(caf::meta::type_name("KvTarget"), x.transfer_id, x.transport, x.address, x.block_size);
+  return f(caf::meta::type_name("KvTarget"), x.transfer_id, x.transport, x.address, x.block_size, x.runs);
 }
 
 template <class Inspector>

@@ -367,7 +367,7 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
       const float* region = kvl::layer_region(a.kv, a.layer, r0, t0);
       kt[q] = region + kvl::k_index(a.kv.kv_dim, t0 % a.kv.block_size, kvh * hs);
       for (int i = 0; i < T; ++i)
-        vrow[q * T + i] = region + kvl::v_index(a.kv.block_size, a.kv.kv_dim, (t0 + i) % a.kv.block_size) +
+        vrow[q * T + i] = region + kvl::v_index(a.kv, (t0 + i) % a.kv.block_size) +
                           Index(kvh) * hs;
     }
     // The heads that attend these tiles, kAttnRows at a time.

@@ -40,19 +40,21 @@ void expect_near_all(const std::vector<float>& actual, const std::vector<float>&
   }
 }
 
-// The pool's layout, written out here as gpu/kv_layout.h defines it: per
-// block, per layer, K in tiles of 16 positions ([tile][kv_dim][16]), then V
-// as [position][kv_dim]. block_size is a multiple of 16.
+// The pool's layout, written out here as gpu/kv_layout.h defines it: one
+// plane per (layer, K or V) holding that part of every block in block order;
+// K of a block in tiles of 16 positions ([tile][kv_dim][16]), V as
+// [position][kv_dim]. block_size is a multiple of 16.
 struct PoolGeometry {
   int n_layers, block_size, kv_dim;
-  size_t block_stride() const { return size_t(n_layers) * 2 * block_size * kv_dim; }
+  int num_blocks = 1;
+  size_t floats() const { return size_t(n_layers) * 2 * num_blocks * block_size * kv_dim; }
   // kv: 0 for K, 1 for V.
   size_t index(const std::vector<int>& table, int layer, int kv, int pos, int e) const {
     const size_t block = size_t(table[pos / block_size]);
-    const size_t region = block * block_stride() + size_t(layer) * 2 * block_size * kv_dim;
+    const size_t region = ((size_t(layer) * 2 + kv) * num_blocks + block) * block_size * kv_dim;
     const int p = pos % block_size;
     if (kv == 0) return region + (size_t(p / 16) * kv_dim + e) * 16 + p % 16;
-    return region + (size_t(block_size) + p) * kv_dim + e;
+    return region + size_t(p) * kv_dim + e;
   }
 };
 
@@ -260,10 +262,9 @@ TEST_P(KernelTest, SwigluAndAdd) {
 }
 
 TEST_P(KernelTest, KvWriteStoresEachRowInItsOwnBlocks) {
-  const PoolGeometry g{2, 16, 6};
-  const int num_blocks = 5;
+  const PoolGeometry g{2, 16, 6, 5};
   const float sentinel = -7.0f;
-  std::vector<float> pool(num_blocks * g.block_stride(), sentinel);
+  std::vector<float> pool(g.floats(), sentinel);
   // Row 0 at position 19 (its second block: 4), row 1 at position 0 (block 2).
   const std::vector<std::vector<int>> tables = {{1, 4}, {2, 0}};
   const std::vector<int> positions = {19, 0};
@@ -273,7 +274,7 @@ TEST_P(KernelTest, KvWriteStoresEachRowInItsOwnBlocks) {
   auto dtables = to_device(std::vector<int>{1, 4, 2, 0});
   auto dpos = to_device(positions);
   auto dk = to_device(k), dv = to_device(v);
-  PagedKv kv{dpool.get(), g.block_size, (long long)g.block_stride(), g.kv_dim, dtables.get(), 2};
+  PagedKv kv{dpool.get(), g.block_size, g.num_blocks, g.kv_dim, dtables.get(), 2};
   const int layer = 1;
   backend_->kv_write(kv, layer, dk.get(), dv.get(), dpos.get(), 2);
 
@@ -294,12 +295,12 @@ TEST_P(KernelTest, KvWriteFillsAContiguousCache) {
   std::vector<int> positions(n);
   for (int i = 0; i < n; ++i) positions[i] = i;
   const auto k = random_floats(size_t(n) * g.kv_dim, 14), v = random_floats(size_t(n) * g.kv_dim, 15);
-  const std::vector<float> before(g.block_stride(), -3.0f);
+  const std::vector<float> before(g.floats(), -3.0f);
   auto dcache = to_device(before);
   auto dtable = to_device(std::vector<int>{0});
   auto dpos = to_device(positions);
   auto dk = to_device(k), dv = to_device(v);
-  PagedKv kv{dcache.get(), padded, (long long)g.block_stride(), g.kv_dim, dtable.get(), 0};
+  PagedKv kv{dcache.get(), padded, 1, g.kv_dim, dtable.get(), 0};
   for (int layer = 0; layer < g.n_layers; ++layer) backend_->kv_write(kv, layer, dk.get(), dv.get(), dpos.get(), n);
   std::vector<float> expected = before;
   for (int layer = 0; layer < g.n_layers; ++layer)
@@ -316,7 +317,9 @@ void KernelTest::check_attention(int n_heads, int n_kv_heads, int head_size, con
                                  int layer, int table_stride_override) {
   const int rows = int(positions.size());
   const int q_width = n_heads * head_size;
-  const auto pool = random_floats(num_blocks * g.block_stride(), 11);
+  PoolGeometry pg = g;
+  pg.num_blocks = num_blocks;
+  const auto pool = random_floats(pg.floats(), 11);
   const auto q = random_floats(size_t(rows) * q_width, 12);
   const int group = n_heads / n_kv_heads;
 
@@ -329,7 +332,7 @@ void KernelTest::check_attention(int n_heads, int n_kv_heads, int head_size, con
       for (int t = 0; t < ctx; ++t) {
         double s = 0;
         for (int e = 0; e < head_size; ++e)
-          s += double(q[r * q_width + h * head_size + e]) * pool[g.index(tables[r], layer, 0, t, kvh * head_size + e)];
+          s += double(q[r * q_width + h * head_size + e]) * pool[pg.index(tables[r], layer, 0, t, kvh * head_size + e)];
         scores[t] = s / std::sqrt(double(head_size));
       }
       const double mx = *std::max_element(scores.begin(), scores.end());
@@ -338,7 +341,7 @@ void KernelTest::check_attention(int n_heads, int n_kv_heads, int head_size, con
       for (int e = 0; e < head_size; ++e) {
         double acc = 0;
         for (int t = 0; t < ctx; ++t)
-          acc += scores[t] / total * pool[g.index(tables[r], layer, 1, t, kvh * head_size + e)];
+          acc += scores[t] / total * pool[pg.index(tables[r], layer, 1, t, kvh * head_size + e)];
         expected[r * q_width + h * head_size + e] = float(acc);
       }
     }
@@ -352,7 +355,7 @@ void KernelTest::check_attention(int n_heads, int n_kv_heads, int head_size, con
   auto dpos = to_device(positions);
   DeviceArray<float> out(*backend_, expected.size());
   const int stride = table_stride_override >= 0 ? table_stride_override : table_width;
-  PagedKv kv{dpool.get(), g.block_size, (long long)g.block_stride(), g.kv_dim, dtables.get(), stride};
+  PagedKv kv{dpool.get(), g.block_size, num_blocks, g.kv_dim, dtables.get(), stride};
   backend_->attention(dq.get(), out.get(), kv, layer, dpos.get(), rows, n_heads, n_kv_heads, head_size);
   expect_near_all(to_host(out, expected.size()), expected, 1e-5f, "attention");
 }
@@ -397,7 +400,7 @@ TEST_P(KernelTest, AttentionOfAPrefillRowEqualsTheDecodeStepAtItsPosition) {
   const int n_heads = 4, n_kv_heads = 2, head_size = 24, n = 150, padded = 160, layers = 2, layer = 1;
   const int kv_dim = n_kv_heads * head_size, width = n_heads * head_size;
   const PoolGeometry contiguous{layers, padded, kv_dim};
-  const auto cache = random_floats(contiguous.block_stride(), 18);
+  const auto cache = random_floats(contiguous.floats(), 18);
   const auto q = random_floats(size_t(n) * width, 19);
   std::vector<int> positions(n);
   for (int i = 0; i < n; ++i) positions[i] = i;
@@ -406,16 +409,15 @@ TEST_P(KernelTest, AttentionOfAPrefillRowEqualsTheDecodeStepAtItsPosition) {
   auto dpos = to_device(positions);
   auto dzero = to_device(std::vector<int>{0});
   DeviceArray<float> prefill_out(*backend_, size_t(n) * width);
-  backend_->attention(dq.get(), prefill_out.get(), PagedKv{dcache.get(), padded, (long long)contiguous.block_stride(),
-                                                           kv_dim, dzero.get(), 0},
+  backend_->attention(dq.get(), prefill_out.get(), PagedKv{dcache.get(), padded, 1, kv_dim, dzero.get(), 0},
                       layer, dpos.get(), n, n_heads, n_kv_heads, head_size);
   const auto prefill = to_host(prefill_out, size_t(n) * width);
 
-  const PoolGeometry paged{layers, 16, kv_dim};
   const int blocks = padded / 16;
+  const PoolGeometry paged{layers, 16, kv_dim, blocks};
   std::vector<int> table(blocks);
   for (int i = 0; i < blocks; ++i) table[i] = (i * 7) % blocks;  // 7 and 10 coprime: a permutation
-  std::vector<float> pool(size_t(blocks) * paged.block_stride());
+  std::vector<float> pool(paged.floats());
   for (int l = 0; l < layers; ++l)
     for (int kvk = 0; kvk < 2; ++kvk)
       for (int p = 0; p < n; ++p)
@@ -427,7 +429,7 @@ TEST_P(KernelTest, AttentionOfAPrefillRowEqualsTheDecodeStepAtItsPosition) {
   for (int p = 0; p < n; ++p) {
     auto dp = to_device(std::vector<int>{p});
     backend_->attention(dq.get() + size_t(p) * width, step_out.get(),
-                        PagedKv{dpool.get(), 16, (long long)paged.block_stride(), kv_dim, dtable.get(), blocks},
+                        PagedKv{dpool.get(), 16, blocks, kv_dim, dtable.get(), blocks},
                         layer, dp.get(), 1, n_heads, n_kv_heads, head_size);
     const auto step = to_host(step_out, width);
     ASSERT_TRUE(std::equal(step.begin(), step.end(), prefill.begin() + size_t(p) * width))
@@ -498,7 +500,7 @@ TEST(FixedMath, EveryKernelSetComputesTheSameBits) {
   const auto a = random_floats(size_t(m) * k, 40), w = random_floats(size_t(n) * k, 41);
   const int n_heads = 6, n_kv_heads = 2, hs = 20, ctx = 77, kv_dim = n_kv_heads * hs;
   const PoolGeometry g{1, 80, kv_dim};
-  const auto cache = random_floats(g.block_stride(), 42), q = random_floats(size_t(ctx) * n_heads * hs, 43);
+  const auto cache = random_floats(g.floats(), 42), q = random_floats(size_t(ctx) * n_heads * hs, 43);
   std::vector<int> positions(ctx);
   for (int i = 0; i < ctx; ++i) positions[i] = i;
   const int zero = 0;
@@ -515,7 +517,7 @@ TEST(FixedMath, EveryKernelSetComputesTheSameBits) {
     dpos.upload(positions.data(), positions.size());
     dtable.upload(&zero, 1);
     b->matmul(da.get(), dw.get(), dc.get(), m, n, k);
-    b->attention(dq.get(), dout.get(), PagedKv{dcache.get(), 80, (long long)g.block_stride(), kv_dim, dtable.get(), 0},
+    b->attention(dq.get(), dout.get(), PagedKv{dcache.get(), 80, 1, kv_dim, dtable.get(), 0},
                  0, dpos.get(), ctx, n_heads, n_kv_heads, hs);
     std::vector<float> r(size_t(m) * n + q.size());
     dc.download(r.data(), size_t(m) * n);

@@ -126,49 +126,66 @@ TEST(LongContext, PrefillHookHandsOutEveryLayerOfEveryChunkInOrder) {
 // prefill hands out from its cache, each copied to its byte offset in the
 // regions of a decode pool's blocks, give that pool exactly the KV a
 // one-message admission (KvPool::write) gives it, for prompt lengths that end
-// mid-tile, on a tile and on a block, blocks of several sizes, and blocks
-// handed out in no particular order. Every byte of the regions is written
-// once (no piece overlaps another or leaves a gap).
+// mid-tile, on a tile and on a block, blocks of several sizes, and blocks in
+// one run, in reverse (runs of one) and in a mix. Every byte of the regions
+// is written once (no piece overlaps another, crosses a region or leaves a
+// gap), and a run of consecutive blocks takes pieces of up to kMaxPieceBytes.
 TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
   Engine engine(long_model());
   const ModelConfig& c = engine.config();
+  namespace kvl = kv_layout;
   for (const int block : {16, 48, 128}) {
     for (const int n : {1, 15, 16, 100, 512, 700, kPrompt}) {
-      SCOPED_TRACE("block " + std::to_string(block) + ", prompt " + std::to_string(n));
-      std::vector<int> prompt(static_cast<size_t>(n));
-      for (int i = 0; i < n; ++i) prompt[size_t(i)] = 3 + (i * 31) % (c.vocab_size - 3);
-      const KvStreamPlan plan(c.n_layers, c.kv_dim(), n, block);
-      // Destination blocks in reverse order, every other one of the pool.
-      KvPool streamed(engine, block, 2 * plan.blocks() + 1);
-      std::vector<int> blocks;
-      for (int j = plan.blocks() - 1; j >= 0; --j) blocks.push_back(2 * j + 1);
-      std::vector<std::pair<char*, size_t>> regions;  // the receiver's view, in byte-space order
-      plan.for_each_region([&](int, int j, bool, size_t offset, size_t floats) {
-        regions.emplace_back(reinterpret_cast<char*>(streamed.data() + size_t(blocks[size_t(j)]) * streamed.block_stride() + offset),
-                             floats * sizeof(float));
-      });
-      size_t region_bytes = 0;
-      for (const auto& r : regions) region_bytes += r.second;
-      ASSERT_EQ(region_bytes, plan.total_bytes());
-      std::vector<int> written(plan.total_bytes(), 0);
-      PrefillHooks hooks;
-      hooks.wire_kv = true;
-      hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
-        plan.for_each_piece(layer, first, count, [&](size_t offset, size_t from, size_t bytes) {
-          size_t start = 0;  // the region holding [offset, offset + bytes): it must be one
-          size_t r = 0;
-          while (r < regions.size() && start + regions[r].second <= offset) start += regions[r++].second;
-          ASSERT_LT(r, regions.size());
-          ASSERT_LE(offset + bytes, start + regions[r].second) << "a piece crosses a region";
-          std::memcpy(regions[r].first + (offset - start), cache + from, bytes);
-          for (size_t b = offset; b < offset + bytes; ++b) written[b] += 1;
+      const int nb = KvPool::blocks_for(kvl::padded(n), block);
+      // Destination blocks in a pool with room to spare: one run, reversed, mixed.
+      std::vector<std::vector<int32_t>> orders(3);
+      for (int j = 0; j < nb; ++j) {
+        orders[0].push_back(3 + j);
+        orders[1].push_back(2 * (nb - j));
+        orders[2].push_back(j % 3 == 2 ? 3 * nb + j : j);
+      }
+      for (size_t o = 0; o < orders.size(); ++o) {
+        const std::vector<int32_t>& blocks = orders[o];
+        SCOPED_TRACE("block " + std::to_string(block) + ", prompt " + std::to_string(n) + ", order " + std::to_string(o));
+        std::vector<int> prompt(static_cast<size_t>(n));
+        for (int i = 0; i < n; ++i) prompt[size_t(i)] = 3 + (i * 31) % (c.vocab_size - 3);
+        const KvStreamPlan plan(c.n_layers, c.kv_dim(), n, block, KvStreamPlan::runs_of(blocks, nb));
+        KvPool streamed(engine, block, 4 * nb + 3);
+        std::vector<std::pair<char*, size_t>> regions;  // the receiver's view, in byte-space order
+        plan.for_each_region([&](int layer, bool value, int j, size_t floats) {
+          float* at = streamed.data() + kvl::plane_offset(streamed.num_blocks(), block, c.kv_dim(), layer, value) +
+                      kvl::block_offset(block, c.kv_dim(), blocks[size_t(j)]);
+          regions.emplace_back(reinterpret_cast<char*>(at), floats * sizeof(float));
         });
-      };
-      const PrefillOutput out = engine.prefill(prompt, hooks);
-      EXPECT_TRUE(std::all_of(written.begin(), written.end(), [](int w) { return w == 1; }))
-          << "every byte of the transfer is written exactly once";
-      EXPECT_TRUE(same_bits(test::gather_kv(engine, streamed, blocks, n), out.kv))
-          << "the streamed pool differs from the prefill's KV";
+        size_t region_bytes = 0;
+        for (const auto& r : regions) region_bytes += r.second;
+        ASSERT_EQ(region_bytes, plan.total_bytes());
+        std::vector<int> written(plan.total_bytes(), 0);
+        size_t largest = 0;
+        PrefillHooks hooks;
+        hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
+          plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
+            size_t start = 0;  // the region holding [offset, offset + bytes): it must be one
+            size_t r = 0;
+            while (r < regions.size() && start + regions[r].second <= offset) start += regions[r++].second;
+            ASSERT_LT(r, regions.size());
+            ASSERT_LE(offset + bytes, start + regions[r].second) << "a piece crosses a region";
+            std::memcpy(regions[r].first + (offset - start), reinterpret_cast<const char*>(cache) + offset, bytes);
+            for (size_t b = offset; b < offset + bytes; ++b) written[b] += 1;
+            largest = std::max(largest, bytes);
+          });
+        };
+        const PrefillOutput out = engine.prefill(prompt, hooks);
+        EXPECT_TRUE(std::all_of(written.begin(), written.end(), [](int w) { return w == 1; }))
+            << "every byte of the transfer is written exactly once";
+        EXPECT_TRUE(same_bits(test::gather_kv(engine, streamed, std::vector<int>(blocks.begin(), blocks.end()), n),
+                              out.kv))
+            << "the streamed pool differs from the prefill's KV";
+        if (o == 0)  // one run: a piece spans blocks (up to a prefill chunk of positions)
+          EXPECT_EQ(largest, std::min<size_t>(KvStreamPlan::kMaxPieceBytes,
+                                              size_t(std::min(kvl::padded(n), 512)) * c.kv_dim() * sizeof(float)));
+        if (o == 1) EXPECT_LE(largest, size_t(block) * c.kv_dim() * sizeof(float)) << "a piece crossed blocks";
+      }
     }
   }
 }
