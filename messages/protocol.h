@@ -33,24 +33,39 @@
 //      real load in the router's books, and waits for room on any decode
 //      worker; no prompt has been computed. A worker that does not answer is
 //      left for another one (max-decode-retries). Phases at the router: queued -> reserving ->
-//      prefilling -> decoding -> finished; at the decode worker: reserved ->
-//      admitting -> active -> gone.
+//      prefilling (the KV streams meanwhile) -> decoding -> finished; at the
+//      decode worker: reserved (stream open) -> [commit waiting for the
+//      stream's verdict] -> active -> gone (one-message path: reserved ->
+//      admitting -> active -> gone).
+//      Streams (kv-transport tcp or shm): the decode worker registers the
+//      prompt's blocks with its KV receiver (kv/plane.h) under a new 64-bit
+//      transfer id and answers with a KvTarget (receiver address, id, block
+//      size, the blocks' runs). The receiver's final verdict comes back to the
+//      decode worker as (landed_atom, id, serial, KvLanded); a failed stream
+//      frees the blocks at once.
 //   2b. router -> prefill request(prefill_atom, PrefillJob, decode_actor)
 //      once the blocks are reserved.
 //      The job holds one of the worker's max-prefill-inflight slots (taken
 //      when the reservation was asked for) until its report (step 5)
 //      arrives, even if the request ends before.
 //   3. prefill -> compute request(prefill_atom, PrefillWork) -> PrefillResult
-//      KV bytes (gpu::serialize_kv) and the first token (sampled, step 0).
-//      Work whose deadline passed or whose request was cancelled before the
-//      compute actor reached it is skipped (timeout / cancelled).
-//      KV larger than max_kv_transfer_bytes: PrefillReport{kv_too_large} at once.
+//      The first token (sampled, step 0) and, streamed, the verdict on the
+//      KV it sent during the prefill: after each layer of each chunk, that
+//      layer's new positions as pieces over UCX from the engine's cache into
+//      the reserved blocks (gpu/kv_stream.h); else the KV bytes
+//      (gpu::serialize_kv). Work whose deadline passed or whose request was
+//      cancelled before the compute actor reached it is skipped (timeout /
+//      cancelled); a cancel during a streamed prefill stops it at the next
+//      layer. KV larger than max_kv_transfer_bytes: PrefillReport{kv_too_large}
+//      (streamed: before any compute).
 //   4. prefill -> decode  request(kv_atom, KvTransfer) -> KvAck, with a deadline
-//      The decode worker refuses a first token outside the vocabulary
-//      (invalid_request), takes the request's reserved blocks (none left:
-//      timeout, the lease ended), has its compute validate and store the KV
-//      (request(admit_atom, KvAdmit) -> AdmitResult; mismatch:
-//      incompatible_kv), then acks.
+//      Streamed: a commit (transfer id, model fingerprint, first token,
+//      sampling; no bytes); the sequence starts once the receiver's verdict
+//      is complete. One message: the decode worker refuses a first token
+//      outside the vocabulary (invalid_request), takes the request's reserved
+//      blocks (none left: timeout, the lease ended), has its compute validate
+//      and store the KV (request(admit_atom, KvAdmit) -> AdmitResult;
+//      mismatch: incompatible_kv), then acks.
 //   5. prefill -> router  PrefillReport (the reply to step 2b): done, KV
 //      bytes, timings; or the error.
 //   6. decode  -> compute request(step_atom, DecodeStep) -> StepResult, looping:
