@@ -43,6 +43,8 @@ struct StreamStopped {
 // How long an abandoned stream may take to get its pieces in flight back
 // (they are bounded by the sender's in-flight budget).
 constexpr auto kAbandonWait = std::chrono::seconds(2);
+// How often a send waiting for room in flight looks at the cancel flag.
+constexpr auto kCancelPoll = std::chrono::milliseconds(50);
 
 // The prompt's KV streams to the decode worker's blocks while it is computed:
 // after each layer of each chunk, that layer's new positions go out as pieces
@@ -77,8 +79,21 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
     const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
     plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
       const kv::Deadline until = std::min(request_deadline, kv::Clock::now() + stall_limit);
-      if (!tx->send(target.transfer_id, piece++, offset, bytes_of_cache + offset, bytes, until))
-        throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
+      // Waiting for room in flight, in slices: a cancel (the router's, e.g.
+      // after the decode node died) ends the wait within one.
+      for (;;) {
+        try {
+          if (!tx->send(target.transfer_id, piece, offset, bytes_of_cache + offset, bytes,
+                        std::min(until, kv::Clock::now() + kCancelPoll)))
+            throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
+          break;
+        } catch (const kv::KvError& e) {
+          if (e.code() != kv::KvErrc::timed_out || kv::Clock::now() >= until) throw;
+          if (work.cancelled && work.cancelled->load())
+            throw StreamStopped{ErrorCode::cancelled, "cancelled while its KV was waiting to be sent"};
+        }
+      }
+      ++piece;
     });
   };
   const auto start = Clock::now();

@@ -38,6 +38,9 @@ std::string DisaggConfig::validate() const {
   require(max_prompt_bytes >= 1, "max-prompt-bytes must be >= 1");
   require(session_affinity_size >= 0, "session-affinity-size must be >= 0");
   require(max_decode_retries >= 0, "max-decode-retries must be >= 0");
+  require(max_worker_retries >= 0, "max-worker-retries must be >= 0");
+  require(heartbeat_interval_ms >= 0, "heartbeat-interval-ms must be >= 0");
+  require(heartbeat_timeout_ms > 0, "heartbeat-timeout-ms must be > 0");
   require(compute_timeout_ms > 0, "compute-timeout-ms must be > 0");
   return problems;
 }
@@ -69,6 +72,11 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.session_affinity_size, "session-affinity-size", "sessions the router remembers")
       .add(c.max_decode_retries, "max-decode-retries",
            "other decode workers tried after an overloaded reply")
+      .add(c.max_worker_retries, "max-worker-retries",
+           "restarts of a request that has no token yet when a worker is lost or stops answering")
+      .add(c.heartbeat_interval_ms, "heartbeat-interval-ms", "how often the router checks every worker (0: never)")
+      .add(c.heartbeat_timeout_ms, "heartbeat-timeout-ms",
+           "a worker silent this long gets no new work until it answers")
       .add(c.compute_timeout_ms, "compute-timeout-ms", "deadline of every call to a compute actor");
 }
 

@@ -65,6 +65,9 @@ class RecentIds {
     }
   }
   bool contains(RequestId id) const { return set_.count(id) != 0; }
+  void erase(RequestId id) {
+    if (set_.erase(id)) order_.erase(std::find(order_.begin(), order_.end(), id));
+  }
 
  private:
   size_t capacity_;
@@ -298,7 +301,10 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   auto reply = [&](ErrorCode code, std::string message) {
     return ReserveReply{r.id, code, std::move(message), load_of(self)};
   };
-  if (st.cancelled.contains(r.id)) return reply(ErrorCode::cancelled, "request was cancelled");
+  // A reservation after a cancel of the same id is a new attempt of it (the
+  // router restarts requests whose worker was lost; its messages to this
+  // worker arrive in order): what was cancelled is gone, this one counts.
+  st.cancelled.erase(r.id);
   if (st.reserved.count(r.id) || st.active.count(r.id) || st.admitting.count(r.id))
     return reply(ErrorCode::invalid_request, "request " + std::to_string(r.id) + " is already held");
   if (r.positions <= 0 || r.positions > st.seq_len || r.lease_ms <= 0)

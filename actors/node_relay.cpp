@@ -348,6 +348,7 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
       [=](deadline_atom, RequestId id, uint64_t serial) {
         if (self->state.router) self->delegate(self->state.router, deadline_atom::value, id, serial);
       },
+      [](heartbeat_atom) {},  // the router's own timer: nothing a worker's relay passes on
       [=](status_atom) -> caf::result<RouterStatus> {
         if (!self->state.router) return no_router();
         return self->delegate(self->state.router, status_atom::value);

@@ -30,6 +30,10 @@ struct Worker {
   DecodeLoad load;
   int reserved_blocks = 0;  // blocks of unfinished requests the router sent here
   int assigned = 0;
+  // Liveness: a worker that leaves a heartbeat unanswered for
+  // heartbeat-timeout-ms gets no new work until it answers again.
+  bool responsive = true;
+  bool heartbeat_pending = false;
 };
 
 // A request's phases at the router:
@@ -53,6 +57,7 @@ struct Request {
   Clock::time_point accepted;
   std::optional<Clock::time_point> dispatched;
   int retries = 0;
+  int worker_retries = 0;  // restarts after a lost or hung worker (max-worker-retries)
   std::vector<WorkerKey> excluded;  // decode workers that answered overloaded
   // while dispatched:
   WorkerKey prefill_key = 0;
@@ -62,6 +67,7 @@ struct Request {
   std::optional<PrefillReport> prefill_report;
   std::optional<DecodeDone> decode_done;
   // streaming:
+  int32_t tokens_streamed = 0;  // token events forwarded to the client
   int32_t previous_token = 0;
   std::string text;
 };
@@ -204,7 +210,7 @@ void complete_if_done(Self self, RequestId id) {
 std::vector<PrefillCandidate> prefill_candidates(Self self) {
   std::vector<PrefillCandidate> out;
   for (const auto& kv : self->state.workers)
-    if (kv.second.prefill)
+    if (kv.second.prefill && kv.second.responsive)
       out.push_back({kv.first, kv.second.in_flight, kv.second.outstanding_tokens});
   return out;
 }
@@ -213,7 +219,7 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
   std::vector<DecodeCandidate> out;
   for (const auto& kv : self->state.workers) {
     const Worker& w = kv.second;
-    if (!w.decode) continue;
+    if (!w.decode || !w.responsive) continue;
     // Room = what it reported, but never more than the router's own books
     // allow (a report may predate requests already on their way to it).
     const int by_books = w.info.total_blocks - w.reserved_blocks;
@@ -313,6 +319,7 @@ void send_prefill_job(Self self, RequestId id) {
 // at the front of the queue.
 void back_to_queue(Self self, Request& r) {
   release_reservations(self, r);
+  r.attempt = self->state.next_serial++;  // answers about the previous dispatch are stale now
   r.phase = Phase::queued;
   self->state.queue.push_front(r.request.id);
 }
@@ -536,6 +543,50 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
 }
 
 // A worker went down: every request it was serving fails with worker_lost.
+// The requests that still need worker `key`: dispatched to it and not yet
+// reported by it.
+std::vector<RequestId> requests_on(Self self, WorkerKey key) {
+  std::vector<RequestId> out;
+  for (const auto& kv : self->state.requests) {
+    const Request& r = kv.second;
+    if (r.phase == Phase::queued) continue;
+    if ((r.prefill_key == key && !r.prefill_report) || (r.decode_key == key && !r.decode_done))
+      out.push_back(kv.first);
+  }
+  return out;
+}
+
+// A request whose worker went down or stopped answering. Before its first
+// token nothing of it has reached the client, so it starts over on other
+// workers (at most max-worker-retries times; sampling is stateless per step,
+// so the tokens are the same); after it, or past the retries, it fails with
+// worker_lost. Returns true when it was retried.
+bool retry_or_fail(Self self, RequestId id, const std::string& why) {
+  auto& st = self->state;
+  Request& r = st.requests.at(id);
+  if (r.tokens_streamed > 0 || r.worker_retries >= st.config.max_worker_retries) {
+    fail(self, id, ErrorCode::worker_lost,
+         why + (r.tokens_streamed > 0 ? " after " + std::to_string(r.tokens_streamed) + " tokens"
+                                      : " (retried " + std::to_string(r.worker_retries) + " times)"));
+    return false;
+  }
+  r.worker_retries += 1;
+  // Both workers drop what they hold of this attempt (a hung one when it
+  // wakes); their late answers name an old attempt and are ignored.
+  if (!r.prefill_report)
+    if (Worker* p = find_worker(self, r.prefill_key)) self->send(p->prefill, cancel_atom::value, id);
+  if (!r.decode_done)
+    if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
+  // While reserving, no prefill job is out: its slot comes back here.
+  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
+  r.prefill_report.reset();
+  r.decode_done.reset();
+  node_log(LogLevel::warning, "request " + std::to_string(id) + " starts over on other workers (retry " +
+                                  std::to_string(r.worker_retries) + "): " + why);
+  back_to_queue(self, r);
+  return true;
+}
+
 void remove_worker(Self self, const caf::actor_addr& address) {
   auto& st = self->state;
   auto wit = std::find_if(st.workers.begin(), st.workers.end(),
@@ -543,23 +594,64 @@ void remove_worker(Self self, const caf::actor_addr& address) {
   if (wit == st.workers.end()) return;
   const WorkerKey key = wit->first;
   const std::string name = wit->second.info.name;
-  std::vector<RequestId> lost;
-  for (const auto& kv : st.requests) {
-    const Request& r = kv.second;
-    if (r.phase == Phase::queued) continue;
-    if ((r.prefill_key == key && !r.prefill_report) || (r.decode_key == key && !r.decode_done))
-      lost.push_back(kv.first);
-  }
-  node_log(LogLevel::error, "lost worker " + name + " (" + std::to_string(lost.size()) +
-                                " requests in flight on it fail with worker_lost)");
-  for (RequestId id : lost) {
-    Request& r = st.requests.at(id);
-    release_reservations(self, r);  // nothing to give back on a worker that is gone
-    fail(self, id, ErrorCode::worker_lost, "worker " + name + " went down");
-  }
+  const std::vector<RequestId> lost = requests_on(self, key);
+  int retried = 0;
+  for (RequestId id : lost) retried += retry_or_fail(self, id, "worker " + name + " went down") ? 1 : 0;
+  node_log(LogLevel::error, "lost worker " + name + " (" + std::to_string(lost.size()) + " requests in flight on it: " +
+                                std::to_string(retried) + " start over elsewhere, " +
+                                std::to_string(lost.size() - size_t(retried)) + " fail with worker_lost)");
   st.sessions.forget_worker(key);
   st.workers.erase(key);
   dispatch(self);
+}
+
+// Heartbeats: every heartbeat-interval-ms each worker is asked for its
+// status. One that has not answered within heartbeat-timeout-ms (a hung or
+// stopped process: its connection is still open, so CAF reports nothing) gets
+// no new work, and its requests without a token start over elsewhere; it
+// gets work again once it answers.
+void on_heartbeat_answer(Self self, WorkerKey key) {
+  Worker* w = find_worker(self, key);
+  if (!w) return;
+  w->heartbeat_pending = false;
+  if (w->responsive) return;
+  w->responsive = true;
+  node_log(LogLevel::warning, "worker " + w->info.name + " answers again: it gets work again");
+  dispatch(self);
+}
+
+void on_heartbeat_silence(Self self, WorkerKey key) {
+  Worker* w = find_worker(self, key);
+  if (!w) return;
+  w->heartbeat_pending = false;
+  if (!w->responsive) return;
+  w->responsive = false;
+  const std::string name = w->info.name;
+  const std::vector<RequestId> stuck = requests_on(self, key);
+  int retried = 0;
+  for (RequestId id : stuck)
+    retried += retry_or_fail(self, id, "worker " + name + " stopped answering") ? 1 : 0;
+  node_log(LogLevel::error, "worker " + name + " did not answer a heartbeat within " +
+                                std::to_string(self->state.config.heartbeat_timeout_ms) + " ms: no new work (" +
+                                std::to_string(retried) + " of its " + std::to_string(stuck.size()) +
+                                " requests start over elsewhere)");
+  dispatch(self);
+}
+
+void send_heartbeats(Self self) {
+  const auto timeout = std::chrono::milliseconds(self->state.config.heartbeat_timeout_ms);
+  for (auto& [key, w] : self->state.workers) {
+    if (w.heartbeat_pending) continue;  // still waiting for the last one
+    w.heartbeat_pending = true;
+    const WorkerKey k = key;
+    auto on_error = [=](caf::error&) { on_heartbeat_silence(self, k); };
+    if (w.prefill)
+      self->request(w.prefill, timeout, status_atom::value)
+          .then([=](PrefillLoad&) { on_heartbeat_answer(self, k); }, on_error);
+    else
+      self->request(w.decode, timeout, status_atom::value)
+          .then([=](DecodeLoad&) { on_heartbeat_answer(self, k); }, on_error);
+  }
 }
 
 RouterStatus status_of(Self self) {
@@ -593,6 +685,8 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
   st.sessions = SessionAffinity(size_t(std::max(0, config.session_affinity_size)));
   st.config = std::move(config);
   st.tokenizer = std::move(tokenizer);
+  if (st.config.heartbeat_interval_ms > 0)
+    self->delayed_send(self, std::chrono::milliseconds(st.config.heartbeat_interval_ms), heartbeat_atom::value);
   self->set_down_handler([=](caf::down_msg& down) {
     // A client gone: its requests are cancelled, their blocks freed now, not
     // at their deadlines. (A client that got its reply has quit normally:
@@ -611,6 +705,11 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
   return {
       [=](generate_atom, GenerateRequest& request, client_actor& client) {
         return admit(self, request, client);
+      },
+      [=](heartbeat_atom) {
+        send_heartbeats(self);
+        self->delayed_send(self, std::chrono::milliseconds(self->state.config.heartbeat_interval_ms),
+                           heartbeat_atom::value);
       },
       [=](cancel_atom, RequestId id) {
         fail(self, id, ErrorCode::cancelled, "cancelled by the client");
@@ -641,6 +740,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
           r.text += event.text;
         }
         r.previous_token = event.token;
+        r.tokens_streamed += 1;
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
       [=](done_atom, DecodeDone& done) {

@@ -11,6 +11,7 @@ using token_atom = caf::atom_constant<caf::atom("token")>;        // decode -> r
 using done_atom = caf::atom_constant<caf::atom("done")>;          // decode -> router
 using load_atom = caf::atom_constant<caf::atom("load")>;          // decode -> router
 using status_atom = caf::atom_constant<caf::atom("status")>;      // anyone -> router/worker
+using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;  // router -> itself
 using deadline_atom = caf::atom_constant<caf::atom("deadline")>;  // router -> itself
 using prefill_atom = caf::atom_constant<caf::atom("prefill")>;    // router -> prefill -> compute
 using reserve_atom = caf::atom_constant<caf::atom("reserve")>;    // router -> decode

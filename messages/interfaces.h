@@ -58,6 +58,8 @@ using router_actor = caf::typed_actor<
     caf::reacts_to<load_atom, DecodeLoad>,
     // the router's own deadline timer: (request id, admission serial).
     caf::reacts_to<deadline_atom, RequestId, uint64_t>,
+    // the router's own heartbeat timer: ask every worker whether it is alive.
+    caf::reacts_to<heartbeat_atom>,
     caf::replies_to<status_atom>::with<RouterStatus>>;
 
 }  // namespace disagg

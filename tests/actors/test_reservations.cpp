@@ -77,8 +77,12 @@ TEST_F(ReservationTest, CancelFreesAReservation) {
   EXPECT_EQ(free_blocks_when(*cluster_, total - 1), total - 1);
   caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9002});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
-  // A reservation for a cancelled id is refused.
-  EXPECT_EQ(reserve(9002, 16, 60000).code, ErrorCode::cancelled);
+  // A reservation after the cancel is a new attempt of the request (the router
+  // restarts a request whose other worker was lost): granted.
+  EXPECT_EQ(reserve(9002, 16, 60000).code, ErrorCode::none);
+  EXPECT_EQ(free_blocks_when(*cluster_, total - 1), total - 1);
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9002});
+  EXPECT_EQ(free_blocks_when(*cluster_, total), total);
 }
 
 TEST_F(ReservationTest, NoRoomIsOverloadedAndHoldsNothing) {

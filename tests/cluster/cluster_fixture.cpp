@@ -42,6 +42,8 @@ TestCluster::~TestCluster() {
   if (!::testing::Test::HasFailure()) std::filesystem::remove_all(dir_, ignored);
 }
 
+std::string TestCluster::model() const { return model_.empty() ? shared_model() : model_; }
+
 void TestCluster::enable_tls() {
   tls_dir_ = dir_ + "/tls";
   make_certificates(tls_dir_, {"router", "prefill-1", "prefill-2", "decode-1", "decode-2", "client"});

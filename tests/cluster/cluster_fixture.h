@@ -50,6 +50,7 @@ class TestCluster {
                           const std::string& extra = "") const;
   // The checkpoint every node started from now on serves (default: the shared model).
   void set_model(const std::string& path) { model_ = path; }
+  std::string model() const;  // what the nodes serve
   // Lines appended to the [disagg] group of every node started from now on.
   void set_disagg_options(const std::string& lines) { disagg_extra_ = lines; }
   // Writes <dir>/<name>.ini and starts disagg-node on it.
