@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "actors/errors.h"
+#include "actors/request_metrics.h"
 #include "actors/node_log.h"
 #include "actors/router_policy.h"
 #include "actors/timing.h"
@@ -62,6 +63,7 @@ struct Request {
   std::optional<DecodeDone> decode_done;
   // streaming:
   int32_t previous_token = 0;
+  std::optional<Clock::time_point> last_token;  // metrics: time between tokens
   std::string text;
 };
 
@@ -85,6 +87,18 @@ struct RouterState {
 };
 
 using Self = router_actor::stateful_pointer<RouterState>;
+
+// The books' metrics (queue, in flight, workers) as dispatch() leaves them:
+// every change of them ends in a dispatch.
+struct BooksMetrics {
+  const RouterState& st;
+  ~BooksMetrics() {
+    int prefill = 0;
+    for (const auto& kv : st.workers) prefill += kv.second.prefill ? 1 : 0;
+    record_router_books(st.queue.size(), st.requests.size() - st.queue.size(), prefill,
+                        int(st.workers.size()) - prefill);
+  }
+};
 
 Worker* find_worker(Self self, WorkerKey key) {
   auto it = self->state.workers.find(key);
@@ -164,6 +178,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
     if (outcome.prefill_worker.empty()) outcome.prefill_worker = worker_name(self, r.prefill_key);
     if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, r.decode_key);
   }
+  record_finished(outcome, r.accepted);
   r.promise.deliver(std::move(outcome));
   if (r.client) {
     auto [first, last] = st.clients.equal_range(r.client.address());
@@ -359,6 +374,7 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
 // Moves queued requests to workers, oldest first, while there is room.
 void dispatch(Self self) {
   auto& st = self->state;
+  const BooksMetrics books{st};
   while (!st.queue.empty() && st.limits) {
     const RequestId id = st.queue.front();
     Request& r = st.requests.at(id);
@@ -630,6 +646,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
           r.text += event.text;
         }
         r.previous_token = event.token;
+        record_token(r.accepted, r.last_token);
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
       [=](done_atom, DecodeDone& done) {

@@ -64,10 +64,24 @@ DisaggMetrics::DisaggMetrics(Registry& r)
                       .get()),
       kv_transfer_bytes(
           r.counter("disagg_kv_transfer_bytes_total", "Bytes of KV sent from prefill to decode workers.").get()),
-      workers(r.gauge("disagg_workers", "Workers registered at the router, by role.", {"role"})) {
-  for (const char* reason : {"stop", "length"}) request_success.with({reason});
-  for (const char* code : kErrorCodes) request_errors.with({code});
-  for (const char* role : {"prefill", "decode"}) workers.with({role});
+      workers(r.gauge("disagg_workers", "Workers registered at the router, by role.", {"role"})),
+      success_stop(request_success.with({"stop"})),
+      success_length(request_success.with({"length"})),
+      prefill_workers(workers.with({"prefill"})),
+      decode_workers(workers.with({"decode"})) {
+  for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
+}
+
+Counter& DisaggMetrics::success(const std::string& finished_reason) {
+  if (finished_reason == "stop") return success_stop;
+  if (finished_reason == "length") return success_length;
+  return request_success.with({finished_reason});
+}
+
+Counter& DisaggMetrics::error(const std::string& code) {
+  for (size_t i = 0; i < kErrorCodes.size(); ++i)
+    if (code == kErrorCodes[i]) return *errors_by_code[i];
+  return request_errors.with({code});
 }
 
 Registry& process_registry() {

@@ -43,8 +43,17 @@ struct DisaggMetrics {
   Counter& kv_transfer_bytes;
   Family<Gauge>& workers;           // {role}: prefill | decode registered at the router
 
-  Counter& success(const std::string& finished_reason) { return request_success.with({finished_reason}); }
-  Counter& error(const std::string& code) { return request_errors.with({code}); }
+  // The labelled children, resolved once: no lock on the update path.
+  Counter& success_stop;
+  Counter& success_length;
+  std::array<Counter*, kErrorCodes.size()> errors_by_code{};  // kErrorCodes' order
+  Gauge& prefill_workers;
+  Gauge& decode_workers;
+
+  // finished_reason "stop" or "length"; code one of kErrorCodes (else the
+  // family's child for it is created, under its lock).
+  Counter& success(const std::string& finished_reason);
+  Counter& error(const std::string& code);
 };
 
 // The process's registry and its disagg metrics (created on first use, all
