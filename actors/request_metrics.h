@@ -28,11 +28,11 @@ inline void record_token(Clock::time_point accepted, std::optional<Clock::time_p
   last_token = now;
 }
 
-// Router: the terminal reply of an accepted request.
-inline void record_finished(const RequestOutcome& outcome, Clock::time_point accepted) {
+// Router: the terminal reply of an accepted request (`dispatched`: it left the queue).
+inline void record_finished(const RequestOutcome& outcome, Clock::time_point accepted, bool dispatched) {
   auto& m = metrics::disagg_metrics();
   m.e2e_request_latency.observe(seconds_since(accepted));
-  if (outcome.timings.queued_us > 0) m.request_queue_time.observe(seconds_of_micros(outcome.timings.queued_us));
+  if (dispatched) m.request_queue_time.observe(seconds_of_micros(outcome.timings.queued_us));
   if (!outcome.ok()) {
     const size_t index = size_t(outcome.code) - 1;  // kErrorCodes follows ErrorCode, none excluded
     if (index < metrics::kErrorCodes.size()) m.errors_by_code[index]->inc();

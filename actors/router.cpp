@@ -178,7 +178,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
     if (outcome.prefill_worker.empty()) outcome.prefill_worker = worker_name(self, r.prefill_key);
     if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, r.decode_key);
   }
-  record_finished(outcome, r.accepted);
+  record_finished(outcome, r.accepted, r.dispatched.has_value());
   r.promise.deliver(std::move(outcome));
   if (r.client) {
     auto [first, last] = st.clients.equal_range(r.client.address());

@@ -31,12 +31,15 @@ class TestCluster {
   uint16_t router_port() const { return router_port_; }
   std::string router_address() const { return "127.0.0.1:" + std::to_string(router_port_); }
 
-  // The INI text of a node of this cluster (shared model; the router also
-  // gets the tokenizer); `extra` lines are appended to its [node] group.
+  // The INI text of a node of this cluster (shared model; the router and a
+  // frontend also get the tokenizer); `extra` lines are appended to its
+  // [node] group, `disagg_extra` to its [disagg] group (later keys win). A
+  // frontend's `port` is its http-port.
   std::string config_text(const std::string& role, const std::string& name, uint16_t port,
-                          const std::string& extra = "") const;
+                          const std::string& extra = "", const std::string& disagg_extra = "") const;
   // Writes <dir>/<name>.ini and starts disagg-node on it.
-  ChildProcess& start_node(const std::string& role, const std::string& name, const std::string& extra = "");
+  ChildProcess& start_node(const std::string& role, const std::string& name, const std::string& extra = "",
+                           const std::string& disagg_extra = "");
   ChildProcess& start_router() { return start_node("router", "router"); }
   // 1 router + `prefill` + `decode` workers, then waits for all to register.
   void start_all(int prefill, int decode);
