@@ -2,7 +2,8 @@
 // cluster: health 503 then 200, completions and chat (streamed and not)
 // equal to disagg-generate, models, every error status through curl, a
 // client that disconnects mid-stream cancels its request (blocks freed), and
-// every node's /metrics passes promtool with counters that moved as expected.
+// every node's /metrics passes promtool with counters that moved as expected;
+// and the official openai Node.js client against it.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -435,6 +436,52 @@ TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
   const std::string frontend = scrape(port);
   EXPECT_EQ(sample(frontend, "disagg_request_errors_total{code=\"cancelled\"}"), 1);
   EXPECT_EQ(sample(frontend, "disagg_num_requests_running"), 0);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The official `openai` Node.js package (tests/openai, pinned by its
+// package-lock.json, installed by scripts/install-deps) as the client.
+TEST(HttpFrontend, OfficialOpenAiNodeClient) {
+  std::string node = run_command("command -v node").first;
+  while (!node.empty() && node.back() == '\n') node.pop_back();
+  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
+  if (node.empty()) GTEST_SKIP() << "node not installed (scripts/install-deps installs nodejs)";
+  if (run_command("test -f " + shell_quoted(dir + "/node_modules/openai/package.json")).second != 0)
+    GTEST_SKIP() << "the openai npm package is not installed in tests/openai (scripts/install-deps runs npm ci there)";
+  TestCluster cluster("http-openai");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+
+  const std::string prompt = "Once upon a time";
+  const int max_tokens = 40;
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({node, dir + "/client_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1", prompt,
+                               std::to_string(max_tokens)},
+                              out, err, kReplyTimeout),
+            0)
+      << out << err << cluster.logs();
+  const json got = json::parse(out);
+  const ReferenceCase want = generate_reference({"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens)});
+  EXPECT_EQ(got["model"], "stories260K");
+  EXPECT_EQ(got["completion"], want.text);
+  EXPECT_EQ(got["streamed_completion"], want.text);
+  EXPECT_EQ(got["completion_finish"], "length");
+  EXPECT_EQ(got["completion_usage"]["completion_tokens"], max_tokens);
+  EXPECT_EQ(got["stream_usage"]["completion_tokens"], max_tokens);
+  EXPECT_EQ(got["stream_usage"]["prompt_tokens"], want.prompt_tokens.size());
+
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), 512);
+  std::string chat_ids;
+  for (int t : tokenizer.encode("[INST] " + prompt + " [/INST]")) chat_ids += (chat_ids.empty() ? "" : " ") + std::to_string(t);
+  const ReferenceCase chat = generate_reference({"--prompt-tokens", chat_ids, "--max-new-tokens", std::to_string(max_tokens)});
+  EXPECT_EQ(got["chat"], chat.text);
+  EXPECT_EQ(got["streamed_chat"], chat.text);
+  EXPECT_EQ(got["chat_role"], "assistant");
+  EXPECT_EQ(got["streamed_chat_role"], "assistant");
+  EXPECT_EQ(got["not_found"]["status"], 404);
+  EXPECT_EQ(got["not_found"]["code"], "model_not_found");
   EXPECT_TRUE(cluster.stop_all());
 }
 
