@@ -15,6 +15,8 @@
 #include <sstream>
 #include <thread>
 
+#include <sys/resource.h>
+
 #include "actors/client.h"
 #include "actors/node_log.h"
 #include "actors/node_relay.h"
@@ -57,6 +59,8 @@ constexpr auto kHealthTimeout = 2s;
 // After SIGTERM: how long requests still in flight get to end (they are
 // cancelled first) before the process stops anyway.
 constexpr auto kShutdownDrain = 5s;
+// After a failed accept (e.g. no file descriptor left), the next try.
+constexpr auto kAcceptRetry = 100ms;
 // Hex digits of a response id ("cmpl-<id>").
 constexpr int kIdHexDigits = 16;
 
@@ -617,14 +621,32 @@ class Session : public std::enable_shared_from_this<Session> {
 void accept(Frontend& fe) {
   fe.acceptor.async_accept(net::make_strand(fe.ioc), [&fe](beast::error_code ec, tcp::socket socket) {
     if (!fe.acceptor.is_open()) return;
-    if (!ec) std::make_shared<Session>(std::move(socket), fe)->start();
-    accept(fe);
+    if (!ec) {
+      std::make_shared<Session>(std::move(socket), fe)->start();
+      return accept(fe);
+    }
+    // Out of file descriptors (or another failure): try again a little later
+    // instead of spinning; the connections already open keep being served.
+    node_log(LogLevel::warning, "accept failed: " + ec.message());
+    auto timer = std::make_shared<net::steady_timer>(fe.ioc, kAcceptRetry);
+    timer->async_wait([&fe, timer](beast::error_code) { accept(fe); });
   });
+}
+
+// Each connection is a file descriptor: allow as many as the hard limit does
+// (thousands of idle keep-alive connections; the soft limit is often 1024).
+void raise_open_files_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) node_log(LogLevel::warning, "cannot raise the open files limit");
+  }
 }
 
 }  // namespace
 
 int run_frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
+  raise_open_files_limit();
   ServedModel model;
   std::optional<gpu::Tokenizer> tokenizer;
   try {

@@ -5,6 +5,7 @@
 // every node's /metrics passes promtool with counters that moved as expected;
 // and the official openai Node.js client against it.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 
@@ -436,6 +437,120 @@ TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
   const std::string frontend = scrape(port);
   EXPECT_EQ(sample(frontend, "disagg_request_errors_total{code=\"cancelled\"}"), 1);
   EXPECT_EQ(sample(frontend, "disagg_num_requests_running"), 0);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// Many streaming clients at once (an async Beast client in this process),
+// a client that never reads its stream, and thousands of idle keep-alive
+// connections: every stream completes with the right text, the idle
+// connections are still served afterwards.
+TEST(HttpFrontend, ManyStreamsASlowReaderAndIdleKeepAliveConnections) {
+  constexpr int kStreams = 512;
+  constexpr int kIdleConnections = 2000;
+  constexpr int kMaxTokens = 16;
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
+  limit.rlim_cur = limit.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &limit);
+  if (limit.rlim_cur < rlim_t(kStreams + kIdleConnections + 256))
+    GTEST_SKIP() << "the open files limit (" << limit.rlim_cur << ") is too low for this test";
+
+  TestCluster cluster("http-scale");
+  cluster.start_node("router", "router", "", "queue-capacity = 1024\n");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  const net::ip::tcp::endpoint endpoint(net::ip::make_address("127.0.0.1"), port);
+  net::io_context ioc;
+
+  // Idle keep-alive connections, each served once now and once at the end.
+  std::vector<std::unique_ptr<net::ip::tcp::socket>> idle;
+  auto get_models = [&](net::ip::tcp::socket& socket) {
+    bhttp::request<bhttp::empty_body> req{bhttp::verb::get, "/v1/models", 11};
+    req.set(bhttp::field::host, "x");
+    bhttp::write(socket, req);
+    boost::beast::flat_buffer buffer;
+    bhttp::response<bhttp::string_body> res;
+    bhttp::read(socket, buffer, res);
+    return res.result_int();
+  };
+  for (int i = 0; i < kIdleConnections; ++i) {
+    idle.push_back(std::make_unique<net::ip::tcp::socket>(ioc));
+    idle.back()->connect(endpoint);
+    timeval tv{30, 0};
+    ::setsockopt(idle.back()->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ASSERT_EQ(get_models(*idle.back()), 200) << "idle connection " << i;
+  }
+
+  // A client that asks for a long stream and never reads it.
+  net::ip::tcp::socket slow(ioc);
+  slow.connect(endpoint);
+  const std::string slow_body = R"({"prompt":"Once upon a time","max_tokens":300,"temperature":0,"stream":true})";
+  net::write(slow, net::buffer("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               "Content-Length: " + std::to_string(slow_body.size()) + "\r\n\r\n" + slow_body));
+
+  const std::vector<std::string> prompts = {"Once upon a time", "The little dog was", "Lily and Tom", "One day"};
+  std::vector<std::string> expected;
+  for (const auto& p : prompts)
+    expected.push_back(generate_reference({"--prompt", p, "--max-new-tokens", std::to_string(kMaxTokens)}).text);
+
+  struct Stream {
+    boost::beast::tcp_stream stream;
+    boost::beast::flat_buffer buffer;
+    bhttp::request<bhttp::string_body> req;
+    bhttp::response<bhttp::string_body> res;
+    std::string error;
+    bool done = false;
+    explicit Stream(net::io_context& ioc) : stream(ioc) {}
+  };
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    auto s = std::make_unique<Stream>(ioc);
+    Stream* p = s.get();
+    p->req = {bhttp::verb::post, "/v1/completions", 11};
+    p->req.set(bhttp::field::host, "x");
+    p->req.set(bhttp::field::content_type, "application/json");
+    p->req.body() = json{{"prompt", prompts[i % prompts.size()]}, {"max_tokens", kMaxTokens}, {"temperature", 0},
+                         {"stream", true}}.dump();
+    p->req.prepare_payload();
+    p->stream.expires_after(std::chrono::seconds(120));
+    p->stream.async_connect(endpoint, [p](boost::beast::error_code ec) {
+      if (ec) return void(p->error = "connect: " + ec.message());
+      bhttp::async_write(p->stream, p->req, [p](boost::beast::error_code ec, size_t) {
+        if (ec) return void(p->error = "write: " + ec.message());
+        bhttp::async_read(p->stream, p->buffer, p->res, [p](boost::beast::error_code ec, size_t) {
+          if (ec) return void(p->error = "read: " + ec.message());
+          p->done = true;
+        });
+      });
+    });
+    streams.push_back(std::move(s));
+  }
+  ioc.run();
+  int ok = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    const Stream& st = *streams[i];
+    if (!st.done) {
+      ADD_FAILURE() << "stream " << i << ": " << st.error;
+      continue;
+    }
+    bool done = false;
+    std::string text;
+    for (const auto& e : sse_events(st.res.body(), &done)) text += e["choices"][0]["text"].get<std::string>();
+    EXPECT_EQ(st.res.result_int(), 200) << st.res.body();
+    EXPECT_TRUE(done) << "stream " << i;
+    EXPECT_EQ(text, expected[i % expected.size()]) << "stream " << i;
+    ok += text == expected[i % expected.size()] ? 1 : 0;
+  }
+  EXPECT_EQ(ok, kStreams);
+
+  // Every idle connection is still open and served.
+  int served = 0;
+  for (auto& socket : idle) served += get_models(*socket) == 200 ? 1 : 0;
+  EXPECT_EQ(served, kIdleConnections);
   EXPECT_TRUE(cluster.stop_all());
 }
 
