@@ -432,8 +432,12 @@ class Session : public std::enable_shared_from_this<Session> {
     res.set(bhttp::field::server, "disagg");
     res.set(bhttp::field::content_type, "text/event-stream");
     res.set(bhttp::field::cache_control, "no-cache");
+    // HTTP/1.1: a chunked body on a connection that stays open; HTTP/1.0
+    // knows no chunks: the body ends when the connection closes.
+    chunked_ = version_ >= 11;
+    if (!chunked_) keep_alive_ = false;
     res.keep_alive(keep_alive_);
-    res.chunked(true);
+    res.chunked(chunked_);
     std::ostringstream out;
     out << res.base();  // Beast writes the header
     enqueue(Out{Out::raw, out.str()});
@@ -518,6 +522,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // ---- writing
   void enqueue(Out out) {
     if (closed_) return;
+    if (out.kind != Out::raw && !chunked_) out.kind = Out::raw;  // HTTP/1.0 stream: plain bytes
     queued_bytes_ += out.data.size();
     queue_.push_back(std::move(out));
     if (queued_bytes_ > kMaxQueuedStreamBytes) return client_gone();  // reads too slowly
@@ -612,6 +617,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool writing_ = false;
   bool response_complete_ = false;  // the queue ends with the response's last bytes
   bool closed_ = false;
+  bool chunked_ = true;             // streaming body in chunks (HTTP/1.1)
   std::deque<Out> queue_;
   size_t queued_bytes_ = 0;
   std::optional<Generation> gen_;

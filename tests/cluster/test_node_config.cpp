@@ -66,7 +66,7 @@ TEST(NodeConfigFile, ExampleClusterConfigsAreValid) {
     const auto problems = check_config_file(entry.path().string(), config.options());
     EXPECT_TRUE(problems.empty()) << problems.front();
   }
-  EXPECT_EQ(files, 5);
+  EXPECT_EQ(files, 6);  // router, 2 prefill, 2 decode, frontend
 }
 
 struct Misconfiguration {
