@@ -203,6 +203,16 @@ class Session : public std::enable_shared_from_this<Session> {
       send_error(e);
       return;
     }
+    if (ec && ec.category() == bhttp::make_error_code(bhttp::error::bad_method).category() &&
+        ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message) {
+      // Not HTTP/1.x the parser understands: one 400, then the connection closes.
+      keep_alive_ = false;
+      ApiError e;
+      e.message = "malformed HTTP request: " + ec.message();
+      e.code = "bad_http";
+      send_error(e);
+      return;
+    }
     if (ec) return close();
     const auto& req = parser_->get();
     keep_alive_ = req.keep_alive();
