@@ -90,8 +90,9 @@ DecodeLoad load_of(Self self) {
 }
 
 void report_load(Self self) {
-  record_decode_load(load_of(self));
-  self->send(self->state.router, load_atom::value, load_of(self));
+  const DecodeLoad load = load_of(self);
+  record_decode_load(load);
+  self->send(self->state.router, load_atom::value, load);
 }
 
 KvAck make_ack(Self self, RequestId id, ErrorCode code, std::string message) {

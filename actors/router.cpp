@@ -8,8 +8,8 @@
 #include <unordered_map>
 
 #include "actors/errors.h"
-#include "actors/request_metrics.h"
 #include "actors/node_log.h"
+#include "actors/request_metrics.h"
 #include "actors/router_policy.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
