@@ -401,6 +401,8 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     if (!outcome.ok()) {
+      node_log(LogLevel::warning, "request " + std::to_string(id) + " failed: " + to_string(outcome.code) + ": " +
+                                      outcome.message);
       record_end(*g, to_string(outcome.code));
       fail(*g, error_for_outcome(outcome.code, outcome.message));
       return;
