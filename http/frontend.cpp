@@ -189,8 +189,27 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_.emplace();
     parser_->body_limit(uint64_t(fe_.node.http_body_limit));
     stream_.expires_after(kIdleTimeout);
-    bhttp::async_read(stream_, buffer_, *parser_,
-                      [self = shared_from_this()](beast::error_code ec, size_t) { self->on_read(ec); });
+    // The header first: a client that sends "Expect: 100-continue" waits for
+    // a 100 before it sends the body (or gets the 413 instead).
+    bhttp::async_read_header(stream_, buffer_, *parser_,
+                             [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
+  }
+
+  void on_header(beast::error_code ec) {
+    if (ec) return on_read(ec);
+    auto read_body = [self = shared_from_this()] {
+      self->stream_.expires_after(kIdleTimeout);
+      bhttp::async_read(self->stream_, self->buffer_, *self->parser_,
+                        [self](beast::error_code ec, size_t) { self->on_read(ec); });
+    };
+    if (!beast::iequals(parser_->get()[bhttp::field::expect], "100-continue") || parser_->is_done())
+      return read_body();
+    continue_.emplace(bhttp::status::continue_, parser_->get().version());
+    bhttp::async_write(stream_, *continue_, [self = shared_from_this(), read_body](beast::error_code ec, size_t) {
+      self->continue_.reset();
+      if (ec) return self->close();
+      read_body();
+    });
   }
 
   void on_read(beast::error_code ec) {
@@ -622,6 +641,7 @@ class Session : public std::enable_shared_from_this<Session> {
   Frontend& fe_;
   beast::flat_buffer buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  std::optional<bhttp::response<bhttp::empty_body>> continue_;  // "100 Continue" while it is written
   unsigned version_ = 11;
   bool keep_alive_ = true;
   bool busy_ = false;               // a request is being answered
