@@ -351,6 +351,27 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   EXPECT_NE(overloaded.headers.find("Retry-After: 1"), std::string::npos) << overloaded.headers;
   // The frontend still serves after all that.
   EXPECT_EQ(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":4,"temperature":0})").status, 200);
+  {
+    // "Expect: 100-continue": the 100 comes before the body is sent.
+    net::io_context ioc;
+    net::ip::tcp::socket socket(ioc);
+    socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+    timeval tv{10, 0};
+    ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    const std::string body = R"({"prompt":"Hi","max_tokens":2})";
+    net::write(socket, net::buffer("POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                   "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n"));
+    char buf[256];
+    boost::system::error_code ec;
+    const size_t n = socket.read_some(net::buffer(buf), ec);
+    ASSERT_FALSE(ec) << ec.message();
+    EXPECT_EQ(std::string(buf, n).rfind("HTTP/1.1 100 Continue\r\n", 0), 0u) << std::string(buf, n);
+    net::write(socket, net::buffer(body));
+    boost::beast::flat_buffer buffer;
+    bhttp::response<bhttp::string_body> res;
+    bhttp::read(socket, buffer, res);
+    EXPECT_EQ(res.result_int(), 200) << res.body();
+  }
 
   // The decode worker dies mid-stream: the error goes in-band, then [DONE].
   net::io_context ioc;
