@@ -351,6 +351,28 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   EXPECT_NE(overloaded.headers.find("Retry-After: 1"), std::string::npos) << overloaded.headers;
   // The frontend still serves after all that.
   EXPECT_EQ(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":4,"temperature":0})").status, 200);
+  // A stop string: the text ends before it, finish_reason "stop", streamed or not.
+  {
+    const ReferenceCase want = generate_reference({"--prompt", "Once upon a time", "--max-new-tokens", "60"});
+    const size_t at = want.text.find("Lily");
+    ASSERT_NE(at, std::string::npos) << want.text;
+    const json body = {{"prompt", "Once upon a time"}, {"max_tokens", 60}, {"temperature", 0}, {"stop", {"Lily", "zzz"}}};
+    const Reply plain = post(port, "/v1/completions", body);
+    ASSERT_EQ(plain.status, 200) << plain.body;
+    const json p = json::parse(plain.body);
+    EXPECT_EQ(p["choices"][0]["text"], want.text.substr(0, at));
+    EXPECT_EQ(p["choices"][0]["finish_reason"], "stop");
+    json streaming = body;
+    streaming["stream"] = true;
+    bool done = false;
+    std::string text;
+    const auto events = sse_events(post(port, "/v1/completions", streaming).body, &done);
+    for (const auto& e : events) text += e["choices"][0]["text"].get<std::string>();
+    EXPECT_TRUE(done);
+    EXPECT_EQ(text, want.text.substr(0, at));
+    ASSERT_FALSE(events.empty());
+    EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "stop");
+  }
   {
     // "Expect: 100-continue": the 100 comes before the body is sent.
     net::io_context ioc;
