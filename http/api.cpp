@@ -9,6 +9,8 @@ namespace {
 
 // More stop strings than this in one request: 400 (each is searched after every token).
 constexpr size_t kMaxStopStrings = 16;
+// The longest UTF-8 encoding of one character.
+constexpr size_t kMaxUtf8Bytes = 4;
 // OpenAI's shapes name the chunks' objects so.
 constexpr const char* kCompletionObject = "text_completion";
 constexpr const char* kChatObject = "chat.completion";
@@ -356,7 +358,7 @@ std::string TextAssembler::add(int32_t token) {
         break;
       }
   // An incomplete UTF-8 character at the end waits for its next bytes.
-  for (size_t back = 1; back <= std::min<size_t>(4, pending_.size()); ++back) {
+  for (size_t back = 1; back <= std::min(kMaxUtf8Bytes, pending_.size()); ++back) {
     const auto c = static_cast<unsigned char>(pending_[pending_.size() - back]);
     if ((c & 0xC0) == 0x80) continue;  // a continuation byte: look further back
     const size_t length = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;

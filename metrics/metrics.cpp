@@ -144,7 +144,8 @@ template class Family<Histogram>;
 
 void Registry::claim(const std::string& name, Type type, const std::vector<std::string>& label_names) {
   if (!valid_metric_name(name)) throw std::invalid_argument("invalid metric name " + name);
-  const bool total = name.size() > 6 && name.compare(name.size() - 6, 6, "_total") == 0;
+  const std::string suffix = "_total";
+  const bool total = name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
   if (type == Type::counter && !total) throw std::invalid_argument("counter " + name + " must end in _total");
   if (type != Type::counter && total) throw std::invalid_argument(name + ": only counters end in _total");
   for (const auto& l : label_names) {
