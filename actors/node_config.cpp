@@ -91,6 +91,7 @@ std::string NodeOptions::validate() const {
   if (peer_refresh_ms <= 0) add_problem(problems, "node.peer-refresh-ms must be > 0");
   if (frontend && http_host.empty()) add_problem(problems, "node.http-host must not be empty");
   if (http_body_limit <= 0) add_problem(problems, "node.http-body-limit must be > 0");
+  if (http_stream_buffer_bytes <= 0) add_problem(problems, "node.http-stream-buffer-bytes must be > 0");
   if (http_threads < 1) add_problem(problems, "node.http-threads must be >= 1");
   if (chat_template != "llama2" && chat_template != "plain")
     add_problem(problems, "node.chat-template must be \"llama2\" or \"plain\" (got \"" + chat_template + "\")");
@@ -126,6 +127,8 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.http_host, "http-host", "frontend: address of the HTTP API (default 127.0.0.1)")
       .add(n.http_port, "http-port", "frontend: port of the HTTP API (0: any free port)")
       .add(n.http_body_limit, "http-body-limit", "frontend: largest request body in bytes (more: 413)")
+      .add(n.http_stream_buffer_bytes, "http-stream-buffer-bytes",
+           "frontend: bytes of a stream queued for a client that reads slowly; more: cancelled, closed")
       .add(n.http_threads, "http-threads", "frontend: HTTP I/O threads")
       .add(n.chat_template, "chat-template", "frontend: llama2 (default) or plain")
       .add(n.served_model_name, "served-model-name", "frontend: the model's name in the API (default: file name)");

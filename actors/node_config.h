@@ -38,6 +38,7 @@ struct NodeOptions {
   std::string http_host = "127.0.0.1";
   uint16_t http_port = 0;                     // 0: any free port (logged, written to the ready file)
   int64_t http_body_limit = 1 << 20;          // bytes of a request body; more: 413
+  int64_t http_stream_buffer_bytes = 1 << 20;  // a stream's bytes queued for a slow reader; more: cut off
   int32_t http_threads = 1;                   // io_context threads
   std::string chat_template = "llama2";       // llama2 | plain (http/api.h)
   std::string served_model_name;              // empty: the model file's name without its extension

@@ -43,10 +43,6 @@ constexpr auto kIdleTimeout = 60s;
 // A response write that does not finish in this long: the client is gone
 // or stopped reading; the connection closes and its request is cancelled.
 constexpr auto kWriteTimeout = 30s;
-// Bytes of a streaming response queued for a client that reads slowly;
-// more: its request is cancelled and the connection closed, so one slow
-// reader holds no more than this.
-constexpr size_t kMaxQueuedStreamBytes = 1 << 20;
 // Bytes a client may send (pipelined) while its request runs, and how much
 // one read of them takes at a time.
 constexpr size_t kMaxPipelinedBytes = 64 << 10;
@@ -553,10 +549,14 @@ class Session : public std::enable_shared_from_this<Session> {
   // ---- writing
   void enqueue(Out out) {
     if (closed_) return;
+    const bool stream_event = out.kind == Out::chunk;
     if (out.kind != Out::raw && !chunked_) out.kind = Out::raw;  // HTTP/1.0 stream: plain bytes
     queued_bytes_ += out.data.size();
     queue_.push_back(std::move(out));
-    if (queued_bytes_ > kMaxQueuedStreamBytes) return client_gone();  // reads too slowly
+    // A streaming client that reads too slowly: its request is cancelled and
+    // the connection closed, so one slow reader holds no more than this.
+    // (A whole response, e.g. /metrics, is queued at once, whatever its size.)
+    if (stream_event && queued_bytes_ > size_t(fe_.node.http_stream_buffer_bytes)) return client_gone();
     if (!writing_) write_next();
   }
 

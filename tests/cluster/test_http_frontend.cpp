@@ -483,6 +483,49 @@ TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// A client that asks for a stream and never reads it holds up no one: the
+// frontend serves others meanwhile (also whole responses larger than the
+// stream buffer limit), and the request ends (completed into the kernel's
+// socket buffers, or cut off at node.http-stream-buffer-bytes and cancelled).
+TEST(HttpFrontend, AStreamNobodyReadsHoldsUpNoOne) {
+  TestCluster cluster("http-slow-reader");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  constexpr int kStreamBuffer = 2048;
+  cluster.start_node("frontend", "frontend", "http-stream-buffer-bytes = " + std::to_string(kStreamBuffer) + "\n");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+
+  net::io_context ioc;
+  net::ip::tcp::socket socket(ioc);
+  socket.open(net::ip::tcp::v4());
+  socket.set_option(net::socket_base::receive_buffer_size(1));  // the kernel's minimum
+  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  const std::string body = R"({"prompt":"Once upon a time","max_tokens":500,"temperature":0,"stream":true})";
+  net::write(socket, net::buffer("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body));
+  // Never read. Others are served meanwhile: a completion, /metrics (larger than 2 KiB).
+  const Reply other = post(port, "/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 8}, {"temperature", 0}});
+  EXPECT_EQ(other.status, 200) << other.body;
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  std::string metrics;
+  double running = -1;
+  while (running != 0 && Clock::now() < deadline) {
+    metrics = scrape(port);
+    ASSERT_GT(metrics.size(), size_t(kStreamBuffer));
+    running = sample(metrics, "disagg_num_requests_running");
+    if (running != 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(running, 0) << "the unread stream's request never ended\n" << metrics;
+  EXPECT_EQ(sample(metrics, "disagg_request_success_total{finished_reason=\"stop\"}") +
+                sample(metrics, "disagg_request_success_total{finished_reason=\"length\"}") +
+                sample(metrics, "disagg_request_errors_total{code=\"cancelled\"}"),
+            2);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // Many streaming clients at once (an async Beast client in this process),
 // a client that never reads its stream, and thousands of idle keep-alive
 // connections: every stream completes with the right text, the idle
