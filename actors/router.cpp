@@ -637,7 +637,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         Request* found = from_its_decode_worker(self, event.id);
         if (!found) return;
         Request& r = *found;
-        if (self->state.tokenizer) {
+        if (self->state.tokenizer && r.request.token_text) {
           try {
             event.text = self->state.tokenizer->decode(r.previous_token, event.token);
           } catch (const std::exception&) {

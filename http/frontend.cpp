@@ -373,6 +373,7 @@ class Session : public std::enable_shared_from_this<Session> {
     r.max_new_tokens = g.request.max_tokens;
     r.sampling = g.request.sampling;
     r.session = g.request.user;
+    r.token_text = false;  // decoded here
     fe_.track(g.id, client);
     fe_.metrics.num_requests_running.add(1);
     auto self = shared_from_this();
