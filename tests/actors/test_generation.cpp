@@ -120,7 +120,7 @@ TEST_F(ActorTest, AClientThatDecodesByItselfGetsTokensWithoutText) {
   options.config = shared_model_config(1, 1);
   options.config.tokenizer = shared_tokenizer();
   start(std::move(options));
-  const auto& ref = load_all_reference_cases().front();
+  const ReferenceCase ref = load_all_reference_cases().front();
   GenerateRequest request;
   request.prompt_tokens.assign(ref.prompt_tokens.begin(), ref.prompt_tokens.end());
   request.max_new_tokens = ref.max_new_tokens;
