@@ -9,6 +9,8 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include <filesystem>
+
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -103,9 +105,10 @@ std::string scrape(uint16_t port) { return http(port, bhttp::verb::get, "/metric
 
 ::testing::AssertionResult promtool_accepts(const std::string& text, const std::string& tag) {
   if (run_command("command -v promtool >/dev/null 2>&1").second != 0) return ::testing::AssertionSuccess();
-  const std::string path = make_temp_dir("promtool-" + tag) + "/metrics.txt";
-  write_text_file(path, text);
-  const auto [out, status] = run_command("promtool check metrics < " + shell_quoted(path) + " 2>&1");
+  const std::string dir = make_temp_dir("promtool-" + tag);
+  write_text_file(dir + "/metrics.txt", text);
+  const auto [out, status] = run_command("promtool check metrics < " + shell_quoted(dir + "/metrics.txt") + " 2>&1");
+  std::filesystem::remove_all(dir);
   if (status == 0 && out.empty()) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << tag << ": promtool says: " << out;
 }
@@ -300,6 +303,7 @@ Curl curl(uint16_t port, const std::string& path, const std::string& body_file_o
   c.status = out.empty() ? 0 : std::stoi(out);
   c.headers = read_text_file(dir + "/headers");
   c.body = read_text_file(dir + "/body");
+  std::filesystem::remove_all(dir);
   return c;
 }
 
@@ -342,9 +346,10 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","best_of":2})"), 400, "unsupported", "best_of");
   expect_error(curl(port, "/v1/chat/completions", R"({"messages":[]})"), 400, "invalid_value", "messages");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","model":"gpt-4"})"), 404, "model_not_found", "model");
-  const std::string big = make_temp_dir("big") + "/body.json";
-  write_text_file(big, "{\"prompt\":\"" + std::string(2 * kBodyLimit, 'a') + "\"}");
-  expect_error(curl(port, "/v1/completions", big, true), 413, "body_too_large");
+  const std::string big_dir = make_temp_dir("big");
+  write_text_file(big_dir + "/body.json", "{\"prompt\":\"" + std::string(2 * kBodyLimit, 'a') + "\"}");
+  expect_error(curl(port, "/v1/completions", big_dir + "/body.json", true), 413, "body_too_large");
+  std::filesystem::remove_all(big_dir);
   // More positions than the decode worker has: overloaded, 503 with Retry-After.
   const Curl overloaded = curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":400})");
   expect_error(overloaded, 503, "overloaded");

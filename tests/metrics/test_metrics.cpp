@@ -7,6 +7,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 
@@ -134,9 +135,11 @@ TEST(Metrics, PromtoolAcceptsTheOutput) {
   m.time_to_first_token.observe(0.003);
   m.kv_transfer_bytes.inc(12345);
   m.success("length").inc();
-  const std::string path = test::make_temp_dir("metrics-promtool") + "/metrics.txt";
+  const std::string dir = test::make_temp_dir("metrics-promtool");
+  const std::string path = dir + "/metrics.txt";
   std::ofstream(path) << r.render();
   const auto [out, status] = test::run_command("promtool check metrics < " + test::shell_quoted(path) + " 2>&1");
+  std::filesystem::remove_all(dir);
   EXPECT_EQ(status, 0) << out;
   EXPECT_EQ(out, "") << "promtool found problems";
 }
