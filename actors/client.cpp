@@ -14,18 +14,17 @@ namespace {
 // request's client_actor) and the router's reply, then quits.
 client_actor::behavior_type request_behavior(client_actor::pointer self, router_actor router,
                                              GenerateRequest request, TokenCallback on_token,
-                                             std::shared_ptr<std::promise<RequestOutcome>> result,
-                                             std::chrono::milliseconds wait) {
+                                             OutcomeCallback result, std::chrono::milliseconds wait) {
   const RequestId id = request.id;
   self->request(router, wait, generate_atom::value, std::move(request),
                 caf::actor_cast<client_actor>(self))
       .then(
           [=](RequestOutcome& outcome) {
-            result->set_value(std::move(outcome));
+            result(std::move(outcome));
             self->quit();
           },
           [=](caf::error& e) {
-            result->set_value(make_failure(id, code_of(e), describe("router", e)));
+            result(make_failure(id, code_of(e), describe("router", e)));
             self->quit();
           });
   return {
@@ -48,16 +47,21 @@ Client::Client(caf::actor_system& system, router_actor router, ClientOptions opt
 RequestId Client::next_id() { return prefix_ | uint64_t(++counter_); }
 
 std::future<RequestOutcome> Client::submit(GenerateRequest request, TokenCallback on_token) {
-  if (request.id == 0) request.id = next_id();
-  if (request.deadline_ms == 0) request.deadline_ms = options_.default_deadline_ms;
   auto result = std::make_shared<std::promise<RequestOutcome>>();
   auto future = result->get_future();
+  submit_async(std::move(request), std::move(on_token),
+               [result](RequestOutcome outcome) { result->set_value(std::move(outcome)); });
+  return future;
+}
+
+void Client::submit_async(GenerateRequest request, TokenCallback on_token, OutcomeCallback on_outcome) {
+  if (request.id == 0) request.id = next_id();
+  if (request.deadline_ms == 0) request.deadline_ms = options_.default_deadline_ms;
   // A deadline outside [0, kMaxDeadlineMs] is the router's to reject (at
   // once); clamped here so the wait itself cannot overflow.
   const auto wait = std::chrono::milliseconds(std::clamp<int64_t>(request.deadline_ms, 0, kMaxDeadlineMs) +
                                               options_.grace_ms);
-  system_.spawn(request_behavior, router_, std::move(request), std::move(on_token), result, wait);
-  return future;
+  system_.spawn(request_behavior, router_, std::move(request), std::move(on_token), std::move(on_outcome), wait);
 }
 
 RequestOutcome Client::generate(GenerateRequest request, TokenCallback on_token) {

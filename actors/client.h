@@ -20,6 +20,8 @@ struct ClientOptions {
 
 // Called on a CAF thread, in token order, before the outcome is set.
 using TokenCallback = std::function<void(const TokenEvent&)>;
+// Called once, on a CAF thread, with the request's terminal outcome.
+using OutcomeCallback = std::function<void(RequestOutcome)>;
 
 class Client {
  public:
@@ -32,6 +34,10 @@ class Client {
   // always gets a value: the router's outcome, or timeout / worker_lost when
   // the router did not answer in time or went away.
   std::future<RequestOutcome> submit(GenerateRequest request, TokenCallback on_token = {});
+
+  // The same without a future: `on_outcome` gets the outcome (exactly once,
+  // by the deadline plus the grace period at the latest).
+  void submit_async(GenerateRequest request, TokenCallback on_token, OutcomeCallback on_outcome);
 
   // submit(...).get()
   RequestOutcome generate(GenerateRequest request, TokenCallback on_token = {});

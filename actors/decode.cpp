@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "actors/errors.h"
+#include "actors/request_metrics.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "gpu/engine.h"
@@ -122,7 +123,11 @@ DecodeLoad load_of(Self self) {
   return load;
 }
 
-void report_load(Self self) { self->send(self->state.router, load_atom::value, load_of(self)); }
+void report_load(Self self) {
+  const DecodeLoad load = load_of(self);
+  record_decode_load(load);
+  self->send(self->state.router, load_atom::value, load);
+}
 
 KvAck make_ack(Self self, RequestId id, ErrorCode code, std::string message) {
   return KvAck{id, code, std::move(message), load_of(self)};

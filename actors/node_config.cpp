@@ -72,22 +72,29 @@ int error_line(const caf::error& err) {
 std::string NodeOptions::validate() const {
   std::string problems;
   const bool worker = role == "prefill" || role == "decode";
+  const bool frontend = role == "frontend";
   if (role.empty())
-    add_problem(problems, "node.role is required (router, prefill or decode)");
-  else if (role != "router" && !worker)
-    add_problem(problems, "node.role must be router, prefill or decode (got \"" + role + "\")");
+    add_problem(problems, "node.role is required (router, prefill, decode or frontend)");
+  else if (role != "router" && !worker && !frontend)
+    add_problem(problems, "node.role must be router, prefill, decode or frontend (got \"" + role + "\")");
   if (host.empty()) add_problem(problems, "node.host must not be empty");
   if (role == "decode" && advertise_host.empty() && (host == "0.0.0.0" || host == "::"))
     add_problem(problems, "node.advertise-host is required when node.host is the wildcard " + host +
                               " (prefill nodes must know where to connect)");
-  if (worker && router_host.empty()) add_problem(problems, "node.router-host must not be empty");
-  if (worker && router_port == 0)
+  if ((worker || frontend) && router_host.empty()) add_problem(problems, "node.router-host must not be empty");
+  if ((worker || frontend) && router_port == 0)
     add_problem(problems, "node.router-port is required for a " + role + " node");
   if (connect_retry_ms <= 0) add_problem(problems, "node.connect-retry-ms must be > 0");
   if (connect_backoff_max_ms < connect_retry_ms)
     add_problem(problems, "node.connect-backoff-max-ms must be >= node.connect-retry-ms");
   if (connect_timeout_ms < 0) add_problem(problems, "node.connect-timeout-ms must be >= 0");
   if (peer_refresh_ms <= 0) add_problem(problems, "node.peer-refresh-ms must be > 0");
+  if (frontend && http_host.empty()) add_problem(problems, "node.http-host must not be empty");
+  if (http_body_limit <= 0) add_problem(problems, "node.http-body-limit must be > 0");
+  if (http_stream_buffer_bytes <= 0) add_problem(problems, "node.http-stream-buffer-bytes must be > 0");
+  if (http_threads < 1) add_problem(problems, "node.http-threads must be >= 1");
+  if (chat_template != "llama2" && chat_template != "plain")
+    add_problem(problems, "node.chat-template must be \"llama2\" or \"plain\" (got \"" + chat_template + "\")");
   LogLevel level;
   if (!parse_log_level(log_level, &level))
     add_problem(problems, "node.log-level must be \"error\", \"warning\" or \"info\" (got \"" + log_level + "\")");
@@ -95,6 +102,7 @@ std::string NodeOptions::validate() const {
 }
 
 NodeRole NodeOptions::parsed_role() const {
+  if (role == "frontend") return NodeRole::frontend;
   if (role == "prefill") return NodeRole::prefill;
   if (role == "decode") return NodeRole::decode;
   return NodeRole::router;
@@ -102,7 +110,7 @@ NodeRole NodeOptions::parsed_role() const {
 
 void add_node_options(caf::config_option_set& options, NodeOptions& n) {
   caf::config_option_adder{options, "node"}
-      .add(n.role, "role", "router, prefill or decode")
+      .add(n.role, "role", "router, prefill, decode or frontend")
       .add(n.name, "name", "worker name at the router (default: role@host/pid)")
       .add(n.host, "host", "address this node listens on (default 127.0.0.1)")
       .add(n.port, "port", "router: client/worker port; decode: KV port (0: any free port)")
@@ -114,7 +122,16 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.connect_timeout_ms, "connect-timeout-ms", "give up reaching the router after (0: never)")
       .add(n.peer_refresh_ms, "peer-refresh-ms", "prefill: how often to look for new decode nodes")
       .add(n.ready_file, "ready-file", "file written once the node serves")
-      .add(n.log_level, "log-level", "error, warning or info (default)");
+      .add(n.log_level, "log-level", "error, warning or info (default)")
+      .add(n.metrics_port, "metrics-port", "GET /metrics (Prometheus) on host:metrics-port (0: off)")
+      .add(n.http_host, "http-host", "frontend: address of the HTTP API (default 127.0.0.1)")
+      .add(n.http_port, "http-port", "frontend: port of the HTTP API (0: any free port)")
+      .add(n.http_body_limit, "http-body-limit", "frontend: largest request body in bytes (more: 413)")
+      .add(n.http_stream_buffer_bytes, "http-stream-buffer-bytes",
+           "frontend: bytes of a stream queued for a client that reads slowly; more: cancelled, closed")
+      .add(n.http_threads, "http-threads", "frontend: HTTP I/O threads")
+      .add(n.chat_template, "chat-template", "frontend: llama2 (default) or plain")
+      .add(n.served_model_name, "served-model-name", "frontend: the model's name in the API (default: file name)");
 }
 
 NodeSystemConfig::NodeSystemConfig() {
@@ -261,9 +278,11 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
   split(config.tls.validate(), "");
   if (!errors.empty()) return result;
 
-  const bool worker = node.role != "router";
+  const bool worker = node.role != "router";  // frontends too: the model sets the context
   if (worker && disagg.model.empty())
     errors.push_back("disagg.model is required for a " + node.role + " node");
+  if (node.role == "frontend" && disagg.tokenizer.empty())
+    errors.push_back("disagg.tokenizer is required for a frontend node (it encodes prompts and decodes tokens)");
   if (!disagg.model.empty() && !is_regular_file(disagg.model))
     errors.push_back("disagg.model: " + disagg.model + " is not a readable file");
   if (!disagg.tokenizer.empty() && !is_regular_file(disagg.tokenizer))

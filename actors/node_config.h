@@ -14,10 +14,10 @@
 
 namespace disagg {
 
-enum class NodeRole { router, prefill, decode };
+enum class NodeRole { router, prefill, decode, frontend };
 
 struct NodeOptions {
-  std::string role;                 // router | prefill | decode (required)
+  std::string role;                 // router | prefill | decode | frontend (required)
   std::string name;                 // worker name at the router; empty: "<role>@<host>/<pid>"
   std::string host = "127.0.0.1";   // address this node listens on
   // router: where clients and workers connect (0: any free port, logged).
@@ -33,6 +33,16 @@ struct NodeOptions {
   int64_t peer_refresh_ms = 1000;         // prefill: how often it asks the router for decode endpoints
   std::string ready_file;  // written ("host:port" or the worker name) once the node serves
   std::string log_level = "info";  // "error", "warning" or "info" (actors/node_log.h)
+  // Every role: GET /metrics (Prometheus text) on node.host:metrics-port; 0: none.
+  uint16_t metrics_port = 0;
+  // frontend (http/): the OpenAI-compatible HTTP API.
+  std::string http_host = "127.0.0.1";
+  uint16_t http_port = 0;                     // 0: any free port (logged, written to the ready file)
+  int64_t http_body_limit = 1 << 20;          // bytes of a request body; more: 413
+  int64_t http_stream_buffer_bytes = 1 << 20;  // a stream's bytes queued for a slow reader; more: cut off
+  int32_t http_threads = 1;                   // io_context threads
+  std::string chat_template = "llama2";       // llama2 | plain (http/api.h)
+  std::string served_model_name;              // empty: the model file's name without its extension
 
   // Empty when usable, else every problem found, separated by "; ".
   std::string validate() const;

@@ -24,6 +24,8 @@
 #include "caf/io/all.hpp"
 #include "gpu/checkpoint.h"
 #include "gpu/tokenizer.h"
+#include "metrics/disagg_metrics.h"
+#include "metrics/exposer.h"
 
 namespace disagg {
 
@@ -152,11 +154,10 @@ int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggC
   return 0;
 }
 
-// ---------------------------------------------------------------- workers
+}  // namespace
 
-// Tries to reach the router until it answers, the node is told to stop, or
-// node.connect-timeout-ms passes; the delay between tries doubles up to
-// node.connect-backoff-max-ms.
+bool node_stopping() { return stopping(); }
+
 std::optional<router_actor> connect_to_router(caf::actor_system& system, const NodeOptions& node) {
   const std::string where = endpoint_of(node.router_host, node.router_port);
   const auto start = Clock::now();
@@ -181,6 +182,10 @@ std::optional<router_actor> connect_to_router(caf::actor_system& system, const N
     delay = std::min(delay * 2, std::chrono::milliseconds(node.connect_backoff_max_ms));
   }
 }
+
+namespace {
+
+// ---------------------------------------------------------------- workers
 
 int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
   const bool is_decode = node.parsed_role() == NodeRole::decode;
@@ -282,7 +287,7 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
 
 }  // namespace
 
-int node_main(int argc, char** argv) {
+int node_main(int argc, char** argv, RoleRunner frontend) {
   NodeSystemConfig config;
   const NodeConfigResult loaded = load_node_config(config, argc, argv);
   if (loaded.help_printed) return 0;
@@ -296,15 +301,34 @@ int node_main(int argc, char** argv) {
   parse_log_level(node.log_level, &level);  // validated with the config
   set_node_log_level(level);
 
+  if (node.parsed_role() == NodeRole::frontend && !frontend) {
+    std::cerr << "disagg-node: error: this build has no frontend role (http/ was not built)\n";
+    return 2;
+  }
+
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGPIPE, SIG_IGN);
   use_tls(config, config.tls);
+  metrics::disagg_metrics();  // every family exists (at zero) from the first scrape
+  std::unique_ptr<metrics::Exposer> exposer;
+  if (node.metrics_port != 0) {
+    try {
+      exposer = std::make_unique<metrics::Exposer>(node.host, node.metrics_port, metrics::process_registry());
+      node_log("metrics on http://" + endpoint_of(node.host, exposer->port()) + "/metrics");
+    } catch (const std::exception& e) {
+      node_log(LogLevel::error, e.what());
+      return 1;
+    }
+  }
   caf::actor_system system{config};
   if (config.tls.enabled())
     node_log("mutual TLS on every connection: certificate " + config.tls.certificate + ", CA " + config.tls.ca_file);
-  return node.parsed_role() == NodeRole::router ? run_router(system, node, config.disagg)
-                                                : run_worker(system, node, config.disagg);
+  switch (node.parsed_role()) {
+    case NodeRole::router: return run_router(system, node, config.disagg);
+    case NodeRole::frontend: return frontend(system, node, config.disagg);
+    default: return run_worker(system, node, config.disagg);
+  }
 }
 
 }  // namespace disagg

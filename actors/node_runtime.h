@@ -9,13 +9,35 @@
 //            the router and registers with that endpoint.
 // A worker that loses its router drops its worker actors and joins again once
 // the router is back (within node.connect-timeout-ms).
+//   frontend runs `frontend` (http/frontend.h: the OpenAI-compatible HTTP
+//            API), which reaches the router with connect_to_router.
+// Every role also serves GET /metrics on node.metrics-port when it is set.
 #pragma once
+#include <functional>
+#include <optional>
+
+#include "actors/config.h"
+#include "actors/node_config.h"
+#include "messages/interfaces.h"
 
 namespace disagg {
 
+// Runs a role given from outside actors/ (the frontend lives in http/, which
+// links the actors): its exit code.
+using RoleRunner = std::function<int(caf::actor_system&, const NodeOptions&, const DisaggConfig&)>;
+
 // The whole program: exit code 0 after a clean stop (or --help), 2 for a bad
 // configuration (every problem printed as "disagg-node: error: ..."), 1 when
-// the node cannot start or fails while running.
-int node_main(int argc, char** argv);
+// the node cannot start or fails while running. `frontend` runs role frontend
+// (without it that role fails with exit code 2).
+int node_main(int argc, char** argv, RoleRunner frontend = {});
+
+// Whether SIGINT or SIGTERM has asked the node to stop.
+bool node_stopping();
+
+// Tries to reach the router at node.router-host:router-port until it answers,
+// the node is told to stop, or node.connect-timeout-ms passes (nullopt then);
+// the delay between tries doubles up to node.connect-backoff-max-ms.
+std::optional<router_actor> connect_to_router(caf::actor_system& system, const NodeOptions& node);
 
 }  // namespace disagg

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "actors/errors.h"
+#include "actors/request_metrics.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "gpu/kv_stream.h"
@@ -55,6 +56,7 @@ void finish(Self self, uint64_t serial, PrefillReport report) {
   st.queued_tokens -= job.prompt_tokens;
   auto live = st.live.find(job.id);
   if (live != st.live.end() && live->second == serial) st.live.erase(live);
+  record_prefill_report(report);
   job.promise.deliver(std::move(report));
   st.jobs.erase(it);
 }

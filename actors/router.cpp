@@ -9,6 +9,7 @@
 
 #include "actors/errors.h"
 #include "actors/node_log.h"
+#include "actors/request_metrics.h"
 #include "actors/router_policy.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
@@ -69,6 +70,7 @@ struct Request {
   // streaming:
   int32_t tokens_streamed = 0;  // token events forwarded to the client
   int32_t previous_token = 0;
+  std::optional<Clock::time_point> last_token;  // metrics: time between tokens
   std::string text;
 };
 
@@ -92,6 +94,18 @@ struct RouterState {
 };
 
 using Self = router_actor::stateful_pointer<RouterState>;
+
+// The books' metrics (queue, in flight, workers) as dispatch() leaves them:
+// every change of them ends in a dispatch.
+struct BooksMetrics {
+  const RouterState& st;
+  ~BooksMetrics() {
+    int prefill = 0;
+    for (const auto& kv : st.workers) prefill += kv.second.prefill ? 1 : 0;
+    record_router_books(st.queue.size(), st.requests.size() - st.queue.size(), prefill,
+                        int(st.workers.size()) - prefill);
+  }
+};
 
 Worker* find_worker(Self self, WorkerKey key) {
   auto it = self->state.workers.find(key);
@@ -171,6 +185,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
     if (outcome.prefill_worker.empty()) outcome.prefill_worker = worker_name(self, r.prefill_key);
     if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, r.decode_key);
   }
+  record_finished(outcome, r.accepted, r.dispatched.has_value());
   r.promise.deliver(std::move(outcome));
   if (r.client) {
     auto [first, last] = st.clients.equal_range(r.client.address());
@@ -372,6 +387,7 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
 // Moves queued requests to workers, oldest first, while there is room.
 void dispatch(Self self) {
   auto& st = self->state;
+  const BooksMetrics books{st};
   while (!st.queue.empty() && st.limits) {
     const RequestId id = st.queue.front();
     Request& r = st.requests.at(id);
@@ -731,7 +747,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         Request* found = from_its_decode_worker(self, event.id);
         if (!found) return;
         Request& r = *found;
-        if (self->state.tokenizer) {
+        if (self->state.tokenizer && r.request.token_text) {
           try {
             event.text = self->state.tokenizer->decode(r.previous_token, event.token);
           } catch (const std::exception&) {
@@ -741,6 +757,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         }
         r.previous_token = event.token;
         r.tokens_streamed += 1;
+        record_token(r.accepted, r.last_token);
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
       [=](done_atom, DecodeDone& done) {

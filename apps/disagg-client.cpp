@@ -192,16 +192,21 @@ int run(const Options& o) {
             << " ms, kv transfer " << outcome.timings.kv_transfer_us / 1000.0 << " ms, decode "
             << outcome.decode_worker << " " << outcome.timings.decode_us / 1000.0 << " ms]\n";
   if (o.json) {
-    std::cout << "{";
-    std::cout << "\"prompt_tokens\":" << json_int_array(outcome.prompt_tokens) << ",\"output_tokens\":" << json_int_array(outcome.tokens) << ",\"text\":" << json_string(text)
-              << ",\"finish\":" << json_string(to_string(outcome.finish)) << ",\"ttft_ms\":" << ttft_ms
-              << ",\"total_ms\":" << total_ms << ",\"tokens_per_s\":" << tokens_per_s
-              << ",\"timings\":{\"queued_us\":" << outcome.timings.queued_us
-              << ",\"prefill_us\":" << outcome.timings.prefill_us
-              << ",\"kv_transfer_us\":" << outcome.timings.kv_transfer_us
-              << ",\"decode_us\":" << outcome.timings.decode_us << "},\"prefill_worker\":"
-              << json_string(outcome.prefill_worker) << ",\"decode_worker\":" << json_string(outcome.decode_worker)
-              << "}" << std::endl;
+    nlohmann::ordered_json line;
+    line["prompt_tokens"] = outcome.prompt_tokens;
+    line["output_tokens"] = outcome.tokens;
+    line["text"] = text;
+    line["finish"] = to_string(outcome.finish);
+    line["ttft_ms"] = ttft_ms;
+    line["total_ms"] = total_ms;
+    line["tokens_per_s"] = tokens_per_s;
+    line["timings"] = {{"queued_us", outcome.timings.queued_us},
+                       {"prefill_us", outcome.timings.prefill_us},
+                       {"kv_transfer_us", outcome.timings.kv_transfer_us},
+                       {"decode_us", outcome.timings.decode_us}};
+    line["prefill_worker"] = outcome.prefill_worker;
+    line["decode_worker"] = outcome.decode_worker;
+    std::cout << json_line(line) << std::endl;
   }
   return 0;
 }

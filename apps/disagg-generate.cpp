@@ -89,8 +89,11 @@ int run(const Options& o) {
   const std::string text = tokenizer.decode_all(prompt.back(), result.tokens);
 
   if (o.json) {
-    std::cout << "{\"prompt_tokens\":" << json_int_array(prompt) << ",\"output_tokens\":"
-              << json_int_array(result.tokens) << ",\"text\":" << json_string(text) << "}" << std::endl;
+    nlohmann::ordered_json line;
+    line["prompt_tokens"] = prompt;
+    line["output_tokens"] = result.tokens;
+    line["text"] = text;
+    std::cout << json_line(line) << std::endl;
   } else {
     std::cout << prompt_text(tokenizer, prompt) << text << std::endl;
     std::cerr << "[" << engine.backend_name() << "] " << prompt.size() << " prompt tokens, "

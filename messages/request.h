@@ -56,6 +56,9 @@ struct GenerateRequest {
   Sampling sampling;
   std::string session;      // empty: no decode-worker affinity
   int64_t deadline_ms = 0;  // from the router's receipt; 0: the router's default; <= kMaxDeadlineMs
+  // Whether the router adds each token's text (when it has a tokenizer); a
+  // client that decodes by itself (the HTTP frontend) saves the router that work.
+  bool token_text = true;
 };
 
 // One generated token, streamed as soon as the decode step produced it.
@@ -102,7 +105,7 @@ typename Inspector::result_type inspect(Inspector& f, Sampling& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
   return f(caf::meta::type_name("GenerateRequest"), x.id, x.prompt_tokens, x.prompt_text,
-           x.prompt_is_text, x.max_new_tokens, x.sampling, x.session, x.deadline_ms);
+           x.prompt_is_text, x.max_new_tokens, x.sampling, x.session, x.deadline_ms, x.token_text);
 }
 
 template <class Inspector>

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace disagg::cli {
 
 // A bad command line; an empty message means --help was asked for.
@@ -40,10 +42,10 @@ struct GenerationFlags {
   void require_complete() const;
 };
 
-// A JSON string literal; bytes that are not valid UTF-8 (a token may be one
-// byte of a multi-byte character) become U+FFFD, so the output stays valid JSON.
-std::string json_string(const std::string& s);
-std::string json_int_array(const std::vector<int>& values);
+// One line of JSON (nlohmann-json, keys in insertion order); bytes that are
+// not valid UTF-8 (a token may be one byte of a multi-byte character) become
+// U+FFFD, so the output stays valid JSON.
+std::string json_line(const nlohmann::ordered_json& value);
 
 // main() of every executable: parse (UsageError: the message and the usage on
 // stderr, exit 2; --help: the usage on stdout, exit 0), then run (any

@@ -124,6 +124,25 @@ TEST_F(ActorTest, TextPromptsAreEncodedAndTokensCarryTheirText) {
   }
 }
 
+TEST_F(ActorTest, AClientThatDecodesByItselfGetsTokensWithoutText) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.tokenizer = shared_tokenizer();
+  start(std::move(options));
+  const ReferenceCase ref = load_all_reference_cases().front();
+  GenerateRequest request;
+  request.prompt_tokens.assign(ref.prompt_tokens.begin(), ref.prompt_tokens.end());
+  request.max_new_tokens = ref.max_new_tokens;
+  request.token_text = false;  // as the HTTP frontend asks
+  TokenLog log;
+  const RequestOutcome out = client_->generate(request, log.callback());
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.tokens, std::vector<int32_t>(ref.output_tokens.begin(), ref.output_tokens.end()));
+  EXPECT_EQ(out.text, "");
+  ASSERT_EQ(log.events.size(), out.tokens.size());
+  for (const auto& e : log.events) EXPECT_EQ(e.text, "");
+}
+
 TEST_F(ActorTest, SixtyFourConcurrentRequestsAllCompleteAsColocated) {
   start(2, 2);
   std::mt19937 rng(20240611);

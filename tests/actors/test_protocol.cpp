@@ -35,7 +35,9 @@ TEST(Protocol, MessagesSurviveSerialization) {
   request.sampling = Sampling{0.8f, 0.9f, 42};
   request.session = "s";
   request.deadline_ms = 1500;
+  request.token_text = false;
   EXPECT_EQ(caf::deep_to_string(round_trip(system, request)), caf::deep_to_string(request));
+  EXPECT_FALSE(round_trip(system, request).token_text);
 
   KvTransfer transfer;
   transfer.id = 7;

@@ -51,17 +51,18 @@ void TestCluster::enable_tls() {
 }
 
 std::string TestCluster::config_text(const std::string& role, const std::string& name, uint16_t port,
-                                     const std::string& extra) const {
+                                     const std::string& extra, const std::string& disagg_extra) const {
   std::ostringstream ini;
   ini << "; written by test_cluster\n[node]\nrole = \"" << role << "\"\n";
   if (role != "router") ini << "name = \"" << name << "\"\nrouter-port = " << router_port_ << "\n";
-  if (role != "prefill") ini << "port = " << port << "\n";
+  if (role == "frontend") ini << "http-port = " << port << "\n";
+  else if (role != "prefill") ini << "port = " << port << "\n";
   ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";
   ini << "peer-refresh-ms = 200\n" << extra;
   ini << "\n[disagg]\nmodel = \"" << (model_.empty() ? shared_model() : model_) << "\"\nbackend = \"cpu\"\n";
-  if (role == "router") ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
+  if (role == "router" || role == "frontend") ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
   if (role == "decode") ini << "pool-blocks = 512\n";
-  ini << disagg_extra_ << "\n";
+  ini << disagg_extra_ << "\n" << disagg_extra << "\n";
   if (tls()) {
     const TlsOptions files = certificate_files(tls_dir_, name);
     ini << "\n[tls]\ncertificate = \"" << files.certificate << "\"\nkey = \"" << files.key << "\"\nca-file = \""
@@ -70,12 +71,13 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   return ini.str();
 }
 
-ChildProcess& TestCluster::start_node(const std::string& role, const std::string& name, const std::string& extra) {
+ChildProcess& TestCluster::start_node(const std::string& role, const std::string& name, const std::string& extra,
+                                      const std::string& disagg_extra) {
   uint16_t port = 0;
   if (role == "router") port = router_port_;
-  else if (role == "decode") port = ports_.count(name) ? ports_.at(name) : free_loopback_port();
+  else if (role == "decode" || role == "frontend") port = ports_.count(name) ? ports_.at(name) : free_loopback_port();
   const std::string ini = dir_ + "/" + name + ".ini";
-  write_text_file(ini, config_text(role, name, port, extra));
+  write_text_file(ini, config_text(role, name, port, extra, disagg_extra));
   roles_[name] = role;
   ports_[name] = port;
   if (auto it = nodes_.find(name); it != nodes_.end()) it->second->stop();
@@ -145,7 +147,7 @@ Client& TestCluster::client() {
   remote_.reset();
   std::string failures;
   // Workers first, so none of them spends its shutdown looking for the router.
-  for (const char* role : {"prefill", "decode", "router"})
+  for (const char* role : {"frontend", "prefill", "decode", "router"})
     for (auto& kv : nodes_) {
       if (roles_[kv.first] != role) continue;
       const bool was_running = kv.second->running();

@@ -44,17 +44,20 @@ class TestCluster {
   bool tls() const { return !tls_dir_.empty(); }
   const std::string& tls_dir() const { return tls_dir_; }
 
-  // The INI text of a node of this cluster (shared model; the router also
-  // gets the tokenizer); `extra` lines are appended to its [node] group.
+  // The INI text of a node of this cluster (shared model; the router and a
+  // frontend also get the tokenizer); `extra` lines are appended to its
+  // [node] group, `disagg_extra` to its [disagg] group (later keys win). A
+  // frontend's `port` is its http-port.
   std::string config_text(const std::string& role, const std::string& name, uint16_t port,
-                          const std::string& extra = "") const;
+                          const std::string& extra = "", const std::string& disagg_extra = "") const;
   // The checkpoint every node started from now on serves (default: the shared model).
   void set_model(const std::string& path) { model_ = path; }
   std::string model() const;  // what the nodes serve
   // Lines appended to the [disagg] group of every node started from now on.
   void set_disagg_options(const std::string& lines) { disagg_extra_ = lines; }
   // Writes <dir>/<name>.ini and starts disagg-node on it.
-  ChildProcess& start_node(const std::string& role, const std::string& name, const std::string& extra = "");
+  ChildProcess& start_node(const std::string& role, const std::string& name, const std::string& extra = "",
+                           const std::string& disagg_extra = "");
   ChildProcess& start_router() { return start_node("router", "router"); }
   // 1 router + `prefill` + `decode` workers, then waits for all to register.
   void start_all(int prefill, int decode);

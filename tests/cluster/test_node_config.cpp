@@ -66,7 +66,7 @@ TEST(NodeConfigFile, ExampleClusterConfigsAreValid) {
     const auto problems = check_config_file(entry.path().string(), config.options());
     EXPECT_TRUE(problems.empty()) << problems.front();
   }
-  EXPECT_EQ(files, 5);
+  EXPECT_EQ(files, 6);  // router, 2 prefill, 2 decode, frontend
 }
 
 struct Misconfiguration {
@@ -96,7 +96,12 @@ void expect_fails_fast(const Misconfiguration& m) {
 TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
   const std::string model = "model = \"" + shared_model() + "\"\n";
   expect_fails_fast({"unknown role", "[node]\nrole = \"worker\"\n", {}, 2,
-                     "node.role must be router, prefill or decode (got \"worker\")"});
+                     "node.role must be router, prefill, decode or frontend (got \"worker\")"});
+  expect_fails_fast({"frontend without tokenizer",
+                     "[node]\nrole = \"frontend\"\nrouter-port = 4000\n[disagg]\n" + model, {}, 2,
+                     "disagg.tokenizer is required for a frontend node"});
+  expect_fails_fast({"unknown chat template", "[node]\nrole = \"frontend\"\nrouter-port = 4000\nchat-template = \"chatml\"\n",
+                     {}, 2, "node.chat-template must be \"llama2\" or \"plain\""});
   expect_fails_fast({"single-quoted value", "[node]\nrole = \"decode\"\nrouter-host = '127.0.0.1'\n", {}, 2,
                      "line 3: node.router-host = '127.0.0.1': single-quoted"});
   expect_fails_fast({"missing model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\n"
@@ -139,6 +144,12 @@ TEST(NodeStartup, APortInUseIsReported) {
                      "[node]\nrole = \"decode\"\nport = " + port + "\nrouter-port = 4000\n[disagg]\nmodel = \"" +
                          shared_model() + "\"\n",
                      {}, 1, "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
+  expect_fails_fast({"frontend port in use",
+                     "[node]\nrole = \"frontend\"\nhttp-port = " + port + "\nrouter-port = 4000\n[disagg]\nmodel = \"" +
+                         shared_model() + "\"\ntokenizer = \"" + shared_tokenizer() + "\"\n",
+                     {}, 1, "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
+  expect_fails_fast({"metrics port in use", "[node]\nrole = \"router\"\nmetrics-port = " + port + "\n", {}, 1,
+                     "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
   ::close(fd);
 }
 
@@ -155,6 +166,8 @@ TEST(ClusterScript, StartsWaitsForEveryWorkerAndStopsExactlyItsNodes) {
   write_text_file(config_dir + "/prefill-1.ini", with_fake_model(ports.config_text("prefill", "prefill-1", 0)));
   write_text_file(config_dir + "/decode-1.ini",
                   with_fake_model(ports.config_text("decode", "decode-1", free_loopback_port())));
+  const uint16_t http_port = free_loopback_port();
+  write_text_file(config_dir + "/frontend.ini", with_fake_model(ports.config_text("frontend", "frontend", http_port)));
   const std::string script = std::string(DISAGG_SOURCE_DIR) + "/scripts/cluster";
   const std::vector<std::string> env = {"DISAGG_RUN_DIR=" + run_dir, "DISAGG_BIN_DIR=" + bin_dir(),
                                         "MODEL=" + shared_model(), "TOKENIZER=" + shared_tokenizer(),
@@ -172,8 +185,10 @@ TEST(ClusterScript, StartsWaitsForEveryWorkerAndStopsExactlyItsNodes) {
   ASSERT_EQ(run_to_completion({"/bin/bash", script, "up", config_dir}, out, err, std::chrono::seconds(60), env), 0)
       << out << err;
   EXPECT_NE(out.find("router=" + ports.router_address()), std::string::npos) << out;
+  // The frontend's address on a line of its own; it answered /health with 200 already.
+  EXPECT_NE(out.find("\nhttp=127.0.0.1:" + std::to_string(http_port) + "\n"), std::string::npos) << out;
   std::vector<pid_t> pids;
-  for (const char* name : {"router", "prefill-1", "decode-1"})
+  for (const char* name : {"router", "prefill-1", "decode-1", "frontend"})
     pids.push_back(pid_t(std::stol(read_text_file(run_dir + "/" + name + ".pid"))));
   for (pid_t pid : pids) EXPECT_TRUE(process_alive(pid));
 
@@ -189,7 +204,7 @@ TEST(ClusterScript, StartsWaitsForEveryWorkerAndStopsExactlyItsNodes) {
   EXPECT_NE(err.find("already running"), std::string::npos) << err;
 
   ASSERT_EQ(run_to_completion({"/bin/bash", script, "down"}, out, err, std::chrono::seconds(30), env), 0) << err;
-  EXPECT_NE(out.find("stopped 3 node(s)"), std::string::npos) << out;
+  EXPECT_NE(out.find("stopped 4 node(s)"), std::string::npos) << out;
   for (pid_t pid : pids) EXPECT_FALSE(process_alive(pid)) << "pid " << pid;
 }
 

@@ -1,6 +1,6 @@
 // The shared greedy reference cases (../shared/reference/stories260K-greedy.jsonl
-// and stories260K-greedy-more.jsonl, see their README.md), read with a small
-// JSON reader that also parses disagg-generate --json lines. Tests take the
+// and stories260K-greedy-more.jsonl, see their README.md), read with
+// nlohmann-json; the same reader parses disagg-generate --json lines. Tests take the
 // cases from load_all_reference_cases() and assume nothing about their number
 // or sizes (the longest has a 478-token prompt; one prompt is empty, i.e. BOS).
 #pragma once
@@ -20,7 +20,8 @@ struct ReferenceCase {
 };
 
 // One JSON object; fields that are absent keep their defaults, unknown fields
-// are skipped. Throws std::runtime_error on malformed JSON.
+// are skipped. Throws std::runtime_error on malformed JSON or a field of the
+// wrong type.
 ReferenceCase parse_reference_case(const std::string& json_line);
 
 // Every non-empty line of a .jsonl file; throws std::runtime_error naming the

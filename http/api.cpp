@@ -1,0 +1,452 @@
+#include "http/api.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace disagg::http {
+
+namespace {
+
+// More stop strings than this in one request: 400 (each is searched after every token).
+constexpr size_t kMaxStopStrings = 16;
+// The longest UTF-8 encoding of one character.
+constexpr size_t kMaxUtf8Bytes = 4;
+// OpenAI's shapes name the chunks' objects so.
+constexpr const char* kCompletionObject = "text_completion";
+constexpr const char* kChatObject = "chat.completion";
+constexpr const char* kChatChunkObject = "chat.completion.chunk";
+
+json nullable(const std::string& s) { return s.empty() ? json(nullptr) : json(s); }
+
+// The field `name` of `body`, or nullptr when it is absent or null.
+const json* field(const json& body, const char* name) {
+  auto it = body.find(name);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
+
+std::string type_words(const json& v) { return std::string(v.type_name()); }
+
+void expect_type(bool ok, const char* name, const char* wanted, const json& v) {
+  if (!ok) throw bad_request(name, std::string("'") + name + "' must be " + wanted + ", got " + type_words(v), "invalid_type");
+}
+
+double number_in(const json& body, const char* name, double def, double lo, double hi, bool lo_open) {
+  const json* v = field(body, name);
+  if (!v) return def;
+  expect_type(v->is_number(), name, "a number", *v);
+  const double x = v->get<double>();
+  if ((lo_open ? x <= lo : x < lo) || x > hi)
+    throw bad_request(name, std::string("'") + name + "' must be in " + (lo_open ? "(" : "[") + json(lo).dump() +
+                                ", " + json(hi).dump() + "], got " + v->dump());
+  return x;
+}
+
+// An option we do not support: absent, null or its neutral value passes.
+void refuse_unless(const json& body, const char* name, const std::function<bool(const json&)>& neutral) {
+  const json* v = field(body, name);
+  if (v && !neutral(*v))
+    throw bad_request(name, std::string("'") + name + "' is not supported (got " + v->dump() + ")", "unsupported");
+}
+
+std::string message_text(const json& content, size_t index) {
+  const std::string param = "messages";
+  if (content.is_null()) return {};
+  if (content.is_string()) return content.get<std::string>();
+  if (content.is_array()) {  // [{"type": "text", "text": "..."}]
+    std::string out;
+    for (const auto& part : content) {
+      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+        throw bad_request(param, "messages[" + std::to_string(index) + "].content: only text parts are supported",
+                          "unsupported");
+      out += part["text"].get<std::string>();
+    }
+    return out;
+  }
+  throw bad_request(param, "messages[" + std::to_string(index) + "].content must be a string or an array of text parts",
+                    "invalid_type");
+}
+
+std::vector<int32_t> as_tokens(const std::vector<int>& v) { return std::vector<int32_t>(v.begin(), v.end()); }
+
+std::vector<int32_t> encode_checked(const std::string& text, const ServedModel& model, const gpu::Tokenizer& tokenizer,
+                                    const char* param) {
+  if (int64_t(text.size()) > model.max_prompt_bytes)
+    throw bad_request(param, std::string(param) + " of " + std::to_string(text.size()) + " bytes is longer than " +
+                                 std::to_string(model.max_prompt_bytes) + " bytes (disagg.max-prompt-bytes)");
+  return as_tokens(tokenizer.encode(text));
+}
+
+std::vector<int32_t> parse_prompt(const json& body, const ServedModel& model, const gpu::Tokenizer& tokenizer) {
+  const json* p = field(body, "prompt");
+  if (!p) throw bad_request("prompt", "'prompt' is required", "missing");
+  if (p->is_string()) return encode_checked(p->get<std::string>(), model, tokenizer, "prompt");
+  expect_type(p->is_array(), "prompt", "a string or an array of token ids", *p);
+  if (p->empty()) throw bad_request("prompt", "'prompt' must not be an empty array");
+  // A batch of one ([["text"]] or [[ids]]) is that prompt; larger batches are n > 1.
+  if (p->size() == 1 && (p->at(0).is_string() || p->at(0).is_array())) {
+    json one = body;
+    one["prompt"] = p->at(0);
+    return parse_prompt(one, model, tokenizer);
+  }
+  std::vector<int32_t> tokens;
+  for (const auto& t : *p) {
+    if (!t.is_number_integer())
+      throw bad_request("prompt", "'prompt' must be one string or one array of token ids (batched prompts are not supported)",
+                        t.is_string() || t.is_array() ? "unsupported" : "invalid_type");
+    const int64_t id = t.get<int64_t>();
+    if (id < 0 || id >= model.vocab_size)
+      throw bad_request("prompt", "token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                      std::to_string(model.vocab_size) + ")");
+    tokens.push_back(int32_t(id));
+  }
+  return tokens;
+}
+
+}  // namespace
+
+json error_body(const ApiError& e) {
+  return {{"error", {{"message", e.message}, {"type", e.type}, {"param", nullable(e.param)}, {"code", nullable(e.code)}}}};
+}
+
+ApiError bad_request(const std::string& param, const std::string& message, const std::string& code) {
+  ApiError e;
+  e.status = 400;
+  e.message = message;
+  e.param = param;
+  e.code = code;
+  return e;
+}
+
+ApiError error_for_outcome(ErrorCode code, const std::string& message) {
+  ApiError e;
+  e.message = message;
+  e.code = to_string(code);
+  switch (code) {
+    case ErrorCode::invalid_request:
+    case ErrorCode::kv_too_large:
+      e.status = 400;
+      e.type = "invalid_request_error";
+      break;
+    case ErrorCode::overloaded:
+      e.status = 503;
+      e.type = "overloaded_error";
+      e.retry_after_s = kOverloadedRetryAfterS;
+      break;
+    case ErrorCode::timeout:
+      e.status = 504;
+      e.type = "timeout_error";
+      break;
+    default:  // worker_lost, incompatible_kv, internal, cancelled (by someone else)
+      e.status = 500;
+      e.type = "server_error";
+      break;
+  }
+  return e;
+}
+
+std::optional<ChatTemplate> parse_chat_template(const std::string& name) {
+  if (name == "llama2") return ChatTemplate::llama2;
+  if (name == "plain") return ChatTemplate::plain;
+  return std::nullopt;
+}
+
+std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer) {
+  struct Message {
+    std::string role, text;
+  };
+  std::vector<Message> list;
+  for (size_t i = 0; i < messages.size(); ++i)
+    list.push_back({messages[i]["role"].get<std::string>(), message_text(messages[i]["content"], i)});
+
+  if (tmpl == ChatTemplate::plain) {
+    std::string text;
+    for (const auto& m : list) text += m.role + ": " + m.text + "\n";
+    return as_tokens(tokenizer.encode(text + "assistant:"));
+  }
+  // llama2
+  size_t i = 0;
+  std::string system;
+  if (!list.empty() && list[0].role == "system") {
+    system = "<<SYS>>\n" + list[0].text + "\n<</SYS>>\n\n";
+    ++i;
+  }
+  std::vector<int32_t> tokens;
+  for (bool first = true; i < list.size(); first = false) {
+    if (list[i].role != "user")
+      throw bad_request("messages", "the llama2 chat template expects user and assistant messages alternating, "
+                                    "starting with user (after an optional first system message); message " +
+                                        std::to_string(i) + " is " + list[i].role);
+    std::string turn = "[INST] " + (first ? system : std::string()) + list[i].text + " [/INST]";
+    ++i;
+    const bool answered = i < list.size();
+    if (answered) {
+      if (list[i].role != "assistant")
+        throw bad_request("messages", "the llama2 chat template expects an assistant message after each user "
+                                      "message; message " + std::to_string(i) + " is " + list[i].role);
+      turn += " " + list[i].text + " ";
+      ++i;
+    }
+    const auto encoded = tokenizer.encode(turn);  // BOS first
+    tokens.insert(tokens.end(), encoded.begin(), encoded.end());
+    if (answered) tokens.push_back(kEosToken);
+  }
+  if (tokens.empty()) throw bad_request("messages", "the messages hold no user message");
+  return tokens;
+}
+
+ApiRequest parse_request(Endpoint endpoint, const std::string& text, const ServedModel& model,
+                         const gpu::Tokenizer& tokenizer, ChatTemplate tmpl,
+                         const std::function<uint64_t()>& random_seed) {
+  json body;
+  try {
+    body = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw bad_request("", std::string("malformed JSON: ") + e.what(), "invalid_json");
+  }
+  if (!body.is_object()) throw bad_request("", "the request body must be a JSON object", "invalid_json");
+
+  if (const json* m = field(body, "model")) {
+    expect_type(m->is_string(), "model", "a string", *m);
+    if (m->get<std::string>() != model.name) {
+      ApiError e;
+      e.status = 404;
+      e.message = "The model `" + m->get<std::string>() + "` does not exist (this server serves `" + model.name + "`).";
+      e.param = "model";
+      e.code = "model_not_found";
+      throw e;
+    }
+  }
+  // Unsupported options: only their neutral values pass.
+  refuse_unless(body, "n", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 1; });
+  refuse_unless(body, "best_of", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 1; });
+  refuse_unless(body, "logprobs", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
+  refuse_unless(body, "top_logprobs", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 0; });
+  refuse_unless(body, "echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
+  refuse_unless(body, "presence_penalty", [](const json& v) { return v.is_number() && v.get<double>() == 0.0; });
+  refuse_unless(body, "frequency_penalty", [](const json& v) { return v.is_number() && v.get<double>() == 0.0; });
+  refuse_unless(body, "logit_bias", [](const json& v) { return v.is_object() && v.empty(); });
+
+  ApiRequest r;
+  r.endpoint = endpoint;
+  if (endpoint == Endpoint::completions) {
+    r.prompt_tokens = parse_prompt(body, model, tokenizer);
+  } else {
+    const json* messages = field(body, "messages");
+    if (!messages) throw bad_request("messages", "'messages' is required", "missing");
+    expect_type(messages->is_array(), "messages", "an array of messages", *messages);
+    if (messages->empty()) throw bad_request("messages", "'messages' must not be empty");
+    size_t bytes = 0;
+    for (size_t i = 0; i < messages->size(); ++i) {
+      const json& m = (*messages)[i];
+      const std::string where = "messages[" + std::to_string(i) + "]";
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+        throw bad_request("messages", where + " must be an object with a string 'role'", "invalid_type");
+      const std::string role = m["role"].get<std::string>();
+      if (role != "system" && role != "user" && role != "assistant")
+        throw bad_request("messages", where + ".role must be system, user or assistant, got " + role);
+      bytes += message_text(m.contains("content") ? m["content"] : json(nullptr), i).size();
+    }
+    if (int64_t(bytes) > model.max_prompt_bytes)
+      throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
+                                        std::to_string(model.max_prompt_bytes) + " (disagg.max-prompt-bytes)");
+    r.prompt_tokens = render_chat(tmpl, *messages, tokenizer);
+  }
+  const int64_t prompt_len = int64_t(r.prompt_tokens.size());
+  if (prompt_len >= model.seq_len)
+    throw bad_request(endpoint == Endpoint::chat ? "messages" : "prompt",
+                      "the prompt is " + std::to_string(prompt_len) + " tokens; this model's context is " +
+                          std::to_string(model.seq_len) + " tokens", "context_length_exceeded");
+
+  const char* max_name = "max_tokens";
+  const json* max_tokens = field(body, "max_tokens");
+  if (!max_tokens && endpoint == Endpoint::chat && field(body, "max_completion_tokens")) {
+    max_name = "max_completion_tokens";
+    max_tokens = field(body, max_name);
+  }
+  if (max_tokens) {
+    expect_type(max_tokens->is_number_integer(), max_name, "an integer", *max_tokens);
+    const int64_t m = max_tokens->get<int64_t>();
+    if (m < 1) throw bad_request(max_name, std::string("'") + max_name + "' must be at least 1, got " + std::to_string(m));
+    if (prompt_len + m > model.seq_len)
+      throw bad_request(max_name, "This model's maximum context length is " + std::to_string(model.seq_len) +
+                                      " tokens. However, you requested " + std::to_string(prompt_len + m) + " tokens (" +
+                                      std::to_string(prompt_len) + " in the prompt, " + std::to_string(m) +
+                                      " for the completion).", "context_length_exceeded");
+    r.max_tokens = int32_t(m);
+  } else {
+    r.max_tokens = endpoint == Endpoint::chat ? int32_t(model.seq_len - prompt_len)
+                                              : int32_t(std::min<int64_t>(kDefaultCompletionMaxTokens, model.seq_len - prompt_len));
+  }
+
+  r.sampling.temperature = float(number_in(body, "temperature", 1.0, 0.0, kMaxTemperature, false));
+  r.sampling.top_p = float(number_in(body, "top_p", 1.0, 0.0, 1.0, true));
+  if (const json* seed = field(body, "seed")) {
+    expect_type(seed->is_number_integer(), "seed", "an integer", *seed);
+    r.sampling.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : uint64_t(seed->get<int64_t>());
+  } else {
+    r.sampling.seed = random_seed();
+  }
+  if (const json* stop = field(body, "stop")) {
+    if (stop->is_string()) {
+      r.stop.push_back(stop->get<std::string>());
+    } else {
+      expect_type(stop->is_array(), "stop", "a string or an array of strings", *stop);
+      for (const auto& s : *stop) {
+        expect_type(s.is_string(), "stop", "a string or an array of strings", s);
+        r.stop.push_back(s.get<std::string>());
+      }
+    }
+    r.stop.erase(std::remove(r.stop.begin(), r.stop.end(), std::string()), r.stop.end());
+    if (r.stop.size() > kMaxStopStrings)
+      throw bad_request("stop", "at most " + std::to_string(kMaxStopStrings) + " stop strings");
+  }
+  if (const json* stream = field(body, "stream")) {
+    expect_type(stream->is_boolean(), "stream", "a boolean", *stream);
+    r.stream = stream->get<bool>();
+  }
+  if (const json* options = field(body, "stream_options")) {
+    expect_type(options->is_object(), "stream_options", "an object", *options);
+    if (!r.stream) throw bad_request("stream_options", "'stream_options' is only allowed with \"stream\": true");
+    if (const json* usage = field(*options, "include_usage")) {
+      expect_type(usage->is_boolean(), "stream_options", "an object with a boolean include_usage", *usage);
+      r.include_usage = usage->get<bool>();
+    }
+  }
+  if (const json* user = field(body, "user")) {
+    expect_type(user->is_string(), "user", "a string", *user);
+    r.user = user->get<std::string>();
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------- TextAssembler
+
+TextAssembler::TextAssembler(const gpu::Tokenizer& tokenizer, std::vector<std::string> stop, int32_t last_prompt_token)
+    : tokenizer_(tokenizer), stop_(std::move(stop)), previous_(last_prompt_token) {}
+
+std::string TextAssembler::release(size_t upto) {
+  std::string out = pending_.substr(0, upto);
+  pending_.erase(0, upto);
+  text_ += out;
+  return out;
+}
+
+std::string TextAssembler::add(int32_t token) {
+  ++tokens_;
+  if (stopped_) return {};
+  try {
+    pending_ += tokenizer_.decode(previous_, token);
+  } catch (const std::exception&) {
+    // an id the tokenizer lacks: no text (the router checked the vocabulary)
+  }
+  previous_ = token;
+  // A stop string can only begin in pending_: what was released ended in
+  // no prefix of one.
+  size_t first = std::string::npos;
+  for (const auto& s : stop_) first = std::min(first, pending_.find(s));
+  if (first != std::string::npos) {
+    stopped_ = true;
+    std::string out = release(first);
+    pending_.clear();
+    return out;
+  }
+  size_t hold = 0;
+  for (const auto& s : stop_)
+    for (size_t k = std::min(s.size() - 1, pending_.size()); k > hold; --k)
+      if (pending_.compare(pending_.size() - k, k, s, 0, k) == 0) {
+        hold = k;
+        break;
+      }
+  // An incomplete UTF-8 character at the end waits for its next bytes.
+  for (size_t back = 1; back <= std::min(kMaxUtf8Bytes, pending_.size()); ++back) {
+    const auto c = static_cast<unsigned char>(pending_[pending_.size() - back]);
+    if ((c & 0xC0) == 0x80) continue;  // a continuation byte: look further back
+    const size_t length = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+    if (length > back) hold = std::max(hold, back);
+    break;
+  }
+  return release(pending_.size() - hold);
+}
+
+std::string TextAssembler::flush() {
+  if (stopped_) return {};
+  return release(pending_.size());
+}
+
+// ---------------------------------------------------------------- responses
+
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"prompt_tokens", prompt_tokens},
+          {"completion_tokens", completion_tokens},
+          {"total_tokens", prompt_tokens + completion_tokens}};
+}
+
+json completion_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
+                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"id", id},
+          {"object", kCompletionObject},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array({{{"index", 0}, {"text", text}, {"logprobs", nullptr},
+                                    {"finish_reason", nullable(finish_reason)}}})},
+          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+}
+
+json chat_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
+                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"id", id},
+          {"object", kChatObject},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array({{{"index", 0},
+                                    {"message", {{"role", "assistant"}, {"content", text}}},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", nullable(finish_reason)}}})},
+          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+}
+
+json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
+                  const std::string& text, const std::string& finish_reason, bool first, bool include_usage) {
+  json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullable(finish_reason)}};
+  if (endpoint == Endpoint::completions) {
+    choice["text"] = text;
+  } else {
+    json delta = json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || (first && finish_reason.empty())) delta["content"] = text;
+    choice["delta"] = delta;
+  }
+  json chunk = {{"id", id},
+                {"object", endpoint == Endpoint::completions ? kCompletionObject : kChatChunkObject},
+                {"created", created},
+                {"model", model},
+                {"choices", json::array({choice})}};
+  if (include_usage) chunk["usage"] = nullptr;
+  return chunk;
+}
+
+json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
+                 int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"id", id},
+          {"object", endpoint == Endpoint::completions ? kCompletionObject : kChatChunkObject},
+          {"created", created},
+          {"model", model},
+          {"choices", json::array()},
+          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+}
+
+json models_response(const ServedModel& model) {
+  return {{"object", "list"},
+          {"data", json::array({{{"id", model.name},
+                                 {"object", "model"},
+                                 {"created", model.created},
+                                 {"owned_by", "disagg"},
+                                 {"root", model.name},
+                                 {"max_model_len", model.seq_len}}})}};
+}
+
+std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+std::string sse_event(const json& payload) { return "data: " + dump(payload) + "\n\n"; }
+
+}  // namespace disagg::http

@@ -1,0 +1,139 @@
+// The OpenAI-compatible API of the frontend, without the network: parsing and
+// validating request bodies (nlohmann-json), the chat template, stop strings
+// and text assembly from token events, response and error bodies, and how the
+// protocol's error codes map onto HTTP statuses. http/server.cpp serves these.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpu/tokenizer.h"
+#include "messages/request.h"
+
+namespace disagg::http {
+
+using json = nlohmann::json;
+
+// llama2.c's end-of-sequence token (</s>): closes an assistant turn in the
+// Llama-2 chat template.
+constexpr int32_t kEosToken = 2;
+// max_tokens of a completion that sets none (OpenAI's legacy default; vLLM's too).
+constexpr int kDefaultCompletionMaxTokens = 16;
+// The largest sampling temperature accepted (disagg-client's limit too).
+constexpr double kMaxTemperature = 100.0;
+
+// An error reply: {"error": {"message", "type", "param", "code"}} with `status`.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;  // empty: null
+  std::string code;   // empty: null
+  int retry_after_s = 0;  // > 0: a Retry-After header (503 overloaded)
+};
+json error_body(const ApiError& e);
+ApiError bad_request(const std::string& param, const std::string& message, const std::string& code = "invalid_value");
+
+// The terminal error of a request (a RequestOutcome's code) as an HTTP error:
+// invalid_request and kv_too_large 400, overloaded 503 (Retry-After),
+// timeout 504, worker_lost, incompatible_kv, internal and cancelled 500.
+ApiError error_for_outcome(ErrorCode code, const std::string& message);
+// Seconds a client is told to wait after an overloaded reply.
+constexpr int kOverloadedRetryAfterS = 1;
+
+enum class Endpoint { completions, chat };
+
+// How chat messages become a prompt (node.chat-template):
+//   llama2 (default): Meta's Llama-2 chat format. An optional first system
+//     message goes into the first user turn as "<<SYS>>\n{system}\n<</SYS>>\n\n";
+//     each turn is BOS "[INST] {user} [/INST]", an answered turn continues
+//     " {assistant} " and ends with EOS. Roles: [system], user, assistant,
+//     user, ... alternating, starting with user.
+//   plain: "{role}: {content}\n" per message, then "assistant:" (one BOS).
+enum class ChatTemplate { llama2, plain };
+std::optional<ChatTemplate> parse_chat_template(const std::string& name);
+// The prompt tokens of `messages` (a validated array of {role, content});
+// throws ApiError (param "messages") when the roles break the template's rules.
+std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer);
+
+// What the frontend serves.
+struct ServedModel {
+  std::string name;          // the "model" of requests and /v1/models
+  int32_t vocab_size = 0;
+  int32_t seq_len = 0;       // context: prompt + max_tokens must fit
+  int64_t max_prompt_bytes = 0;  // longest text prompt encoded (disagg.max-prompt-bytes)
+  int64_t created = 0;       // unix time the frontend started
+};
+
+struct ApiRequest {
+  Endpoint endpoint = Endpoint::completions;
+  std::vector<int32_t> prompt_tokens;
+  int32_t max_tokens = 0;
+  Sampling sampling;
+  std::vector<std::string> stop;
+  bool stream = false;
+  bool include_usage = false;
+  std::string user;  // the router's session affinity key
+};
+
+// Parses and validates a request body; throws ApiError: malformed JSON, a
+// known field of the wrong type or out of range, unsupported options (n > 1,
+// logprobs, best_of, echo, penalties), prompt + max_tokens beyond the
+// context (400, naming the parameter), an unknown model (404). Unknown fields
+// are ignored. `random_seed` gives the seed of a request that sets none.
+ApiRequest parse_request(Endpoint endpoint, const std::string& body, const ServedModel& model,
+                         const gpu::Tokenizer& tokenizer, ChatTemplate tmpl,
+                         const std::function<uint64_t()>& random_seed);
+
+// Turns a request's token events into text: each token's piece after its
+// predecessor (the first after the prompt's last token, as disagg-generate
+// does), held back while it could be the start of a stop string or ends in
+// an incomplete UTF-8 character; cut before the first stop string.
+class TextAssembler {
+ public:
+  TextAssembler(const gpu::Tokenizer& tokenizer, std::vector<std::string> stop, int32_t last_prompt_token);
+  // The token's text, returns what may be sent now (possibly empty).
+  std::string add(int32_t token);
+  // Whatever is held back, at the end of a request that did not stop.
+  std::string flush();
+  bool stopped() const { return stopped_; }
+  int32_t tokens() const { return tokens_; }
+  const std::string& text() const { return text_; }  // everything returned so far
+
+ private:
+  std::string release(size_t upto);
+  const gpu::Tokenizer& tokenizer_;
+  std::vector<std::string> stop_;
+  int32_t previous_;
+  std::string pending_;  // decoded, not yet returned
+  std::string text_;
+  bool stopped_ = false;
+  int32_t tokens_ = 0;
+};
+
+// The response bodies (OpenAI's shapes). finish_reason: "stop" or "length";
+// an empty string writes null.
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
+json completion_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
+                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens);
+json chat_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
+                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens);
+// One streamed chunk; for chat, `first` adds role "assistant" to the delta.
+// With include_usage every chunk carries "usage": null (the last one the counts).
+json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
+                  const std::string& text, const std::string& finish_reason, bool first, bool include_usage);
+json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
+                 int64_t prompt_tokens, int64_t completion_tokens);
+json models_response(const ServedModel& model);
+
+// "data: {json}\n\n" (invalid UTF-8 replaced by U+FFFD) and the final "data: [DONE]\n\n".
+std::string sse_event(const json& payload);
+inline constexpr const char* kSseDone = "data: [DONE]\n\n";
+// A compact JSON text, invalid UTF-8 replaced (never throws on token bytes).
+std::string dump(const json& value);
+
+}  // namespace disagg::http

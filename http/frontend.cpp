@@ -1,0 +1,771 @@
+#include "http/frontend.h"
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <chrono>
+#include <deque>
+#include <iomanip>
+#include <mutex>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <sys/resource.h>
+
+#include "actors/client.h"
+#include "actors/node_log.h"
+#include "actors/node_relay.h"
+#include "actors/node_runtime.h"
+#include "actors/timing.h"
+#include "caf/all.hpp"
+#include "gpu/checkpoint.h"
+#include "http/api.h"
+#include "metrics/disagg_metrics.h"
+
+namespace disagg::http {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = beast::http;
+using tcp = net::ip::tcp;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A connection that sends no complete request header for this long is closed
+// (idle keep-alive connections included).
+constexpr auto kIdleTimeout = 60s;
+// A response write that does not finish in this long: the client is gone
+// or stopped reading; the connection closes and its request is cancelled.
+constexpr auto kWriteTimeout = 30s;
+// Bytes a client may send (pipelined) while its request runs, and how much
+// one read of them takes at a time.
+constexpr size_t kMaxPipelinedBytes = 64 << 10;
+constexpr size_t kWatchReadBytes = 4096;
+// A connection closed after an error reply (413) is drained this long first,
+// so the client reads the reply instead of a reset.
+constexpr auto kLingerTimeout = 1s;
+// How long GET /health waits for the router's status.
+constexpr auto kHealthTimeout = 2s;
+// After SIGTERM: how long requests still in flight get to end (they are
+// cancelled first) before the process stops anyway.
+constexpr auto kShutdownDrain = 5s;
+// After a failed accept (e.g. no file descriptor left), the next try.
+constexpr auto kAcceptRetry = 100ms;
+// Hex digits of a response id ("cmpl-<id>").
+constexpr int kIdHexDigits = 16;
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+std::string model_name_of(const std::string& path) {
+  std::string base = path.substr(path.find_last_of('/') + 1);
+  const auto dot = base.find_last_of('.');
+  return dot == std::string::npos || dot == 0 ? base : base.substr(0, dot);
+}
+
+// ---------------------------------------------------------------- shared state
+
+class Frontend {
+ public:
+  Frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg, ServedModel model,
+           gpu::Tokenizer tokenizer, ChatTemplate tmpl)
+      : ioc(node.http_threads), acceptor(ioc), system(system), node(node), cfg(cfg), model(std::move(model)),
+        tokenizer(std::move(tokenizer)), tmpl(tmpl), random_(std::random_device{}()) {}
+
+  net::io_context ioc;
+  tcp::acceptor acceptor;
+  caf::actor_system& system;
+  const NodeOptions& node;
+  const DisaggConfig& cfg;
+  const ServedModel model;
+  const gpu::Tokenizer tokenizer;
+  const ChatTemplate tmpl;
+  metrics::DisaggMetrics& metrics = metrics::disagg_metrics();
+
+  // The router, once reached (null while not).
+  void set_router(std::optional<router_actor> router) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (router) {
+      ClientOptions options;
+      options.default_deadline_ms = cfg.default_deadline_ms;
+      client_ = std::make_shared<Client>(system, *router, options);
+    } else {
+      client_.reset();
+    }
+  }
+  std::shared_ptr<Client> client() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return client_;
+  }
+
+  uint64_t random_u64() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return random_();
+  }
+  std::string new_id(const char* prefix) {
+    std::ostringstream out;
+    out << prefix << std::hex << std::setw(kIdHexDigits) << std::setfill('0') << random_u64();
+    return out.str();
+  }
+
+  // Requests submitted and not yet answered, so shutdown can cancel them.
+  void track(RequestId id, std::shared_ptr<Client> c) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_flight_[id] = std::move(c);
+  }
+  void untrack(RequestId id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_flight_.erase(id);
+  }
+  size_t cancel_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, c] : in_flight_) c->cancel(id);
+    return in_flight_.size();
+  }
+  size_t in_flight() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return in_flight_.size();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::shared_ptr<Client> client_;
+  std::mt19937_64 random_;
+  std::map<RequestId, std::shared_ptr<Client>> in_flight_;
+};
+
+// ---------------------------------------------------------------- one connection
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(tcp::socket socket, Frontend& fe)
+      : stream_(std::move(socket)), fe_(fe), write_timer_(stream_.get_executor()) {}
+
+  void start() {
+    net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read(); });
+  }
+
+ private:
+  // What one queued write sends: raw bytes (a whole response or a header),
+  // one chunk of a chunked body, or the last chunk.
+  struct Out {
+    enum Kind { raw, chunk, last } kind;
+    std::string data;
+  };
+
+  // The generation a request started, while it runs.
+  struct Generation {
+    RequestId id = 0;
+    std::shared_ptr<Client> client;
+    ApiRequest request;
+    std::string response_id;
+    int64_t created = 0;
+    std::optional<TextAssembler> text;
+    bool header_sent = false;  // streaming: the SSE header (and from then on, errors go in-band)
+    bool done = false;         // the HTTP reply is complete (the router's outcome may still come)
+    bool counted = false;      // its metrics were recorded
+    Clock::time_point accepted;
+    std::optional<Clock::time_point> last_token;
+  };
+
+  // ---- reading requests
+  void read() {
+    if (closed_) return;
+    parser_.emplace();
+    parser_->body_limit(uint64_t(fe_.node.http_body_limit));
+    stream_.expires_after(kIdleTimeout);
+    // The header first: a client that sends "Expect: 100-continue" waits for
+    // a 100 before it sends the body (or gets the 413 instead).
+    bhttp::async_read_header(stream_, buffer_, *parser_,
+                             [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
+  }
+
+  void on_header(beast::error_code ec) {
+    if (ec) return on_read(ec);
+    auto read_body = [self = shared_from_this()] {
+      self->stream_.expires_after(kIdleTimeout);
+      bhttp::async_read(self->stream_, self->buffer_, *self->parser_,
+                        [self](beast::error_code ec, size_t) { self->on_read(ec); });
+    };
+    if (!beast::iequals(parser_->get()[bhttp::field::expect], "100-continue") || parser_->is_done())
+      return read_body();
+    continue_.emplace(bhttp::status::continue_, parser_->get().version());
+    bhttp::async_write(stream_, *continue_, [self = shared_from_this(), read_body](beast::error_code ec, size_t) {
+      self->continue_.reset();
+      if (ec) return self->close();
+      read_body();
+    });
+  }
+
+  void on_read(beast::error_code ec) {
+    if (ec == bhttp::error::body_limit) {
+      keep_alive_ = false;
+      ApiError e;
+      e.status = 413;
+      e.message = "request body larger than " + std::to_string(fe_.node.http_body_limit) + " bytes (node.http-body-limit)";
+      e.code = "body_too_large";
+      send_error(e);
+      return;
+    }
+    if (ec && ec.category() == bhttp::make_error_code(bhttp::error::bad_method).category() &&
+        ec != bhttp::error::end_of_stream && ec != bhttp::error::partial_message) {
+      // Not HTTP/1.x the parser understands: one 400, then the connection closes.
+      keep_alive_ = false;
+      ApiError e;
+      e.message = "malformed HTTP request: " + ec.message();
+      e.code = "bad_http";
+      send_error(e);
+      return;
+    }
+    if (ec) return close();
+    const auto& req = parser_->get();
+    keep_alive_ = req.keep_alive();
+    version_ = req.version();
+    const std::string target(req.target());
+    const std::string path = target.substr(0, target.find('?'));
+    const auto method = req.method();
+    auto only = [&](bhttp::verb verb) {
+      if (method == verb) return true;
+      ApiError e;
+      e.status = 405;
+      e.message = std::string(bhttp::to_string(method)) + " " + path + ": use " + std::string(bhttp::to_string(verb));
+      e.code = "method_not_allowed";
+      send_error(e);
+      return false;
+    };
+    if (path == "/v1/completions" || path == "/v1/chat/completions") {
+      if (only(bhttp::verb::post))
+        start_generation(path == "/v1/completions" ? Endpoint::completions : Endpoint::chat, req.body());
+    } else if (path == "/v1/models") {
+      if (only(bhttp::verb::get)) send_json(200, models_response(fe_.model));
+    } else if (path == "/health") {
+      if (only(bhttp::verb::get)) health();
+    } else if (path == "/metrics") {
+      if (only(bhttp::verb::get)) send_text(200, metrics::kTextContentType, metrics::process_registry().render());
+    } else {
+      ApiError e;
+      e.status = 404;
+      e.message = "no such endpoint: " + path;
+      e.code = "not_found";
+      send_error(e);
+    }
+  }
+
+  // ---- simple replies
+  bhttp::response<bhttp::string_body> response(int status, const char* content_type, std::string body) {
+    bhttp::response<bhttp::string_body> res{bhttp::int_to_status(unsigned(status)), version_};
+    res.set(bhttp::field::server, "disagg");
+    res.set(bhttp::field::content_type, content_type);
+    res.keep_alive(keep_alive_);
+    res.body() = std::move(body);
+    res.prepare_payload();
+    return res;
+  }
+
+  void send_text(int status, const char* content_type, std::string body, int retry_after_s = 0) {
+    auto res = response(status, content_type, std::move(body));
+    if (retry_after_s > 0) res.set(bhttp::field::retry_after, std::to_string(retry_after_s));
+    std::ostringstream out;
+    out << res;  // Beast's serializer
+    finish_response(Out{Out::raw, out.str()});
+  }
+  void send_json(int status, const json& body) { send_text(status, "application/json", dump(body)); }
+  void send_error(const ApiError& e) {
+    send_text(e.status, "application/json", dump(error_body(e)), e.retry_after_s);
+  }
+
+  // ---- health
+  void health() {
+    auto client = fe_.client();
+    if (!client) {
+      send_json(503, {{"status", "unavailable"},
+                      {"reason", "the router at " + fe_.node.router_host + ":" + std::to_string(fe_.node.router_port) +
+                                     " is not reachable"}});
+      return;
+    }
+    busy_ = true;
+    auto self = shared_from_this();
+    auto reply = [self](std::optional<RouterStatus> status) {
+      net::post(self->stream_.get_executor(), [self, status] { self->on_health(status); });
+    };
+    fe_.system.spawn([router = client->router(), reply](caf::event_based_actor* actor) -> caf::behavior {
+      actor->request(router, kHealthTimeout, status_atom::value)
+          .then(
+              [=](RouterStatus& s) {
+                reply(s);
+                actor->quit();
+              },
+              [=](caf::error&) {
+                reply(std::nullopt);
+                actor->quit();
+              });
+      return {[](status_atom) {}};  // nothing else: it lives for the one reply
+    });
+    watch();
+  }
+
+  void on_health(const std::optional<RouterStatus>& status) {
+    if (closed_) return;
+    busy_ = false;  // finish_response sends below
+    if (!status) {
+      send_json(503, {{"status", "unavailable"}, {"reason", "the router did not answer within " +
+                                                                std::to_string(kHealthTimeout.count()) + " s"}});
+      return;
+    }
+    const int prefill = status->count(WorkerRole::prefill), decode = status->count(WorkerRole::decode);
+    json body = {{"prefill_workers", prefill}, {"decode_workers", decode},
+                 {"queued", status->queued}, {"in_flight", status->in_flight}};
+    if (prefill > 0 && decode > 0) {
+      body["status"] = "ok";
+      send_json(200, body);
+      return;
+    }
+    body["status"] = "unavailable";
+    body["reason"] = prefill == 0 && decode == 0 ? "no prefill and no decode worker registered"
+                     : prefill == 0               ? "no prefill worker registered"
+                                                  : "no decode worker registered";
+    send_json(503, body);
+  }
+
+  // ---- generation
+  void start_generation(Endpoint endpoint, const std::string& body) {
+    ApiRequest request;
+    try {
+      request = parse_request(endpoint, body, fe_.model, fe_.tokenizer, fe_.tmpl, [this] { return fe_.random_u64(); });
+    } catch (const ApiError& e) {
+      fe_.metrics.error("invalid_request").inc();
+      send_error(e);
+      return;
+    }
+    auto client = fe_.client();
+    if (!client) {
+      ApiError e = error_for_outcome(ErrorCode::overloaded, "the router is not reachable");
+      e.code = "router_unreachable";
+      send_error(e);
+      return;
+    }
+    if (gen_) record_end(*gen_, "");  // stopped by a stop string; its outcome never came
+    gen_.emplace();
+    Generation& g = *gen_;
+    g.client = client;
+    g.id = client->next_id();
+    g.request = std::move(request);
+    g.response_id = fe_.new_id(endpoint == Endpoint::completions ? "cmpl-" : "chatcmpl-");
+    g.created = unix_now();
+    g.text.emplace(fe_.tokenizer, g.request.stop, g.request.prompt_tokens.back());
+    g.accepted = Clock::now();
+    busy_ = true;
+
+    GenerateRequest r;
+    r.id = g.id;
+    r.prompt_tokens = g.request.prompt_tokens;
+    r.max_new_tokens = g.request.max_tokens;
+    r.sampling = g.request.sampling;
+    r.session = g.request.user;
+    r.token_text = false;  // decoded here
+    fe_.track(g.id, client);
+    fe_.metrics.num_requests_running.add(1);
+    auto self = shared_from_this();
+    const RequestId id = g.id;
+    client->submit_async(
+        std::move(r),
+        [self, id](const TokenEvent& event) {
+          net::post(self->stream_.get_executor(), [self, id, token = event.token] { self->on_token(id, token); });
+        },
+        [self, id, fe = &fe_](RequestOutcome outcome) {
+          fe->untrack(id);
+          net::post(self->stream_.get_executor(),
+                    [self, id, outcome = std::move(outcome)]() mutable { self->on_outcome(id, std::move(outcome)); });
+        });
+    watch();
+  }
+
+  Generation* current(RequestId id) { return gen_ && gen_->id == id ? &*gen_ : nullptr; }
+
+  void on_token(RequestId id, int32_t token) {
+    Generation* g = current(id);
+    if (!g || g->done) return;
+    const auto now = Clock::now();
+    if (!g->last_token) fe_.metrics.time_to_first_token.observe(seconds_between(g->accepted, now));
+    else fe_.metrics.inter_token_latency.observe(seconds_between(*g->last_token, now));
+    g->last_token = now;
+    const std::string piece = g->text->add(token);
+    if (g->request.stream && !piece.empty()) send_piece(*g, piece, "");
+    if (g->text->stopped()) {
+      g->client->cancel(g->id);  // the rest is not wanted; the cancelled outcome is ignored
+      complete(*g, "stop");
+    }
+  }
+
+  void on_outcome(RequestId id, RequestOutcome outcome) {
+    Generation* g = current(id);
+    if (!g) return;
+    if (g->done) {  // stopped by a stop string, or the client went away
+      record_end(*g, outcome.ok() || g->text->stopped() ? "" : to_string(outcome.code));
+      gen_.reset();
+      return;
+    }
+    if (!outcome.ok()) {
+      node_log(LogLevel::warning, "request " + std::to_string(id) + " failed: " + to_string(outcome.code) + ": " +
+                                      outcome.message);
+      record_end(*g, to_string(outcome.code));
+      fail(*g, error_for_outcome(outcome.code, outcome.message));
+      return;
+    }
+    // Tokens the events did not carry (none are expected): add them now.
+    for (size_t i = size_t(g->text->tokens()); i < outcome.tokens.size(); ++i) {
+      const std::string piece = g->text->add(outcome.tokens[i]);
+      if (g->request.stream && !piece.empty()) send_piece(*g, piece, "");
+      if (g->text->stopped()) break;
+    }
+    if (!g->text->stopped()) {
+      const std::string rest = g->text->flush();
+      if (g->request.stream && !rest.empty()) send_piece(*g, rest, "");
+    }
+    complete(*g, g->text->stopped() || outcome.finish == FinishReason::eos ? "stop" : "length");
+    record_end(*g, "");
+    gen_.reset();
+  }
+
+  // Its metrics, once: `error` empty for a success.
+  void record_end(Generation& g, const std::string& error) {
+    if (g.counted) return;
+    g.counted = true;
+    auto& m = fe_.metrics;
+    m.num_requests_running.add(-1);
+    m.e2e_request_latency.observe(seconds_between(g.accepted, Clock::now()));
+    if (!error.empty()) {
+      m.error(error).inc();
+      return;
+    }
+    m.prompt_tokens.inc(double(g.request.prompt_tokens.size()));
+    m.generation_tokens.inc(g.text->tokens());
+  }
+
+  void send_header_once(Generation& g) {
+    if (g.header_sent) return;
+    g.header_sent = true;
+    bhttp::response<bhttp::empty_body> res{bhttp::status::ok, version_};
+    res.set(bhttp::field::server, "disagg");
+    res.set(bhttp::field::content_type, "text/event-stream");
+    res.set(bhttp::field::cache_control, "no-cache");
+    // HTTP/1.1: a chunked body on a connection that stays open; HTTP/1.0
+    // knows no chunks: the body ends when the connection closes.
+    chunked_ = version_ >= 11;
+    if (!chunked_) keep_alive_ = false;
+    res.keep_alive(keep_alive_);
+    res.chunked(chunked_);
+    std::ostringstream out;
+    out << res.base();  // Beast writes the header
+    enqueue(Out{Out::raw, out.str()});
+    if (g.request.endpoint == Endpoint::chat)  // the first chunk carries the role
+      enqueue(Out{Out::chunk, sse_event(stream_chunk(Endpoint::chat, g.response_id, g.created, fe_.model.name, "", "",
+                                                     true, g.request.include_usage))});
+  }
+
+  void send_piece(Generation& g, const std::string& piece, const std::string& finish_reason) {
+    send_header_once(g);
+    enqueue(Out{Out::chunk, sse_event(stream_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, piece,
+                                                   finish_reason, false, g.request.include_usage))});
+  }
+
+  // The reply of a request that completed (finish_reason "stop" or "length").
+  void complete(Generation& g, const std::string& finish_reason) {
+    g.done = true;
+    fe_.metrics.success(finish_reason).inc();
+    const int64_t prompt = int64_t(g.request.prompt_tokens.size()), completion = g.text->tokens();
+    if (g.request.stream) {
+      send_piece(g, "", finish_reason);
+      if (g.request.include_usage)
+        enqueue(Out{Out::chunk,
+                    sse_event(usage_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, prompt, completion))});
+      enqueue(Out{Out::chunk, kSseDone});
+      finish_response(Out{Out::last, {}});
+      return;
+    }
+    const json body = g.request.endpoint == Endpoint::completions
+                          ? completion_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
+                                                prompt, completion)
+                          : chat_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
+                                          prompt, completion);
+    send_json(200, body);
+  }
+
+  void fail(Generation& g, const ApiError& e) {
+    g.done = true;
+    if (g.header_sent) {  // streaming began: the error goes in-band
+      enqueue(Out{Out::chunk, sse_event(error_body(e))});
+      enqueue(Out{Out::chunk, kSseDone});
+      finish_response(Out{Out::last, {}});
+    } else {
+      send_error(e);
+    }
+    gen_.reset();
+  }
+
+  // ---- the client going away while its request runs
+  // A read while a request runs: bytes the client pipelines are kept for the
+  // next request; an error means the client is gone, which cancels it.
+  void watch() {
+    if (watching_ || closed_) return;
+    watching_ = true;
+    stream_.expires_never();  // the request's own deadline bounds the wait
+    stream_.async_read_some(buffer_.prepare(kWatchReadBytes),
+                            [self = shared_from_this()](beast::error_code ec, size_t n) { self->on_watch(ec, n); });
+  }
+
+  void on_watch(beast::error_code ec, size_t n) {
+    watching_ = false;
+    if (closed_) return;
+    if (!ec) {
+      buffer_.commit(n);
+      if (!busy_) return read();
+      if (buffer_.size() >= kMaxPipelinedBytes) return client_gone();
+      return watch();
+    }
+    if (ec == net::error::operation_aborted && !busy_) return read();  // cancelled by end_response
+    client_gone();
+  }
+
+  void client_gone() {
+    if (gen_ && !gen_->done) {
+      gen_->done = true;
+      gen_->client->cancel(gen_->id);  // its blocks are freed at once
+      record_end(*gen_, "cancelled");
+    }
+    close();
+  }
+
+  // ---- writing
+  void enqueue(Out out) {
+    if (closed_) return;
+    const bool stream_event = out.kind == Out::chunk;
+    if (out.kind != Out::raw && !chunked_) out.kind = Out::raw;  // HTTP/1.0 stream: plain bytes
+    queued_bytes_ += out.data.size();
+    queue_.push_back(std::move(out));
+    // A streaming client that reads too slowly: its request is cancelled and
+    // the connection closed, so one slow reader holds no more than this.
+    // (A whole response, e.g. /metrics, is queued at once, whatever its size.)
+    if (stream_event && queued_bytes_ > size_t(fe_.node.http_stream_buffer_bytes)) return client_gone();
+    if (!writing_) write_next();
+  }
+
+  // The last write of a response: afterwards the next request is read.
+  void finish_response(Out out) {
+    response_complete_ = true;
+    enqueue(std::move(out));
+  }
+
+  void write_next() {
+    if (queue_.empty() || closed_) return;
+    writing_ = true;
+    // The stream's own timeout is for reading request headers; a write has
+    // its own timer, so the pending watch read keeps no deadline of its own.
+    stream_.expires_never();
+    write_timer_.expires_after(kWriteTimeout);
+    write_timer_.async_wait([self = shared_from_this()](beast::error_code ec) {
+      if (!ec && self->writing_) self->client_gone();  // stopped reading
+    });
+    auto done = [self = shared_from_this()](beast::error_code ec, size_t) { self->on_write(ec); };
+    const Out& out = queue_.front();
+    switch (out.kind) {
+      case Out::raw: net::async_write(stream_, net::buffer(out.data), done); break;
+      case Out::chunk: net::async_write(stream_, bhttp::make_chunk(net::buffer(out.data)), done); break;
+      case Out::last: net::async_write(stream_, bhttp::make_chunk_last(), done); break;
+    }
+  }
+
+  void on_write(beast::error_code ec) {
+    writing_ = false;
+    write_timer_.cancel();
+    if (ec) return client_gone();
+    queued_bytes_ -= queue_.front().data.size();
+    queue_.pop_front();
+    if (!queue_.empty()) return write_next();
+    if (response_complete_) end_response();
+  }
+
+  void end_response() {
+    response_complete_ = false;
+    busy_ = false;
+    if (gen_ && gen_->done && gen_->counted) gen_.reset();
+    if (!keep_alive_) return linger_close();
+    if (watching_) {
+      // The watch read ends with operation_aborted (or data) and then reads.
+      beast::error_code ignored;
+      stream_.socket().cancel(ignored);
+      return;
+    }
+    read();
+  }
+
+  // Half-closes, reads (and drops) what the client still sends for a
+  // moment, then closes: a client still sending a refused body reads the
+  // reply instead of a connection reset.
+  void linger_close() {
+    if (closed_) return;
+    if (watching_) return close();  // the request's body was read whole: nothing to drain
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    stream_.expires_after(kLingerTimeout);
+    drain();
+  }
+  void drain() {
+    if (closed_) return;
+    stream_.async_read_some(buffer_.prepare(kWatchReadBytes), [self = shared_from_this()](beast::error_code ec, size_t) {
+      self->buffer_.clear();
+      if (ec) return self->close();
+      self->drain();
+    });
+  }
+
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    stream_.close();
+  }
+
+  beast::tcp_stream stream_;
+  Frontend& fe_;
+  beast::flat_buffer buffer_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
+  std::optional<bhttp::response<bhttp::empty_body>> continue_;  // "100 Continue" while it is written
+  unsigned version_ = 11;
+  bool keep_alive_ = true;
+  bool busy_ = false;               // a request is being answered
+  bool watching_ = false;           // the watch read is pending
+  bool writing_ = false;
+  bool response_complete_ = false;  // the queue ends with the response's last bytes
+  bool closed_ = false;
+  bool chunked_ = true;             // streaming body in chunks (HTTP/1.1)
+  std::deque<Out> queue_;
+  size_t queued_bytes_ = 0;
+  std::optional<Generation> gen_;
+  net::steady_timer write_timer_;
+};
+
+void accept(Frontend& fe) {
+  fe.acceptor.async_accept(net::make_strand(fe.ioc), [&fe](beast::error_code ec, tcp::socket socket) {
+    if (!fe.acceptor.is_open()) return;
+    if (!ec) {
+      std::make_shared<Session>(std::move(socket), fe)->start();
+      return accept(fe);
+    }
+    // Out of file descriptors (or another failure): try again a little later
+    // instead of spinning; the connections already open keep being served.
+    node_log(LogLevel::warning, "accept failed: " + ec.message());
+    auto timer = std::make_shared<net::steady_timer>(fe.ioc, kAcceptRetry);
+    timer->async_wait([&fe, timer](beast::error_code) { accept(fe); });
+  });
+}
+
+// Each connection is a file descriptor: allow as many as the hard limit does
+// (thousands of idle keep-alive connections; the soft limit is often 1024).
+void raise_open_files_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) node_log(LogLevel::warning, "cannot raise the open files limit");
+  }
+}
+
+}  // namespace
+
+int run_frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
+  raise_open_files_limit();
+  ServedModel model;
+  std::optional<gpu::Tokenizer> tokenizer;
+  try {
+    auto checkpoint = gpu::Checkpoint::open(cfg.model);
+    model.vocab_size = checkpoint->config().vocab_size;
+    model.seq_len = checkpoint->config().seq_len;
+    tokenizer.emplace(gpu::Tokenizer::load(cfg.tokenizer, model.vocab_size));
+  } catch (const std::exception& e) {
+    node_log(LogLevel::error, std::string("cannot load the model or tokenizer: ") + e.what());
+    return 1;
+  }
+  model.name = node.served_model_name.empty() ? model_name_of(cfg.model) : node.served_model_name;
+  model.max_prompt_bytes = cfg.max_prompt_bytes;
+  model.created = unix_now();
+  const ChatTemplate tmpl = *parse_chat_template(node.chat_template);  // validated with the config
+
+  auto fe = std::make_unique<Frontend>(system, node, cfg, model, std::move(*tokenizer), tmpl);
+  beast::error_code ec;
+  const auto address = net::ip::make_address(node.http_host, ec);
+  const std::string wanted = node.http_host + ":" + std::to_string(node.http_port);
+  if (ec) {
+    node_log(LogLevel::error, "cannot listen on " + wanted + ": not an IP address");
+    return 1;
+  }
+  const tcp::endpoint endpoint(address, node.http_port);
+  fe->acceptor.open(endpoint.protocol(), ec);
+  if (!ec) fe->acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) fe->acceptor.bind(endpoint, ec);
+  if (!ec) fe->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    node_log(LogLevel::error, "cannot listen on " + wanted + ": " + ec.message());
+    return 1;
+  }
+  const std::string where = node.http_host + ":" + std::to_string(fe->acceptor.local_endpoint().port());
+  accept(*fe);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < node.http_threads; ++i) threads.emplace_back([&ioc = fe->ioc] { ioc.run(); });
+  node_log("frontend serving http://" + where + " (model " + model.name + ", context " +
+           std::to_string(model.seq_len) + ", chat template " + node.chat_template + ")");
+  if (!node.ready_file.empty() && !write_ready_file(node.ready_file, where))
+    node_log(LogLevel::error, "cannot write ready file " + node.ready_file);
+
+  // Reach the router, and reach it again whenever it goes away; HTTP is
+  // served meanwhile (/health says 503, requests get 503).
+  caf::scoped_actor self{system};
+  int code = 0;
+  while (!node_stopping()) {
+    auto router = connect_to_router(system, node);
+    if (!router) {
+      if (!node_stopping()) code = 1;
+      break;
+    }
+    fe->set_router(*router);
+    self->monitor(*router);
+    bool down = false;
+    while (!down && !node_stopping())
+      self->receive([&](caf::down_msg&) { down = true; }, caf::after(100ms) >> [] {});
+    if (down) {
+      node_log(LogLevel::warning, "lost the router; reaching it again");
+      fe->set_router(std::nullopt);
+    }
+  }
+  node_log("stopping");
+  net::post(fe->ioc, [&fe] {
+    beast::error_code ignored;
+    fe->acceptor.close(ignored);
+  });
+  fe->cancel_all();
+  const auto deadline = Clock::now() + kShutdownDrain;
+  while (fe->in_flight() > 0 && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  const bool drained = fe->in_flight() == 0;
+  fe->ioc.stop();
+  for (auto& t : threads) t.join();
+  fe->set_router(std::nullopt);
+  if (!drained) {
+    // A request actor may still call into the frontend: keep it alive.
+    node_log(LogLevel::warning, "requests still in flight at exit");
+    (void)fe.release();
+  }
+  return code;
+}
+
+}  // namespace disagg::http

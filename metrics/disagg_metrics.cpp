@@ -1,0 +1,97 @@
+#include "metrics/disagg_metrics.h"
+
+namespace disagg::metrics {
+
+std::vector<double> ttft_buckets() {
+  return {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,   0.75,
+          1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+}
+
+std::vector<double> inter_token_buckets() {
+  return {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
+}
+
+std::vector<double> request_latency_buckets() {
+  return {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+          120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+}
+
+std::vector<double> kv_transfer_buckets() {
+  return {0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0};
+}
+
+DisaggMetrics::DisaggMetrics(Registry& r)
+    : time_to_first_token(r.histogram("disagg_time_to_first_token_seconds",
+                                      "Time from the request's acceptance to its first generated token.",
+                                      ttft_buckets())
+                              .get()),
+      inter_token_latency(r.histogram("disagg_inter_token_latency_seconds",
+                                      "Time between two consecutive generated tokens of a request.",
+                                      inter_token_buckets())
+                              .get()),
+      e2e_request_latency(r.histogram("disagg_e2e_request_latency_seconds",
+                                      "Time from the request's acceptance to its terminal reply.",
+                                      request_latency_buckets())
+                              .get()),
+      request_queue_time(r.histogram("disagg_request_queue_time_seconds",
+                                     "Time a request waited in the router's queue before dispatch.",
+                                     request_latency_buckets())
+                             .get()),
+      request_prefill_time(r.histogram("disagg_request_prefill_time_seconds",
+                                       "Time a prefill worker spent on a request's prompt (job received to KV ready).",
+                                       request_latency_buckets())
+                               .get()),
+      request_decode_time(r.histogram("disagg_request_decode_time_seconds",
+                                      "Time a decode worker spent on a request (admitted to finished).",
+                                      request_latency_buckets())
+                              .get()),
+      num_requests_running(
+          r.gauge("disagg_num_requests_running",
+                  "Requests in flight (router, frontend: dispatched; decode: active sequences).")
+              .get()),
+      num_requests_waiting(r.gauge("disagg_num_requests_waiting", "Requests waiting in the router's queue.").get()),
+      kv_cache_usage_perc(
+          r.gauge("disagg_kv_cache_usage_perc", "Fraction of the decode worker's KV blocks in use (0 to 1).").get()),
+      prompt_tokens(r.counter("disagg_prompt_tokens_total", "Prompt tokens of finished requests.").get()),
+      generation_tokens(r.counter("disagg_generation_tokens_total", "Generated tokens of finished requests.").get()),
+      request_success(r.counter("disagg_request_success_total", "Requests that completed, by finish reason.",
+                                {"finished_reason"})),
+      request_errors(r.counter("disagg_request_errors_total", "Requests that ended with an error, by error code.",
+                               {"code"})),
+      kv_transfer(r.histogram("disagg_kv_transfer_seconds",
+                              "Time from a prefill worker sending a prompt's KV to the decode worker's ack.",
+                              kv_transfer_buckets())
+                      .get()),
+      kv_transfer_bytes(
+          r.counter("disagg_kv_transfer_bytes_total", "Bytes of KV sent from prefill to decode workers.").get()),
+      workers(r.gauge("disagg_workers", "Workers registered at the router, by role.", {"role"})),
+      success_stop(request_success.with({"stop"})),
+      success_length(request_success.with({"length"})),
+      prefill_workers(workers.with({"prefill"})),
+      decode_workers(workers.with({"decode"})) {
+  for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
+}
+
+Counter& DisaggMetrics::success(const std::string& finished_reason) {
+  if (finished_reason == "stop") return success_stop;
+  if (finished_reason == "length") return success_length;
+  return request_success.with({finished_reason});
+}
+
+Counter& DisaggMetrics::error(const std::string& code) {
+  for (size_t i = 0; i < kErrorCodes.size(); ++i)
+    if (code == kErrorCodes[i]) return *errors_by_code[i];
+  return request_errors.with({code});
+}
+
+Registry& process_registry() {
+  static Registry registry;
+  return registry;
+}
+
+DisaggMetrics& disagg_metrics() {
+  static DisaggMetrics metrics(process_registry());
+  return metrics;
+}
+
+}  // namespace disagg::metrics

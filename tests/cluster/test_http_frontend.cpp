@@ -1,0 +1,695 @@
+// The HTTP frontend (disagg-node role frontend) in a real multi-process
+// cluster: health 503 then 200, completions and chat (streamed and not)
+// equal to disagg-generate, models, every error status through curl, a
+// client that disconnects mid-stream cancels its request (blocks freed), and
+// every node's /metrics passes promtool with counters that moved as expected;
+// and the official openai Node.js client against it.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include <filesystem>
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <thread>
+
+#include "cluster/cluster_fixture.h"
+#include "gpu/tokenizer.h"
+#include "support/reference_cases.h"
+#include "support/run_command.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+namespace {
+
+using json = nlohmann::json;
+namespace net = boost::asio;
+namespace bhttp = boost::beast::http;
+using Clock = std::chrono::steady_clock;
+constexpr auto kReplyTimeout = std::chrono::seconds(60);
+
+struct Reply {
+  int status = 0;
+  std::string body;
+  std::string content_type;
+  std::string retry_after;
+};
+
+// One HTTP/1.1 request on a fresh connection (Beast, blocking, bounded by
+// kReplyTimeout through SO_RCVTIMEO).
+Reply http(uint16_t port, bhttp::verb verb, const std::string& target, const std::string& body = "") {
+  net::io_context ioc;
+  net::ip::tcp::socket socket(ioc);
+  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  timeval tv{std::chrono::duration_cast<std::chrono::seconds>(kReplyTimeout).count(), 0};
+  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  bhttp::request<bhttp::string_body> req{verb, target, 11};
+  req.set(bhttp::field::host, "127.0.0.1");
+  if (!body.empty()) req.set(bhttp::field::content_type, "application/json");
+  req.body() = body;
+  req.prepare_payload();
+  bhttp::write(socket, req);
+  boost::beast::flat_buffer buffer;
+  bhttp::response_parser<bhttp::string_body> parser;
+  parser.body_limit(64 << 20);
+  bhttp::read(socket, buffer, parser);
+  const auto& res = parser.get();
+  return Reply{int(res.result_int()), res.body(), std::string(res[bhttp::field::content_type]),
+               std::string(res[bhttp::field::retry_after])};
+}
+
+Reply post(uint16_t port, const std::string& target, const json& body) {
+  return http(port, bhttp::verb::post, target, body.dump());
+}
+
+// The JSON events of an SSE body; `done` says whether it ended with [DONE].
+std::vector<json> sse_events(const std::string& body, bool* done) {
+  std::vector<json> out;
+  *done = false;
+  size_t at = 0;
+  while ((at = body.find("data: ", at)) != std::string::npos) {
+    const size_t end = body.find("\n\n", at);
+    const std::string data = body.substr(at + 6, end - at - 6);
+    at = end;
+    if (data == "[DONE]") {
+      *done = true;
+      continue;
+    }
+    out.push_back(json::parse(data));
+  }
+  return out;
+}
+
+ReferenceCase generate_reference(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {bin_dir() + "/disagg-generate", "--model", shared_model(), "--tokenizer",
+                                   shared_tokenizer(), "--json"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::string out, err;
+  EXPECT_EQ(run_to_completion(argv, out, err, kReplyTimeout), 0) << err;
+  return parse_reference_case(out);
+}
+
+// A metric's value in a /metrics text (the sample line "name value"), or -1.
+double sample(const std::string& text, const std::string& name) {
+  const size_t at = text.find("\n" + name + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + name.size() + 2));
+}
+
+std::string scrape(uint16_t port) { return http(port, bhttp::verb::get, "/metrics").body; }
+
+::testing::AssertionResult promtool_accepts(const std::string& text, const std::string& tag) {
+  if (run_command("command -v promtool >/dev/null 2>&1").second != 0) return ::testing::AssertionSuccess();
+  const std::string dir = make_temp_dir("promtool-" + tag);
+  write_text_file(dir + "/metrics.txt", text);
+  const auto [out, status] = run_command("promtool check metrics < " + shell_quoted(dir + "/metrics.txt") + " 2>&1");
+  std::filesystem::remove_all(dir);
+  if (status == 0 && out.empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << tag << ": promtool says: " << out;
+}
+
+// Polls GET /health until `want` (200 or 503 with `reason_part` in the
+// reason) or `timeout`.
+::testing::AssertionResult wait_for_health(uint16_t port, int want, const std::string& reason_part,
+                                           std::chrono::seconds timeout = std::chrono::seconds(30)) {
+  const auto deadline = Clock::now() + timeout;
+  std::string last = "no answer";
+  while (Clock::now() < deadline) {
+    try {
+      const Reply r = http(port, bhttp::verb::get, "/health");
+      last = std::to_string(r.status) + " " + r.body;
+      if (r.status == want && (reason_part.empty() || r.body.find(reason_part) != std::string::npos))
+        return ::testing::AssertionSuccess();
+    } catch (const std::exception& e) {
+      last = e.what();  // not listening yet
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return ::testing::AssertionFailure() << "GET /health: wanted " << want << " (" << reason_part << "), last " << last;
+}
+
+std::string metrics_port_line(uint16_t port) { return "metrics-port = " + std::to_string(port) + "\n"; }
+
+TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
+  TestCluster cluster("http-frontend");
+  std::map<std::string, uint16_t> metrics_ports;
+  for (const char* name : {"router", "frontend", "prefill-1", "decode-1"}) metrics_ports[name] = free_loopback_port();
+  cluster.start_node("router", "router", metrics_port_line(metrics_ports["router"]));
+  cluster.start_node("frontend", "frontend", metrics_port_line(metrics_ports["frontend"]));
+  const uint16_t port = cluster.port_of("frontend");
+  // No worker yet: 503 with the reason.
+  ASSERT_TRUE(wait_for_health(port, 503, "no prefill and no decode worker registered")) << cluster.logs();
+  cluster.start_node("prefill", "prefill-1", metrics_port_line(metrics_ports["prefill-1"]));
+  ASSERT_TRUE(wait_for_health(port, 503, "no decode worker registered")) << cluster.logs();
+  cluster.start_node("decode", "decode-1", metrics_port_line(metrics_ports["decode-1"]));
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  ASSERT_TRUE(wait_for_health(port, 200, "\"status\":\"ok\"")) << cluster.logs();
+
+  const Reply models = http(port, bhttp::verb::get, "/v1/models");
+  ASSERT_EQ(models.status, 200);
+  const json m = json::parse(models.body);
+  EXPECT_EQ(m["data"][0]["id"], "stories260K");
+  EXPECT_EQ(m["data"][0]["max_model_len"], 512);
+
+  int completed = 0;
+  int64_t prompt_tokens = 0, generated = 0;
+  struct Setting {
+    std::string prompt;
+    int max_tokens;
+    double temperature, top_p;
+    uint64_t seed;
+  };
+  for (const Setting& s : {Setting{"Once upon a time", 60, 0.0, 1.0, 0}, Setting{"The little dog was", 40, 0.8, 0.9, 7},
+                           Setting{"Lily", 300, 0.0, 1.0, 0}}) {
+    SCOPED_TRACE(s.prompt);
+    const ReferenceCase want = generate_reference({"--prompt", s.prompt, "--max-new-tokens", std::to_string(s.max_tokens),
+                                                   "--temperature", std::to_string(s.temperature), "--top-p",
+                                                   std::to_string(s.top_p), "--seed", std::to_string(s.seed)});
+    const json body = {{"model", "stories260K"}, {"prompt", s.prompt},     {"max_tokens", s.max_tokens},
+                       {"temperature", s.temperature}, {"top_p", s.top_p}, {"seed", s.seed}};
+    const Reply plain = post(port, "/v1/completions", body);
+    ASSERT_EQ(plain.status, 200) << plain.body;
+    const json p = json::parse(plain.body);
+    EXPECT_EQ(p["object"], "text_completion");
+    EXPECT_EQ(p["choices"][0]["text"], want.text);
+    EXPECT_EQ(p["usage"]["prompt_tokens"], want.prompt_tokens.size());
+    EXPECT_EQ(p["usage"]["completion_tokens"], want.output_tokens.size());
+    EXPECT_EQ(p["choices"][0]["finish_reason"], int(want.output_tokens.size()) < s.max_tokens ? "stop" : "length");
+
+    json streaming = body;
+    streaming["stream"] = true;
+    streaming["stream_options"] = {{"include_usage", true}};
+    const Reply stream = post(port, "/v1/completions", streaming);
+    ASSERT_EQ(stream.status, 200) << stream.body;
+    EXPECT_EQ(stream.content_type, "text/event-stream");
+    bool done = false;
+    const auto events = sse_events(stream.body, &done);
+    EXPECT_TRUE(done) << "no data: [DONE]";
+    ASSERT_GE(events.size(), 2u);
+    std::string text;
+    for (size_t i = 0; i + 1 < events.size(); ++i) text += events[i]["choices"][0]["text"].get<std::string>();
+    EXPECT_EQ(text, want.text);
+    EXPECT_EQ(events[events.size() - 2]["choices"][0]["finish_reason"], p["choices"][0]["finish_reason"]);
+    EXPECT_TRUE(events.back()["choices"].empty());
+    EXPECT_EQ(events.back()["usage"]["completion_tokens"], want.output_tokens.size());
+    completed += 2;
+    prompt_tokens += 2 * int64_t(want.prompt_tokens.size());
+    generated += 2 * int64_t(want.output_tokens.size());
+  }
+
+  // Token ids as the prompt.
+  const ReferenceCase ids = generate_reference({"--prompt-tokens", "1 403 407 261 378", "--max-new-tokens", "20"});
+  const Reply by_ids = post(port, "/v1/completions", {{"prompt", {1, 403, 407, 261, 378}}, {"max_tokens", 20}, {"temperature", 0}});
+  ASSERT_EQ(by_ids.status, 200) << by_ids.body;
+  EXPECT_EQ(json::parse(by_ids.body)["choices"][0]["text"], ids.text);
+  ++completed;
+  prompt_tokens += 5;
+  generated += int64_t(ids.output_tokens.size());
+
+  // Chat with the Llama-2 template: [INST] {user} [/INST], BOS first.
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), 512);
+  std::string chat_ids;
+  const auto chat_prompt = tokenizer.encode("[INST] Tell me a story [/INST]");
+  for (int t : chat_prompt) chat_ids += (chat_ids.empty() ? "" : " ") + std::to_string(t);
+  const ReferenceCase chat_want = generate_reference({"--prompt-tokens", chat_ids, "--max-new-tokens", "30"});
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Tell me a story"}}}}, {"max_tokens", 30}, {"temperature", 0}};
+  const Reply chat_plain = post(port, "/v1/chat/completions", chat);
+  ASSERT_EQ(chat_plain.status, 200) << chat_plain.body;
+  const json c = json::parse(chat_plain.body);
+  EXPECT_EQ(c["object"], "chat.completion");
+  EXPECT_EQ(c["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(c["choices"][0]["message"]["content"], chat_want.text);
+  EXPECT_EQ(c["usage"]["prompt_tokens"], chat_prompt.size());
+  json chat_stream = chat;
+  chat_stream["stream"] = true;
+  const Reply cs = post(port, "/v1/chat/completions", chat_stream);
+  ASSERT_EQ(cs.status, 200) << cs.body;
+  bool done = false;
+  const auto chunks = sse_events(cs.body, &done);
+  EXPECT_TRUE(done);
+  ASSERT_GE(chunks.size(), 2u);
+  EXPECT_EQ(chunks.front()["choices"][0]["delta"]["role"], "assistant");
+  std::string streamed;
+  for (const auto& chunk : chunks) {
+    EXPECT_EQ(chunk["object"], "chat.completion.chunk");
+    streamed += chunk["choices"][0]["delta"].value("content", "");
+  }
+  EXPECT_EQ(streamed, chat_want.text);
+  completed += 2;
+  prompt_tokens += 2 * int64_t(chat_prompt.size());
+  generated += 2 * int64_t(chat_want.output_tokens.size());
+
+  // Metrics: every node's /metrics passes promtool; the frontend's and the
+  // router's counters moved by exactly what was served.
+  std::map<std::string, std::string> scraped;
+  for (const auto& [name, mport] : metrics_ports) {
+    scraped[name] = scrape(mport);
+    EXPECT_TRUE(promtool_accepts(scraped[name], name));
+  }
+  const std::string on_http_port = scrape(port);
+  EXPECT_TRUE(promtool_accepts(on_http_port, "frontend-http-port"));
+  for (const char* node : {"frontend", "router"}) {
+    SCOPED_TRACE(node);
+    const std::string& t = scraped[node];
+    EXPECT_EQ(sample(t, "disagg_request_success_total{finished_reason=\"stop\"}") +
+                  sample(t, "disagg_request_success_total{finished_reason=\"length\"}"),
+              completed);
+    EXPECT_EQ(sample(t, "disagg_prompt_tokens_total"), prompt_tokens);
+    EXPECT_EQ(sample(t, "disagg_generation_tokens_total"), generated);
+    EXPECT_EQ(sample(t, "disagg_e2e_request_latency_seconds_count"), completed);
+    EXPECT_EQ(sample(t, "disagg_time_to_first_token_seconds_count"), completed);
+    EXPECT_EQ(sample(t, "disagg_request_errors_total{code=\"timeout\"}"), 0);
+  }
+  EXPECT_EQ(sample(scraped["router"], "disagg_workers{role=\"prefill\"}"), 1);
+  EXPECT_EQ(sample(scraped["router"], "disagg_workers{role=\"decode\"}"), 1);
+  EXPECT_EQ(sample(scraped["router"], "disagg_num_requests_running"), 0);
+  EXPECT_EQ(sample(scraped["router"], "disagg_request_queue_time_seconds_count"), completed);
+  EXPECT_EQ(sample(scraped["prefill-1"], "disagg_kv_transfer_seconds_count"), completed);
+  EXPECT_GT(sample(scraped["prefill-1"], "disagg_kv_transfer_bytes_total"), 0);
+  EXPECT_EQ(sample(scraped["decode-1"], "disagg_kv_cache_usage_perc"), 0);  // all blocks free again
+  EXPECT_EQ(sample(on_http_port, "disagg_prompt_tokens_total"), prompt_tokens);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// curl against each error status.
+struct Curl {
+  int status = 0;
+  std::string headers, body;
+};
+
+Curl curl(uint16_t port, const std::string& path, const std::string& body_file_or_json, bool from_file = false) {
+  const std::string dir = make_temp_dir("curl");
+  static const std::string binary = [] {
+    std::string path = run_command("command -v curl").first;
+    while (!path.empty() && path.back() == '\n') path.pop_back();
+    return path;
+  }();
+  std::vector<std::string> argv = {binary, "-sS", "--max-time", "60", "-D", dir + "/headers", "-o", dir + "/body",
+                                   "-w", "%{http_code}", "-H", "Content-Type: application/json"};
+  if (!body_file_or_json.empty()) {
+    argv.push_back("--data-binary");
+    argv.push_back(from_file ? "@" + body_file_or_json : body_file_or_json);
+  }
+  argv.push_back("http://127.0.0.1:" + std::to_string(port) + path);
+  std::string out, err;
+  const int code = run_to_completion(argv, out, err, kReplyTimeout);
+  Curl c;
+  EXPECT_EQ(code, 0) << err;
+  c.status = out.empty() ? 0 : std::stoi(out);
+  c.headers = read_text_file(dir + "/headers");
+  c.body = read_text_file(dir + "/body");
+  std::filesystem::remove_all(dir);
+  return c;
+}
+
+void expect_error(const Curl& c, int status, const std::string& code, const std::string& param = "") {
+  EXPECT_EQ(c.status, status) << c.body;
+  json e;
+  ASSERT_NO_THROW(e = json::parse(c.body)) << c.body;
+  ASSERT_TRUE(e.contains("error")) << c.body;
+  EXPECT_EQ(e["error"]["code"], code) << c.body;
+  for (const char* key : {"message", "type", "param", "code"}) EXPECT_TRUE(e["error"].contains(key)) << key;
+  if (param.empty()) EXPECT_TRUE(e["error"]["param"].is_null()) << c.body;
+  else EXPECT_EQ(e["error"]["param"], param) << c.body;
+}
+
+TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
+  if (run_command("command -v curl >/dev/null 2>&1").second != 0) GTEST_SKIP() << "curl not installed";
+  TestCluster cluster("http-errors");
+  cluster.start_router();
+  constexpr int kBodyLimit = 4096;
+  cluster.start_node("frontend", "frontend", "http-body-limit = " + std::to_string(kBodyLimit) + "\n");
+  // A frontend whose requests may take 50 ms: with no worker yet they time out.
+  cluster.start_node("frontend", "frontend-impatient", "", "default-deadline-ms = 50\n");
+  const uint16_t port = cluster.port_of("frontend"), impatient = cluster.port_of("frontend-impatient");
+  ASSERT_TRUE(wait_for_health(port, 503, "worker")) << cluster.logs();
+  ASSERT_TRUE(wait_for_health(impatient, 503, "worker")) << cluster.logs();
+  expect_error(curl(impatient, "/v1/completions", R"({"prompt":"Hi","max_tokens":4})"), 504, "timeout");
+
+  cluster.start_node("prefill", "prefill-1");
+  // A decode worker of 20 blocks of 16 positions: 320 positions at most.
+  cluster.start_node("decode", "decode-1", "", "pool-blocks = 20\n");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  ASSERT_TRUE(wait_for_health(port, 200, ""));
+
+  expect_error(curl(port, "/v1/completions", "{not json"), 400, "invalid_json");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":-1})"), 400, "invalid_value", "max_tokens");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","temperature":"warm"})"), 400, "invalid_type", "temperature");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":510})"), 400, "context_length_exceeded", "max_tokens");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","n":3})"), 400, "unsupported", "n");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","logprobs":2})"), 400, "unsupported", "logprobs");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","best_of":2})"), 400, "unsupported", "best_of");
+  expect_error(curl(port, "/v1/chat/completions", R"({"messages":[]})"), 400, "invalid_value", "messages");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","model":"gpt-4"})"), 404, "model_not_found", "model");
+  const std::string big_dir = make_temp_dir("big");
+  write_text_file(big_dir + "/body.json", "{\"prompt\":\"" + std::string(2 * kBodyLimit, 'a') + "\"}");
+  expect_error(curl(port, "/v1/completions", big_dir + "/body.json", true), 413, "body_too_large");
+  std::filesystem::remove_all(big_dir);
+  // More positions than the decode worker has: overloaded, 503 with Retry-After.
+  const Curl overloaded = curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":400})");
+  expect_error(overloaded, 503, "overloaded");
+  EXPECT_NE(overloaded.headers.find("Retry-After: 1"), std::string::npos) << overloaded.headers;
+  // The frontend still serves after all that.
+  EXPECT_EQ(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":4,"temperature":0})").status, 200);
+  // A stop string: the text ends before it, finish_reason "stop", streamed or not.
+  {
+    const ReferenceCase want = generate_reference({"--prompt", "Once upon a time", "--max-new-tokens", "60"});
+    const size_t at = want.text.find("Lily");
+    ASSERT_NE(at, std::string::npos) << want.text;
+    const json body = {{"prompt", "Once upon a time"}, {"max_tokens", 60}, {"temperature", 0}, {"stop", {"Lily", "zzz"}}};
+    const Reply plain = post(port, "/v1/completions", body);
+    ASSERT_EQ(plain.status, 200) << plain.body;
+    const json p = json::parse(plain.body);
+    EXPECT_EQ(p["choices"][0]["text"], want.text.substr(0, at));
+    EXPECT_EQ(p["choices"][0]["finish_reason"], "stop");
+    json streaming = body;
+    streaming["stream"] = true;
+    bool done = false;
+    std::string text;
+    const auto events = sse_events(post(port, "/v1/completions", streaming).body, &done);
+    for (const auto& e : events) text += e["choices"][0]["text"].get<std::string>();
+    EXPECT_TRUE(done);
+    EXPECT_EQ(text, want.text.substr(0, at));
+    ASSERT_FALSE(events.empty());
+    EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "stop");
+  }
+  {
+    // "Expect: 100-continue": the 100 comes before the body is sent.
+    net::io_context ioc;
+    net::ip::tcp::socket socket(ioc);
+    socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+    timeval tv{10, 0};
+    ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    const std::string body = R"({"prompt":"Hi","max_tokens":2})";
+    net::write(socket, net::buffer("POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                                   "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n"));
+    char buf[256];
+    boost::system::error_code ec;
+    const size_t n = socket.read_some(net::buffer(buf), ec);
+    ASSERT_FALSE(ec) << ec.message();
+    EXPECT_EQ(std::string(buf, n).rfind("HTTP/1.1 100 Continue\r\n", 0), 0u) << std::string(buf, n);
+    net::write(socket, net::buffer(body));
+    boost::beast::flat_buffer buffer;
+    bhttp::response<bhttp::string_body> res;
+    bhttp::read(socket, buffer, res);
+    EXPECT_EQ(res.result_int(), 200) << res.body();
+  }
+
+  // The decode worker dies mid-stream: the error goes in-band, then [DONE].
+  net::io_context ioc;
+  net::ip::tcp::socket socket(ioc);
+  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  // 300 tokens (greedy: no end of story before 341).
+  const std::string body = R"({"prompt":"Once upon a time","max_tokens":300,"temperature":0,"stream":true})";
+  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  net::write(socket, net::buffer(request));
+  timeval tv{30, 0};
+  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string received;
+  char buf[4096];
+  while (received.find("data: ") == std::string::npos) {
+    boost::system::error_code ec;
+    const size_t n = socket.read_some(net::buffer(buf), ec);
+    ASSERT_FALSE(ec) << ec.message();
+    received.append(buf, n);
+  }
+  cluster.kill_node("decode-1");
+  for (;;) {
+    boost::system::error_code ec;
+    const size_t n = socket.read_some(net::buffer(buf), ec);
+    if (ec) break;
+    received.append(buf, n);
+    if (received.find("[DONE]") != std::string::npos) break;
+  }
+  EXPECT_NE(received.find("\"code\":\"worker_lost\""), std::string::npos) << received;
+  EXPECT_NE(received.find("data: [DONE]"), std::string::npos) << received;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
+  TestCluster cluster("http-disconnect");
+  const uint16_t router_metrics = free_loopback_port();
+  cluster.start_node("router", "router", metrics_port_line(router_metrics));
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+
+  // A long streamed request (greedy: 341 tokens before the story ends);
+  // the client reads its first event and hangs up.
+  {
+    net::io_context ioc;
+    net::ip::tcp::socket socket(ioc);
+    socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+    const std::string body = R"({"prompt":"Once upon a time","max_tokens":500,"temperature":0,"stream":true})";
+    const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+    net::write(socket, net::buffer(request));
+    timeval tv{30, 0};
+    ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::string received;
+    char buf[4096];
+    while (received.find("data: ") == std::string::npos) {
+      boost::system::error_code ec;
+      const size_t n = socket.read_some(net::buffer(buf), ec);
+      ASSERT_FALSE(ec) << ec.message();
+      received.append(buf, n);
+    }
+    socket.close();
+  }
+  // The router cancelled it (not completed): its blocks are free at once.
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  bool freed = false;
+  std::string last;
+  while (!freed && Clock::now() < deadline) {
+    if (auto status = cluster.client().status()) {
+      freed = status->in_flight == 0 && status->queued == 0;
+      for (const auto& w : status->workers)
+        if (w.role == WorkerRole::decode) freed = freed && w.free_blocks == w.total_blocks;
+      last = "in_flight " + std::to_string(status->in_flight);
+    }
+    if (!freed) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(freed) << last;
+  const std::string router = scrape(router_metrics);
+  EXPECT_EQ(sample(router, "disagg_request_errors_total{code=\"cancelled\"}"), 1) << router;
+  EXPECT_EQ(sample(router, "disagg_request_success_total{finished_reason=\"stop\"}"), 0);
+  const std::string frontend = scrape(port);
+  EXPECT_EQ(sample(frontend, "disagg_request_errors_total{code=\"cancelled\"}"), 1);
+  EXPECT_EQ(sample(frontend, "disagg_num_requests_running"), 0);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// A client that asks for a stream and never reads it holds up no one: the
+// frontend serves others meanwhile (also whole responses larger than the
+// stream buffer limit), and the request ends (completed into the kernel's
+// socket buffers, or cut off at node.http-stream-buffer-bytes and cancelled).
+TEST(HttpFrontend, AStreamNobodyReadsHoldsUpNoOne) {
+  TestCluster cluster("http-slow-reader");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  constexpr int kStreamBuffer = 2048;
+  cluster.start_node("frontend", "frontend", "http-stream-buffer-bytes = " + std::to_string(kStreamBuffer) + "\n");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+
+  net::io_context ioc;
+  net::ip::tcp::socket socket(ioc);
+  socket.open(net::ip::tcp::v4());
+  socket.set_option(net::socket_base::receive_buffer_size(1));  // the kernel's minimum
+  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  const std::string body = R"({"prompt":"Once upon a time","max_tokens":500,"temperature":0,"stream":true})";
+  net::write(socket, net::buffer("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body));
+  // Never read. Others are served meanwhile: a completion, /metrics (larger than 2 KiB).
+  const Reply other = post(port, "/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 8}, {"temperature", 0}});
+  EXPECT_EQ(other.status, 200) << other.body;
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  std::string metrics;
+  double running = -1;
+  while (running != 0 && Clock::now() < deadline) {
+    metrics = scrape(port);
+    ASSERT_GT(metrics.size(), size_t(kStreamBuffer));
+    running = sample(metrics, "disagg_num_requests_running");
+    if (running != 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(running, 0) << "the unread stream's request never ended\n" << metrics;
+  EXPECT_EQ(sample(metrics, "disagg_request_success_total{finished_reason=\"stop\"}") +
+                sample(metrics, "disagg_request_success_total{finished_reason=\"length\"}") +
+                sample(metrics, "disagg_request_errors_total{code=\"cancelled\"}"),
+            2);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// Many streaming clients at once (an async Beast client in this process),
+// a client that never reads its stream, and thousands of idle keep-alive
+// connections: every stream completes with the right text, the idle
+// connections are still served afterwards.
+TEST(HttpFrontend, ManyStreamsASlowReaderAndIdleKeepAliveConnections) {
+  constexpr int kStreams = 512;
+  constexpr int kIdleConnections = 2000;
+  constexpr int kMaxTokens = 16;
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
+  limit.rlim_cur = limit.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &limit);
+  if (limit.rlim_cur < rlim_t(kStreams + kIdleConnections + 256))
+    GTEST_SKIP() << "the open files limit (" << limit.rlim_cur << ") is too low for this test";
+
+  TestCluster cluster("http-scale");
+  cluster.start_node("router", "router", "", "queue-capacity = 1024\n");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  const net::ip::tcp::endpoint endpoint(net::ip::make_address("127.0.0.1"), port);
+  net::io_context ioc;
+
+  // Idle keep-alive connections, each served once now and once at the end.
+  std::vector<std::unique_ptr<net::ip::tcp::socket>> idle;
+  auto get_models = [&](net::ip::tcp::socket& socket) {
+    bhttp::request<bhttp::empty_body> req{bhttp::verb::get, "/v1/models", 11};
+    req.set(bhttp::field::host, "x");
+    bhttp::write(socket, req);
+    boost::beast::flat_buffer buffer;
+    bhttp::response<bhttp::string_body> res;
+    bhttp::read(socket, buffer, res);
+    return res.result_int();
+  };
+  for (int i = 0; i < kIdleConnections; ++i) {
+    idle.push_back(std::make_unique<net::ip::tcp::socket>(ioc));
+    idle.back()->connect(endpoint);
+    timeval tv{30, 0};
+    ::setsockopt(idle.back()->native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ASSERT_EQ(get_models(*idle.back()), 200) << "idle connection " << i;
+  }
+
+  // A client that asks for a long stream and never reads it.
+  net::ip::tcp::socket slow(ioc);
+  slow.connect(endpoint);
+  const std::string slow_body = R"({"prompt":"Once upon a time","max_tokens":300,"temperature":0,"stream":true})";
+  net::write(slow, net::buffer("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               "Content-Length: " + std::to_string(slow_body.size()) + "\r\n\r\n" + slow_body));
+
+  const std::vector<std::string> prompts = {"Once upon a time", "The little dog was", "Lily and Tom", "One day"};
+  std::vector<std::string> expected;
+  for (const auto& p : prompts)
+    expected.push_back(generate_reference({"--prompt", p, "--max-new-tokens", std::to_string(kMaxTokens)}).text);
+
+  struct Stream {
+    boost::beast::tcp_stream stream;
+    boost::beast::flat_buffer buffer;
+    bhttp::request<bhttp::string_body> req;
+    bhttp::response<bhttp::string_body> res;
+    std::string error;
+    bool done = false;
+    explicit Stream(net::io_context& ioc) : stream(ioc) {}
+  };
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    auto s = std::make_unique<Stream>(ioc);
+    Stream* p = s.get();
+    p->req = {bhttp::verb::post, "/v1/completions", 11};
+    p->req.set(bhttp::field::host, "x");
+    p->req.set(bhttp::field::content_type, "application/json");
+    p->req.body() = json{{"prompt", prompts[i % prompts.size()]}, {"max_tokens", kMaxTokens}, {"temperature", 0},
+                         {"stream", true}}.dump();
+    p->req.prepare_payload();
+    p->stream.expires_after(std::chrono::seconds(120));
+    p->stream.async_connect(endpoint, [p](boost::beast::error_code ec) {
+      if (ec) return void(p->error = "connect: " + ec.message());
+      bhttp::async_write(p->stream, p->req, [p](boost::beast::error_code ec, size_t) {
+        if (ec) return void(p->error = "write: " + ec.message());
+        bhttp::async_read(p->stream, p->buffer, p->res, [p](boost::beast::error_code ec, size_t) {
+          if (ec) return void(p->error = "read: " + ec.message());
+          p->done = true;
+        });
+      });
+    });
+    streams.push_back(std::move(s));
+  }
+  ioc.run();
+  int ok = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    const Stream& st = *streams[i];
+    if (!st.done) {
+      ADD_FAILURE() << "stream " << i << ": " << st.error;
+      continue;
+    }
+    bool done = false;
+    std::string text;
+    for (const auto& e : sse_events(st.res.body(), &done)) text += e["choices"][0]["text"].get<std::string>();
+    EXPECT_EQ(st.res.result_int(), 200) << st.res.body();
+    EXPECT_TRUE(done) << "stream " << i;
+    EXPECT_EQ(text, expected[i % expected.size()]) << "stream " << i;
+    ok += text == expected[i % expected.size()] ? 1 : 0;
+  }
+  EXPECT_EQ(ok, kStreams);
+
+  // Every idle connection is still open and served.
+  int served = 0;
+  for (auto& socket : idle) served += get_models(*socket) == 200 ? 1 : 0;
+  EXPECT_EQ(served, kIdleConnections);
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The official `openai` Node.js package (tests/openai, pinned by its
+// package-lock.json, installed by scripts/install-deps) as the client.
+TEST(HttpFrontend, OfficialOpenAiNodeClient) {
+  std::string node = run_command("command -v node").first;
+  while (!node.empty() && node.back() == '\n') node.pop_back();
+  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
+  if (node.empty()) GTEST_SKIP() << "node not installed (scripts/install-deps installs nodejs)";
+  if (run_command("test -f " + shell_quoted(dir + "/node_modules/openai/package.json")).second != 0)
+    GTEST_SKIP() << "the openai npm package is not installed in tests/openai (scripts/install-deps runs npm ci there)";
+  TestCluster cluster("http-openai");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+
+  const std::string prompt = "Once upon a time";
+  const int max_tokens = 40;
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({node, dir + "/client_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1", prompt,
+                               std::to_string(max_tokens)},
+                              out, err, kReplyTimeout),
+            0)
+      << out << err << cluster.logs();
+  const json got = json::parse(out);
+  const ReferenceCase want = generate_reference({"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens)});
+  EXPECT_EQ(got["model"], "stories260K");
+  EXPECT_EQ(got["completion"], want.text);
+  EXPECT_EQ(got["streamed_completion"], want.text);
+  EXPECT_EQ(got["completion_finish"], "length");
+  EXPECT_EQ(got["completion_usage"]["completion_tokens"], max_tokens);
+  EXPECT_EQ(got["stream_usage"]["completion_tokens"], max_tokens);
+  EXPECT_EQ(got["stream_usage"]["prompt_tokens"], want.prompt_tokens.size());
+
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), 512);
+  std::string chat_ids;
+  for (int t : tokenizer.encode("[INST] " + prompt + " [/INST]")) chat_ids += (chat_ids.empty() ? "" : " ") + std::to_string(t);
+  const ReferenceCase chat = generate_reference({"--prompt-tokens", chat_ids, "--max-new-tokens", std::to_string(max_tokens)});
+  EXPECT_EQ(got["chat"], chat.text);
+  EXPECT_EQ(got["streamed_chat"], chat.text);
+  EXPECT_EQ(got["chat_role"], "assistant");
+  EXPECT_EQ(got["streamed_chat_role"], "assistant");
+  EXPECT_EQ(got["not_found"]["status"], 404);
+  EXPECT_EQ(got["not_found"]["code"], "model_not_found");
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+}  // namespace
+}  // namespace disagg::test

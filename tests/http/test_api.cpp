@@ -1,0 +1,234 @@
+// http/api.h: request validation (each error names its parameter), the chat
+// template, stop strings and text assembly, response shapes, error mapping.
+#include <gtest/gtest.h>
+
+#include "http/api.h"
+#include "metrics/disagg_metrics.h"
+
+namespace disagg::http {
+namespace {
+
+const gpu::Tokenizer& tokenizer() {
+  static const gpu::Tokenizer t = gpu::Tokenizer::load(std::string(DISAGG_SOURCE_DIR) + "/models/tok512.bin", 512);
+  return t;
+}
+
+ServedModel model() {
+  ServedModel m;
+  m.name = "stories260K";
+  m.vocab_size = 512;
+  m.seq_len = 512;
+  m.max_prompt_bytes = 2048;
+  return m;
+}
+
+std::vector<int32_t> encode(const std::string& text) {
+  const auto v = tokenizer().encode(text);
+  return std::vector<int32_t>(v.begin(), v.end());
+}
+
+ApiRequest parse(Endpoint e, const std::string& body, ChatTemplate tmpl = ChatTemplate::llama2) {
+  return parse_request(e, body, model(), tokenizer(), tmpl, [] { return uint64_t(42); });
+}
+
+ApiError error_of(Endpoint e, const std::string& body) {
+  try {
+    parse(e, body);
+  } catch (const ApiError& err) {
+    return err;
+  }
+  ADD_FAILURE() << "no error for " << body;
+  return {};
+}
+
+TEST(HttpApi, CompletionDefaultsAndFields) {
+  const ApiRequest r = parse(Endpoint::completions, R"({"model":"stories260K","prompt":"Once upon a time"})");
+  EXPECT_EQ(r.prompt_tokens, encode("Once upon a time"));
+  EXPECT_EQ(r.max_tokens, kDefaultCompletionMaxTokens);
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 1.0f);
+  EXPECT_EQ(r.sampling.seed, 42u);  // none given: the random one
+  EXPECT_FALSE(r.stream);
+
+  const ApiRequest s = parse(Endpoint::completions,
+                             R"({"prompt":[1,403,407],"max_tokens":7,"temperature":0,"top_p":0.5,"seed":9,
+                                 "stop":"x","stream":true,"stream_options":{"include_usage":true},"user":"u1",
+                                 "unknown_field":{"ignored":true},"n":1,"logprobs":null})");
+  EXPECT_EQ(s.prompt_tokens, (std::vector<int32_t>{1, 403, 407}));
+  EXPECT_EQ(s.max_tokens, 7);
+  EXPECT_FLOAT_EQ(s.sampling.temperature, 0.0f);
+  EXPECT_FLOAT_EQ(s.sampling.top_p, 0.5f);
+  EXPECT_EQ(s.sampling.seed, 9u);
+  EXPECT_EQ(s.stop, std::vector<std::string>{"x"});
+  EXPECT_TRUE(s.stream);
+  EXPECT_TRUE(s.include_usage);
+  EXPECT_EQ(s.user, "u1");
+  // a batch of one is that prompt
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":["Hi"]})").prompt_tokens, encode("Hi"));
+}
+
+TEST(HttpApi, EveryBadFieldIsA400NamingIt) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"prompt":"x","max_tokens":"a"})", "max_tokens"},
+      {R"({"prompt":"x","max_tokens":0})", "max_tokens"},
+      {R"({"prompt":"x","max_tokens":1.5})", "max_tokens"},
+      {R"({"prompt":"x","max_tokens":600})", "max_tokens"},
+      {R"({"prompt":"x","temperature":-0.1})", "temperature"},
+      {R"({"prompt":"x","temperature":"hot"})", "temperature"},
+      {R"({"prompt":"x","top_p":0})", "top_p"},
+      {R"({"prompt":"x","top_p":1.5})", "top_p"},
+      {R"({"prompt":"x","seed":"s"})", "seed"},
+      {R"({"prompt":"x","stop":[1]})", "stop"},
+      {R"({"prompt":"x","stream":"yes"})", "stream"},
+      {R"({"prompt":"x","stream_options":{"include_usage":true}})", "stream_options"},
+      {R"({"prompt":"x","user":5})", "user"},
+      {R"({"prompt":"x","n":2})", "n"},
+      {R"({"prompt":"x","best_of":3})", "best_of"},
+      {R"({"prompt":"x","logprobs":1})", "logprobs"},
+      {R"({"prompt":"x","echo":true})", "echo"},
+      {R"({"prompt":"x","presence_penalty":0.5})", "presence_penalty"},
+      {R"({"prompt":"x","model":7})", "model"},
+      {R"({})", "prompt"},
+      {R"({"prompt":[]})", "prompt"},
+      {R"({"prompt":["a","b"]})", "prompt"},
+      {R"({"prompt":[1,512]})", "prompt"},
+      {R"({"prompt":[1,-1]})", "prompt"},
+      {R"({"prompt":3})", "prompt"},
+  };
+  for (const auto& [body, param] : cases) {
+    const ApiError e = error_of(Endpoint::completions, body);
+    EXPECT_EQ(e.status, 400) << body;
+    EXPECT_EQ(e.param, param) << body << ": " << e.message;
+  }
+  const std::string long_prompt(3000, 'a');
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":")" + long_prompt + R"("})").param, "prompt");
+  // a malformed body names no parameter
+  for (const char* body : {"{bad", "[1,2]", "\"text\""}) {
+    const ApiError e = error_of(Endpoint::completions, body);
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "");
+    EXPECT_EQ(e.code, "invalid_json");
+  }
+  const ApiError unknown = error_of(Endpoint::completions, R"({"prompt":"x","model":"gpt-4"})");
+  EXPECT_EQ(unknown.status, 404);
+  EXPECT_EQ(unknown.code, "model_not_found");
+  const json body = error_body(unknown);
+  EXPECT_EQ(body["error"]["param"], "model");
+  EXPECT_TRUE(body["error"].contains("type"));
+  EXPECT_TRUE(body["error"]["message"].is_string());
+}
+
+TEST(HttpApi, ChatLlama2Template) {
+  const ApiRequest r = parse(Endpoint::chat, R"({"messages":[{"role":"system","content":"Be kind."},
+      {"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":[{"type":"text","text":"More"}]}]})");
+  std::vector<int32_t> want = encode("[INST] <<SYS>>\nBe kind.\n<</SYS>>\n\nHi [/INST] Hello ");
+  want.push_back(kEosToken);
+  const auto second = encode("[INST] More [/INST]");
+  want.insert(want.end(), second.begin(), second.end());
+  EXPECT_EQ(r.prompt_tokens, want);
+  EXPECT_EQ(r.max_tokens, 512 - int(want.size()));  // chat default: the rest of the context
+
+  const ApiRequest plain = parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"Hi"}]})", ChatTemplate::plain);
+  EXPECT_EQ(plain.prompt_tokens, encode("user: Hi\nassistant:"));
+
+  for (const char* body : {R"({"messages":[]})", R"({"messages":"hi"})", R"({"messages":[{"role":"user"},{"role":"user","content":"x"}]})",
+                           R"({"messages":[{"role":"assistant","content":"x"}]})", R"({"messages":[{"role":"robot","content":"x"}]})",
+                           R"({"messages":[{"content":"x"}]})"}) {
+    const ApiError e = error_of(Endpoint::chat, body);
+    EXPECT_EQ(e.status, 400) << body;
+    EXPECT_EQ(e.param, "messages") << body;
+  }
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"max_completion_tokens":0})").param,
+            "max_completion_tokens");
+  EXPECT_EQ(parse_chat_template("llama2"), ChatTemplate::llama2);
+  EXPECT_EQ(parse_chat_template("chatml"), std::nullopt);
+}
+
+TEST(HttpApi, TextAssemblerEqualsDecodeAllWithoutStops) {
+  const auto prompt = encode("Once upon a time");
+  const std::vector<int> tokens = {432, 383, 286, 261, 376, 298, 315, 421, 395, 317};
+  TextAssembler text(tokenizer(), {}, prompt.back());
+  std::string streamed;
+  for (int t : tokens) streamed += text.add(t);
+  streamed += text.flush();
+  EXPECT_EQ(streamed, tokenizer().decode_all(prompt.back(), tokens));
+  EXPECT_EQ(text.text(), streamed);
+  EXPECT_EQ(text.tokens(), int(tokens.size()));
+  EXPECT_FALSE(text.stopped());
+}
+
+TEST(HttpApi, StopStringsAcrossTokensAreCutAndNeverSent) {
+  const auto prompt = encode("Once upon a time");
+  const std::vector<int> tokens = {432, 383, 286, 261, 376, 298, 315, 421, 395, 317};
+  const std::string full = tokenizer().decode_all(prompt.back(), tokens);  // ", there was a little girl named Lily..."
+  const std::string stop = "girl na";  // spans tokens
+  const size_t at = full.find(stop);
+  ASSERT_NE(at, std::string::npos) << full;
+  TextAssembler text(tokenizer(), {"zzz", stop}, prompt.back());
+  std::string streamed;
+  for (int t : tokens) {
+    const std::string piece = text.add(t);
+    streamed += piece;
+    EXPECT_EQ(streamed.find("girl n"), std::string::npos) << "a stop string's start was sent early";
+    if (text.stopped()) break;
+  }
+  EXPECT_TRUE(text.stopped());
+  EXPECT_EQ(streamed, full.substr(0, at));
+  EXPECT_EQ(text.flush(), "");
+}
+
+TEST(HttpApi, IncompleteUtf8IsHeldBack) {
+  // Byte tokens <0xE2><0x82><0xAC> (U+20AC) arrive one by one: nothing is sent until the character is whole.
+  const int byte0 = 3;  // <0x00> is token 3 in llama2.c tokenizers
+  TextAssembler text(tokenizer(), {}, 1);
+  EXPECT_EQ(text.add(byte0 + 0xE2), "");
+  EXPECT_EQ(text.add(byte0 + 0x82), "");
+  EXPECT_EQ(text.add(byte0 + 0xAC), "\xE2\x82\xAC");
+  EXPECT_EQ(text.add(byte0 + 0xE2), "");
+  EXPECT_EQ(text.flush(), "\xE2");  // at the end it goes out (dump() replaces it with U+FFFD)
+  EXPECT_EQ(dump(json("\xE2")), "\"\xEF\xBF\xBD\"");
+}
+
+TEST(HttpApi, OutcomeErrorsMapToStatuses) {
+  EXPECT_EQ(error_for_outcome(ErrorCode::invalid_request, "").status, 400);
+  EXPECT_EQ(error_for_outcome(ErrorCode::kv_too_large, "").status, 400);
+  const ApiError overloaded = error_for_outcome(ErrorCode::overloaded, "full");
+  EXPECT_EQ(overloaded.status, 503);
+  EXPECT_EQ(overloaded.retry_after_s, kOverloadedRetryAfterS);
+  EXPECT_EQ(overloaded.code, "overloaded");
+  EXPECT_EQ(error_for_outcome(ErrorCode::timeout, "").status, 504);
+  EXPECT_EQ(error_for_outcome(ErrorCode::worker_lost, "").status, 500);
+  EXPECT_EQ(error_for_outcome(ErrorCode::internal, "").status, 500);
+  EXPECT_EQ(error_for_outcome(ErrorCode::incompatible_kv, "").status, 500);
+  // The metrics' error labels follow the protocol's codes (actors/request_metrics.h indexes them).
+  for (size_t i = 0; i < metrics::kErrorCodes.size(); ++i)
+    EXPECT_EQ(metrics::kErrorCodes[i], to_string(ErrorCode(i + 1)));
+}
+
+TEST(HttpApi, ResponseShapes) {
+  const json c = completion_response("cmpl-1", 5, "m", "hi", "length", 3, 2);
+  EXPECT_EQ(c["object"], "text_completion");
+  EXPECT_EQ(c["choices"][0]["text"], "hi");
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(c["usage"]["total_tokens"], 5);
+  const json chat = chat_response("chatcmpl-1", 5, "m", "hi", "stop", 3, 2);
+  EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat["choices"][0]["message"]["content"], "hi");
+  const json first = stream_chunk(Endpoint::chat, "x", 1, "m", "", "", true, true);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_TRUE(first["usage"].is_null());
+  const json piece = stream_chunk(Endpoint::completions, "x", 1, "m", "a", "", false, false);
+  EXPECT_EQ(piece["choices"][0]["text"], "a");
+  EXPECT_TRUE(piece["choices"][0]["finish_reason"].is_null());
+  EXPECT_FALSE(piece.contains("usage"));
+  const json usage = usage_chunk(Endpoint::completions, "x", 1, "m", 4, 6);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 6);
+  EXPECT_EQ(sse_event(json{{"a", 1}}), "data: {\"a\":1}\n\n");
+  const json models = models_response(model());
+  EXPECT_EQ(models["data"][0]["id"], "stories260K");
+  EXPECT_EQ(models["data"][0]["max_model_len"], 512);
+}
+
+}  // namespace
+}  // namespace disagg::http
