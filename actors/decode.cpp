@@ -178,15 +178,16 @@ bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t
   return false;
 }
 
-// The step in flight has ended: what waited for it is released.
-void step_over(Self self) {
+// The step in flight has ended: what waited for it is released. True when
+// that freed blocks (the router hears of them with the next load report).
+bool step_over(Self self) {
   auto& st = self->state;
   st.step_in_flight = false;
   st.in_step.clear();
-  if (!st.release_after_step.empty()) {
-    st.allocator->release(st.release_after_step);
-    st.release_after_step.clear();
-  }
+  if (st.release_after_step.empty()) return false;
+  st.allocator->release(st.release_after_step);
+  st.release_after_step.clear();
+  return true;
 }
 
 // Continuous batching: whenever no step is running, run one over the active
@@ -223,13 +224,13 @@ void schedule_step(Self self) {
                 step_atom::value, std::move(step))
       .then(
           [=](StepResult& r) {
-            step_over(self);
+            const bool freed = step_over(self);
             if (r.code == ErrorCode::none && r.next_tokens.size() != ids.size()) {
               r.code = ErrorCode::internal;
               r.message = "decode step returned " + std::to_string(r.next_tokens.size()) +
                           " tokens for " + std::to_string(ids.size()) + " sequences";
             }
-            bool changed = false;
+            bool changed = freed;
             for (size_t i = 0; i < ids.size(); ++i) {
               auto it = self->state.active.find(ids[i]);
               if (it == self->state.active.end()) continue;  // cancelled during the step

@@ -115,8 +115,19 @@ TEST_F(ActorTest, CancelMidGenerationStopsItAndFreesItsBlocks) {
   const RequestOutcome out = future.get();
   EXPECT_EQ(out.code, ErrorCode::cancelled) << out.message;
   EXPECT_LT(seen.load(), max_new);
-  // The cancelled request's blocks come back (TearDown checks all pools too).
+  // The cancelled request's blocks come back (TearDown checks all pools too),
+  // also in the router's books: it was cancelled while a decode step ran, so
+  // the blocks are freed after that step, and the decode worker must say so.
   EXPECT_TRUE(cluster_->wait_pools_free());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  int router_free = -1, total = -1;
+  while (router_free != total && std::chrono::steady_clock::now() < deadline) {
+    if (const auto status = client_->status())
+      for (const auto& w : status->workers)
+        if (w.role == WorkerRole::decode) std::tie(router_free, total) = std::make_pair(w.free_blocks, w.total_blocks);
+    if (router_free != total) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(router_free, total) << "the router still counts the cancelled request's blocks";
   // Cancelling again, or an unknown id, changes nothing.
   client_->cancel(id);
   client_->cancel(12345);
