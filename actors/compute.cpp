@@ -100,7 +100,7 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   std::optional<StreamStopped> stopped;
   try {
     gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks);
-    r.first_token = gpu::sample_token(out.logits.data(), c.vocab_size, to_gpu(work.sampling), 0);
+    r.first_token = gpu::sample_token(out.logits.data(), c.vocab_size, to_gpu(work.sampling), work.first_step);
   } catch (const StreamStopped& s) {
     stopped = s;
   } catch (const kv::KvError& e) {
@@ -159,7 +159,7 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
   try {
     gpu::PrefillOutput out = st.engine->prefill(work.tokens);
     r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,
-                                      to_gpu(work.sampling), 0);
+                                      to_gpu(work.sampling), work.first_step);
     r.kv = gpu::serialize_kv(st.engine->fingerprint(), out.shape, out.kv.data());
   } catch (const std::exception& e) {
     r.code = ErrorCode::internal;

@@ -49,6 +49,7 @@ struct Sequence {
   int32_t limit = 0;  // tokens it may generate: max_new_tokens, capped by seq_len
   Sampling sampling;
   std::vector<int32_t> tokens;  // generated so far
+  int32_t first_step = 0;       // the request's output index of tokens[0] (a migrated request: > 0)
   Clock::time_point admitted;
 };
 
@@ -156,6 +157,7 @@ void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, Erro
   done.tokens = std::move(it->second.tokens);
   done.finish = finish;
   done.decode_us = micros_since(it->second.admitted);
+  done.first_step = it->second.first_step;
   st.active.erase(it);
   self->send(st.router, done_atom::value, std::move(done));
 }
@@ -168,7 +170,7 @@ bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t
     finish_sequence(self, it, ErrorCode::none, {}, FinishReason::eos);
     return true;
   }
-  const int32_t index = int32_t(seq.tokens.size());
+  const int32_t index = seq.first_step + int32_t(seq.tokens.size());
   seq.tokens.push_back(token);
   self->send(self->state.router, token_atom::value, TokenEvent{it->first, index, token, {}});
   if (int32_t(seq.tokens.size()) >= seq.limit) {
@@ -208,7 +210,7 @@ void schedule_step(Self self) {
     slot.id = id;
     slot.token = seq.tokens.back();  // the last emitted token, fed at the next position
     slot.pos = seq.prompt_len + int32_t(seq.tokens.size()) - 1;
-    slot.step = int32_t(seq.tokens.size());
+    slot.step = seq.first_step + int32_t(seq.tokens.size());
     slot.sampling = seq.sampling;
     slot.blocks = seq.blocks;
     step.slots.push_back(std::move(slot));
@@ -390,6 +392,7 @@ void settle_stream(Self self, RequestId id) {
   seq.prompt_len = t.prompt_len;
   seq.limit = std::min(t.max_new_tokens, st.seq_len - t.prompt_len);
   seq.sampling = t.sampling;
+  seq.first_step = t.first_step;
   st.reserved.erase(it);
   activate(self, id, std::move(seq), t.first_token, commit.promise);
 }
@@ -431,7 +434,7 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
     return refuse(ErrorCode::invalid_request, "request " + std::to_string(id) + " is already held");
   if (transfer.chunk != 0 || transfer.chunk_count != 1)
     return refuse(ErrorCode::invalid_request, "chunked KV transfers are not supported yet");
-  if (transfer.prompt_len <= 0 || transfer.max_new_tokens <= 0 ||
+  if (transfer.prompt_len <= 0 || transfer.max_new_tokens <= 0 || transfer.first_step < 0 ||
       transfer.prompt_len >= st.seq_len)
     return refuse(ErrorCode::invalid_request,
                   "prompt_len " + std::to_string(transfer.prompt_len) + ", max_new_tokens " +
@@ -464,6 +467,7 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   seq.prompt_len = transfer.prompt_len;
   seq.limit = std::min(transfer.max_new_tokens, st.seq_len - transfer.prompt_len);
   seq.sampling = transfer.sampling;
+  seq.first_step = transfer.first_step;
   const int32_t first_token = transfer.first_token;
   st.admitting.insert(id);
   KvAdmit request{std::move(transfer), std::move(blocks)};

@@ -92,6 +92,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
   transfer.max_new_tokens = job.max_new_tokens;
   transfer.sampling = job.sampling;
   transfer.first_token = computed.first_token;
+  transfer.first_step = job.first_step;
   transfer.bytes = std::move(computed.kv);
   if (computed.streamed) {
     transfer.transfer_id = job.target.transfer_id;
@@ -211,6 +212,7 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
         work.cancelled = j.cancelled;
         if (stream) work.target = job.target;  // else: send it as a message
         work.kv_wait_ms = st.config.ack_timeout_ms;
+        work.first_step = job.first_step;
         st.queued_tokens += j.prompt_tokens;
         st.live[job.id] = serial;
         st.jobs.emplace(serial, std::move(j));

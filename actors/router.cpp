@@ -68,11 +68,25 @@ struct Request {
   std::optional<PrefillReport> prefill_report;
   std::optional<DecodeDone> decode_done;
   // streaming:
-  int32_t tokens_streamed = 0;  // token events forwarded to the client
+  std::vector<int32_t> streamed;  // tokens forwarded to the client, every attempt's
+  // Tokens earlier attempts streamed before their decode worker was lost: the
+  // current attempt prefills prompt + these and continues from there (its
+  // PrefillJob::first_step is their count).
+  std::vector<int32_t> earlier;
   int32_t previous_token = 0;
   std::optional<Clock::time_point> last_token;  // metrics: time between tokens
   std::string text;
 };
+
+// What the request's next prefill runs: its prompt, then the tokens earlier
+// attempts streamed (Request::earlier), and how many tokens are left to make.
+int64_t job_prompt_len(const Request& r) { return int64_t(r.prompt.size() + r.earlier.size()); }
+std::vector<int32_t> job_prompt(const Request& r) {
+  std::vector<int32_t> tokens = r.prompt;
+  tokens.insert(tokens.end(), r.earlier.begin(), r.earlier.end());
+  return tokens;
+}
+int job_new_tokens(const Request& r) { return r.request.max_new_tokens - int(r.earlier.size()); }
 
 struct RouterState {
   DisaggConfig config;
@@ -177,7 +191,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
   release_reservations(self, r);
   // While reserving, no prefill job is out: its slot comes back here (once a
   // job is out, only the worker's report frees it).
-  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
+  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
   if (r.phase == Phase::queued) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
   outcome.id = id;
   if (r.dispatched) {
@@ -211,7 +225,8 @@ void complete_if_done(Self self, RequestId id) {
   if (!r.prefill_report || !r.decode_done) return;
   RequestOutcome out;
   out.prompt_tokens = r.prompt;
-  out.tokens = std::move(r.decode_done->tokens);
+  out.tokens = r.earlier;  // a migrated request: what its lost decode worker had streamed
+  out.tokens.insert(out.tokens.end(), r.decode_done->tokens.begin(), r.decode_done->tokens.end());
   out.finish = r.decode_done->finish;
   out.text = std::move(r.text);
   out.timings.prefill_us = r.prefill_report->prefill_us;
@@ -262,8 +277,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   Request& r = st.requests.at(id);
   Worker& p = st.workers.at(prefill_key);
   Worker& d = st.workers.at(decode_key);
-  const int positions =
-      gpu::kv_positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
+  const int positions = gpu::kv_positions_needed(int(job_prompt_len(r)), job_new_tokens(r), st.limits->seq_len);
   r.phase = Phase::reserving;
   if (!r.dispatched) r.dispatched = Clock::now();
   r.attempt = st.next_serial++;
@@ -271,7 +285,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   r.decode_key = decode_key;
   r.reserved_blocks = gpu::KvPool::blocks_for(positions, std::max(1, d.info.block_size));
   p.in_flight += 1;
-  p.outstanding_tokens += int64_t(r.prompt.size());
+  p.outstanding_tokens += job_prompt_len(r);
   d.reserved_blocks += r.reserved_blocks;
   d.load.free_blocks -= r.reserved_blocks;  // until its next report says otherwise
   d.assigned += 1;
@@ -280,7 +294,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   // The lease outlives the request's deadline by the ack timeout: a request
   // still alive never loses its blocks, a lost one frees them by itself.
   const KvReservation reservation{id, positions, time_left_ms(r) + st.config.ack_timeout_ms,
-                                  int32_t(r.prompt.size()), p.info.host_id};
+                                  int32_t(job_prompt_len(r)), p.info.host_id};
   const uint64_t attempt = r.attempt;
   self->request(d.decode, std::chrono::milliseconds(st.config.ack_timeout_ms), reserve_atom::value, reservation)
       .then([=](ReserveReply& reply) { on_reservation(self, id, attempt, std::move(reply)); },
@@ -303,14 +317,15 @@ void send_prefill_job(Self self, RequestId id) {
   r.phase = Phase::prefilling;
   PrefillJob job;
   job.id = id;
-  job.prompt_tokens = r.prompt;
-  job.max_new_tokens = r.request.max_new_tokens;
+  job.prompt_tokens = job_prompt(r);
+  job.max_new_tokens = job_new_tokens(r);
+  job.first_step = int32_t(r.earlier.size());
   job.sampling = r.request.sampling;
   job.deadline_ms = time_left_ms(r);
   job.target = r.kv_target;
   const uint64_t attempt = r.attempt;
   const WorkerKey prefill_key = r.prefill_key;
-  const int64_t prompt_tokens = int64_t(r.prompt.size());
+  const int64_t prompt_tokens = job_prompt_len(r);
   // The router's own deadline timer fires first; this bound only guarantees
   // that the response handler itself never waits forever.
   const auto bound = std::chrono::milliseconds(job.deadline_ms + st.config.ack_timeout_ms);
@@ -370,13 +385,13 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     // No room there now. Its real load is in the router's books from this
     // answer, so the request waits at the front of the queue until some
     // decode worker has room (another one, or this one after a finish).
-    release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
+    release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
     back_to_queue(self, r);
   } else if ((reply.code == ErrorCode::timeout || reply.code == ErrorCode::worker_lost) &&
              r.retries < st.config.max_decode_retries) {
     // Unanswered: it may hold the blocks after all; try another worker.
     if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
-    release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
+    release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
     requeue_elsewhere(self, r);
   } else {
     fail(self, id, reply.code, std::move(reply.message));  // finish() frees the slot and the blocks
@@ -398,8 +413,7 @@ void dispatch(Self self) {
       }
       r.validated = true;
     }
-    const int positions =
-        gpu::kv_positions_needed(int(r.prompt.size()), r.request.max_new_tokens, st.limits->seq_len);
+    const int positions = gpu::kv_positions_needed(int(job_prompt_len(r)), job_new_tokens(r), st.limits->seq_len);
     const auto decodes = decode_candidates(self);
     if (!decodes.empty() && !any_decode_could_fit(decodes, positions, r.excluded)) {
       fail(self, id, ErrorCode::overloaded,
@@ -572,21 +586,26 @@ std::vector<RequestId> requests_on(Self self, WorkerKey key) {
   return out;
 }
 
-// A request whose worker went down or stopped answering. Before its first
-// token nothing of it has reached the client, so it starts over on other
-// workers (at most max-worker-retries times; sampling is stateless per step,
-// so the tokens are the same); after it, or past the retries, it fails with
-// worker_lost. Returns true when it was retried.
+// A request whose worker went down or stopped answering starts over on other
+// workers, at most max-worker-retries times (past that: worker_lost). Before
+// its first token it simply runs again. After it (its decode worker was
+// lost mid-generation) it migrates: the next prefill runs the prompt plus the
+// tokens already streamed and samples from step k = their count, so, with the
+// fixed arithmetic and sampling stateless per step, the continuation is
+// exactly the tokens the lost worker would have made; the client's stream
+// goes on at index k, with no gap and no duplicate. Returns true when retried.
 bool retry_or_fail(Self self, RequestId id, const std::string& why) {
   auto& st = self->state;
   Request& r = st.requests.at(id);
-  if (r.tokens_streamed > 0 || r.worker_retries >= st.config.max_worker_retries) {
+  if (r.worker_retries >= st.config.max_worker_retries ||
+      int(r.streamed.size()) >= r.request.max_new_tokens) {
     fail(self, id, ErrorCode::worker_lost,
-         why + (r.tokens_streamed > 0 ? " after " + std::to_string(r.tokens_streamed) + " tokens"
-                                      : " (retried " + std::to_string(r.worker_retries) + " times)"));
+         why + " (restarted " + std::to_string(r.worker_retries) + " times, " + std::to_string(r.streamed.size()) +
+             " tokens streamed)");
     return false;
   }
   r.worker_retries += 1;
+  r.earlier = r.streamed;
   // Both workers drop what they hold of this attempt (a hung one when it
   // wakes); their late answers name an old attempt and are ignored.
   if (!r.prefill_report)
@@ -594,11 +613,14 @@ bool retry_or_fail(Self self, RequestId id, const std::string& why) {
   if (!r.decode_done)
     if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
   // While reserving, no prefill job is out: its slot comes back here.
-  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, int64_t(r.prompt.size()));
+  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
   r.prefill_report.reset();
   r.decode_done.reset();
   node_log(LogLevel::warning, "request " + std::to_string(id) + " starts over on other workers (retry " +
-                                  std::to_string(r.worker_retries) + "): " + why);
+                                  std::to_string(r.worker_retries) +
+                                  (r.earlier.empty() ? "" : ", continuing after " + std::to_string(r.earlier.size()) +
+                                                                " streamed tokens") +
+                                  "): " + why);
   back_to_queue(self, r);
   return true;
 }
@@ -747,6 +769,10 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         Request* found = from_its_decode_worker(self, event.id);
         if (!found) return;
         Request& r = *found;
+        // Each index once, in order: after a migration a late token of the
+        // earlier attempt and the new attempt's may both carry an index (the
+        // same token, by determinism); the first to come counts.
+        if (event.index != int32_t(r.streamed.size())) return;
         if (self->state.tokenizer && r.request.token_text) {
           try {
             event.text = self->state.tokenizer->decode(r.previous_token, event.token);
@@ -756,7 +782,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
           r.text += event.text;
         }
         r.previous_token = event.token;
-        r.tokens_streamed += 1;
+        r.streamed.push_back(event.token);
         record_token(r.accepted, r.last_token);
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
@@ -764,6 +790,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         Request* found = from_its_decode_worker(self, done.id);
         if (!found) return;
         Request& r = *found;
+        if (done.first_step != int32_t(r.earlier.size())) return;  // of an attempt before a migration
         if (done.code != ErrorCode::none) {
           r.decode_done = done;  // the decode worker already dropped it
           fail(self, done.id, done.code, std::move(done.message));

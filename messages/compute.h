@@ -38,6 +38,7 @@ struct PrefillWork {
   // receiver's verdict after the last piece.
   KvTarget target;
   int64_t kv_wait_ms = 0;
+  int32_t first_step = 0;  // the sampling step of the token sampled here (PrefillJob::first_step)
 };
 
 struct PrefillResult {
@@ -91,7 +92,7 @@ struct StepResult {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillWork& x) {
   return f(caf::meta::type_name("PrefillWork"), x.id, x.tokens, x.sampling, x.deadline_ns, x.target,
-           x.kv_wait_ms);
+           x.kv_wait_ms, x.first_step);
 }
 
 template <class Inspector>

@@ -57,6 +57,11 @@ struct PrefillJob {
   Sampling sampling;
   int64_t deadline_ms = 0;  // time left when the router sent it
   KvTarget target;          // from the decode worker's ReserveReply
+  // The sampling step of the token this prefill samples: 0, or, for a
+  // request migrated after its decode worker was lost, the number of tokens
+  // already streamed (prompt_tokens then ends with them, and max_new_tokens
+  // counts only what is left), so the continuation is exactly the original.
+  int32_t first_step = 0;
 };
 
 // Prefill -> router: the reply to PrefillJob. code none: the decode worker
@@ -93,6 +98,7 @@ struct KvTransfer {
   // checked again against the decode worker's model.
   uint64_t transfer_id = 0;
   uint64_t fingerprint = 0;
+  int32_t first_step = 0;  // PrefillJob::first_step: the index of first_token in the request's output
 };
 
 // The KV receiver's verdict on a stream, posted by its callback to the decode
@@ -124,6 +130,7 @@ struct DecodeDone {
   std::vector<int32_t> tokens;  // all generated tokens, first included
   FinishReason finish = FinishReason::length;
   int64_t decode_us = 0;
+  int32_t first_step = 0;  // KvTransfer::first_step: tokens[0] is output token number first_step
 };
 
 template <class Inspector>
@@ -144,7 +151,7 @@ typename Inspector::result_type inspect(Inspector& f, ReserveReply& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
   return f(caf::meta::type_name("PrefillJob"), x.id, x.prompt_tokens, x.max_new_tokens, x.sampling,
-           x.deadline_ms, x.target);
+           x.deadline_ms, x.target, x.first_step);
 }
 
 template <class Inspector>
@@ -156,7 +163,7 @@ typename Inspector::result_type inspect(Inspector& f, PrefillReport& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
   return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
-           x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint);
+           x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint, x.first_step);
 }
 
 template <class Inspector>
@@ -172,7 +179,7 @@ typename Inspector::result_type inspect(Inspector& f, KvAck& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, DecodeDone& x) {
   return f(caf::meta::type_name("DecodeDone"), x.id, x.code, x.message, x.tokens, x.finish,
-           x.decode_us);
+           x.decode_us, x.first_step);
 }
 
 }  // namespace disagg

@@ -311,20 +311,11 @@ TEST_F(ActorTest, PassedDeadlineAnswersTimeout) {
   EXPECT_EQ(out.code, ErrorCode::timeout) << out.message;
 }
 
-TEST_F(ActorTest, DecodeWorkerGoingDownFailsItsRequestsWithWorkerLost) {
-  start(1, 2);
-  expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
-  ASSERT_EQ(colocated(kOnceUponATime, 300).tokens.size(), 300u);
-  std::promise<void> first_token;
-  std::atomic<bool> seen{false};
-  auto future = client_->submit(make_request(kOnceUponATime, 300), [&](const TokenEvent&) {
-    if (!seen.exchange(true)) first_token.set_value();
-  });
-  first_token.get_future().wait();
-  // Kill whichever decode worker holds the request.
+// Kills whichever decode worker holds a sequence; returns how many it killed.
+int kill_busy_decode_workers(caf::actor_system& system, LocalCluster& cluster) {
   int killed = 0;
-  for (const auto& d : cluster_->decode_workers()) {
-    caf::scoped_actor self{*system_};
+  for (const auto& d : cluster.decode_workers()) {
+    caf::scoped_actor self{system};
     self->request(d, std::chrono::seconds(5), status_atom::value)
         .receive(
             [&](DecodeLoad& load) {
@@ -335,18 +326,90 @@ TEST_F(ActorTest, DecodeWorkerGoingDownFailsItsRequestsWithWorkerLost) {
             },
             [](caf::error&) {});
   }
-  ASSERT_EQ(killed, 1);
+  return killed;
+}
+
+// A decode worker dies mid-generation: the request migrates to the other one
+// (prefill of prompt + the tokens streamed so far, sampling from that step)
+// and ends with exactly the colocated tokens; the client's stream has every
+// index once, in order.
+TEST_F(ActorTest, ADecodeWorkerGoingDownMidGenerationMigratesItsRequestsExactly) {
+  start(1, 2);
+  expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
+  const int max_new = 300;
+  ASSERT_EQ(colocated(kOnceUponATime, max_new).tokens.size(), size_t(max_new));
+  {
+    const Sampling sampling{};
+    std::promise<void> some_tokens;
+    TokenLog log;
+    std::atomic<int> seen{0};
+    auto future = client_->submit(make_request(kOnceUponATime, max_new, sampling), [&](const TokenEvent& e) {
+      log.callback()(e);
+      if (++seen == 20) some_tokens.set_value();
+    });
+    some_tokens.get_future().wait();
+    ASSERT_EQ(kill_busy_decode_workers(*system_, *cluster_), 1);
+    const RequestOutcome out = future.get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    EXPECT_EQ(out.tokens, colocated(kOnceUponATime, max_new, sampling).tokens);
+    std::lock_guard<std::mutex> lock(log.mutex);
+    ASSERT_EQ(log.events.size(), out.tokens.size()) << "a gap or a duplicate in the stream";
+    for (size_t i = 0; i < log.events.size(); ++i) {
+      EXPECT_EQ(log.events[i].index, int32_t(i));
+      EXPECT_EQ(log.events[i].token, out.tokens[i]);
+    }
+  }
+  // The survivor still serves requests, and its pool is empty afterwards.
+  const RequestOutcome next = client_->generate(make_request(kOnceUponATime, 8));
+  EXPECT_TRUE(next.ok()) << next.message;
+  const auto loads = cluster_->decode_loads(std::chrono::milliseconds(500));
+  ASSERT_EQ(loads.size(), 1u);
+  EXPECT_EQ(loads[0].free_blocks, loads[0].total_blocks);
+}
+
+TEST_F(ActorTest, ASampledRequestMigratesExactlyToo) {
+  start(1, 2);
+  expect_pools_free_ = false;
+  const Sampling sampling{0.9f, 0.9f, 77};
+  const int max_new = 200;
+  std::promise<void> some_tokens;
+  std::atomic<int> seen{0};
+  TokenLog log;
+  auto future = client_->submit(make_request(kOnceUponATime, max_new, sampling), [&](const TokenEvent& e) {
+    log.callback()(e);
+    if (++seen == 10) some_tokens.set_value();
+  });
+  some_tokens.get_future().wait();
+  ASSERT_EQ(kill_busy_decode_workers(*system_, *cluster_), 1);
+  const RequestOutcome out = future.get();
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.tokens, colocated(kOnceUponATime, max_new, sampling).tokens);
+  std::lock_guard<std::mutex> lock(log.mutex);
+  ASSERT_EQ(log.events.size(), out.tokens.size());
+  for (size_t i = 0; i < log.events.size(); ++i) EXPECT_EQ(log.events[i].index, int32_t(i));
+}
+
+// Past max-worker-retries a lost decode worker fails its request with worker_lost.
+TEST_F(ActorTest, DecodeWorkerGoingDownPastTheRetriesFailsItsRequestsWithWorkerLost) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 2);
+  options.config.max_worker_retries = 0;
+  start(std::move(options));
+  expect_pools_free_ = false;
+  std::promise<void> first_token;
+  std::atomic<bool> seen{false};
+  auto future = client_->submit(make_request(kOnceUponATime, 300), [&](const TokenEvent&) {
+    if (!seen.exchange(true)) first_token.set_value();
+  });
+  first_token.get_future().wait();
+  ASSERT_EQ(kill_busy_decode_workers(*system_, *cluster_), 1);
   const RequestOutcome out = future.get();
   EXPECT_EQ(out.code, ErrorCode::worker_lost) << to_string(out.code) << ": " << out.message;
-  // The survivor still serves requests, and its pool is empty afterwards.
   const RequestOutcome next = client_->generate(make_request(kOnceUponATime, 8));
   EXPECT_TRUE(next.ok()) << next.message;
   const auto status = client_->status();
   ASSERT_TRUE(status);
   EXPECT_EQ(status->count(WorkerRole::decode), 1);
-  const auto loads = cluster_->decode_loads(std::chrono::milliseconds(500));
-  ASSERT_EQ(loads.size(), 1u);
-  EXPECT_EQ(loads[0].free_blocks, loads[0].total_blocks);
 }
 
 }  // namespace
