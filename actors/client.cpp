@@ -16,6 +16,13 @@ client_actor::behavior_type request_behavior(client_actor::pointer self, router_
                                              GenerateRequest request, TokenCallback on_token,
                                              OutcomeCallback result, std::chrono::milliseconds wait) {
   const RequestId id = request.id;
+  // The router going away (its process killed, its node's connection lost)
+  // ends the request at once: its reply can no longer come.
+  self->monitor(router);
+  self->set_down_handler([=](caf::down_msg& down) {
+    result(make_failure(id, ErrorCode::worker_lost, "the router went away (" + caf::to_string(down.reason) + ")"));
+    self->quit();
+  });
   self->request(router, wait, generate_atom::value, std::move(request),
                 caf::actor_cast<client_actor>(self))
       .then(

@@ -6,6 +6,7 @@
 
 #include <signal.h>
 
+#include <atomic>
 #include <chrono>
 #include <future>
 #include <thread>
@@ -87,6 +88,27 @@ TEST(ClusterLiveness, AStoppedDecodeNodeGetsNoWorkItsRequestsCompleteElsewhereAn
   for (const auto& w : status->workers)
     if (w.role == WorkerRole::decode) EXPECT_EQ(w.free_blocks, w.total_blocks) << w.name;
   EXPECT_TRUE(cluster.stop_all());
+}
+
+// A client's requests end with worker_lost as soon as the router's process
+// dies, not at their deadline (60 s here).
+TEST(ClusterLiveness, ClientsHearAtOnceThatTheRouterIsGone) {
+  TestCluster cluster("router-gone");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  GenerateRequest long_one = short_request(0);
+  long_one.max_new_tokens = 400;
+  std::promise<void> first_token;
+  std::atomic<bool> seen{false};
+  auto pending = cluster.client().submit(long_one, [&](const TokenEvent&) {
+    if (!seen.exchange(true)) first_token.set_value();
+  });
+  ASSERT_EQ(first_token.get_future().wait_for(10s), std::future_status::ready);
+  const auto killed = std::chrono::steady_clock::now();
+  cluster.kill_node("router");
+  ASSERT_EQ(pending.wait_for(5s), std::future_status::ready) << "the client waits for a dead router";
+  const RequestOutcome out = pending.get();
+  EXPECT_EQ(out.code, ErrorCode::worker_lost) << out.message;
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, 5s);
 }
 
 }  // namespace
