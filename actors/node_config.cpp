@@ -78,6 +78,10 @@ std::string NodeOptions::validate() const {
   else if (role != "router" && !worker && !frontend)
     add_problem(problems, "node.role must be router, prefill, decode or frontend (got \"" + role + "\")");
   if (host.empty()) add_problem(problems, "node.host must not be empty");
+  if (max_message_bytes < 1024 || max_message_bytes > int64_t{0xFFFFFFFF})
+    add_problem(problems, "node.max-message-bytes must be in [1024, 4294967295]");
+  if (handshake_timeout_ms <= 0) add_problem(problems, "node.handshake-timeout-ms must be > 0");
+  if (max_connections <= 0) add_problem(problems, "node.max-connections must be > 0");
   if (role == "decode" && advertise_host.empty() && (host == "0.0.0.0" || host == "::"))
     add_problem(problems, "node.advertise-host is required when node.host is the wildcard " + host +
                               " (prefill nodes must know where to connect)");
@@ -124,6 +128,10 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.ready_file, "ready-file", "file written once the node serves")
       .add(n.log_level, "log-level", "error, warning or info (default)")
       .add(n.metrics_port, "metrics-port", "GET /metrics (Prometheus) on host:metrics-port (0: off)")
+      .add(n.port_guard, "port-guard", "router, decode: check every peer's messages in front of the CAF port")
+      .add(n.max_message_bytes, "max-message-bytes", "largest message a peer may announce (port guard)")
+      .add(n.handshake_timeout_ms, "handshake-timeout-ms", "a peer's first message must arrive by then (port guard)")
+      .add(n.max_connections, "max-connections", "connections a port accepts at once (port guard)")
       .add(n.http_host, "http-host", "frontend: address of the HTTP API (default 127.0.0.1)")
       .add(n.http_port, "http-port", "frontend: port of the HTTP API (0: any free port)")
       .add(n.http_body_limit, "http-body-limit", "frontend: largest request body in bytes (more: 413)")

@@ -35,6 +35,13 @@ struct NodeOptions {
   std::string log_level = "info";  // "error", "warning" or "info" (actors/node_log.h)
   // Every role: GET /metrics (Prometheus text) on node.host:metrics-port; 0: none.
   uint16_t metrics_port = 0;
+  // Router and decode: the port guard in front of the CAF port
+  // (node/port_guard.h): CAF itself listens on 127.0.0.1 only, the guard on
+  // host:port, checking every message header before its payload moves.
+  bool port_guard = true;
+  int64_t max_message_bytes = int64_t{16} << 20;  // largest message a peer may announce (raised for kv-transport message)
+  int64_t handshake_timeout_ms = 5000;            // a peer's first message must be complete by then
+  int32_t max_connections = 1024;                 // connections at once; more are closed at accept
   // frontend (http/): the OpenAI-compatible HTTP API.
   std::string http_host = "127.0.0.1";
   uint16_t http_port = 0;                     // 0: any free port (logged, written to the ready file)

@@ -19,6 +19,7 @@
 #include "actors/node_relay.h"
 #include "actors/prefill.h"
 #include "actors/router.h"
+#include "node/port_guard.h"
 #include "actors/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/all.hpp"
@@ -33,6 +34,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+
+// What a KvTransfer message adds to the KV bytes it carries (ids, sampling,
+// CAF's framing): the port guard's limit for one-message KV leaves this room.
+constexpr int64_t kMessageOverheadBytes = int64_t{1} << 20;
 
 volatile std::sig_atomic_t g_stop = 0;
 extern "C" void on_stop_signal(int) { g_stop = 1; }
@@ -58,18 +63,51 @@ std::string listen_problem(const std::string& host, uint16_t port) {
   return problem;
 }
 
-// Publishes `who` on host:port (port 0: any free one). SO_REUSEADDR lets a
-// restarted node take its port back at once while old connections linger in
-// TIME_WAIT; a port another process listens on is still refused.
+// A published actor: the port peers connect to, and the guard in front of
+// CAF's own port when there is one.
+struct Published {
+  uint16_t port = 0;
+  std::unique_ptr<PortGuard> guard;
+};
+
+// Publishes `who` on host:port (port 0: any free one). With node.port-guard
+// (the default) CAF listens on 127.0.0.1 at a free port and a PortGuard owns
+// host:port, so no peer's bytes reach CAF unchecked (node/port_guard.h).
+// SO_REUSEADDR lets a restarted node take its port back at once while old
+// connections linger in TIME_WAIT; a port another process listens on is
+// still refused.
 template <class Handle>
-std::optional<uint16_t> publish_on(caf::actor_system& system, const Handle& who, const std::string& host,
-                                   uint16_t port) {
-  auto published = publish_actor(system, who, port, host);  // TLS when configured (actors/tls.h)
-  if (published) return *published;
-  const std::string why = listen_problem(host, port);
-  node_log("cannot listen on " + endpoint_of(host, port) + ": " +
-           (why.empty() ? system.render(published.error()) : why));
-  return std::nullopt;
+std::optional<Published> publish_on(caf::actor_system& system, const Handle& who, const NodeOptions& node,
+                                    int64_t max_message_bytes) {
+  const std::string caf_host = node.port_guard ? "127.0.0.1" : node.host;
+  const uint16_t caf_port = node.port_guard ? 0 : node.port;
+  auto published = publish_actor(system, who, caf_port, caf_host);  // TLS when configured (actors/tls.h)
+  if (!published) {
+    const std::string why = listen_problem(caf_host, caf_port);
+    node_log("cannot listen on " + endpoint_of(caf_host, caf_port) + ": " +
+             (why.empty() ? system.render(published.error()) : why));
+    return std::nullopt;
+  }
+  Published out;
+  out.port = *published;
+  if (!node.port_guard) return out;
+  PortGuardOptions options;
+  options.listen_host = node.host;
+  options.listen_port = node.port;
+  options.target_port = *published;
+  options.max_message_bytes = uint32_t(std::min<int64_t>(max_message_bytes, 0xFFFFFFFF));
+  options.handshake_timeout = std::chrono::milliseconds(node.handshake_timeout_ms);
+  options.max_connections = node.max_connections;
+  options.inspect = !uses_tls(system);  // TLS bytes cannot be read: cap and first-byte timeout only
+  try {
+    out.guard = std::make_unique<PortGuard>(options, [](const std::string& line) { node_log(LogLevel::error, line); });
+  } catch (const std::exception& e) {
+    const std::string why = listen_problem(node.host, node.port);
+    node_log(why.empty() ? std::string(e.what()) : "cannot listen on " + endpoint_of(node.host, node.port) + ": " + why);
+    return std::nullopt;
+  }
+  out.port = out.guard->port();
+  return out;
 }
 
 // What a node waits for in its main thread: a signal, or one of `watched`
@@ -132,11 +170,12 @@ int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggC
   }
   auto router = spawn_router(system, cfg, tokenizer, model);
   caf::scoped_actor self{system};
-  auto port = publish_on(system, router, node.host, node.port);
-  if (!port) {
+  auto published = publish_on(system, router, node, node.max_message_bytes);
+  if (!published) {
     stop_actor(self, router);
     return 1;
   }
+  const uint16_t* port = &published->port;
   const std::string endpoint = endpoint_of(node.host, *port);
   node_log("router of cluster \"" + cfg.cluster + "\" listening on " + endpoint + (uses_tls(system) ? " (TLS)" : "") +
            (tokenizer ? " (tokenizer " + cfg.tokenizer + ")" : " (no tokenizer: token prompts only)"));
@@ -190,6 +229,7 @@ namespace {
 int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
   const bool is_decode = node.parsed_role() == NodeRole::decode;
   caf::scoped_actor self{system};
+  std::optional<Published> decode_port;  // a decode node's KV port (and its guard) while the node runs
 
   // The KV data plane: a decode node's receivers listen from here on.
   std::shared_ptr<kv::KvPlane> plane;
@@ -244,11 +284,16 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
   caf::actor_cast<caf::abstract_actor*>(relay)->add_link(caf::actor_cast<caf::abstract_actor*>(worker));
   if (is_decode) {
     // The KV port: prefill nodes connect here directly.
-    auto port = publish_on(system, caf::actor_cast<decode_actor>(worker), node.host, node.port);
-    if (!port) {
+    // A one-message KV (kv-transport message) must fit the guard's limit.
+    const int64_t max_message = cfg.kv_transport == "message"
+                                    ? std::max(node.max_message_bytes, cfg.max_kv_transfer_bytes + kMessageOverheadBytes)
+                                    : node.max_message_bytes;
+    decode_port = publish_on(system, caf::actor_cast<decode_actor>(worker), node, max_message);
+    if (!decode_port) {
       stop_actor(self, worker);
       return 1;
     }
+    const uint16_t* port = &decode_port->port;
     const std::string endpoint =
         endpoint_of(node.advertise_host.empty() ? node.host : node.advertise_host, *port);
     node_log("decode worker listening for KV on " + endpoint_of(node.host, *port) +

@@ -65,11 +65,16 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       kv_transfer_bytes(
           r.counter("disagg_kv_transfer_bytes_total", "Bytes of KV sent from prefill to decode workers.").get()),
       workers(r.gauge("disagg_workers", "Workers registered at the router, by role.", {"role"})),
+      connections_closed(r.counter("disagg_connections_closed_total",
+                                   "Connections a node's port guard refused or closed, by reason.", {"reason"})),
       success_stop(request_success.with({"stop"})),
       success_length(request_success.with({"length"})),
       prefill_workers(workers.with({"prefill"})),
       decode_workers(workers.with({"decode"})) {
   for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
+  // (node/port_guard.h GuardRefusal's names: every reason exists at zero)
+  for (const char* reason : {"connection_cap", "message_too_large", "bad_header", "handshake_timeout"})
+    connections_closed.with({reason});
 }
 
 Counter& DisaggMetrics::success(const std::string& finished_reason) {

@@ -42,6 +42,8 @@ struct DisaggMetrics {
   Histogram& kv_transfer;           // seconds
   Counter& kv_transfer_bytes;
   Family<Gauge>& workers;           // {role}: prefill | decode registered at the router
+  // {reason}: connections a node's port guard refused or closed (node/port_guard.h)
+  Family<Counter>& connections_closed;
 
   // The labelled children, resolved once: no lock on the update path.
   Counter& success_stop;

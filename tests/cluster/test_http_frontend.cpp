@@ -321,6 +321,9 @@ void expect_error(const Curl& c, int status, const std::string& code, const std:
 TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   if (run_command("command -v curl >/dev/null 2>&1").second != 0) GTEST_SKIP() << "curl not installed";
   TestCluster cluster("http-errors");
+  // No restarts: the decode worker killed below fails its request (with
+  // restarts it would wait, migrated, for another decode worker).
+  cluster.set_disagg_options("max-worker-retries = 0\n");
   cluster.start_router();
   constexpr int kBodyLimit = 4096;
   cluster.start_node("frontend", "frontend", "http-body-limit = " + std::to_string(kBodyLimit) + "\n");

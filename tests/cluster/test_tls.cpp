@@ -294,15 +294,15 @@ TEST(ClusterTls, AnOversizedHeaderOnATlsPortIsNeverParsed) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
-// The same header on a plain port (the default, for loopback): CAF 0.17.6
-// has no limit on the announced size (middleman has no such option; BASP
-// configures its next read to exactly payload_len bytes and the stream
-// resizes its buffer to that), so the node allocates what a stranger
-// announces. Checked with 64 MiB; 0xFFFFFFFF allocates 4 GiB. This is why
-// a port reachable from an untrusted network must use TLS.
-TEST(ClusterTls, APlainPortAllocatesWhatAnUnauthenticatedHeaderAnnounces) {
+// The same header on a plain port without the port guard (node.port-guard =
+// false): CAF 0.17.6 has no limit on the announced size (the middleman has no
+// such option; BASP configures its next read to exactly payload_len bytes and
+// the stream resizes its buffer to that), so the node allocates what a
+// stranger announces. Checked with 64 MiB; 0xFFFFFFFF allocates 4 GiB. This is
+// why the guard exists (next tests) and why untrusted networks need TLS.
+TEST(ClusterTls, APlainPortWithoutTheGuardAllocatesWhatAnUnauthenticatedHeaderAnnounces) {
   TestCluster cluster("plain-oversized");
-  cluster.start_router();
+  cluster.start_node("router", "router", "port-guard = false\n");
   ASSERT_TRUE(cluster.wait_for_workers(0, 0));
   const pid_t router = cluster.node("router").pid();
   const int64_t before = rss_bytes(router);
@@ -316,6 +316,62 @@ TEST(ClusterTls, APlainPortAllocatesWhatAnUnauthenticatedHeaderAnnounces) {
   EXPECT_FALSE(closed_by_peer(fd, 100ms));  // waiting for the 64 MiB
   ::close(fd);
   EXPECT_GE(grown, 48 << 20) << "router RSS " << before << " -> " << before + grown;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// With the port guard (the default), the plain router and decode ports read
+// every message header before CAF does: the 4 GiB announcement closes the
+// connection before a byte of payload moves, nothing is allocated, the refusal
+// is logged, and the nodes serve on.
+TEST(ClusterTls, ThePortGuardClosesAnOversizedHeaderOnAPlainPortBeforeAnyAllocation) {
+  TestCluster cluster("guard-oversized");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  const pid_t router = cluster.node("router").pid(), decode = cluster.node("decode-1").pid();
+  const int64_t router_before = rss_bytes(router), decode_before = rss_bytes(decode);
+  for (const uint16_t port : {cluster.router_port(), cluster.port_of("decode-1")}) {
+    const int fd = connect_to(port);
+    ASSERT_GE(fd, 0);
+    EXPECT_TRUE(send_all(fd, oversized_header(0xFFFFFFFFu)));
+    EXPECT_TRUE(closed_by_peer(fd, 2s)) << "port " << port << " kept the connection open";
+    ::close(fd);
+  }
+  std::this_thread::sleep_for(200ms);
+  const int64_t limit = int64_t(16) << 20;
+  EXPECT_LT(rss_bytes(router) - router_before, limit);
+  EXPECT_LT(rss_bytes(decode) - decode_before, limit);
+  EXPECT_NE(cluster.node("router").log().find("announced a message of 4294967295 bytes"), std::string::npos)
+      << cluster.node("router").log();
+  EXPECT_NE(cluster.node("decode-1").log().find("announced a message of 4294967295 bytes"), std::string::npos)
+      << cluster.node("decode-1").log();
+  const RequestOutcome served = cluster.client().generate(token_request({1, 403, 407, 261, 378}, 8));
+  EXPECT_TRUE(served.ok()) << to_string(served.code) << ": " << served.message;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// A peer that connects and says nothing is closed at the handshake timeout;
+// connections beyond max-connections are closed at accept; both are logged,
+// and the router serves on.
+TEST(ClusterTls, ThePortGuardBoundsIdleAndExcessConnections) {
+  TestCluster cluster("guard-limits");
+  cluster.start_node("router", "router", "handshake-timeout-ms = 300\nmax-connections = 4\n");
+  ASSERT_TRUE(cluster.wait_for_workers(0, 0));
+  std::vector<int> idle;
+  for (int i = 0; i < 10; ++i) idle.push_back(connect_to(cluster.router_port()));
+  int closed_at_once = 0;
+  for (int fd : idle) closed_at_once += closed_by_peer(fd, 100ms) ? 1 : 0;
+  EXPECT_GE(closed_at_once, 6) << "connections beyond the cap of 4 stay open";
+  int closed_later = 0;
+  for (int fd : idle) closed_later += closed_by_peer(fd, 2s) ? 1 : 0;
+  EXPECT_EQ(closed_later, 10) << "idle connections outlive the handshake timeout";
+  for (int fd : idle) ::close(fd);
+  const std::string log = cluster.node("router").log();
+  EXPECT_NE(log.find("(connection_cap, 1 so far)"), std::string::npos) << log;
+  EXPECT_NE(log.find("(handshake_timeout, 1 so far)"), std::string::npos) << log;
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  const RequestOutcome served = cluster.client().generate(token_request({1, 403, 407, 261, 378}, 8));
+  EXPECT_TRUE(served.ok()) << to_string(served.code) << ": " << served.message;
   EXPECT_TRUE(cluster.stop_all());
 }
 
