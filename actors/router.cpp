@@ -8,7 +8,7 @@
 #include <unordered_map>
 
 #include "actors/errors.h"
-#include "actors/node_log.h"
+#include "node/log.h"
 #include "actors/request_metrics.h"
 #include "actors/router_policy.h"
 #include "actors/timing.h"
@@ -522,7 +522,7 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
 std::optional<std::string> refusal(Self self, const WorkerInfo& info, const caf::actor_addr& address) {
   const auto& st = self->state;
   // A worker node's relay names its cluster; an in-process worker (same
-  // node as the router, e.g. actors/local_cluster.h) is the router's own.
+  // node as the router, e.g. node/local_cluster.h) is the router's own.
   const bool own_process = info.cluster.empty() && address.node() == self->node();
   if (!own_process && info.cluster != st.config.cluster)
     return "it belongs to cluster \"" + info.cluster + "\", this router serves cluster \"" + st.config.cluster + "\"";

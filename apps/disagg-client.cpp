@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "actors/node_client.h"
+#include "node/client.h"
 #include "apps/cli/cli.h"
 #include "gpu/error.h"
 #include "gpu/tokenizer.h"

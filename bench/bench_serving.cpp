@@ -20,7 +20,7 @@
 
 #include "actors/client.h"
 #include "actors/config.h"
-#include "actors/local_cluster.h"
+#include "node/local_cluster.h"
 #include "apps/cli/cli.h"
 #include "caf/actor_system.hpp"
 #include "gpu/checkpoint.h"

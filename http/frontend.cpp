@@ -18,9 +18,9 @@
 #include <sys/resource.h>
 
 #include "actors/client.h"
-#include "actors/node_log.h"
-#include "actors/node_relay.h"
-#include "actors/node_runtime.h"
+#include "node/log.h"
+#include "node/relay.h"
+#include "node/runtime.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "gpu/checkpoint.h"

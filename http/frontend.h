@@ -12,7 +12,7 @@
 // client that disconnects cancels its request at the router.
 #pragma once
 #include "actors/config.h"
-#include "actors/node_config.h"
+#include "node/config.h"
 #include "caf/actor_system.hpp"
 
 namespace disagg::http {

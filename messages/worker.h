@@ -39,7 +39,7 @@ struct WorkerInfo {
   // worker with equal ids stream KV through shared memory (kv/plane.h).
   std::string host_id;
   // The cluster the worker's node belongs to (disagg.cluster), set by the
-  // node's relay (actors/node_relay.h); empty for an in-process worker.
+  // node's relay (node/relay.h); empty for an in-process worker.
   std::string cluster;
 };
 

@@ -12,7 +12,7 @@
 
 #include "actors/client.h"
 #include "actors/config.h"
-#include "actors/local_cluster.h"
+#include "node/local_cluster.h"
 #include "caf/actor_system.hpp"
 #include "gpu/generate.h"
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "actors/node_log.h"
+#include "node/log.h"
 
 namespace disagg {
 namespace {

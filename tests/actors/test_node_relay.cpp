@@ -1,4 +1,4 @@
-// The relay of a worker node (actors/node_relay.h) keeps trying to register
+// The relay of a worker node (node/relay.h) keeps trying to register
 // its worker while the router it knows is alive but refuses or does not
 // answer, instead of leaving the worker unknown to the cluster for good.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "actors/config.h"
-#include "actors/node_relay.h"
+#include "node/relay.h"
 #include "caf/all.hpp"
 
 namespace disagg::test {

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "actors/node_client.h"
+#include "node/client.h"
 #include "cluster/child_process.h"
 
 namespace disagg::test {

@@ -11,7 +11,7 @@
 #include <filesystem>
 #include <regex>
 
-#include "actors/node_config.h"
+#include "node/config.h"
 #include "cluster/child_process.h"
 #include "cluster/cluster_fixture.h"
 #include "support/test_paths.h"

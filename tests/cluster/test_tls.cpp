@@ -1,4 +1,4 @@
-// Mutual TLS between the nodes (actors/tls.h) across processes: a TLS
+// Mutual TLS between the nodes (node/tls.h) across processes: a TLS
 // cluster serves the same tokens as a plain one; a node or client without a
 // certificate of the cluster's CA gets no further than the TLS handshake, on
 // the router's port and on a decode node's KV port; an oversized BASP header
@@ -248,7 +248,7 @@ TEST(ClusterTls, NodesWithoutACertificateOfTheClustersCaCannotRegister) {
   // The router logged each refused handshake, with the peer and the reason,
   // and kept its own workers: a failed handshake used to leave an error in
   // OpenSSL's queue that made CAF drop every healthy TLS connection after it
-  // (actors/tls.cpp).
+  // (node/tls.cpp).
   const std::string router_log = cluster.node("router").log();
   EXPECT_NE(router_log.find("refused a TLS connection from 127.0.0.1:"), std::string::npos) << router_log;
   EXPECT_NE(router_log.find("unknown ca"), std::string::npos) << router_log;

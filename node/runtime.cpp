@@ -1,4 +1,4 @@
-#include "actors/node_runtime.h"
+#include "node/runtime.h"
 
 #include <csignal>
 #include <iostream>
@@ -14,13 +14,13 @@
 
 #include "actors/compute.h"
 #include "actors/decode.h"
-#include "actors/node_config.h"
-#include "actors/node_log.h"
-#include "actors/node_relay.h"
+#include "node/config.h"
+#include "node/log.h"
+#include "node/relay.h"
 #include "actors/prefill.h"
 #include "actors/router.h"
 #include "node/port_guard.h"
-#include "actors/tls.h"
+#include "node/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/all.hpp"
 #include "gpu/checkpoint.h"
@@ -81,7 +81,7 @@ std::optional<Published> publish_on(caf::actor_system& system, const Handle& who
                                     int64_t max_message_bytes) {
   const std::string caf_host = node.port_guard ? "127.0.0.1" : node.host;
   const uint16_t caf_port = node.port_guard ? 0 : node.port;
-  auto published = publish_actor(system, who, caf_port, caf_host);  // TLS when configured (actors/tls.h)
+  auto published = publish_actor(system, who, caf_port, caf_host);  // TLS when configured (node/tls.h)
   if (!published) {
     const std::string why = listen_problem(caf_host, caf_port);
     node_log("cannot listen on " + endpoint_of(caf_host, caf_port) + ": " +

@@ -1,4 +1,4 @@
-#include "actors/node_log.h"
+#include "node/log.h"
 
 #include <atomic>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "actors/local_cluster.h"
+#include "node/local_cluster.h"
 
 #include <map>
 #include <thread>

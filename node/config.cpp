@@ -1,6 +1,6 @@
-#include "actors/node_config.h"
+#include "node/config.h"
 
-#include "actors/node_log.h"
+#include "node/log.h"
 
 #include <cctype>
 #include <fstream>

@@ -1,4 +1,4 @@
-#include "actors/tls.h"
+#include "node/tls.h"
 
 #include <arpa/inet.h>
 #include <dlfcn.h>
@@ -13,7 +13,7 @@
 #include <atomic>
 #include <memory>
 
-#include "actors/node_log.h"
+#include "node/log.h"
 
 #include "caf/config_option_adder.hpp"
 #include "caf/function_view.hpp"

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "actors/client.h"
-#include "actors/tls.h"
+#include "node/tls.h"
 
 namespace disagg {
 
@@ -17,7 +17,7 @@ class RemoteClient {
   // Connects to the router, retrying until `wait` has passed (0: one try).
   // Throws gpu::Error("cannot reach the router at HOST:PORT: ...") on failure
   // and for a malformed address.
-  // With `tls` enabled (actors/tls.h) the connection is mutual TLS: the
+  // With `tls` enabled (node/tls.h) the connection is mutual TLS: the
   // router must present a certificate of tls.ca_file's CA, and this client
   // presents tls.certificate; a problem with the files throws gpu::Error.
   // Each attempt waits at most 10 s for the router's handshake.

@@ -1,4 +1,4 @@
-#include "actors/node_client.h"
+#include "node/client.h"
 
 #include <cstdlib>
 #include <thread>

@@ -1,4 +1,4 @@
-#include "actors/node_relay.h"
+#include "node/relay.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -8,8 +8,8 @@
 #include <set>
 #include <vector>
 
-#include "actors/node_log.h"
-#include "actors/tls.h"
+#include "node/log.h"
+#include "node/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/middleman.hpp"
 

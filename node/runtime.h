@@ -1,9 +1,9 @@
 // One process of a multi-process cluster (disagg-node): loads its options
-// (actors/node_config.h) and runs its role until SIGINT/SIGTERM.
+// (node/config.h) and runs its role until SIGINT/SIGTERM.
 //   router   spawns the router and publishes it on node.host:node.port.
 //   prefill  connects to the router (retrying with backoff while it is not up
 //            yet), spawns compute + prefill worker; registers through a relay
-//            (actors/node_relay.h) whose gate dials decode nodes directly.
+//            (node/relay.h) whose gate dials decode nodes directly.
 //   decode   publishes its decode worker on node.host:node.port (prefill nodes
 //            connect there: KV never crosses the router's node), connects to
 //            the router and registers with that endpoint.
@@ -17,7 +17,7 @@
 #include <optional>
 
 #include "actors/config.h"
-#include "actors/node_config.h"
+#include "node/config.h"
 #include "messages/interfaces.h"
 
 namespace disagg {
