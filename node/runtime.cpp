@@ -201,8 +201,12 @@ std::optional<router_actor> connect_to_router(caf::actor_system& system, const N
   const std::string where = endpoint_of(node.router_host, node.router_port);
   const auto start = Clock::now();
   auto delay = std::chrono::milliseconds(node.connect_retry_ms);
+  // Each try waits this long for the router's handshake, so a stop signal
+  // is seen within it even when the address accepts and never speaks (a
+  // later try joins the handshake still pending in CAF's middleman).
+  constexpr auto kHandshakeWait = std::chrono::milliseconds(500);
   for (int attempt = 1;; ++attempt) {
-    auto router = remote_actor_at<router_actor>(system, node.router_host, node.router_port);
+    auto router = remote_actor_at<router_actor>(system, node.router_host, node.router_port, kHandshakeWait);
     if (router) {
       node_log("connected to the router at " + where);
       return *router;

@@ -4,7 +4,11 @@
 // gets work again once it answers.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -35,6 +39,15 @@ std::vector<int32_t> colocated_tokens(const GenerateRequest& r) {
   const std::vector<int> prompt(r.prompt_tokens.begin(), r.prompt_tokens.end());
   const auto out = gpu::generate(engine, prompt, r.max_new_tokens, gpu::SamplingParams{});
   return std::vector<int32_t>(out.tokens.begin(), out.tokens.end());
+}
+
+bool log_has_text(ChildProcess& process, const std::string& text, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (process.log().find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
 }
 
 bool log_has(TestCluster& cluster, const std::string& name, const std::string& text, std::chrono::milliseconds timeout) {
@@ -109,6 +122,33 @@ TEST(ClusterLiveness, ClientsHearAtOnceThatTheRouterIsGone) {
   const RequestOutcome out = pending.get();
   EXPECT_EQ(out.code, ErrorCode::worker_lost) << out.message;
   EXPECT_LT(std::chrono::steady_clock::now() - killed, 5s);
+}
+
+// A worker pointed at an address that accepts connections and never speaks
+// (not a router) waits for it, and still exits at once on SIGTERM.
+TEST(ClusterLiveness, AWorkerWaitingForASilentRouterExitsPromptlyOnSigterm) {
+  TestCluster cluster("silent-router");
+  // A listening socket nobody reads: the kernel completes TCP handshakes into
+  // its backlog, so connecting works and no byte ever comes back.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener, 16), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  std::string ini = cluster.config_text("prefill", "prefill-1", 0);
+  const std::string from = "router-port = " + std::to_string(cluster.router_port());
+  ini.replace(ini.find(from), from.size(), "router-port = " + std::to_string(ntohs(addr.sin_port)));
+  write_text_file(cluster.dir() + "/silent.ini", ini);
+  ChildProcess worker({node_binary(), "--config-file=" + cluster.dir() + "/silent.ini"}, cluster.dir() + "/silent.log");
+  EXPECT_TRUE(log_has_text(worker, "not reachable yet", 10s)) << worker.log();
+  const auto signalled = std::chrono::steady_clock::now();
+  EXPECT_EQ(worker.stop(std::chrono::seconds(10)), 0) << worker.log();
+  EXPECT_LT(std::chrono::steady_clock::now() - signalled, 2s) << "SIGTERM took long to end the wait";
+  ::close(listener);
 }
 
 }  // namespace
