@@ -81,9 +81,16 @@ class Session : public std::enable_shared_from_this<Session> {
                            guard_timeout_text(self->guard_->options));
       self->close();
     });
+    // No Nagle on either side (CAF sets TCP_NODELAY on its own sockets): a
+    // relayed message is written as header, then payload, and with Nagle the
+    // second write waits for the peer's delayed ACK (40 ms per message).
+    boost::system::error_code ignored;
+    peer_.set_option(tcp::no_delay(true), ignored);
     caf_.async_connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), guard_->options.target_port),
                        [self](const boost::system::error_code& ec) {
                          if (ec) return self->close();
+                         boost::system::error_code nodelay_ignored;
+                         self->caf_.set_option(tcp::no_delay(true), nodelay_ignored);
                          self->pump_down();
                          if (self->guard_->options.inspect) self->read_header();
                          else self->pump_up();
