@@ -122,6 +122,28 @@ TEST(ClusterMembership, AWorkerOfAnotherModelIsRefusedAndItsNodeExits) {
 // The router refuses a worker of another cluster (disagg.cluster), e.g. a
 // node of a second cluster pointed at this one's router: logged there, and
 // the node exits 1 naming the reason, as for another model.
+// A second node with a name a registered worker holds is refused; the
+// holder keeps serving.
+TEST(ClusterMembership, AWorkerWithATakenNameIsRefusedAndItsNodeExits) {
+  TestCluster cluster("refused-name");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  write_text_file(cluster.dir() + "/impostor.ini", cluster.config_text("prefill", "prefill-1", 0));
+  ChildProcess impostor({node_binary(), "--config-file=" + cluster.dir() + "/impostor.ini"},
+                        cluster.dir() + "/impostor.log");
+  const auto code = impostor.wait_exit(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value()) << "the refused worker is still running\n" << impostor.log();
+  EXPECT_EQ(*code, 1) << impostor.log();
+  EXPECT_NE(impostor.log().find("is taken by another worker"), std::string::npos) << impostor.log();
+  EXPECT_NE(cluster.node("router").log().find("is taken by another worker"), std::string::npos)
+      << cluster.node("router").log();
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  GenerateRequest r = small_request();
+  const RequestOutcome out = cluster.client().generate(r);
+  EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.prefill_worker, "prefill-1");
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 TEST(ClusterMembership, AWorkerOfAnotherClusterIsRefusedAndItsNodeExits) {
   TestCluster cluster("refused-cluster");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
