@@ -89,8 +89,20 @@
 //   it and free its blocks (a decode worker reports its load even when it held
 //   nothing of it; the prefill worker reports the job once its compute has
 //   finished or skipped it). The same happens when the deadline passes
-//   (timeout), a worker goes down (worker_lost) or any step fails. Whatever
-//   the cause, the router finishes a request in one place, exactly once.
+//   (timeout) or any step fails. Whatever the cause, the router finishes a
+//   request in one place, exactly once.
+//   A worker that goes down, or leaves the router's heartbeat
+//   ((status_atom) every heartbeat-interval-ms, self-timed by heartbeat_atom)
+//   unanswered for heartbeat-timeout-ms, does not end its requests: each
+//   starts over on other workers (cancel to the old ones; their late answers
+//   name an old attempt and are ignored). One whose decode worker was lost
+//   after tokens were streamed migrates: PrefillJob.prompt_tokens = prompt +
+//   those tokens, first_step = their count, so the continuation is exactly
+//   the original (sampling is stateless per step) and its token events go on
+//   at index first_step (the router forwards each index once). After
+//   max-worker-retries restarts: worker_lost.
+//   The client's request actor monitors the router: the router's process
+//   gone ends the request with worker_lost at once.
 //
 // Sampling is stateless per step (messages/request.h Sampling), so the tokens
 // equal gpu::generate's for the same prompt and sampling settings.
