@@ -175,6 +175,19 @@ Request* from_its_decode_worker(Self self, RequestId id) {
   return &r;
 }
 
+// Ends the request's current attempt on its workers: when `tell`, the ones
+// that have not answered yet are told to drop it; and while reserving, no
+// prefill job is out, so its slot comes back here (once a job is out, only
+// the worker's report frees it).
+void end_attempt(Self self, Request& r, bool tell) {
+  const RequestId id = r.request.id;
+  if (tell && !r.prefill_report)
+    if (Worker* p = find_worker(self, r.prefill_key)) self->send(p->prefill, cancel_atom::value, id);
+  if (tell && !r.decode_done)
+    if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
+  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
+}
+
 // THE exit of every accepted request: one terminal reply, everything it holds
 // released (and, when it failed, its workers told to drop it), then forgotten.
 void finish(Self self, RequestId id, RequestOutcome outcome) {
@@ -182,16 +195,8 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
   auto it = st.requests.find(id);
   if (it == st.requests.end()) return;
   Request& r = it->second;
-  if (!outcome.ok() && r.dispatched) {
-    if (!r.prefill_report)
-      if (Worker* p = find_worker(self, r.prefill_key)) self->send(p->prefill, cancel_atom::value, id);
-    if (!r.decode_done)
-      if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
-  }
+  end_attempt(self, r, !outcome.ok() && r.dispatched);
   release_reservations(self, r);
-  // While reserving, no prefill job is out: its slot comes back here (once a
-  // job is out, only the worker's report frees it).
-  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
   if (r.phase == Phase::queued) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
   outcome.id = id;
   if (r.dispatched) {
@@ -608,12 +613,7 @@ bool retry_or_fail(Self self, RequestId id, const std::string& why) {
   r.earlier = r.streamed;
   // Both workers drop what they hold of this attempt (a hung one when it
   // wakes); their late answers name an old attempt and are ignored.
-  if (!r.prefill_report)
-    if (Worker* p = find_worker(self, r.prefill_key)) self->send(p->prefill, cancel_atom::value, id);
-  if (!r.decode_done)
-    if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
-  // While reserving, no prefill job is out: its slot comes back here.
-  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
+  end_attempt(self, r, true);
   r.prefill_report.reset();
   r.decode_done.reset();
   node_log(LogLevel::warning, "request " + std::to_string(id) + " starts over on other workers (retry " +
