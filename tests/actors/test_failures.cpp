@@ -332,62 +332,48 @@ int kill_busy_decode_workers(caf::actor_system& system, LocalCluster& cluster) {
 // A decode worker dies mid-generation: the request migrates to the other one
 // (prefill of prompt + the tokens streamed so far, sampling from that step)
 // and ends with exactly the colocated tokens; the client's stream has every
-// index once, in order.
-TEST_F(ActorTest, ADecodeWorkerGoingDownMidGenerationMigratesItsRequestsExactly) {
-  start(1, 2);
-  expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
-  const int max_new = 300;
-  ASSERT_EQ(colocated(kOnceUponATime, max_new).tokens.size(), size_t(max_new));
-  {
-    const Sampling sampling{};
+// index once, in order. Then the survivor still serves, and its pool is empty.
+class MigrationTest : public ActorTest {
+ protected:
+  void expect_exact_migration(const Sampling& sampling, int max_new, int kill_after_tokens) {
+    start(1, 2);
+    expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
     std::promise<void> some_tokens;
     TokenLog log;
     std::atomic<int> seen{0};
     auto future = client_->submit(make_request(kOnceUponATime, max_new, sampling), [&](const TokenEvent& e) {
       log.callback()(e);
-      if (++seen == 20) some_tokens.set_value();
+      if (++seen == kill_after_tokens) some_tokens.set_value();
     });
     some_tokens.get_future().wait();
     ASSERT_EQ(kill_busy_decode_workers(*system_, *cluster_), 1);
     const RequestOutcome out = future.get();
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
     EXPECT_EQ(out.tokens, colocated(kOnceUponATime, max_new, sampling).tokens);
-    std::lock_guard<std::mutex> lock(log.mutex);
-    ASSERT_EQ(log.events.size(), out.tokens.size()) << "a gap or a duplicate in the stream";
-    for (size_t i = 0; i < log.events.size(); ++i) {
-      EXPECT_EQ(log.events[i].index, int32_t(i));
-      EXPECT_EQ(log.events[i].token, out.tokens[i]);
+    {
+      std::lock_guard<std::mutex> lock(log.mutex);
+      ASSERT_EQ(log.events.size(), out.tokens.size()) << "a gap or a duplicate in the stream";
+      for (size_t i = 0; i < log.events.size(); ++i) {
+        EXPECT_EQ(log.events[i].index, int32_t(i));
+        EXPECT_EQ(log.events[i].token, out.tokens[i]);
+      }
     }
+    const RequestOutcome next = client_->generate(make_request(kOnceUponATime, 8));
+    EXPECT_TRUE(next.ok()) << next.message;
+    const auto loads = cluster_->decode_loads(std::chrono::milliseconds(500));
+    ASSERT_EQ(loads.size(), 1u);
+    EXPECT_EQ(loads[0].free_blocks, loads[0].total_blocks);
   }
-  // The survivor still serves requests, and its pool is empty afterwards.
-  const RequestOutcome next = client_->generate(make_request(kOnceUponATime, 8));
-  EXPECT_TRUE(next.ok()) << next.message;
-  const auto loads = cluster_->decode_loads(std::chrono::milliseconds(500));
-  ASSERT_EQ(loads.size(), 1u);
-  EXPECT_EQ(loads[0].free_blocks, loads[0].total_blocks);
+};
+
+TEST_F(MigrationTest, ADecodeWorkerGoingDownMidGenerationMigratesItsRequestsExactly) {
+  const int max_new = 300;
+  ASSERT_EQ(colocated(kOnceUponATime, max_new).tokens.size(), size_t(max_new))
+      << "precondition: the prompt must not reach BOS before max_new_tokens";
+  expect_exact_migration(Sampling{}, max_new, 20);
 }
 
-TEST_F(ActorTest, ASampledRequestMigratesExactlyToo) {
-  start(1, 2);
-  expect_pools_free_ = false;
-  const Sampling sampling{0.9f, 0.9f, 77};
-  const int max_new = 200;
-  std::promise<void> some_tokens;
-  std::atomic<int> seen{0};
-  TokenLog log;
-  auto future = client_->submit(make_request(kOnceUponATime, max_new, sampling), [&](const TokenEvent& e) {
-    log.callback()(e);
-    if (++seen == 10) some_tokens.set_value();
-  });
-  some_tokens.get_future().wait();
-  ASSERT_EQ(kill_busy_decode_workers(*system_, *cluster_), 1);
-  const RequestOutcome out = future.get();
-  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
-  EXPECT_EQ(out.tokens, colocated(kOnceUponATime, max_new, sampling).tokens);
-  std::lock_guard<std::mutex> lock(log.mutex);
-  ASSERT_EQ(log.events.size(), out.tokens.size());
-  for (size_t i = 0; i < log.events.size(); ++i) EXPECT_EQ(log.events[i].index, int32_t(i));
-}
+TEST_F(MigrationTest, ASampledRequestMigratesExactlyToo) { expect_exact_migration(Sampling{0.9f, 0.9f, 77}, 200, 10); }
 
 // Past max-worker-retries a lost decode worker fails its request with worker_lost.
 TEST_F(ActorTest, DecodeWorkerGoingDownPastTheRetriesFailsItsRequestsWithWorkerLost) {

@@ -1,13 +1,39 @@
 #include "cluster/cluster_fixture.h"
 
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
+#include "gpu/checkpoint.h"
+#include "gpu/engine.h"
 #include "gpu/error.h"
+#include "gpu/generate.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
+
+GenerateRequest token_request(const std::vector<int>& prompt, int max_new_tokens, Sampling sampling) {
+  GenerateRequest r;
+  r.prompt_tokens.assign(prompt.begin(), prompt.end());
+  r.max_new_tokens = max_new_tokens;
+  r.sampling = sampling;
+  return r;
+}
+
+std::vector<int32_t> colocated_tokens(const std::string& model, const GenerateRequest& request) {
+  static std::mutex mutex;
+  static std::map<std::string, std::unique_ptr<gpu::Engine>> engines;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& engine = engines[model];
+  if (!engine) engine = std::make_unique<gpu::Engine>(gpu::Checkpoint::open(model));
+  const auto out = gpu::generate(*engine, std::vector<int>(request.prompt_tokens.begin(), request.prompt_tokens.end()),
+                                 request.max_new_tokens,
+                                 {request.sampling.temperature, request.sampling.top_p, request.sampling.seed});
+  return std::vector<int32_t>(out.tokens.begin(), out.tokens.end());
+}
 
 namespace {
 using Clock = std::chrono::steady_clock;

@@ -17,6 +17,12 @@
 
 namespace disagg::test {
 
+// A request by token ids (no deadline: the client's default).
+GenerateRequest token_request(const std::vector<int>& prompt, int max_new_tokens, Sampling sampling = {});
+// What colocated generation (gpu::generate, what disagg-generate runs) makes
+// of `request` on the checkpoint at `model` (each model's engine loaded once).
+std::vector<int32_t> colocated_tokens(const std::string& model, const GenerateRequest& request);
+
 std::string node_binary();    // build/bin/disagg-node
 std::string client_binary();  // build/bin/disagg-client
 

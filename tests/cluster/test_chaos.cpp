@@ -14,9 +14,6 @@
 #include <thread>
 
 #include "cluster/cluster_fixture.h"
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/generate.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -91,11 +88,7 @@ TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
       continue;
     }
     ++completed;
-    const GenerateRequest r = chaos_request(i);
-    static gpu::Engine engine(gpu::Checkpoint::open(shared_model()));
-    const auto local = gpu::generate(engine, std::vector<int>(r.prompt_tokens.begin(), r.prompt_tokens.end()),
-                                     r.max_new_tokens, {r.sampling.temperature, r.sampling.top_p, r.sampling.seed});
-    EXPECT_EQ(out.tokens, std::vector<int32_t>(local.tokens.begin(), local.tokens.end())) << "request " << i;
+    EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), chaos_request(i))) << "request " << i;
     std::lock_guard<std::mutex> lock(t.mutex);
     ASSERT_EQ(t.events.size(), out.tokens.size()) << "request " << i << ": a gap or a duplicate in its stream";
     for (size_t k = 0; k < t.events.size(); ++k) EXPECT_EQ(t.events[k].index, int32_t(k)) << "request " << i;

@@ -318,6 +318,33 @@ void expect_error(const Curl& c, int status, const std::string& code, const std:
   else EXPECT_EQ(e["error"]["param"], param) << c.body;
 }
 
+// Connects `socket` to the frontend at `port`, posts a greedy streamed
+// completion of "Once upon a time" for `max_tokens` tokens and reads until its
+// first SSE event (30 s at most per read). Returns what it read; empty (and a
+// test failure) when the connection failed before an event.
+std::string start_stream(net::ip::tcp::socket& socket, uint16_t port, int max_tokens) {
+  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  const std::string body = R"({"prompt":"Once upon a time","max_tokens":)" + std::to_string(max_tokens) +
+                           R"(,"temperature":0,"stream":true})";
+  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  net::write(socket, net::buffer(request));
+  timeval tv{30, 0};
+  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string received;
+  char buf[4096];
+  while (received.find("data: ") == std::string::npos) {
+    boost::system::error_code ec;
+    const size_t n = socket.read_some(net::buffer(buf), ec);
+    if (ec) {
+      ADD_FAILURE() << ec.message();
+      return {};
+    }
+    received.append(buf, n);
+  }
+  return received;
+}
+
 TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   if (run_command("command -v curl >/dev/null 2>&1").second != 0) GTEST_SKIP() << "curl not installed";
   TestCluster cluster("http-errors");
@@ -406,22 +433,10 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   // The decode worker dies mid-stream: the error goes in-band, then [DONE].
   net::io_context ioc;
   net::ip::tcp::socket socket(ioc);
-  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
   // 300 tokens (greedy: no end of story before 341).
-  const std::string body = R"({"prompt":"Once upon a time","max_tokens":300,"temperature":0,"stream":true})";
-  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                              "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
-  net::write(socket, net::buffer(request));
-  timeval tv{30, 0};
-  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  std::string received;
+  std::string received = start_stream(socket, port, 300);
+  ASSERT_FALSE(received.empty());
   char buf[4096];
-  while (received.find("data: ") == std::string::npos) {
-    boost::system::error_code ec;
-    const size_t n = socket.read_some(net::buffer(buf), ec);
-    ASSERT_FALSE(ec) << ec.message();
-    received.append(buf, n);
-  }
   cluster.kill_node("decode-1");
   for (;;) {
     boost::system::error_code ec;
@@ -451,21 +466,7 @@ TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
   {
     net::io_context ioc;
     net::ip::tcp::socket socket(ioc);
-    socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
-    const std::string body = R"({"prompt":"Once upon a time","max_tokens":500,"temperature":0,"stream":true})";
-    const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
-    net::write(socket, net::buffer(request));
-    timeval tv{30, 0};
-    ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    std::string received;
-    char buf[4096];
-    while (received.find("data: ") == std::string::npos) {
-      boost::system::error_code ec;
-      const size_t n = socket.read_some(net::buffer(buf), ec);
-      ASSERT_FALSE(ec) << ec.message();
-      received.append(buf, n);
-    }
+    ASSERT_FALSE(start_stream(socket, port, 500).empty());
     socket.close();
   }
   // The router cancelled it (not completed): its blocks are free at once.

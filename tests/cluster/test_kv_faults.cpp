@@ -17,8 +17,6 @@
 
 #include "cluster/cluster_fixture.h"
 #include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/generate.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -90,15 +88,6 @@ class KvFaults : public ::testing::Test {
   }
 };
 
-// The colocated tokens of request_of(n, new_tokens) on the slow model (greedy).
-std::vector<int32_t> colocated_tokens(const std::string& model, int prompt_len, int new_tokens) {
-  gpu::Engine engine(gpu::Checkpoint::open(model));
-  const GenerateRequest r = request_of(prompt_len, new_tokens);
-  const std::vector<int> prompt(r.prompt_tokens.begin(), r.prompt_tokens.end());
-  const gpu::GenerateResult out = gpu::generate(engine, prompt, new_tokens, gpu::SamplingParams{});
-  return std::vector<int32_t>(out.tokens.begin(), out.tokens.end());
-}
-
 TEST_F(KvFaults, APrefillNodeKilledMidStreamFreesTheDecodeBlocksAndTheRequestCompletesOnAnother) {
   TestCluster cluster("kv-kill-prefill");
   ASSERT_NO_FATAL_FAILURE(start(cluster, "tcp", 1));
@@ -122,7 +111,7 @@ TEST_F(KvFaults, APrefillNodeKilledMidStreamFreesTheDecodeBlocksAndTheRequestCom
   ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
   EXPECT_EQ(out.prefill_worker, "prefill-2");
   EXPECT_TRUE(out.timings.kv_streamed);
-  EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), kLongPrompt, 4));
+  EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request_of(kLongPrompt, 4)));
   EXPECT_NE(cluster.node("router").log().find("starts over on other workers"), std::string::npos);
   EXPECT_TRUE(cluster.stop_all());
 }
@@ -146,7 +135,7 @@ TEST_F(KvFaults, ADecodeNodeKilledMidStreamAndTheRequestCompletesOnAnother) {
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
     EXPECT_EQ(out.decode_worker, "decode-2");
     EXPECT_TRUE(out.timings.kv_streamed);
-    EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), kLongPrompt, 4));
+    EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request_of(kLongPrompt, 4)));
     const RequestOutcome next = cluster.client().generate(request_of(64, 4));
     EXPECT_TRUE(next.ok()) << to_string(next.code) << ": " << next.message << "\n" << cluster.logs();
     EXPECT_TRUE(cluster.stop_all());

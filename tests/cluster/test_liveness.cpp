@@ -16,9 +16,6 @@
 #include <thread>
 
 #include "cluster/cluster_fixture.h"
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/generate.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -32,13 +29,6 @@ GenerateRequest short_request(int i) {
   r.max_new_tokens = 12;
   r.deadline_ms = 60000;
   return r;
-}
-
-std::vector<int32_t> colocated_tokens(const GenerateRequest& r) {
-  static gpu::Engine engine(gpu::Checkpoint::open(shared_model()));
-  const std::vector<int> prompt(r.prompt_tokens.begin(), r.prompt_tokens.end());
-  const auto out = gpu::generate(engine, prompt, r.max_new_tokens, gpu::SamplingParams{});
-  return std::vector<int32_t>(out.tokens.begin(), out.tokens.end());
 }
 
 bool log_has_text(ChildProcess& process, const std::string& text, std::chrono::milliseconds timeout) {
@@ -81,7 +71,7 @@ TEST(ClusterLiveness, AStoppedDecodeNodeGetsNoWorkItsRequestsCompleteElsewhereAn
     const RequestOutcome out = pending[i].get();
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
     EXPECT_EQ(out.decode_worker, "decode-2");
-    EXPECT_EQ(out.tokens, colocated_tokens(requests[i]));
+    EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), requests[i]));
   }
   EXPECT_TRUE(log_has(cluster, "router", "worker decode-1 did not answer a heartbeat", 1s)) << cluster.logs();
 

@@ -19,14 +19,6 @@
 namespace disagg::test {
 namespace {
 
-GenerateRequest token_request(const std::vector<int>& prompt, int max_new_tokens, Sampling sampling = {}) {
-  GenerateRequest r;
-  r.prompt_tokens.assign(prompt.begin(), prompt.end());
-  r.max_new_tokens = max_new_tokens;
-  r.sampling = sampling;
-  return r;
-}
-
 TEST(MultiProcessCluster, ServesTheSharedReferenceCasesTokenForToken) {
   TestCluster cluster("cluster-reference");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));

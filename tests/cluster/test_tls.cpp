@@ -95,14 +95,6 @@ std::string probe_with_openssl(uint16_t port, const std::vector<std::string>& ex
   return "exit " + std::to_string(code) + "\n" + out + err;
 }
 
-GenerateRequest token_request(const std::vector<int>& prompt, int max_new_tokens, Sampling sampling = {}) {
-  GenerateRequest r;
-  r.prompt_tokens.assign(prompt.begin(), prompt.end());
-  r.max_new_tokens = max_new_tokens;
-  r.sampling = sampling;
-  return r;
-}
-
 std::vector<GenerateRequest> some_requests() {
   const auto checkpoint = gpu::Checkpoint::open(shared_model());
   const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), checkpoint->config().vocab_size);
