@@ -73,17 +73,19 @@ void pass_on(GateSelf self, WaitingJob& w) {
 
 void ask_router(GateSelf self);
 
-// Once no lookup is in flight: jobs with a direct route go on; jobs that
-// arrived before the last status was asked for and still have none fail;
-// jobs that arrived later make the gate ask again.
+// Jobs with a direct route go on at once, whatever else is still being
+// looked up (a decode node that accepts connections and never answers must
+// not hold up the jobs for the others for the dial's 10 s). Once no lookup is
+// in flight: jobs that arrived before the last status was asked for and
+// still have no route fail; jobs that arrived later make the gate ask again.
 void settle(GateSelf self) {
   auto& st = self->state;
-  if (st.asking_router || !st.dialing.empty()) return;
+  const bool lookups_done = !st.asking_router && st.dialing.empty();
   std::vector<WaitingJob> still;
   for (auto& w : st.waiting) {
     if (has_direct_route(self, w.decode)) {
       pass_on(self, w);
-    } else if (w.covered) {
+    } else if (lookups_done && w.covered) {
       PrefillReport r;
       r.id = w.job.id;
       r.code = ErrorCode::internal;
@@ -97,7 +99,7 @@ void settle(GateSelf self) {
     }
   }
   st.waiting = std::move(still);
-  if (!st.waiting.empty()) ask_router(self);
+  if (lookups_done && !st.waiting.empty()) ask_router(self);
 }
 
 void dial(GateSelf self, const std::string& endpoint, const std::string& worker) {
