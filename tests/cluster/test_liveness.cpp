@@ -31,6 +31,17 @@ GenerateRequest short_request(int i) {
   return r;
 }
 
+// The router's view, for failure messages.
+std::string describe(const std::optional<RouterStatus>& status) {
+  if (!status) return "router status: no answer";
+  std::string out = "router status: queued " + std::to_string(status->queued) + ", in flight " +
+                    std::to_string(status->in_flight);
+  for (const auto& w : status->workers)
+    out += "; " + w.name + " in_flight " + std::to_string(w.in_flight) + " free " + std::to_string(w.free_blocks) +
+           "/" + std::to_string(w.total_blocks);
+  return out;
+}
+
 bool log_has_text(ChildProcess& process, const std::string& text, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < deadline) {
@@ -67,7 +78,8 @@ TEST(ClusterLiveness, AStoppedDecodeNodeGetsNoWorkItsRequestsCompleteElsewhereAn
     pending.push_back(cluster.client().submit(requests.back()));
   }
   for (size_t i = 0; i < pending.size(); ++i) {
-    ASSERT_EQ(pending[i].wait_for(10s), std::future_status::ready) << cluster.logs();
+    ASSERT_EQ(pending[i].wait_for(10s), std::future_status::ready) << describe(cluster.client().status()) << "\n"
+                                                                     << cluster.logs();
     const RequestOutcome out = pending[i].get();
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
     EXPECT_EQ(out.decode_worker, "decode-2");
