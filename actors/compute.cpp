@@ -32,6 +32,7 @@ struct ComputeState {
   std::shared_ptr<gpu::Engine> engine;
   std::shared_ptr<gpu::KvPool> pool;  // holds the engine too (spawn_compute_unit)
   std::shared_ptr<kv::KvPlane> plane;
+  std::shared_ptr<kv::LocalKvTargets> local;  // a colocated worker's
 };
 
 // Thrown by the prefill hook to stop a streamed prefill part way.
@@ -129,6 +130,48 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   r.streamed = true;
 }
 
+// A colocated worker's prefill: the prompt's KV goes from the engine's cache
+// straight into its decode worker's reserved blocks of this compute's own
+// pool, layer by layer as each is final, by the same plan a stream follows
+// (kv/local.h). The blocks are ready when this returns.
+void run_local_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r) {
+  const KvTarget& target = work.target;
+  const gpu::ModelConfig& c = st.engine->config();
+  std::optional<std::vector<int32_t>> blocks;
+  if (st.pool && st.local) blocks = st.local->take(target.transfer_id);
+  if (!blocks) {
+    r.code = ErrorCode::invalid_request;
+    r.message = "no KV blocks of this worker are registered under transfer " + std::to_string(target.transfer_id) +
+                " (a local target names the decode worker of the prefill's own unit)";
+    return;
+  }
+  const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs);
+  const std::vector<gpu::PoolSpan> spans = st.pool->stream_spans(plan, *blocks);
+  gpu::PrefillHooks hooks;
+  hooks.wire_kv = false;
+  hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
+    if (work.cancelled && work.cancelled->load()) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
+    const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
+    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
+      st.pool->write_piece(spans, offset, bytes_of_cache + offset, bytes);
+    });
+  };
+  const auto start = Clock::now();
+  try {
+    gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks);
+    r.first_token = gpu::sample_token(out.logits.data(), c.vocab_size, to_gpu(work.sampling), work.first_step);
+    r.streamed = true;
+    r.kv_bytes = plan.total_bytes();
+  } catch (const StreamStopped& s) {
+    r.code = s.code;
+    r.message = s.message;
+  } catch (const std::exception& e) {
+    r.code = ErrorCode::internal;
+    r.message = std::string("prefill: ") + e.what();
+  }
+  r.compute_us = micros_since(start);
+}
+
 PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
   PrefillResult r;
   r.id = work.id;
@@ -149,7 +192,10 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
   ++prefills_computed;
   if (work.target.transfer_id != 0) {
     try {
-      run_streamed_prefill(st, work, r);
+      if (work.target.transport == kLocalKvTransport)
+        run_local_prefill(st, work, r);
+      else
+        run_streamed_prefill(st, work, r);
     } catch (const std::exception& e) {  // a plan the prompt does not fit (the decode's block size)
       r.code = ErrorCode::invalid_request;
       r.message = std::string("KV stream: ") + e.what();
@@ -270,6 +316,7 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
   auto st = std::make_shared<ComputeState>();
   st->engine = std::make_shared<gpu::Engine>(spec.checkpoint, spec.engine);
   st->plane = spec.kv_plane;
+  st->local = spec.local_targets;
   if (spec.pool_blocks > 0) {
     auto* pool = new gpu::KvPool(*st->engine, spec.pool_block_size, spec.pool_blocks);
     st->pool = std::shared_ptr<gpu::KvPool>(pool, [engine = st->engine](gpu::KvPool* p) { delete p; });

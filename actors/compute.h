@@ -10,6 +10,7 @@
 #include "gpu/checkpoint.h"
 #include "gpu/engine.h"
 #include "gpu/kv_cache.h"
+#include "kv/local.h"
 #include "kv/plane.h"
 #include "messages/interfaces.h"
 
@@ -23,6 +24,10 @@ struct ComputeSpec {
   // The process's KV data plane: a prefill compute streams KV through it
   // (PrefillWork::target). Null: it can only return KV serialized.
   std::shared_ptr<kv::KvPlane> kv_plane;
+  // A colocated worker's compute (with a pool): the prompts of its own
+  // prefill worker go straight into the blocks its decode worker registered
+  // here (kv/local.h, KvTarget transport kLocalKvTransport).
+  std::shared_ptr<kv::LocalKvTargets> local_targets;
 };
 
 // A compute actor and, on a decode worker, its pool: the decode actor lets

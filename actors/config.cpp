@@ -19,8 +19,8 @@ std::string DisaggConfig::validate() const {
   require(cluster_ok, "cluster must be 1-64 characters of A-Z a-z 0-9 . _ - (got '" + cluster + "')");
   require(backend == "auto" || backend == "cpu" || backend == "cuda",
           "backend must be auto, cpu or cuda (got '" + backend + "')");
-  require(prefill_workers >= 1, "prefill-workers must be >= 1");
-  require(decode_workers >= 1, "decode-workers must be >= 1");
+  require(prefill_workers >= 0, "prefill-workers must be >= 0");
+  require(decode_workers >= 0, "decode-workers must be >= 0");
   require(max_kv_transfer_bytes > 0, "max-kv-transfer-bytes must be > 0");
   require(ack_timeout_ms > 0, "ack-timeout-ms must be > 0");
   require(kv_transport == "tcp" || kv_transport == "shm" || kv_transport == "message",

@@ -38,9 +38,10 @@ struct Reservation {
   uint64_t serial = 0;
   uint64_t transfer_id = 0;
   kv::Transport transport = kv::Transport::tcp;
+  bool local = false;                   // the compute copies the KV in (kv/local.h), no receiver
   std::optional<KvLanded> verdict;      // the stream is over
   std::optional<PendingCommit> commit;  // arrived before the verdict
-  bool streaming() const { return transfer_id != 0 && !verdict; }
+  bool streaming() const { return transfer_id != 0 && !verdict && !local; }
 };
 
 struct Sequence {
@@ -108,8 +109,10 @@ struct DecodeState {
 
 // An actor that ends with streams open gives their memory back first.
 DecodeState::~DecodeState() {
-  for (auto& [id, r] : reserved)
+  for (auto& [id, r] : reserved) {
     if (r.streaming()) kv.plane->receiver(r.transport).cancel(r.transfer_id);
+    if (r.local) kv.local->cancel(r.transfer_id);
+  }
 }
 
 using Self = decode_actor::stateful_pointer<DecodeState>;
@@ -275,15 +278,9 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
                                 std::to_string(prompt_blocks) + " blocks");
   std::vector<int32_t> runs = gpu::KvStreamPlan::runs_of(held.blocks, prompt_blocks);
   const gpu::KvStreamPlan plan(st.n_layers, st.kv_dim, r.prompt_len, bs, runs);
-  float* pool = st.kv.pool->data();
-  const int pool_blocks = st.kv.pool->num_blocks();
   std::vector<kv::Region> regions;
-  plan.for_each_region([&](int layer, bool value, int j, size_t floats) {
-    namespace kvl = gpu::kv_layout;
-    regions.push_back({pool + kvl::plane_offset(pool_blocks, bs, st.kv_dim, layer, value ? 1 : 0) +
-                           kvl::block_offset(bs, st.kv_dim, held.blocks[size_t(j)]),
-                       floats * sizeof(float)});
-  });
+  for (const gpu::PoolSpan& span : st.kv.pool->stream_spans(plan, held.blocks))
+    regions.push_back({span.data, span.floats * sizeof(float)});
   held.transport = st.config.kv_transport == "shm" ? st.kv.plane->transport_for(r.prefill_host) : kv::Transport::tcp;
   held.transfer_id = kv::new_transfer_id();
   // (weak: the receiver's thread must never hold the last reference to this actor)
@@ -300,6 +297,25 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
               });
   return KvTarget{held.transfer_id, uint8_t(held.transport), st.kv.plane->address(held.transport), bs,
                   std::move(runs)};
+}
+
+// A colocated worker's reservation: the prompt's blocks are registered for
+// its own compute, which copies the KV into them during the prefill
+// (kv/local.h). Like a stream, the commit names the transfer id; unlike one,
+// there is no receiver's verdict to wait for (the copy is done when the
+// prefill worker commits).
+KvTarget open_local(Self self, const KvReservation& r, Reservation& held) {
+  auto& st = self->state;
+  const int bs = st.config.block_size;
+  const int prompt_blocks = gpu::KvPool::blocks_for(gpu::kv_layout::padded(r.prompt_len), bs);
+  if (size_t(prompt_blocks) > held.blocks.size())
+    throw std::invalid_argument(std::to_string(r.prompt_len) + " prompt positions need " +
+                                std::to_string(prompt_blocks) + " blocks");
+  held.local = true;
+  held.transfer_id = kv::new_transfer_id();
+  st.kv.local->expect(held.transfer_id,
+                      std::vector<int32_t>(held.blocks.begin(), held.blocks.begin() + prompt_blocks));
+  return KvTarget{held.transfer_id, kLocalKvTransport, {}, bs, gpu::KvStreamPlan::runs_of(held.blocks, prompt_blocks)};
 }
 
 // The answer to the router's reservation: the receiver allocates before any
@@ -327,9 +343,9 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   const uint64_t serial = st.next_serial++;
   Reservation held{std::move(blocks), r.positions, serial};
   ReserveReply answer = reply(ErrorCode::none, {});
-  if (can_stream(st) && r.prompt_len > 0 && r.prompt_len <= r.positions) {
+  if ((st.kv.local || can_stream(st)) && r.prompt_len > 0 && r.prompt_len <= r.positions) {
     try {
-      answer.target = open_stream(self, r, held);
+      answer.target = st.kv.local ? open_local(self, r, held) : open_stream(self, r, held);
     } catch (const std::exception& e) {
       st.allocator->release(held.blocks);
       return reply(ErrorCode::internal, std::string("cannot open the KV stream: ") + e.what());
@@ -352,6 +368,7 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
   if (it == st.reserved.end()) return false;
   Reservation& r = it->second;
   if (r.streaming()) st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
+  if (r.local) st.kv.local->cancel(r.transfer_id);
   if (r.commit) r.commit->promise.deliver(make_ack(self, id, code, message));
   st.allocator->release(r.blocks);
   st.reserved.erase(it);
@@ -414,6 +431,9 @@ caf::typed_response_promise<KvAck> commit_stream(Self self, Reservation& held, K
     report_load(self);
     return promise;
   }
+  // Local: the compute wrote the blocks before the prefill worker heard
+  // back from it, so the KV is in.
+  if (held.local) held.verdict = KvLanded{held.transfer_id, uint8_t(kv::TransferStatus::complete), 0, {}};
   held.commit = PendingCommit{std::move(transfer), promise};
   settle_stream(self, id);  // now, or when the verdict comes
   return promise;
@@ -460,6 +480,7 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
     st.kv.plane->receiver(held->second.transport).cancel(held->second.transfer_id);
     held->second.verdict = KvLanded{held->second.transfer_id, uint8_t(kv::TransferStatus::cancelled), 0, {}};
   }
+  if (held->second.local) st.kv.local->cancel(held->second.transfer_id);
   std::vector<int32_t> blocks = std::move(held->second.blocks);
   st.reserved.erase(held);
   Sequence seq;
@@ -522,6 +543,7 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
             info.role = WorkerRole::decode;
             info.host_id = kv::host_identity();
             info.name = self->state.name;
+            info.colocated = self->state.kv.colocated;
             info.model = std::move(model);
             info.block_size = self->state.config.block_size;
             info.total_blocks = self->state.config.pool_blocks;

@@ -13,6 +13,7 @@
 #include "actors/config.h"
 #include "caf/actor_system.hpp"
 #include "gpu/kv_cache.h"
+#include "kv/local.h"
 #include "kv/plane.h"
 #include "messages/interfaces.h"
 
@@ -24,6 +25,12 @@ namespace disagg {
 struct DecodeKv {
   std::shared_ptr<gpu::KvPool> pool;
   std::shared_ptr<kv::KvPlane> plane;  // must be receiving()
+  // A colocated worker: its prefill worker shares the compute actor (and its
+  // ComputeSpec::local_targets are these), so its KV is copied into the
+  // blocks by the compute itself (kv/local.h); `colocated` names the unit
+  // (WorkerInfo::colocated). The router pairs this worker with no other.
+  std::shared_ptr<kv::LocalKvTargets> local;
+  std::string colocated;
 };
 
 // `compute` must own a KV pool of config.block_size x config.pool_blocks

@@ -39,6 +39,7 @@ struct PrefillState {
   uint64_t next_serial = 1;
   int64_t queued_tokens = 0;
   ModelInfo model;  // from compute: the fingerprint sent with streamed KV, the shape of stream plans
+  std::string colocated;  // WorkerInfo::colocated
 };
 
 using Self = prefill_actor::stateful_pointer<PrefillState>;
@@ -146,9 +147,10 @@ void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode
 }
 
 prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, compute_actor compute,
-                                              router_actor router, std::string name) {
+                                              router_actor router, std::string name, std::string colocated) {
   self->state.config = std::move(config);
   self->state.name = std::move(name);
+  self->state.colocated = std::move(colocated);
   self->state.compute = compute;
   self->state.router = router;
   self->link_to(compute);
@@ -162,6 +164,7 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
             info.role = WorkerRole::prefill;
             info.host_id = kv::host_identity();
             info.name = self->state.name;
+            info.colocated = self->state.colocated;
             info.model = std::move(model);
             self->request(router, compute_timeout, register_atom::value, std::move(info),
                           caf::actor_cast<prefill_actor>(self))
@@ -245,9 +248,10 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
 }  // namespace
 
 prefill_actor spawn_prefill(caf::actor_system& system, const DisaggConfig& config,
-                            compute_actor compute, router_actor router, std::string name) {
+                            compute_actor compute, router_actor router, std::string name,
+                            std::string colocated) {
   return system.spawn(prefill_behavior, config, std::move(compute), std::move(router),
-                      std::move(name));
+                      std::move(name), std::move(colocated));
 }
 
 }  // namespace disagg

@@ -12,8 +12,11 @@
 namespace disagg {
 
 // The worker links itself to `compute` (one goes down, both do), asks it for
-// its model and registers with `router` under `name`.
+// its model and registers with `router` under `name`. `colocated`: the unit
+// name of a colocated worker (WorkerInfo::colocated), whose decode worker
+// shares `compute`; empty for a disaggregated prefill worker.
 prefill_actor spawn_prefill(caf::actor_system& system, const DisaggConfig& config,
-                            compute_actor compute, router_actor router, std::string name);
+                            compute_actor compute, router_actor router, std::string name,
+                            std::string colocated = {});
 
 }  // namespace disagg

@@ -246,8 +246,16 @@ std::vector<PrefillCandidate> prefill_candidates(Self self) {
   std::vector<PrefillCandidate> out;
   for (const auto& kv : self->state.workers)
     if (kv.second.prefill && kv.second.responsive)
-      out.push_back({kv.first, kv.second.in_flight, kv.second.outstanding_tokens});
+      out.push_back({kv.first, kv.second.in_flight, kv.second.outstanding_tokens, !kv.second.info.colocated.empty()});
   return out;
+}
+
+// A colocated decode worker's prefill worker: the responsive one of its unit.
+WorkerKey colocated_partner(Self self, const Worker& decode) {
+  for (const auto& kv : self->state.workers)
+    if (kv.second.prefill && kv.second.responsive && kv.second.info.colocated == decode.info.colocated)
+      return kv.first;
+  return 0;
 }
 
 std::vector<DecodeCandidate> decode_candidates(Self self) {
@@ -258,8 +266,13 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
     // Room = what it reported, but never more than the router's own books
     // allow (a report may predate requests already on their way to it).
     const int by_books = w.info.total_blocks - w.reserved_blocks;
-    out.push_back({kv.first, std::max(1, w.info.block_size), w.info.total_blocks,
-                   std::min(w.load.free_blocks, by_books), w.load.active_sequences});
+    DecodeCandidate c{kv.first, std::max(1, w.info.block_size), w.info.total_blocks,
+                      std::min(w.load.free_blocks, by_books), w.load.active_sequences};
+    if (!w.info.colocated.empty()) {
+      c.colocated = true;
+      c.partner = colocated_partner(self, w);
+    }
+    out.push_back(c);
   }
   return out;
 }
@@ -427,16 +440,14 @@ void dispatch(Self self) {
                : "every decode worker that could hold the request answered overloaded");
       continue;
     }
-    auto prefills = prefill_candidates(self);
-    size_t prefill_cursor = st.prefill_cursor;
-    const auto p = pick_prefill(prefills, st.config.max_prefill_inflight, prefill_cursor);
-    if (!p) return;  // every prefill worker is busy
-    const auto d = pick_decode(decodes, positions, st.sessions.find(r.request.session), r.excluded,
-                               st.decode_cursor);
-    if (!d) return;  // no decode room yet: wait for a finish or a load report
-    st.prefill_cursor = prefill_cursor;
+    // Nothing yet: every prefill worker is busy, or no decode worker has
+    // room; wait for a report, a finish or a load report.
+    const auto pair = pick_workers(prefill_candidates(self), decodes, st.config.max_prefill_inflight, positions,
+                                   st.sessions.find(r.request.session), r.excluded, st.prefill_cursor,
+                                   st.decode_cursor);
+    if (!pair) return;
     st.queue.pop_front();
-    start(self, id, *p, *d);
+    start(self, id, pair->prefill, pair->decode);
   }
 }
 

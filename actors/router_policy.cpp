@@ -81,6 +81,32 @@ std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candida
   return candidates[*best].key;
 }
 
+std::optional<WorkerPair> pick_workers(const std::vector<PrefillCandidate>& prefills,
+                                       const std::vector<DecodeCandidate>& decodes, int max_in_flight,
+                                       int positions, std::optional<WorkerKey> preferred,
+                                       const std::vector<WorkerKey>& excluded, size_t& prefill_cursor,
+                                       size_t& decode_cursor) {
+  std::vector<PrefillCandidate> disaggregated;
+  for (const auto& p : prefills)
+    if (!p.colocated) disaggregated.push_back(p);
+  size_t cursor = prefill_cursor;
+  const std::optional<WorkerKey> prefill = pick_prefill(disaggregated, max_in_flight, cursor);
+  auto partner_has_room = [&](WorkerKey partner) {
+    for (const auto& p : prefills)
+      if (p.key == partner) return p.in_flight < max_in_flight;
+    return false;
+  };
+  std::vector<DecodeCandidate> usable;
+  for (const auto& d : decodes)
+    if (d.colocated ? d.partner != 0 && partner_has_room(d.partner) : prefill.has_value()) usable.push_back(d);
+  const std::optional<WorkerKey> decode = pick_decode(usable, positions, preferred, excluded, decode_cursor);
+  if (!decode) return std::nullopt;
+  for (const auto& d : usable)
+    if (d.key == *decode && d.colocated) return WorkerPair{d.partner, *decode};
+  prefill_cursor = cursor;
+  return WorkerPair{*prefill, *decode};
+}
+
 bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int positions,
                           const std::vector<WorkerKey>& excluded) {
   for (const auto& c : candidates)

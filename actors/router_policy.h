@@ -34,6 +34,7 @@ struct PrefillCandidate {
   WorkerKey key = 0;
   int in_flight = 0;
   int64_t outstanding_tokens = 0;  // prompt tokens dispatched and not yet reported
+  bool colocated = false;          // of a colocated unit: prefills only for its own decode worker
 };
 
 // The candidate with the fewest outstanding prompt tokens among those below
@@ -47,6 +48,11 @@ struct DecodeCandidate {
   int total_blocks = 0;
   int free_blocks = 0;  // the router's estimate: room for new requests now
   int active_sequences = 0;
+  // A colocated unit's decode worker (WorkerInfo::colocated): takes only
+  // requests its own unit's prefill worker `partner` prefills (0 while that
+  // one is not registered or not responsive: then it takes none).
+  bool colocated = false;
+  WorkerKey partner = 0;
 };
 
 // The preferred worker (a session's previous one) when it has room; else the
@@ -55,6 +61,22 @@ struct DecodeCandidate {
 std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candidates, int positions,
                                      std::optional<WorkerKey> preferred,
                                      const std::vector<WorkerKey>& excluded, size_t& cursor);
+
+// The prefill and decode worker of a request, or nullopt when none can take
+// it now. A disaggregated decode worker (pick_decode) goes with pick_prefill's
+// choice among the disaggregated prefill workers; a colocated one with its
+// own unit's prefill worker, and only while that one is below
+// max_in_flight. (A cluster may mix both kinds.) The cursors advance as
+// pick_prefill's and pick_decode's do, prefill_cursor only when its pick is used.
+struct WorkerPair {
+  WorkerKey prefill = 0;
+  WorkerKey decode = 0;
+};
+std::optional<WorkerPair> pick_workers(const std::vector<PrefillCandidate>& prefills,
+                                       const std::vector<DecodeCandidate>& decodes, int max_in_flight,
+                                       int positions, std::optional<WorkerKey> preferred,
+                                       const std::vector<WorkerKey>& excluded, size_t& prefill_cursor,
+                                       size_t& decode_cursor);
 
 // True when some candidate outside `excluded` could hold `positions` once
 // empty (so waiting can help).

@@ -107,4 +107,49 @@ void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
   b.synchronize();
 }
 
+std::vector<PoolSpan> KvPool::stream_spans(const KvStreamPlan& plan, const std::vector<int>& blocks) {
+  if (plan.block_size() != block_size_)
+    throw Error("KvPool: a stream plan of " + std::to_string(plan.block_size()) + "-position blocks for a pool of " +
+                std::to_string(block_size_));
+  if (int(blocks.size()) < plan.blocks())
+    throw Error("KvPool: " + std::to_string(plan.positions()) + " streamed positions need " +
+                std::to_string(plan.blocks()) + " blocks, got " + std::to_string(blocks.size()));
+  const int kv_dim = engine_.config().kv_dim();
+  std::vector<PoolSpan> spans;
+  plan.for_each_region([&](int layer, bool value, int first_block, size_t floats) {
+    const int block = blocks[size_t(first_block)];
+    const auto run_blocks = (floats + size_t(block_size_) * size_t(kv_dim) - 1) / (size_t(block_size_) * size_t(kv_dim));
+    if (block < 0 || size_t(block) + run_blocks > size_t(num_blocks_))
+      throw Error("KvPool: blocks " + std::to_string(block) + ".." + std::to_string(block + int(run_blocks) - 1) +
+                  " are not all in the pool of " + std::to_string(num_blocks_));
+    for (size_t i = 1; i < run_blocks; ++i)
+      if (size_t(first_block) + i >= blocks.size() || blocks[size_t(first_block) + i] != block + int(i))
+        throw Error("KvPool: the plan's runs do not match the blocks (block " + std::to_string(first_block + int(i)) +
+                    " of the prompt is not consecutive)");
+    spans.push_back({data_ + kv_layout::plane_offset(num_blocks_, block_size_, kv_dim, layer, value ? 1 : 0) +
+                         kv_layout::block_offset(block_size_, kv_dim, block),
+                     floats});
+  });
+  return spans;
+}
+
+void KvPool::write_piece(const std::vector<PoolSpan>& spans, size_t offset, const void* src, size_t bytes) {
+  // Spans are consecutive in the byte space: find the one the piece starts
+  // in; a piece never crosses a run, so it ends there too (checked).
+  size_t start = 0;
+  for (const PoolSpan& span : spans) {
+    const size_t span_bytes = span.floats * sizeof(float);
+    if (offset < start + span_bytes) {
+      if (offset + bytes > start + span_bytes)
+        throw Error("KvPool::write_piece: the piece at byte " + std::to_string(offset) + " of " +
+                    std::to_string(bytes) + " bytes crosses the end of its region");
+      engine_.backend().upload(reinterpret_cast<char*>(span.data) + (offset - start), src, bytes);
+      return;
+    }
+    start += span_bytes;
+  }
+  throw Error("KvPool::write_piece: byte " + std::to_string(offset) + " is past the streamed KV's " +
+              std::to_string(start) + " bytes");
+}
+
 }  // namespace disagg::gpu

@@ -73,6 +73,7 @@ class KvStreamPlan {
     return runs;
   }
 
+  int block_size() const { return block_size_; }  // B: the destination pool's positions per block
   int positions() const { return positions_; }  // P: the prompt padded to whole tiles
   int blocks() const { return (positions_ + block_size_ - 1) / block_size_; }
   size_t total_bytes() const { return sizeof(float) * 2 * size_t(layers_) * size_t(positions_) * size_t(kv_dim_); }

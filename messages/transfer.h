@@ -29,9 +29,14 @@ struct KvReservation {
 // worker registered its reserved blocks under `transfer_id` with the receiver
 // at `address` before answering. transfer_id 0: no stream, send the KV as one
 // KvTransfer message (kv-transport "message", or a node without UCX).
+// KvTarget::transport of a colocated worker's own decode actor: the prefill
+// compute is the decode's compute and copies the KV into the blocks itself
+// (kv/local.h); `address` is empty.
+constexpr uint8_t kLocalKvTransport = 2;
+
 struct KvTarget {
   uint64_t transfer_id = 0;   // 64 random bits, a capability: only its pieces land in the blocks
-  uint8_t transport = 0;      // kv::Transport: 0 tcp, 1 shm
+  uint8_t transport = 0;      // kv::Transport (0 tcp, 1 shm) or kLocalKvTransport
   std::string address;        // "host:port" of the decode node's receiver
   int32_t block_size = 0;     // the decode pool's positions per block (gpu::KvStreamPlan)
   std::vector<int32_t> runs;  // the prompt's blocks as runs of consecutive ids (gpu::KvStreamPlan::runs_of)

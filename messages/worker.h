@@ -41,6 +41,11 @@ struct WorkerInfo {
   // The cluster the worker's node belongs to (disagg.cluster), set by the
   // node's relay (node/relay.h); empty for an in-process worker.
   std::string cluster;
+  // A colocated worker (node role `worker`): the name of the unit whose
+  // prefill and decode worker share one compute actor. The router gives such
+  // a decode worker only requests prefilled by the prefill worker of the same
+  // unit, and that prefill worker only those. Empty: disaggregated.
+  std::string colocated;
 };
 
 // A decode worker's load: sent to the router whenever it changes (admit,
@@ -93,7 +98,7 @@ typename Inspector::result_type inspect(Inspector& f, ModelInfo& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
   return f(caf::meta::type_name("WorkerInfo"), x.role, x.name, x.model, x.block_size,
-           x.total_blocks, x.endpoint, x.host_id, x.cluster);
+           x.total_blocks, x.endpoint, x.host_id, x.cluster, x.colocated);
 }
 
 template <class Inspector>

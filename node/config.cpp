@@ -71,12 +71,12 @@ int error_line(const caf::error& err) {
 
 std::string NodeOptions::validate() const {
   std::string problems;
-  const bool worker = role == "prefill" || role == "decode";
+  const bool worker = role == "prefill" || role == "decode" || role == "worker";
   const bool frontend = role == "frontend";
   if (role.empty())
-    add_problem(problems, "node.role is required (router, prefill, decode or frontend)");
+    add_problem(problems, "node.role is required (router, prefill, decode, worker or frontend)");
   else if (role != "router" && !worker && !frontend)
-    add_problem(problems, "node.role must be router, prefill, decode or frontend (got \"" + role + "\")");
+    add_problem(problems, "node.role must be router, prefill, decode, worker or frontend (got \"" + role + "\")");
   if (host.empty()) add_problem(problems, "node.host must not be empty");
   if (max_message_bytes < 1024 || max_message_bytes > int64_t{0xFFFFFFFF})
     add_problem(problems, "node.max-message-bytes must be in [1024, 4294967295]");
@@ -109,12 +109,13 @@ NodeRole NodeOptions::parsed_role() const {
   if (role == "frontend") return NodeRole::frontend;
   if (role == "prefill") return NodeRole::prefill;
   if (role == "decode") return NodeRole::decode;
+  if (role == "worker") return NodeRole::worker;
   return NodeRole::router;
 }
 
 void add_node_options(caf::config_option_set& options, NodeOptions& n) {
   caf::config_option_adder{options, "node"}
-      .add(n.role, "role", "router, prefill, decode or frontend")
+      .add(n.role, "role", "router, prefill, decode, worker (colocated prefill + decode) or frontend")
       .add(n.name, "name", "worker name at the router (default: role@host/pid)")
       .add(n.host, "host", "address this node listens on (default 127.0.0.1)")
       .add(n.port, "port", "router: client/worker port; decode: KV port (0: any free port)")

@@ -14,15 +14,17 @@
 
 namespace disagg {
 
-enum class NodeRole { router, prefill, decode, frontend };
+// worker: a colocated worker, one process that prefills and decodes (its
+// prefill and decode worker share one compute actor and KV pool).
+enum class NodeRole { router, prefill, decode, worker, frontend };
 
 struct NodeOptions {
-  std::string role;                 // router | prefill | decode | frontend (required)
+  std::string role;                 // router | prefill | decode | worker | frontend (required)
   std::string name;                 // worker name at the router; empty: "<role>@<host>/<pid>"
   std::string host = "127.0.0.1";   // address this node listens on
   // router: where clients and workers connect (0: any free port, logged).
   // decode: where prefill nodes connect to ship KV (0: any free port).
-  // prefill: unused (a prefill node only dials out).
+  // prefill, worker: unused (they only dial out).
   uint16_t port = 0;
   std::string advertise_host;       // decode: host prefill nodes dial; empty: `host`
   std::string router_host = "127.0.0.1";  // workers: the router's address

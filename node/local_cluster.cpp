@@ -41,6 +41,9 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   const DisaggConfig& cfg = options_.config;
   if (auto problem = cfg.validate(); !problem.empty()) throw gpu::Error("disagg config: " + problem);
   if (cfg.model.empty()) throw gpu::Error("disagg config: no model");
+  if (options_.colocated_workers < 0 ||
+      (options_.colocated_workers == 0 && (cfg.prefill_workers == 0 || cfg.decode_workers == 0)))
+    throw gpu::Error("local cluster: needs a prefill and a decode worker, or a colocated worker");
 
   CheckpointCache checkpoints;
   std::shared_ptr<const gpu::Tokenizer> tokenizer;
@@ -58,6 +61,8 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   // Engines first (they throw on failure), then the actors.
   std::vector<compute_actor> prefill_compute;
   std::vector<ComputeUnit> decode_compute;
+  std::vector<ComputeUnit> colocated_compute;
+  std::vector<std::shared_ptr<kv::LocalKvTargets>> local_targets;
   try {
     for (int i = 0; i < cfg.prefill_workers; ++i)
       prefill_compute.push_back(spawn_compute(
@@ -67,9 +72,16 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
       decode_compute.push_back(spawn_compute_unit(
           system_, {checkpoints.get(model_for(options_.decode_models, size_t(i), cfg.model)), engine,
                     cfg.block_size, cfg.pool_blocks, plane}));
+    for (int i = 0; i < options_.colocated_workers; ++i) {
+      local_targets.push_back(std::make_shared<kv::LocalKvTargets>());
+      ComputeSpec spec{checkpoints.get(cfg.model), engine, cfg.block_size, cfg.pool_blocks, nullptr};
+      spec.local_targets = local_targets.back();
+      colocated_compute.push_back(spawn_compute_unit(system_, spec));
+    }
   } catch (...) {
     for (auto& c : prefill_compute) caf::anon_send_exit(c, caf::exit_reason::user_shutdown);
     for (auto& c : decode_compute) caf::anon_send_exit(c.actor, caf::exit_reason::user_shutdown);
+    for (auto& c : colocated_compute) caf::anon_send_exit(c.actor, caf::exit_reason::user_shutdown);
     throw;
   }
 
@@ -80,6 +92,14 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   for (int i = 0; i < cfg.decode_workers; ++i)
     decode_.push_back(spawn_decode(system_, cfg, decode_compute[size_t(i)].actor, router_,
                                    "decode-" + std::to_string(i), DecodeKv{decode_compute[size_t(i)].pool, plane}));
+
+  for (int i = 0; i < options_.colocated_workers; ++i) {
+    const std::string unit = "worker-" + std::to_string(i);
+    const ComputeUnit& c = colocated_compute[size_t(i)];
+    prefill_.push_back(spawn_prefill(system_, cfg, c.actor, router_, unit + "/prefill", unit));
+    decode_.push_back(spawn_decode(system_, cfg, c.actor, router_, unit + "/decode",
+                                   DecodeKv{c.pool, nullptr, local_targets[size_t(i)], unit}));
+  }
 
   // Registration is asynchronous (worker -> compute -> router): wait for it.
   const auto deadline = std::chrono::steady_clock::now() + options_.ready_timeout;
@@ -93,7 +113,7 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
               decode = s.count(WorkerRole::decode);
             },
             [&](caf::error&) {});
-    if (prefill == cfg.prefill_workers && decode == cfg.decode_workers) break;
+    if (prefill == int(prefill_.size()) && decode == int(decode_.size())) break;
     if (std::chrono::steady_clock::now() > deadline) {
       stop();
       throw gpu::Error("local cluster: only " + std::to_string(prefill) + " prefill and " +

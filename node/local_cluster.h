@@ -1,5 +1,6 @@
 // A whole cluster in one actor_system: a router plus N prefill and M decode
-// workers, each worker with its own detached compute actor and engine. For
+// workers, each worker with its own detached compute actor and engine, and
+// optionally colocated workers (a prefill and a decode worker on one compute). For
 // tests, in-process demos and benchmarks; a multi-node cluster is the same
 // actors spawned on different nodes (they register with the router alike).
 #pragma once
@@ -20,6 +21,11 @@ struct LocalClusterOptions {
   // Per-worker checkpoint overrides (index i: worker i; empty or missing: config.model).
   std::vector<std::string> prefill_models;
   std::vector<std::string> decode_models;
+  // Colocated workers (node role `worker`), besides config's prefill and
+  // decode workers: each one compute actor and pool shared by a prefill and
+  // a decode worker of unit "worker-<i>", which prefill_workers() and
+  // decode_workers() list after the disaggregated ones.
+  int colocated_workers = 0;
   std::chrono::milliseconds ready_timeout{30000};
 };
 

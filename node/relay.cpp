@@ -251,7 +251,7 @@ void register_worker(RelaySelf self) {
   auto& st = self->state;
   if (!st.worker || !st.router) return;
   Registration& w = *st.worker;
-  if (w.decode && st.endpoint.empty()) return;
+  if (w.decode && st.endpoint.empty() && w.info.colocated.empty()) return;  // (colocated: reached in-process)
   w.info.endpoint = st.endpoint;
   w.info.cluster = st.spec.cluster;
   const std::string name = w.info.name;
@@ -261,6 +261,8 @@ void register_worker(RelaySelf self) {
     self->state.retry_delay = self->state.spec.register_retry;
     node_log("registered with the router as " + name +
              (self->state.endpoint.empty() ? "" : " (KV endpoint " + self->state.endpoint + ")"));
+    const auto& after = self->state.spec.ready_after;
+    if (after && after->fetch_sub(1) > 1) return;  // the node's other worker is not in yet
     const std::string& ready = self->state.spec.ready_file;
     if (!ready.empty() && !write_ready_file(ready, name)) node_log("cannot write ready file " + ready);
   };

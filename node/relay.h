@@ -22,7 +22,9 @@
 //            node.peer-refresh-ms, so new decode nodes are dialled ahead of
 //            their first job.
 #pragma once
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <string>
 
 #include "caf/actor_system.hpp"
@@ -33,6 +35,11 @@ namespace disagg {
 struct RelaySpec {
   std::string cluster;     // WorkerInfo::cluster of the registration (disagg.cluster)
   std::string ready_file;  // rewritten with the worker's name on each registration (may be empty)
+  // Registrations (of relays sharing the counter) still to come before the
+  // ready file is written: a colocated worker's prefill and decode worker
+  // each register through a relay of their own, and the node is ready once
+  // both are in. Null: at the first.
+  std::shared_ptr<std::atomic<int>> ready_after;
   std::chrono::milliseconds register_timeout{10000};
   // A registration the router refused or did not answer is tried again after
   // this delay, doubling up to register_retry_max, while that router is alive.

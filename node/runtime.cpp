@@ -1,9 +1,12 @@
 #include "node/runtime.h"
 
+#include <atomic>
 #include <csignal>
 #include <iostream>
 #include <optional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -230,14 +233,20 @@ namespace {
 
 // ---------------------------------------------------------------- workers
 
+// A prefill, decode or colocated (`worker`) node. A colocated node runs a
+// prefill and a decode worker on one compute actor and pool, each
+// registered through a relay of its own as "<name>/prefill" and
+// "<name>/decode" of unit <name>; KV moves between them in-process
+// (kv/local.h), so it needs no KV data plane and no port of its own.
 int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
+  const bool colocated = node.parsed_role() == NodeRole::worker;
   const bool is_decode = node.parsed_role() == NodeRole::decode;
   caf::scoped_actor self{system};
   std::optional<Published> decode_port;  // a decode node's KV port (and its guard) while the node runs
 
   // The KV data plane: a decode node's receivers listen from here on.
   std::shared_ptr<kv::KvPlane> plane;
-  if (cfg.kv_transport != "message") {
+  if (!colocated && cfg.kv_transport != "message") {
     try {
       plane = make_kv_plane(cfg, is_decode);
       if (is_decode)
@@ -251,12 +260,15 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
 
   // Model and engine first: a bad model fails the node before it joins.
   ComputeUnit compute;
+  std::shared_ptr<kv::LocalKvTargets> local;
+  if (colocated) local = std::make_shared<kv::LocalKvTargets>();
   try {
     ComputeSpec spec;
     spec.checkpoint = gpu::Checkpoint::open(cfg.model);
     spec.engine.backend = cfg.backend;
     spec.kv_plane = plane;
-    if (is_decode) {
+    spec.local_targets = local;
+    if (is_decode || colocated) {
       spec.pool_block_size = cfg.block_size;
       spec.pool_blocks = cfg.pool_blocks;
     }
@@ -273,20 +285,42 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
   relay_spec.peer_refresh = std::chrono::milliseconds(node.peer_refresh_ms);
   relay_spec.register_retry = std::chrono::milliseconds(node.connect_retry_ms);
   relay_spec.register_retry_max = std::chrono::milliseconds(node.connect_backoff_max_ms);
-  router_actor relay = spawn_router_relay(system, relay_spec);
+  if (colocated) relay_spec.ready_after = std::make_shared<std::atomic<int>>(2);
 
   const std::string name =
       !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
-  caf::actor worker =
-      is_decode ? caf::actor_cast<caf::actor>(
-                      spawn_decode(system, cfg, compute.actor, relay, name, DecodeKv{compute.pool, plane}))
-                : caf::actor_cast<caf::actor>(spawn_prefill(system, cfg, compute.actor, relay, name));
-  // Linked now, not only once the worker has registered through the relay: a
-  // worker that stops before (e.g. its KV port is taken) must take the relay
-  // with it, or the actor system would wait for the relay forever on exit.
-  // (add_link is thread-safe; an actor already gone makes the other exit.)
-  caf::actor_cast<caf::abstract_actor*>(relay)->add_link(caf::actor_cast<caf::abstract_actor*>(worker));
+  // The node's workers, each with the relay it registers through.
+  std::vector<std::pair<caf::actor, router_actor>> workers;
+  auto add_worker = [&](auto spawn) {
+    router_actor relay = spawn_router_relay(system, relay_spec);
+    caf::actor worker = caf::actor_cast<caf::actor>(spawn(relay));
+    // Linked now, not only once the worker has registered through the relay:
+    // a worker that stops before (e.g. its KV port is taken) must take the
+    // relay with it, or the actor system would wait for the relay forever on
+    // exit. (add_link is thread-safe; an actor already gone makes the other exit.)
+    caf::actor_cast<caf::abstract_actor*>(relay)->add_link(caf::actor_cast<caf::abstract_actor*>(worker));
+    workers.emplace_back(worker, relay);
+  };
+  if (colocated) {
+    add_worker([&](router_actor relay) {
+      return spawn_prefill(system, cfg, compute.actor, relay, name + "/prefill", name);
+    });
+    add_worker([&](router_actor relay) {
+      return spawn_decode(system, cfg, compute.actor, relay, name + "/decode",
+                          DecodeKv{compute.pool, nullptr, local, name});
+    });
+  } else if (is_decode) {
+    add_worker([&](router_actor relay) {
+      return spawn_decode(system, cfg, compute.actor, relay, name, DecodeKv{compute.pool, plane});
+    });
+  } else {
+    add_worker([&](router_actor relay) { return spawn_prefill(system, cfg, compute.actor, relay, name); });
+  }
+  auto stop_workers = [&] {
+    for (auto& w : workers) stop_actor(self, w.first);
+  };
   if (is_decode) {
+    const caf::actor& worker = workers.front().first;
     // The KV port: prefill nodes connect here directly.
     // A one-message KV (kv-transport message) must fit the guard's limit.
     const int64_t max_message = cfg.kv_transport == "message"
@@ -294,7 +328,7 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
                                     : node.max_message_bytes;
     decode_port = publish_on(system, caf::actor_cast<decode_actor>(worker), node, max_message);
     if (!decode_port) {
-      stop_actor(self, worker);
+      stop_workers();
       return 1;
     }
     const uint16_t* port = &decode_port->port;
@@ -302,30 +336,33 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
         endpoint_of(node.advertise_host.empty() ? node.host : node.advertise_host, *port);
     node_log("decode worker listening for KV on " + endpoint_of(node.host, *port) +
              (node.advertise_host.empty() ? "" : " (advertised as " + endpoint + ")"));
-    set_relay_endpoint(relay, endpoint);
+    set_relay_endpoint(workers.front().second, endpoint);
   }
-  self->monitor(worker);
+  if (colocated) node_log("colocated worker " + name + ": prefill and decode on one compute actor");
+  for (auto& w : workers) self->monitor(w.first);
 
   // Join, and join again whenever the router goes away.
   for (;;) {
     auto router = connect_to_router(system, node);
     if (!router) {
       const bool told_to_stop = stopping();
-      stop_actor(self, worker);
+      stop_workers();
       return told_to_stop ? 0 : 1;
     }
     self->monitor(*router);
-    set_relay_router(relay, *router);
+    for (auto& w : workers) set_relay_router(w.second, *router);
     const WaitResult r = wait_for_stop_or_down(self);
     if (r.stopped) {
       node_log("stopping");
-      stop_actor(self, worker);
+      stop_workers();
       return 0;
     }
-    if (r.down == worker.address()) {
-      node_log("the worker stopped: " + system.render(r.reason));
-      return 1;
-    }
+    for (auto& w : workers)
+      if (r.down == w.first.address()) {
+        node_log("the worker stopped: " + system.render(r.reason));
+        stop_workers();
+        return 1;
+      }
     node_log("lost the router (" + system.render(r.reason) + "); joining again");
     // Give the old router's port a moment to close, so the next try does not
     // reach the node that is shutting down.

@@ -30,10 +30,18 @@ struct Topology {
   int prefill;
   int decode;
   const char* kv_transport = "tcp";  // how the KV travels (DisaggConfig::kv_transport)
+  int colocated = 0;                 // colocated workers (node role `worker`) besides
 };
 
 void PrintTo(const Topology& t, std::ostream* os) {
-  *os << t.prefill << " prefill + " << t.decode << " decode, kv-transport " << t.kv_transport;
+  *os << t.prefill << " prefill + " << t.decode << " decode + " << t.colocated << " colocated, kv-transport "
+      << t.kv_transport;
+}
+
+// The unit of a colocated worker's worker name ("worker-0/prefill" -> "worker-0"), or "".
+std::string unit_of(const std::string& worker) {
+  const auto slash = worker.rfind('/');
+  return slash == std::string::npos ? std::string() : worker.substr(0, slash);
 }
 
 class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface<Topology> {};
@@ -42,6 +50,7 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
   LocalClusterOptions options;
   options.config = shared_model_config(GetParam().prefill, GetParam().decode);
   options.config.kv_transport = GetParam().kv_transport;
+  options.colocated_workers = GetParam().colocated;
   start(std::move(options));
   const bool streamed = std::string(GetParam().kv_transport) != "message";
   const auto cases = load_all_reference_cases();
@@ -70,16 +79,24 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
     EXPECT_EQ(tokens_of(logs[k]->events), out.tokens) << "streamed tokens differ from the outcome";
     EXPECT_FALSE(out.prefill_worker.empty());
     EXPECT_FALSE(out.decode_worker.empty());
-    EXPECT_EQ(out.timings.kv_streamed, streamed);
+    // A colocated worker's decode worker takes only its own unit's prefills,
+    // and its prefill worker feeds no one else.
+    EXPECT_EQ(unit_of(out.prefill_worker), unit_of(out.decode_worker))
+        << out.prefill_worker << " -> " << out.decode_worker;
+    const bool on_colocated = !unit_of(out.decode_worker).empty();
+    EXPECT_EQ(out.timings.kv_streamed, streamed || on_colocated) << "a colocated prefill writes the KV into the blocks";
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
                          ::testing::Values(Topology{1, 1}, Topology{2, 2}, Topology{1, 3},
-                                           Topology{2, 2, "shm"}, Topology{2, 2, "message"}),
+                                           Topology{2, 2, "shm"}, Topology{2, 2, "message"},
+                                           Topology{0, 0, "tcp", 1}, Topology{0, 0, "tcp", 2},
+                                           Topology{1, 1, "tcp", 2}),
                          [](const auto& info) {
-                           return std::to_string(info.param.prefill) + "p" +
-                                  std::to_string(info.param.decode) + "d_" + info.param.kv_transport;
+                           return std::to_string(info.param.prefill) + "p" + std::to_string(info.param.decode) +
+                                  "d" + (info.param.colocated ? std::to_string(info.param.colocated) + "c" : "") +
+                                  "_" + info.param.kv_transport;
                          });
 
 TEST_F(ActorTest, SampledOutputEqualsColocatedWithTheSameSeed) {

@@ -188,6 +188,40 @@ TEST(RouterPolicy, DecodeGoesToMostRoomThenFewestSequencesThenSession) {
   EXPECT_EQ(gpu::kv_positions_needed(500, 100, 512), 512);
 }
 
+TEST(RouterPolicy, AColocatedDecodeWorkerGoesOnlyWithItsOwnPrefillWorker) {
+  size_t prefill_cursor = 0, decode_cursor = 0;
+  // Prefill 1 disaggregated; 2 and 3 of colocated units A (decode 12) and B (decode 13).
+  std::vector<PrefillCandidate> p{{1, 0, 0, false}, {2, 0, 0, true}, {3, 0, 0, true}};
+  // key, block_size, total, free, active, colocated, partner
+  std::vector<DecodeCandidate> d{{11, 16, 100, 10, 0}, {12, 16, 100, 90, 0, true, 2}, {13, 16, 100, 50, 0, true, 3}};
+  auto pick = [&](const std::vector<WorkerKey>& excluded = {}) {
+    return pick_workers(p, d, 1, 16, std::nullopt, excluded, prefill_cursor, decode_cursor);
+  };
+  auto pair = pick();  // most room: unit A, with its own prefill worker
+  ASSERT_TRUE(pair);
+  EXPECT_EQ(pair->decode, WorkerKey{12});
+  EXPECT_EQ(pair->prefill, WorkerKey{2});
+  p[1].in_flight = 1;  // A's prefill worker is at the cap: A takes nothing, B does
+  pair = pick();
+  ASSERT_TRUE(pair);
+  EXPECT_EQ(pair->decode, WorkerKey{13});
+  EXPECT_EQ(pair->prefill, WorkerKey{3});
+  pair = pick({13});  // B excluded: the disaggregated pair, never a colocated prefill worker
+  ASSERT_TRUE(pair);
+  EXPECT_EQ(pair->decode, WorkerKey{11});
+  EXPECT_EQ(pair->prefill, WorkerKey{1});
+  p[0].in_flight = 1;  // ... and without room there, nothing
+  EXPECT_FALSE(pick({13}));
+  d[2].partner = 0;  // B's prefill worker not registered: B takes nothing
+  EXPECT_FALSE(pick());
+  // Only colocated units: no disaggregated prefill worker is needed.
+  std::vector<PrefillCandidate> units{{2, 0, 0, true}};
+  std::vector<DecodeCandidate> unit_decodes{{12, 16, 100, 90, 0, true, 2}};
+  pair = pick_workers(units, unit_decodes, 1, 16, std::nullopt, {}, prefill_cursor, decode_cursor);
+  ASSERT_TRUE(pair);
+  EXPECT_EQ(pair->prefill, WorkerKey{2});
+}
+
 TEST(RouterPolicy, SessionAffinityForgetsTheLeastRecentlyUsed) {
   SessionAffinity sessions(2);
   sessions.remember("a", 1);

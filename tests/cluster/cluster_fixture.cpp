@@ -82,12 +82,12 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   ini << "; written by test_cluster\n[node]\nrole = \"" << role << "\"\n";
   if (role != "router") ini << "name = \"" << name << "\"\nrouter-port = " << router_port_ << "\n";
   if (role == "frontend") ini << "http-port = " << port << "\n";
-  else if (role != "prefill") ini << "port = " << port << "\n";
+  else if (role != "prefill" && role != "worker") ini << "port = " << port << "\n";
   ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";
   ini << "peer-refresh-ms = 200\n" << extra;
   ini << "\n[disagg]\nmodel = \"" << (model_.empty() ? shared_model() : model_) << "\"\nbackend = \"cpu\"\n";
   if (role == "router" || role == "frontend") ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
-  if (role == "decode") ini << "pool-blocks = 512\n";
+  if (role == "decode" || role == "worker") ini << "pool-blocks = 512\n";
   ini << disagg_extra_ << "\n" << disagg_extra << "\n";
   if (tls()) {
     const TlsOptions files = certificate_files(tls_dir_, name);

@@ -162,6 +162,48 @@ TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) 
   expect_kv_goes_prefill_to_decode("message");
 }
 
+// Colocated worker nodes (role `worker`, config/colocated/): each registers
+// a prefill and a decode worker of its unit, serves token for token what
+// gpu::generate makes (greedy and sampled, concurrent), keeps a request's
+// prefill and decode in one process, and when one is killed the other takes
+// every new request.
+TEST(MultiProcessCluster, ColocatedWorkerNodesServeTokenForTokenAndSurviveOneLost) {
+  TestCluster cluster("cluster-colocated");
+  cluster.start_router();
+  cluster.start_node("worker", "worker-1");
+  cluster.start_node("worker", "worker-2");
+  ASSERT_TRUE(cluster.wait_for_workers(2, 2));
+  auto run_batch = [&](int n, const std::string& only_unit) {
+    std::vector<GenerateRequest> requests;
+    std::vector<std::future<RequestOutcome>> futures;
+    for (int i = 0; i < n; ++i) {
+      Sampling sampling;
+      if (i % 2 == 1) sampling = Sampling{0.9f, 0.95f, uint64_t(300 + i)};
+      requests.push_back(token_request({1, 403, 407, 261, 378}, 10 + (i * 13) % 50, sampling));
+      futures.push_back(cluster.client().submit(requests.back()));
+    }
+    std::set<std::string> units;
+    for (int i = 0; i < n; ++i) {
+      const RequestOutcome out = futures[size_t(i)].get();
+      ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+      EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), requests[size_t(i)]));
+      const std::string unit = out.decode_worker.substr(0, out.decode_worker.rfind('/'));
+      EXPECT_EQ(out.prefill_worker, unit + "/prefill") << "prefilled in another process than " << out.decode_worker;
+      EXPECT_EQ(out.decode_worker, unit + "/decode");
+      units.insert(unit);
+    }
+    if (only_unit.empty())
+      EXPECT_EQ(units.size(), 2u) << "both colocated nodes took requests";
+    else
+      EXPECT_EQ(units, std::set<std::string>{only_unit});
+  };
+  ASSERT_NO_FATAL_FAILURE(run_batch(16, ""));
+  cluster.kill_node("worker-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  ASSERT_NO_FATAL_FAILURE(run_batch(8, "worker-2"));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 TEST(MultiProcessCluster, ClientBinaryPrintsWhatDisaggGenerateDoes) {
   TestCluster cluster("cluster-client");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));

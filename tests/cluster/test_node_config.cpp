@@ -95,8 +95,8 @@ void expect_fails_fast(const Misconfiguration& m) {
 
 TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
   const std::string model = "model = \"" + shared_model() + "\"\n";
-  expect_fails_fast({"unknown role", "[node]\nrole = \"worker\"\n", {}, 2,
-                     "node.role must be router, prefill, decode or frontend (got \"worker\")"});
+  expect_fails_fast({"unknown role", "[node]\nrole = \"relay\"\n", {}, 2,
+                     "node.role must be router, prefill, decode, worker or frontend (got \"relay\")"});
   expect_fails_fast({"frontend without tokenizer",
                      "[node]\nrole = \"frontend\"\nrouter-port = 4000\n[disagg]\n" + model, {}, 2,
                      "disagg.tokenizer is required for a frontend node"});

@@ -124,7 +124,8 @@ TEST(LongContext, PrefillHookHandsOutEveryLayerOfEveryChunkInOrder) {
 
 // The streamed KV transfer's arithmetic (gpu/kv_stream.h): the pieces a
 // prefill hands out from its cache, each copied to its byte offset in the
-// regions of a decode pool's blocks, give that pool exactly the KV a
+// spans of a decode pool's blocks (KvPool::stream_spans, what a receiver
+// registers; KvPool::write_piece, what a colocated worker's prefill does), give that pool exactly the KV a
 // one-message admission (KvPool::write) gives it, for prompt lengths that end
 // mid-tile, on a tile and on a block, blocks of several sizes, and blocks in
 // one run, in reverse (runs of one) and in a mix. Every byte of the regions
@@ -151,26 +152,18 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
         for (int i = 0; i < n; ++i) prompt[size_t(i)] = 3 + (i * 31) % (c.vocab_size - 3);
         const KvStreamPlan plan(c.n_layers, c.kv_dim(), n, block, KvStreamPlan::runs_of(blocks, nb));
         KvPool streamed(engine, block, 4 * nb + 3);
-        std::vector<std::pair<char*, size_t>> regions;  // the receiver's view, in byte-space order
-        plan.for_each_region([&](int layer, bool value, int j, size_t floats) {
-          float* at = streamed.data() + kvl::plane_offset(streamed.num_blocks(), block, c.kv_dim(), layer, value) +
-                      kvl::block_offset(block, c.kv_dim(), blocks[size_t(j)]);
-          regions.emplace_back(reinterpret_cast<char*>(at), floats * sizeof(float));
-        });
+        const std::vector<int> dest(blocks.begin(), blocks.end());
+        const std::vector<PoolSpan> spans = streamed.stream_spans(plan, dest);  // what a receiver registers
         size_t region_bytes = 0;
-        for (const auto& r : regions) region_bytes += r.second;
+        for (const auto& span : spans) region_bytes += span.floats * sizeof(float);
         ASSERT_EQ(region_bytes, plan.total_bytes());
         std::vector<int> written(plan.total_bytes(), 0);
         size_t largest = 0;
         PrefillHooks hooks;
         hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
           plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
-            size_t start = 0;  // the region holding [offset, offset + bytes): it must be one
-            size_t r = 0;
-            while (r < regions.size() && start + regions[r].second <= offset) start += regions[r++].second;
-            ASSERT_LT(r, regions.size());
-            ASSERT_LE(offset + bytes, start + regions[r].second) << "a piece crosses a region";
-            std::memcpy(regions[r].first + (offset - start), reinterpret_cast<const char*>(cache) + offset, bytes);
+            // (write_piece throws for a piece that crosses a span)
+            streamed.write_piece(spans, offset, reinterpret_cast<const char*>(cache) + offset, bytes);
             for (size_t b = offset; b < offset + bytes; ++b) written[b] += 1;
             largest = std::max(largest, bytes);
           });
@@ -188,6 +181,27 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
       }
     }
   }
+}
+
+// Stream spans only for blocks the plan can use: a plan of the pool's block
+// size, enough blocks, all inside the pool, runs as the plan says; a piece
+// only inside the spans.
+TEST(LongContext, StreamSpansRefuseBlocksThePlanCannotUse) {
+  Engine engine(long_model());
+  const ModelConfig& c = engine.config();
+  KvPool pool(engine, 16, 8);
+  const KvStreamPlan two_blocks(c.n_layers, c.kv_dim(), 20, 16, {2});
+  EXPECT_NO_THROW(pool.stream_spans(two_blocks, {3, 4}));
+  EXPECT_THROW(pool.stream_spans(KvStreamPlan(c.n_layers, c.kv_dim(), 20, 32), {3}), Error) << "another block size";
+  EXPECT_THROW(pool.stream_spans(two_blocks, {3}), Error) << "too few blocks";
+  EXPECT_THROW(pool.stream_spans(two_blocks, {7, 8}), Error) << "a block outside the pool";
+  EXPECT_THROW(pool.stream_spans(two_blocks, {-1, 0}), Error) << "a negative block";
+  EXPECT_THROW(pool.stream_spans(two_blocks, {3, 5}), Error) << "a run that is not consecutive";
+  const std::vector<PoolSpan> spans = pool.stream_spans(two_blocks, {3, 4});
+  std::vector<char> bytes(two_blocks.total_bytes());
+  EXPECT_THROW(pool.write_piece(spans, two_blocks.total_bytes() - 4, bytes.data(), 8), Error) << "past the end";
+  EXPECT_THROW(pool.write_piece(spans, spans[0].floats * sizeof(float) - 4, bytes.data(), 8), Error)
+      << "across two spans";
 }
 
 TEST(LongContext, APromptBeyondTheContextIsRejected) {
