@@ -242,20 +242,21 @@ class CompareSummary(unittest.TestCase):
 
 class ComparePlan(unittest.TestCase):
     def test_rates_prompts_and_slos_from_the_probe(self):
-        # capacity 10 req/s: rates 0.4, 0.7, 1, 1.4, 2 x 10; one sweep takes (2.5 + 1.4286 + 1 + 1 + 1)
-        # = 6.9286 units of num_prompts / capacity: 30 s -> 30 * 10 / 6.9286 = 43.3 -> 43 prompts
+        # capacity 10 req/s: rates 0.25, 0.5, 1, 1.5, 2, 3 x 10; one sweep takes (4 + 2 + 1 + 1 + 1 + 1)
+        # = 10 units of num_prompts / capacity (a rate past the capacity: 1 unit): 33 s -> 33 prompts
         unloaded = {"median_ttft_ms": 12.0, "median_tpot_ms": 0.5}
-        plan = compare.plan_mix("prefill-heavy", unloaded, {"request_throughput": 10.0}, 30.0)
-        self.assertEqual(plan["rates"], [4.0, 7.0, 10.0, 14.0, 20.0])
-        self.assertEqual(plan["num_prompts"], 43)
+        plan = compare.plan_mix("prefill-heavy", unloaded, {"request_throughput": 10.0}, 33.0)
+        self.assertEqual(plan["rates"], [2.5, 5.0, 10.0, 15.0, 20.0, 30.0])
+        self.assertEqual(plan["num_prompts"], 33)
         self.assertEqual(plan["slo_ttft_ms"], 48.0)  # 4 x 12
         self.assertEqual(plan["slo_tpot_ms"], 5.0)  # 4 x 0.5 = 2, below the 5 ms floor
-        self.assertEqual(compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 10.0}, 600.0)
-                         ["num_prompts"], 60)  # at most 60
-        given = compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 0.123}, 30.0,
+        self.assertEqual(compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 10.0}, 6000.0)
+                         ["num_prompts"], 400)  # at most 400
+        given = compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 0.1234}, 33.0,
                                  slo_ttft_ms=700.0, slo_tpot_ms=30.0)
         self.assertEqual((given["slo_ttft_ms"], given["slo_tpot_ms"]), (700.0, 30.0))
-        self.assertEqual(given["rates"], [0.049, 0.086, 0.12, 0.17, 0.25])  # two significant digits
+        # two significant digits: 0.03085, 0.0617, 0.1234, 0.1851, 0.2468, 0.3702
+        self.assertEqual(given["rates"], [0.031, 0.062, 0.12, 0.19, 0.25, 0.37])
         self.assertEqual(given["num_prompts"], 10)  # at least 10
         with self.assertRaises(ValueError):
             compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 0.0}, 30.0)
