@@ -1,9 +1,15 @@
-// Serving throughput of the disaggregated actors against colocated generation,
-// measured in one run: N requests generated one after another by gpu::generate
-// (the colocated baseline, one engine, no actors), then the same N submitted
+// Throughput of the in-process disaggregated actors against sequential
+// gpu::generate, measured in one run: N requests generated one after another
+// by gpu::generate (one engine, no actors, no batching, no server: a baseline
+// for the actors' overhead, NOT a colocated server), then the same N submitted
 // at once to an in-process cluster (router + P prefill + D decode workers).
-// Prints tokens/s of both and their ratio, TTFT and time per output token, and
-// checks that every request produced the colocated tokens.
+// Prints tokens/s of both and their ratio ("vs sequential gpu::generate"), TTFT
+// and time per output token, and checks that every request produced the tokens
+// of gpu::generate.
+//
+// Disaggregated against colocated serving (worker nodes that prefill and decode
+// with continuous batching, behind the same router and HTTP frontend, under an
+// open-loop load with SLOs) is `scripts/bench compare`, not this program.
 //
 //   bench_serving [--model M] [--requests 16] [--new-tokens 100] [--prefill 2] [--decode 2]
 //
@@ -91,20 +97,22 @@ int run(const Options& opt) {
   const int new_tokens = std::min(opt.new_tokens, checkpoint->config().seq_len - 4);
   std::printf("model %s, %d requests x %d new tokens, cluster %d prefill + %d decode (in process)\n",
               model.c_str(), opt.requests, new_tokens, opt.prefill, opt.decode);
+  std::printf("baseline: sequential gpu::generate (one engine, no server; not colocated serving: for that see "
+              "scripts/bench compare)\n");
 
-  // Colocated baseline: one engine, requests one after another.
+  // The baseline: sequential gpu::generate, one engine, requests one after another.
   std::vector<std::vector<int>> expected(opt.requests);
-  size_t colocated_tokens = 0;
-  double colocated_ms = 0;
+  size_t sequential_tokens = 0;
+  double sequential_ms = 0;
   {
     disagg::gpu::Engine engine(checkpoint);
     const auto start = Clock::now();
     for (int i = 0; i < opt.requests; ++i) {
       const disagg::gpu::SamplingParams sampling{0.8f, 0.9f, uint64_t(i)};
       expected[i] = disagg::gpu::generate(engine, prompt_of(i, vocab), new_tokens, sampling).tokens;
-      colocated_tokens += expected[i].size();
+      sequential_tokens += expected[i].size();
     }
-    colocated_ms = ms_between(start, Clock::now());
+    sequential_ms = ms_between(start, Clock::now());
   }
 
   // Disaggregated: all requests at once through the router.
@@ -153,15 +161,16 @@ int run(const Options& opt) {
   }
   const double disagg_ms = ms_between(start, Clock::now());
 
-  const double colocated_rate = 1000.0 * double(colocated_tokens) / colocated_ms;
+  const double sequential_rate = 1000.0 * double(sequential_tokens) / sequential_ms;
   const double disagg_rate = 1000.0 * double(disagg_tokens) / disagg_ms;
-  std::printf("colocated (sequential):  %zu tokens in %.1f ms: %.0f tokens/s\n", colocated_tokens, colocated_ms,
-              colocated_rate);
-  std::printf("disaggregated (at once): %zu tokens in %.1f ms: %.0f tokens/s, ratio %.2fx colocated\n",
-              disagg_tokens, disagg_ms, disagg_rate, disagg_rate / colocated_rate);
+  std::printf("sequential gpu::generate: %zu tokens in %.1f ms: %.0f tokens/s\n", sequential_tokens, sequential_ms,
+              sequential_rate);
+  std::printf("disaggregated actors (at once): %zu tokens in %.1f ms: %.0f tokens/s, "
+              "%.2fx vs sequential gpu::generate\n",
+              disagg_tokens, disagg_ms, disagg_rate, disagg_rate / sequential_rate);
   std::printf("TTFT ms p50 %.1f p99 %.1f; time per output token ms p50 %.2f p99 %.2f\n", percentile(ttft, 0.5),
               percentile(ttft, 0.99), percentile(tpot, 0.5), percentile(tpot, 0.99));
-  std::printf("%d of %d requests differ from colocated tokens, %d failed\n", mismatches, opt.requests, failures);
+  std::printf("%d of %d requests differ from gpu::generate's tokens, %d failed\n", mismatches, opt.requests, failures);
   cluster.stop();
   return mismatches == 0 && failures == 0 ? 0 : 1;
 }

@@ -1,6 +1,8 @@
 #!/usr/bin/python3
 """disagg-bench's metric computations against values worked out by hand on a
-small recorded stream (bench/disagg_bench/metrics.py has the definitions)."""
+small recorded stream (bench/disagg_bench/metrics.py has the definitions), and
+`scripts/bench compare`'s goodput at 90% attainment, plan and summary against
+hand-computed values from made-up sweeps (bench/disagg_bench/compare.py)."""
 
 import math
 import os
@@ -10,6 +12,7 @@ import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 
+from disagg_bench import compare  # noqa: E402
 from disagg_bench.load import arrival_gaps, make_prompts  # noqa: E402
 from disagg_bench.metrics import RequestRecord, compute_metrics, percentile  # noqa: E402
 
@@ -138,6 +141,134 @@ class Workload(unittest.TestCase):
         self.assertEqual([p.prompt for p in uniform], [p.prompt for p in make_prompts(400, 100, 20, 0.5, 2, "tokens", 512)])
         text = make_prompts(3, 10, 4, 0.0, 3, "text", 512)
         self.assertTrue(all(isinstance(p.prompt, str) and len(p.prompt.split()) == 10 for p in text))
+
+
+
+
+def sweep(points, **fields):
+    """Made-up disagg-bench results: (rate, attainment) each, plus fields."""
+    return [dict({"request_rate": r, "slo_attainment": a}, **fields) for r, a in points]
+
+
+class GoodputAtAttainment(unittest.TestCase):
+    def test_interpolates_where_attainment_falls_through_90(self):
+        # 2 req/s reaches 95%, 4 req/s 80%: swept 2; 90% lies 0.05/0.15 = 1/3 of the way to 4: 2.667
+        g = compare.goodput_at_attainment(sweep([(1, 1.0), (2, 0.95), (4, 0.8), (8, 0.2)]))
+        self.assertEqual(g["swept"], 2)
+        self.assertAlmostEqual(g["interpolated"], 2 + 2 / 3, places=9)
+        self.assertFalse(g["capped"])
+
+    def test_order_of_the_results_does_not_matter(self):
+        g = compare.goodput_at_attainment(sweep([(8, 0.2), (2, 0.95), (1, 1.0), (4, 0.8)]))
+        self.assertAlmostEqual(g["interpolated"], 2 + 2 / 3, places=9)
+
+    def test_exactly_90_percent_counts(self):
+        g = compare.goodput_at_attainment(sweep([(1, 1.0), (3, 0.9), (5, 0.5)]))
+        self.assertEqual(g["swept"], 3)
+        self.assertAlmostEqual(g["interpolated"], 3.0, places=9)
+
+    def test_every_rate_meets_it_capped_at_the_top_rate(self):
+        g = compare.goodput_at_attainment(sweep([(0.5, 1.0), (1, 0.97), (2, 0.91)]))
+        self.assertEqual((g["swept"], g["interpolated"], g["capped"]), (2, 2, True))
+
+    def test_lowest_rate_misses_it_zero(self):
+        g = compare.goodput_at_attainment(sweep([(1, 0.85), (2, 0.95)]))
+        self.assertEqual((g["swept"], g["interpolated"], g["capped"]), (0.0, 0.0, False))
+
+    def test_a_rate_above_a_miss_does_not_count(self):
+        # 4 req/s reaches 95% after 2 req/s missed (50%): the goodput stays between 1 and 2,
+        # 1 + 1 * (1.0 - 0.9) / (1.0 - 0.5) = 1.2
+        g = compare.goodput_at_attainment(sweep([(1, 1.0), (2, 0.5), (4, 0.95)]))
+        self.assertEqual(g["swept"], 1)
+        self.assertAlmostEqual(g["interpolated"], 1.2, places=9)
+
+    def test_failed_requests_lower_attainment_through_compute_metrics(self):
+        # STREAM at SLOs TTFT <= 250, TPOT <= 80: A, C good (B's TPOT 100, F's TTFT 400; D, E failed): 2/6
+        m = compute_metrics(STREAM, slo_ttft_ms=250, slo_tpot_ms=80)
+        m["request_rate"] = 1.0
+        g = compare.goodput_at_attainment([m, {"request_rate": 0.5, "slo_attainment": 1.0}])
+        # between (0.5, 1.0) and (1.0, 1/3): 0.5 + 0.5 * 0.1 / (2/3) = 0.575
+        self.assertAlmostEqual(g["interpolated"], 0.575, places=9)
+
+    def test_results_without_slos_are_refused(self):
+        with self.assertRaises(ValueError):
+            compare.goodput_at_attainment(sweep([(1, None)]))
+
+
+class CompareSummary(unittest.TestCase):
+    FIELDS = {"slo_ttft_ms": 100.0, "slo_tpot_ms": 10.0}
+
+    def results(self, points, ttft_means, p90_ttfts, p90_tpots):
+        out = sweep(points, **self.FIELDS)
+        for r, mean, t90, p90 in zip(out, ttft_means, p90_ttfts, p90_tpots):
+            r.update(mean_ttft_ms=mean, p90_ttft_ms=t90, p90_tpot_ms=p90)
+        return out
+
+    def test_side_by_side_ratios_and_the_headline_sum(self):
+        sweeps = {
+            "prefill-heavy": {
+                # disagg: 90% between 2 (1.0) and 4 (0.8): 2 + 2 * 0.1 / 0.2 = 3
+                "disagg": self.results([(1, 1.0), (2, 1.0), (4, 0.8)], [30, 40, 90], [50, 60, 200], [4, 5, 9]),
+                # colocated: between 1 (0.95) and 2 (0.7): 1 + 0.05 / 0.25 = 1.2
+                "colocated": self.results([(1, 0.95), (2, 0.7), (4, 0.1)], [20, 60, 300], [40, 90, 500],
+                                          [8, 12, 30])},
+            "decode-heavy": {
+                "disagg": self.results([(1, 1.0), (2, 1.0), (4, 0.95)], [10, 11, 12], [15, 16, 17], [5, 6, 7]),
+                "colocated": self.results([(1, 0.5), (2, 0.4), (4, 0.1)], [10, 11, 12], [15, 16, 17], [5, 6, 7])},
+        }
+        s = compare.summarize(sweeps)
+        p, d = s["mixes"]["prefill-heavy"], s["mixes"]["decode-heavy"]
+        self.assertAlmostEqual(p["disagg"]["goodput"], 3.0, places=9)
+        self.assertAlmostEqual(p["colocated"]["goodput"], 1.2, places=9)
+        self.assertAlmostEqual(p["ratio"]["goodput"], 2.5, places=9)
+        self.assertEqual((p["disagg"]["goodput_swept"], p["colocated"]["goodput_swept"]), (2, 1))
+        self.assertAlmostEqual(p["ratio"]["mean_ttft_ms_lowest_rate"], 1.5, places=9)  # 30 / 20
+        self.assertAlmostEqual(p["ratio"]["p90_ttft_ms_lowest_rate"], 1.25, places=9)  # 50 / 40
+        self.assertAlmostEqual(p["ratio"]["p90_tpot_ms_lowest_rate"], 0.5, places=9)  # 4 / 8
+        self.assertTrue(d["disagg"]["goodput_capped"])
+        self.assertEqual(d["ratio"]["goodput"], "inf")  # 4 / 0
+        # headline: disagg 3 + 4 = 7, colocated 1.2 + 0 = 1.2, ratio 5.833
+        self.assertAlmostEqual(s["goodput"]["disagg"], 7.0, places=9)
+        self.assertAlmostEqual(s["goodput"]["colocated"], 1.2, places=9)
+        self.assertEqual(compare.final_line(s), "goodput disagg=7 colocated=1.2 ratio=5.83")
+        self.assertIn(">=4", compare.table(s))  # capped goodput is marked
+
+    def test_both_zero_ratio_is_not_a_number(self):
+        zero = self.results([(1, 0.5), (2, 0.1)], [1, 1], [1, 1], [1, 1])
+        s = compare.summarize({"prefill-heavy": {"disagg": zero, "colocated": zero}})
+        self.assertEqual(s["goodput"]["ratio"], "n/a")
+        self.assertEqual(compare.final_line(s), "goodput disagg=0 colocated=0 ratio=n/a")
+
+
+class ComparePlan(unittest.TestCase):
+    def test_rates_prompts_and_slos_from_the_probe(self):
+        # capacity 10 req/s: rates 0.25, 0.5, 1, 1.5, 2, 3 x 10; one sweep takes (4 + 2 + 1 + 1 + 1 + 1)
+        # = 10 units of num_prompts / capacity (a rate past the capacity: 1 unit): 33 s -> 33 prompts
+        unloaded = {"median_ttft_ms": 12.0, "median_tpot_ms": 0.5}
+        plan = compare.plan_mix("prefill-heavy", unloaded, {"request_throughput": 10.0}, 33.0)
+        self.assertEqual(plan["rates"], [2.5, 5.0, 10.0, 15.0, 20.0, 30.0])
+        self.assertEqual(plan["num_prompts"], 33)
+        self.assertEqual(plan["slo_ttft_ms"], 48.0)  # 4 x 12
+        self.assertEqual(plan["slo_tpot_ms"], 5.0)  # 4 x 0.5 = 2, below the 5 ms floor
+        self.assertEqual(compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 10.0}, 6000.0)
+                         ["num_prompts"], 400)  # at most 400
+        given = compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 0.1234}, 33.0,
+                                 slo_ttft_ms=700.0, slo_tpot_ms=30.0)
+        self.assertEqual((given["slo_ttft_ms"], given["slo_tpot_ms"]), (700.0, 30.0))
+        # two significant digits: 0.03085, 0.0617, 0.1234, 0.1851, 0.2468, 0.3702
+        self.assertEqual(given["rates"], [0.031, 0.062, 0.12, 0.19, 0.25, 0.37])
+        self.assertEqual(given["num_prompts"], 10)  # at least 10
+        with self.assertRaises(ValueError):
+            compare.plan_mix("decode-heavy", unloaded, {"request_throughput": 0.0}, 30.0)
+
+    def test_mix_lengths_fit_the_context(self):
+        for seq_len in (64, 256, 512, 2048):
+            for mix, m in compare.mix_lengths(seq_len).items():
+                longest = int(m["input_len"] * 1.25) + int(m["output_len"] * 1.25)
+                self.assertLessEqual(longest, seq_len, (seq_len, mix))
+        lengths = compare.mix_lengths(512)
+        self.assertEqual((lengths["prefill-heavy"]["input_len"], lengths["prefill-heavy"]["output_len"]), (307, 16))
+        self.assertEqual((lengths["decode-heavy"]["input_len"], lengths["decode-heavy"]["output_len"]), (32, 128))
 
 
 if __name__ == "__main__":
