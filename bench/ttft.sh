@@ -25,8 +25,7 @@ mkdir -p "$OUT"
 
 MODEL=${MODEL:-build/bench/m50/model.bin}
 if [ ! -f "$MODEL" ]; then
-  "$BIN/disagg-make-model" --out "$(dirname "$MODEL")" --dim 512 --hidden 1376 --layers 16 --heads 8 --kv-heads 8 \
-    --vocab 4096 --seq-len 2048 >/dev/null
+  BIN_DIR=$BIN bench/make-m50.sh "$(dirname "$MODEL")"
 fi
 MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")
 
