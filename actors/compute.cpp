@@ -12,6 +12,7 @@
 #include "gpu/kv_format.h"
 #include "gpu/kv_stream.h"
 #include "gpu/sampling.h"
+#include "gpu/tokenizer.h"
 
 namespace disagg {
 
@@ -299,6 +300,18 @@ ModelInfo model_info_of(uint64_t fingerprint, const gpu::ModelConfig& c) {
   return info;
 }
 
+// One prefill of one token and, with a pool, one decode step, before the
+// worker registers: the first request a worker served used to pay 20-45 ms of
+// first-touch costs (the thread pools' start, scratch buffers' first pages).
+// The step writes position 0 of block 0, which no request holds yet.
+void warm_up(ComputeState& st) {
+  const std::vector<int> bos{gpu::kBosToken};
+  st.engine->prefill(bos);
+  if (!st.pool) return;
+  const std::vector<int> block{0};
+  st.engine->decode_step(*st.pool, {gpu::DecodeSlot{gpu::kBosToken, 0, &block}});
+}
+
 }  // namespace
 
 ModelInfo model_info(const gpu::Checkpoint& checkpoint) {
@@ -321,6 +334,7 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
     auto* pool = new gpu::KvPool(*st->engine, spec.pool_block_size, spec.pool_blocks);
     st->pool = std::shared_ptr<gpu::KvPool>(pool, [engine = st->engine](gpu::KvPool* p) { delete p; });
   }
+  warm_up(*st);
   ComputeUnit unit;
   unit.pool = st->pool;
   unit.actor = system.spawn<caf::detached>(compute_behavior, std::move(st));
