@@ -359,4 +359,42 @@ std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlo
   return logits;
 }
 
+std::vector<float> Engine::prefill_chunk(KvPool& pool, const std::vector<int>& tokens, int first_pos,
+                                         const std::vector<int>& blocks) {
+  Impl& m = *impl_;
+  const int rows = int(tokens.size());
+  if (rows == 0) throw Error("prefill_chunk: no tokens");
+  if (&pool.engine() != this) throw Error("prefill_chunk: the KV pool belongs to another engine");
+  if (first_pos < 0) throw Error("prefill_chunk: negative first position " + std::to_string(first_pos));
+  m.validate_position(first_pos + rows - 1, "prefill_chunk");
+  for (int t : tokens) m.validate_token(t, "prefill_chunk");
+  const int needed = KvPool::blocks_for(first_pos + rows, pool.block_size());
+  if (int(blocks.size()) < needed)
+    throw Error("prefill_chunk: positions up to " + std::to_string(first_pos + rows) + " need " +
+                std::to_string(needed) + " blocks, got " + std::to_string(blocks.size()));
+  for (int i = 0; i < needed; ++i)
+    if (blocks[size_t(i)] < 0 || blocks[size_t(i)] >= pool.num_blocks())
+      throw Error("prefill_chunk: block " + std::to_string(blocks[size_t(i)]) + " outside the pool of " +
+                  std::to_string(pool.num_blocks()));
+  m.tables.upload(blocks.data(), size_t(needed));  // one table shared by all rows
+  PagedKv kv;
+  kv.data = pool.data();
+  kv.block_size = pool.block_size();
+  kv.num_blocks = pool.num_blocks();
+  kv.kv_dim = int(m.kv_dim);
+  kv.tables = m.tables.get();
+  kv.table_stride = 0;
+  // In pieces of at most kPrefillChunk rows, as prefill() (bounded scratch).
+  for (int c0 = 0; c0 < rows; c0 += kPrefillChunk) {
+    const int n = std::min(kPrefillChunk, rows - c0);
+    const std::vector<int> piece(tokens.begin() + c0, tokens.begin() + c0 + n);
+    std::vector<int> positions(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) positions[size_t(i)] = first_pos + c0 + i;
+    m.forward(piece, positions, kv, c0 + n == rows ? n - 1 : n);
+  }
+  std::vector<float> logits(m.vocab);
+  m.logits.download(logits.data(), m.vocab);
+  return logits;
+}
+
 }  // namespace disagg::gpu

@@ -77,6 +77,17 @@ class Engine {
   // One token for each slot; returns logits, slots.size() x vocab_size.
   std::vector<float> decode_step(KvPool& pool, const std::vector<DecodeSlot>& slots);
 
+  // Chunked prefill straight into a pool: positions [first_pos, first_pos +
+  // tokens.size()) of one sequence whose earlier positions are in `blocks`
+  // already. Their K and V go into the blocks; returns the last position's
+  // logits (vocab_size floats). The same arithmetic as prefill() (rows of a
+  // product do not depend on the others, attention sums per position in
+  // fixed tiles), so a prompt in chunks of any size gives prefill()'s KV and
+  // logits bit for bit: a colocated worker prefills this way between decode
+  // steps.
+  std::vector<float> prefill_chunk(KvPool& pool, const std::vector<int>& tokens, int first_pos,
+                                   const std::vector<int>& blocks);
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

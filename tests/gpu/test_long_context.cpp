@@ -122,10 +122,27 @@ TEST(LongContext, PrefillHookHandsOutEveryLayerOfEveryChunkInOrder) {
   EXPECT_THROW(engine.prefill(prompt, hooks), Error);
 }
 
+// What a receiver's transport does with a piece at byte `offset` of the
+// transfer (host memory: the CPU backend): copies it into the span it starts
+// in, and fails the test when it crosses that span's end or lies past all.
+void write_piece(const std::vector<PoolSpan>& spans, size_t offset, const void* src, size_t bytes) {
+  size_t start = 0;
+  for (const PoolSpan& span : spans) {
+    const size_t span_bytes = span.floats * sizeof(float);
+    if (offset < start + span_bytes) {
+      ASSERT_LE(offset + bytes, start + span_bytes) << "the piece at byte " << offset << " crosses its region";
+      std::memcpy(reinterpret_cast<char*>(span.data) + (offset - start), src, bytes);
+      return;
+    }
+    start += span_bytes;
+  }
+  FAIL() << "byte " << offset << " is past the transfer's " << start << " bytes";
+}
+
 // The streamed KV transfer's arithmetic (gpu/kv_stream.h): the pieces a
 // prefill hands out from its cache, each copied to its byte offset in the
 // spans of a decode pool's blocks (KvPool::stream_spans, what a receiver
-// registers; KvPool::write_piece, what a colocated worker's prefill does), give that pool exactly the KV a
+// registers, each piece copied as the receiver's transport does), give that pool exactly the KV a
 // one-message admission (KvPool::write) gives it, for prompt lengths that end
 // mid-tile, on a tile and on a block, blocks of several sizes, and blocks in
 // one run, in reverse (runs of one) and in a mix. Every byte of the regions
@@ -162,8 +179,7 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
         PrefillHooks hooks;
         hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
           plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
-            // (write_piece throws for a piece that crosses a span)
-            streamed.write_piece(spans, offset, reinterpret_cast<const char*>(cache) + offset, bytes);
+            write_piece(spans, offset, reinterpret_cast<const char*>(cache) + offset, bytes);
             for (size_t b = offset; b < offset + bytes; ++b) written[b] += 1;
             largest = std::max(largest, bytes);
           });
@@ -183,9 +199,42 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
   }
 }
 
+// Chunked prefill into a pool (Engine::prefill_chunk, a colocated worker's
+// prefill between decode steps) gives prefill()'s KV and last logits bit for
+// bit, whatever the chunk size (one position, a tile, an odd size, the
+// engine's own 512, the whole prompt) and however the blocks lie.
+TEST(LongContext, ChunkedPrefillIntoAPoolEqualsPrefill) {
+  Engine engine(long_model());
+  const ModelConfig& c = engine.config();
+  for (const int n : {1, 29, 700}) {
+    std::vector<int> prompt(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) prompt[size_t(i)] = 3 + (i * 37) % (c.vocab_size - 3);
+    const PrefillOutput whole = engine.prefill(prompt);
+    for (const int chunk : {1, 16, 77, 512, n}) {
+      if (chunk == 1 && n > 29) continue;  // (700 one-row steps: slow, and 29 covers it)
+      SCOPED_TRACE("prompt " + std::to_string(n) + ", chunk " + std::to_string(chunk));
+      const int nb = KvPool::blocks_for(n, 16);
+      KvPool pool(engine, 16, 2 * nb + 1);
+      std::vector<int> blocks;
+      for (int j = 0; j < nb; ++j) blocks.push_back(2 * (nb - j));  // reversed, with gaps
+      std::vector<float> logits;
+      for (int p0 = 0; p0 < n; p0 += chunk) {
+        const int rows = std::min(chunk, n - p0);
+        logits = engine.prefill_chunk(pool, std::vector<int>(prompt.begin() + p0, prompt.begin() + p0 + rows), p0,
+                                      blocks);
+      }
+      EXPECT_TRUE(same_bits(logits, whole.logits)) << "last logits differ";
+      EXPECT_TRUE(same_bits(test::gather_kv(engine, pool, blocks, n), whole.kv)) << "KV differs";
+    }
+  }
+  KvPool pool(engine, 16, 4);
+  EXPECT_THROW(engine.prefill_chunk(pool, {5, 6}, 63, {0, 1, 2, 3}), Error) << "past the blocks given";
+  EXPECT_THROW(engine.prefill_chunk(pool, {5}, 0, {9}), Error) << "a block outside the pool";
+  EXPECT_THROW(engine.prefill_chunk(pool, {}, 0, {0}), Error) << "no tokens";
+}
+
 // Stream spans only for blocks the plan can use: a plan of the pool's block
-// size, enough blocks, all inside the pool, runs as the plan says; a piece
-// only inside the spans.
+// size, enough blocks, all inside the pool, runs as the plan says.
 TEST(LongContext, StreamSpansRefuseBlocksThePlanCannotUse) {
   Engine engine(long_model());
   const ModelConfig& c = engine.config();
@@ -197,11 +246,6 @@ TEST(LongContext, StreamSpansRefuseBlocksThePlanCannotUse) {
   EXPECT_THROW(pool.stream_spans(two_blocks, {7, 8}), Error) << "a block outside the pool";
   EXPECT_THROW(pool.stream_spans(two_blocks, {-1, 0}), Error) << "a negative block";
   EXPECT_THROW(pool.stream_spans(two_blocks, {3, 5}), Error) << "a run that is not consecutive";
-  const std::vector<PoolSpan> spans = pool.stream_spans(two_blocks, {3, 4});
-  std::vector<char> bytes(two_blocks.total_bytes());
-  EXPECT_THROW(pool.write_piece(spans, two_blocks.total_bytes() - 4, bytes.data(), 8), Error) << "past the end";
-  EXPECT_THROW(pool.write_piece(spans, spans[0].floats * sizeof(float) - 4, bytes.data(), 8), Error)
-      << "across two spans";
 }
 
 TEST(LongContext, APromptBeyondTheContextIsRejected) {
