@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <optional>
 #include <type_traits>
 
@@ -29,11 +30,28 @@ std::atomic<int64_t> prefills_computed{0};
 std::atomic<int64_t> prefills_skipped_cancelled{0};
 std::atomic<int64_t> prefills_skipped_expired{0};
 
+using Self = compute_actor::pointer;
+
+// A colocated worker's prompt, computed into its reserved pool blocks a chunk
+// per turn of the compute actor (run_local_chunk).
+struct LocalPrefill {
+  PrefillWork work;
+  std::vector<int> blocks;  // the reservation's, in position order
+  uint64_t kv_bytes = 0;    // the prompt's K and V, as a stream would carry them
+  int done = 0;             // positions computed so far
+  int64_t compute_us = 0;   // its chunks' time, not the decode steps between them
+  caf::typed_response_promise<PrefillResult> promise;
+};
+
 struct ComputeState {
   std::shared_ptr<gpu::Engine> engine;
   std::shared_ptr<gpu::KvPool> pool;  // holds the engine too (spawn_compute_unit)
   std::shared_ptr<kv::KvPlane> plane;
   std::shared_ptr<kv::LocalKvTargets> local;  // a colocated worker's
+  int prefill_chunk = 0;                      // ComputeSpec::prefill_chunk
+  // Colocated prompts in arrival order: the first one's chunks run, one per
+  // chunk_atom; while any is queued, exactly one chunk_atom is on its way.
+  std::deque<LocalPrefill> local_prefills;
 };
 
 // Thrown by the prefill hook to stop a streamed prefill part way.
@@ -131,72 +149,126 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   r.streamed = true;
 }
 
-// A colocated worker's prefill: the prompt's KV goes from the engine's cache
-// straight into its decode worker's reserved blocks of this compute's own
-// pool, layer by layer as each is final, by the same plan a stream follows
-// (kv/local.h). The blocks are ready when this returns.
-void run_local_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r) {
+// A colocated worker's prefill, started: the blocks its decode worker
+// registered are claimed and the prompt queued; its chunks run in
+// run_local_chunk, and the promise answers when the last one is done.
+caf::result<PrefillResult> start_local_prefill(Self self, ComputeState& st, PrefillWork& work) {
+  PrefillResult r;
+  r.id = work.id;
   const KvTarget& target = work.target;
-  const gpu::ModelConfig& c = st.engine->config();
   std::optional<std::vector<int32_t>> blocks;
-  if (st.pool && st.local) blocks = st.local->take(target.transfer_id);
+  if (st.pool && st.local) blocks = st.local->claim(target.transfer_id);
   if (!blocks) {
     r.code = ErrorCode::invalid_request;
     r.message = "no KV blocks of this worker are registered under transfer " + std::to_string(target.transfer_id) +
                 " (a local target names the decode worker of the prefill's own unit)";
-    return;
+    return r;
   }
-  const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs);
-  const std::vector<gpu::PoolSpan> spans = st.pool->stream_spans(plan, *blocks);
-  gpu::PrefillHooks hooks;
-  hooks.wire_kv = false;
-  hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
-    if (work.cancelled && work.cancelled->load()) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
-    const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
-    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
-      st.pool->write_piece(spans, offset, bytes_of_cache + offset, bytes);
-    });
-  };
-  const auto start = Clock::now();
+  LocalPrefill p;
   try {
-    gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks);
-    r.first_token = gpu::sample_token(out.logits.data(), c.vocab_size, to_gpu(work.sampling), work.first_step);
-    r.streamed = true;
-    r.kv_bytes = plan.total_bytes();
-  } catch (const StreamStopped& s) {
-    r.code = s.code;
-    r.message = s.message;
+    // The checks a stream's receiver makes: the plan fits the blocks.
+    const gpu::ModelConfig& c = st.engine->config();
+    const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs);
+    p.blocks.assign(blocks->begin(), blocks->end());
+    st.pool->stream_spans(plan, p.blocks);
+    p.kv_bytes = plan.total_bytes();
   } catch (const std::exception& e) {
-    r.code = ErrorCode::internal;
-    r.message = std::string("prefill: ") + e.what();
+    st.local->release(target.transfer_id);
+    r.code = ErrorCode::invalid_request;
+    r.message = std::string("KV target: ") + e.what();
+    return r;
   }
-  r.compute_us = micros_since(start);
+  p.work = std::move(work);
+  p.promise = self->make_response_promise<PrefillResult>();
+  st.local_prefills.push_back(std::move(p));
+  if (st.local_prefills.size() == 1) self->send(self, chunk_atom::value);
+  return st.local_prefills.back().promise;
 }
 
-PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
+// The next chunk of prefill_chunk positions (all that are left when 0) of
+// `p`, computed straight into its blocks; its result once it has ended
+// (computed, or stopped: cancelled, its blocks given up, or past its deadline
+// before the chunk).
+std::optional<PrefillResult> local_chunk(ComputeState& st, LocalPrefill& p) {
+  const PrefillWork& work = p.work;
   PrefillResult r;
   r.id = work.id;
+  auto stopped = [&](ErrorCode code, std::string message) {
+    r.code = code;
+    r.message = std::move(message);
+    r.compute_us = p.compute_us;
+    return r;
+  };
+  if (work.cancelled && work.cancelled->load()) return stopped(ErrorCode::cancelled, "cancelled during its prefill");
+  if (!st.local->alive(work.target.transfer_id))
+    return stopped(ErrorCode::cancelled, "its KV blocks were given up during its prefill");
+  if (work.deadline_ns > 0 && Clock::now().time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns))
+    return stopped(ErrorCode::timeout, "deadline passed during its prefill");
+  const int n = int(work.tokens.size());
+  const int rows = st.prefill_chunk > 0 ? std::min(st.prefill_chunk, n - p.done) : n - p.done;
   const auto start = Clock::now();
-  // Skipped, not computed, when the request has ended while this waited.
+  std::vector<float> logits;
+  try {
+    logits = st.engine->prefill_chunk(
+        *st.pool, std::vector<int>(work.tokens.begin() + p.done, work.tokens.begin() + p.done + rows), p.done,
+        p.blocks);
+  } catch (const std::exception& e) {
+    return stopped(ErrorCode::internal, std::string("prefill: ") + e.what());
+  }
+  p.compute_us += micros_since(start);
+  p.done += rows;
+  if (p.done < n) return std::nullopt;
+  r.first_token = gpu::sample_token(logits.data(), st.engine->config().vocab_size, to_gpu(work.sampling),
+                                    work.first_step);
+  r.streamed = true;
+  r.kv_bytes = p.kv_bytes;
+  r.compute_us = p.compute_us;
+  return r;
+}
+
+// One turn: a chunk of the first queued colocated prompt. The next turn is
+// sent to the back of the mailbox, so a decode step that came meanwhile runs
+// first (continuous batching: the worker's running sequences wait at most one
+// chunk for their next token).
+void run_local_chunk(Self self, ComputeState& st) {
+  if (st.local_prefills.empty()) return;
+  LocalPrefill& p = st.local_prefills.front();
+  if (std::optional<PrefillResult> result = local_chunk(st, p)) {
+    st.local->release(p.work.target.transfer_id);
+    p.promise.deliver(std::move(*result));
+    st.local_prefills.pop_front();
+  }
+  if (!st.local_prefills.empty()) self->send(self, chunk_atom::value);
+}
+
+// Skipped, not computed, when the request has ended while this waited.
+std::optional<PrefillResult> skip_ended(const PrefillWork& work) {
+  PrefillResult r;
+  r.id = work.id;
   if (work.cancelled && work.cancelled->load()) {
     ++prefills_skipped_cancelled;
     r.code = ErrorCode::cancelled;
     r.message = "cancelled before its prefill ran";
     return r;
   }
-  if (work.deadline_ns > 0 && start.time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns)) {
+  if (work.deadline_ns > 0 && Clock::now().time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns)) {
     ++prefills_skipped_expired;
     r.code = ErrorCode::timeout;
     r.message = "deadline passed before its prefill ran";
     return r;
   }
-  ++prefills_computed;
+  return std::nullopt;
+}
+
+// A prompt of a prefill worker (not colocated): its KV streamed to the
+// decode worker while it is computed, or returned serialized.
+PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
+  PrefillResult r;
+  r.id = work.id;
+  const auto start = Clock::now();
   if (work.target.transfer_id != 0) {
     try {
-      if (work.target.transport == kLocalKvTransport)
-        run_local_prefill(st, work, r);
-      else
-        run_streamed_prefill(st, work, r);
+      run_streamed_prefill(st, work, r);
     } catch (const std::exception& e) {  // a plan the prompt does not fit (the decode's block size)
       r.code = ErrorCode::invalid_request;
       r.message = std::string("KV stream: ") + e.what();
@@ -268,10 +340,17 @@ StepResult run_step(ComputeState& st, DecodeStep& step) {
   return r;
 }
 
-compute_actor::behavior_type compute_behavior(compute_actor::pointer, std::shared_ptr<ComputeState> st) {
+compute_actor::behavior_type compute_behavior(Self self, std::shared_ptr<ComputeState> st) {
   return {
       [st](info_atom) { return model_info(*st->engine); },
-      [st](prefill_atom, PrefillWork& work) { return run_prefill(*st, work); },
+      [self, st](prefill_atom, PrefillWork& work) -> caf::result<PrefillResult> {
+        if (std::optional<PrefillResult> skipped = skip_ended(work)) return std::move(*skipped);
+        ++prefills_computed;
+        if (work.target.transfer_id != 0 && work.target.transport == kLocalKvTransport)
+          return start_local_prefill(self, *st, work);
+        return run_prefill(*st, work);
+      },
+      [self, st](chunk_atom) { run_local_chunk(self, *st); },
       [st](admit_atom, KvAdmit& admit) { return run_admit(*st, admit); },
       [st](step_atom, DecodeStep& step) { return run_step(*st, step); },
   };
@@ -330,6 +409,7 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
   st->engine = std::make_shared<gpu::Engine>(spec.checkpoint, spec.engine);
   st->plane = spec.kv_plane;
   st->local = spec.local_targets;
+  st->prefill_chunk = spec.prefill_chunk;
   if (spec.pool_blocks > 0) {
     auto* pool = new gpu::KvPool(*st->engine, spec.pool_block_size, spec.pool_blocks);
     st->pool = std::shared_ptr<gpu::KvPool>(pool, [engine = st->engine](gpu::KvPool* p) { delete p; });

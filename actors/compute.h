@@ -28,6 +28,9 @@ struct ComputeSpec {
   // prefill worker go straight into the blocks its decode worker registered
   // here (kv/local.h, KvTarget transport kLocalKvTransport).
   std::shared_ptr<kv::LocalKvTargets> local_targets;
+  // ... computed this many positions per turn, decode steps between turns
+  // (DisaggConfig::prefill_chunk; 0: the whole prompt in one turn).
+  int prefill_chunk = 0;
 };
 
 // A compute actor and, on a decode worker, its pool: the decode actor lets

@@ -31,6 +31,7 @@ std::string DisaggConfig::validate() const {
               " (whole key tiles, gpu/kv_layout.h)");
   require(pool_blocks >= 1, "pool-blocks must be >= 1");
   require(max_batch >= 1, "max-batch must be >= 1");
+  require(prefill_chunk >= 0, "prefill-chunk must be >= 0");
   require(queue_capacity >= 0, "queue-capacity must be >= 0");
   require(max_prefill_inflight >= 1, "max-prefill-inflight must be >= 1");
   require(default_deadline_ms > 0 && default_deadline_ms <= kMaxDeadlineMs,
@@ -63,6 +64,8 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.block_size, "block-size", "positions per KV block of the decode pool")
       .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
       .add(c.max_batch, "max-batch", "sequences per decode step")
+      .add(c.prefill_chunk, "prefill-chunk",
+           "a colocated worker's prompt positions per turn between decode steps (0: the whole prompt)")
       .add(c.queue_capacity, "queue-capacity",
            "requests the router holds before dispatch (more: overloaded)")
       .add(c.max_prefill_inflight, "max-prefill-inflight", "jobs per prefill worker at once")

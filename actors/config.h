@@ -49,6 +49,13 @@ struct DisaggConfig {
   int pool_blocks = 1024;  // KV pool capacity in blocks
   int max_batch = 64;      // sequences per decode step
 
+  // Colocated worker (node role `worker`): prompt positions computed per
+  // turn of its compute, with the decode steps of its running sequences
+  // between turns (chunked prefill, as vLLM and llama.cpp's server do). Small:
+  // running sequences wait less for their next token, the prompt's first
+  // token comes later. 0: the whole prompt in one turn.
+  int prefill_chunk = 128;
+
   // Router.
   int queue_capacity = 256;          // accepted requests waiting for dispatch
   int max_prefill_inflight = 8;      // jobs per prefill worker at once

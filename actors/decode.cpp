@@ -38,7 +38,7 @@ struct Reservation {
   uint64_t serial = 0;
   uint64_t transfer_id = 0;
   kv::Transport transport = kv::Transport::tcp;
-  bool local = false;                   // the compute copies the KV in (kv/local.h), no receiver
+  bool local = false;                   // the compute writes the KV in (kv/local.h), no receiver
   std::optional<KvLanded> verdict;      // the stream is over
   std::optional<PendingCommit> commit;  // arrived before the verdict
   bool streaming() const { return transfer_id != 0 && !verdict && !local; }
@@ -300,9 +300,9 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
 }
 
 // A colocated worker's reservation: the prompt's blocks are registered for
-// its own compute, which copies the KV into them during the prefill
+// its own compute, which computes the KV into them during the prefill
 // (kv/local.h). Like a stream, the commit names the transfer id; unlike one,
-// there is no receiver's verdict to wait for (the copy is done when the
+// there is no receiver's verdict to wait for (the KV is in place when the
 // prefill worker commits).
 KvTarget open_local(Self self, const KvReservation& r, Reservation& held) {
   auto& st = self->state;

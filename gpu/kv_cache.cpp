@@ -133,23 +133,4 @@ std::vector<PoolSpan> KvPool::stream_spans(const KvStreamPlan& plan, const std::
   return spans;
 }
 
-void KvPool::write_piece(const std::vector<PoolSpan>& spans, size_t offset, const void* src, size_t bytes) {
-  // Spans are consecutive in the byte space: find the one the piece starts
-  // in; a piece never crosses a run, so it ends there too (checked).
-  size_t start = 0;
-  for (const PoolSpan& span : spans) {
-    const size_t span_bytes = span.floats * sizeof(float);
-    if (offset < start + span_bytes) {
-      if (offset + bytes > start + span_bytes)
-        throw Error("KvPool::write_piece: the piece at byte " + std::to_string(offset) + " of " +
-                    std::to_string(bytes) + " bytes crosses the end of its region");
-      engine_.backend().upload(reinterpret_cast<char*>(span.data) + (offset - start), src, bytes);
-      return;
-    }
-    start += span_bytes;
-  }
-  throw Error("KvPool::write_piece: byte " + std::to_string(offset) + " is past the streamed KV's " +
-              std::to_string(start) + " bytes");
-}
-
 }  // namespace disagg::gpu

@@ -53,15 +53,10 @@ class KvPool {
   // Where a prompt's KV streamed by `plan` goes when its blocks are `blocks`
   // (the first plan.blocks() of them, with the runs the plan was made with):
   // one span per (layer, K or V, run), in the order of the transfer's byte
-  // space (KvStreamPlan::for_each_region). What a KV receiver registers, and
-  // what write_piece writes into. Throws Error for a plan of another block
-  // size, too few blocks, or a block outside the pool.
+  // space (KvStreamPlan::for_each_region). What a KV receiver registers (and
+  // what a colocated prefill checks its target against). Throws Error for a
+  // plan of another block size, too few blocks, or a block outside the pool.
   std::vector<PoolSpan> stream_spans(const KvStreamPlan& plan, const std::vector<int>& blocks);
-  // Copies `bytes` of host memory `src`, the piece at byte `offset` of the
-  // transfer's byte space, into `spans` (from stream_spans): a colocated
-  // worker's prefill writes its cache into the reserved blocks this way, with
-  // no transport. Throws Error when the piece is not inside the spans.
-  void write_piece(const std::vector<PoolSpan>& spans, size_t offset, const void* src, size_t bytes);
 
   float* data() { return data_; }  // backend memory (gpu/kv_layout.h), for Engine and the KV receiver
   size_t floats() const;           // the pool's size: n_layers * 2 planes of num_blocks blocks

@@ -20,6 +20,7 @@ using kv_atom = caf::atom_constant<caf::atom("kv")>;              // prefill -> 
 using landed_atom = caf::atom_constant<caf::atom("landed")>;    // KV receiver callback -> decode
 using admit_atom = caf::atom_constant<caf::atom("admit")>;        // decode -> compute
 using step_atom = caf::atom_constant<caf::atom("step")>;          // decode -> compute
+using chunk_atom = caf::atom_constant<caf::atom("chunk")>;        // compute -> itself
 using info_atom = caf::atom_constant<caf::atom("info")>;          // worker -> compute
 
 }  // namespace disagg

@@ -24,7 +24,10 @@ using compute_actor = caf::typed_actor<
     caf::replies_to<info_atom>::with<ModelInfo>,
     caf::replies_to<prefill_atom, PrefillWork>::with<PrefillResult>,
     caf::replies_to<admit_atom, KvAdmit>::with<AdmitResult>,
-    caf::replies_to<step_atom, DecodeStep>::with<StepResult>>;
+    caf::replies_to<step_atom, DecodeStep>::with<StepResult>,
+    // its own turn for the next chunk of a colocated worker's prompt, sent
+    // after each chunk so that queued decode steps run between two chunks.
+    caf::reacts_to<chunk_atom>>;
 
 // Holds admitted sequences in a paged KV pool and decodes them with continuous
 // batching; streams tokens and its final report to the router.

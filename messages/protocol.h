@@ -57,7 +57,11 @@
 //      cancelled before the compute actor reached it is skipped (timeout /
 //      cancelled); a cancel during a streamed prefill stops it at the next
 //      layer. KV larger than max_kv_transfer_bytes: PrefillReport{kv_too_large}
-//      (streamed: before any compute).
+//      (streamed: before any compute). A colocated worker (kv/local.h): the
+//      compute writes the KV straight into the reserved blocks of its own
+//      pool, prefill-chunk positions per turn, each next turn a
+//      (chunk_atom) to itself behind the decode steps queued meanwhile; the
+//      reply comes after the last chunk.
 //   4. prefill -> decode  request(kv_atom, KvTransfer) -> KvAck, with a deadline
 //      Streamed: a commit (transfer id, model fingerprint, first token,
 //      sampling; no bytes); the sequence starts once the receiver's verdict

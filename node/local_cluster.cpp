@@ -76,6 +76,7 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
       local_targets.push_back(std::make_shared<kv::LocalKvTargets>());
       ComputeSpec spec{checkpoints.get(cfg.model), engine, cfg.block_size, cfg.pool_blocks, nullptr};
       spec.local_targets = local_targets.back();
+      spec.prefill_chunk = cfg.prefill_chunk;
       colocated_compute.push_back(spawn_compute_unit(system_, spec));
     }
   } catch (...) {

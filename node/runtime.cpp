@@ -268,6 +268,7 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
     spec.engine.backend = cfg.backend;
     spec.kv_plane = plane;
     spec.local_targets = local;
+    spec.prefill_chunk = cfg.prefill_chunk;
     if (is_decode || colocated) {
       spec.pool_block_size = cfg.block_size;
       spec.pool_blocks = cfg.pool_blocks;

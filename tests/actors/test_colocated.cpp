@@ -1,11 +1,15 @@
 // Colocated workers (node role `worker`): a prefill and a decode worker on one
-// compute actor and pool, the prompt's KV copied by the compute straight into
-// the reserved blocks (kv/local.h). Token identity with gpu::generate on
-// several topologies is in test_generation.cpp (ReferenceTopology); here: the
-// compute's local target is used once and only as registered, cancels free
+// compute actor and pool, the prompt's KV computed straight into the reserved
+// blocks (kv/local.h). Token identity with gpu::generate on
+// several topologies is in test_generation.cpp (ReferenceTopology, also in
+// chunks of 5 positions); here: the compute's local target is used once and
+// only as registered, a chunked prefill lets decode steps run between its
+// chunks and stops writing once its blocks are given up, cancels free
 // everything, and prompts are prefilled between decode steps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <functional>
 #include <future>
 
 #include "actors/actor_fixture.h"
@@ -13,6 +17,7 @@
 #include "caf/all.hpp"
 #include "gpu/checkpoint.h"
 #include "gpu/kv_stream.h"
+#include "gpu/pool_contents.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -22,8 +27,9 @@ namespace {
 struct LocalCompute {
   std::shared_ptr<kv::LocalKvTargets> targets = std::make_shared<kv::LocalKvTargets>();
   ComputeUnit unit;
-  explicit LocalCompute(caf::actor_system& system) {
+  explicit LocalCompute(caf::actor_system& system, int prefill_chunk = 0) {
     ComputeSpec spec;
+    spec.prefill_chunk = prefill_chunk;
     spec.checkpoint = gpu::Checkpoint::open(shared_model());
     spec.engine.backend = "cpu";
     spec.pool_block_size = 16;
@@ -77,6 +83,83 @@ TEST_F(ActorTest, ALocalTargetIsWrittenOnceAndOnlyWhenRegistered) {
   compute.targets->expect(43, blocks);
   compute.targets->cancel(43);
   EXPECT_EQ(run(*system_, compute.unit.actor, local_work(43, prompt, blocks)).code, ErrorCode::invalid_request);
+  caf::anon_send_exit(compute.unit.actor, caf::exit_reason::user_shutdown);
+}
+
+// A colocated prompt runs a chunk per turn of the compute (here one position
+// each): a decode step sent after it is answered before it ends, and once the
+// decode worker gives its blocks up (a cancel between two chunks), no further
+// chunk is computed or written. The second part depends on the test thread
+// cancelling before some 470 one-position turns are done; it tries a few
+// times and needs one stop part way.
+TEST_F(ActorTest, AChunkedPrefillLetsDecodeStepsPassAndStopsWhenItsBlocksAreGivenUp) {
+  LocalCompute compute(*system_, 1);
+  gpu::KvPool& pool = *compute.unit.pool;
+  constexpr int kPromptLen = 480;  // 30 blocks of 16
+  std::vector<int32_t> prompt(kPromptLen);
+  for (int i = 0; i < kPromptLen; ++i) prompt[size_t(i)] = 3 + (i * 37) % 500;
+  std::vector<int32_t> blocks;
+  for (int b = 1; b <= kPromptLen / 16; ++b) blocks.push_back(b);
+  const std::vector<int> block_ids(blocks.begin(), blocks.end());
+  DecodeStep step;  // one sequence at position 0 of a block the prompt does not use
+  step.slots.push_back(StepSlot{99, 1, 0, 0, Sampling{}, {40}});
+
+  caf::scoped_actor self{*system_};
+  // The step's answer comes first, the prompt's after; returns the prompt's.
+  // `between` runs when the step's answer is in.
+  auto prefill_with_step = [&](uint64_t transfer_id, const std::function<void()>& between) {
+    self->send(compute.unit.actor, prefill_atom::value, local_work(transfer_id, prompt, blocks));
+    self->send(compute.unit.actor, step_atom::value, step);
+    PrefillResult result;
+    bool step_done = false;
+    for (int answers = 0; answers < 2; ++answers)
+      self->receive(
+          [&](StepResult& r) {
+            EXPECT_EQ(r.code, ErrorCode::none) << r.message;
+            step_done = true;
+            between();
+          },
+          [&](PrefillResult& r) {
+            EXPECT_TRUE(step_done) << "the decode step waited for the whole prompt";
+            result = std::move(r);
+          },
+          caf::after(std::chrono::seconds(30)) >> [&] { ADD_FAILURE() << "no answer in 30 s"; });
+    return result;
+  };
+
+  compute.targets->expect(50, blocks);
+  const PrefillResult whole = prefill_with_step(50, [] {});
+  ASSERT_EQ(whole.code, ErrorCode::none) << whole.message;
+  EXPECT_EQ(whole.first_token, colocated(prompt, 1).tokens.at(0));
+  gpu::EngineOptions cpu;
+  cpu.backend = "cpu";
+  gpu::Engine reference(gpu::Checkpoint::open(shared_model()), cpu);
+  EXPECT_EQ(test::gather_kv(pool.engine(), pool, block_ids, kPromptLen), reference.prefill(prompt).kv)
+      << "the chunks' KV differs from one prefill's";
+
+  // Again into the same blocks, zeroed first, with the registration
+  // cancelled when the step is answered: no chunk after that writes, so the
+  // last block stays zero.
+  const int kv_dim = pool.engine().config().kv_dim();
+  const int slabs = 2 * pool.engine().config().n_layers;  // [layer][K then V]
+  bool stopped_part_way = false;
+  for (uint64_t id = 51; id < 56 && !stopped_part_way; ++id) {
+    std::fill(pool.data(), pool.data() + pool.floats(), 0.0f);
+    compute.targets->expect(id, blocks);
+    const PrefillResult r = prefill_with_step(id, [&] { compute.targets->cancel(id); });
+    if (r.code == ErrorCode::none) continue;  // all chunks done before the cancel: try again
+    EXPECT_EQ(r.code, ErrorCode::cancelled) << r.message;
+    EXPECT_NE(r.message.find("given up"), std::string::npos) << r.message;
+    const std::vector<float> after = test::gather_kv(pool.engine(), pool, block_ids, kPromptLen);
+    for (int slab = 0; slab < slabs; ++slab) {
+      const auto end = after.begin() + ptrdiff_t(slab + 1) * kPromptLen * kv_dim;
+      EXPECT_TRUE(std::all_of(end - 16 * kv_dim, end, [](float x) { return x == 0.0f; }))
+          << "a chunk after the cancel wrote the last block (layer " << slab / 2 << ")";
+    }
+    stopped_part_way = true;
+  }
+  EXPECT_TRUE(stopped_part_way) << "every prefill finished before its cancel (5 tries)";
+  EXPECT_EQ(compute.targets->size(), 0u);
   caf::anon_send_exit(compute.unit.actor, caf::exit_reason::user_shutdown);
 }
 

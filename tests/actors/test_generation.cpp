@@ -31,11 +31,12 @@ struct Topology {
   int decode;
   const char* kv_transport = "tcp";  // how the KV travels (DisaggConfig::kv_transport)
   int colocated = 0;                 // colocated workers (node role `worker`) besides
+  int prefill_chunk = DisaggConfig{}.prefill_chunk;  // their prompt positions per turn
 };
 
 void PrintTo(const Topology& t, std::ostream* os) {
   *os << t.prefill << " prefill + " << t.decode << " decode + " << t.colocated << " colocated, kv-transport "
-      << t.kv_transport;
+      << t.kv_transport << ", prefill chunk " << t.prefill_chunk;
 }
 
 // The unit of a colocated worker's worker name ("worker-0/prefill" -> "worker-0"), or "".
@@ -51,6 +52,7 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
   options.config = shared_model_config(GetParam().prefill, GetParam().decode);
   options.config.kv_transport = GetParam().kv_transport;
   options.colocated_workers = GetParam().colocated;
+  options.config.prefill_chunk = GetParam().prefill_chunk;
   start(std::move(options));
   const bool streamed = std::string(GetParam().kv_transport) != "message";
   const auto cases = load_all_reference_cases();
@@ -92,11 +94,16 @@ INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
                          ::testing::Values(Topology{1, 1}, Topology{2, 2}, Topology{1, 3},
                                            Topology{2, 2, "shm"}, Topology{2, 2, "message"},
                                            Topology{0, 0, "tcp", 1}, Topology{0, 0, "tcp", 2},
-                                           Topology{1, 1, "tcp", 2}),
+                                           Topology{1, 1, "tcp", 2},
+                                           // chunks of 5 positions (not whole key tiles) between decode steps
+                                           Topology{0, 0, "tcp", 2, 5}),
                          [](const auto& info) {
                            return std::to_string(info.param.prefill) + "p" + std::to_string(info.param.decode) +
                                   "d" + (info.param.colocated ? std::to_string(info.param.colocated) + "c" : "") +
-                                  "_" + info.param.kv_transport;
+                                  "_" + info.param.kv_transport +
+                                  (info.param.prefill_chunk != DisaggConfig{}.prefill_chunk
+                                       ? "_chunk" + std::to_string(info.param.prefill_chunk)
+                                       : "");
                          });
 
 TEST_F(ActorTest, SampledOutputEqualsColocatedWithTheSameSeed) {

@@ -102,12 +102,14 @@ TEST(Config, DefaultsAreValidAndBadValuesAreNamed) {
   config.max_kv_transfer_bytes = 0;
   config.max_prompt_bytes = 0;
   config.default_deadline_ms = kMaxDeadlineMs + 1;
+  config.prefill_chunk = -1;
   const std::string problems = config.validate();
   EXPECT_NE(problems.find("block-size"), std::string::npos) << problems;
   EXPECT_NE(problems.find("max-prompt-bytes"), std::string::npos) << problems;
   EXPECT_NE(problems.find("default-deadline-ms"), std::string::npos) << problems;
   EXPECT_NE(problems.find("backend"), std::string::npos) << problems;
   EXPECT_NE(problems.find("max-kv-transfer-bytes"), std::string::npos) << problems;
+  EXPECT_NE(problems.find("prefill-chunk"), std::string::npos) << problems;
 }
 
 TEST(Config, OptionsAreReadFromTheCommandLine) {
@@ -115,7 +117,7 @@ TEST(Config, OptionsAreReadFromTheCommandLine) {
   const auto error = config.parse(caf::actor_system_config::string_list{
       "--disagg.block-size=32", "--disagg.pool-blocks=77", "--disagg.max-kv-transfer-bytes=123456",
       "--disagg.backend=cpu", "--disagg.default-deadline-ms=250",
-      "--disagg.max-prompt-bytes=4096"});
+      "--disagg.max-prompt-bytes=4096", "--disagg.prefill-chunk=0"});
   EXPECT_FALSE(error) << caf::to_string(error);
   EXPECT_EQ(config.disagg.block_size, 32);
   EXPECT_EQ(config.disagg.pool_blocks, 77);
@@ -123,6 +125,7 @@ TEST(Config, OptionsAreReadFromTheCommandLine) {
   EXPECT_EQ(config.disagg.backend, "cpu");
   EXPECT_EQ(config.disagg.default_deadline_ms, 250);
   EXPECT_EQ(config.disagg.max_prompt_bytes, 4096);
+  EXPECT_EQ(config.disagg.prefill_chunk, 0);
   EXPECT_EQ(config.disagg.max_batch, DisaggConfig{}.max_batch);
 }
 
