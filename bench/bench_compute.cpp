@@ -6,6 +6,9 @@
 // - Prefill/<model>/<tokens>/<threads>: tokens/s, and attn_share, the share of
 //   the prefill's time spent in attention (the attention op timed alone on the
 //   same shapes).
+// - PrefillChunks/<model>/<tokens>/<chunk>/<threads>: the prompt in chunks into
+//   a pool (a colocated worker), tokens/s, and vs_whole, its time over one
+//   whole prefill.
 // - DecodeStep/<model>/<batch>/<context>/<threads>: one decode step of `batch`
 //   sequences at `context` positions (they share the KV of their context, each
 //   writes its own last block), tokens/s.
@@ -22,6 +25,7 @@
 extern "C" void openblas_set_num_threads(int);
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -95,7 +99,7 @@ double attention_seconds(Engine& e, int n) {
   pos.upload(positions.data(), positions.size());
   const int zero = 0;
   table.upload(&zero, 1);
-  const PagedKv kv{cache.get(), n, (long long)shape.floats(), c.kv_dim(), table.get(), 0};
+  const PagedKv kv{cache.get(), n, 1, c.kv_dim(), table.get(), 0};  // one block of n positions
   const auto t0 = Clock::now();
   for (int l = 0; l < c.n_layers; ++l) b.attention(q.get(), out.get(), kv, l, pos.get(), n, c.n_heads, c.n_kv_heads, hs);
   b.synchronize();
@@ -116,6 +120,44 @@ void BM_Prefill(benchmark::State& state) {
   }
   state.counters["tok_s"] = benchmark::Counter(double(n) * state.iterations() / total);
   state.counters["attn_share"] = attention_seconds(e, n) / (total / state.iterations());
+}
+
+// A prompt of `tokens` prefilled into a pool in chunks of `chunk` positions
+// (Engine::prefill_chunk: a colocated worker, decode steps between chunks),
+// tokens/s, and vs_whole: its time over one prefill() of the whole prompt,
+// measured in the same run (what chunking costs: weights read once per chunk).
+void BM_PrefillChunks(benchmark::State& state) {
+  const int which = int(state.range(0)), n = int(state.range(1)), chunk = int(state.range(2));
+  omp_set_num_threads(int(state.range(3)));
+  Engine& e = engine(which);
+  const auto tokens = prompt_of(n, e.config().vocab_size);
+  constexpr int kBlock = 16;
+  KvPool pool(e, kBlock, KvPool::blocks_for(n, kBlock));
+  std::vector<int> blocks(size_t(pool.num_blocks()));
+  std::iota(blocks.begin(), blocks.end(), 0);
+  auto chunked = [&] {
+    for (int p0 = 0; p0 < n; p0 += chunk) {
+      const int rows = std::min(chunk, n - p0);
+      benchmark::DoNotOptimize(
+          e.prefill_chunk(pool, std::vector<int>(tokens.begin() + p0, tokens.begin() + p0 + rows), p0, blocks));
+    }
+  };
+  chunked();  // warm-up
+  e.prefill(tokens);
+  // Chunked and whole by turns, so both see the same machine.
+  double total = 0, whole = 0;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    chunked();
+    const double t = seconds_since(t0);
+    total += t;
+    state.SetIterationTime(t);
+    t0 = Clock::now();
+    benchmark::DoNotOptimize(e.prefill(tokens));
+    whole += seconds_since(t0);
+  }
+  state.counters["tok_s"] = benchmark::Counter(double(n) * state.iterations() / total);
+  state.counters["vs_whole"] = total / whole;
 }
 
 // One decode step for `batch` sequences at `context` positions.
@@ -204,6 +246,9 @@ void prefill_args(benchmark::internal::Benchmark* b) {
     for (int n : {64, 256}) b->Args({15, n, threads});
   }
 }
+void prefill_chunk_args(benchmark::internal::Benchmark* b) {
+  for (int chunk : {32, 64, 128, 256, 512}) b->Args({50, 512, chunk, 1});
+}
 void decode_args(benchmark::internal::Benchmark* b) {
   for (int threads : {1, 2}) {
     for (int context : {128, 1920})
@@ -217,6 +262,8 @@ void decode_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Prefill)->Apply(prefill_args)->ArgNames({"model", "tokens", "threads"})->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_PrefillChunks)->Apply(prefill_chunk_args)->ArgNames({"model", "tokens", "chunk", "threads"})
+    ->Unit(benchmark::kMillisecond)->UseManualTime()->MinTime(2.0);
 BENCHMARK(BM_DecodeStep)->Apply(decode_args)->ArgNames({"model", "batch", "context", "threads"})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Attention)->ArgNames({"model", "tokens", "threads"})->Args({50, 2048, 1})->Args({50, 2048, 2})
