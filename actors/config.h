@@ -6,6 +6,7 @@
 #include <string>
 
 #include "caf/actor_system_config.hpp"
+#include "gpu/engine.h"
 
 namespace disagg {
 
@@ -53,8 +54,11 @@ struct DisaggConfig {
   // turn of its compute, with the decode steps of its running sequences
   // between turns (chunked prefill, as vLLM and llama.cpp's server do). Small:
   // running sequences wait less for their next token, the prompt's first
-  // token comes later. 0: the whole prompt in one turn.
-  int prefill_chunk = 128;
+  // token comes later and the prompt costs more (every chunk reads all the
+  // weights). 0: the whole prompt in one turn. The default, the engine's own
+  // forward size, costs nothing over whole prompts and holds a decode step
+  // for at most one forward of it.
+  int prefill_chunk = gpu::kPrefillRows;
 
   // Router.
   int queue_capacity = 256;          // accepted requests waiting for dispatch

@@ -18,12 +18,7 @@ namespace disagg::gpu {
 
 namespace {
 
-// Prompt positions per forward pass of a prefill: activations stay
-// O(kPrefillChunk * hidden) whatever the prompt length. Every row's arithmetic
-// is independent of the rows computed with it (gpu/fixed_math.h), so the chunk
-// size changes no bit of the result.
-constexpr int kPrefillChunk = 512;
-static_assert(kPrefillChunk % kv_layout::kTile == 0, "a chunk starts on a key tile (PrefillHooks::on_layer_cache)");
+static_assert(kPrefillRows % kv_layout::kTile == 0, "a chunk starts on a key tile (PrefillHooks::on_layer_cache)");
 
 // A request's cache (one block of `block` positions, gpu/kv_layout.h) as the
 // wire layout [layer][K then V][position][kv_dim] of its first n positions.
@@ -278,10 +273,10 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   kv.table_stride = 0;
   if (hooks.on_layer_cache && !m.backend->host_memory()) m.host_cache.resize(cache_floats);
 
-  // Chunks of kPrefillChunk positions; each attends to the cache written so
+  // Chunks of kPrefillRows positions; each attends to the cache written so
   // far, and only the last position's logits are computed.
-  for (int c0 = 0; c0 < n; c0 += kPrefillChunk) {
-    const int rows = std::min(kPrefillChunk, n - c0);
+  for (int c0 = 0; c0 < n; c0 += kPrefillRows) {
+    const int rows = std::min(kPrefillRows, n - c0);
     const std::vector<int> chunk(tokens.begin() + c0, tokens.begin() + c0 + rows);
     std::vector<int> positions(rows);
     for (int i = 0; i < rows; ++i) positions[i] = c0 + i;
@@ -384,9 +379,9 @@ std::vector<float> Engine::prefill_chunk(KvPool& pool, const std::vector<int>& t
   kv.kv_dim = int(m.kv_dim);
   kv.tables = m.tables.get();
   kv.table_stride = 0;
-  // In pieces of at most kPrefillChunk rows, as prefill() (bounded scratch).
-  for (int c0 = 0; c0 < rows; c0 += kPrefillChunk) {
-    const int n = std::min(kPrefillChunk, rows - c0);
+  // In pieces of at most kPrefillRows rows, as prefill() (bounded scratch).
+  for (int c0 = 0; c0 < rows; c0 += kPrefillRows) {
+    const int n = std::min(kPrefillRows, rows - c0);
     const std::vector<int> piece(tokens.begin() + c0, tokens.begin() + c0 + n);
     std::vector<int> positions(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) positions[size_t(i)] = first_pos + c0 + i;

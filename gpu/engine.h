@@ -55,6 +55,13 @@ struct DecodeSlot {
   const std::vector<int>* blocks = nullptr;
 };
 
+// Prompt positions per forward pass of a prefill (prefill() and
+// prefill_chunk() longer than this run in pieces of it): activations stay
+// O(kPrefillRows * hidden) whatever the prompt length. Every row's arithmetic
+// is independent of the rows computed with it (gpu/fixed_math.h), so the
+// piece size changes no bit of the result.
+inline constexpr int kPrefillRows = 512;
+
 class Engine {
  public:
   Engine(std::shared_ptr<const Checkpoint> checkpoint, const EngineOptions& options = {});
