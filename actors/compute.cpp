@@ -54,6 +54,14 @@ struct ComputeState {
   std::deque<LocalPrefill> local_prefills;
 };
 
+// Whether the request of `work` has been cancelled (the router's flag).
+bool was_cancelled(const PrefillWork& work) { return work.cancelled && work.cancelled->load(); }
+
+// Whether the deadline of `work` (none when 0) has passed.
+bool past_deadline(const PrefillWork& work) {
+  return work.deadline_ns > 0 && Clock::now().time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns);
+}
+
 // Thrown by the prefill hook to stop a streamed prefill part way.
 struct StreamStopped {
   ErrorCode code;
@@ -95,7 +103,7 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   gpu::PrefillHooks hooks;
   hooks.wire_kv = false;
   hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
-    if (work.cancelled && work.cancelled->load()) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
+    if (was_cancelled(work)) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
     const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
     plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
       const kv::Deadline until = std::min(request_deadline, kv::Clock::now() + stall_limit);
@@ -109,7 +117,7 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
           break;
         } catch (const kv::KvError& e) {
           if (e.code() != kv::KvErrc::timed_out || kv::Clock::now() >= until) throw;
-          if (work.cancelled && work.cancelled->load())
+          if (was_cancelled(work))
             throw StreamStopped{ErrorCode::cancelled, "cancelled while its KV was waiting to be sent"};
         }
       }
@@ -199,11 +207,10 @@ std::optional<PrefillResult> local_chunk(ComputeState& st, LocalPrefill& p) {
     r.compute_us = p.compute_us;
     return r;
   };
-  if (work.cancelled && work.cancelled->load()) return stopped(ErrorCode::cancelled, "cancelled during its prefill");
+  if (was_cancelled(work)) return stopped(ErrorCode::cancelled, "cancelled during its prefill");
   if (!st.local->alive(work.target.transfer_id))
     return stopped(ErrorCode::cancelled, "its KV blocks were given up during its prefill");
-  if (work.deadline_ns > 0 && Clock::now().time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns))
-    return stopped(ErrorCode::timeout, "deadline passed during its prefill");
+  if (past_deadline(work)) return stopped(ErrorCode::timeout, "deadline passed during its prefill");
   const int n = int(work.tokens.size());
   const int rows = st.prefill_chunk > 0 ? std::min(st.prefill_chunk, n - p.done) : n - p.done;
   const auto start = Clock::now();
@@ -245,13 +252,13 @@ void run_local_chunk(Self self, ComputeState& st) {
 std::optional<PrefillResult> skip_ended(const PrefillWork& work) {
   PrefillResult r;
   r.id = work.id;
-  if (work.cancelled && work.cancelled->load()) {
+  if (was_cancelled(work)) {
     ++prefills_skipped_cancelled;
     r.code = ErrorCode::cancelled;
     r.message = "cancelled before its prefill ran";
     return r;
   }
-  if (work.deadline_ns > 0 && Clock::now().time_since_epoch() >= std::chrono::nanoseconds(work.deadline_ns)) {
+  if (past_deadline(work)) {
     ++prefills_skipped_expired;
     r.code = ErrorCode::timeout;
     r.message = "deadline passed before its prefill ran";

@@ -129,6 +129,51 @@ struct Engine::Impl {
   void forward(const std::vector<int>& host_tokens, const std::vector<int>& host_positions, const PagedKv& kv,
                int first_logit_row, const PrefillHooks* hooks = nullptr);
 
+  // `blocks` hold a sequence's first `positions` positions in `pool`: enough
+  // of them, all inside the pool. Throws Error naming `where` (and the slot,
+  // when >= 0) otherwise; builds no string when they do.
+  void validate_table(const KvPool& pool, const std::vector<int>& blocks, int positions, const char* where,
+                      int slot = -1) const {
+    auto who = [&] { return std::string(where) + (slot >= 0 ? ": slot " + std::to_string(slot) : ""); };
+    const int needed = KvPool::blocks_for(positions, pool.block_size());
+    if (int(blocks.size()) < needed)
+      throw Error(who() + " needs " + std::to_string(needed) + " blocks for " + std::to_string(positions) +
+                  " positions, has " + std::to_string(blocks.size()));
+    for (int i = 0; i < needed; ++i)
+      if (blocks[size_t(i)] < 0 || blocks[size_t(i)] >= pool.num_blocks())
+        throw Error(who() + " uses block " + std::to_string(blocks[size_t(i)]) + " outside the pool of " +
+                    std::to_string(pool.num_blocks()));
+  }
+
+  // The paged view of `pool` through the block tables uploaded to `tables`,
+  // one row's every `table_stride` entries (0: one table for all rows).
+  PagedKv pool_kv(KvPool& pool, int table_stride) {
+    PagedKv kv;
+    kv.data = pool.data();
+    kv.block_size = pool.block_size();
+    kv.num_blocks = pool.num_blocks();
+    kv.kv_dim = int(kv_dim);
+    kv.tables = tables.get();
+    kv.table_stride = table_stride;
+    return kv;
+  }
+
+  // Positions [first_pos, first_pos + tokens.size()) of one sequence through
+  // `kv` (one table), in forwards of at most kPrefillRows positions, each
+  // attending to the cache written so far; only the last position's logits
+  // are computed.
+  void forward_prompt(const std::vector<int>& prompt, int first_pos, const PagedKv& kv,
+                      const PrefillHooks* hooks = nullptr) {
+    const int n = int(prompt.size());
+    for (int c0 = 0; c0 < n; c0 += kPrefillRows) {
+      const int rows = std::min(kPrefillRows, n - c0);
+      const std::vector<int> chunk(prompt.begin() + c0, prompt.begin() + c0 + rows);
+      std::vector<int> positions(static_cast<size_t>(rows));
+      for (int i = 0; i < rows; ++i) positions[size_t(i)] = first_pos + c0 + i;
+      forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows, hooks);
+    }
+  }
+
   std::shared_ptr<const Checkpoint> checkpoint;
   ModelConfig cfg;
   std::unique_ptr<Backend> backend;
@@ -273,15 +318,7 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   kv.table_stride = 0;
   if (hooks.on_layer_cache && !m.backend->host_memory()) m.host_cache.resize(cache_floats);
 
-  // Chunks of kPrefillRows positions; each attends to the cache written so
-  // far, and only the last position's logits are computed.
-  for (int c0 = 0; c0 < n; c0 += kPrefillRows) {
-    const int rows = std::min(kPrefillRows, n - c0);
-    const std::vector<int> chunk(tokens.begin() + c0, tokens.begin() + c0 + rows);
-    std::vector<int> positions(rows);
-    for (int i = 0; i < rows; ++i) positions[i] = c0 + i;
-    m.forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows, &hooks);
-  }
+  m.forward_prompt(tokens, 0, kv, &hooks);
 
   out.logits.resize(m.vocab);
   m.logits.download(out.logits.data(), m.vocab);
@@ -316,16 +353,8 @@ std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlo
     m.validate_token(s.token, "decode_step");
     m.validate_position(s.pos, "decode_step");
     if (!s.blocks) throw Error("decode_step: slot " + std::to_string(r) + " has no block table");
+    m.validate_table(pool, *s.blocks, s.pos + 1, "decode_step", r);
     const int needed = KvPool::blocks_for(s.pos + 1, bs);
-    if (int(s.blocks->size()) < needed)
-      throw Error("decode_step: slot " + std::to_string(r) + " at position " + std::to_string(s.pos) + " needs " +
-                  std::to_string(needed) + " blocks, has " + std::to_string(s.blocks->size()));
-    for (int i = 0; i < needed; ++i) {
-      const int block = (*s.blocks)[i];
-      if (block < 0 || block >= pool.num_blocks())
-        throw Error("decode_step: slot " + std::to_string(r) + " uses block " + std::to_string(block) +
-                    " outside the pool of " + std::to_string(pool.num_blocks()));
-    }
     tokens[r] = s.token;
     positions[r] = s.pos;
     table_width = std::max(table_width, needed);
@@ -339,15 +368,7 @@ std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlo
   }
   m.tables.upload(tables.data(), tables.size());
 
-  PagedKv kv;
-  kv.data = pool.data();
-  kv.block_size = bs;
-  kv.num_blocks = pool.num_blocks();
-  kv.kv_dim = int(m.kv_dim);
-  kv.tables = m.tables.get();
-  kv.table_stride = table_width;
-
-  m.forward(tokens, positions, kv, 0);
+  m.forward(tokens, positions, m.pool_kv(pool, table_width), 0);
 
   std::vector<float> logits(size_t(rows) * m.vocab);
   m.logits.download(logits.data(), logits.size());
@@ -363,30 +384,9 @@ std::vector<float> Engine::prefill_chunk(KvPool& pool, const std::vector<int>& t
   if (first_pos < 0) throw Error("prefill_chunk: negative first position " + std::to_string(first_pos));
   m.validate_position(first_pos + rows - 1, "prefill_chunk");
   for (int t : tokens) m.validate_token(t, "prefill_chunk");
-  const int needed = KvPool::blocks_for(first_pos + rows, pool.block_size());
-  if (int(blocks.size()) < needed)
-    throw Error("prefill_chunk: positions up to " + std::to_string(first_pos + rows) + " need " +
-                std::to_string(needed) + " blocks, got " + std::to_string(blocks.size()));
-  for (int i = 0; i < needed; ++i)
-    if (blocks[size_t(i)] < 0 || blocks[size_t(i)] >= pool.num_blocks())
-      throw Error("prefill_chunk: block " + std::to_string(blocks[size_t(i)]) + " outside the pool of " +
-                  std::to_string(pool.num_blocks()));
-  m.tables.upload(blocks.data(), size_t(needed));  // one table shared by all rows
-  PagedKv kv;
-  kv.data = pool.data();
-  kv.block_size = pool.block_size();
-  kv.num_blocks = pool.num_blocks();
-  kv.kv_dim = int(m.kv_dim);
-  kv.tables = m.tables.get();
-  kv.table_stride = 0;
-  // In pieces of at most kPrefillRows rows, as prefill() (bounded scratch).
-  for (int c0 = 0; c0 < rows; c0 += kPrefillRows) {
-    const int n = std::min(kPrefillRows, rows - c0);
-    const std::vector<int> piece(tokens.begin() + c0, tokens.begin() + c0 + n);
-    std::vector<int> positions(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) positions[size_t(i)] = first_pos + c0 + i;
-    m.forward(piece, positions, kv, c0 + n == rows ? n - 1 : n);
-  }
+  m.validate_table(pool, blocks, first_pos + rows, "prefill_chunk");
+  m.tables.upload(blocks.data(), size_t(KvPool::blocks_for(first_pos + rows, pool.block_size())));  // one table
+  m.forward_prompt(tokens, first_pos, m.pool_kv(pool, 0));
   std::vector<float> logits(m.vocab);
   m.logits.download(logits.data(), m.vocab);
   return logits;
