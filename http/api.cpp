@@ -7,8 +7,8 @@ namespace disagg::http {
 
 namespace {
 
-// More stop strings than this in one request: 400 (each is searched after every token).
-constexpr size_t kMaxStopStrings = 16;
+// A parse error's own words are cut after this many bytes (the quoted token can be as long as the body).
+constexpr size_t kMaxParseMessageBytes = 160 + kMaxQuotedBytes;
 // The longest UTF-8 encoding of one character.
 constexpr size_t kMaxUtf8Bytes = 4;
 // OpenAI's shapes name the chunks' objects so.
@@ -26,6 +26,27 @@ const json* field(const json& body, const char* name) {
 
 std::string type_words(const json& v) { return std::string(v.type_name()); }
 
+// `text` cut after `limit` bytes, "..." marking the cut.
+std::string clip(const std::string& text, size_t limit) {
+  return text.size() <= limit ? text : text.substr(0, limit) + "...";
+}
+
+// A value as an error message quotes it: scalars as JSON, at most
+// kMaxQuotedBytes of a string; a container by its type and size, never
+// dumped (dump() recurses, and the value may be most of the body).
+std::string quote(const json& v) {
+  if (v.is_array()) return "an array of " + std::to_string(v.size()) + " elements";
+  if (v.is_object()) return "an object of " + std::to_string(v.size()) + " members";
+  if (v.is_string()) {
+    const auto& text = v.get_ref<const std::string&>();
+    if (text.size() > kMaxQuotedBytes) return dump(json(text.substr(0, kMaxQuotedBytes))) + "...";
+  }
+  return dump(v);
+}
+
+// What json::parse throws instead of building a container nested deeper than kMaxJsonDepth.
+struct TooDeep {};
+
 void expect_type(bool ok, const char* name, const char* wanted, const json& v) {
   if (!ok) throw bad_request(name, std::string("'") + name + "' must be " + wanted + ", got " + type_words(v), "invalid_type");
 }
@@ -37,7 +58,7 @@ double number_in(const json& body, const char* name, double def, double lo, doub
   const double x = v->get<double>();
   if ((lo_open ? x <= lo : x < lo) || x > hi)
     throw bad_request(name, std::string("'") + name + "' must be in " + (lo_open ? "(" : "[") + json(lo).dump() +
-                                ", " + json(hi).dump() + "], got " + v->dump());
+                                ", " + json(hi).dump() + "], got " + quote(*v));
   return x;
 }
 
@@ -45,7 +66,7 @@ double number_in(const json& body, const char* name, double def, double lo, doub
 void refuse_unless(const json& body, const char* name, const std::function<bool(const json&)>& neutral) {
   const json* v = field(body, name);
   if (v && !neutral(*v))
-    throw bad_request(name, std::string("'") + name + "' is not supported (got " + v->dump() + ")", "unsupported");
+    throw bad_request(name, std::string("'") + name + "' is not supported (got " + quote(*v) + ")", "unsupported");
 }
 
 std::string message_text(const json& content, size_t index) {
@@ -55,10 +76,12 @@ std::string message_text(const json& content, size_t index) {
   if (content.is_array()) {  // [{"type": "text", "text": "..."}]
     std::string out;
     for (const auto& part : content) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      const json* type = part.is_object() ? field(part, "type") : nullptr;
+      const json* text = part.is_object() ? field(part, "text") : nullptr;
+      if (!type || *type != "text" || !text || !text->is_string())
         throw bad_request(param, "messages[" + std::to_string(index) + "].content: only text parts are supported",
                           "unsupported");
-      out += part["text"].get<std::string>();
+      out += text->get_ref<const std::string&>();
     }
     return out;
   }
@@ -76,27 +99,25 @@ std::vector<int32_t> encode_checked(const std::string& text, const ServedModel& 
   return as_tokens(tokenizer.encode(text));
 }
 
-std::vector<int32_t> parse_prompt(const json& body, const ServedModel& model, const gpu::Tokenizer& tokenizer) {
-  const json* p = field(body, "prompt");
-  if (!p) throw bad_request("prompt", "'prompt' is required", "missing");
-  if (p->is_string()) return encode_checked(p->get<std::string>(), model, tokenizer, "prompt");
-  expect_type(p->is_array(), "prompt", "a string or an array of token ids", *p);
-  if (p->empty()) throw bad_request("prompt", "'prompt' must not be an empty array");
-  // A batch of one ([["text"]] or [[ids]]) is that prompt; larger batches are n > 1.
-  if (p->size() == 1 && (p->at(0).is_string() || p->at(0).is_array())) {
-    json one = body;
-    one["prompt"] = p->at(0);
-    return parse_prompt(one, model, tokenizer);
-  }
+// `prompt`: a string, an array of token ids, or a batch of one of them
+// ([["text"]], [[ids]]; `batched` says p is that one); larger batches are n > 1.
+std::vector<int32_t> parse_prompt(const json& p, const ServedModel& model, const gpu::Tokenizer& tokenizer,
+                                  bool batched = false) {
+  if (p.is_string()) return encode_checked(p.get_ref<const std::string&>(), model, tokenizer, "prompt");
+  expect_type(p.is_array(), "prompt", "a string or an array of token ids", p);
+  if (p.empty()) throw bad_request("prompt", "'prompt' must not be an empty array");
+  if (!batched && p.size() == 1 && (p[0].is_string() || p[0].is_array())) return parse_prompt(p[0], model, tokenizer, true);
   std::vector<int32_t> tokens;
-  for (const auto& t : *p) {
+  tokens.reserve(p.size());
+  for (const auto& t : p) {
     if (!t.is_number_integer())
       throw bad_request("prompt", "'prompt' must be one string or one array of token ids (batched prompts are not supported)",
                         t.is_string() || t.is_array() ? "unsupported" : "invalid_type");
-    const int64_t id = t.get<int64_t>();
-    if (id < 0 || id >= model.vocab_size)
-      throw bad_request("prompt", "token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+    if (t.is_number_unsigned() ? t.get<uint64_t>() >= uint64_t(model.vocab_size)
+                               : t.get<int64_t>() < 0 || t.get<int64_t>() >= model.vocab_size)
+      throw bad_request("prompt", "token id " + quote(t) + " is outside the vocabulary [0, " +
                                       std::to_string(model.vocab_size) + ")");
+    const int64_t id = t.get<int64_t>();
     tokens.push_back(int32_t(id));
   }
   return tokens;
@@ -199,18 +220,28 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
                          const std::function<uint64_t()>& random_seed) {
   json body;
   try {
-    body = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw bad_request("", std::string("malformed JSON: ") + e.what(), "invalid_json");
+    // The callback sees each container open at the depth of its parent (the
+    // body's object: 0) before anything in it is parsed; nlohmann's parser
+    // and destructor are iterative, so nothing here recurses on the input.
+    body = json::parse(text, [](int depth, json::parse_event_t event, json&) {
+      if (depth >= kMaxJsonDepth && (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))
+        throw TooDeep{};
+      return true;
+    });
+  } catch (const TooDeep&) {
+    throw bad_request("", "malformed JSON: nested deeper than " + std::to_string(kMaxJsonDepth) + " levels",
+                      "invalid_json");
+  } catch (const json::exception& e) {  // parse_error, and out_of_range 406: a number beyond a double
+    throw bad_request("", "malformed JSON: " + clip(e.what(), kMaxParseMessageBytes), "invalid_json");
   }
   if (!body.is_object()) throw bad_request("", "the request body must be a JSON object", "invalid_json");
 
   if (const json* m = field(body, "model")) {
     expect_type(m->is_string(), "model", "a string", *m);
-    if (m->get<std::string>() != model.name) {
+    if (m->get_ref<const std::string&>() != model.name) {
       ApiError e;
       e.status = 404;
-      e.message = "The model `" + m->get<std::string>() + "` does not exist (this server serves `" + model.name + "`).";
+      e.message = "The model " + quote(*m) + " does not exist (this server serves `" + model.name + "`).";
       e.param = "model";
       e.code = "model_not_found";
       throw e;
@@ -225,11 +256,16 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   refuse_unless(body, "presence_penalty", [](const json& v) { return v.is_number() && v.get<double>() == 0.0; });
   refuse_unless(body, "frequency_penalty", [](const json& v) { return v.is_number() && v.get<double>() == 0.0; });
   refuse_unless(body, "logit_bias", [](const json& v) { return v.is_object() && v.empty(); });
+  refuse_unless(body, "response_format", [](const json& v) {
+    return v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text";
+  });
 
   ApiRequest r;
   r.endpoint = endpoint;
   if (endpoint == Endpoint::completions) {
-    r.prompt_tokens = parse_prompt(body, model, tokenizer);
+    const json* prompt = field(body, "prompt");
+    if (!prompt) throw bad_request("prompt", "'prompt' is required", "missing");
+    r.prompt_tokens = parse_prompt(*prompt, model, tokenizer);
   } else {
     const json* messages = field(body, "messages");
     if (!messages) throw bad_request("messages", "'messages' is required", "missing");
@@ -241,9 +277,9 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
       const std::string where = "messages[" + std::to_string(i) + "]";
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
         throw bad_request("messages", where + " must be an object with a string 'role'", "invalid_type");
-      const std::string role = m["role"].get<std::string>();
+      const std::string& role = m["role"].get_ref<const std::string&>();
       if (role != "system" && role != "user" && role != "assistant")
-        throw bad_request("messages", where + ".role must be system, user or assistant, got " + role);
+        throw bad_request("messages", where + ".role must be system, user or assistant, got " + quote(m["role"]));
       bytes += message_text(m.contains("content") ? m["content"] : json(nullptr), i).size();
     }
     if (int64_t(bytes) > model.max_prompt_bytes)
@@ -265,13 +301,15 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   }
   if (max_tokens) {
     expect_type(max_tokens->is_number_integer(), max_name, "an integer", *max_tokens);
-    const int64_t m = max_tokens->get<int64_t>();
+    // Beyond int64 (unsigned) is beyond any context; compared without overflowing.
+    const bool huge = max_tokens->is_number_unsigned() && max_tokens->get<uint64_t>() > uint64_t(model.seq_len);
+    const int64_t m = huge ? int64_t(model.seq_len) + 1 : max_tokens->get<int64_t>();
     if (m < 1) throw bad_request(max_name, std::string("'") + max_name + "' must be at least 1, got " + std::to_string(m));
-    if (prompt_len + m > model.seq_len)
+    if (m > model.seq_len - prompt_len)
       throw bad_request(max_name, "This model's maximum context length is " + std::to_string(model.seq_len) +
-                                      " tokens. However, you requested " + std::to_string(prompt_len + m) + " tokens (" +
-                                      std::to_string(prompt_len) + " in the prompt, " + std::to_string(m) +
-                                      " for the completion).", "context_length_exceeded");
+                                      " tokens. However, you requested " + std::to_string(prompt_len) +
+                                      " tokens in the prompt and " + quote(*max_tokens) + " for the completion.",
+                        "context_length_exceeded");
     r.max_tokens = int32_t(m);
   } else {
     r.max_tokens = endpoint == Endpoint::chat ? int32_t(model.seq_len - prompt_len)
@@ -291,14 +329,18 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
       r.stop.push_back(stop->get<std::string>());
     } else {
       expect_type(stop->is_array(), "stop", "a string or an array of strings", *stop);
+      if (stop->size() > kMaxStopStrings)
+        throw bad_request("stop", "at most " + std::to_string(kMaxStopStrings) + " stop strings, got " + quote(*stop));
       for (const auto& s : *stop) {
         expect_type(s.is_string(), "stop", "a string or an array of strings", s);
         r.stop.push_back(s.get<std::string>());
       }
     }
     r.stop.erase(std::remove(r.stop.begin(), r.stop.end(), std::string()), r.stop.end());
-    if (r.stop.size() > kMaxStopStrings)
-      throw bad_request("stop", "at most " + std::to_string(kMaxStopStrings) + " stop strings");
+    for (const auto& s : r.stop)
+      if (s.size() > kMaxStopBytes)
+        throw bad_request("stop", "a stop string may be at most " + std::to_string(kMaxStopBytes) + " bytes, got " +
+                                      std::to_string(s.size()) + " (" + quote(json(s)) + ")");
   }
   if (const json* stream = field(body, "stream")) {
     expect_type(stream->is_boolean(), "stream", "a boolean", *stream);

@@ -25,6 +25,18 @@ constexpr int32_t kEosToken = 2;
 constexpr int kDefaultCompletionMaxTokens = 16;
 // The largest sampling temperature accepted (disagg-client's limit too).
 constexpr double kMaxTemperature = 100.0;
+// Bounds on a request body beyond node.http-body-limit, checked while it is
+// parsed or before a field is used (README, security):
+// - containers nested deeper than this: 400 invalid_json, found during the
+//   parse (nothing deeper is built; OpenAI's shapes nest 4 deep, a
+//   response_format JSON schema rarely 20);
+constexpr int kMaxJsonDepth = 64;
+// - an error message quotes at most this many bytes of an offending value;
+constexpr size_t kMaxQuotedBytes = 64;
+// - more stop strings than this, or one longer than kMaxStopBytes: 400 (each
+//   is searched after every token, its prefixes held back).
+constexpr size_t kMaxStopStrings = 16;
+constexpr size_t kMaxStopBytes = 256;
 
 // An error reply: {"error": {"message", "type", "param", "code"}} with `status`.
 struct ApiError {
@@ -80,9 +92,11 @@ struct ApiRequest {
   std::string user;  // the router's session affinity key
 };
 
-// Parses and validates a request body; throws ApiError: malformed JSON, a
-// known field of the wrong type or out of range, unsupported options (n > 1,
-// logprobs, best_of, echo, penalties), prompt + max_tokens beyond the
+// Parses and validates a request body; throws ApiError and nothing else:
+// malformed JSON (also numbers beyond a double, nesting beyond kMaxJsonDepth,
+// invalid UTF-8), a known field of the wrong type, shape or range,
+// unsupported options (n > 1, logprobs, best_of, echo, penalties, logit_bias,
+// response_format other than text), prompt + max_tokens beyond the
 // context (400, naming the parameter), an unknown model (404). Unknown fields
 // are ignored. `random_seed` gives the seed of a request that sets none.
 ApiRequest parse_request(Endpoint endpoint, const std::string& body, const ServedModel& model,

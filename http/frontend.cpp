@@ -347,6 +347,12 @@ class Session : public std::enable_shared_from_this<Session> {
       fe_.metrics.error("invalid_request").inc();
       send_error(e);
       return;
+    } catch (const std::exception& e) {  // a bug of ours (parse_request throws ApiError only): this request fails, not the node
+      node_log(LogLevel::error, std::string("internal error parsing a request: ") + e.what());
+      ApiError err = error_for_outcome(ErrorCode::internal, "internal error while parsing the request");
+      fe_.metrics.error("internal").inc();
+      send_error(err);
+      return;
     }
     auto client = fe_.client();
     if (!client) {

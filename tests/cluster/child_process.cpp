@@ -216,6 +216,14 @@ bool has_connection_to_port(pid_t pid, uint16_t remote_port) {
   return false;
 }
 
+int64_t rss_bytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.compare(0, 6, "VmRSS:") == 0) return std::stoll(line.substr(6)) * 1024;
+  return 0;
+}
+
 bool process_alive(pid_t pid) {
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string line;

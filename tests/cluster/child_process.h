@@ -54,6 +54,9 @@ bool has_connection_to_port(pid_t pid, uint16_t remote_port);
 // Whether a process with this pid exists (and is not a zombie).
 bool process_alive(pid_t pid);
 
+// Resident memory of a process in bytes (VmRSS), 0 when it cannot be read.
+int64_t rss_bytes(pid_t pid);
+
 void write_text_file(const std::string& path, const std::string& text);
 std::string read_text_file(const std::string& path);
 

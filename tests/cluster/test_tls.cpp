@@ -28,15 +28,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-// Resident memory of a process in bytes (VmRSS), 0 when it cannot be read.
-int64_t rss_bytes(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.compare(0, 6, "VmRSS:") == 0) return std::stoll(line.substr(6)) * 1024;
-  return 0;
-}
-
 // A loopback TCP connection to `port` (no TLS), or -1.
 int connect_to(uint16_t port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

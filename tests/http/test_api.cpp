@@ -2,11 +2,18 @@
 // template, stop strings and text assembly, response shapes, error mapping.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include "http/api.h"
 #include "metrics/disagg_metrics.h"
+#include "support/adversarial_json.h"
 
 namespace disagg::http {
 namespace {
+
+using test::adversarial_bodies;
+using test::nested_arrays;
+using test::nested_objects;
 
 const gpu::Tokenizer& tokenizer() {
   static const gpu::Tokenizer t = gpu::Tokenizer::load(std::string(DISAGG_SOURCE_DIR) + "/models/tok512.bin", 512);
@@ -115,6 +122,100 @@ TEST(HttpApi, EveryBadFieldIsA400NamingIt) {
   EXPECT_EQ(body["error"]["param"], "model");
   EXPECT_TRUE(body["error"].contains("type"));
   EXPECT_TRUE(body["error"]["message"].is_string());
+}
+
+// The probes of issue 18: each ended the frontend (an exception other than
+// parse_error, a quadratic copy per nesting level, a recursive dump of a
+// deep value); each is a bounded 400 now.
+TEST(HttpApi, NumbersBeyondADoubleAndDeepNestingAre400s) {
+  for (const std::string& body : std::vector<std::string>{R"({"prompt":"x","max_tokens":1e400})", R"({"foo":-1e400})", R"({"prompt":"x","seed":1e400})",
+                                 "{\"prompt\":\"x\",\"foo\":[" + std::string(100000, '9') + "]}"}) {
+    const ApiError e = error_of(Endpoint::completions, body);
+    EXPECT_EQ(e.status, 400) << body.substr(0, 80);
+    EXPECT_EQ(e.code, "invalid_json") << e.message;
+    EXPECT_LT(e.message.size(), 300u) << e.message;
+  }
+  // A 40 KB body nesting 20,000 deep, logit_bias 100,000 deep, 400,000 deep.
+  for (const std::string& body : std::vector<std::string>{"{\"prompt\":" + nested_arrays(20000, "\"x\"") + "}",
+                                 "{\"prompt\":\"x\",\"logit_bias\":" + nested_objects(100000) + "}",
+                                 "{\"prompt\":" + nested_arrays(400000) + "}"}) {
+    const ApiError e = error_of(Endpoint::completions, body);
+    EXPECT_EQ(e.code, "invalid_json") << e.message;
+    EXPECT_NE(e.message.find(std::to_string(kMaxJsonDepth)), std::string::npos) << e.message;
+  }
+  // The limit is where it says: the body's object is level 1.
+  const std::string at_limit = "{\"prompt\":\"x\",\"extra\":" + nested_arrays(size_t(kMaxJsonDepth) - 1) + "}";
+  EXPECT_EQ(parse(Endpoint::completions, at_limit).prompt_tokens, encode("x"));
+  EXPECT_EQ(error_of(Endpoint::completions, "{\"prompt\":\"x\",\"extra\":" + nested_arrays(kMaxJsonDepth) + "}").code,
+            "invalid_json");
+  // A batch of one is unwrapped once; deeper is no prompt.
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":[[1,403]]})").prompt_tokens, (std::vector<int32_t>{1, 403}));
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":[[[1]]]})").param, "prompt");
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":[["x"]]]})").code, "invalid_json");
+}
+
+TEST(HttpApi, ExtremeIntegersAndWrongShapesAre400sThatQuoteABoundedPrefix) {
+  // max_tokens beyond int64, or so large that prompt + max_tokens overflowed.
+  for (const char* m : {"18446744073709551615", "9223372036854775807", "4294967297", "2147483648"}) {
+    const ApiError e = error_of(Endpoint::completions, std::string(R"({"prompt":"x","max_tokens":)") + m + "}");
+    EXPECT_EQ(e.param, "max_tokens") << m;
+    EXPECT_EQ(e.code, "context_length_exceeded") << m << ": " << e.message;
+  }
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":[18446744073709551615]})").param, "prompt");
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":[9223372036854775807]})").param, "prompt");
+  // A content part whose type is no string threw json::type_error out of the parser.
+  for (const char* messages : {R"([{"role":"user","content":[{"type":5}]}])",
+                               R"([{"role":"user","content":[{"type":"text","text":5}]}])",
+                               R"([{"role":"user","content":[{"type":"text"}]}])", R"([{"role":"user","content":[7]}])"}) {
+    const ApiError e = error_of(Endpoint::chat, std::string(R"({"messages":)") + messages + "}");
+    EXPECT_EQ(e.status, 400) << messages;
+    EXPECT_EQ(e.param, "messages") << messages;
+  }
+  // response_format: only text, the neutral value.
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","response_format":{"type":"text"}})").prompt_tokens, encode("x"));
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":{"type":"json_object"}})").code,
+            "unsupported");
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":"text"})").param, "response_format");
+  // Stop strings: how many and how long.
+  const std::string long_stop(kMaxStopBytes + 1, 's');
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","stop":")" + long_stop + "\"}").param, "stop");
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","stop":")" + long_stop.substr(1) + "\"}").stop.size(), 1u);
+  std::string many = "[";
+  for (size_t i = 0; i <= kMaxStopStrings; ++i) many += (i ? ",\"s" : "\"s") + std::to_string(i) + "\"";
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","stop":)" + many + "]}").param, "stop");
+  // Every message quotes at most a bounded prefix of what it was sent.
+  const std::string huge(500000, 'q');
+  for (const std::string& body : std::vector<std::string>{R"({"prompt":"x","model":")" + huge + "\"}", R"({"prompt":"x","temperature":")" + huge + "\"}",
+                                 R"({"prompt":"x","n":")" + huge + "\"}", R"({"prompt":"x","logit_bias":{")" + huge + "\":1}}",
+                                 R"({"messages":[{"role":")" + huge + "\"}]}", R"({"prompt":"x","echo":[)" +
+                                     std::string(200000, '1') + "]}"}) {
+    const bool chat = body.compare(0, 12, R"({"messages":)") == 0;
+    const ApiError e = error_of(chat ? Endpoint::chat : Endpoint::completions, body);
+    EXPECT_GE(e.status, 400);
+    EXPECT_LT(dump(error_body(e)).size(), 400u) << e.message.substr(0, 200);
+  }
+}
+
+// Thousands of generated bodies (tests/support/adversarial_json.h): each is
+// an ApiError with a 4xx status and a bounded message, never another
+// exception; the same bodies go to a running frontend in
+// tests/cluster/test_http_fuzz.cpp.
+TEST(HttpApi, GeneratedAdversarialBodiesAreBounded4xxErrors) {
+  const auto bodies = adversarial_bodies(1, 4000, 1 << 20);
+  size_t worst = 0;
+  for (const auto& b : bodies) {
+    try {
+      parse(b.chat ? Endpoint::chat : Endpoint::completions, b.body);
+      ADD_FAILURE() << "accepted: " << b.what;
+    } catch (const ApiError& e) {
+      EXPECT_GE(e.status, 400) << b.what;
+      EXPECT_LT(e.status, 500) << b.what;
+      worst = std::max(worst, dump(error_body(e)).size());
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << b.what << ": " << e.what();
+    }
+  }
+  EXPECT_LT(worst, 600u);
 }
 
 TEST(HttpApi, ChatLlama2Template) {
