@@ -73,7 +73,8 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       decode_workers(workers.with({"decode"})) {
   for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
   // (node/port_guard.h GuardRefusal's names: every reason exists at zero)
-  for (const char* reason : {"connection_cap", "message_too_large", "bad_header", "handshake_timeout"})
+  for (const char* reason : {"connection_cap", "pending_cap", "source_cap", "bad_header", "message_too_large",
+                             "handshake_timeout", "message_timeout", "buffer_budget"})
     connections_closed.with({reason});
 }
 

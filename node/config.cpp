@@ -81,7 +81,9 @@ std::string NodeOptions::validate() const {
   if (max_message_bytes < 1024 || max_message_bytes > int64_t{0xFFFFFFFF})
     add_problem(problems, "node.max-message-bytes must be in [1024, 4294967295]");
   if (handshake_timeout_ms <= 0) add_problem(problems, "node.handshake-timeout-ms must be > 0");
+  if (message_timeout_ms <= 0) add_problem(problems, "node.message-timeout-ms must be > 0");
   if (max_connections <= 0) add_problem(problems, "node.max-connections must be > 0");
+  if (max_pending_per_source <= 0) add_problem(problems, "node.max-pending-per-source must be > 0");
   if (role == "decode" && advertise_host.empty() && (host == "0.0.0.0" || host == "::"))
     add_problem(problems, "node.advertise-host is required when node.host is the wildcard " + host +
                               " (prefill nodes must know where to connect)");
@@ -131,8 +133,11 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.metrics_port, "metrics-port", "GET /metrics (Prometheus) on host:metrics-port (0: off)")
       .add(n.port_guard, "port-guard", "router, decode: check every peer's messages in front of the CAF port")
       .add(n.max_message_bytes, "max-message-bytes", "largest message a peer may announce (port guard)")
-      .add(n.handshake_timeout_ms, "handshake-timeout-ms", "a peer's first message must arrive by then (port guard)")
+      .add(n.handshake_timeout_ms, "handshake-timeout-ms", "a peer's handshake must be complete by then (port guard)")
+      .add(n.message_timeout_ms, "message-timeout-ms", "a message over 64 KiB must be complete by then (port guard)")
       .add(n.max_connections, "max-connections", "connections a port accepts at once (port guard)")
+      .add(n.max_pending_per_source, "max-pending-per-source",
+           "connections in their handshake from one address at once (port guard)")
       .add(n.http_host, "http-host", "frontend: address of the HTTP API (default 127.0.0.1)")
       .add(n.http_port, "http-port", "frontend: port of the HTTP API (0: any free port)")
       .add(n.http_body_limit, "http-body-limit", "frontend: largest request body in bytes (more: 413)")

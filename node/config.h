@@ -42,8 +42,10 @@ struct NodeOptions {
   // host:port, checking every message header before its payload moves.
   bool port_guard = true;
   int64_t max_message_bytes = int64_t{16} << 20;  // largest message a peer may announce (raised for kv-transport message)
-  int64_t handshake_timeout_ms = 5000;            // a peer's first message must be complete by then
+  int64_t handshake_timeout_ms = 5000;            // a peer's handshake (plain: BASP; TLS: TLS) must be complete by then
+  int64_t message_timeout_ms = 10000;             // a message of more than 64 KiB must be complete by then
   int32_t max_connections = 1024;                 // connections at once; more are closed at accept
+  int32_t max_pending_per_source = 16;            // of them in their handshake from one address
   // frontend (http/): the OpenAI-compatible HTTP API.
   std::string http_host = "127.0.0.1";
   uint16_t http_port = 0;                     // 0: any free port (logged, written to the ready file)

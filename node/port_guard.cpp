@@ -2,6 +2,10 @@
 
 #include <array>
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -23,25 +27,44 @@ constexpr size_t kRelayBuffer = size_t(64) << 10;  // bytes per read, each direc
 // A refusal is logged the first time and then every kLogEvery-th time of its kind.
 constexpr uint64_t kLogEvery = 1000;
 
+std::string address_of(const tcp::socket& s) {
+  boost::system::error_code ec;
+  const auto remote = s.remote_endpoint(ec);
+  return ec ? "?" : remote.address().to_string();
+}
+
 }  // namespace
 
 const char* to_string(GuardRefusal reason) {
   switch (reason) {
     case GuardRefusal::connection_cap: return "connection_cap";
-    case GuardRefusal::message_too_large: return "message_too_large";
+    case GuardRefusal::pending_cap: return "pending_cap";
+    case GuardRefusal::source_cap: return "source_cap";
     case GuardRefusal::bad_header: return "bad_header";
+    case GuardRefusal::message_too_large: return "message_too_large";
     case GuardRefusal::handshake_timeout: return "handshake_timeout";
+    case GuardRefusal::message_timeout: return "message_timeout";
+    case GuardRefusal::buffer_budget: return "buffer_budget";
   }
   return "unknown";
 }
 
+namespace {
+class Session;
+}
+
 // Members in this order: destroying `io` destroys the sessions its pending
-// handlers hold, and they still count themselves out of `active`.
+// handlers hold, and they still count themselves out of `active`. Everything
+// but `active` is touched on the guard's thread only.
 struct PortGuard::Impl {
   PortGuardOptions options;
   Log log;
   std::atomic<int> active{0};
-  std::array<std::atomic<uint64_t>, 4> refusals{};
+  std::array<std::atomic<uint64_t>, kGuardRefusals> refusals{};
+  int pending = 0;                            // sessions in their handshake
+  std::map<std::string, int> pending_by_source;  // of them per address
+  int64_t buffered = 0;                       // bytes announced by the messages being collected
+  std::map<uint16_t, std::weak_ptr<Session>> by_caf_port;  // local port of each connection to CAF
   net::io_context io;
   tcp::acceptor acceptor{io};
   std::thread thread;
@@ -55,30 +78,44 @@ struct PortGuard::Impl {
   }
 
   void accept();
+  void tls_accepted(uint16_t caf_port);
 };
 
 namespace {
 
+// Every live guard, for PortGuard::tls_accepted (posted under the lock, so a
+// guard is not destroyed meanwhile: its destructor leaves the set first).
+std::mutex g_guards_mutex;
+std::set<PortGuard::Impl*> g_guards;
+
 // One relayed connection: peer <-> CAF's port on loopback.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(PortGuard::Impl* guard, tcp::socket peer)
-      : guard_(guard), peer_(std::move(peer)), caf_(guard_->io), timer_(guard_->io),
+  Session(PortGuard::Impl* guard, tcp::socket peer, std::string source)
+      : guard_(guard), peer_(std::move(peer)), caf_(guard_->io), timer_(guard_->io), source_(std::move(source)),
         up_(kRelayBuffer), down_(kRelayBuffer) {
     boost::system::error_code ec;
     const auto remote = peer_.remote_endpoint(ec);
-    who_ = ec ? "?" : remote.address().to_string() + ":" + std::to_string(remote.port());
+    who_ = ec ? "?" : source_ + ":" + std::to_string(remote.port());
+    guard_->pending++;
+    guard_->pending_by_source[source_]++;
   }
 
-  ~Session() { guard_->active--; }
+  ~Session() {
+    if (!handshaken_) leave_pending();
+    guard_->buffered -= collecting_;
+    if (caf_port_) guard_->by_caf_port.erase(caf_port_);
+    guard_->active--;
+  }
 
   void start() {
     auto self = shared_from_this();
-    timer_.expires_after(guard_->options.handshake_timeout);
-    timer_.async_wait([self](const boost::system::error_code& ec) {
-      if (ec || self->handshaken_) return;
+    arm(guard_->options.handshake_timeout, [self] {
+      if (self->handshaken_) return;
       self->guard_->refuse(GuardRefusal::handshake_timeout, self->who_,
-                           guard_timeout_text(self->guard_->options));
+                           std::string(self->guard_->options.inspect ? "no complete BASP handshake"
+                                                                     : "no complete TLS handshake") +
+                               " within " + std::to_string(self->guard_->options.handshake_timeout.count()) + " ms");
       self->close();
     });
     // No Nagle on either side (CAF sets TCP_NODELAY on its own sockets): a
@@ -88,19 +125,45 @@ class Session : public std::enable_shared_from_this<Session> {
     peer_.set_option(tcp::no_delay(true), ignored);
     caf_.async_connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), guard_->options.target_port),
                        [self](const boost::system::error_code& ec) {
-                         if (ec) return self->close();
-                         boost::system::error_code nodelay_ignored;
-                         self->caf_.set_option(tcp::no_delay(true), nodelay_ignored);
+                         if (ec || self->closed_) return self->close();
+                         boost::system::error_code local_ec;
+                         self->caf_.set_option(tcp::no_delay(true), local_ec);
+                         const auto local = self->caf_.local_endpoint(local_ec);
+                         if (!local_ec) {
+                           self->caf_port_ = local.port();
+                           self->guard_->by_caf_port[self->caf_port_] = self;
+                         }
                          self->pump_down();
                          if (self->guard_->options.inspect) self->read_header();
                          else self->pump_up();
                        });
   }
 
+  // TLS: CAF completed the handshake of this connection.
+  void tls_accepted() { end_handshake(); }
+
  private:
-  static std::string guard_timeout_text(const PortGuardOptions& o) {
-    return std::string(o.inspect ? "no complete handshake" : "no byte") + " within " +
-           std::to_string(o.handshake_timeout.count()) + " ms";
+  void leave_pending() {
+    guard_->pending--;
+    auto it = guard_->pending_by_source.find(source_);
+    if (it != guard_->pending_by_source.end() && --it->second == 0) guard_->pending_by_source.erase(it);
+  }
+
+  void end_handshake() {
+    if (handshaken_) return;
+    handshaken_ = true;
+    leave_pending();
+    timer_.cancel();
+  }
+
+  // The one deadline a session has at a time (the handshake's, then a
+  // buffered message's): `expired` runs unless it was re-armed or cancelled.
+  template <class Fn>
+  void arm(std::chrono::milliseconds after, Fn expired) {
+    timer_.expires_after(after);
+    timer_.async_wait([expired](const boost::system::error_code& ec) {
+      if (!ec) expired();
+    });
   }
 
   // Peer -> CAF, inspecting: one BASP header, checked, then its payload.
@@ -114,12 +177,18 @@ class Session : public std::enable_shared_from_this<Session> {
         self->guard_->refuse(GuardRefusal::bad_header, self->who_, "not a valid BASP header");
         return self->close();
       }
-      if (hdr.payload_len > self->guard_->options.max_message_bytes) {
-        self->guard_->refuse(GuardRefusal::message_too_large, self->who_,
-                             "announced a message of " + std::to_string(hdr.payload_len) + " bytes (max " +
-                                 std::to_string(self->guard_->options.max_message_bytes) + ")");
+      if (!self->handshaken_ && hdr.operation != caf::io::basp::message_type::client_handshake) {
+        self->guard_->refuse(GuardRefusal::bad_header, self->who_, "a first message that is no BASP client handshake");
         return self->close();
       }
+      const uint32_t limit = self->handshaken_ ? self->guard_->options.max_message_bytes : kMaxHandshakeBytes;
+      if (hdr.payload_len > limit) {
+        self->guard_->refuse(GuardRefusal::message_too_large, self->who_,
+                             std::string(self->handshaken_ ? "announced a message of " : "announced a handshake of ") +
+                                 std::to_string(hdr.payload_len) + " bytes (max " + std::to_string(limit) + ")");
+        return self->close();
+      }
+      if (hdr.payload_len > kStreamedMessageBytes) return self->collect(hdr.payload_len);
       net::async_write(self->caf_, net::buffer(self->header_),
                        [self, left = uint64_t(hdr.payload_len)](const boost::system::error_code& wec, size_t) {
                          if (wec) return self->close();
@@ -131,10 +200,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void relay_payload(uint64_t left) {
     auto self = shared_from_this();
     if (left == 0) {
-      if (!handshaken_) {
-        handshaken_ = true;  // the first message is the peer's BASP handshake
-        timer_.cancel();
-      }
+      end_handshake();  // the first message is the peer's BASP handshake
       return read_header();
     }
     const size_t want = size_t(std::min<uint64_t>(left, up_.size()));
@@ -148,15 +214,57 @@ class Session : public std::enable_shared_from_this<Session> {
     });
   }
 
+  // A payload beyond kStreamedMessageBytes (only after the handshake):
+  // collected here as it arrives, then header and payload to CAF at once.
+  void collect(uint32_t payload_len) {
+    const int64_t left = guard_->options.max_buffered_bytes - guard_->buffered;
+    if (int64_t(payload_len) > left) {
+      guard_->refuse(GuardRefusal::buffer_budget, who_,
+                     "announced a message of " + std::to_string(payload_len) + " bytes; " + std::to_string(left) +
+                         " of the " + std::to_string(guard_->options.max_buffered_bytes) +
+                         " bytes for buffered messages are free");
+      return close();
+    }
+    collecting_ = payload_len;
+    guard_->buffered += collecting_;
+    message_.clear();
+    auto self = shared_from_this();
+    arm(guard_->options.message_timeout, [self] {
+      self->guard_->refuse(GuardRefusal::message_timeout, self->who_,
+                           std::to_string(self->message_.size()) + " of a message's " +
+                               std::to_string(self->collecting_) + " bytes within " +
+                               std::to_string(self->guard_->options.message_timeout.count()) + " ms");
+      self->close();
+    });
+    collect_more();
+  }
+
+  void collect_more() {
+    auto self = shared_from_this();
+    if (message_.size() == collecting_) {
+      timer_.cancel();
+      const std::array<net::const_buffer, 2> both{net::buffer(header_), net::buffer(message_)};
+      return net::async_write(caf_, both, [self](const boost::system::error_code& wec, size_t) {
+        if (wec) return self->close();
+        self->guard_->buffered -= self->collecting_;
+        self->collecting_ = 0;
+        std::vector<char>().swap(self->message_);
+        self->read_header();
+      });
+    }
+    const size_t want = std::min(up_.size(), size_t(collecting_) - message_.size());
+    peer_.async_read_some(net::buffer(up_.data(), want), [self](const boost::system::error_code& ec, size_t n) {
+      if (ec) return self->close();
+      self->message_.insert(self->message_.end(), self->up_.data(), self->up_.data() + n);
+      self->collect_more();
+    });
+  }
+
   // Peer -> CAF without inspection (TLS): bytes as they come.
   void pump_up() {
     auto self = shared_from_this();
     peer_.async_read_some(net::buffer(up_), [self](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
-      if (!self->handshaken_) {
-        self->handshaken_ = true;
-        self->timer_.cancel();
-      }
       net::async_write(self->caf_, net::buffer(self->up_.data(), n), [self](const boost::system::error_code& wec, size_t) {
         if (wec) return self->close();
         self->pump_up();
@@ -178,6 +286,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void close() {
+    closed_ = true;
     boost::system::error_code ignored;
     timer_.cancel();
     peer_.shutdown(tcp::socket::shutdown_both, ignored);
@@ -189,9 +298,14 @@ class Session : public std::enable_shared_from_this<Session> {
   PortGuard::Impl* guard_;  // outlives every session (see Impl)
   tcp::socket peer_, caf_;
   net::steady_timer timer_;
+  std::string source_;  // the peer's address
   std::array<char, caf::io::basp::header_size> header_{};
   std::vector<char> up_, down_;
+  std::vector<char> message_;  // a buffered message's payload so far
+  uint32_t collecting_ = 0;    // its announced length (counted in guard_->buffered)
+  uint16_t caf_port_ = 0;      // local port of the connection to CAF
   bool handshaken_ = false;
+  bool closed_ = false;
   std::string who_;
 };
 
@@ -202,21 +316,49 @@ void PortGuard::Impl::accept() {
   acceptor.async_accept([self](const boost::system::error_code& ec, tcp::socket peer) {
     if (ec == net::error::operation_aborted) return;
     if (!ec) {
-      if (self->active.load() >= self->options.max_connections) {
-        boost::system::error_code rec;
-        const auto remote = peer.remote_endpoint(rec);
-        self->refuse(GuardRefusal::connection_cap,
-                     rec ? "?" : remote.address().to_string() + ":" + std::to_string(remote.port()),
-                     std::to_string(self->options.max_connections) + " connections open (max-connections)");
+      const std::string source = address_of(peer);
+      boost::system::error_code rec;
+      const auto remote = peer.remote_endpoint(rec);
+      const std::string who = rec ? "?" : source + ":" + std::to_string(remote.port());
+      const auto& o = self->options;
+      const auto from_source = self->pending_by_source.find(source);
+      std::optional<GuardRefusal> refusal;
+      std::string detail;
+      if (self->active.load() >= o.max_connections) {
+        refusal = GuardRefusal::connection_cap;
+        detail = std::to_string(o.max_connections) + " connections open (max-connections)";
+      } else if (self->pending >= o.max_pending) {
+        refusal = GuardRefusal::pending_cap;
+        detail = std::to_string(o.max_pending) + " connections in their handshake (the share of the slots peers that have not completed one may hold)";
+      } else if (from_source != self->pending_by_source.end() && from_source->second >= o.max_pending_per_source) {
+        refusal = GuardRefusal::source_cap;
+        detail = std::to_string(o.max_pending_per_source) + " connections from " + source +
+                 " in their handshake (max-pending-per-source)";
+      }
+      if (refusal) {
+        self->refuse(*refusal, who, detail);
         boost::system::error_code ignored;
         peer.close(ignored);
       } else {
         self->active++;
-        std::make_shared<Session>(self, std::move(peer))->start();
+        std::make_shared<Session>(self, std::move(peer), source)->start();
       }
     }
     self->accept();
   });
+}
+
+void PortGuard::Impl::tls_accepted(uint16_t caf_port) {
+  auto it = by_caf_port.find(caf_port);
+  if (it == by_caf_port.end()) return;
+  if (auto session = it->second.lock()) session->tls_accepted();
+}
+
+void PortGuard::tls_accepted(uint16_t caf_port, uint16_t loopback_port) {
+  std::lock_guard<std::mutex> lock(g_guards_mutex);
+  for (Impl* guard : g_guards)
+    if (guard->options.target_port == caf_port)
+      net::post(guard->io, [guard, loopback_port] { guard->tls_accepted(loopback_port); });
 }
 
 PortGuard::PortGuard(const PortGuardOptions& options, Log log) : impl_(std::make_unique<Impl>()) {
@@ -232,11 +374,19 @@ PortGuard::PortGuard(const PortGuardOptions& options, Log log) : impl_(std::make
   if (ec)
     throw std::runtime_error("cannot listen on " + options.listen_host + ":" + std::to_string(options.listen_port) +
                              ": " + ec.message());
+  {
+    std::lock_guard<std::mutex> lock(g_guards_mutex);
+    g_guards.insert(impl_.get());
+  }
   impl_->accept();
   impl_->thread = std::thread([impl = impl_.get()] { impl->io.run(); });
 }
 
 PortGuard::~PortGuard() {
+  {
+    std::lock_guard<std::mutex> lock(g_guards_mutex);
+    g_guards.erase(impl_.get());
+  }
   impl_->io.stop();
   impl_->thread.join();
 }

@@ -100,8 +100,14 @@ std::optional<Published> publish_on(caf::actor_system& system, const Handle& who
   options.target_port = *published;
   options.max_message_bytes = uint32_t(std::min<int64_t>(max_message_bytes, 0xFFFFFFFF));
   options.handshake_timeout = std::chrono::milliseconds(node.handshake_timeout_ms);
+  options.message_timeout = std::chrono::milliseconds(node.message_timeout_ms);
+  // Buffered messages of all peers together: four of the largest.
+  options.max_buffered_bytes = 4 * int64_t(options.max_message_bytes);
   options.max_connections = node.max_connections;
-  options.inspect = !uses_tls(system);  // TLS bytes cannot be read: cap and first-byte timeout only
+  // Peers in their handshake hold at most a quarter of the slots.
+  options.max_pending = std::max(1, node.max_connections / 4);
+  options.max_pending_per_source = node.max_pending_per_source;
+  options.inspect = !uses_tls(system);  // TLS bytes cannot be read: caps and the TLS handshake's deadline
   try {
     out.guard = std::make_unique<PortGuard>(options, [](const std::string& line) { node_log(LogLevel::error, line); });
   } catch (const std::exception& e) {

@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "node/log.h"
+#include "node/port_guard.h"
 
 #include "caf/config_option_adder.hpp"
 #include "caf/function_view.hpp"
@@ -131,10 +132,24 @@ std::string peer_of(SSL* ssl) {
   return std::string(host) + ":" + std::to_string(port);
 }
 
+// A completed server-side handshake on a loopback connection: maybe a port
+// guard's own connection, whose peer is now authenticated (node/port_guard.h).
+void report_accepted(SSL* ssl) {
+  sockaddr_in local{}, peer{};
+  socklen_t local_len = sizeof local, peer_len = sizeof peer;
+  const int fd = SSL_get_fd(ssl);
+  if (fd < 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0 || peer.sin_family != AF_INET ||
+      peer.sin_addr.s_addr != htonl(INADDR_LOOPBACK))
+    return;
+  PortGuard::tls_accepted(ntohs(local.sin_port), ntohs(peer.sin_port));
+}
+
 // Logs a handshake that failed for good (not "call again"); leaves the error
 // queue as it is, for CAF's SSL_get_error.
 int after_handshake_step(SSL* ssl, int ret, bool accepting) {
   HandshakeNote& note = note_of(ssl);
+  if (ret == 1 && accepting) report_accepted(ssl);
   if (ret == 1 || note.logged) return ret;
   const int err = SSL_get_error(ssl, ret);
   if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) return ret;

@@ -1,0 +1,177 @@
+// The port guard against peers that have not authenticated (issue 18's
+// probes): a replayed BASP handshake followed by a stalled 16 MiB message
+// pins no memory and no slot; strangers hold at most their share of the
+// slots (per source, and a quarter of them in all while in their
+// handshake); on a TLS port a stalled TLS handshake is closed at the
+// deadline (not at its first byte), and authenticated connections outlive it.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "cluster/cluster_fixture.h"
+#include "cluster/raw_peer.h"
+#include "support/test_paths.h"
+
+namespace disagg::test {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+const GenerateRequest kRequest = token_request({1, 403, 407, 261, 378}, 8);
+
+// How many of `fds` the peer closes within `timeout` (each polled in turn).
+int closed_within(const std::vector<int>& fds, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  int closed = 0;
+  for (int fd : fds) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    closed += closed_by_peer(fd, std::max(left, 1ms)) ? 1 : 0;
+  }
+  return closed;
+}
+
+void close_all(std::vector<int>& fds) {
+  for (int fd : fds)
+    if (fd >= 0) ::close(fd);
+  fds.clear();
+}
+
+// The probe: 100 connections each replay a real client's handshake, then
+// announce a message of exactly max-message-bytes (16 MiB) and stall. CAF
+// allocated each announced payload (router +1.6 GB) and nothing timed out.
+// Now the guard collects a payload over 64 KiB itself as it arrives: CAF
+// sees nothing, the guard holds only what came, and each connection is
+// closed at message-timeout-ms.
+TEST(PortGuard, AReplayedHandshakeThenAStalledLargeMessagePinsNoMemoryAndNoSlot) {
+  TestCluster cluster("guard-replay");
+  cluster.start_node("router", "router", "message-timeout-ms = 1500\n");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  const std::string handshake = record_client_handshake(cluster.router_port());
+  ASSERT_GT(handshake.size(), 32u) << "no client handshake recorded";
+  const pid_t router = cluster.node("router").pid();
+  const int64_t before = rss_bytes(router);
+
+  std::vector<int> fds;
+  for (int i = 0; i < 100; ++i) {
+    const int fd = connect_to(cluster.router_port());
+    ASSERT_GE(fd, 0);
+    // Half also send 1 MiB of the 16: the guard holds what arrived, no more.
+    // (Past the guard's budget for buffered messages, 4 x 16 MiB, it closes
+    // the connection instead, and the send may fail.)
+    const std::string partial = i % 2 ? std::string(1 << 20, 'x') : std::string();
+    send_all(fd, handshake + basp_header(16u << 20) + partial);
+    fds.push_back(fd);
+  }
+  int64_t peak = 0;
+  int closed = 0;
+  for (const auto deadline = Clock::now() + 8s; Clock::now() < deadline && closed < int(fds.size());) {
+    peak = std::max(peak, rss_bytes(router) - before);
+    closed += closed_within({fds[size_t(closed)]}, 100ms);
+  }
+  peak = std::max(peak, rss_bytes(router) - before);
+  close_all(fds);
+  EXPECT_EQ(closed, 100) << "stalled messages keep their connections";
+  // 50 MiB arrived; the guard frees each connection's share at its close.
+  EXPECT_LT(peak, int64_t(128) << 20) << "router RSS grew by " << peak;
+  const std::string log = cluster.node("router").log();
+  EXPECT_NE(log.find("(message_timeout, 1 so far)"), std::string::npos) << log;
+  const RequestOutcome served = cluster.client().generate(kRequest);
+  EXPECT_TRUE(served.ok()) << to_string(served.code) << ": " << served.message;
+  std::cout << "router RSS " << before / 1024 << " KiB, peak +" << peak / 1024 << " KiB\n";
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// Connections in their handshake: at most max-pending-per-source from one
+// address, at most a quarter of max-connections in all; established ones
+// (here: replayed handshakes) up to max-connections. Clients of other
+// sources still connect while one source holds its share.
+TEST(PortGuard, StrangersHoldAtMostTheirShareOfTheSlots) {
+  TestCluster cluster("guard-share");
+  cluster.start_node("router", "router",
+                     "max-connections = 40\nmax-pending-per-source = 3\nhandshake-timeout-ms = 3000\n");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  const std::string handshake = record_client_handshake(cluster.router_port());
+  ASSERT_GT(handshake.size(), 32u) << "no client handshake recorded";
+
+  // One source: 3 pending, the rest refused at accept.
+  std::vector<int> one_source;
+  for (int i = 0; i < 20; ++i) one_source.push_back(connect_to(cluster.router_port(), "127.0.0.2"));
+  EXPECT_EQ(closed_within(one_source, 300ms), 17);
+  // A client of another source connects meanwhile, and is served.
+  cluster.reconnect_client();
+  const RequestOutcome served = cluster.client().generate(kRequest);
+  EXPECT_TRUE(served.ok()) << to_string(served.code) << ": " << served.message;
+  // Many sources: 10 pending in all (40 / 4), the 3 above among them.
+  std::vector<int> many;
+  for (int i = 0; i < 10; ++i)
+    for (int k = 0; k < 3; ++k) many.push_back(connect_to(cluster.router_port(), "127.0.1." + std::to_string(i + 1)));
+  EXPECT_EQ(closed_within(many, 300ms), 30 - 7);
+  close_all(one_source);
+  close_all(many);
+
+  // Established connections (each a replayed handshake) up to the cap.
+  std::vector<int> established;
+  for (int i = 0; i < 50; ++i) {
+    const int fd = connect_to(cluster.router_port(), "127.0.2." + std::to_string(i + 1));
+    ASSERT_GE(fd, 0);
+    send_all(fd, handshake);
+    established.push_back(fd);
+    closed_within({fd}, 20ms);  // lets the guard take the handshake before the next accept
+  }
+  const int refused = closed_within(established, 500ms);
+  close_all(established);
+  EXPECT_GE(refused, 50 - 40 + 3) << "more than max-connections established";  // 3: the cluster's own
+  const std::string log = cluster.node("router").log();
+  for (const char* reason : {"(source_cap, 1 so far)", "(pending_cap, 1 so far)", "(connection_cap, 1 so far)"})
+    EXPECT_NE(log.find(reason), std::string::npos) << reason << "\n" << log;
+  EXPECT_TRUE(cluster.wait_for_workers(1, 1));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// With TLS the guard cannot read the bytes. A connection is pending until
+// CAF completes its TLS handshake (node/tls.cpp reports it): one byte of a
+// ClientHello and a stall no longer counts as a handshake. Stalled
+// connections hold at most their source's share and are closed at the
+// deadline; a TLS client connects meanwhile; the workers' authenticated
+// connections, older than the deadline, stay up.
+TEST(PortGuard, OnATlsPortAStalledHandshakeIsClosedAtItsDeadline) {
+  TestCluster cluster("guard-tls");
+  cluster.enable_tls();
+  cluster.start_node("router", "router", "handshake-timeout-ms = 1500\nmax-pending-per-source = 4\n");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  std::vector<int> stalled;
+  for (int i = 0; i < 50; ++i) {
+    const int fd = connect_to(cluster.router_port(), "127.0.0.2");
+    ASSERT_GE(fd, 0);
+    send_all(fd, std::string(1, '\x16'));  // a TLS handshake record begins
+    stalled.push_back(fd);
+  }
+  EXPECT_EQ(closed_within(stalled, 500ms), 46) << "one source held more than its 4 pending slots";
+  const TlsOptions client_tls = certificate_files(cluster.tls_dir(), "client");
+  std::string out, err;
+  EXPECT_EQ(run_to_completion({client_binary(), "--router", cluster.router_address(), "--status", "--tls-cert",
+                               client_tls.certificate, "--tls-key", client_tls.key, "--tls-ca", client_tls.ca_file},
+                              out, err, 15s),
+            0)
+      << out << err;
+  EXPECT_EQ(closed_within(stalled, 4s), 50) << "a stalled TLS handshake outlived handshake-timeout-ms";
+  close_all(stalled);
+  const RequestOutcome served = cluster.client().generate(kRequest);
+  EXPECT_TRUE(served.ok()) << to_string(served.code) << ": " << served.message;
+  const std::string log = cluster.node("router").log();
+  EXPECT_NE(log.find("no complete TLS handshake within 1500 ms (handshake_timeout"), std::string::npos) << log;
+  EXPECT_EQ(log.find("closed connection from 127.0.0.1:"), std::string::npos)
+      << "an authenticated connection was closed\n" << log;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+}  // namespace
+}  // namespace disagg::test
