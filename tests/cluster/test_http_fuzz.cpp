@@ -28,7 +28,7 @@ namespace bhttp = boost::beast::http;
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-constexpr size_t kBodies = 3000;
+constexpr size_t kBodies = 4000;
 constexpr int64_t kBodyLimit = 1 << 20;  // node.http-body-limit's default
 // How much the frontend's RSS may grow over the run: the largest body is
 // 1 MiB, parsed at most once at a time on its one I/O thread.

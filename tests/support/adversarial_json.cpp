@@ -116,15 +116,18 @@ std::vector<AdversarialBody> adversarial_bodies(uint64_t seed, size_t count, siz
   for (const char* whole : {"", " ", "null", "[]", "5", "\"x\"", "{", "}", "{\"prompt\":\"x\"", "\xef\xbb\xbf{}",
                             "{\"prompt\":\"x\"}}", "{\"prompt\":\"x\"} {}", "{\"prompt\" \"x\"}", "{'prompt':'x'}"})
     if (out.size() < count) out.push_back({"whole body " + std::string(whole), false, whole});
-  while (out.size() < count) {
-    const bool chat = rng() % 2;
+  // Every field with every value of the catalogue (the endpoints taking
+  // turns), then damaged text.
+  const size_t combinations = field_names().size() * values.size();
+  for (size_t k = 0; out.size() < count; ++k) {
+    const bool chat = k < combinations ? k % 2 == 1 : rng() % 2 == 1;
     Members members = chat ? chat_base() : completion_base();
     AdversarialBody b;
     b.chat = chat;
-    if (rng() % 2) {
-      // One field replaced by a value from the catalogue.
-      const std::string& name = field_names()[below(field_names().size())];
-      const std::string& value = values[below(values.size())];
+    if (k < combinations) {
+      // One field replaced by (or, where the base has none, given) a value of the catalogue.
+      const std::string& name = field_names()[k / values.size()];
+      const std::string& value = values[k % values.size()];
       auto it = std::find_if(members.begin(), members.end(), [&](const auto& m) { return m.first == name; });
       if (it != members.end()) it->second = value;
       else members.insert(members.begin() + long(below(members.size() + 1)), {name, value});

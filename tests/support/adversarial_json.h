@@ -20,8 +20,11 @@ struct AdversarialBody {
   std::string body;
 };
 
-// `count` bodies from `seed`; `max_bytes` bounds each body (a few larger
-// than the frontend's body limit are the caller's to add).
+// `count` bodies from `seed`: a few that are no object, then every field
+// the API knows (and an unknown one) with every value of a catalogue of
+// types, extremes and shapes (about 2,100), then damaged text. `max_bytes`
+// bounds each body (a few larger than the frontend's body limit are the
+// caller's to add).
 std::vector<AdversarialBody> adversarial_bodies(uint64_t seed, size_t count, size_t max_bytes);
 
 // Values nested `depth` deep: [[[...]]] around `inner`, or {"a":{"a":...}}.
