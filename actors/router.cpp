@@ -24,7 +24,9 @@ struct Worker {
   prefill_actor prefill;  // exactly one of prefill / decode is valid
   decode_actor decode;
   // prefill: jobs the router has sent and not yet heard back about (held
-  // until the worker's report arrives, also for requests that ended before)
+  // until the worker's report arrives, also for requests that ended or went
+  // on without it before; a report that never comes is given up at the job's
+  // own bound, its deadline + ack-timeout-ms, so no slot is held forever)
   int in_flight = 0;
   int64_t outstanding_tokens = 0;
   // decode: as last reported, lowered by the router's own reservations
@@ -40,10 +42,15 @@ struct Worker {
 // A request's phases at the router:
 //   queued -> reserving (the decode worker reserves its blocks) ->
 //   prefilling (the prefill worker computes and ships the KV) ->
-//   decoding (prefill reported; tokens stream) -> finished (one terminal reply)
-// A refused reservation sends it back to queued (another decode worker, or
-// later); every other failure finishes it. finish() releases what each phase
-// holds: the prefill slot (reserving), the decode blocks (reserving on).
+//   decoding (the decode worker has this attempt's KV: the prefill worker
+//   reported, or a token or the done of this attempt came from the decode
+//   worker) -> finished (one terminal reply)
+// Only while reserving or prefilling does the request need its prefill
+// worker: from decoding on, that worker going down or silent, or answering
+// with an error, changes nothing for it (prefill_holds). A refused
+// reservation sends it back to queued (another decode worker, or later);
+// every other failure finishes it. finish() releases what each phase holds:
+// the prefill slot (reserving), the decode blocks (reserving on).
 enum class Phase { queued, reserving, prefilling, decoding };
 
 struct Request {
@@ -66,6 +73,9 @@ struct Request {
   int reserved_blocks = 0;
   KvTarget kv_target;  // where the decode worker takes the KV (its ReserveReply)
   std::optional<PrefillReport> prefill_report;
+  // No report is waited for: the prefill worker went down, stopped answering
+  // or answered with an error once its part of this attempt was done.
+  bool prefill_over = false;
   std::optional<DecodeDone> decode_done;
   // streaming:
   std::vector<int32_t> streamed;  // tokens forwarded to the client, every attempt's
@@ -87,6 +97,16 @@ std::vector<int32_t> job_prompt(const Request& r) {
   return tokens;
 }
 int job_new_tokens(const Request& r) { return r.request.max_new_tokens - int(r.earlier.size()); }
+
+// Whether the request still needs its prefill worker (see Phase).
+bool prefill_holds(const Request& r) { return r.phase == Phase::reserving || r.phase == Phase::prefilling; }
+
+// Whether the request's tokens are all there: its decode worker said done, or
+// its last token (max_new_tokens) has streamed. Such a request completes,
+// whatever fails afterwards.
+bool tokens_final(const Request& r) {
+  return r.decode_done.has_value() || int(r.streamed.size()) >= r.request.max_new_tokens;
+}
 
 struct RouterState {
   DisaggConfig config;
@@ -181,7 +201,7 @@ Request* from_its_decode_worker(Self self, RequestId id) {
 // the worker's report frees it).
 void end_attempt(Self self, Request& r, bool tell) {
   const RequestId id = r.request.id;
-  if (tell && !r.prefill_report)
+  if (tell && prefill_holds(r))
     if (Worker* p = find_worker(self, r.prefill_key)) self->send(p->prefill, cancel_atom::value, id);
   if (tell && !r.decode_done)
     if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
@@ -222,24 +242,43 @@ void fail(Self self, RequestId id, ErrorCode code, std::string message) {
   finish(self, id, make_failure(id, code, std::move(message)));
 }
 
-// Both halves are in: the prefill worker's report and the decode worker's done.
+// The request completes with the tokens it has (tokens_final): the decode
+// worker's done, or every token streamed (then a decode worker that has not
+// said done is told to drop it). Timings a missing half would have given are 0.
+void complete(Self self, RequestId id) {
+  Request& r = self->state.requests.at(id);
+  RequestOutcome out;
+  out.prompt_tokens = r.prompt;
+  if (r.decode_done) {
+    out.tokens = r.earlier;  // a migrated request: what its lost decode worker had streamed
+    out.tokens.insert(out.tokens.end(), r.decode_done->tokens.begin(), r.decode_done->tokens.end());
+    out.finish = r.decode_done->finish;
+    out.timings.decode_us = r.decode_done->decode_us;
+  } else {
+    out.tokens.assign(r.streamed.begin(),
+                      r.streamed.begin() + std::min<ptrdiff_t>(ptrdiff_t(r.streamed.size()), r.request.max_new_tokens));
+    out.finish = FinishReason::length;
+    if (r.phase != Phase::queued)
+      if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
+  }
+  out.text = std::move(r.text);
+  if (r.prefill_report) {
+    out.timings.prefill_us = r.prefill_report->prefill_us;
+    out.timings.kv_transfer_us = r.prefill_report->kv_transfer_us;
+    out.timings.kv_bytes = r.prefill_report->kv_bytes;
+    out.timings.kv_streamed = r.prefill_report->streamed;
+  }
+  finish(self, id, std::move(out));
+}
+
+// Both halves are in: the decode worker's done, and the prefill worker's
+// report unless none is waited for any more (prefill_over).
 void complete_if_done(Self self, RequestId id) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end()) return;
   Request& r = it->second;
-  if (!r.prefill_report || !r.decode_done) return;
-  RequestOutcome out;
-  out.prompt_tokens = r.prompt;
-  out.tokens = r.earlier;  // a migrated request: what its lost decode worker had streamed
-  out.tokens.insert(out.tokens.end(), r.decode_done->tokens.begin(), r.decode_done->tokens.end());
-  out.finish = r.decode_done->finish;
-  out.text = std::move(r.text);
-  out.timings.prefill_us = r.prefill_report->prefill_us;
-  out.timings.kv_transfer_us = r.prefill_report->kv_transfer_us;
-  out.timings.kv_bytes = r.prefill_report->kv_bytes;
-  out.timings.kv_streamed = r.prefill_report->streamed;
-  out.timings.decode_us = r.decode_done->decode_us;
-  finish(self, id, std::move(out));
+  if ((!r.prefill_report && !r.prefill_over) || !r.decode_done) return;
+  complete(self, id);
 }
 
 std::vector<PrefillCandidate> prefill_candidates(Self self) {
@@ -297,6 +336,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   Worker& d = st.workers.at(decode_key);
   const int positions = gpu::kv_positions_needed(int(job_prompt_len(r)), job_new_tokens(r), st.limits->seq_len);
   r.phase = Phase::reserving;
+  r.prefill_over = false;
   if (!r.dispatched) r.dispatched = Clock::now();
   r.attempt = st.next_serial++;
   r.prefill_key = prefill_key;
@@ -464,6 +504,15 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
     r.phase = Phase::decoding;
     r.prefill_report = std::move(report);
     complete_if_done(self, id);
+  } else if (r.phase == Phase::decoding) {
+    // The decode worker already has the KV (its tokens stream): whatever
+    // went wrong at the prefill worker since (its ack wait, the worker going
+    // down) is no failure of the request.
+    node_log(LogLevel::warning, "request " + std::to_string(id) + ": its prefill worker answered " +
+                                    to_string(report.code) + " (" + report.message +
+                                    ") after its decode worker took the KV; it goes on there");
+    r.prefill_over = true;
+    complete_if_done(self, id);
   } else if (report.code == ErrorCode::overloaded && r.retries < st.config.max_decode_retries) {
     // A decode worker that had reserved the blocks should never say this;
     // nothing is held there then, so try another one.
@@ -588,18 +637,33 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
   dispatch(self);
 }
 
-// A worker went down: every request it was serving fails with worker_lost.
-// The requests that still need worker `key`: dispatched to it and not yet
-// reported by it.
+// The requests that still need worker `key`: on a prefill worker, those it
+// has not handed to their decode worker yet (prefill_holds); on a decode
+// worker, those it has not said done for.
 std::vector<RequestId> requests_on(Self self, WorkerKey key) {
   std::vector<RequestId> out;
   for (const auto& kv : self->state.requests) {
     const Request& r = kv.second;
     if (r.phase == Phase::queued) continue;
-    if ((r.prefill_key == key && !r.prefill_report) || (r.decode_key == key && !r.decode_done))
+    if ((r.prefill_key == key && prefill_holds(r)) || (r.decode_key == key && !r.decode_done))
       out.push_back(kv.first);
   }
   return out;
+}
+
+// Prefill worker `key` is gone or silent: the requests whose KV it had
+// already handed over wait for its report no longer (those whose decode
+// worker is done complete now). Returns how many there were.
+size_t let_go_of_prefill_worker(Self self, WorkerKey key) {
+  std::vector<RequestId> past;
+  for (auto& kv : self->state.requests) {
+    Request& r = kv.second;
+    if (r.phase != Phase::decoding || r.prefill_key != key || r.prefill_report || r.prefill_over) continue;
+    r.prefill_over = true;
+    past.push_back(kv.first);
+  }
+  for (RequestId id : past) complete_if_done(self, id);
+  return past.size();
 }
 
 // A request whose worker went down or stopped answering starts over on other
@@ -609,16 +673,21 @@ std::vector<RequestId> requests_on(Self self, WorkerKey key) {
 // tokens already streamed and samples from step k = their count, so, with the
 // fixed arithmetic and sampling stateless per step, the continuation is
 // exactly the tokens the lost worker would have made; the client's stream
-// goes on at index k, with no gap and no duplicate. Returns true when retried.
-bool retry_or_fail(Self self, RequestId id, const std::string& why) {
+// goes on at index k, with no gap and no duplicate. A request whose tokens
+// are all there (tokens_final) completes instead.
+enum class Rescue { retried, completed, failed };
+Rescue retry_or_fail(Self self, RequestId id, const std::string& why) {
   auto& st = self->state;
   Request& r = st.requests.at(id);
-  if (r.worker_retries >= st.config.max_worker_retries ||
-      int(r.streamed.size()) >= r.request.max_new_tokens) {
+  if (tokens_final(r)) {
+    complete(self, id);
+    return Rescue::completed;
+  }
+  if (r.worker_retries >= st.config.max_worker_retries) {
     fail(self, id, ErrorCode::worker_lost,
          why + " (restarted " + std::to_string(r.worker_retries) + " times, " + std::to_string(r.streamed.size()) +
              " tokens streamed)");
-    return false;
+    return Rescue::failed;
   }
   r.worker_retries += 1;
   r.earlier = r.streamed;
@@ -633,8 +702,21 @@ bool retry_or_fail(Self self, RequestId id, const std::string& why) {
                                                                 " streamed tokens") +
                                   "): " + why);
   back_to_queue(self, r);
-  return true;
+  return Rescue::retried;
 }
+
+// How the requests that needed a lost or silent worker ended up, for its log line.
+struct RescueCount {
+  int retried = 0, completed = 0, failed = 0;
+  size_t handed_over = 0;  // a prefill worker's requests already on their decode worker
+  void add(Rescue r) { (r == Rescue::retried ? retried : r == Rescue::completed ? completed : failed) += 1; }
+  std::string describe() const {
+    std::string s = std::to_string(retried) + " start over elsewhere, " + std::to_string(failed) +
+                    " fail with worker_lost, " + std::to_string(completed) + " complete";
+    if (handed_over > 0) s += "; " + std::to_string(handed_over) + " already on their decode worker go on there";
+    return s;
+  }
+};
 
 void remove_worker(Self self, const caf::actor_addr& address) {
   auto& st = self->state;
@@ -644,11 +726,12 @@ void remove_worker(Self self, const caf::actor_addr& address) {
   const WorkerKey key = wit->first;
   const std::string name = wit->second.info.name;
   const std::vector<RequestId> lost = requests_on(self, key);
-  int retried = 0;
-  for (RequestId id : lost) retried += retry_or_fail(self, id, "worker " + name + " went down") ? 1 : 0;
-  node_log(LogLevel::error, "lost worker " + name + " (" + std::to_string(lost.size()) + " requests in flight on it: " +
-                                std::to_string(retried) + " start over elsewhere, " +
-                                std::to_string(lost.size() - size_t(retried)) + " fail with worker_lost)");
+  RescueCount count;
+  count.handed_over = let_go_of_prefill_worker(self, key);
+  for (RequestId id : lost)
+    if (st.requests.count(id)) count.add(retry_or_fail(self, id, "worker " + name + " went down"));
+  node_log(LogLevel::error, "lost worker " + name + " (" + std::to_string(lost.size()) +
+                                " requests needed it: " + count.describe() + ")");
   st.sessions.forget_worker(key);
   st.workers.erase(key);
   dispatch(self);
@@ -657,8 +740,9 @@ void remove_worker(Self self, const caf::actor_addr& address) {
 // Heartbeats: every heartbeat-interval-ms each worker is asked for its
 // status. One that has not answered within heartbeat-timeout-ms (a hung or
 // stopped process: its connection is still open, so CAF reports nothing) gets
-// no new work, and its requests without a token start over elsewhere; it
-// gets work again once it answers.
+// no new work, and the requests that still need it start over or migrate
+// (requests_on: not those a prefill worker had already handed to their
+// decode worker); it gets work again once it answers.
 void on_heartbeat_answer(Self self, WorkerKey key) {
   Worker* w = find_worker(self, key);
   if (!w) return;
@@ -677,13 +761,13 @@ void on_heartbeat_silence(Self self, WorkerKey key) {
   w->responsive = false;
   const std::string name = w->info.name;
   const std::vector<RequestId> stuck = requests_on(self, key);
-  int retried = 0;
+  RescueCount count;
+  count.handed_over = let_go_of_prefill_worker(self, key);
   for (RequestId id : stuck)
-    retried += retry_or_fail(self, id, "worker " + name + " stopped answering") ? 1 : 0;
+    if (self->state.requests.count(id)) count.add(retry_or_fail(self, id, "worker " + name + " stopped answering"));
   node_log(LogLevel::error, "worker " + name + " did not answer a heartbeat within " +
                                 std::to_string(self->state.config.heartbeat_timeout_ms) + " ms: no new work (" +
-                                std::to_string(retried) + " of its " + std::to_string(stuck.size()) +
-                                " requests start over elsewhere)");
+                                std::to_string(stuck.size()) + " requests need it: " + count.describe() + ")");
   dispatch(self);
 }
 
@@ -794,6 +878,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         }
         r.previous_token = event.token;
         r.streamed.push_back(event.token);
+        if (r.phase == Phase::prefilling) r.phase = Phase::decoding;  // the decode worker has the KV
         record_token(r.accepted, r.last_token);
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
@@ -802,11 +887,15 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         if (!found) return;
         Request& r = *found;
         if (done.first_step != int32_t(r.earlier.size())) return;  // of an attempt before a migration
-        if (done.code != ErrorCode::none) {
+        if (done.code != ErrorCode::none && tokens_final(r)) {
+          release_reservations(self, r);  // freed at the decode worker
+          complete(self, done.id);  // every token had streamed
+        } else if (done.code != ErrorCode::none) {
           r.decode_done = done;  // the decode worker already dropped it
           fail(self, done.id, done.code, std::move(done.message));
         } else {
           release_reservations(self, r);  // freed at the decode worker
+          if (r.phase == Phase::prefilling) r.phase = Phase::decoding;  // (a first token that ends it: no token event)
           r.decode_done = std::move(done);
           complete_if_done(self, r.request.id);
         }
@@ -821,6 +910,11 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
       [=](deadline_atom, RequestId id, uint64_t serial) {
         auto it = self->state.requests.find(id);
         if (it == self->state.requests.end() || it->second.serial != serial) return;
+        if (tokens_final(it->second)) {
+          complete(self, id);  // only a report was missing: the tokens are final
+          dispatch(self);
+          return;
+        }
         fail(self, id, ErrorCode::timeout,
              "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
         dispatch(self);
