@@ -104,7 +104,11 @@
 //   those tokens, first_step = their count, so the continuation is exactly
 //   the original (sampling is stateless per step) and its token events go on
 //   at index first_step (the router forwards each index once). After
-//   max-worker-retries restarts: worker_lost.
+//   max-worker-retries restarts: worker_lost. Only the requests a worker
+//   still holds are affected: once the decode worker has a request's KV
+//   (the prefill report, or its first token or done) the prefill worker
+//   holds it no more, and a request whose tokens are final (done, or
+//   max_new_tokens streamed) completes whatever fails afterwards.
 //   The client's request actor monitors the router: the router's process
 //   gone ends the request with worker_lost at once.
 //
