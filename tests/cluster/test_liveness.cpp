@@ -105,6 +105,57 @@ TEST(ClusterLiveness, AStoppedDecodeNodeGetsNoWorkItsRequestsCompleteElsewhereAn
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// Issue 18's probe: a prefill node stopped (SIGSTOP) after its commit, as
+// the request's first token reaches the client. The router once counted
+// the request as still on that worker until its report came, and failed
+// one in six whose 400 tokens had all streamed (worker_lost). Now the
+// decode worker's first token means the prefill worker's part is done: 20
+// runs, greedy and sampled in turn, each completes with the colocated
+// tokens, and the woken node rejoins before the next run.
+TEST(ClusterLiveness, APrefillNodeStoppedAfterItsCommitFailsNoRequest) {
+  TestCluster cluster("stopped-prefill");
+  cluster.set_disagg_options("heartbeat-interval-ms = 50\nheartbeat-timeout-ms = 200\nack-timeout-ms = 30000\n");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  const pid_t prefill = cluster.node("prefill-1").pid();
+  auto count = [&](const std::string& text) {
+    const std::string log = cluster.node("router").log();
+    size_t n = 0;
+    for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+    return n;
+  };
+  for (int run = 0; run < 20; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    GenerateRequest request = short_request(run);
+    request.max_new_tokens = 400;
+    if (run % 2) request.sampling = Sampling{0.9f, 0.9f, uint64_t(1000 + run)};
+    const size_t silences = count("worker prefill-1 did not answer a heartbeat");
+    const size_t wakes = count("worker prefill-1 answers again");
+    std::atomic<bool> stopped{false};
+    std::vector<int32_t> streamed;
+    auto pending = cluster.client().submit(request, [&](const TokenEvent& e) {
+      if (!stopped.exchange(true)) ::kill(prefill, SIGSTOP);
+      streamed.push_back(e.token);
+    });
+    ASSERT_EQ(pending.wait_for(20s), std::future_status::ready) << cluster.logs();
+    const RequestOutcome out = pending.get();
+    ASSERT_TRUE(stopped.load()) << "no token streamed";
+    // The router notices the silence (during or after the generation) ...
+    const auto deadline = std::chrono::steady_clock::now() + 5s;
+    while (count("worker prefill-1 did not answer a heartbeat") == silences && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(10ms);
+    ::kill(prefill, SIGCONT);
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+    EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), request));
+    EXPECT_EQ(streamed, out.tokens);
+    // ... and the woken node answers again before the next run.
+    const auto woken_by = std::chrono::steady_clock::now() + 10s;
+    while (count("worker prefill-1 did not answer a heartbeat") > silences &&
+           count("worker prefill-1 answers again") == wakes && std::chrono::steady_clock::now() < woken_by)
+      std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // A client's requests end with worker_lost as soon as the router's process
 // dies, not at their deadline (60 s here).
 TEST(ClusterLiveness, ClientsHearAtOnceThatTheRouterIsGone) {
