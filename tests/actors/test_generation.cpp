@@ -227,10 +227,13 @@ TEST_F(ActorTest, OutcomeReportsTimingsAndWorkers) {
   EXPECT_EQ(out.prefill_worker, "prefill-0");
   EXPECT_EQ(out.decode_worker, "decode-0");
   // Queued covers the decode reservation's round trip (the job goes out after
-  // it): more than nothing. The phases follow each other within the request.
+  // it): more than nothing. The phases follow each other within the request,
+  // except that kv_transfer_us ends when the ack reaches the prefill worker
+  // and decode_us begins when the decode worker sends it: the ack's way back
+  // is in both (seen: 386 us over the wall time on a loaded 2-core VM).
   EXPECT_GT(out.timings.queued_us, 0);
-  EXPECT_LE(out.timings.queued_us + out.timings.prefill_us + out.timings.kv_transfer_us + out.timings.decode_us,
-            wall_us);
+  EXPECT_LE(out.timings.queued_us + out.timings.prefill_us + out.timings.kv_transfer_us, wall_us);
+  EXPECT_LE(out.timings.queued_us + out.timings.prefill_us + out.timings.decode_us, wall_us);
   EXPECT_GT(out.timings.prefill_us, 0);
   EXPECT_GT(out.timings.kv_transfer_us, 0);
   EXPECT_GT(out.timings.decode_us, 0);
