@@ -23,10 +23,11 @@ namespace {
 using namespace disagg::cli;
 
 const char* kUsage =
-    "usage: disagg-generate --model M --tokenizer T (--prompt TEXT | --prompt-tokens \"1 403 407\")\n"
+    "usage: disagg-generate --model M [--tokenizer T] (--prompt TEXT | --prompt-tokens \"1 403 407\")\n"
     "                       --max-new-tokens N [--temperature X] [--top-p P] [--seed S]\n"
     "                       [--backend auto|cpu|cuda] [--json]\n"
-    "Prints the prompt and its continuation, or with --json one line\n"
+    "M: a llama2.c checkpoint (then --tokenizer is required) or a GGUF file (its own vocabulary\n"
+    "unless --tokenizer names another). Prints the prompt and its continuation, or with --json one line\n"
     "{\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\"} (text: the continuation).\n";
 
 struct Options {
@@ -60,7 +61,6 @@ Options parse_args(int argc, char** argv) {
     }
   }
   if (o.model.empty()) throw UsageError{"--model M is required"};
-  if (o.tokenizer.empty()) throw UsageError{"--tokenizer T is required"};
   o.gen.require_complete();
   return o;
 }
@@ -79,7 +79,7 @@ std::string prompt_text(const disagg::gpu::Tokenizer& tokenizer, const std::vect
 int run(const Options& o) {
   using namespace disagg::gpu;
   auto checkpoint = Checkpoint::open(o.model);
-  const Tokenizer tokenizer = Tokenizer::load(o.tokenizer, checkpoint->config().vocab_size);
+  const Tokenizer tokenizer = load_tokenizer(*checkpoint, o.tokenizer);
   const std::vector<int> prompt = o.gen.has_prompt ? tokenizer.encode(o.gen.prompt) : o.gen.prompt_tokens;
 
   Engine engine(checkpoint, EngineOptions{o.backend});

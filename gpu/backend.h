@@ -67,7 +67,7 @@ class Backend {
   // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + 1e-5); out may equal x.
   virtual void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) = 0;
   // Rotary embedding in place, row r at position positions[r]: pairs (2i, 2i+1)
-  // within each head rotated by the angle pos * 10000^(-2i/head_size), whose
+  // within each head rotated by the angle pos * theta^(-2i/head_size) (ModelConfig::rope_theta), whose
   // cosine and sine are rope_table[(pos * head_size/2 + i) * 2 + {0, 1}].
   virtual void rope(float* x, const int* positions, const float* rope_table, int rows, int n_heads,
                     int head_size) = 0;

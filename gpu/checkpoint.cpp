@@ -21,6 +21,7 @@
 #endif
 
 #include "gpu/error.h"
+#include "gpu/gguf.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
               "llama2.c checkpoints are little-endian and are mapped as-is");
@@ -100,7 +101,126 @@ struct FileCloser {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// The file's name without its directory and extension.
+std::string stem_of(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  const size_t dot = name.find_last_of('.');
+  return dot == std::string::npos || dot == 0 ? name : name.substr(0, dot);
+}
+
+constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF", little-endian
+// The engine's RMSNorm epsilon (backend.h rmsnorm, kernels.inl): a GGUF
+// that asks for another is refused until the kernels take it.
+constexpr double kRmsEpsilon = 1e-5;
+// SentencePiece's word boundary (U+2581), which llama2.c's pieces spell ' '.
+constexpr const char* kSentencePieceSpace = "\xe2\x96\x81";
+
+std::string shape_text(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
 }  // namespace
+
+// A GGUF file of the llama architecture (tensor names and shapes as
+// llama.cpp writes them; dims[0] is a matrix's row length).
+void Checkpoint::load_gguf(size_t file_size) {
+  const auto* bytes = static_cast<const uint8_t*>(mapping_);
+  const gguf::File f = gguf::File::parse(bytes, file_size, path_);
+  const std::string& arch = f.string("general.architecture");
+  if (arch != "llama") throw Error(path_ + ": architecture " + arch + " is not supported (llama is)");
+  auto dimension = [&](const std::string& key) {
+    const uint64_t v = f.uint(key);
+    if (v == 0 || v > uint64_t(std::numeric_limits<int32_t>::max()))
+      throw Error(path_ + ": metadata " + key + " = " + std::to_string(v) + " is out of range");
+    return int(v);
+  };
+  ModelConfig& c = config_;
+  c.dim = dimension("llama.embedding_length");
+  c.hidden_dim = dimension("llama.feed_forward_length");
+  c.n_layers = dimension("llama.block_count");
+  c.n_heads = dimension("llama.attention.head_count");
+  c.n_kv_heads = f.find("llama.attention.head_count_kv") ? dimension("llama.attention.head_count_kv") : c.n_heads;
+  c.seq_len = dimension("llama.context_length");
+  const gguf::TensorInfo& embedding = f.require_tensor("token_embd.weight");
+  if (embedding.dims.size() != 2 || embedding.dims[1] > std::numeric_limits<int32_t>::max())
+    throw Error(path_ + ": tensor token_embd.weight: shape " + shape_text(embedding.dims) + " is no [dim, vocab] matrix");
+  c.vocab_size = int(embedding.dims[1]);
+  c.shared_classifier = f.tensor("output.weight") == nullptr;
+  c.rope_theta = float(f.number("llama.rope.freq_base", 10000.0));
+  if (!(c.rope_theta > 1.0f) || !std::isfinite(c.rope_theta))
+    throw Error(path_ + ": metadata llama.rope.freq_base = " + std::to_string(c.rope_theta) + " is out of range");
+  if (std::string problem = validate(c); !problem.empty()) throw Error(path_ + ": " + problem);
+  const uint64_t rotary = f.uint("llama.rope.dimension_count", uint64_t(c.head_size()));
+  if (rotary != uint64_t(c.head_size()))
+    throw Error(path_ + ": metadata llama.rope.dimension_count = " + std::to_string(rotary) +
+                ": only whole heads (" + std::to_string(c.head_size()) + ") are rotated so far");
+  const double eps = f.number("llama.attention.layer_norm_rms_epsilon", kRmsEpsilon);
+  if (std::fabs(eps - kRmsEpsilon) > 1e-9)
+    throw Error(path_ + ": metadata llama.attention.layer_norm_rms_epsilon = " + std::to_string(eps) +
+                ": the engine computes with 1e-05 only so far");
+
+  auto tensor = [&](const std::string& name, std::vector<int64_t> dims) {
+    const gguf::TensorInfo& t = f.require_tensor(name);
+    if (t.dims != dims)
+      throw Error(path_ + ": tensor " + name + ": shape " + shape_text(t.dims) + ", the metadata says " + shape_text(dims));
+    if (t.type != uint32_t(gguf::TensorType::f32))
+      throw Error(path_ + ": tensor " + name + ": type " + gguf::ggml_type_name(t.type) +
+                  " (the engine computes with f32 tensors only so far)");
+    if (t.offset % alignof(float) != 0) throw Error(path_ + ": tensor " + name + ": not aligned for f32");
+    return reinterpret_cast<const float*>(bytes + t.offset);
+  };
+  const int64_t dim = c.dim, hidden = c.hidden_dim, q_dim = int64_t(c.n_heads) * c.head_size(), kv_dim = c.kv_dim();
+  Weights& w = weights_;
+  w.token_embedding = tensor("token_embd.weight", {dim, c.vocab_size});
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string blk = "blk." + std::to_string(l) + ".";
+    LayerWeights L;
+    L.rms_att = tensor(blk + "attn_norm.weight", {dim});
+    L.wq = tensor(blk + "attn_q.weight", {dim, q_dim});
+    L.wk = tensor(blk + "attn_k.weight", {dim, kv_dim});
+    L.wv = tensor(blk + "attn_v.weight", {dim, kv_dim});
+    L.wo = tensor(blk + "attn_output.weight", {q_dim, dim});
+    L.rms_ffn = tensor(blk + "ffn_norm.weight", {dim});
+    L.w1 = tensor(blk + "ffn_gate.weight", {dim, hidden});
+    L.w2 = tensor(blk + "ffn_down.weight", {hidden, dim});
+    L.w3 = tensor(blk + "ffn_up.weight", {dim, hidden});
+    w.layers.push_back(L);
+  }
+  w.rms_final = tensor("output_norm.weight", {dim});
+  w.wcls = c.shared_classifier ? w.token_embedding : tensor("output.weight", {dim, c.vocab_size});
+
+  if (f.find("tokenizer.ggml.model")) {
+    const std::string& model = f.string("tokenizer.ggml.model");
+    if (model != "llama")
+      throw Error(path_ + ": tokenizer.ggml.model " + model + " is not supported yet (llama, SentencePiece, is)");
+    const auto& tokens = f.array("tokenizer.ggml.tokens", gguf::ValueType::string).array;
+    const auto& scores = f.array("tokenizer.ggml.scores", gguf::ValueType::f32).array;
+    if (tokens.size() != size_t(c.vocab_size) || scores.size() != tokens.size())
+      throw Error(path_ + ": the vocabulary has " + std::to_string(tokens.size()) + " tokens and " +
+                  std::to_string(scores.size()) + " scores; token_embd.weight has " + std::to_string(c.vocab_size) + " rows");
+    // The llama2.c ids the engine and the API use (kBosToken, http's kEosToken).
+    for (const auto& [key, want] : {std::pair<const char*, uint64_t>{"tokenizer.ggml.bos_token_id", 1},
+                                    {"tokenizer.ggml.eos_token_id", 2}}) {
+      if (f.find(key) && f.uint(key) != want)
+        throw Error(path_ + ": metadata " + key + " = " + std::to_string(f.uint(key)) + " (only " +
+                    std::to_string(want) + " is supported so far)");
+    }
+    Vocabulary v;
+    v.pieces.reserve(tokens.size());
+    for (const auto& t : tokens) {
+      std::string piece = t.s;
+      for (size_t at = piece.find(kSentencePieceSpace); at != std::string::npos; at = piece.find(kSentencePieceSpace, at + 1))
+        piece.replace(at, 3, " ");
+      v.pieces.push_back(std::move(piece));
+    }
+    for (const auto& s : scores) v.scores.push_back(float(s.f));
+    vocabulary_ = std::move(v);
+  }
+  name_ = f.find("general.name") ? f.string("general.name") : stem_of(path_);
+}
 
 std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -118,6 +238,17 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   int32_t header[kHeaderInts];
   if (::pread(fd, header, sizeof header, 0) != ssize_t(sizeof header))
     throw Error(path + ": cannot read header: " + errno_text());
+  if (uint32_t(header[0]) == kGgufMagic) {
+    void* mapping = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapping == MAP_FAILED) throw Error(path + ": cannot mmap: " + errno_text());
+    std::shared_ptr<Checkpoint> cp(new Checkpoint());
+    cp->path_ = path;
+    cp->mapping_ = mapping;
+    cp->mapping_size_ = file_size;
+    cp->load_gguf(file_size);
+    cp->fingerprint_ = fingerprint_bytes(mapping, file_size);  // every byte of the file, as for llama2.c
+    return cp;
+  }
 
   ModelConfig config;
   config.dim = header[0];
@@ -159,23 +290,96 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   };
   Weights& w = cp->weights_;
   w.token_embedding = take(sizes.token_embedding);
-  w.rms_att = take(sizes.rms_att);
-  w.wq = take(sizes.wq);
-  w.wk = take(sizes.wk);
-  w.wv = take(sizes.wv);
-  w.wo = take(sizes.wo);
-  w.rms_ffn = take(sizes.rms_ffn);
-  w.w1 = take(sizes.w1);
-  w.w2 = take(sizes.w2);
-  w.w3 = take(sizes.w3);
+  // Each tensor holds every layer's, one after the other.
+  w.layers.resize(size_t(config.n_layers));
+  for (auto [field, size] : {std::pair{&LayerWeights::rms_att, sizes.rms_att}, {&LayerWeights::wq, sizes.wq},
+                             {&LayerWeights::wk, sizes.wk}, {&LayerWeights::wv, sizes.wv}, {&LayerWeights::wo, sizes.wo},
+                             {&LayerWeights::rms_ffn, sizes.rms_ffn}, {&LayerWeights::w1, sizes.w1},
+                             {&LayerWeights::w2, sizes.w2}, {&LayerWeights::w3, sizes.w3}}) {
+    const float* all = take(size);
+    const size_t each = size / size_t(config.n_layers);
+    for (size_t l = 0; l < w.layers.size(); ++l) w.layers[l].*field = all + l * each;
+  }
   w.rms_final = take(sizes.rms_final);
   take(sizes.rope_unused);
   w.wcls = config.shared_classifier ? w.token_embedding : take(sizes.wcls);
+  cp->name_ = stem_of(path);
 
   // Every byte of the file (header and all tensors, the unused RoPE tables
   // too): any changed, swapped or shuffled weight changes the fingerprint.
   cp->fingerprint_ = fingerprint_bytes(mapping, file_size);
   return cp;
+}
+
+Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokenizer_path) {
+  if (!tokenizer_path.empty()) return Tokenizer::load(tokenizer_path, checkpoint.config().vocab_size);
+  if (checkpoint.vocabulary()) return Tokenizer::from_vocabulary(*checkpoint.vocabulary(), checkpoint.path());
+  throw Error(checkpoint.path() + ": the model file has no vocabulary: name a tokenizer file");
+}
+
+void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, const std::string& name,
+                const std::string& path) {
+  const ModelConfig& c = checkpoint.config();
+  if (int(vocabulary.pieces.size()) != c.vocab_size || vocabulary.scores.size() != vocabulary.pieces.size())
+    throw Error(path + ": a vocabulary of " + std::to_string(vocabulary.pieces.size()) + " pieces for a model of " +
+                std::to_string(c.vocab_size));
+  gguf::Writer w;
+  w.add("general.architecture", gguf::Writer::str("llama"));
+  w.add("general.name", gguf::Writer::str(name));
+  w.add("general.file_type", gguf::Writer::u32(0));  // all F32
+  w.add("llama.context_length", gguf::Writer::u32(uint32_t(c.seq_len)));
+  w.add("llama.embedding_length", gguf::Writer::u32(uint32_t(c.dim)));
+  w.add("llama.block_count", gguf::Writer::u32(uint32_t(c.n_layers)));
+  w.add("llama.feed_forward_length", gguf::Writer::u32(uint32_t(c.hidden_dim)));
+  w.add("llama.attention.head_count", gguf::Writer::u32(uint32_t(c.n_heads)));
+  w.add("llama.attention.head_count_kv", gguf::Writer::u32(uint32_t(c.n_kv_heads)));
+  w.add("llama.rope.dimension_count", gguf::Writer::u32(uint32_t(c.head_size())));
+  w.add("llama.rope.freq_base", gguf::Writer::f32(c.rope_theta));
+  w.add("llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(float(kRmsEpsilon)));
+  // SentencePiece's conventions: U+2581 for spaces; types 2 unknown, 3 control, 6 byte, 1 normal.
+  std::vector<std::string> tokens;
+  std::vector<int32_t> types;
+  for (size_t i = 0; i < vocabulary.pieces.size(); ++i) {
+    std::string piece = vocabulary.pieces[i];
+    for (size_t at = piece.find(' '); at != std::string::npos; at = piece.find(' ', at + 3)) piece.replace(at, 1, kSentencePieceSpace);
+    tokens.push_back(std::move(piece));
+    types.push_back(i == 0 ? 2 : i < 3 ? 3 : i < 3 + 256 ? 6 : 1);
+  }
+  w.add("tokenizer.ggml.model", gguf::Writer::str("llama"));
+  w.add("tokenizer.ggml.tokens", gguf::Writer::strings(std::move(tokens)));
+  w.add("tokenizer.ggml.scores", gguf::Writer::f32s(vocabulary.scores));
+  w.add("tokenizer.ggml.token_type", gguf::Writer::i32s(types));
+  w.add("tokenizer.ggml.bos_token_id", gguf::Writer::u32(uint32_t(kBosToken)));
+  w.add("tokenizer.ggml.eos_token_id", gguf::Writer::u32(2));
+  w.add("tokenizer.ggml.unknown_token_id", gguf::Writer::u32(0));
+
+  const uint32_t f32 = uint32_t(gguf::TensorType::f32);
+  auto add = [&](const std::string& tensor, const float* data, std::vector<int64_t> dims) {
+    size_t n = 1;
+    for (int64_t d : dims) n *= size_t(d);
+    w.add_tensor(tensor, std::move(dims), f32, [data, n, &path](std::FILE* f) {
+      if (std::fwrite(data, sizeof(float), n, f) != n) throw Error(path + ": write failed");
+    });
+  };
+  const int64_t dim = c.dim, hidden = c.hidden_dim, q_dim = int64_t(c.n_heads) * c.head_size(), kv_dim = c.kv_dim();
+  const Weights& wt = checkpoint.weights();
+  add("token_embd.weight", wt.token_embedding, {dim, c.vocab_size});
+  for (size_t l = 0; l < wt.layers.size(); ++l) {
+    const std::string blk = "blk." + std::to_string(l) + ".";
+    const LayerWeights& L = wt.layers[l];
+    add(blk + "attn_norm.weight", L.rms_att, {dim});
+    add(blk + "attn_q.weight", L.wq, {dim, q_dim});
+    add(blk + "attn_k.weight", L.wk, {dim, kv_dim});
+    add(blk + "attn_v.weight", L.wv, {dim, kv_dim});
+    add(blk + "attn_output.weight", L.wo, {q_dim, dim});
+    add(blk + "ffn_norm.weight", L.rms_ffn, {dim});
+    add(blk + "ffn_gate.weight", L.w1, {dim, hidden});
+    add(blk + "ffn_down.weight", L.w2, {hidden, dim});
+    add(blk + "ffn_up.weight", L.w3, {dim, hidden});
+  }
+  add("output_norm.weight", wt.rms_final, {dim});
+  if (!c.shared_classifier) add("output.weight", wt.wcls, {dim, c.vocab_size});
+  w.write(path);
 }
 
 Checkpoint::~Checkpoint() {

@@ -34,29 +34,44 @@ void cache_to_wire(const float* cache, int block, int n, int layers, int kv_dim,
   }
 }
 
-// One vector tensor (all layers) on the backend.
+// One vector tensor on the backend.
 DeviceArray<float> upload_tensor(Backend& backend, const float* host, size_t n) {
   DeviceArray<float> a(backend, n);
   a.upload(host, n);
   return a;
 }
 
-// One weight matrix per layer, each n x k row-major on the host, in the
-// backend's matmul layout; layer l starts at l * packed_floats(n, k).
-DeviceArray<float> upload_matrices(Backend& backend, const float* host, size_t layers, int n, int k) {
-  const size_t each = backend.packed_floats(n, k);
-  DeviceArray<float> a(backend, layers * each);
-  for (size_t l = 0; l < layers; ++l) backend.pack_matrix(host + l * size_t(n) * k, a.get() + l * each, n, k);
+// One n-float vector per layer (member `field` of each), layer l at l * n.
+DeviceArray<float> upload_layers(Backend& backend, const std::vector<LayerWeights>& layers,
+                                 const float* LayerWeights::*field, size_t n) {
+  DeviceArray<float> a(backend, layers.size() * n);
+  for (size_t l = 0; l < layers.size(); ++l) backend.upload(a.get() + l * n, layers[l].*field, n * sizeof(float));
   return a;
 }
 
+// One weight matrix per layer, each n x k row-major on the host, in the
+// backend's matmul layout; layer l starts at l * packed_floats(n, k).
+DeviceArray<float> upload_matrices(Backend& backend, const std::vector<const float*>& host, int n, int k) {
+  const size_t each = backend.packed_floats(n, k);
+  DeviceArray<float> a(backend, host.size() * each);
+  for (size_t l = 0; l < host.size(); ++l) backend.pack_matrix(host[l], a.get() + l * each, n, k);
+  return a;
+}
+
+DeviceArray<float> upload_matrices(Backend& backend, const std::vector<LayerWeights>& layers,
+                                   const float* LayerWeights::*field, int n, int k) {
+  std::vector<const float*> host;
+  for (const auto& layer : layers) host.push_back(layer.*field);
+  return upload_matrices(backend, host, n, k);
+}
+
 // cos and sin of every (position, pair) RoPE angle, as RopeOp reads them.
-DeviceArray<float> rope_table(Backend& backend, int seq_len, int head_size) {
+DeviceArray<float> rope_table(Backend& backend, int seq_len, int head_size, float theta) {
   const int half = head_size / 2;
   std::vector<float> t(size_t(seq_len) * half * 2);
   for (int pos = 0; pos < seq_len; ++pos)
     for (int pair = 0; pair < half; ++pair) {
-      const float freq = 1.0f / powf(10000.0f, float(2 * pair) / float(head_size));
+      const float freq = 1.0f / powf(theta, float(2 * pair) / float(head_size));
       const float val = float(pos) * freq;
       t[(size_t(pos) * half + pair) * 2] = cosf(val);
       t[(size_t(pos) * half + pair) * 2 + 1] = sinf(val);
@@ -77,18 +92,18 @@ struct Engine::Impl {
         layers(size_t(cfg.n_layers)),
         vocab(size_t(cfg.vocab_size)),
         token_embedding(upload_tensor(*backend, weights().token_embedding, vocab * dim)),
-        rms_att(upload_tensor(*backend, weights().rms_att, layers * dim)),
-        wq(upload_matrices(*backend, weights().wq, layers, cfg.dim, cfg.dim)),
-        wk(upload_matrices(*backend, weights().wk, layers, cfg.kv_dim(), cfg.dim)),
-        wv(upload_matrices(*backend, weights().wv, layers, cfg.kv_dim(), cfg.dim)),
-        wo(upload_matrices(*backend, weights().wo, layers, cfg.dim, cfg.dim)),
-        rms_ffn(upload_tensor(*backend, weights().rms_ffn, layers * dim)),
-        w1(upload_matrices(*backend, weights().w1, layers, cfg.hidden_dim, cfg.dim)),
-        w2(upload_matrices(*backend, weights().w2, layers, cfg.dim, cfg.hidden_dim)),
-        w3(upload_matrices(*backend, weights().w3, layers, cfg.hidden_dim, cfg.dim)),
+        rms_att(upload_layers(*backend, weights().layers, &LayerWeights::rms_att, dim)),
+        wq(upload_matrices(*backend, weights().layers, &LayerWeights::wq, cfg.dim, cfg.dim)),
+        wk(upload_matrices(*backend, weights().layers, &LayerWeights::wk, cfg.kv_dim(), cfg.dim)),
+        wv(upload_matrices(*backend, weights().layers, &LayerWeights::wv, cfg.kv_dim(), cfg.dim)),
+        wo(upload_matrices(*backend, weights().layers, &LayerWeights::wo, cfg.dim, cfg.dim)),
+        rms_ffn(upload_layers(*backend, weights().layers, &LayerWeights::rms_ffn, dim)),
+        w1(upload_matrices(*backend, weights().layers, &LayerWeights::w1, cfg.hidden_dim, cfg.dim)),
+        w2(upload_matrices(*backend, weights().layers, &LayerWeights::w2, cfg.dim, cfg.hidden_dim)),
+        w3(upload_matrices(*backend, weights().layers, &LayerWeights::w3, cfg.hidden_dim, cfg.dim)),
         rms_final(upload_tensor(*backend, weights().rms_final, dim)),
-        wcls(upload_matrices(*backend, weights().wcls, 1, cfg.vocab_size, cfg.dim)),
-        rope(rope_table(*backend, cfg.seq_len, cfg.head_size())),
+        wcls(upload_matrices(*backend, std::vector<const float*>{weights().wcls}, cfg.vocab_size, cfg.dim)),
+        rope(rope_table(*backend, cfg.seq_len, cfg.head_size(), cfg.rope_theta)),
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
         tables(*backend) {

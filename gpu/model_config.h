@@ -1,4 +1,4 @@
-// Shape of a Llama-architecture transformer, as stored in a llama2.c header.
+// Shape of a Llama-architecture transformer (a llama2.c header, or GGUF metadata).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -14,6 +14,7 @@ struct ModelConfig {
   int vocab_size = 0;
   int seq_len = 0;      // maximum positions
   bool shared_classifier = true;  // wcls == token_embedding
+  float rope_theta = 10000.0f;    // RoPE base: pair i of a head turns by pos * theta^(-2i/head_size)
 
   int head_size() const { return dim / n_heads; }
   int kv_dim() const { return n_kv_heads * head_size(); }

@@ -75,26 +75,39 @@ Tokenizer Tokenizer::load(const std::string& path, int expected_vocab) {
   if (in.bad()) throw Error(path + ": read error");
 
   Reader r(path, bytes);
-  Tokenizer t;
-  t.max_token_length_ = r.read<int32_t>("max_token_length");
-  if (t.max_token_length_ <= 0)
-    throw Error(path + ": invalid max_token_length " + std::to_string(t.max_token_length_));
+  const int32_t max_token_length = r.read<int32_t>("max_token_length");
+  if (max_token_length <= 0)
+    throw Error(path + ": invalid max_token_length " + std::to_string(max_token_length));
 
   // The file does not store the piece count: pieces run to the end of the file.
+  Vocabulary v;
   while (r.remaining() > 0) {
-    const std::string index = std::to_string(t.pieces_.size());
+    const std::string index = std::to_string(v.pieces.size());
     const float score = r.read<float>("score of a piece");
     const int32_t length = r.read<int32_t>("length of a piece");
     if (length < 0 || size_t(length) > r.remaining())
       throw Error(path + ": piece " + index + " has length " + std::to_string(length) + " but only " +
                   std::to_string(r.remaining()) + " bytes remain (truncated or corrupt)");
-    t.pieces_.push_back(r.read_string(size_t(length), "piece bytes"));
-    t.scores_.push_back(score);
+    v.pieces.push_back(r.read_string(size_t(length), "piece bytes"));
+    v.scores.push_back(score);
   }
 
-  if (expected_vocab > 0 && t.vocab_size() != expected_vocab)
-    throw Error(path + ": tokenizer has " + std::to_string(t.vocab_size()) + " pieces, model has " +
+  if (expected_vocab > 0 && int(v.pieces.size()) != expected_vocab)
+    throw Error(path + ": tokenizer has " + std::to_string(v.pieces.size()) + " pieces, model has " +
                 std::to_string(expected_vocab));
+  Tokenizer t = from_vocabulary(std::move(v), path);
+  t.max_token_length_ = std::max(t.max_token_length_, int(max_token_length));
+  return t;
+}
+
+Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary, const std::string& path) {
+  Tokenizer t;
+  if (vocabulary.scores.size() != vocabulary.pieces.size())
+    throw Error(path + ": " + std::to_string(vocabulary.pieces.size()) + " pieces but " +
+                std::to_string(vocabulary.scores.size()) + " scores");
+  t.pieces_ = std::move(vocabulary.pieces);
+  t.scores_ = std::move(vocabulary.scores);
+  for (const auto& p : t.pieces_) t.max_token_length_ = std::max(t.max_token_length_, int(p.size()));
   if (t.vocab_size() < kMinVocab)
     throw Error(path + ": tokenizer has " + std::to_string(t.vocab_size()) +
                 " pieces; byte fallback needs at least " + std::to_string(kMinVocab));

@@ -1,4 +1,5 @@
-// The llama2.c tokenizer: byte-fallback BPE with score-ordered merges.
+// The llama2.c tokenizer: byte-fallback BPE with score-ordered merges, from a
+// llama2.c tokenizer file or a GGUF vocabulary of the SentencePiece kind.
 #pragma once
 #include <string>
 #include <unordered_map>
@@ -8,13 +9,23 @@ namespace disagg::gpu {
 
 constexpr int kBosToken = 1;  // <s>; generation stops before an emitted BOS
 
+// A SentencePiece-style vocabulary in llama2.c's convention: spaces as ' '
+// (not U+2581), <0xHH> byte pieces at ids 3..258.
+struct Vocabulary {
+  std::vector<std::string> pieces;
+  std::vector<float> scores;
+};
+
 class Tokenizer {
  public:
   // Throws Error("<path>: <problem>"); expected_vocab > 0 rejects a tokenizer
   // whose vocabulary size differs from the model's.
   static Tokenizer load(const std::string& path, int expected_vocab);
+  // From a vocabulary (a model file's); `source` names it in errors.
+  static Tokenizer from_vocabulary(Vocabulary vocabulary, const std::string& source);
 
   int vocab_size() const { return static_cast<int>(pieces_.size()); }
+  Vocabulary vocabulary() const { return {pieces_, scores_}; }
 
   // BOS first, a leading space prepended to non-empty text, UTF-8 code points
   // looked up whole else byte pieces, then highest-score merges.

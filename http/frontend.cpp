@@ -68,12 +68,6 @@ double seconds_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
 }
 
-std::string model_name_of(const std::string& path) {
-  std::string base = path.substr(path.find_last_of('/') + 1);
-  const auto dot = base.find_last_of('.');
-  return dot == std::string::npos || dot == 0 ? base : base.substr(0, dot);
-}
-
 // ---------------------------------------------------------------- shared state
 
 class Frontend {
@@ -704,12 +698,12 @@ int run_frontend(caf::actor_system& system, const NodeOptions& node, const Disag
     auto checkpoint = gpu::Checkpoint::open(cfg.model);
     model.vocab_size = checkpoint->config().vocab_size;
     model.seq_len = checkpoint->config().seq_len;
-    tokenizer.emplace(gpu::Tokenizer::load(cfg.tokenizer, model.vocab_size));
+    model.name = node.served_model_name.empty() ? checkpoint->name() : node.served_model_name;
+    tokenizer.emplace(gpu::load_tokenizer(*checkpoint, cfg.tokenizer));
   } catch (const std::exception& e) {
     node_log(LogLevel::error, std::string("cannot load the model or tokenizer: ") + e.what());
     return 1;
   }
-  model.name = node.served_model_name.empty() ? model_name_of(cfg.model) : node.served_model_name;
   model.max_prompt_bytes = cfg.max_prompt_bytes;
   model.created = unix_now();
   const ChatTemplate tmpl = *parse_chat_template(node.chat_template);  // validated with the config

@@ -295,8 +295,6 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
   const bool worker = node.role != "router";  // frontends too: the model sets the context
   if (worker && disagg.model.empty())
     errors.push_back("disagg.model is required for a " + node.role + " node");
-  if (node.role == "frontend" && disagg.tokenizer.empty())
-    errors.push_back("disagg.tokenizer is required for a frontend node (it encodes prompts and decodes tokens)");
   if (!disagg.model.empty() && !is_regular_file(disagg.model))
     errors.push_back("disagg.model: " + disagg.model + " is not a readable file");
   if (!disagg.tokenizer.empty() && !is_regular_file(disagg.tokenizer))

@@ -47,9 +47,8 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
 
   CheckpointCache checkpoints;
   std::shared_ptr<const gpu::Tokenizer> tokenizer;
-  if (!cfg.tokenizer.empty())
-    tokenizer = std::make_shared<const gpu::Tokenizer>(
-        gpu::Tokenizer::load(cfg.tokenizer, checkpoints.get(cfg.model)->config().vocab_size));
+  if (!cfg.tokenizer.empty() || checkpoints.get(cfg.model)->vocabulary())
+    tokenizer = std::make_shared<const gpu::Tokenizer>(gpu::load_tokenizer(*checkpoints.get(cfg.model), cfg.tokenizer));
   gpu::EngineOptions engine;
   engine.backend = cfg.backend;
 

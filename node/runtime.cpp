@@ -169,10 +169,10 @@ int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggC
       checkpoint = gpu::Checkpoint::open(cfg.model);
       model = model_info(*checkpoint);
     }
-    if (!cfg.tokenizer.empty()) {
-      const int vocab = checkpoint ? checkpoint->config().vocab_size : 0;
-      tokenizer = std::make_shared<const gpu::Tokenizer>(gpu::Tokenizer::load(cfg.tokenizer, vocab));
-    }
+    if (checkpoint && (!cfg.tokenizer.empty() || checkpoint->vocabulary()))
+      tokenizer = std::make_shared<const gpu::Tokenizer>(gpu::load_tokenizer(*checkpoint, cfg.tokenizer));
+    else if (!cfg.tokenizer.empty())
+      tokenizer = std::make_shared<const gpu::Tokenizer>(gpu::Tokenizer::load(cfg.tokenizer, 0));
   } catch (const std::exception& e) {
     node_log(std::string("cannot load the model or tokenizer: ") + e.what());
     return 1;
@@ -187,7 +187,8 @@ int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggC
   const uint16_t* port = &published->port;
   const std::string endpoint = endpoint_of(node.host, *port);
   node_log("router of cluster \"" + cfg.cluster + "\" listening on " + endpoint + (uses_tls(system) ? " (TLS)" : "") +
-           (tokenizer ? " (tokenizer " + cfg.tokenizer + ")" : " (no tokenizer: token prompts only)"));
+           (!tokenizer ? " (no tokenizer: token prompts only)"
+                       : " (tokenizer " + (cfg.tokenizer.empty() ? "of " + cfg.model : cfg.tokenizer) + ")"));
   if (!node.ready_file.empty() && !write_ready_file(node.ready_file, endpoint))
     node_log("cannot write ready file " + node.ready_file);
 

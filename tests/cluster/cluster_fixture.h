@@ -59,6 +59,9 @@ class TestCluster {
   // The checkpoint every node started from now on serves (default: the shared model).
   void set_model(const std::string& path) { model_ = path; }
   std::string model() const;  // what the nodes serve
+  // Whether the router and frontends name the shared tokenizer file (default);
+  // false for a model that carries its vocabulary (GGUF).
+  void set_tokenizer_file(bool with) { with_tokenizer_ = with; }
   // Lines appended to the [disagg] group of every node started from now on.
   void set_disagg_options(const std::string& lines) { disagg_extra_ = lines; }
   // Writes <dir>/<name>.ini and starts disagg-node on it.
@@ -99,6 +102,7 @@ class TestCluster {
   std::unique_ptr<RemoteClient> remote_;
   std::string disagg_extra_;
   std::string model_;
+  bool with_tokenizer_ = true;
   std::string tls_dir_;
 };
 

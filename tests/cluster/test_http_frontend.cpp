@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <thread>
+#include <tuple>
 
 #include "cluster/cluster_fixture.h"
 #include "gpu/tokenizer.h"
@@ -343,6 +344,41 @@ std::string start_stream(net::ip::tcp::socket& socket, uint16_t port, int max_to
     received.append(buf, n);
   }
   return received;
+}
+
+// A GGUF (disagg-convert of the shared model) served by every role with no
+// tokenizer file: the vocabulary and the API's model name come from the
+// file, and the text equals disagg-generate's on the llama2.c checkpoint.
+TEST(HttpFrontend, ServesAGgufModelWithTheVocabularyInside) {
+  TestCluster cluster("http-gguf");
+  const std::string gguf = cluster.dir() + "/stories-gguf.gguf";
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({bin_dir() + "/disagg-convert", "--model", shared_model(), "--tokenizer", shared_tokenizer(),
+                               "--out", gguf, "--name", "stories260K-gguf"},
+                              out, err, kReplyTimeout),
+            0)
+      << err;
+  cluster.set_model(gguf);
+  cluster.set_tokenizer_file(false);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "\"status\":\"ok\"")) << cluster.logs();
+  EXPECT_EQ(json::parse(http(port, bhttp::verb::get, "/v1/models").body)["data"][0]["id"], "stories260K-gguf");
+  for (const auto& [prompt, temperature, seed] : {std::tuple{"Once upon a time", 0.0, 0}, {"The little dog was", 0.8, 7}}) {
+    SCOPED_TRACE(prompt);
+    const ReferenceCase want = generate_reference({"--prompt", prompt, "--max-new-tokens", "40", "--temperature",
+                                                   std::to_string(temperature), "--seed", std::to_string(seed)});
+    const Reply r = post(port, "/v1/completions", {{"model", "stories260K-gguf"}, {"prompt", prompt}, {"max_tokens", 40},
+                                                  {"temperature", temperature}, {"seed", seed}});
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["choices"][0]["text"], want.text);
+  }
+  // The router encodes text prompts with the file's vocabulary too.
+  const RequestOutcome by_router = cluster.client().generate(token_request({1, 403, 407, 261, 378}, 12));
+  EXPECT_TRUE(by_router.ok()) << to_string(by_router.code) << ": " << by_router.message;
+  EXPECT_NE(cluster.node("router").log().find("(tokenizer of " + gguf + ")"), std::string::npos) << cluster.node("router").log();
+  EXPECT_TRUE(cluster.stop_all());
 }
 
 TEST(HttpFrontend, EveryErrorStatusThroughCurl) {

@@ -62,15 +62,22 @@ void expect_layout(const Checkpoint& cp) {
   const Layout l(cp.config());
   const Weights& w = cp.weights();
   const float* base = w.token_embedding;
-  EXPECT_EQ(size_t(w.rms_att - base), l.rms_att);
-  EXPECT_EQ(size_t(w.wq - base), l.wq);
-  EXPECT_EQ(size_t(w.wk - base), l.wk);
-  EXPECT_EQ(size_t(w.wv - base), l.wv);
-  EXPECT_EQ(size_t(w.wo - base), l.wo);
-  EXPECT_EQ(size_t(w.rms_ffn - base), l.rms_ffn);
-  EXPECT_EQ(size_t(w.w1 - base), l.w1);
-  EXPECT_EQ(size_t(w.w2 - base), l.w2);
-  EXPECT_EQ(size_t(w.w3 - base), l.w3);
+  const ModelConfig& c = cp.config();
+  const size_t D = size_t(c.dim), H = size_t(c.hidden_dim), kv = size_t(c.kv_dim());
+  ASSERT_EQ(w.layers.size(), size_t(c.n_layers));
+  // Layer i's tensor is the i-th of the file's all-layer block.
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& L = w.layers[i];
+    EXPECT_EQ(size_t(L.rms_att - base), l.rms_att + i * D);
+    EXPECT_EQ(size_t(L.wq - base), l.wq + i * D * D);
+    EXPECT_EQ(size_t(L.wk - base), l.wk + i * kv * D);
+    EXPECT_EQ(size_t(L.wv - base), l.wv + i * kv * D);
+    EXPECT_EQ(size_t(L.wo - base), l.wo + i * D * D);
+    EXPECT_EQ(size_t(L.rms_ffn - base), l.rms_ffn + i * D);
+    EXPECT_EQ(size_t(L.w1 - base), l.w1 + i * H * D);
+    EXPECT_EQ(size_t(L.w2 - base), l.w2 + i * D * H);
+    EXPECT_EQ(size_t(L.w3 - base), l.w3 + i * H * D);
+  }
   EXPECT_EQ(size_t(w.rms_final - base), l.rms_final);
   if (cp.config().shared_classifier)
     EXPECT_EQ(w.wcls, w.token_embedding);
@@ -128,7 +135,9 @@ TEST(Checkpoint, LoadsSharedModel) {
   EXPECT_EQ(28 + 4 * l.end, bytes.size());
   EXPECT_EQ(cp->weights().token_embedding[0], float_at(bytes, 28));
   EXPECT_EQ(cp->weights().rms_final[c.dim - 1], float_at(bytes, 28 + 4 * (l.rms_final + c.dim - 1)));
-  EXPECT_EQ(cp->weights().w2[7], float_at(bytes, 28 + 4 * (l.w2 + 7)));
+  EXPECT_EQ(cp->weights().layers[0].w2[7], float_at(bytes, 28 + 4 * (l.w2 + 7)));
+  EXPECT_EQ(cp->name(), "stories260K");
+  EXPECT_FALSE(cp->vocabulary());
 }
 
 TEST(Checkpoint, FingerprintIsXxh3OfTheFile) {
@@ -154,9 +163,9 @@ TEST_F(CheckpointFiles, RandomCheckpointRoundTrips) {
 
   // Values are in the documented ranges: norms near 1, projections within 3/sqrt(fan_in).
   const Weights& w = cp->weights();
-  for (int i = 0; i < c.n_layers * c.dim; ++i) EXPECT_NEAR(w.rms_att[i], 1.0f, 0.1001f);
+  for (int i = 0; i < c.n_layers * c.dim; ++i) EXPECT_NEAR(w.layers[0].rms_att[i], 1.0f, 0.1001f);
   const float bound = 3.0f / std::sqrt(float(c.dim));
-  for (int i = 0; i < c.n_layers * c.hidden_dim * c.dim; ++i) ASSERT_LE(std::fabs(w.w1[i]), bound);
+  for (int i = 0; i < c.n_layers * c.hidden_dim * c.dim; ++i) ASSERT_LE(std::fabs(w.layers[0].w1[i]), bound);
   // The unused RoPE blocks are written as zeros.
   const auto bytes = read_bytes(path("a.bin"));
   const Layout l(c);

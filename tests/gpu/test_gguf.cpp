@@ -5,10 +5,13 @@
 // file and thousands of damaged copies parse or fail cleanly).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 
+#include "gpu/checkpoint.h"
 #include "gpu/error.h"
 #include "gpu/gguf.h"
 #include "support/test_paths.h"
@@ -250,3 +253,172 @@ TEST(Gguf, EveryPrefixAndDamagedCopiesParseOrFailCleanly) {
 
 }  // namespace
 }  // namespace disagg::gpu::gguf
+
+// ---------------------------------------------------------------- GGUF models (gpu/checkpoint.h)
+
+namespace disagg::gpu {
+namespace {
+
+// A small llama-architecture GGUF with zero F32 weights, the parts of which a
+// test may change before it is written.
+struct ModelFile {
+  struct Tensor {
+    std::string name;
+    std::vector<int64_t> dims;
+    uint32_t type = uint32_t(gguf::TensorType::f32);
+  };
+  std::vector<std::pair<std::string, gguf::Value>> metadata;
+  std::vector<Tensor> tensors;
+
+  ModelFile() {
+    const int64_t dim = 64, hidden = 96, layers = 2, vocab = 300, kv = 32;
+    metadata = {{"general.architecture", gguf::Writer::str("llama")},
+                {"general.name", gguf::Writer::str("tiny")},
+                {"llama.context_length", gguf::Writer::u32(128)},
+                {"llama.embedding_length", gguf::Writer::u32(uint32_t(dim))},
+                {"llama.block_count", gguf::Writer::u32(uint32_t(layers))},
+                {"llama.feed_forward_length", gguf::Writer::u32(uint32_t(hidden))},
+                {"llama.attention.head_count", gguf::Writer::u32(4)},
+                {"llama.attention.head_count_kv", gguf::Writer::u32(2)},
+                {"llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(1e-5f)}};
+    tensors.push_back({"token_embd.weight", {dim, vocab}});
+    for (int l = 0; l < layers; ++l) {
+      const std::string b = "blk." + std::to_string(l) + ".";
+      for (auto& t : std::vector<Tensor>{{b + "attn_norm.weight", {dim}},       {b + "attn_q.weight", {dim, dim}},
+                                         {b + "attn_k.weight", {dim, kv}},      {b + "attn_v.weight", {dim, kv}},
+                                         {b + "attn_output.weight", {dim, dim}}, {b + "ffn_norm.weight", {dim}},
+                                         {b + "ffn_gate.weight", {dim, hidden}}, {b + "ffn_down.weight", {hidden, dim}},
+                                         {b + "ffn_up.weight", {dim, hidden}}})
+        tensors.push_back(t);
+    }
+    tensors.push_back({"output_norm.weight", {dim}});
+  }
+  void set(const std::string& key, gguf::Value v) {
+    for (auto& [k, value] : metadata)
+      if (k == key) {
+        value = std::move(v);
+        return;
+      }
+    metadata.emplace_back(key, std::move(v));
+  }
+  void drop_key(const std::string& key) {
+    metadata.erase(std::remove_if(metadata.begin(), metadata.end(), [&](const auto& m) { return m.first == key; }),
+                   metadata.end());
+  }
+  Tensor& tensor(const std::string& name) {
+    for (auto& t : tensors)
+      if (t.name == name) return t;
+    throw std::runtime_error("no tensor " + name);
+  }
+  void drop_tensor(const std::string& name) {
+    tensors.erase(std::remove_if(tensors.begin(), tensors.end(), [&](const Tensor& t) { return t.name == name; }),
+                  tensors.end());
+  }
+  std::string write(const std::string& path) const {
+    gguf::Writer w;
+    for (const auto& [k, v] : metadata) w.add(k, v);
+    for (const auto& t : tensors) {
+      const auto traits = *gguf::traits_of(t.type);
+      int64_t n = 1;
+      for (int64_t d : t.dims) n *= d;
+      const size_t bytes = size_t(n / traits.block_elems * traits.block_bytes);
+      w.add_tensor(t.name, t.dims, t.type, [bytes](std::FILE* f) {
+        const std::vector<char> zeros(bytes, 0);
+        std::fwrite(zeros.data(), 1, zeros.size(), f);
+      });
+    }
+    w.write(path);
+    return path;
+  }
+};
+
+std::string open_error(const std::string& path) {
+  try {
+    Checkpoint::open(path);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(opened)";
+}
+
+TEST(GgufModel, ASmallModelLoadsWithItsShapeFromTheMetadata) {
+  const std::string dir = test::make_temp_dir("gguf-model");
+  ModelFile m;
+  m.set("llama.rope.freq_base", gguf::Writer::f32(500000.0f));
+  const auto cp = Checkpoint::open(m.write(dir + "/tiny.gguf"));
+  const ModelConfig& c = cp->config();
+  EXPECT_EQ(c.dim, 64);
+  EXPECT_EQ(c.hidden_dim, 96);
+  EXPECT_EQ(c.n_layers, 2);
+  EXPECT_EQ(c.n_heads, 4);
+  EXPECT_EQ(c.n_kv_heads, 2);
+  EXPECT_EQ(c.vocab_size, 300);
+  EXPECT_EQ(c.seq_len, 128);
+  EXPECT_TRUE(c.shared_classifier);
+  EXPECT_EQ(c.rope_theta, 500000.0f);
+  EXPECT_EQ(cp->name(), "tiny");
+  EXPECT_FALSE(cp->vocabulary());  // none in the file
+  EXPECT_EQ(cp->weights().layers.size(), 2u);
+  EXPECT_EQ(cp->weights().wcls, cp->weights().token_embedding);
+  // head_count_kv absent: as many as the query heads; general.name absent: the file's name.
+  m.drop_key("llama.attention.head_count_kv");
+  m.drop_key("general.name");
+  m.tensor("blk.0.attn_k.weight").dims = {64, 64};
+  m.tensor("blk.0.attn_v.weight").dims = {64, 64};
+  m.tensor("blk.1.attn_k.weight").dims = {64, 64};
+  m.tensor("blk.1.attn_v.weight").dims = {64, 64};
+  const auto mha = Checkpoint::open(m.write(dir + "/mha.gguf"));
+  EXPECT_EQ(mha->config().n_kv_heads, 4);
+  EXPECT_EQ(mha->name(), "mha");
+  EXPECT_NE(open_error(dir + "/absent.gguf").find("cannot open"), std::string::npos);
+  // No vocabulary and no tokenizer file: a clear error where a tokenizer is needed.
+  try {
+    load_tokenizer(*cp, "");
+    ADD_FAILURE() << "a tokenizer without a vocabulary";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the model file has no vocabulary"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
+  const std::string dir = test::make_temp_dir("gguf-bad-model");
+  const struct {
+    const char* what;
+    std::function<void(ModelFile&)> change;
+    const char* expected;
+  } cases[] = {
+      {"architecture", [](ModelFile& m) { m.set("general.architecture", gguf::Writer::str("qwen2")); },
+       "architecture qwen2 is not supported (llama is)"},
+      {"no block count", [](ModelFile& m) { m.drop_key("llama.block_count"); }, "metadata llama.block_count is missing"},
+      {"zero heads", [](ModelFile& m) { m.set("llama.attention.head_count", gguf::Writer::u32(0)); },
+       "metadata llama.attention.head_count = 0 is out of range"},
+      {"missing tensor", [](ModelFile& m) { m.drop_tensor("blk.1.ffn_up.weight"); }, "tensor blk.1.ffn_up.weight is missing"},
+      {"shape", [](ModelFile& m) { m.tensor("blk.0.attn_q.weight").dims = {64, 32}; },
+       "tensor blk.0.attn_q.weight: shape [64, 32], the metadata says [64, 64]"},
+      {"quantized", [](ModelFile& m) { m.tensor("blk.0.ffn_gate.weight").type = uint32_t(gguf::TensorType::q8_0); },
+       "tensor blk.0.ffn_gate.weight: type q8_0 (the engine computes with f32 tensors only so far)"},
+      {"epsilon", [](ModelFile& m) { m.set("llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(1e-6f)); },
+       "layer_norm_rms_epsilon"},
+      {"partial rotary", [](ModelFile& m) { m.set("llama.rope.dimension_count", gguf::Writer::u32(8)); },
+       "llama.rope.dimension_count = 8"},
+      {"vocabulary size", [](ModelFile& m) {
+         m.set("tokenizer.ggml.model", gguf::Writer::str("llama"));
+         m.set("tokenizer.ggml.tokens", gguf::Writer::strings(std::vector<std::string>(299, "a")));
+         m.set("tokenizer.ggml.scores", gguf::Writer::f32s(std::vector<float>(299, 0.0f)));
+       }, "the vocabulary has 299 tokens and 299 scores; token_embd.weight has 300 rows"},
+      {"bpe vocabulary", [](ModelFile& m) { m.set("tokenizer.ggml.model", gguf::Writer::str("gpt2")); },
+       "tokenizer.ggml.model gpt2 is not supported yet"},
+  };
+  int k = 0;
+  for (const auto& c : cases) {
+    ModelFile m;
+    c.change(m);
+    const std::string path = m.write(dir + "/bad-" + std::to_string(k++) + ".gguf");
+    const std::string e = open_error(path);
+    EXPECT_EQ(e.rfind(path + ": ", 0), 0u) << c.what << ": " << e;
+    EXPECT_NE(e.find(c.expected), std::string::npos) << c.what << ": " << e;
+  }
+}
+
+}  // namespace
+}  // namespace disagg::gpu

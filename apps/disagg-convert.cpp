@@ -1,0 +1,56 @@
+// disagg-convert: a llama2.c checkpoint and its tokenizer as one GGUF file
+// (F32, the llama architecture, the vocabulary inside), which every role
+// then loads without --tokenizer.
+#include <iostream>
+#include <string>
+
+#include "apps/cli/cli.h"
+#include "gpu/checkpoint.h"
+#include "gpu/tokenizer.h"
+
+namespace {
+
+using namespace disagg::cli;
+
+const char* kUsage =
+    "usage: disagg-convert --model M.bin --tokenizer T.bin --out OUT.gguf [--name NAME]\n"
+    "Writes M (a llama2.c checkpoint) and T (its tokenizer) as a GGUF v3 file of the llama\n"
+    "architecture with F32 tensors; NAME (default: M's file name without extension) becomes\n"
+    "general.name, the model's name in the HTTP API.\n";
+
+struct Options {
+  std::string model, tokenizer, out, name;
+};
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") throw UsageError{};
+    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
+    const std::string value = argv[++i];
+    if (flag == "--model") o.model = value;
+    else if (flag == "--tokenizer") o.tokenizer = value;
+    else if (flag == "--out") o.out = value;
+    else if (flag == "--name") o.name = value;
+    else throw UsageError{"unknown option " + flag};
+  }
+  if (o.model.empty() || o.tokenizer.empty() || o.out.empty())
+    throw UsageError{"--model, --tokenizer and --out are required"};
+  return o;
+}
+
+int run(const Options& o) {
+  using namespace disagg::gpu;
+  const auto checkpoint = Checkpoint::open(o.model);
+  const Tokenizer tokenizer = Tokenizer::load(o.tokenizer, checkpoint->config().vocab_size);
+  write_gguf(*checkpoint, tokenizer.vocabulary(), o.name.empty() ? checkpoint->name() : o.name, o.out);
+  std::cout << o.out << "\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return disagg::cli::main_with_usage("disagg-convert", kUsage, argc, argv, parse_args, run);
+}
