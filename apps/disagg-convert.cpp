@@ -13,13 +13,15 @@ namespace {
 using namespace disagg::cli;
 
 const char* kUsage =
-    "usage: disagg-convert --model M.bin --tokenizer T.bin --out OUT.gguf [--name NAME]\n"
+    "usage: disagg-convert --model M.bin --tokenizer T.bin --out OUT.gguf [--name NAME] [--type f32|q8_0]\n"
     "Writes M (a llama2.c checkpoint) and T (its tokenizer) as a GGUF v3 file of the llama\n"
-    "architecture with F32 tensors; NAME (default: M's file name without extension) becomes\n"
-    "general.name, the model's name in the HTTP API.\n";
+    "architecture: F32 tensors, or with --type q8_0 every matrix whose rows are whole blocks of 32\n"
+    "quantized as ggml's reference quantizer does (norms stay F32). NAME (default: M's file name\n"
+    "without extension) becomes general.name, the model's name in the HTTP API.\n";
 
 struct Options {
   std::string model, tokenizer, out, name;
+  disagg::gpu::WeightType type = disagg::gpu::WeightType::f32;
 };
 
 Options parse_args(int argc, char** argv) {
@@ -33,6 +35,9 @@ Options parse_args(int argc, char** argv) {
     else if (flag == "--tokenizer") o.tokenizer = value;
     else if (flag == "--out") o.out = value;
     else if (flag == "--name") o.name = value;
+    else if (flag == "--type" && value == "f32") o.type = disagg::gpu::WeightType::f32;
+    else if (flag == "--type" && value == "q8_0") o.type = disagg::gpu::WeightType::q8_0;
+    else if (flag == "--type") throw UsageError{"--type must be f32 or q8_0"};
     else throw UsageError{"unknown option " + flag};
   }
   if (o.model.empty() || o.tokenizer.empty() || o.out.empty())
@@ -44,7 +49,7 @@ int run(const Options& o) {
   using namespace disagg::gpu;
   const auto checkpoint = Checkpoint::open(o.model);
   const Tokenizer tokenizer = Tokenizer::load(o.tokenizer, checkpoint->config().vocab_size);
-  write_gguf(*checkpoint, tokenizer.vocabulary(), o.name.empty() ? checkpoint->name() : o.name, o.out);
+  write_gguf(*checkpoint, tokenizer.vocabulary(), o.name.empty() ? checkpoint->name() : o.name, o.out, o.type);
   std::cout << o.out << "\n";
   return 0;
 }

@@ -162,35 +162,50 @@ void Checkpoint::load_gguf(size_t file_size) {
     throw Error(path_ + ": metadata llama.attention.layer_norm_rms_epsilon = " + std::to_string(eps) +
                 ": the engine computes with 1e-05 only so far");
 
-  auto tensor = [&](const std::string& name, std::vector<int64_t> dims) {
+  auto find = [&](const std::string& name, const std::vector<int64_t>& dims) -> const gguf::TensorInfo& {
     const gguf::TensorInfo& t = f.require_tensor(name);
     if (t.dims != dims)
       throw Error(path_ + ": tensor " + name + ": shape " + shape_text(t.dims) + ", the metadata says " + shape_text(dims));
-    if (t.type != uint32_t(gguf::TensorType::f32))
-      throw Error(path_ + ": tensor " + name + ": type " + gguf::ggml_type_name(t.type) +
-                  " (the engine computes with f32 tensors only so far)");
-    if (t.offset % alignof(float) != 0) throw Error(path_ + ": tensor " + name + ": not aligned for f32");
+    return t;
+  };
+  // A norm's weights: f32.
+  auto vector = [&](const std::string& name, int64_t n) {
+    const gguf::TensorInfo& t = find(name, {n});
+    if (t.type != uint32_t(gguf::TensorType::f32) || t.offset % alignof(float) != 0)
+      throw Error(path_ + ": tensor " + name + ": type " + gguf::ggml_type_name(t.type) + " (a norm must be f32)");
     return reinterpret_cast<const float*>(bytes + t.offset);
+  };
+  // A matrix, "out x in" (dims {in, out}): f32 or q8_0, as stored.
+  auto matrix = [&](const std::string& name, int64_t in, int64_t out) {
+    const gguf::TensorInfo& t = find(name, {in, out});
+    Matrix m;
+    m.data = bytes + t.offset;
+    if (t.type == uint32_t(gguf::TensorType::f32) && t.offset % alignof(float) == 0) m.type = WeightType::f32;
+    else if (t.type == uint32_t(gguf::TensorType::q8_0)) m.type = WeightType::q8_0;
+    else
+      throw Error(path_ + ": tensor " + name + ": type " + gguf::ggml_type_name(t.type) +
+                  " (the engine computes with f32 and q8_0 matrices so far)");
+    return m;
   };
   const int64_t dim = c.dim, hidden = c.hidden_dim, q_dim = int64_t(c.n_heads) * c.head_size(), kv_dim = c.kv_dim();
   Weights& w = weights_;
-  w.token_embedding = tensor("token_embd.weight", {dim, c.vocab_size});
+  w.token_embedding = matrix("token_embd.weight", dim, c.vocab_size);
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string blk = "blk." + std::to_string(l) + ".";
     LayerWeights L;
-    L.rms_att = tensor(blk + "attn_norm.weight", {dim});
-    L.wq = tensor(blk + "attn_q.weight", {dim, q_dim});
-    L.wk = tensor(blk + "attn_k.weight", {dim, kv_dim});
-    L.wv = tensor(blk + "attn_v.weight", {dim, kv_dim});
-    L.wo = tensor(blk + "attn_output.weight", {q_dim, dim});
-    L.rms_ffn = tensor(blk + "ffn_norm.weight", {dim});
-    L.w1 = tensor(blk + "ffn_gate.weight", {dim, hidden});
-    L.w2 = tensor(blk + "ffn_down.weight", {hidden, dim});
-    L.w3 = tensor(blk + "ffn_up.weight", {dim, hidden});
+    L.rms_att = vector(blk + "attn_norm.weight", dim);
+    L.wq = matrix(blk + "attn_q.weight", dim, q_dim);
+    L.wk = matrix(blk + "attn_k.weight", dim, kv_dim);
+    L.wv = matrix(blk + "attn_v.weight", dim, kv_dim);
+    L.wo = matrix(blk + "attn_output.weight", q_dim, dim);
+    L.rms_ffn = vector(blk + "ffn_norm.weight", dim);
+    L.w1 = matrix(blk + "ffn_gate.weight", dim, hidden);
+    L.w2 = matrix(blk + "ffn_down.weight", hidden, dim);
+    L.w3 = matrix(blk + "ffn_up.weight", dim, hidden);
     w.layers.push_back(L);
   }
-  w.rms_final = tensor("output_norm.weight", {dim});
-  w.wcls = c.shared_classifier ? w.token_embedding : tensor("output.weight", {dim, c.vocab_size});
+  w.rms_final = vector("output_norm.weight", dim);
+  w.wcls = c.shared_classifier ? w.token_embedding : matrix("output.weight", dim, c.vocab_size);
 
   if (f.find("tokenizer.ggml.model")) {
     const std::string& model = f.string("tokenizer.ggml.model");
@@ -289,20 +304,31 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
     return t;
   };
   Weights& w = cp->weights_;
-  w.token_embedding = take(sizes.token_embedding);
+  const auto f32 = [](const float* p) { return Matrix{p, WeightType::f32}; };
+  w.token_embedding = f32(take(sizes.token_embedding));
   // Each tensor holds every layer's, one after the other.
   w.layers.resize(size_t(config.n_layers));
-  for (auto [field, size] : {std::pair{&LayerWeights::rms_att, sizes.rms_att}, {&LayerWeights::wq, sizes.wq},
-                             {&LayerWeights::wk, sizes.wk}, {&LayerWeights::wv, sizes.wv}, {&LayerWeights::wo, sizes.wo},
-                             {&LayerWeights::rms_ffn, sizes.rms_ffn}, {&LayerWeights::w1, sizes.w1},
-                             {&LayerWeights::w2, sizes.w2}, {&LayerWeights::w3, sizes.w3}}) {
+  const size_t layers = size_t(config.n_layers);
+  auto split_vectors = [&](const float* LayerWeights::*field, size_t size) {
     const float* all = take(size);
-    const size_t each = size / size_t(config.n_layers);
-    for (size_t l = 0; l < w.layers.size(); ++l) w.layers[l].*field = all + l * each;
-  }
+    for (size_t l = 0; l < layers; ++l) w.layers[l].*field = all + l * (size / layers);
+  };
+  auto split_matrices = [&](Matrix LayerWeights::*field, size_t size) {
+    const float* all = take(size);
+    for (size_t l = 0; l < layers; ++l) w.layers[l].*field = f32(all + l * (size / layers));
+  };
+  split_vectors(&LayerWeights::rms_att, sizes.rms_att);
+  split_matrices(&LayerWeights::wq, sizes.wq);
+  split_matrices(&LayerWeights::wk, sizes.wk);
+  split_matrices(&LayerWeights::wv, sizes.wv);
+  split_matrices(&LayerWeights::wo, sizes.wo);
+  split_vectors(&LayerWeights::rms_ffn, sizes.rms_ffn);
+  split_matrices(&LayerWeights::w1, sizes.w1);
+  split_matrices(&LayerWeights::w2, sizes.w2);
+  split_matrices(&LayerWeights::w3, sizes.w3);
   w.rms_final = take(sizes.rms_final);
   take(sizes.rope_unused);
-  w.wcls = config.shared_classifier ? w.token_embedding : take(sizes.wcls);
+  w.wcls = config.shared_classifier ? w.token_embedding : f32(take(sizes.wcls));
   cp->name_ = stem_of(path);
 
   // Every byte of the file (header and all tensors, the unused RoPE tables
@@ -318,7 +344,7 @@ Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokeni
 }
 
 void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, const std::string& name,
-                const std::string& path) {
+                const std::string& path, WeightType type) {
   const ModelConfig& c = checkpoint.config();
   if (int(vocabulary.pieces.size()) != c.vocab_size || vocabulary.scores.size() != vocabulary.pieces.size())
     throw Error(path + ": a vocabulary of " + std::to_string(vocabulary.pieces.size()) + " pieces for a model of " +
@@ -326,7 +352,7 @@ void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, cons
   gguf::Writer w;
   w.add("general.architecture", gguf::Writer::str("llama"));
   w.add("general.name", gguf::Writer::str(name));
-  w.add("general.file_type", gguf::Writer::u32(0));  // all F32
+  w.add("general.file_type", gguf::Writer::u32(type == WeightType::q8_0 ? 7 : 0));  // llama_ftype: ALL_F32, MOSTLY_Q8_0
   w.add("llama.context_length", gguf::Writer::u32(uint32_t(c.seq_len)));
   w.add("llama.embedding_length", gguf::Writer::u32(uint32_t(c.dim)));
   w.add("llama.block_count", gguf::Writer::u32(uint32_t(c.n_layers)));
@@ -353,6 +379,8 @@ void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, cons
   w.add("tokenizer.ggml.eos_token_id", gguf::Writer::u32(2));
   w.add("tokenizer.ggml.unknown_token_id", gguf::Writer::u32(0));
 
+  for (const Matrix* m : {&checkpoint.weights().token_embedding, &checkpoint.weights().wcls})
+    if (m->type != WeightType::f32) throw Error(path + ": write_gguf reads f32 weights only");
   const uint32_t f32 = uint32_t(gguf::TensorType::f32);
   auto add = [&](const std::string& tensor, const float* data, std::vector<int64_t> dims) {
     size_t n = 1;
@@ -361,24 +389,37 @@ void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, cons
       if (std::fwrite(data, sizeof(float), n, f) != n) throw Error(path + ": write failed");
     });
   };
+  // A matrix in the file's type, quantized a row at a time (no copy of the whole).
+  auto add_matrix = [&](const std::string& tensor, const Matrix& m, int64_t in, int64_t out) {
+    if (!m.f32()) throw Error(path + ": write_gguf reads f32 weights only");
+    if (type == WeightType::f32 || in % kQ8Block != 0) return add(tensor, m.f32(), {in, out});
+    const float* data = m.f32();
+    w.add_tensor(tensor, {in, out}, uint32_t(gguf::TensorType::q8_0), [data, in, out, &path](std::FILE* f) {
+      std::vector<uint8_t> row(row_bytes(WeightType::q8_0, int(in)));
+      for (int64_t r = 0; r < out; ++r) {
+        quantize_row_q8_0(data + size_t(r) * size_t(in), row.data(), int(in));
+        if (std::fwrite(row.data(), 1, row.size(), f) != row.size()) throw Error(path + ": write failed");
+      }
+    });
+  };
   const int64_t dim = c.dim, hidden = c.hidden_dim, q_dim = int64_t(c.n_heads) * c.head_size(), kv_dim = c.kv_dim();
   const Weights& wt = checkpoint.weights();
-  add("token_embd.weight", wt.token_embedding, {dim, c.vocab_size});
+  add_matrix("token_embd.weight", wt.token_embedding, dim, c.vocab_size);
   for (size_t l = 0; l < wt.layers.size(); ++l) {
     const std::string blk = "blk." + std::to_string(l) + ".";
     const LayerWeights& L = wt.layers[l];
     add(blk + "attn_norm.weight", L.rms_att, {dim});
-    add(blk + "attn_q.weight", L.wq, {dim, q_dim});
-    add(blk + "attn_k.weight", L.wk, {dim, kv_dim});
-    add(blk + "attn_v.weight", L.wv, {dim, kv_dim});
-    add(blk + "attn_output.weight", L.wo, {q_dim, dim});
+    add_matrix(blk + "attn_q.weight", L.wq, dim, q_dim);
+    add_matrix(blk + "attn_k.weight", L.wk, dim, kv_dim);
+    add_matrix(blk + "attn_v.weight", L.wv, dim, kv_dim);
+    add_matrix(blk + "attn_output.weight", L.wo, q_dim, dim);
     add(blk + "ffn_norm.weight", L.rms_ffn, {dim});
-    add(blk + "ffn_gate.weight", L.w1, {dim, hidden});
-    add(blk + "ffn_down.weight", L.w2, {hidden, dim});
-    add(blk + "ffn_up.weight", L.w3, {dim, hidden});
+    add_matrix(blk + "ffn_gate.weight", L.w1, dim, hidden);
+    add_matrix(blk + "ffn_down.weight", L.w2, hidden, dim);
+    add_matrix(blk + "ffn_up.weight", L.w3, dim, hidden);
   }
   add("output_norm.weight", wt.rms_final, {dim});
-  if (!c.shared_classifier) add("output.weight", wt.wcls, {dim, c.vocab_size});
+  if (!c.shared_classifier) add_matrix("output.weight", wt.wcls, dim, c.vocab_size);
   w.write(path);
 }
 

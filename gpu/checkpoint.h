@@ -1,7 +1,7 @@
 // A memory-mapped model file: a llama2.c checkpoint (format:
 // ../shared/models/README.md) or a GGUF file of the llama architecture with
-// F32 tensors (gpu/gguf.h; its vocabulary too). open() tells them apart by
-// the GGUF magic.
+// F32 or Q8_0 matrices (gpu/gguf.h; its vocabulary too). open() tells them
+// apart by the GGUF magic. Weights stay in the mapping, in their type.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -11,29 +11,38 @@
 #include <vector>
 
 #include "gpu/model_config.h"
+#include "gpu/quant.h"
 #include "gpu/tokenizer.h"
 
 namespace disagg::gpu {
 
-// One layer's tensors: pointers into the mapped file; matrices are
-// row-major "out x in".
+// A weight matrix in the mapped file, "out x in": row-major floats, or
+// Q8_0 rows (gpu/quant.h), as stored.
+struct Matrix {
+  const void* data = nullptr;
+  WeightType type = WeightType::f32;
+  const float* f32() const { return type == WeightType::f32 ? static_cast<const float*>(data) : nullptr; }
+  bool operator==(const Matrix& o) const { return data == o.data && type == o.type; }
+};
+
+// One layer's tensors: pointers into the mapped file.
 struct LayerWeights {
   const float* rms_att = nullptr;  // (dim)
-  const float* wq = nullptr;       // (n_heads*head_size, dim)
-  const float* wk = nullptr;       // (kv_dim, dim)
-  const float* wv = nullptr;       // (kv_dim, dim)
-  const float* wo = nullptr;       // (dim, n_heads*head_size)
+  Matrix wq;                       // (n_heads*head_size, dim)
+  Matrix wk;                       // (kv_dim, dim)
+  Matrix wv;                       // (kv_dim, dim)
+  Matrix wo;                       // (dim, n_heads*head_size)
   const float* rms_ffn = nullptr;  // (dim)
-  const float* w1 = nullptr;       // (hidden, dim): the gate
-  const float* w2 = nullptr;       // (dim, hidden): down
-  const float* w3 = nullptr;       // (hidden, dim): up
+  Matrix w1;                       // (hidden, dim): the gate
+  Matrix w2;                       // (dim, hidden): down
+  Matrix w3;                       // (hidden, dim): up
 };
 
 struct Weights {
-  const float* token_embedding = nullptr;  // (vocab, dim)
-  std::vector<LayerWeights> layers;        // n_layers
-  const float* rms_final = nullptr;        // (dim)
-  const float* wcls = nullptr;             // (vocab, dim); == token_embedding when shared
+  Matrix token_embedding;             // (vocab, dim)
+  std::vector<LayerWeights> layers;   // n_layers
+  const float* rms_final = nullptr;   // (dim)
+  Matrix wcls;                        // (vocab, dim); == token_embedding when shared
 };
 
 class Checkpoint {
@@ -42,7 +51,8 @@ class Checkpoint {
   // byte once). Throws Error("<path>: <problem>") for a missing, truncated or
   // oversized file, non-positive or inconsistent dimensions; for a GGUF file
   // also a missing key or tensor, a shape that disagrees with the metadata, a
-  // tensor type the engine does not compute with (F32 only so far).
+  // tensor type the engine does not compute with (matrices: F32 or Q8_0;
+  // norms: F32).
   static std::shared_ptr<const Checkpoint> open(const std::string& path);
 
   ~Checkpoint();
@@ -83,9 +93,11 @@ Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokeni
 
 // Writes `checkpoint`'s weights (F32) and `vocabulary` as a GGUF v3 file of
 // the llama architecture (tensor names and metadata as llama.cpp's
-// converter writes them; general.name `name`). Throws Error.
+// converter writes them; general.name `name`). With `type` q8_0 every
+// matrix (embedding, projections, classifier) is quantized as ggml's
+// reference quantizer does (quantize_row_q8_0); norms stay F32. Throws Error.
 void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, const std::string& name,
-                const std::string& path);
+                const std::string& path, WeightType type = WeightType::f32);
 
 // Writes a llama2.c checkpoint with weights drawn from a seeded generator
 // (used by disagg-make-model, tests and benchmarks). Throws Error on failure.

@@ -49,20 +49,53 @@ DeviceArray<float> upload_layers(Backend& backend, const std::vector<LayerWeight
   return a;
 }
 
-// One weight matrix per layer, each n x k row-major on the host, in the
-// backend's matmul layout; layer l starts at l * packed_floats(n, k).
-DeviceArray<float> upload_matrices(Backend& backend, const std::vector<const float*>& host, int n, int k) {
-  const size_t each = backend.packed_floats(n, k);
-  DeviceArray<float> a(backend, host.size() * each);
-  for (size_t l = 0; l < host.size(); ++l) backend.pack_matrix(host[l], a.get() + l * each, n, k);
-  return a;
-}
+// One weight matrix per layer (n x k, "out x in"; all of one type) on the
+// backend: f32 packed in its matmul layout, layer l at l * packed_floats(n,
+// k); or Q8_0 rows as the file stores them, read in place on a backend whose
+// memory is the host's (the mapping itself: no copy), else uploaded.
+class LayerMatrices {
+ public:
+  LayerMatrices(Backend& backend, const std::vector<Matrix>& per_layer, int n, int k)
+      : type_(per_layer.front().type), n_(n), k_(k), packed_(backend), blocks_(backend) {
+    for (const Matrix& m : per_layer)
+      if (m.type != type_) throw Error("a weight tensor mixes types across layers");
+    if (type_ == WeightType::f32) {
+      stride_ = backend.packed_floats(n, k);
+      packed_.ensure(per_layer.size() * stride_);
+      for (size_t l = 0; l < per_layer.size(); ++l) backend.pack_matrix(per_layer[l].f32(), packed_.get() + l * stride_, n, k);
+      return;
+    }
+    const size_t bytes = size_t(n) * row_bytes(type_, k);
+    if (backend.host_memory()) {
+      for (const Matrix& m : per_layer) layers_.push_back(m.data);
+      return;
+    }
+    blocks_.ensure(per_layer.size() * bytes);
+    for (size_t l = 0; l < per_layer.size(); ++l) {
+      backend.upload(blocks_.get() + l * bytes, per_layer[l].data, bytes);
+      layers_.push_back(blocks_.get() + l * bytes);
+    }
+  }
 
-DeviceArray<float> upload_matrices(Backend& backend, const std::vector<LayerWeights>& layers,
-                                   const float* LayerWeights::*field, int n, int k) {
-  std::vector<const float*> host;
-  for (const auto& layer : layers) host.push_back(layer.*field);
-  return upload_matrices(backend, host, n, k);
+  // c = a W_l^T for `rows` rows of a.
+  void mul(Backend& b, size_t l, const float* a, float* c, int rows) const {
+    if (type_ == WeightType::f32) b.matmul(a, packed_.get() + l * stride_, c, rows, n_, k_);
+    else b.matmul_q8_0(a, layers_[l], c, rows, n_, k_);
+  }
+
+ private:
+  WeightType type_;
+  int n_, k_;
+  size_t stride_ = 0;
+  DeviceArray<float> packed_;      // f32
+  DeviceArray<uint8_t> blocks_;    // q8_0 on a device backend
+  std::vector<const void*> layers_;  // q8_0: each layer's rows (device pointers)
+};
+
+std::vector<Matrix> per_layer(const std::vector<LayerWeights>& layers, Matrix LayerWeights::*field) {
+  std::vector<Matrix> out;
+  for (const auto& layer : layers) out.push_back(layer.*field);
+  return out;
 }
 
 // cos and sin of every (position, pair) RoPE angle, as RopeOp reads them.
@@ -91,28 +124,39 @@ struct Engine::Impl {
         hidden(size_t(cfg.hidden_dim)),
         layers(size_t(cfg.n_layers)),
         vocab(size_t(cfg.vocab_size)),
-        token_embedding(upload_tensor(*backend, weights().token_embedding, vocab * dim)),
+        embedding_type(weights().token_embedding.type),
+        token_embedding(*backend),
+        token_blocks(*backend),
         rms_att(upload_layers(*backend, weights().layers, &LayerWeights::rms_att, dim)),
-        wq(upload_matrices(*backend, weights().layers, &LayerWeights::wq, cfg.dim, cfg.dim)),
-        wk(upload_matrices(*backend, weights().layers, &LayerWeights::wk, cfg.kv_dim(), cfg.dim)),
-        wv(upload_matrices(*backend, weights().layers, &LayerWeights::wv, cfg.kv_dim(), cfg.dim)),
-        wo(upload_matrices(*backend, weights().layers, &LayerWeights::wo, cfg.dim, cfg.dim)),
+        wq(*backend, per_layer(weights().layers, &LayerWeights::wq), cfg.dim, cfg.dim),
+        wk(*backend, per_layer(weights().layers, &LayerWeights::wk), cfg.kv_dim(), cfg.dim),
+        wv(*backend, per_layer(weights().layers, &LayerWeights::wv), cfg.kv_dim(), cfg.dim),
+        wo(*backend, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.dim),
         rms_ffn(upload_layers(*backend, weights().layers, &LayerWeights::rms_ffn, dim)),
-        w1(upload_matrices(*backend, weights().layers, &LayerWeights::w1, cfg.hidden_dim, cfg.dim)),
-        w2(upload_matrices(*backend, weights().layers, &LayerWeights::w2, cfg.dim, cfg.hidden_dim)),
-        w3(upload_matrices(*backend, weights().layers, &LayerWeights::w3, cfg.hidden_dim, cfg.dim)),
+        w1(*backend, per_layer(weights().layers, &LayerWeights::w1), cfg.hidden_dim, cfg.dim),
+        w2(*backend, per_layer(weights().layers, &LayerWeights::w2), cfg.dim, cfg.hidden_dim),
+        w3(*backend, per_layer(weights().layers, &LayerWeights::w3), cfg.hidden_dim, cfg.dim),
         rms_final(upload_tensor(*backend, weights().rms_final, dim)),
-        wcls(upload_matrices(*backend, std::vector<const float*>{weights().wcls}, cfg.vocab_size, cfg.dim)),
+        wcls(*backend, {weights().wcls}, cfg.vocab_size, cfg.dim),
         rope(rope_table(*backend, cfg.seq_len, cfg.head_size(), cfg.rope_theta)),
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
         tables(*backend) {
+    // The embedding table: f32 rows copied; Q8_0 rows read in place (host) or uploaded.
+    const Matrix& table = weights().token_embedding;
+    if (embedding_type == WeightType::f32) {
+      token_embedding.upload(table.f32(), vocab * dim);
+    } else if (backend->host_memory()) {
+      token_rows = table.data;
+    } else {
+      const size_t bytes = vocab * row_bytes(embedding_type, cfg.dim);
+      backend->upload(token_blocks.ensure(bytes), table.data, bytes);
+      token_rows = token_blocks.get();
+    }
     backend->synchronize();
   }
 
   const Weights& weights() const { return checkpoint->weights(); }
-  // Floats between two layers' matrices of each shape.
-  size_t stride(int n, int k) const { return backend->packed_floats(n, k); }
 
   // Gives a hook this layer's K and V rows as host memory (a copy only when
   // the backend's memory is not the host's).
@@ -194,10 +238,20 @@ struct Engine::Impl {
   std::unique_ptr<Backend> backend;
   size_t dim, kv_dim, hidden, layers, vocab;
 
-  // Weights, all layers per tensor. Vectors and the embedding table row-major;
-  // matrices in the backend's layout, layer l's at l * stride(rows, cols).
-  // wcls is the classifier, packed from the embedding table when shared.
-  DeviceArray<float> token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls;
+  // Weights, all layers per tensor. Vectors row-major; the embedding table
+  // as f32 rows (token_embedding) or Q8_0 rows (token_rows); matrices per
+  // layer in the backend's form (LayerMatrices). wcls is the classifier, the
+  // embedding table's matrix when shared.
+  WeightType embedding_type;
+  DeviceArray<float> token_embedding;   // (vocab, dim), f32
+  DeviceArray<uint8_t> token_blocks;    // q8_0 on a device backend
+  const void* token_rows = nullptr;     // q8_0: the table's rows (device pointer)
+  DeviceArray<float> rms_att;           // (layers, dim)
+  LayerMatrices wq, wk, wv, wo;         // (dim, dim), (kv_dim, dim) x2, (dim, dim)
+  DeviceArray<float> rms_ffn;           // (layers, dim)
+  LayerMatrices w1, w2, w3;             // (hidden, dim), (dim, hidden), (hidden, dim)
+  DeviceArray<float> rms_final;         // (dim)
+  LayerMatrices wcls;                   // (vocab, dim)
   DeviceArray<float> rope;  // [seq_len][head_size/2][cos, sin]
 
   // Scratch, grown on demand and reused across calls.
@@ -233,7 +287,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
                            const PagedKv& kv, int first_logit_row, const PrefillHooks* hooks) {
   Backend& b = *backend;
   const int rows = int(host_tokens.size());
-  const int n_dim = cfg.dim, n_kv = int(kv_dim), n_hidden = cfg.hidden_dim;
+  const int n_dim = cfg.dim;
   const int n_heads = cfg.n_heads, n_kv_heads = cfg.n_kv_heads, head_size = cfg.head_size();
   const size_t row_floats = size_t(rows) * dim;
 
@@ -249,29 +303,30 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   float* hb2_ = hb2.ensure(size_t(rows) * hidden);
   const int* pos_ = positions.get();
 
-  b.embedding(token_embedding.get(), tokens.get(), x_, rows, n_dim);
+  if (embedding_type == WeightType::f32) b.embedding(token_embedding.get(), tokens.get(), x_, rows, n_dim);
+  else b.embedding_q8_0(token_rows, tokens.get(), x_, rows, n_dim);
 
   for (size_t l = 0; l < layers; ++l) {
     // attention block
     b.rmsnorm(x_, rms_att.get() + l * dim, xb_, rows, n_dim);
-    b.matmul(xb_, wq.get() + l * stride(n_dim, n_dim), q_, rows, n_dim, n_dim);
-    b.matmul(xb_, wk.get() + l * stride(n_kv, n_dim), k_, rows, n_kv, n_dim);
-    b.matmul(xb_, wv.get() + l * stride(n_kv, n_dim), v_, rows, n_kv, n_dim);
+    wq.mul(b, l, xb_, q_, rows);
+    wk.mul(b, l, xb_, k_, rows);
+    wv.mul(b, l, xb_, v_, rows);
     b.rope(q_, pos_, rope.get(), rows, n_heads, head_size);
     b.rope(k_, pos_, rope.get(), rows, n_kv_heads, head_size);
     b.kv_write(kv, int(l), k_, v_, pos_, rows);
     if (hooks && hooks->on_layer_kv) hand_out_layer(*hooks, int(l), host_positions.front(), rows, k_, v_);
     if (hooks && hooks->on_layer_cache) hand_out_cache(*hooks, int(l), host_positions.front(), rows, kv);
     b.attention(q_, xb_, kv, int(l), pos_, rows, n_heads, n_kv_heads, head_size);
-    b.matmul(xb_, wo.get() + l * stride(n_dim, n_dim), xb2_, rows, n_dim, n_dim);
+    wo.mul(b, l, xb_, xb2_, rows);
     b.add(x_, xb2_, row_floats);
 
     // feed-forward block: w2(silu(w1 x) * w3 x)
     b.rmsnorm(x_, rms_ffn.get() + l * dim, xb_, rows, n_dim);
-    b.matmul(xb_, w1.get() + l * stride(n_hidden, n_dim), hb_, rows, n_hidden, n_dim);
-    b.matmul(xb_, w3.get() + l * stride(n_hidden, n_dim), hb2_, rows, n_hidden, n_dim);
+    w1.mul(b, l, xb_, hb_, rows);
+    w3.mul(b, l, xb_, hb2_, rows);
     b.swiglu(hb_, hb2_, size_t(rows) * hidden);
-    b.matmul(hb_, w2.get() + l * stride(n_dim, n_hidden), xb_, rows, n_dim, n_hidden);
+    w2.mul(b, l, hb_, xb_, rows);
     b.add(x_, xb_, row_floats);
   }
 
@@ -279,7 +334,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   if (out_rows <= 0) return;
   float* x_out = x_ + size_t(first_logit_row) * dim;
   b.rmsnorm(x_out, rms_final.get(), x_out, out_rows, n_dim);
-  b.matmul(x_out, wcls.get(), logits.ensure(size_t(out_rows) * vocab), out_rows, cfg.vocab_size, n_dim);
+  wcls.mul(b, 0, x_out, logits.ensure(size_t(out_rows) * vocab), out_rows);
 }
 
 // ---------------------------------------------------------------- Engine

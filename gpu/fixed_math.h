@@ -16,6 +16,14 @@
 //     o[j] = o[j] * c, then o[j] = fma(p_t, v_t[j], o[j]) for t in order
 //   and out[j] = o[j] / l at the end. Tiles start at 0 whatever rows are
 //   computed together, so a prefill row equals the decode step at its position.
+// - A quantized matrix product (W in ggml's Q8_0 blocks of 32 along k, scale
+//   d_w as half, gpu/quant.h) quantizes each activation row per block b of
+//   32 (quantize_q8_block): s_b = max|a| / 127, q_a = rint(a * (1 / s_b)),
+//   ties to even (q_a = 0 when s_b = 0); then
+//     c = fma(float(isum_b), d_w(b) * s_b, c)   for b in increasing order, from 0
+//   with isum_b = sum_j q_w[j] * q_a[j] in int32: exact, so in any order
+//   (|isum_b| <= 32 * 128 * 127 < 2^24: float(isum_b) is exact too). A row's
+//   result depends on its own values only, as in the float rule.
 // - No other contraction: a * b + c is two roundings unless written as fma
 //   (-ffp-contract=off on the CPU, --fmad=false for CUDA).
 //
@@ -96,6 +104,18 @@ static inline HD float tree_sum16(const float* v) {
   const float h2a = h4[0] + h4[2];
   const float h2b = h4[1] + h4[3];
   return h2a + h2b;
+}
+
+// One block of kQ8Values activations quantized for a Q8_0 product: q gets
+// rint(a * (1 / s)) and the scale s = max|a| / 127 is returned (0: all q 0).
+constexpr int kQ8Values = 32;
+static inline HD float quantize_q8_block(const float* a, int8_t* q) {
+  float amax = 0.0f;
+  for (int j = 0; j < kQ8Values; ++j) amax = fmaxf(amax, fabsf(a[j]));
+  const float s = amax / 127.0f;
+  const float inv = s != 0.0f ? 1.0f / s : 0.0f;
+  for (int j = 0; j < kQ8Values; ++j) q[j] = int8_t(rintf(a[j] * inv));
+  return s;
 }
 
 }  // namespace disagg::gpu::fixed

@@ -3,9 +3,12 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/fixed_math.h"
+#include "gpu/quant.h"
 #include "gpu/kv_layout.h"
 
 namespace disagg::gpu::cpu::avx2 {
@@ -84,6 +87,7 @@ constexpr int kNP = 1;
 constexpr int kNP1 = 3;  // one row: 3 panels (6 independent chains)
 constexpr int kAttnRows = 2;  // heads attended together: 2 x 4 tiles = 16 ymm of scores
 
+#include "gpu/cpu/q8_kernels.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

@@ -3,9 +3,12 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/fixed_math.h"
+#include "gpu/quant.h"
 #include "gpu/kv_layout.h"
 
 namespace disagg::gpu::cpu::avx512 {
@@ -58,6 +61,7 @@ constexpr int kNP = 2;
 constexpr int kNP1 = 4;  // one row: 4 panels
 constexpr int kAttnRows = 4;  // heads attended together: 4 x 4 tiles = 16 zmm of scores
 
+#include "gpu/cpu/q8_kernels.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

@@ -2,9 +2,12 @@
 // loop over the lanes. It runs on any CPU and is the reference the vector
 // compilations are compared with bit for bit.
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/fixed_math.h"
+#include "gpu/quant.h"
 #include "gpu/kv_layout.h"
 
 namespace disagg::gpu::cpu::generic {
@@ -96,6 +99,7 @@ constexpr int kNP = 1;   // panels per matrix block
 constexpr int kNP1 = 2;  // panels per block when there is one row
 constexpr int kAttnRows = 2;  // heads attended together
 
+#include "gpu/cpu/q8_kernels.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

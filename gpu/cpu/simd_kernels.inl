@@ -398,6 +398,7 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
 }
 
 const KernelTable& table() {
-  static const KernelTable t{kIsaName, &matmul_panels, &attention_group, &swiglu_range, &exp_array};
+  static const KernelTable t{kIsaName, &matmul_panels, &attention_group, &swiglu_range, &exp_array,
+                             &matmul_q8_0_columns};
   return t;
 }

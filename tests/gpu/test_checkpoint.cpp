@@ -61,7 +61,7 @@ struct Layout {
 void expect_layout(const Checkpoint& cp) {
   const Layout l(cp.config());
   const Weights& w = cp.weights();
-  const float* base = w.token_embedding;
+  const float* base = w.token_embedding.f32();
   const ModelConfig& c = cp.config();
   const size_t D = size_t(c.dim), H = size_t(c.hidden_dim), kv = size_t(c.kv_dim());
   ASSERT_EQ(w.layers.size(), size_t(c.n_layers));
@@ -69,20 +69,20 @@ void expect_layout(const Checkpoint& cp) {
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LayerWeights& L = w.layers[i];
     EXPECT_EQ(size_t(L.rms_att - base), l.rms_att + i * D);
-    EXPECT_EQ(size_t(L.wq - base), l.wq + i * D * D);
-    EXPECT_EQ(size_t(L.wk - base), l.wk + i * kv * D);
-    EXPECT_EQ(size_t(L.wv - base), l.wv + i * kv * D);
-    EXPECT_EQ(size_t(L.wo - base), l.wo + i * D * D);
+    EXPECT_EQ(size_t(L.wq.f32() - base), l.wq + i * D * D);
+    EXPECT_EQ(size_t(L.wk.f32() - base), l.wk + i * kv * D);
+    EXPECT_EQ(size_t(L.wv.f32() - base), l.wv + i * kv * D);
+    EXPECT_EQ(size_t(L.wo.f32() - base), l.wo + i * D * D);
     EXPECT_EQ(size_t(L.rms_ffn - base), l.rms_ffn + i * D);
-    EXPECT_EQ(size_t(L.w1 - base), l.w1 + i * H * D);
-    EXPECT_EQ(size_t(L.w2 - base), l.w2 + i * D * H);
-    EXPECT_EQ(size_t(L.w3 - base), l.w3 + i * H * D);
+    EXPECT_EQ(size_t(L.w1.f32() - base), l.w1 + i * H * D);
+    EXPECT_EQ(size_t(L.w2.f32() - base), l.w2 + i * D * H);
+    EXPECT_EQ(size_t(L.w3.f32() - base), l.w3 + i * H * D);
   }
   EXPECT_EQ(size_t(w.rms_final - base), l.rms_final);
   if (cp.config().shared_classifier)
     EXPECT_EQ(w.wcls, w.token_embedding);
   else
-    EXPECT_EQ(size_t(w.wcls - base), l.wcls);
+    EXPECT_EQ(size_t(w.wcls.f32() - base), l.wcls);
 }
 
 class CheckpointFiles : public ::testing::Test {
@@ -133,9 +133,9 @@ TEST(Checkpoint, LoadsSharedModel) {
   const auto bytes = read_bytes(test::shared_model());
   const Layout l(c);
   EXPECT_EQ(28 + 4 * l.end, bytes.size());
-  EXPECT_EQ(cp->weights().token_embedding[0], float_at(bytes, 28));
+  EXPECT_EQ(cp->weights().token_embedding.f32()[0], float_at(bytes, 28));
   EXPECT_EQ(cp->weights().rms_final[c.dim - 1], float_at(bytes, 28 + 4 * (l.rms_final + c.dim - 1)));
-  EXPECT_EQ(cp->weights().layers[0].w2[7], float_at(bytes, 28 + 4 * (l.w2 + 7)));
+  EXPECT_EQ(cp->weights().layers[0].w2.f32()[7], float_at(bytes, 28 + 4 * (l.w2 + 7)));
   EXPECT_EQ(cp->name(), "stories260K");
   EXPECT_FALSE(cp->vocabulary());
 }
@@ -165,7 +165,7 @@ TEST_F(CheckpointFiles, RandomCheckpointRoundTrips) {
   const Weights& w = cp->weights();
   for (int i = 0; i < c.n_layers * c.dim; ++i) EXPECT_NEAR(w.layers[0].rms_att[i], 1.0f, 0.1001f);
   const float bound = 3.0f / std::sqrt(float(c.dim));
-  for (int i = 0; i < c.n_layers * c.hidden_dim * c.dim; ++i) ASSERT_LE(std::fabs(w.layers[0].w1[i]), bound);
+  for (int i = 0; i < c.n_layers * c.hidden_dim * c.dim; ++i) ASSERT_LE(std::fabs(w.layers[0].w1.f32()[i]), bound);
   // The unused RoPE blocks are written as zeros.
   const auto bytes = read_bytes(path("a.bin"));
   const Layout l(c);
@@ -184,7 +184,7 @@ TEST_F(CheckpointFiles, SeparateClassifierIsStoredLast) {
   auto cp = Checkpoint::open(path("unshared.bin"));
   EXPECT_FALSE(cp->config().shared_classifier);
   EXPECT_EQ(cp->config().vocab_size, c.vocab_size);
-  EXPECT_NE(cp->weights().wcls, cp->weights().token_embedding);
+  EXPECT_FALSE(cp->weights().wcls == cp->weights().token_embedding);
   expect_layout(*cp);
   EXPECT_EQ(fs::file_size(path("unshared.bin")), 28 + 4 * Layout(c).end);
 }

@@ -185,7 +185,7 @@ TEST_P(ReferenceTest, TheConversionIsTheSameModelWithAFingerprintOfItsOwn) {
   EXPECT_EQ(std::tie(a.dim, a.hidden_dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size, a.seq_len, a.rope_theta),
             std::tie(b.dim, b.hidden_dim, b.n_layers, b.n_heads, b.n_kv_heads, b.vocab_size, b.seq_len, b.rope_theta));
   // (The peer's script writes output.weight, a copy of the embedding, where ours shares it.)
-  EXPECT_EQ(std::memcmp(original->weights().wcls, checkpoint()->weights().wcls, sizeof(float) * size_t(a.vocab_size) * a.dim), 0);
+  EXPECT_EQ(std::memcmp(original->weights().wcls.f32(), checkpoint()->weights().wcls.f32(), sizeof(float) * size_t(a.vocab_size) * a.dim), 0);
   EXPECT_EQ(checkpoint()->name(), "stories260K");
   if (gguf()) {
     EXPECT_NE(checkpoint()->fingerprint(), original->fingerprint());

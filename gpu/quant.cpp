@@ -1,0 +1,132 @@
+#include "gpu/quant.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gpu/error.h"
+#include "gpu/fixed_math.h"
+
+namespace disagg::gpu {
+
+static_assert(kQ8Block == fixed::kQ8Values, "one Q8_0 block size");
+
+const char* to_string(WeightType type) {
+  switch (type) {
+    case WeightType::f32: return "f32";
+    case WeightType::q8_0: return "q8_0";
+  }
+  return "unknown";
+}
+
+size_t row_bytes(WeightType type, int k) {
+  return type == WeightType::q8_0 ? size_t(k / kQ8Block) * kQ8BlockBytes : size_t(k) * sizeof(float);
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;  // +-0
+  } else {
+    // Subnormal: normalize (the value is mantissa * 2^-24).
+    int e = -1;
+    do {
+      ++e;
+      mantissa <<= 1;
+    } while ((mantissa & 0x400) == 0);
+    bits = sign | uint32_t(127 - 15 - e) << 23 | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return uint16_t(sign | 0x7c00 | (abs > 0x7f800000u ? 0x200 : 0));  // inf, NaN (quiet)
+  if (abs >= 0x477ff000u) return uint16_t(sign | 0x7c00);  // rounds to beyond 65504: inf
+  if (abs < 0x38800000u) {
+    // Below the smallest normal half (2^-14): a subnormal half, value * 2^24 rounded to an integer.
+    if (abs < 0x33000000u) return sign;  // below 2^-25: rounds to 0 (2^-25 itself is a tie, to 0)
+    // value * 2^24 = m * 2^(e - 126) with m the 24-bit significand, e the biased exponent (102..112).
+    const uint32_t e = abs >> 23;
+    const uint32_t m = (abs & 0x7fffff) | 0x800000;
+    const uint32_t shift = 126 - e;  // 14..24
+    const uint32_t q = m >> shift;
+    const uint32_t rest = m & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    uint32_t r = q;
+    if (rest > half || (rest == half && (q & 1))) ++r;
+    return uint16_t(sign | r);
+  }
+  // Normal: rebias the exponent, round the mantissa's 13 dropped bits to nearest even.
+  const uint32_t rebased = abs - ((127 - 15) << 23);
+  uint32_t h = rebased >> 13;
+  const uint32_t rest = rebased & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // a carry into the exponent is right, also to inf
+  return uint16_t(sign | h);
+}
+
+void quantize_row_q8_0(const float* x, uint8_t* out, int k) {
+  if (k % kQ8Block != 0) throw Error("quantize_row_q8_0: " + std::to_string(k) + " is not a multiple of 32");
+  for (int b = 0; b < k / kQ8Block; ++b) {
+    const float* v = x + size_t(b) * kQ8Block;
+    float amax = 0.0f;
+    for (int j = 0; j < kQ8Block; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t* block = out + size_t(b) * kQ8BlockBytes;
+    const uint16_t dh = float_to_half(d);
+    std::memcpy(block, &dh, 2);
+    for (int j = 0; j < kQ8Block; ++j) block[2 + j] = uint8_t(int8_t(std::round(v[j] * id)));
+  }
+}
+
+void quantize_activations(const float* a, int k, float* scales, int8_t* q) {
+  for (int b = 0; b < k / kQ8Block; ++b)
+    scales[b] = fixed::quantize_q8_block(a + size_t(b) * kQ8Block, q + size_t(b) * kQ8Block);
+}
+
+void dequantize_row_q8_0(const uint8_t* row, float* out, int k) {
+  for (int b = 0; b < k / kQ8Block; ++b) {
+    const uint8_t* block = row + size_t(b) * kQ8BlockBytes;
+    uint16_t dh;
+    std::memcpy(&dh, block, 2);
+    const float d = half_to_float(dh);
+    for (int j = 0; j < kQ8Block; ++j) out[size_t(b) * kQ8Block + j] = d * float(int8_t(block[2 + j]));
+  }
+}
+
+void matmul_q8_0_reference(const float* a, const uint8_t* w, float* c, int m, int n, int k) {
+  const int blocks = k / kQ8Block;
+  std::vector<float> scales(static_cast<size_t>(blocks));
+  std::vector<int8_t> q(static_cast<size_t>(k));
+  for (int r = 0; r < m; ++r) {
+    quantize_activations(a + size_t(r) * k, k, scales.data(), q.data());
+    for (int col = 0; col < n; ++col) {
+      const uint8_t* row = w + size_t(col) * blocks * kQ8BlockBytes;
+      float acc = 0.0f;
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* block = row + size_t(b) * kQ8BlockBytes;
+        uint16_t dh;
+        std::memcpy(&dh, block, 2);
+        int32_t isum = 0;
+        for (int j = 0; j < kQ8Block; ++j) isum += int32_t(int8_t(block[2 + j])) * int32_t(q[size_t(b) * kQ8Block + j]);
+        acc = std::fma(float(isum), half_to_float(dh) * scales[size_t(b)], acc);
+      }
+      c[size_t(r) * n + col] = acc;
+    }
+  }
+}
+
+}  // namespace disagg::gpu
