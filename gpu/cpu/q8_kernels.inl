@@ -38,24 +38,93 @@ inline int32_t q8_dot32(const int8_t* w, const int8_t* a) {
 #endif
 }
 
-// C[m][n] for the columns [col_begin, col_end): per column, its weight row
-// against every activation row (quantized: `scales` m x k/32, `qa` m x k).
+// One output: row r of the activations against column `col`'s weights.
+inline float q8_one(const float* scales, const int8_t* qa, const uint8_t* w, int k, int blocks, size_t row_size,
+                    int r, int col) {
+  const uint8_t* wrow = w + size_t(col) * row_size;
+  const float* s = scales + size_t(r) * blocks;
+  const int8_t* q = qa + size_t(r) * k;
+  float acc = 0.0f;
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* block = wrow + size_t(b) * kQ8BlockBytes;
+    const int32_t isum = q8_dot32(reinterpret_cast<const int8_t*>(block + 2), q + size_t(b) * kQ8Block);
+    acc = std::fma(float(isum), q8_scale(block) * s[b], acc);
+  }
+  return acc;
+}
+
+#if defined(__AVX2__)
+// Lane i: the sum of v[i]'s 8 lanes (exact: int32).
+inline __m256i q8_hsum8(const __m256i* v) {
+  const __m256i b0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+// R rows x C columns (R * C = 8 outputs, one a lane) from (r0, c0): each
+// block's 8 exact sums at once, then each lane's fma of the rule, in block
+// order, as q8_one computes it.
+template <int R, int C>
+inline void q8_tile(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int n, int k, int blocks,
+                    size_t row_size, int r0, int c0) {
+  static_assert(R * C == 8, "one output a lane");
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    __m256i sums[8];
+    alignas(32) float scale[8];
+    for (int ci = 0; ci < C; ++ci) {
+      const uint8_t* block = w + size_t(c0 + ci) * row_size + size_t(b) * kQ8BlockBytes;
+      const float dw = q8_scale(block);
+      const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+      const __m256i wabs = _mm256_sign_epi8(qw, qw);
+      for (int ri = 0; ri < R; ++ri) {
+        const __m256i qv = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(qa + size_t(r0 + ri) * k + size_t(b) * kQ8Block));
+        sums[ri * C + ci] = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(qv, qw)), ones);
+        scale[ri * C + ci] = dw * scales[size_t(r0 + ri) * blocks + b];
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_hsum8(sums)), _mm256_load_ps(scale), acc);
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, acc);
+  for (int ri = 0; ri < R; ++ri)
+    for (int ci = 0; ci < C; ++ci) c[size_t(r0 + ri) * n + c0 + ci] = out[ri * C + ci];
+}
+#endif
+
+// Rows per pass over a range of columns: their quantized activations stay
+// in L2 while every column's weights stream by once.
+constexpr int kQ8RowBlock = 64;
+// Outputs a tile computes (AVX2): 8 rows of one column, so each weight block
+// is loaded once for 8 rows (measured on the 50M model, 1,000-token prefill,
+// 1 thread, Zen 3: 8 x 1 3.13 s, 4 x 2 3.84 s, 2 x 4 3.86 s, single outputs 5.2 s).
+constexpr int kQ8TileRows = 8;
+constexpr int kQ8TileCols = 1;
+
+// C[m][n] for the columns [col_begin, col_end) (activations quantized:
+// `scales` m x k/32, `qa` m x k): tiles of 8 rows x 1 column under AVX2 (a
+// prefill, a batch of 8 or more); single outputs at the edges, for fewer
+// rows (a decode step: one weight row streamed at a time) and otherwise.
 void matmul_q8_0_columns(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k,
                          int col_begin, int col_end) {
   const int blocks = k / kQ8Block;
   const size_t row_size = size_t(blocks) * kQ8BlockBytes;
-  for (int col = col_begin; col < col_end; ++col) {
-    const uint8_t* wrow = w + size_t(col) * row_size;
-    for (int r = 0; r < m; ++r) {
-      const float* s = scales + size_t(r) * blocks;
-      const int8_t* q = qa + size_t(r) * k;
-      float acc = 0.0f;
-      for (int b = 0; b < blocks; ++b) {
-        const uint8_t* block = wrow + size_t(b) * kQ8BlockBytes;
-        const int32_t isum = q8_dot32(reinterpret_cast<const int8_t*>(block + 2), q + size_t(b) * kQ8Block);
-        acc = std::fma(float(isum), q8_scale(block) * s[b], acc);
+  for (int r0 = 0; r0 < m; r0 += kQ8RowBlock) {
+    const int r1 = std::min(m, r0 + kQ8RowBlock);
+    int col = col_begin;
+#if defined(__AVX2__)
+    if (r1 - r0 >= kQ8TileRows) {
+      for (; col + kQ8TileCols <= col_end; col += kQ8TileCols) {
+        int r = r0;
+        for (; r + kQ8TileRows <= r1; r += kQ8TileRows) q8_tile<kQ8TileRows, kQ8TileCols>(scales, qa, w, c, n, k, blocks, row_size, r, col);
+        for (; r < r1; ++r)
+          for (int ci = 0; ci < kQ8TileCols; ++ci) c[size_t(r) * n + col + ci] = q8_one(scales, qa, w, k, blocks, row_size, r, col + ci);
       }
-      c[size_t(r) * n + col] = acc;
     }
+#endif
+    for (; col < col_end; ++col)
+      for (int r = r0; r < r1; ++r) c[size_t(r) * n + col] = q8_one(scales, qa, w, k, blocks, row_size, r, col);
   }
 }

@@ -117,7 +117,9 @@ std::vector<float> activations(int m, int k, uint32_t seed) {
 TEST(Quant, EveryKernelSetsQ8_0ProductIsItsReferenceBitForBit) {
   for (const std::string& isa : cpu::supported_isas()) {
     const auto& kt = cpu::kernels_for(isa);
-    for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096}}) {
+    // Single outputs, 1 x 8 and 2 x 4 tiles with edges, and more than one row block (64).
+    for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {1, 37, 96}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096},
+                                  {130, 13, 64}}) {
       SCOPED_TRACE(isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k));
       const auto w = q8_matrix(n, k, uint32_t(n + k));
       const auto a = activations(m, k, uint32_t(m * 7 + k));
