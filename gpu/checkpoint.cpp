@@ -87,9 +87,26 @@ uint64_t mix64(uint64_t x) {
 // not yet in the page cache is read ahead (asynchronously) while it is hashed.
 // Cost on a 211 MB model (2 cores): ~8 ms of hashing (AVX2) on top of faulting
 // the pages in, which the engine's load does anyway.
+//
+// Hashed in chunks, each dropped from the process's memory once hashed
+// (MADV_DONTNEED on a read-only private file mapping: the next access reads
+// the page cache or the file again), so the hash does not make the whole
+// file resident: a model's peak RSS is what the engine keeps (README).
 uint64_t fingerprint_bytes(void* mapping, size_t size) {
-  ::madvise(mapping, size, MADV_WILLNEED);  // advice only: a failure changes nothing
-  return XXH3_64bits(mapping, size);
+  constexpr size_t kChunk = size_t(32) << 20;
+  XXH3_state_t* state = XXH3_createState();
+  if (!state) throw Error("cannot allocate a hash state");
+  XXH3_64bits_reset(state);
+  auto* base = static_cast<char*>(mapping);
+  for (size_t at = 0; at < size; at += kChunk) {
+    const size_t n = std::min(kChunk, size - at);
+    if (at + n < size) ::madvise(base + at + n, std::min(kChunk, size - at - n), MADV_WILLNEED);  // advice only
+    XXH3_64bits_update(state, base + at, n);
+    ::madvise(base + at, n, MADV_DONTNEED);
+  }
+  const uint64_t hash = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return hash;
 }
 
 struct FileCloser {
@@ -421,6 +438,13 @@ void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, cons
   add("output_norm.weight", wt.rms_final, {dim});
   if (!c.shared_classifier) add_matrix("output.weight", wt.wcls, dim, c.vocab_size);
   w.write(path);
+}
+
+void Checkpoint::release(const void* ptr, size_t bytes) const {
+  const auto page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (uintptr_t(ptr) + page - 1) / page * page, end = (uintptr_t(ptr) + bytes) / page * page;
+  const auto lo = uintptr_t(mapping_), hi = lo + mapping_size_;
+  if (begin < end && begin >= lo && end <= hi) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 Checkpoint::~Checkpoint() {

@@ -71,6 +71,10 @@ class Checkpoint {
   const std::optional<Vocabulary>& vocabulary() const { return vocabulary_; }
   // The model's name: GGUF's general.name, else the file name without its extension.
   const std::string& name() const { return name_; }
+  // The whole pages of [ptr, ptr + bytes) within the mapping leave the
+  // process's memory (a copy was made of them: the engine's packed weights);
+  // reading them again reads the file again, so it is safe with other users.
+  void release(const void* ptr, size_t bytes) const;
 
  private:
   Checkpoint() = default;

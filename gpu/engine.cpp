@@ -55,14 +55,19 @@ DeviceArray<float> upload_layers(Backend& backend, const std::vector<LayerWeight
 // memory is the host's (the mapping itself: no copy), else uploaded.
 class LayerMatrices {
  public:
-  LayerMatrices(Backend& backend, const std::vector<Matrix>& per_layer, int n, int k)
+  // The f32 matrices' pages leave memory once packed (Checkpoint::release),
+  // so a model is resident once, in the engine's layout.
+  LayerMatrices(Backend& backend, const Checkpoint& checkpoint, const std::vector<Matrix>& per_layer, int n, int k)
       : type_(per_layer.front().type), n_(n), k_(k), packed_(backend), blocks_(backend) {
     for (const Matrix& m : per_layer)
       if (m.type != type_) throw Error("a weight tensor mixes types across layers");
     if (type_ == WeightType::f32) {
       stride_ = backend.packed_floats(n, k);
       packed_.ensure(per_layer.size() * stride_);
-      for (size_t l = 0; l < per_layer.size(); ++l) backend.pack_matrix(per_layer[l].f32(), packed_.get() + l * stride_, n, k);
+      for (size_t l = 0; l < per_layer.size(); ++l) {
+        backend.pack_matrix(per_layer[l].f32(), packed_.get() + l * stride_, n, k);
+        checkpoint.release(per_layer[l].data, size_t(n) * size_t(k) * sizeof(float));
+      }
       return;
     }
     const size_t bytes = size_t(n) * row_bytes(type_, k);
@@ -128,16 +133,16 @@ struct Engine::Impl {
         token_embedding(*backend),
         token_blocks(*backend),
         rms_att(upload_layers(*backend, weights().layers, &LayerWeights::rms_att, dim)),
-        wq(*backend, per_layer(weights().layers, &LayerWeights::wq), cfg.dim, cfg.dim),
-        wk(*backend, per_layer(weights().layers, &LayerWeights::wk), cfg.kv_dim(), cfg.dim),
-        wv(*backend, per_layer(weights().layers, &LayerWeights::wv), cfg.kv_dim(), cfg.dim),
-        wo(*backend, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.dim),
+        wq(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wq), cfg.dim, cfg.dim),
+        wk(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wk), cfg.kv_dim(), cfg.dim),
+        wv(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wv), cfg.kv_dim(), cfg.dim),
+        wo(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.dim),
         rms_ffn(upload_layers(*backend, weights().layers, &LayerWeights::rms_ffn, dim)),
-        w1(*backend, per_layer(weights().layers, &LayerWeights::w1), cfg.hidden_dim, cfg.dim),
-        w2(*backend, per_layer(weights().layers, &LayerWeights::w2), cfg.dim, cfg.hidden_dim),
-        w3(*backend, per_layer(weights().layers, &LayerWeights::w3), cfg.hidden_dim, cfg.dim),
+        w1(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w1), cfg.hidden_dim, cfg.dim),
+        w2(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w2), cfg.dim, cfg.hidden_dim),
+        w3(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w3), cfg.hidden_dim, cfg.dim),
         rms_final(upload_tensor(*backend, weights().rms_final, dim)),
-        wcls(*backend, {weights().wcls}, cfg.vocab_size, cfg.dim),
+        wcls(*backend, *checkpoint, {weights().wcls}, cfg.vocab_size, cfg.dim),
         rope(rope_table(*backend, cfg.seq_len, cfg.head_size(), cfg.rope_theta)),
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
@@ -146,6 +151,7 @@ struct Engine::Impl {
     const Matrix& table = weights().token_embedding;
     if (embedding_type == WeightType::f32) {
       token_embedding.upload(table.f32(), vocab * dim);
+      checkpoint->release(table.data, vocab * dim * sizeof(float));
     } else if (backend->host_memory()) {
       token_rows = table.data;
     } else {
