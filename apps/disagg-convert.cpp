@@ -13,9 +13,9 @@ namespace {
 using namespace disagg::cli;
 
 const char* kUsage =
-    "usage: disagg-convert --model M.bin --tokenizer T.bin --out OUT.gguf [--name NAME] [--type f32|q8_0]\n"
+    "usage: disagg-convert --model M.bin --tokenizer T.bin --out OUT.gguf [--name NAME] [--type f32|q8_0|q4_0]\n"
     "Writes M (a llama2.c checkpoint) and T (its tokenizer) as a GGUF v3 file of the llama\n"
-    "architecture: F32 tensors, or with --type q8_0 every matrix whose rows are whole blocks of 32\n"
+    "architecture: F32 tensors, or with --type q8_0 / q4_0 every matrix whose rows are whole blocks of 32\n"
     "quantized as ggml's reference quantizer does (norms stay F32). NAME (default: M's file name\n"
     "without extension) becomes general.name, the model's name in the HTTP API.\n";
 
@@ -37,7 +37,8 @@ Options parse_args(int argc, char** argv) {
     else if (flag == "--name") o.name = value;
     else if (flag == "--type" && value == "f32") o.type = disagg::gpu::WeightType::f32;
     else if (flag == "--type" && value == "q8_0") o.type = disagg::gpu::WeightType::q8_0;
-    else if (flag == "--type") throw UsageError{"--type must be f32 or q8_0"};
+    else if (flag == "--type" && value == "q4_0") o.type = disagg::gpu::WeightType::q4_0;
+    else if (flag == "--type") throw UsageError{"--type must be f32, q8_0 or q4_0"};
     else throw UsageError{"unknown option " + flag};
   }
   if (o.model.empty() || o.tokenizer.empty() || o.out.empty())

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "gpu/error.h"
+#include "gpu/quant.h"
 
 namespace disagg::gpu {
 
@@ -68,17 +69,17 @@ class Backend {
   virtual void embedding(const float* table, const int* tokens, float* out, int rows, int dim) = 0;
 
   // ---- quantized weights (gpu/quant.h; the rule: fixed_math.h). W[n][k] in
-  // ggml's Q8_0 blocks, row after row, in device memory (the CPU's: the
-  // model file's mapping itself). A backend without these kernels says so.
-  // C[m,n] = A[m,k] W^T.
-  virtual void matmul_q8_0(const float* a, const void* w, float* c, int m, int n, int k) {
+  // ggml's blocks of `type` (q8_0, q4_0), row after row, in device memory
+  // (the CPU's: the model file's mapping itself). A backend without these
+  // kernels says so. C[m,n] = A[m,k] W^T.
+  virtual void matmul_quantized(WeightType type, const float* a, const void* w, float* c, int m, int n, int k) {
     (void)a, (void)w, (void)c, (void)m, (void)n, (void)k;
-    throw Error(name() + ": no Q8_0 kernels (the CPU backend has them)");
+    throw Error(name() + ": no " + to_string(type) + " kernels (the CPU backend has them)");
   }
-  // out[r] = row tokens[r] of a Q8_0 table dequantized (d * q, one multiply a value).
-  virtual void embedding_q8_0(const void* table, const int* tokens, float* out, int rows, int dim) {
+  // out[r] = row tokens[r] of a quantized table dequantized (d * q, one multiply a value).
+  virtual void embedding_quantized(WeightType type, const void* table, const int* tokens, float* out, int rows, int dim) {
     (void)table, (void)tokens, (void)out, (void)rows, (void)dim;
-    throw Error(name() + ": no Q8_0 kernels (the CPU backend has them)");
+    throw Error(name() + ": no " + to_string(type) + " kernels (the CPU backend has them)");
   }
   // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + 1e-5); out may equal x.
   virtual void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) = 0;

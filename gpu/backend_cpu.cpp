@@ -122,9 +122,9 @@ class CpuBackend final : public Backend {
       if (p0 < p1) k_.matmul(a, w, c, m, n, k, p0, p1);
     }
   }
-  void matmul_q8_0(const float* a, const void* w, float* c, int m, int n, int k) override {
+  void matmul_quantized(WeightType type, const float* a, const void* w, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
-    if (k % kQ8Block != 0) throw Error("matmul_q8_0: k = " + std::to_string(k) + " is not a multiple of 32");
+    if (k % kQ8Block != 0) throw Error("matmul_quantized: k = " + std::to_string(k) + " is not a multiple of 32");
     // The rule's first step, once per row for every column: the activations per block.
     const size_t blocks = size_t(k / kQ8Block);
     if (q8_scales_.size() < size_t(m) * blocks) q8_scales_.resize(size_t(m) * blocks);
@@ -133,20 +133,21 @@ class CpuBackend final : public Backend {
       quantize_activations(a + size_t(r) * k, k, q8_scales_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k);
     const auto* wb = static_cast<const uint8_t*>(w);
     if (size_t(m) * n * k < kParallelWork) {
-      k_.matmul_q8_0(q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, 0, n);
+      k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, 0, n);
       return;
     }
     // Each thread its own columns, as matmul.
 #pragma omp parallel
     {
       const auto [c0, c1] = share(n, omp_get_thread_num(), omp_get_num_threads());
-      if (c0 < c1) k_.matmul_q8_0(q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, c0, c1);
+      if (c0 < c1) k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, c0, c1);
     }
   }
-  void embedding_q8_0(const void* table, const int* tokens, float* out, int rows, int dim) override {
-    const size_t row = row_bytes(WeightType::q8_0, dim);
+  void embedding_quantized(WeightType type, const void* table, const int* tokens, float* out, int rows,
+                           int dim) override {
+    const size_t row = row_bytes(type, dim);
     for_each_index(size_t(rows) * dim, rows, [&](long long r) {
-      dequantize_row_q8_0(static_cast<const uint8_t*>(table) + size_t(tokens[r]) * row, out + size_t(r) * dim, dim);
+      dequantize_row(type, static_cast<const uint8_t*>(table) + size_t(tokens[r]) * row, out + size_t(r) * dim, dim);
     });
   }
   void embedding(const float* table, const int* tokens, float* out, int rows, int dim) override {
@@ -221,7 +222,7 @@ class CpuBackend final : public Backend {
   static constexpr size_t kAlign = 64;  // cache line: vector loads never split one
   const cpu::KernelTable& k_;
   std::vector<std::vector<float>> scratch_;  // per OpenMP thread: attention's running outputs, maxima, sums
-  std::vector<float> q8_scales_;   // matmul_q8_0: the activations' block scales (m x k/32)
+  std::vector<float> q8_scales_;   // matmul_quantized: the activations' block scales (m x k/32)
   std::vector<int8_t> q8_values_;  // and values (m x k)
 };
 

@@ -192,16 +192,17 @@ void Checkpoint::load_gguf(size_t file_size) {
       throw Error(path_ + ": tensor " + name + ": type " + gguf::ggml_type_name(t.type) + " (a norm must be f32)");
     return reinterpret_cast<const float*>(bytes + t.offset);
   };
-  // A matrix, "out x in" (dims {in, out}): f32 or q8_0, as stored.
+  // A matrix, "out x in" (dims {in, out}): f32, q8_0 or q4_0, as stored.
   auto matrix = [&](const std::string& name, int64_t in, int64_t out) {
     const gguf::TensorInfo& t = find(name, {in, out});
     Matrix m;
     m.data = bytes + t.offset;
     if (t.type == uint32_t(gguf::TensorType::f32) && t.offset % alignof(float) == 0) m.type = WeightType::f32;
     else if (t.type == uint32_t(gguf::TensorType::q8_0)) m.type = WeightType::q8_0;
+    else if (t.type == uint32_t(gguf::TensorType::q4_0)) m.type = WeightType::q4_0;
     else
       throw Error(path_ + ": tensor " + name + ": type " + gguf::ggml_type_name(t.type) +
-                  " (the engine computes with f32 and q8_0 matrices so far)");
+                  " (the engine computes with f32, q8_0 and q4_0 matrices so far)");
     return m;
   };
   const int64_t dim = c.dim, hidden = c.hidden_dim, q_dim = int64_t(c.n_heads) * c.head_size(), kv_dim = c.kv_dim();
@@ -369,7 +370,8 @@ void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, cons
   gguf::Writer w;
   w.add("general.architecture", gguf::Writer::str("llama"));
   w.add("general.name", gguf::Writer::str(name));
-  w.add("general.file_type", gguf::Writer::u32(type == WeightType::q8_0 ? 7 : 0));  // llama_ftype: ALL_F32, MOSTLY_Q8_0
+  // llama_ftype: ALL_F32 0, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7.
+  w.add("general.file_type", gguf::Writer::u32(type == WeightType::q8_0 ? 7 : type == WeightType::q4_0 ? 2 : 0));
   w.add("llama.context_length", gguf::Writer::u32(uint32_t(c.seq_len)));
   w.add("llama.embedding_length", gguf::Writer::u32(uint32_t(c.dim)));
   w.add("llama.block_count", gguf::Writer::u32(uint32_t(c.n_layers)));
@@ -411,10 +413,11 @@ void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, cons
     if (!m.f32()) throw Error(path + ": write_gguf reads f32 weights only");
     if (type == WeightType::f32 || in % kQ8Block != 0) return add(tensor, m.f32(), {in, out});
     const float* data = m.f32();
-    w.add_tensor(tensor, {in, out}, uint32_t(gguf::TensorType::q8_0), [data, in, out, &path](std::FILE* f) {
-      std::vector<uint8_t> row(row_bytes(WeightType::q8_0, int(in)));
+    const uint32_t ggml_type = uint32_t(type == WeightType::q8_0 ? gguf::TensorType::q8_0 : gguf::TensorType::q4_0);
+    w.add_tensor(tensor, {in, out}, ggml_type, [data, in, out, type, &path](std::FILE* f) {
+      std::vector<uint8_t> row(row_bytes(type, int(in)));
       for (int64_t r = 0; r < out; ++r) {
-        quantize_row_q8_0(data + size_t(r) * size_t(in), row.data(), int(in));
+        quantize_row(type, data + size_t(r) * size_t(in), row.data(), int(in));
         if (std::fwrite(row.data(), 1, row.size(), f) != row.size()) throw Error(path + ": write failed");
       }
     });

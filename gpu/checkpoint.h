@@ -1,6 +1,6 @@
 // A memory-mapped model file: a llama2.c checkpoint (format:
 // ../shared/models/README.md) or a GGUF file of the llama architecture with
-// F32 or Q8_0 matrices (gpu/gguf.h; its vocabulary too). open() tells them
+// F32, Q8_0 or Q4_0 matrices (gpu/gguf.h; its vocabulary too). open() tells them
 // apart by the GGUF magic. Weights stay in the mapping, in their type.
 #pragma once
 #include <cstddef>
@@ -97,9 +97,10 @@ Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokeni
 
 // Writes `checkpoint`'s weights (F32) and `vocabulary` as a GGUF v3 file of
 // the llama architecture (tensor names and metadata as llama.cpp's
-// converter writes them; general.name `name`). With `type` q8_0 every
-// matrix (embedding, projections, classifier) is quantized as ggml's
-// reference quantizer does (quantize_row_q8_0); norms stay F32. Throws Error.
+// converter writes them; general.name `name`). With `type` q8_0 or q4_0
+// every matrix (embedding, projections, classifier) whose rows are whole
+// blocks is quantized as ggml's reference quantizer does (quantize_row);
+// norms stay F32. Throws Error.
 void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, const std::string& name,
                 const std::string& path, WeightType type = WeightType::f32);
 

@@ -85,7 +85,7 @@ class LayerMatrices {
   // c = a W_l^T for `rows` rows of a.
   void mul(Backend& b, size_t l, const float* a, float* c, int rows) const {
     if (type_ == WeightType::f32) b.matmul(a, packed_.get() + l * stride_, c, rows, n_, k_);
-    else b.matmul_q8_0(a, layers_[l], c, rows, n_, k_);
+    else b.matmul_quantized(type_, a, layers_[l], c, rows, n_, k_);
   }
 
  private:
@@ -93,8 +93,8 @@ class LayerMatrices {
   int n_, k_;
   size_t stride_ = 0;
   DeviceArray<float> packed_;      // f32
-  DeviceArray<uint8_t> blocks_;    // q8_0 on a device backend
-  std::vector<const void*> layers_;  // q8_0: each layer's rows (device pointers)
+  DeviceArray<uint8_t> blocks_;    // quantized, on a device backend
+  std::vector<const void*> layers_;  // quantized: each layer's rows (device pointers)
 };
 
 std::vector<Matrix> per_layer(const std::vector<LayerWeights>& layers, Matrix LayerWeights::*field) {
@@ -250,8 +250,8 @@ struct Engine::Impl {
   // embedding table's matrix when shared.
   WeightType embedding_type;
   DeviceArray<float> token_embedding;   // (vocab, dim), f32
-  DeviceArray<uint8_t> token_blocks;    // q8_0 on a device backend
-  const void* token_rows = nullptr;     // q8_0: the table's rows (device pointer)
+  DeviceArray<uint8_t> token_blocks;    // quantized, on a device backend
+  const void* token_rows = nullptr;     // quantized: the table's rows (device pointer)
   DeviceArray<float> rms_att;           // (layers, dim)
   LayerMatrices wq, wk, wv, wo;         // (dim, dim), (kv_dim, dim) x2, (dim, dim)
   DeviceArray<float> rms_ffn;           // (layers, dim)
@@ -310,7 +310,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   const int* pos_ = positions.get();
 
   if (embedding_type == WeightType::f32) b.embedding(token_embedding.get(), tokens.get(), x_, rows, n_dim);
-  else b.embedding_q8_0(token_rows, tokens.get(), x_, rows, n_dim);
+  else b.embedding_quantized(embedding_type, token_rows, tokens.get(), x_, rows, n_dim);
 
   for (size_t l = 0; l < layers; ++l) {
     // attention block

@@ -1,5 +1,6 @@
 #include "gpu/quant.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -15,12 +16,17 @@ const char* to_string(WeightType type) {
   switch (type) {
     case WeightType::f32: return "f32";
     case WeightType::q8_0: return "q8_0";
+    case WeightType::q4_0: return "q4_0";
   }
   return "unknown";
 }
 
+size_t block_bytes(WeightType type) {
+  return type == WeightType::q8_0 ? kQ8BlockBytes : type == WeightType::q4_0 ? kQ4BlockBytes : sizeof(float);
+}
+
 size_t row_bytes(WeightType type, int k) {
-  return type == WeightType::q8_0 ? size_t(k / kQ8Block) * kQ8BlockBytes : size_t(k) * sizeof(float);
+  return type == WeightType::f32 ? size_t(k) * sizeof(float) : size_t(k / kQ8Block) * block_bytes(type);
 }
 
 float half_to_float(uint16_t h) {
@@ -92,37 +98,77 @@ void quantize_row_q8_0(const float* x, uint8_t* out, int k) {
   }
 }
 
+void quantize_row_q4_0(const float* x, uint8_t* out, int k) {
+  if (k % kQ8Block != 0) throw Error("quantize_row_q4_0: " + std::to_string(k) + " is not a multiple of 32");
+  for (int b = 0; b < k / kQ8Block; ++b) {
+    const float* v = x + size_t(b) * kQ8Block;
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < kQ8Block; ++j)
+      if (amax < std::fabs(v[j])) {
+        amax = std::fabs(v[j]);
+        max = v[j];
+      }
+    const float d = max / -8.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    uint8_t* block = out + size_t(b) * kQ4BlockBytes;
+    const uint16_t dh = float_to_half(d);
+    std::memcpy(block, &dh, 2);
+    for (int j = 0; j < kQ8Block / 2; ++j) {
+      const int lo = std::min(15, int(int8_t(v[j] * id + 8.5f)));
+      const int hi = std::min(15, int(int8_t(v[j + kQ8Block / 2] * id + 8.5f)));
+      block[2 + j] = uint8_t(lo | (hi << 4));
+    }
+  }
+}
+
+void quantize_row(WeightType type, const float* x, uint8_t* out, int k) {
+  if (type == WeightType::q8_0) quantize_row_q8_0(x, out, k);
+  else if (type == WeightType::q4_0) quantize_row_q4_0(x, out, k);
+  else throw Error(std::string("quantize_row: ") + to_string(type) + " is not a quantized type");
+}
+
+float unpack_block(WeightType type, const uint8_t* block, int8_t* values) {
+  uint16_t dh;
+  std::memcpy(&dh, block, 2);
+  if (type == WeightType::q8_0) {
+    std::memcpy(values, block + 2, kQ8Block);
+  } else {
+    for (int j = 0; j < kQ8Block / 2; ++j) {
+      values[j] = int8_t((block[2 + j] & 0x0f) - 8);
+      values[j + kQ8Block / 2] = int8_t((block[2 + j] >> 4) - 8);
+    }
+  }
+  return half_to_float(dh);
+}
+
 void quantize_activations(const float* a, int k, float* scales, int8_t* q) {
   for (int b = 0; b < k / kQ8Block; ++b)
     scales[b] = fixed::quantize_q8_block(a + size_t(b) * kQ8Block, q + size_t(b) * kQ8Block);
 }
 
-void dequantize_row_q8_0(const uint8_t* row, float* out, int k) {
+void dequantize_row(WeightType type, const uint8_t* row, float* out, int k) {
+  int8_t values[kQ8Block];
   for (int b = 0; b < k / kQ8Block; ++b) {
-    const uint8_t* block = row + size_t(b) * kQ8BlockBytes;
-    uint16_t dh;
-    std::memcpy(&dh, block, 2);
-    const float d = half_to_float(dh);
-    for (int j = 0; j < kQ8Block; ++j) out[size_t(b) * kQ8Block + j] = d * float(int8_t(block[2 + j]));
+    const float d = unpack_block(type, row + size_t(b) * block_bytes(type), values);
+    for (int j = 0; j < kQ8Block; ++j) out[size_t(b) * kQ8Block + j] = d * float(values[j]);
   }
 }
 
-void matmul_q8_0_reference(const float* a, const uint8_t* w, float* c, int m, int n, int k) {
+void matmul_quantized_reference(WeightType type, const float* a, const uint8_t* w, float* c, int m, int n, int k) {
   const int blocks = k / kQ8Block;
   std::vector<float> scales(static_cast<size_t>(blocks));
   std::vector<int8_t> q(static_cast<size_t>(k));
   for (int r = 0; r < m; ++r) {
     quantize_activations(a + size_t(r) * k, k, scales.data(), q.data());
     for (int col = 0; col < n; ++col) {
-      const uint8_t* row = w + size_t(col) * blocks * kQ8BlockBytes;
+      const uint8_t* row = w + size_t(col) * row_bytes(type, k);
       float acc = 0.0f;
       for (int b = 0; b < blocks; ++b) {
-        const uint8_t* block = row + size_t(b) * kQ8BlockBytes;
-        uint16_t dh;
-        std::memcpy(&dh, block, 2);
+        int8_t values[kQ8Block];
+        const float d = unpack_block(type, row + size_t(b) * block_bytes(type), values);
         int32_t isum = 0;
-        for (int j = 0; j < kQ8Block; ++j) isum += int32_t(int8_t(block[2 + j])) * int32_t(q[size_t(b) * kQ8Block + j]);
-        acc = std::fma(float(isum), half_to_float(dh) * scales[size_t(b)], acc);
+        for (int j = 0; j < kQ8Block; ++j) isum += int32_t(values[j]) * int32_t(q[size_t(b) * kQ8Block + j]);
+        acc = std::fma(float(isum), d * scales[size_t(b)], acc);
       }
       c[size_t(r) * n + col] = acc;
     }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gpu/backend.h"
+#include "gpu/quant.h"
 
 namespace disagg::gpu::cpu {
 
@@ -57,11 +58,11 @@ struct KernelTable {
   void (*swiglu)(float* gate, const float* up, long long begin, long long end);
   // y[i] = fixed_exp(x[i]) with this ISA's vector code (tests).
   void (*exp)(const float* x, float* y, long long n);
-  // C[m][n] = A W^T for the columns [col_begin, col_end) with W[n][k] in Q8_0
-  // rows and A already quantized (quantize_activations: per row k/32 scales
-  // in `scales`, k int8 in `qa`); gpu/cpu/q8_kernels.inl.
-  void (*matmul_q8_0)(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k,
-                      int col_begin, int col_end);
+  // C[m][n] = A W^T for the columns [col_begin, col_end) with W[n][k] in
+  // rows of `type` (q8_0, q4_0) and A already quantized (quantize_activations:
+  // per row k/32 scales in `scales`, k int8 in `qa`); gpu/cpu/q8_kernels.inl.
+  void (*matmul_quantized)(WeightType type, const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m,
+                           int n, int k, int col_begin, int col_end);
 };
 
 const KernelTable& generic_kernels();

@@ -1,12 +1,12 @@
-// The Q8_0 matrix product of one instruction set (the rule: gpu/fixed_math.h,
-// "quantized matrix product"; the reference: gpu/quant.cpp
-// matmul_q8_0_reference). Included by each gpu/cpu/isa_*.cpp inside its
-// namespace: with AVX2 (the avx2 and avx512 compilations) a block's 32
-// products are summed by vpmaddubsw / vpmaddwd, otherwise by a scalar loop;
-// the sums are exact integers either way, so every compilation returns the
-// same bits.
+// The quantized matrix products (Q8_0, Q4_0) of one instruction set (the
+// rule: gpu/fixed_math.h, "quantized matrix product"; the reference:
+// gpu/quant.cpp matmul_quantized_reference). Included by each
+// gpu/cpu/isa_*.cpp inside its namespace: with AVX2 (the avx2 and avx512
+// compilations) a block's 32 products are summed by vpmaddubsw / vpmaddwd,
+// otherwise by a scalar loop; the sums are exact integers either way, so
+// every compilation returns the same bits. T is the weights' type.
 
-// A Q8_0 block's half-precision scale as a float (exact).
+// A block's half-precision scale as a float (exact).
 inline float q8_scale(const uint8_t* block) {
   uint16_t h;
   std::memcpy(&h, block, 2);
@@ -18,10 +18,26 @@ inline float q8_scale(const uint8_t* block) {
   return f;
 }
 
-// sum_j w[j] * a[j] over one block of 32, exactly.
-inline int32_t q8_dot32(const int8_t* w, const int8_t* a) {
 #if defined(__AVX2__)
-  const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+// A block's 32 weights as int8, in value order.
+template <WeightType T>
+inline __m256i q8_weights(const uint8_t* block) {
+  if constexpr (T == WeightType::q8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(packed, nibble), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+    return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+  }
+}
+#endif
+
+// sum_j w[j] * a[j] over one block of 32, exactly.
+template <WeightType T>
+inline int32_t q8_dot32(const uint8_t* block, const int8_t* a) {
+#if defined(__AVX2__)
+  const __m256i qw = q8_weights<T>(block);
   const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
   // |w| (as unsigned) times a with w's sign: pairs of products in int16
   // (at most 2 * 128 * 127: no saturation, as |a| <= 127), then in int32.
@@ -32,6 +48,8 @@ inline int32_t q8_dot32(const int8_t* w, const int8_t* a) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(s);
 #else
+  int8_t w[kQ8Block];
+  unpack_block(T, block, w);
   int32_t sum = 0;
   for (int j = 0; j < kQ8Block; ++j) sum += int32_t(w[j]) * int32_t(a[j]);
   return sum;
@@ -39,6 +57,7 @@ inline int32_t q8_dot32(const int8_t* w, const int8_t* a) {
 }
 
 // One output: row r of the activations against column `col`'s weights.
+template <WeightType T>
 inline float q8_one(const float* scales, const int8_t* qa, const uint8_t* w, int k, int blocks, size_t row_size,
                     int r, int col) {
   const uint8_t* wrow = w + size_t(col) * row_size;
@@ -46,8 +65,8 @@ inline float q8_one(const float* scales, const int8_t* qa, const uint8_t* w, int
   const int8_t* q = qa + size_t(r) * k;
   float acc = 0.0f;
   for (int b = 0; b < blocks; ++b) {
-    const uint8_t* block = wrow + size_t(b) * kQ8BlockBytes;
-    const int32_t isum = q8_dot32(reinterpret_cast<const int8_t*>(block + 2), q + size_t(b) * kQ8Block);
+    const uint8_t* block = wrow + size_t(b) * block_bytes(T);
+    const int32_t isum = q8_dot32<T>(block, q + size_t(b) * kQ8Block);
     acc = std::fma(float(isum), q8_scale(block) * s[b], acc);
   }
   return acc;
@@ -64,7 +83,7 @@ inline __m256i q8_hsum8(const __m256i* v) {
 // R rows x C columns (R * C = 8 outputs, one a lane) from (r0, c0): each
 // block's 8 exact sums at once, then each lane's fma of the rule, in block
 // order, as q8_one computes it.
-template <int R, int C>
+template <WeightType T, int R, int C>
 inline void q8_tile(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int n, int k, int blocks,
                     size_t row_size, int r0, int c0) {
   static_assert(R * C == 8, "one output a lane");
@@ -74,9 +93,9 @@ inline void q8_tile(const float* scales, const int8_t* qa, const uint8_t* w, flo
     __m256i sums[8];
     alignas(32) float scale[8];
     for (int ci = 0; ci < C; ++ci) {
-      const uint8_t* block = w + size_t(c0 + ci) * row_size + size_t(b) * kQ8BlockBytes;
+      const uint8_t* block = w + size_t(c0 + ci) * row_size + size_t(b) * block_bytes(T);
       const float dw = q8_scale(block);
-      const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+      const __m256i qw = q8_weights<T>(block);
       const __m256i wabs = _mm256_sign_epi8(qw, qw);
       for (int ri = 0; ri < R; ++ri) {
         const __m256i qv = _mm256_loadu_si256(
@@ -107,10 +126,11 @@ constexpr int kQ8TileCols = 1;
 // `scales` m x k/32, `qa` m x k): tiles of 8 rows x 1 column under AVX2 (a
 // prefill, a batch of 8 or more); single outputs at the edges, for fewer
 // rows (a decode step: one weight row streamed at a time) and otherwise.
-void matmul_q8_0_columns(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k,
-                         int col_begin, int col_end) {
+template <WeightType T>
+void matmul_quantized_columns(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k,
+                              int col_begin, int col_end) {
   const int blocks = k / kQ8Block;
-  const size_t row_size = size_t(blocks) * kQ8BlockBytes;
+  const size_t row_size = size_t(blocks) * block_bytes(T);
   for (int r0 = 0; r0 < m; r0 += kQ8RowBlock) {
     const int r1 = std::min(m, r0 + kQ8RowBlock);
     int col = col_begin;
@@ -118,13 +138,19 @@ void matmul_q8_0_columns(const float* scales, const int8_t* qa, const uint8_t* w
     if (r1 - r0 >= kQ8TileRows) {
       for (; col + kQ8TileCols <= col_end; col += kQ8TileCols) {
         int r = r0;
-        for (; r + kQ8TileRows <= r1; r += kQ8TileRows) q8_tile<kQ8TileRows, kQ8TileCols>(scales, qa, w, c, n, k, blocks, row_size, r, col);
+        for (; r + kQ8TileRows <= r1; r += kQ8TileRows) q8_tile<T, kQ8TileRows, kQ8TileCols>(scales, qa, w, c, n, k, blocks, row_size, r, col);
         for (; r < r1; ++r)
-          for (int ci = 0; ci < kQ8TileCols; ++ci) c[size_t(r) * n + col + ci] = q8_one(scales, qa, w, k, blocks, row_size, r, col + ci);
+          for (int ci = 0; ci < kQ8TileCols; ++ci) c[size_t(r) * n + col + ci] = q8_one<T>(scales, qa, w, k, blocks, row_size, r, col + ci);
       }
     }
 #endif
     for (; col < col_end; ++col)
-      for (int r = r0; r < r1; ++r) c[size_t(r) * n + col] = q8_one(scales, qa, w, k, blocks, row_size, r, col);
+      for (int r = r0; r < r1; ++r) c[size_t(r) * n + col] = q8_one<T>(scales, qa, w, k, blocks, row_size, r, col);
   }
+}
+
+void matmul_quantized(WeightType type, const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n,
+                      int k, int col_begin, int col_end) {
+  if (type == WeightType::q8_0) matmul_quantized_columns<WeightType::q8_0>(scales, qa, w, c, m, n, k, col_begin, col_end);
+  else matmul_quantized_columns<WeightType::q4_0>(scales, qa, w, c, m, n, k, col_begin, col_end);
 }

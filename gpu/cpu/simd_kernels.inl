@@ -399,6 +399,6 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
 
 const KernelTable& table() {
   static const KernelTable t{kIsaName, &matmul_panels, &attention_group, &swiglu_range, &exp_array,
-                             &matmul_q8_0_columns};
+                             &matmul_quantized};
   return t;
 }

@@ -2,13 +2,15 @@
 // F16C instructions, Q8_0 quantization as ggml's reference does it, the
 // Q8_0 matrix product of every kernel set bit for bit against its naive
 // reference (gpu/quant.cpp) and independent of the batch and the threads,
-// and a Q8_0 model: prefill equals stepwise decode, the same tokens under
-// every kernel set, and how closely it follows the F32 model.
+// and Q8_0 and Q4_0 models: prefill equals stepwise decode, byte for byte the
+// peer converter's files, and how closely they follow the F32 model.
 #include <gtest/gtest.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -85,25 +87,54 @@ TEST(Quant, QuantizeRowQ8_0IsGgmlsReference) {
   quantize_row_q8_0(zeros, block, 32);
   for (uint8_t b : block) EXPECT_EQ(b, 0);
   std::vector<float> back(32);
-  dequantize_row_q8_0(block, back.data(), 32);
+  dequantize_row(WeightType::q8_0, block, back.data(), 32);
   for (float v : back) EXPECT_EQ(v, 0.0f);
 }
 
-// Q8_0 rows of n x k from seeded values, with the blocks that test the
-// edges: a zero block, a -128 weight, a subnormal scale.
-std::vector<uint8_t> q8_matrix(int n, int k, uint32_t seed) {
+TEST(Quant, QuantizeRowQ4_0IsGgmlsReference) {
+  // The value of largest magnitude sets d = m / -8; q = min(15, int8(x / d + 8.5)).
+  float x[32];
+  for (int j = 0; j < 32; ++j) x[j] = float(j) * 0.05f - 1.0f;  // in [-1, 0.55]
+  x[20] = 2.0f;  // now the largest, positive: d = -0.25, so 2.0 -> q = 0 (value -8 * d = 2)
+  uint8_t block[18];
+  quantize_row_q4_0(x, block, 32);
+  uint16_t dh;
+  std::memcpy(&dh, block, 2);
+  EXPECT_EQ(dh, float_to_half(-0.25f));
+  int8_t values[32];
+  EXPECT_EQ(unpack_block(WeightType::q4_0, block, values), -0.25f);
+  EXPECT_EQ(values[20], -8);  // 2.0 / -0.25 + 8.5 = 0.5 -> 0 -> -8
+  for (int j = 0; j < 32; ++j) {
+    const int want = std::min(15, int(int8_t(x[j] * (1.0f / -0.25f) + 8.5f))) - 8;
+    EXPECT_EQ(values[j], want) << j;
+  }
+  // Byte j: value j low, value j + 16 high.
+  EXPECT_EQ(block[2 + 4] & 0x0f, values[4] + 8);
+  EXPECT_EQ(block[2 + 4] >> 4, values[20] + 8);
+  std::vector<float> back(32);
+  dequantize_row(WeightType::q4_0, block, back.data(), 32);
+  EXPECT_EQ(back[20], 2.0f);
+}
+
+// Rows of n x k in `type` from seeded values, with the blocks that test the
+// edges: a zero block, the most negative weight (Q8_0 -128, Q4_0 -8), a
+// subnormal scale.
+std::vector<uint8_t> quantized_matrix(WeightType type, int n, int k, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   std::vector<float> w(size_t(n) * k);
   for (float& v : w) v = u(rng);
-  std::vector<uint8_t> q(size_t(n) * row_bytes(WeightType::q8_0, k));
-  for (int r = 0; r < n; ++r) quantize_row_q8_0(w.data() + size_t(r) * k, q.data() + size_t(r) * row_bytes(WeightType::q8_0, k), k);
-  std::memset(q.data() + 2, 0, 32);                       // row 0, block 0: all zero weights
-  q[kQ8BlockBytes + 2 + 7] = 0x80;                        // row 0, block 1: a -128 weight
+  const size_t row = row_bytes(type, k), block = block_bytes(type);
+  std::vector<uint8_t> q(size_t(n) * row);
+  for (int r = 0; r < n; ++r) quantize_row(type, w.data() + size_t(r) * k, q.data() + size_t(r) * row, k);
+  std::memset(q.data() + 2, type == WeightType::q4_0 ? 0x88 : 0, block - 2);  // row 0, block 0: all zero weights
+  if (k > 32) q[block + 2 + 7] = type == WeightType::q4_0 ? 0x00 : 0x80;     // row 0, block 1: the most negative
   const uint16_t subnormal = 0x0003;
-  if (n > 1) std::memcpy(q.data() + row_bytes(WeightType::q8_0, k), &subnormal, 2);  // row 1, block 0
+  if (n > 1) std::memcpy(q.data() + row, &subnormal, 2);  // row 1, block 0
   return q;
 }
+
+const WeightType kQuantized[] = {WeightType::q8_0, WeightType::q4_0};
 
 std::vector<float> activations(int m, int k, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -114,28 +145,30 @@ std::vector<float> activations(int m, int k, uint32_t seed) {
   return a;
 }
 
-TEST(Quant, EveryKernelSetsQ8_0ProductIsItsReferenceBitForBit) {
+TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
+  for (const WeightType type : kQuantized)
   for (const std::string& isa : cpu::supported_isas()) {
     const auto& kt = cpu::kernels_for(isa);
     // Single outputs, 1 x 8 and 2 x 4 tiles with edges, and more than one row block (64).
     for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {1, 37, 96}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096},
                                   {130, 13, 64}}) {
-      SCOPED_TRACE(isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k));
-      const auto w = q8_matrix(n, k, uint32_t(n + k));
+      SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                   " k=" + std::to_string(k));
+      const auto w = quantized_matrix(type, n, k, uint32_t(n + k));
       const auto a = activations(m, k, uint32_t(m * 7 + k));
       std::vector<float> want(size_t(m) * n), got(size_t(m) * n, -1.0f);
-      matmul_q8_0_reference(a.data(), w.data(), want.data(), m, n, k);
+      matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
       std::vector<float> scales(size_t(m) * k / 32);
       std::vector<int8_t> q(size_t(m) * k);
       for (int r = 0; r < m; ++r)
         quantize_activations(a.data() + size_t(r) * k, k, scales.data() + size_t(r) * k / 32, q.data() + size_t(r) * k);
       // Two column ranges, as two threads would.
-      kt.matmul_q8_0(scales.data(), q.data(), w.data(), got.data(), m, n, k, 0, n / 2);
-      kt.matmul_q8_0(scales.data(), q.data(), w.data(), got.data(), m, n, k, n / 2, n);
+      kt.matmul_quantized(type, scales.data(), q.data(), w.data(), got.data(), m, n, k, 0, n / 2);
+      kt.matmul_quantized(type, scales.data(), q.data(), w.data(), got.data(), m, n, k, n / 2, n);
       ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
       // The reference is a Q8_0 product at all: close to the float product of the dequantized weights.
       std::vector<float> deq(static_cast<size_t>(k));
-      dequantize_row_q8_0(w.data() + row_bytes(WeightType::q8_0, k) * size_t(n - 1), deq.data(), k);
+      dequantize_row(type, w.data() + row_bytes(type, k) * size_t(n - 1), deq.data(), k);
       double exact = 0, scale = 0;
       for (int j = 0; j < k; ++j) exact += double(a[size_t(m - 1) * k + j]) * deq[size_t(j)], scale += std::fabs(a[size_t(m - 1) * k + j] * deq[size_t(j)]);
       EXPECT_NEAR(want[size_t(m - 1) * n + n - 1], exact, 0.02 * scale + 1e-6);
@@ -145,56 +178,64 @@ TEST(Quant, EveryKernelSetsQ8_0ProductIsItsReferenceBitForBit) {
 
 // Through the backend (threads, its own activation scratch): a row's result
 // does not depend on the other rows of the batch.
-TEST(Quant, TheBackendsQ8_0ProductDoesNotDependOnTheBatch) {
+TEST(Quant, TheBackendsQuantizedProductDoesNotDependOnTheBatch) {
+  for (const WeightType type : kQuantized) {
+  SCOPED_TRACE(to_string(type));
   const int m = 9, n = 300, k = 512;
-  const auto w = q8_matrix(n, k, 11);
+  const auto w = quantized_matrix(type, n, k, 11);
   const auto a = activations(m, k, 12);
   auto b = make_cpu_backend();
   DeviceArray<float> da(*b), dc(*b, size_t(m) * n);
   da.upload(a.data(), a.size());
-  b->matmul_q8_0(da.get(), w.data(), dc.get(), m, n, k);
+  b->matmul_quantized(type, da.get(), w.data(), dc.get(), m, n, k);
   std::vector<float> all(size_t(m) * n);
   dc.download(all.data(), all.size());
   std::vector<float> want(size_t(m) * n);
-  matmul_q8_0_reference(a.data(), w.data(), want.data(), m, n, k);
+  matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
   EXPECT_EQ(std::memcmp(all.data(), want.data(), all.size() * sizeof(float)), 0);
   for (int r = 0; r < m; ++r) {
     DeviceArray<float> one(*b), out(*b, size_t(n));
     one.upload(a.data() + size_t(r) * k, size_t(k));
-    b->matmul_q8_0(one.get(), w.data(), out.get(), 1, n, k);
+    b->matmul_quantized(type, one.get(), w.data(), out.get(), 1, n, k);
     std::vector<float> row(static_cast<size_t>(n));
     out.download(row.data(), row.size());
     ASSERT_EQ(std::memcmp(row.data(), all.data() + size_t(r) * n, row.size() * sizeof(float)), 0) << "row " << r;
   }
+  }
 }
 
-// The shared model as Q8_0 (write_gguf, ggml's reference quantizer), written once.
-std::shared_ptr<const Checkpoint> q8_model() {
-  static const auto checkpoint = [] {
-    const std::string out = test::make_temp_dir("q8-model") + "/stories260K-q8_0.gguf";
+// The shared model in a quantized type (write_gguf, ggml's reference
+// quantizer), written once per type.
+std::shared_ptr<const Checkpoint> quantized_model(WeightType type) {
+  static std::map<WeightType, std::shared_ptr<const Checkpoint>> models;
+  auto& cp = models[type];
+  if (!cp) {
+    const std::string out = test::make_temp_dir("quantized-model") + "/stories260K-" + to_string(type) + ".gguf";
     const auto f32 = Checkpoint::open(test::shared_model());
     write_gguf(*f32, Tokenizer::load(test::shared_tokenizer(), f32->config().vocab_size).vocabulary(), "stories260K",
-               out, WeightType::q8_0);
-    return Checkpoint::open(out);
-  }();
-  return checkpoint;
+               out, type);
+    cp = Checkpoint::open(out);
+  }
+  return cp;
 }
 
-TEST(QuantModel, AQ8_0ModelKeepsItsWeightsInTheirType) {
-  const auto cp = q8_model();
-  EXPECT_EQ(cp->weights().token_embedding.type, WeightType::q8_0);
-  EXPECT_EQ(cp->weights().layers[0].wq.type, WeightType::q8_0);
-  EXPECT_EQ(cp->weights().layers[4].w1.type, WeightType::q8_0);
+class QuantModel : public ::testing::TestWithParam<WeightType> {};
+
+TEST_P(QuantModel, KeepsItsWeightsInTheirType) {
+  const auto cp = quantized_model(GetParam());
+  EXPECT_EQ(cp->weights().token_embedding.type, GetParam());
+  EXPECT_EQ(cp->weights().layers[0].wq.type, GetParam());
+  EXPECT_EQ(cp->weights().layers[4].w1.type, GetParam());
   // Rows of 172 (hidden) are no whole blocks: w2 stays f32, as ggml's quantizer leaves them.
   EXPECT_EQ(cp->weights().layers[0].w2.type, WeightType::f32);
   EXPECT_TRUE(cp->weights().wcls == cp->weights().token_embedding);
   EXPECT_NE(cp->weights().layers[0].rms_att, nullptr);
 }
 
-// Prefill rows run the same arithmetic as decode steps: logits and KV agree
-// bit for bit, under whichever kernel set runs (the ISA invariants rerun it).
-TEST(QuantModel, PrefillOfAQ8_0ModelEqualsItsStepwiseDecode) {
-  Engine engine(q8_model());
+// Prefill rows run the same arithmetic as decode steps: logits agree bit for
+// bit, under whichever kernel set runs (the ISA invariants rerun it).
+TEST_P(QuantModel, PrefillEqualsStepwiseDecode) {
+  Engine engine(quantized_model(GetParam()));
   const std::vector<int> prompt = {1, 403, 407, 261, 378, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312};
   const PrefillOutput prefilled = engine.prefill(prompt);
   const int block = 16;
@@ -207,14 +248,15 @@ TEST(QuantModel, PrefillOfAQ8_0ModelEqualsItsStepwiseDecode) {
   EXPECT_EQ(std::memcmp(logits.data(), prefilled.logits.data(), logits.size() * sizeof(float)), 0);
 }
 
-// Greedy tokens of the Q8_0 model against the F32 model's (the shared
+// Greedy tokens of the quantized model against the F32 model's (the shared
 // reference) over every reference case: how many agree before the first
 // difference. Quantization changes the logits, so the share is a figure, not
-// identity (on this 64-wide model, 2 blocks a row, measured 38.6%; the
-// Q8_0 weights alone, dequantized into an F32 model, give 50.5%); printed
-// for the README, and a broken product (near 0%) fails.
-TEST(QuantModel, GreedyTokensOfQ8_0FollowTheF32Model) {
-  Engine engine(q8_model());
+// identity (on this 64-wide model, 2 blocks a row: Q8_0 38.6%, its weights
+// alone dequantized into an F32 model 50.5%; Q4_0 far less, as llama.cpp's
+// 5% on its own Q4_0 file in the peer tools' README); printed for the
+// README. A broken Q8_0 product (near 0%) fails.
+TEST_P(QuantModel, GreedyTokensFollowTheF32Model) {
+  Engine engine(quantized_model(GetParam()));
   size_t agreed = 0, total = 0;
   for (const auto& c : test::load_all_reference_cases()) {
     const GenerateResult r = generate(engine, c.prompt_tokens, c.max_new_tokens, SamplingParams{});
@@ -225,28 +267,29 @@ TEST(QuantModel, GreedyTokensOfQ8_0FollowTheF32Model) {
     // The same request twice: the same tokens (nothing carried over).
     EXPECT_EQ(generate(engine, c.prompt_tokens, c.max_new_tokens, SamplingParams{}).tokens, r.tokens);
   }
-  std::cout << "Q8_0 stories260K: " << agreed << " of " << total << " reference tokens ("
+  std::cout << to_string(GetParam()) << " stories260K: " << agreed << " of " << total << " reference tokens ("
             << (100.0 * double(agreed) / double(total)) << "%) agree before the first difference\n";
-  EXPECT_GT(double(agreed), 0.25 * double(total));
+  if (GetParam() == WeightType::q8_0) EXPECT_GT(double(agreed), 0.25 * double(total));
 }
 
 // The peer tools' converter (../shared/tools/peer/llama2c-to-gguf.py --type
-// q8_0, numpy; written by no one here) quantizes as ggml's reference does
-// too: every tensor both files have holds the same bytes, and its file
+// q8_0 / q4_0, numpy; written by no one here) quantizes as ggml's reference
+// does too: every tensor both files have holds the same bytes, and its file
 // gives our tokens.
-TEST(QuantModel, OurQ8_0TensorsAreThoseOfThePeersConverter) {
+TEST_P(QuantModel, OurTensorsAreThoseOfThePeersConverter) {
   const std::string script = test::shared_dir() + "/tools/peer/llama2c-to-gguf.py";
   if (!std::filesystem::exists(script)) GTEST_SKIP() << script << " is not there";
   if (test::run_command("/usr/bin/python3 -c 'import numpy' 2>/dev/null").second != 0)
     GTEST_SKIP() << "numpy (Debian python3-numpy) is not installed";
-  const std::string peer = test::make_temp_dir("peer-q8") + "/peer-q8_0.gguf";
+  const std::string type = to_string(GetParam());
+  const std::string peer = test::make_temp_dir("peer-quantized") + "/peer-" + type + ".gguf";
   const auto [log, status] = test::run_command("/usr/bin/python3 " + test::shell_quoted(script) + " " +
                                                test::shell_quoted(test::shared_model()) + " " +
                                                test::shell_quoted(test::shared_tokenizer()) + " " + test::shell_quoted(peer) +
-                                               " --type q8_0 --name stories260K 2>&1");
+                                               " --type " + type + " --name stories260K 2>&1");
   ASSERT_EQ(status, 0) << log;
   const auto theirs = Checkpoint::open(peer);
-  const auto ours = q8_model();
+  const auto ours = quantized_model(GetParam());
   auto read = [](const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), {});
@@ -254,7 +297,8 @@ TEST(QuantModel, OurQ8_0TensorsAreThoseOfThePeersConverter) {
   const auto their_bytes = read(peer), our_bytes = read(ours->path());
   const auto their_file = gguf::File::parse(their_bytes.data(), their_bytes.size(), peer);
   const auto our_file = gguf::File::parse(our_bytes.data(), our_bytes.size(), ours->path());
-  int compared = 0, q8 = 0;
+  const uint32_t ggml_type = uint32_t(GetParam() == WeightType::q8_0 ? gguf::TensorType::q8_0 : gguf::TensorType::q4_0);
+  int compared = 0, quantized = 0;
   for (const auto& t : our_file.tensors()) {
     const gguf::TensorInfo* u = their_file.tensor(t.name);
     ASSERT_NE(u, nullptr) << t.name;
@@ -262,15 +306,18 @@ TEST(QuantModel, OurQ8_0TensorsAreThoseOfThePeersConverter) {
     ASSERT_EQ(u->bytes, t.bytes) << t.name;
     EXPECT_EQ(std::memcmp(their_bytes.data() + u->offset, our_bytes.data() + t.offset, t.bytes), 0) << t.name;
     ++compared;
-    q8 += t.type == uint32_t(gguf::TensorType::q8_0);
+    quantized += t.type == ggml_type;
   }
-  EXPECT_GT(q8, 10);
-  std::cout << compared << " tensors compared, " << q8 << " of them q8_0\n";
+  EXPECT_GT(quantized, 10);
+  std::cout << compared << " tensors compared, " << quantized << " of them " << type << "\n";
   Engine a(ours), b(theirs);
   const auto c = test::load_all_reference_cases().front();
   EXPECT_EQ(generate(a, c.prompt_tokens, c.max_new_tokens, SamplingParams{}).tokens,
             generate(b, c.prompt_tokens, c.max_new_tokens, SamplingParams{}).tokens);
 }
+
+INSTANTIATE_TEST_SUITE_P(Types, QuantModel, ::testing::Values(WeightType::q8_0, WeightType::q4_0),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 }  // namespace
 }  // namespace disagg::gpu
