@@ -72,6 +72,32 @@ inline float q8_one(const float* scales, const int8_t* qa, const uint8_t* w, int
   return acc;
 }
 
+// Four outputs of one row (a decode step): columns col .. col + 3, each its
+// own chain of the rule's fmas, interleaved so that the four run at once.
+template <WeightType T>
+inline void q8_four(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int n, int k, int blocks,
+                    size_t row_size, int r, int col) {
+  const float* s = scales + size_t(r) * blocks;
+  const int8_t* q = qa + size_t(r) * k;
+  const uint8_t* wrow = w + size_t(col) * row_size;
+  float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* block = wrow + size_t(b) * block_bytes(T);
+    const int8_t* a = q + size_t(b) * kQ8Block;
+    const int32_t i0 = q8_dot32<T>(block, a), i1 = q8_dot32<T>(block + row_size, a),
+                  i2 = q8_dot32<T>(block + 2 * row_size, a), i3 = q8_dot32<T>(block + 3 * row_size, a);
+    acc0 = std::fma(float(i0), q8_scale(block) * s[b], acc0);
+    acc1 = std::fma(float(i1), q8_scale(block + row_size) * s[b], acc1);
+    acc2 = std::fma(float(i2), q8_scale(block + 2 * row_size) * s[b], acc2);
+    acc3 = std::fma(float(i3), q8_scale(block + 3 * row_size) * s[b], acc3);
+  }
+  float* out = c + size_t(r) * n + col;
+  out[0] = acc0;
+  out[1] = acc1;
+  out[2] = acc2;
+  out[3] = acc3;
+}
+
 #if defined(__AVX2__)
 // Lane i: the sum of v[i]'s 8 lanes (exact: int32).
 inline __m256i q8_hsum8(const __m256i* v) {
@@ -144,6 +170,11 @@ void matmul_quantized_columns(const float* scales, const int8_t* qa, const uint8
       }
     }
 #endif
+    // Q4_0: four columns at once (m50 decode, 1 thread, Zen 3: 2.85-3.0 s
+    // against 3.6 s for 333 tokens); Q8_0 ran slower so (4.7-5.9 s against 3.7-3.9 s for 400).
+    if constexpr (T == WeightType::q4_0)
+      for (; col + 4 <= col_end; col += 4)
+        for (int r = r0; r < r1; ++r) q8_four<T>(scales, qa, w, c, n, k, blocks, row_size, r, col);
     for (; col < col_end; ++col)
       for (int r = r0; r < r1; ++r) c[size_t(r) * n + col] = q8_one<T>(scales, qa, w, k, blocks, row_size, r, col);
   }

@@ -149,7 +149,7 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
   for (const WeightType type : kQuantized)
   for (const std::string& isa : cpu::supported_isas()) {
     const auto& kt = cpu::kernels_for(isa);
-    // Single outputs, 1 x 8 and 2 x 4 tiles with edges, and more than one row block (64).
+    // Single outputs, groups of four columns, tiles of 8 rows with edges, and more than one row block (64).
     for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {1, 37, 96}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096},
                                   {130, 13, 64}}) {
       SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
