@@ -104,7 +104,9 @@ class Session : public std::enable_shared_from_this<Session> {
   ~Session() {
     if (!handshaken_) leave_pending();
     guard_->buffered -= collecting_;
-    if (caf_port_) guard_->by_caf_port.erase(caf_port_);
+    // (A newer session may hold the same loopback port already: only this one's entry goes.)
+    if (auto it = guard_->by_caf_port.find(caf_port_); caf_port_ && it != guard_->by_caf_port.end() && it->second.expired())
+      guard_->by_caf_port.erase(it);
     guard_->active--;
   }
 
