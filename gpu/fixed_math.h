@@ -18,8 +18,9 @@
 //   computed together, so a prefill row equals the decode step at its position.
 // - A quantized matrix product (W in ggml's Q8_0 blocks of 32 along k, scale
 //   d_w as half, gpu/quant.h) quantizes each activation row per block b of
-//   32 (quantize_q8_block): s_b = max|a| / 127, q_a = rint(a * (1 / s_b)),
-//   ties to even (q_a = 0 when s_b = 0); then
+//   32 (quantize_q8_block): d = max|a| / 127, q_a = rint(a * (1 / d)), ties
+//   to even (q_a = 0 when d = 0), s_b = d rounded to half precision (as
+//   llama.cpp stores an activation block's scale); then
 //     c = fma(float(isum_b), d_w(b) * s_b, c)   for b in increasing order, from 0
 //   with isum_b = sum_j q_w[j] * q_a[j] in int32: exact, so in any order
 //   (|isum_b| <= 32 * 128 * 127 < 2^24: float(isum_b) is exact too). A row's
@@ -106,16 +107,46 @@ static inline HD float tree_sum16(const float* v) {
   return h2a + h2b;
 }
 
-// One block of kQ8Values activations quantized for a Q8_0 product: q gets
-// rint(a * (1 / s)) and the scale s = max|a| / 127 is returned (0: all q 0).
+// x rounded to IEEE half precision (to nearest, ties to even) and back: the
+// float a half stores. gpu/quant.cpp float_to_half is the same rounding.
+static inline HD float round_to_half(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs >= 0x7f800000u || abs < 0x38800000u) {
+    // inf, NaN, and below the smallest normal half (2^-14): units of 2^-24, to nearest even.
+    if (abs >= 0x7f800000u) return x;
+    const float units = rintf(fabsf(x) * 16777216.0f);
+    const float r = units * (1.0f / 16777216.0f);
+    return (u >> 31) ? -r : r;
+  }
+  if (abs >= 0x477ff000u) {  // rounds beyond 65504: inf
+    const uint32_t inf = (u & 0x80000000u) | 0x7f800000u;
+    float f;
+    memcpy(&f, &inf, sizeof f);
+    return f;
+  }
+  // Normal: keep 10 mantissa bits, rounding the 13 dropped ones to nearest even.
+  const uint32_t rest = u & 0x1fffu;
+  uint32_t r = u & ~0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (u & 0x2000u))) r += 0x2000u;
+  float f;
+  memcpy(&f, &r, sizeof f);
+  return f;
+}
+
+// One block of kQ8Values activations quantized for a Q8_0 product, as
+// llama.cpp quantizes activations for its Q8_0 and Q4_0 products: d =
+// max|a| / 127, q = rint(a * (1 / d)) (ties to even), and the scale returned
+// is d as a half stores it (round_to_half), which the product multiplies by.
 constexpr int kQ8Values = 32;
 static inline HD float quantize_q8_block(const float* a, int8_t* q) {
   float amax = 0.0f;
   for (int j = 0; j < kQ8Values; ++j) amax = fmaxf(amax, fabsf(a[j]));
-  const float s = amax / 127.0f;
-  const float inv = s != 0.0f ? 1.0f / s : 0.0f;
+  const float d = amax / 127.0f;
+  const float inv = d != 0.0f ? 1.0f / d : 0.0f;
   for (int j = 0; j < kQ8Values; ++j) q[j] = int8_t(rintf(a[j] * inv));
-  return s;
+  return round_to_half(d);
 }
 
 }  // namespace disagg::gpu::fixed
