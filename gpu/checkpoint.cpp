@@ -133,6 +133,12 @@ constexpr double kRmsEpsilon = 1e-5;
 // SentencePiece's word boundary (U+2581), which llama2.c's pieces spell ' '.
 constexpr const char* kSentencePieceSpace = "\xe2\x96\x81";
 
+// `s` with every `from` replaced by `to`.
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  return s;
+}
+
 std::string shape_text(const std::vector<int64_t>& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
@@ -243,12 +249,7 @@ void Checkpoint::load_gguf(size_t file_size) {
     }
     Vocabulary v;
     v.pieces.reserve(tokens.size());
-    for (const auto& t : tokens) {
-      std::string piece = t.s;
-      for (size_t at = piece.find(kSentencePieceSpace); at != std::string::npos; at = piece.find(kSentencePieceSpace, at + 1))
-        piece.replace(at, 3, " ");
-      v.pieces.push_back(std::move(piece));
-    }
+    for (const auto& t : tokens) v.pieces.push_back(replace_all(t.s, kSentencePieceSpace, " "));
     for (const auto& s : scores) v.scores.push_back(float(s.f));
     vocabulary_ = std::move(v);
   }
@@ -271,15 +272,20 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   int32_t header[kHeaderInts];
   if (::pread(fd, header, sizeof header, 0) != ssize_t(sizeof header))
     throw Error(path + ": cannot read header: " + errno_text());
-  if (uint32_t(header[0]) == kGgufMagic) {
+  // The whole file, read-only, owned by the Checkpoint from here on.
+  auto mapped = [&] {
     void* mapping = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (mapping == MAP_FAILED) throw Error(path + ": cannot mmap: " + errno_text());
     std::shared_ptr<Checkpoint> cp(new Checkpoint());
     cp->path_ = path;
     cp->mapping_ = mapping;
     cp->mapping_size_ = file_size;
+    return cp;
+  };
+  if (uint32_t(header[0]) == kGgufMagic) {
+    std::shared_ptr<Checkpoint> cp = mapped();
     cp->load_gguf(file_size);
-    cp->fingerprint_ = fingerprint_bytes(mapping, file_size);  // every byte of the file, as for llama2.c
+    cp->fingerprint_ = fingerprint_bytes(cp->mapping_, file_size);  // every byte of the file, as for llama2.c
     return cp;
   }
 
@@ -306,14 +312,9 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
     throw Error(path + ": too long: expected " + std::to_string(expected) + " bytes, found " +
                 std::to_string(file_size) + " (trailing data or wrong dimensions)");
 
-  void* mapping = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (mapping == MAP_FAILED) throw Error(path + ": cannot mmap: " + errno_text());
-
-  std::shared_ptr<Checkpoint> cp(new Checkpoint());
-  cp->path_ = path;
+  std::shared_ptr<Checkpoint> cp = mapped();
   cp->config_ = config;
-  cp->mapping_ = mapping;
-  cp->mapping_size_ = file_size;
+  void* mapping = cp->mapping_;
 
   const float* p = reinterpret_cast<const float*>(static_cast<const char*>(mapping) + kHeaderBytes);
   auto take = [&p](size_t n) {
@@ -385,9 +386,7 @@ void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, cons
   std::vector<std::string> tokens;
   std::vector<int32_t> types;
   for (size_t i = 0; i < vocabulary.pieces.size(); ++i) {
-    std::string piece = vocabulary.pieces[i];
-    for (size_t at = piece.find(' '); at != std::string::npos; at = piece.find(' ', at + 3)) piece.replace(at, 1, kSentencePieceSpace);
-    tokens.push_back(std::move(piece));
+    tokens.push_back(replace_all(vocabulary.pieces[i], " ", kSentencePieceSpace));
     types.push_back(i == 0 ? 2 : i < 3 ? 3 : i < 3 + 256 ? 6 : 1);
   }
   w.add("tokenizer.ggml.model", gguf::Writer::str("llama"));
