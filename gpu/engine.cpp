@@ -49,10 +49,19 @@ DeviceArray<float> upload_layers(Backend& backend, const std::vector<LayerWeight
   return a;
 }
 
+// Quantized bytes as the file stores them, where the backend reads them: the
+// mapping itself on a backend whose memory is the host's (no copy), else
+// uploaded into `storage` at `offset`.
+const void* place_quantized(Backend& backend, const void* host, size_t bytes, DeviceArray<uint8_t>& storage,
+                            size_t offset) {
+  if (backend.host_memory()) return host;
+  backend.upload(storage.get() + offset, host, bytes);
+  return storage.get() + offset;
+}
+
 // One weight matrix per layer (n x k, "out x in"; all of one type) on the
 // backend: f32 packed in its matmul layout, layer l at l * packed_floats(n,
-// k); or Q8_0 rows as the file stores them, read in place on a backend whose
-// memory is the host's (the mapping itself: no copy), else uploaded.
+// k); or quantized rows placed as stored (place_quantized).
 class LayerMatrices {
  public:
   // The f32 matrices' pages leave memory once packed (Checkpoint::release),
@@ -71,15 +80,9 @@ class LayerMatrices {
       return;
     }
     const size_t bytes = size_t(n) * row_bytes(type_, k);
-    if (backend.host_memory()) {
-      for (const Matrix& m : per_layer) layers_.push_back(m.data);
-      return;
-    }
-    blocks_.ensure(per_layer.size() * bytes);
-    for (size_t l = 0; l < per_layer.size(); ++l) {
-      backend.upload(blocks_.get() + l * bytes, per_layer[l].data, bytes);
-      layers_.push_back(blocks_.get() + l * bytes);
-    }
+    if (!backend.host_memory()) blocks_.ensure(per_layer.size() * bytes);
+    for (size_t l = 0; l < per_layer.size(); ++l)
+      layers_.push_back(place_quantized(backend, per_layer[l].data, bytes, blocks_, l * bytes));
   }
 
   // c = a W_l^T for `rows` rows of a.
@@ -147,17 +150,15 @@ struct Engine::Impl {
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
         tables(*backend) {
-    // The embedding table: f32 rows copied; Q8_0 rows read in place (host) or uploaded.
+    // The embedding table: f32 rows copied; quantized rows placed as stored.
     const Matrix& table = weights().token_embedding;
     if (embedding_type == WeightType::f32) {
       token_embedding.upload(table.f32(), vocab * dim);
       checkpoint->release(table.data, vocab * dim * sizeof(float));
-    } else if (backend->host_memory()) {
-      token_rows = table.data;
     } else {
       const size_t bytes = vocab * row_bytes(embedding_type, cfg.dim);
-      backend->upload(token_blocks.ensure(bytes), table.data, bytes);
-      token_rows = token_blocks.get();
+      if (!backend->host_memory()) token_blocks.ensure(bytes);
+      token_rows = place_quantized(*backend, table.data, bytes, token_blocks, 0);
     }
     backend->synchronize();
   }
