@@ -95,9 +95,7 @@ Tokenizer Tokenizer::load(const std::string& path, int expected_vocab) {
   if (expected_vocab > 0 && int(v.pieces.size()) != expected_vocab)
     throw Error(path + ": tokenizer has " + std::to_string(v.pieces.size()) + " pieces, model has " +
                 std::to_string(expected_vocab));
-  Tokenizer t = from_vocabulary(std::move(v), path);
-  t.max_token_length_ = std::max(t.max_token_length_, int(max_token_length));
-  return t;
+  return from_vocabulary(std::move(v), path);
 }
 
 Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary, const std::string& path) {
@@ -107,7 +105,6 @@ Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary, const std::string& p
                 std::to_string(vocabulary.scores.size()) + " scores");
   t.pieces_ = std::move(vocabulary.pieces);
   t.scores_ = std::move(vocabulary.scores);
-  for (const auto& p : t.pieces_) t.max_token_length_ = std::max(t.max_token_length_, int(p.size()));
   if (t.vocab_size() < kMinVocab)
     throw Error(path + ": tokenizer has " + std::to_string(t.vocab_size()) +
                 " pieces; byte fallback needs at least " + std::to_string(kMinVocab));

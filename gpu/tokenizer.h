@@ -41,7 +41,6 @@ class Tokenizer {
   std::vector<std::string> pieces_;
   std::vector<float> scores_;
   std::unordered_map<std::string, int> lookup_;
-  int max_token_length_ = 0;
 };
 
 // Writes a tokenizer file of `vocab_size` pieces (>= 259): <unk>, <s>, </s>,
