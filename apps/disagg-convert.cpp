@@ -1,11 +1,13 @@
-// disagg-convert: a llama2.c checkpoint and its tokenizer as one GGUF file
-// (F32, the llama architecture, the vocabulary inside), which every role
-// then loads without --tokenizer.
+// disagg-convert: a model file (a llama2.c checkpoint and its tokenizer, or
+// a GGUF file) as one GGUF file of the type asked for (the llama
+// architecture, the vocabulary inside), which every role then loads without
+// --tokenizer.
 #include <iostream>
 #include <string>
 
 #include "apps/cli/cli.h"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/tokenizer.h"
 
 namespace {
@@ -13,16 +15,24 @@ namespace {
 using namespace disagg::cli;
 
 const char* kUsage =
-    "usage: disagg-convert --model M.bin --tokenizer T.bin --out OUT.gguf [--name NAME] [--type f32|q8_0|q4_0]\n"
-    "Writes M (a llama2.c checkpoint) and T (its tokenizer) as a GGUF v3 file of the llama\n"
-    "architecture: F32 tensors, or with --type q8_0 / q4_0 every matrix whose rows are whole blocks of 32\n"
-    "quantized as ggml's reference quantizer does (norms stay F32). NAME (default: M's file name\n"
-    "without extension) becomes general.name, the model's name in the HTTP API.\n";
+    "usage: disagg-convert --model M --out OUT.gguf [--tokenizer T.bin] [--name NAME]\n"
+    "                      [--type f32|f16|bf16|q8_0|q4_0|q4_k_m]\n"
+    "Writes M (a llama2.c checkpoint with its tokenizer T, or a GGUF file, whose vocabulary is\n"
+    "used unless T is named) as a GGUF v3 file of the llama architecture: F32 tensors, or with\n"
+    "--type every matrix in that type (q8_0 / q4_0: those whose rows are whole blocks of 32),\n"
+    "or llama.cpp's Q4_K_M mixture of Q4_K and Q6_K, quantized as ggml's reference quantizers\n"
+    "do; norms stay F32. NAME (default: M's name)\n"
+    "becomes general.name, the model's name in the HTTP API.\n";
 
 struct Options {
   std::string model, tokenizer, out, name;
-  disagg::gpu::WeightType type = disagg::gpu::WeightType::f32;
+  disagg::gpu::FileType type = disagg::gpu::FileType::f32;
 };
+
+disagg::gpu::FileType parse_type(const std::string& value) {
+  if (auto t = disagg::gpu::parse_file_type(value)) return *t;
+  throw UsageError{std::string("--type must be one of ") + disagg::gpu::file_type_names()};
+}
 
 Options parse_args(int argc, char** argv) {
   Options o;
@@ -35,22 +45,19 @@ Options parse_args(int argc, char** argv) {
     else if (flag == "--tokenizer") o.tokenizer = value;
     else if (flag == "--out") o.out = value;
     else if (flag == "--name") o.name = value;
-    else if (flag == "--type" && value == "f32") o.type = disagg::gpu::WeightType::f32;
-    else if (flag == "--type" && value == "q8_0") o.type = disagg::gpu::WeightType::q8_0;
-    else if (flag == "--type" && value == "q4_0") o.type = disagg::gpu::WeightType::q4_0;
-    else if (flag == "--type") throw UsageError{"--type must be f32, q8_0 or q4_0"};
+    else if (flag == "--type") o.type = parse_type(value);
     else throw UsageError{"unknown option " + flag};
   }
-  if (o.model.empty() || o.tokenizer.empty() || o.out.empty())
-    throw UsageError{"--model, --tokenizer and --out are required"};
+  if (o.model.empty() || o.out.empty()) throw UsageError{"--model and --out are required"};
   return o;
 }
 
 int run(const Options& o) {
   using namespace disagg::gpu;
   const auto checkpoint = Checkpoint::open(o.model);
-  const Tokenizer tokenizer = Tokenizer::load(o.tokenizer, checkpoint->config().vocab_size);
-  write_gguf(*checkpoint, tokenizer.vocabulary(), o.name.empty() ? checkpoint->name() : o.name, o.out, o.type);
+  const Tokenizer tokenizer = load_tokenizer(*checkpoint, o.tokenizer);
+  write_gguf(*checkpoint_weights(checkpoint), tokenizer.vocabulary(), o.name.empty() ? checkpoint->name() : o.name,
+             o.out, o.type);
   std::cout << o.out << "\n";
   return 0;
 }

@@ -1,5 +1,7 @@
-// disagg-make-model: writes a random llama2.c checkpoint and a matching byte
-// tokenizer, so tests and benchmarks can run models of any shape.
+// disagg-make-model: writes a random model of any shape, so tests and
+// benchmarks can run one: a llama2.c checkpoint with a matching byte
+// tokenizer, or a GGUF file of any type with that vocabulary inside (the
+// same weights for the same seed, quantized as ggml's reference does).
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -10,6 +12,7 @@
 
 #include "apps/cli/cli.h"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/error.h"
 #include "gpu/tokenizer.h"
 
@@ -20,13 +23,19 @@ using namespace disagg::cli;
 const char* kUsage =
     "usage: disagg-make-model --out DIR [--dim 64] [--hidden 172] [--layers 5] [--heads 8]\n"
     "                         [--kv-heads 4] [--vocab 512] [--seq-len 512] [--seed 42]\n"
+    "                         [--format llama2c|gguf] [--type f32|f16|bf16|q8_0|q4_0|q4_k_m]\n"
     "Writes DIR/model.bin (random weights from --seed) and DIR/tokenizer.bin\n"
-    "(a byte tokenizer with the same vocabulary), creating DIR.\n";
+    "(a byte tokenizer with the same vocabulary), creating DIR; with --format gguf\n"
+    "DIR/model.gguf instead: the same weights, the vocabulary inside, the matrices in\n"
+    "--type (default f32), written a row at a time (any size fits in memory).\n";
 
 struct Options {
   std::string out_dir;
   disagg::gpu::ModelConfig config;
   unsigned long long seed = 42;
+  bool gguf = false;
+  disagg::gpu::FileType type = disagg::gpu::FileType::f32;
+  bool type_named = false;
 };
 
 Options parse_args(int argc, char** argv) {
@@ -43,6 +52,14 @@ Options parse_args(int argc, char** argv) {
     const std::string value = argv[++i];
     if (flag == "--out") {
       o.out_dir = value;
+    } else if (flag == "--format") {
+      if (value != "llama2c" && value != "gguf") throw UsageError{"--format must be llama2c or gguf"};
+      o.gguf = value == "gguf";
+    } else if (flag == "--type") {
+      const auto type = disagg::gpu::parse_file_type(value);
+      if (!type) throw UsageError{std::string("--type must be one of ") + disagg::gpu::file_type_names()};
+      o.type = *type;
+      o.type_named = true;
     } else if (flag == "--seed") {
       o.seed = static_cast<unsigned long long>(parse_integer(flag, value, 0, LLONG_MAX));
     } else if (auto it = dims.find(flag); it != dims.end()) {
@@ -52,6 +69,8 @@ Options parse_args(int argc, char** argv) {
     }
   }
   if (o.out_dir.empty()) throw UsageError{"--out DIR is required"};
+  if (o.type_named && !o.gguf && o.type != disagg::gpu::FileType::f32)
+    throw UsageError{"--type needs --format gguf (a llama2.c checkpoint is f32)"};
   if (std::string problem = disagg::gpu::validate(o.config); !problem.empty()) throw UsageError{problem};
   // Checked here so that a bad vocabulary leaves no model without its tokenizer.
   if (o.config.vocab_size < 259)
@@ -59,10 +78,18 @@ Options parse_args(int argc, char** argv) {
   return o;
 }
 
-// Writes DIR/model.bin and DIR/tokenizer.bin and prints their paths.
+// Writes DIR/model.bin and DIR/tokenizer.bin (or DIR/model.gguf) and prints their paths.
 int run(const Options& options) {
   namespace fs = std::filesystem;
   fs::create_directories(options.out_dir);
+  if (options.gguf) {
+    const std::string model = (fs::path(options.out_dir) / "model.gguf").string();
+    disagg::gpu::write_gguf(*disagg::gpu::random_weights(options.config, options.seed),
+                            disagg::gpu::byte_vocabulary(options.config.vocab_size),
+                            fs::path(options.out_dir).filename().string(), model, options.type);
+    std::cout << model << "\n";
+    return 0;
+  }
   const std::string model = (fs::path(options.out_dir) / "model.bin").string();
   const std::string tokenizer = (fs::path(options.out_dir) / "tokenizer.bin").string();
   disagg::gpu::write_random_checkpoint(model, options.config, options.seed);

@@ -38,6 +38,7 @@ extern "C" void openblas_set_num_threads(int);
 
 #include "gpu/backend.h"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/engine.h"
 #include "gpu/kv_format.h"
 

@@ -30,6 +30,7 @@
 #include "apps/cli/cli.h"
 #include "caf/actor_system.hpp"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/engine.h"
 #include "gpu/generate.h"
 

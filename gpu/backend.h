@@ -59,12 +59,24 @@ class Backend {
   virtual size_t packed_floats(int n, int k) const = 0;
   // Stores the row-major host matrix W[n][k] at `packed` (packed_floats(n, k) floats).
   virtual void pack_matrix(const float* host_w, float* packed, int n, int k) = 0;
+  // The same for a matrix of 16-bit floats (f16, bf16): packed_floats(n, k)
+  // 16-bit values, for matmul16. A backend without these kernels says so.
+  virtual void pack_matrix16(const uint16_t* host_w, uint16_t* packed, int n, int k) {
+    (void)host_w, (void)packed, (void)n, (void)k;
+    throw Error(name() + ": no f16 / bf16 kernels (the CPU backend has them)");
+  }
 
   // ---- operations (the arithmetic of each is fixed: gpu/fixed_math.h)
   // C[m,n] = A[m,k] W^T with W from pack_matrix: y = x W^T for a batch of rows.
   // Each element sums over k in order with one FMA per term, so a row's result
   // does not depend on m or on the other rows.
   virtual void matmul(const float* a, const float* packed_w, float* c, int m, int n, int k) = 0;
+  // matmul for W of 16-bit floats (`type` f16 or bf16) from pack_matrix16:
+  // each weight widened (exact), then the same fixed order as matmul.
+  virtual void matmul16(WeightType type, const float* a, const uint16_t* packed_w, float* c, int m, int n, int k) {
+    (void)a, (void)packed_w, (void)c, (void)m, (void)n, (void)k;
+    throw Error(name() + ": no " + to_string(type) + " kernels (the CPU backend has them)");
+  }
   // out[r] = table[tokens[r]] (rows of dim floats).
   virtual void embedding(const float* table, const int* tokens, float* out, int rows, int dim) = 0;
 
@@ -76,12 +88,13 @@ class Backend {
     (void)a, (void)w, (void)c, (void)m, (void)n, (void)k;
     throw Error(name() + ": no " + to_string(type) + " kernels (the CPU backend has them)");
   }
-  // out[r] = row tokens[r] of a quantized table dequantized (d * q, one multiply a value).
+  // out[r] = row tokens[r] of a table stored in `type` (not f32) as floats
+  // (dequantize_row: d * q, one multiply a value; f16, bf16 widened).
   virtual void embedding_quantized(WeightType type, const void* table, const int* tokens, float* out, int rows, int dim) {
     (void)table, (void)tokens, (void)out, (void)rows, (void)dim;
     throw Error(name() + ": no " + to_string(type) + " kernels (the CPU backend has them)");
   }
-  // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + 1e-5); out may equal x.
+  // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + fixed::kRmsEpsilon); out may equal x.
   virtual void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) = 0;
   // Rotary embedding in place, row r at position positions[r]: pairs (2i, 2i+1)
   // within each head rotated by the angle pos * theta^(-2i/head_size) (ModelConfig::rope_theta), whose

@@ -122,8 +122,26 @@ class CpuBackend final : public Backend {
       if (p0 < p1) k_.matmul(a, w, c, m, n, k, p0, p1);
     }
   }
+  void pack_matrix16(const uint16_t* host_w, uint16_t* packed, int n, int k) override {
+    cpu::pack_matrix16(host_w, packed, n, k);
+  }
+  void matmul16(WeightType type, const float* a, const uint16_t* w, float* c, int m, int n, int k) override {
+    if (m <= 0 || n <= 0) return;
+    if (!is_float16(type)) throw Error(std::string("matmul16: ") + to_string(type) + " is not a 16-bit float type");
+    const int panels = (n + cpu::kPanel - 1) / cpu::kPanel;
+    if (size_t(m) * n * k < kParallelWork) {
+      k_.matmul16(type, a, w, c, m, n, k, 0, panels);
+      return;
+    }
+#pragma omp parallel
+    {
+      const auto [p0, p1] = share(panels, omp_get_thread_num(), omp_get_num_threads());
+      if (p0 < p1) k_.matmul16(type, a, w, c, m, n, k, p0, p1);
+    }
+  }
   void matmul_quantized(WeightType type, const float* a, const void* w, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
+    if (is_k_quant(type)) return matmul_kquant(type, a, static_cast<const uint8_t*>(w), c, m, n, k);
     if (k % kQ8Block != 0) throw Error("matmul_quantized: k = " + std::to_string(k) + " is not a multiple of 32");
     // The rule's first step, once per row for every column: the activations per block.
     const size_t blocks = size_t(k / kQ8Block);
@@ -141,6 +159,26 @@ class CpuBackend final : public Backend {
     {
       const auto [c0, c1] = share(n, omp_get_thread_num(), omp_get_num_threads());
       if (c0 < c1) k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, c0, c1);
+    }
+  }
+  // The K-quant rule: activations per superblock (Q8_K), then the kernels.
+  void matmul_kquant(WeightType type, const float* a, const uint8_t* w, float* c, int m, int n, int k) {
+    if (k % kQK != 0) throw Error("matmul_quantized: k = " + std::to_string(k) + " is not a multiple of 256");
+    const size_t blocks = size_t(k / kQK);
+    if (k_d_.size() < size_t(m) * blocks) k_d_.resize(size_t(m) * blocks);
+    if (q8_values_.size() < size_t(m) * k) q8_values_.resize(size_t(m) * k);
+    if (k_bsums_.size() < size_t(m) * k / 16) k_bsums_.resize(size_t(m) * k / 16);
+    for (int r = 0; r < m; ++r)
+      quantize_activations_k(a + size_t(r) * k, k, k_d_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k,
+                             k_bsums_.data() + size_t(r) * k / 16);
+    if (size_t(m) * n * k < kParallelWork) {
+      k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, 0, n);
+      return;
+    }
+#pragma omp parallel
+    {
+      const auto [c0, c1] = share(n, omp_get_thread_num(), omp_get_num_threads());
+      if (c0 < c1) k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, c0, c1);
     }
   }
   void embedding_quantized(WeightType type, const void* table, const int* tokens, float* out, int rows,
@@ -223,6 +261,8 @@ class CpuBackend final : public Backend {
   const cpu::KernelTable& k_;
   std::vector<std::vector<float>> scratch_;  // per OpenMP thread: attention's running outputs, maxima, sums
   std::vector<float> q8_scales_;   // matmul_quantized: the activations' block scales (m x k/32)
+  std::vector<float> k_d_;         // K-quants: the activations' superblock scales (m x k/256)
+  std::vector<int16_t> k_bsums_;   // K-quants: the activations' sums of 16 (m x k/16)
   std::vector<int8_t> q8_values_;  // and values (m x k)
 };
 

@@ -119,7 +119,7 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
   const unsigned group = 0xffffu << (threadIdx.x & 16);  // this half-warp
   for (int off = 8; off >= 1; off /= 2) ss = ss + __shfl_xor_sync(group, ss, off, kNormLanes);
   ss /= dim;
-  ss += 1e-5f;
+  ss += ::disagg::gpu::fixed::kRmsEpsilon;
   ss = 1.0f / sqrtf(ss);
   float* o = out + row * dim;
   // A lane reads and writes only its own indices j, so out may equal x.

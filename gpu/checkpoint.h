@@ -1,7 +1,8 @@
 // A memory-mapped model file: a llama2.c checkpoint (format:
 // ../shared/models/README.md) or a GGUF file of the llama architecture with
-// F32, Q8_0 or Q4_0 matrices (gpu/gguf.h; its vocabulary too). open() tells them
-// apart by the GGUF magic. Weights stay in the mapping, in their type.
+// F32, F16, BF16, Q8_0 or Q4_0 matrices (gpu/gguf.h; its vocabulary too).
+// open() tells them apart by the GGUF magic. Weights stay in the mapping, in
+// their type; the tensors' names and places: gpu/llama_tensors.h.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -16,8 +17,8 @@
 
 namespace disagg::gpu {
 
-// A weight matrix in the mapped file, "out x in": row-major floats, or
-// Q8_0 rows (gpu/quant.h), as stored.
+// A weight matrix in the mapped file, "out x in": rows of `type`
+// (gpu/quant.h), as stored.
 struct Matrix {
   const void* data = nullptr;
   WeightType type = WeightType::f32;
@@ -51,8 +52,8 @@ class Checkpoint {
   // byte once). Throws Error("<path>: <problem>") for a missing, truncated or
   // oversized file, non-positive or inconsistent dimensions; for a GGUF file
   // also a missing key or tensor, a shape that disagrees with the metadata, a
-  // tensor type the engine does not compute with (matrices: F32 or Q8_0;
-  // norms: F32).
+  // tensor type the engine does not compute with (matrices: F32, F16, BF16,
+  // Q8_0, Q4_0; norms: F32).
   static std::shared_ptr<const Checkpoint> open(const std::string& path);
 
   ~Checkpoint();
@@ -95,17 +96,6 @@ class Checkpoint {
 // text (disagg-generate, the router, the frontend) takes it from here.
 Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokenizer_path);
 
-// Writes `checkpoint`'s weights (F32) and `vocabulary` as a GGUF v3 file of
-// the llama architecture (tensor names and metadata as llama.cpp's
-// converter writes them; general.name `name`). With `type` q8_0 or q4_0
-// every matrix (embedding, projections, classifier) whose rows are whole
-// blocks is quantized as ggml's reference quantizer does (quantize_row);
-// norms stay F32. Throws Error.
-void write_gguf(const Checkpoint& checkpoint, const Vocabulary& vocabulary, const std::string& name,
-                const std::string& path, WeightType type = WeightType::f32);
-
-// Writes a llama2.c checkpoint with weights drawn from a seeded generator
-// (used by disagg-make-model, tests and benchmarks). Throws Error on failure.
-void write_random_checkpoint(const std::string& path, const ModelConfig& config, uint64_t seed);
+// Writing model files: gpu/model_writer.h.
 
 }  // namespace disagg::gpu

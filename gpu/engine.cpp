@@ -59,45 +59,69 @@ const void* place_quantized(Backend& backend, const void* host, size_t bytes, De
   return storage.get() + offset;
 }
 
-// One weight matrix per layer (n x k, "out x in"; all of one type) on the
-// backend: f32 packed in its matmul layout, layer l at l * packed_floats(n,
-// k); or quantized rows placed as stored (place_quantized).
+// One weight matrix per layer (n x k, "out x in"; each layer in its own
+// type, as a Q4_K_M file mixes them) on the backend: f32, f16 and bf16
+// packed in its matmul layout; quantized rows placed as stored
+// (place_quantized).
 class LayerMatrices {
  public:
-  // The f32 matrices' pages leave memory once packed (Checkpoint::release),
+  // The packed matrices' pages leave memory once packed (Checkpoint::release),
   // so a model is resident once, in the engine's layout.
   LayerMatrices(Backend& backend, const Checkpoint& checkpoint, const std::vector<Matrix>& per_layer, int n, int k)
-      : type_(per_layer.front().type), n_(n), k_(k), packed_(backend), blocks_(backend) {
-    for (const Matrix& m : per_layer)
-      if (m.type != type_) throw Error("a weight tensor mixes types across layers");
-    if (type_ == WeightType::f32) {
-      stride_ = backend.packed_floats(n, k);
-      packed_.ensure(per_layer.size() * stride_);
-      for (size_t l = 0; l < per_layer.size(); ++l) {
-        backend.pack_matrix(per_layer[l].f32(), packed_.get() + l * stride_, n, k);
-        checkpoint.release(per_layer[l].data, size_t(n) * size_t(k) * sizeof(float));
-      }
-      return;
+      : n_(n), k_(k), packed_(backend), packed16_(backend), blocks_(backend) {
+    const size_t stride = backend.packed_floats(n, k);
+    size_t floats = 0, halves = 0, bytes = 0;  // storage of each kind, all layers
+    for (const Matrix& m : per_layer) {
+      if (m.type == WeightType::f32) floats += stride;
+      else if (is_float16(m.type)) halves += stride;
+      else if (!backend.host_memory()) bytes += size_t(n) * row_bytes(m.type, k);
     }
-    const size_t bytes = size_t(n) * row_bytes(type_, k);
-    if (!backend.host_memory()) blocks_.ensure(per_layer.size() * bytes);
-    for (size_t l = 0; l < per_layer.size(); ++l)
-      layers_.push_back(place_quantized(backend, per_layer[l].data, bytes, blocks_, l * bytes));
+    packed_.ensure(floats);
+    packed16_.ensure(halves);
+    blocks_.ensure(bytes);
+    floats = halves = bytes = 0;
+    for (const Matrix& m : per_layer) {
+      const size_t size = size_t(n) * row_bytes(m.type, k);
+      Layer L{m.type, nullptr};
+      if (m.type == WeightType::f32) {
+        float* dst = packed_.get() + floats;
+        backend.pack_matrix(m.f32(), dst, n, k);
+        L.data = dst;
+        floats += stride;
+      } else if (is_float16(m.type)) {
+        uint16_t* dst = packed16_.get() + halves;
+        backend.pack_matrix16(static_cast<const uint16_t*>(m.data), dst, n, k);
+        L.data = dst;
+        halves += stride;
+      } else {
+        L.data = place_quantized(backend, m.data, size, blocks_, bytes);
+        if (!backend.host_memory()) bytes += size;
+        layers_.push_back(L);
+        continue;
+      }
+      checkpoint.release(m.data, size);
+      layers_.push_back(L);
+    }
   }
 
   // c = a W_l^T for `rows` rows of a.
   void mul(Backend& b, size_t l, const float* a, float* c, int rows) const {
-    if (type_ == WeightType::f32) b.matmul(a, packed_.get() + l * stride_, c, rows, n_, k_);
-    else b.matmul_quantized(type_, a, layers_[l], c, rows, n_, k_);
+    const Layer& L = layers_[l];
+    if (L.type == WeightType::f32) b.matmul(a, static_cast<const float*>(L.data), c, rows, n_, k_);
+    else if (is_float16(L.type)) b.matmul16(L.type, a, static_cast<const uint16_t*>(L.data), c, rows, n_, k_);
+    else b.matmul_quantized(L.type, a, L.data, c, rows, n_, k_);
   }
 
  private:
-  WeightType type_;
+  struct Layer {
+    WeightType type;
+    const void* data;  // packed (f32, f16, bf16) or the rows as stored, on the backend
+  };
   int n_, k_;
-  size_t stride_ = 0;
-  DeviceArray<float> packed_;      // f32
-  DeviceArray<uint8_t> blocks_;    // quantized, on a device backend
-  std::vector<const void*> layers_;  // quantized: each layer's rows (device pointers)
+  DeviceArray<float> packed_;        // f32 layers
+  DeviceArray<uint16_t> packed16_;   // f16, bf16 layers
+  DeviceArray<uint8_t> blocks_;      // quantized layers, on a device backend
+  std::vector<Layer> layers_;
 };
 
 std::vector<Matrix> per_layer(const std::vector<LayerWeights>& layers, Matrix LayerWeights::*field) {
@@ -150,7 +174,7 @@ struct Engine::Impl {
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
         tables(*backend) {
-    // The embedding table: f32 rows copied; quantized rows placed as stored.
+    // The embedding table: f32 rows copied; other types' rows placed as stored.
     const Matrix& table = weights().token_embedding;
     if (embedding_type == WeightType::f32) {
       token_embedding.upload(table.f32(), vocab * dim);

@@ -25,6 +25,20 @@
 //   with isum_b = sum_j q_w[j] * q_a[j] in int32: exact, so in any order
 //   (|isum_b| <= 32 * 128 * 127 < 2^24: float(isum_b) is exact too). A row's
 //   result depends on its own values only, as in the float rule.
+// - A K-quant matrix product (W in ggml's Q4_K, Q5_K or Q6_K superblocks of
+//   256 along k, gpu/quant.h) quantizes each activation row per superblock
+//   i of 256 as llama.cpp's quantize_row_q8_K_ref does (quantize_q8k_block):
+//   the value of largest magnitude m (the first one on ties), s = -127 / m,
+//   q_a = min(127, rint(s * a)), d_i = 1 / s (a float, signed), and the 16
+//   sums of 16 q_a each (bsum_g). Then, with the weights' integer quants q_w,
+//   their 6-bit scales sc and mins mn (Q4_K, Q5_K: one of each per 32 values)
+//   or int8 scales (Q6_K: one per 16 values, q_w in [-32, 31]):
+//     S1_i = sum_e sc(e) * q_w[e] * q_a[e]          int32, exact, any order
+//     S2_i = sum_g bsum_g * mn(g / 2)                int32, exact (Q4_K, Q5_K)
+//     c = fma(float(S1_i), d_w(i) * d_i, c)
+//     c = fma(float(S2_i), -(dmin_w(i) * d_i), c)   (Q4_K, Q5_K)
+//   for i in increasing order, from 0 (|S1| < 2^27: float(S1) rounds once,
+//   the same way whatever computed S1).
 // - No other contraction: a * b + c is two roundings unless written as fma
 //   (-ffp-contract=off on the CPU, --fmad=false for CUDA).
 //
@@ -48,6 +62,10 @@
 namespace disagg::gpu::fixed {
 
 constexpr int kKeyTile = 16;  // key positions per attention tile (and lanes of tree_sum16)
+// RMSNorm's epsilon: out = w * x / sqrt(mean(x^2) + kRmsEpsilon). A model
+// file that asks for another is refused (gpu/checkpoint.cpp) until the
+// kernels take it.
+constexpr float kRmsEpsilon = 1e-5f;
 
 // fixed_exp's constants: range, ln(2) split in a high part exact in float and
 // the rest, and the Cephes expf polynomial for e^r - 1 - r on [-ln2/2, ln2/2].
@@ -147,6 +165,35 @@ static inline HD float quantize_q8_block(const float* a, int8_t* q) {
   const float inv = d != 0.0f ? 1.0f / d : 0.0f;
   for (int j = 0; j < kQ8Values; ++j) q[j] = int8_t(rintf(a[j] * inv));
   return round_to_half(d);
+}
+
+// One superblock of kQ8KValues activations quantized for a K-quant product,
+// as llama.cpp's quantize_row_q8_K_ref: returns d (0 for an all-zero block),
+// writes the 256 q and the 16 sums of 16 q each.
+constexpr int kQ8KValues = 256;
+static inline HD float quantize_q8k_block(const float* a, int8_t* q, int16_t* bsums) {
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < kQ8KValues; ++j)
+    if (fabsf(a[j]) > amax) {
+      amax = fabsf(a[j]);
+      max = a[j];
+    }
+  if (amax == 0.0f) {
+    for (int j = 0; j < kQ8KValues; ++j) q[j] = 0;
+    for (int g = 0; g < kQ8KValues / 16; ++g) bsums[g] = 0;
+    return 0.0f;
+  }
+  const float iscale = -127.0f / max;
+  for (int j = 0; j < kQ8KValues; ++j) {
+    const float v = rintf(iscale * a[j]);
+    q[j] = int8_t(v < 127.0f ? v : 127.0f);
+  }
+  for (int g = 0; g < kQ8KValues / 16; ++g) {
+    int sum = 0;
+    for (int j = 0; j < 16; ++j) sum += q[16 * g + j];
+    bsums[g] = int16_t(sum);
+  }
+  return 1.0f / iscale;
 }
 
 }  // namespace disagg::gpu::fixed

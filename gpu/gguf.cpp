@@ -135,6 +135,34 @@ const char* to_string(ValueType type) {
   return "unknown";
 }
 
+std::optional<WeightType> weight_type_of(TensorType type) {
+  switch (type) {
+    case TensorType::f32: return WeightType::f32;
+    case TensorType::f16: return WeightType::f16;
+    case TensorType::bf16: return WeightType::bf16;
+    case TensorType::q8_0: return WeightType::q8_0;
+    case TensorType::q4_0: return WeightType::q4_0;
+    case TensorType::q4_k: return WeightType::q4_k;
+    case TensorType::q5_k: return WeightType::q5_k;
+    case TensorType::q6_k: return WeightType::q6_k;
+    default: return std::nullopt;
+  }
+}
+
+TensorType tensor_type_of(WeightType type) {
+  switch (type) {
+    case WeightType::f32: return TensorType::f32;
+    case WeightType::f16: return TensorType::f16;
+    case WeightType::bf16: return TensorType::bf16;
+    case WeightType::q8_0: return TensorType::q8_0;
+    case WeightType::q4_0: return TensorType::q4_0;
+    case WeightType::q4_k: return TensorType::q4_k;
+    case WeightType::q5_k: return TensorType::q5_k;
+    case WeightType::q6_k: return TensorType::q6_k;
+  }
+  return TensorType::f32;
+}
+
 std::optional<TypeTraits> traits_of(uint32_t ggml_type) {
   switch (TensorType(ggml_type)) {
     case TensorType::f32: return TypeTraits{"f32", 1, 4};
@@ -440,12 +468,18 @@ struct Out {
 void Writer::write(const std::string& path) const {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) throw Error(path + ": cannot create");
+  // Unless the file was written whole, it is removed: a half-written model
+  // must never be left behind looking like one.
   struct Closer {
     std::FILE*& f;
+    const std::string& path;
     ~Closer() {
-      if (f) std::fclose(f);
+      if (f) {
+        std::fclose(f);
+        std::remove(path.c_str());
+      }
     }
-  } closer{f};
+  } closer{f, path};
   {
     Out out{f, path};
     out.scalar<uint32_t>(kMagic);
@@ -484,7 +518,10 @@ void Writer::write(const std::string& path) const {
   }
   const int closed = std::fclose(f);
   f = nullptr;
-  if (closed != 0) throw Error(path + ": write failed");
+  if (closed != 0) {
+    std::remove(path.c_str());
+    throw Error(path + ": write failed");
+  }
 }
 
 }  // namespace disagg::gpu::gguf

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "gpu/quant.h"
+
 namespace disagg::gpu::gguf {
 
 enum class ValueType : uint32_t {
@@ -36,6 +38,11 @@ const char* to_string(ValueType type);
 enum class TensorType : uint32_t {
   f32 = 0, f16 = 1, q4_0 = 2, q8_0 = 8, q4_k = 12, q5_k = 13, q6_k = 14, bf16 = 30,
 };
+
+// The engine's weight type of a ggml tensor type (nullopt: one it does not
+// compute with), and back.
+std::optional<WeightType> weight_type_of(TensorType type);
+TensorType tensor_type_of(WeightType type);
 
 // A tensor type's storage: blocks of `block_elems` values in `block_bytes`.
 struct TypeTraits {

@@ -58,7 +58,7 @@ struct RmsNormOp {  // index: one row
     for (int j = 0; j < dim; ++j) lanes[j % 16] += xr[j] * xr[j];
     float ss = ::disagg::gpu::fixed::tree_sum16(lanes);
     ss /= dim;
-    ss += 1e-5f;
+    ss += ::disagg::gpu::fixed::kRmsEpsilon;
     ss = 1.0f / sqrtf(ss);
     float* o = out + row * dim;
     for (int j = 0; j < dim; ++j) o[j] = weight[j] * (ss * xr[j]);

@@ -15,18 +15,40 @@ static_assert(kQ8Block == fixed::kQ8Values, "one Q8_0 block size");
 const char* to_string(WeightType type) {
   switch (type) {
     case WeightType::f32: return "f32";
+    case WeightType::f16: return "f16";
+    case WeightType::bf16: return "bf16";
     case WeightType::q8_0: return "q8_0";
     case WeightType::q4_0: return "q4_0";
+    case WeightType::q4_k: return "q4_k";
+    case WeightType::q5_k: return "q5_k";
+    case WeightType::q6_k: return "q6_k";
   }
   return "unknown";
 }
 
+bool is_float16(WeightType type) { return type == WeightType::f16 || type == WeightType::bf16; }
+bool is_block_quantized(WeightType type) { return type == WeightType::q8_0 || type == WeightType::q4_0; }
+bool is_k_quant(WeightType type) {
+  return type == WeightType::q4_k || type == WeightType::q5_k || type == WeightType::q6_k;
+}
+int block_values(WeightType type) { return is_k_quant(type) ? kQK : is_block_quantized(type) ? kQ8Block : 1; }
+
 size_t block_bytes(WeightType type) {
-  return type == WeightType::q8_0 ? kQ8BlockBytes : type == WeightType::q4_0 ? kQ4BlockBytes : sizeof(float);
+  switch (type) {
+    case WeightType::f32: return sizeof(float);
+    case WeightType::f16:
+    case WeightType::bf16: return sizeof(uint16_t);
+    case WeightType::q8_0: return kQ8BlockBytes;
+    case WeightType::q4_0: return kQ4BlockBytes;
+    case WeightType::q4_k: return kQ4KBlockBytes;
+    case WeightType::q5_k: return kQ5KBlockBytes;
+    case WeightType::q6_k: return kQ6KBlockBytes;
+  }
+  return 0;
 }
 
 size_t row_bytes(WeightType type, int k) {
-  return type == WeightType::f32 ? size_t(k) * sizeof(float) : size_t(k / kQ8Block) * block_bytes(type);
+  return size_t(k / block_values(type)) * block_bytes(type);
 }
 
 float half_to_float(uint16_t h) {
@@ -83,6 +105,20 @@ uint16_t float_to_half(float f) {
   return uint16_t(sign | h);
 }
 
+float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40);  // NaN: keep it, quiet
+  return uint16_t((x + 0x7fffu + ((x >> 16) & 1)) >> 16);                 // to nearest, ties to even
+}
+
 void quantize_row_q8_0(const float* x, uint8_t* out, int k) {
   if (k % kQ8Block != 0) throw Error("quantize_row_q8_0: " + std::to_string(k) + " is not a multiple of 32");
   for (int b = 0; b < k / kQ8Block; ++b) {
@@ -124,7 +160,15 @@ void quantize_row_q4_0(const float* x, uint8_t* out, int k) {
 void quantize_row(WeightType type, const float* x, uint8_t* out, int k) {
   if (type == WeightType::q8_0) quantize_row_q8_0(x, out, k);
   else if (type == WeightType::q4_0) quantize_row_q4_0(x, out, k);
-  else throw Error(std::string("quantize_row: ") + to_string(type) + " is not a quantized type");
+  else if (type == WeightType::q4_k) quantize_row_q4_k(x, out, k);
+  else if (type == WeightType::q5_k) quantize_row_q5_k(x, out, k);
+  else if (type == WeightType::q6_k) quantize_row_q6_k(x, out, k);
+  else if (type == WeightType::f32) std::memcpy(out, x, size_t(k) * sizeof(float));
+  else
+    for (int j = 0; j < k; ++j) {
+      const uint16_t h = type == WeightType::f16 ? float_to_half(x[j]) : float_to_bf16(x[j]);
+      std::memcpy(out + size_t(j) * 2, &h, 2);
+    }
 }
 
 float unpack_block(WeightType type, const uint8_t* block, int8_t* values) {
@@ -147,6 +191,22 @@ void quantize_activations(const float* a, int k, float* scales, int8_t* q) {
 }
 
 void dequantize_row(WeightType type, const uint8_t* row, float* out, int k) {
+  if (is_k_quant(type)) {
+    detail::dequantize_row_k(type, row, out, k);
+    return;
+  }
+  if (!is_block_quantized(type)) {
+    if (type == WeightType::f32) {
+      std::memcpy(out, row, size_t(k) * sizeof(float));
+      return;
+    }
+    for (int j = 0; j < k; ++j) {
+      uint16_t h;
+      std::memcpy(&h, row + size_t(j) * 2, 2);
+      out[j] = type == WeightType::f16 ? half_to_float(h) : bf16_to_float(h);
+    }
+    return;
+  }
   int8_t values[kQ8Block];
   for (int b = 0; b < k / kQ8Block; ++b) {
     const float d = unpack_block(type, row + size_t(b) * block_bytes(type), values);
@@ -154,7 +214,16 @@ void dequantize_row(WeightType type, const uint8_t* row, float* out, int k) {
   }
 }
 
+void quantize_activations_k(const float* a, int k, float* d, int8_t* q, int16_t* bsums) {
+  for (int b = 0; b < k / kQK; ++b)
+    d[b] = fixed::quantize_q8k_block(a + size_t(b) * kQK, q + size_t(b) * kQK, bsums + size_t(b) * (kQK / 16));
+}
+
 void matmul_quantized_reference(WeightType type, const float* a, const uint8_t* w, float* c, int m, int n, int k) {
+  if (is_k_quant(type)) {
+    detail::matmul_k_reference(type, a, w, c, m, n, k);
+    return;
+  }
   const int blocks = k / kQ8Block;
   std::vector<float> scales(static_cast<size_t>(blocks));
   std::vector<int8_t> q(static_cast<size_t>(k));

@@ -14,6 +14,19 @@
 namespace disagg::gpu {
 namespace {
 
+// SentencePiece's word boundary (U+2581), which llama2.c's pieces spell ' '.
+constexpr const char* kSentencePieceSpace = "\xe2\x96\x81";
+
+// `s` with every `from` replaced by `to`.
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  return s;
+}
+
+}  // namespace
+
+namespace {
+
 constexpr int kByteTokenOffset = 3;  // <0xHH> is token HH + 3 (after <unk>, <s>, </s>)
 constexpr int kMinVocab = kByteTokenOffset + 256;
 
@@ -218,9 +231,12 @@ std::vector<std::string> filler_pieces(size_t count) {
 
 }  // namespace
 
-void write_byte_tokenizer(const std::string& path, int vocab_size) {
+std::string sentencepiece_spelling(const std::string& piece) { return replace_all(piece, " ", kSentencePieceSpace); }
+std::string llama2c_spelling(const std::string& piece) { return replace_all(piece, kSentencePieceSpace, " "); }
+
+Vocabulary byte_vocabulary(int vocab_size) {
   if (vocab_size < kMinVocab)
-    throw Error(path + ": a byte tokenizer needs at least " + std::to_string(kMinVocab) + " pieces, asked for " +
+    throw Error("a byte tokenizer needs at least " + std::to_string(kMinVocab) + " pieces, asked for " +
                 std::to_string(vocab_size));
 
   // Special pieces spelled as llama2.c's tokenizer export writes them.
@@ -238,7 +254,18 @@ void write_byte_tokenizer(const std::string& path, int vocab_size) {
     pieces.push_back(std::move(piece));
     scores.push_back(-float(rank++));
   }
+  return {std::move(pieces), std::move(scores)};
+}
 
+void write_byte_tokenizer(const std::string& path, int vocab_size) {
+  Vocabulary v;
+  try {
+    v = byte_vocabulary(vocab_size);
+  } catch (const Error& e) {
+    throw Error(path + ": " + e.what());
+  }
+  const std::vector<std::string>& pieces = v.pieces;
+  const std::vector<float>& scores = v.scores;
   int32_t max_length = 0;
   for (const std::string& p : pieces) max_length = std::max<int32_t>(max_length, int32_t(p.size()));
 

@@ -16,6 +16,11 @@ struct Vocabulary {
   std::vector<float> scores;
 };
 
+// A piece as a GGUF `llama` vocabulary spells it (SentencePiece's word
+// boundary U+2581 for each ' '), and back.
+std::string sentencepiece_spelling(const std::string& piece);
+std::string llama2c_spelling(const std::string& sentencepiece_piece);
+
 class Tokenizer {
  public:
   // Throws Error("<path>: <problem>"); expected_vocab > 0 rejects a tokenizer
@@ -43,8 +48,10 @@ class Tokenizer {
   std::unordered_map<std::string, int> lookup_;
 };
 
-// Writes a tokenizer file of `vocab_size` pieces (>= 259): <unk>, <s>, </s>,
-// the 256 byte pieces, then filler merges, so a synthetic model has text I/O.
+// A vocabulary of `vocab_size` pieces (>= 259): <unk>, <s>, </s>, the 256
+// byte pieces, then filler merges, so a synthetic model has text I/O; and
+// the same as a tokenizer file. Throw Error for fewer pieces.
+Vocabulary byte_vocabulary(int vocab_size);
 void write_byte_tokenizer(const std::string& path, int vocab_size);
 
 }  // namespace disagg::gpu

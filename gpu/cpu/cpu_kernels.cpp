@@ -21,6 +21,18 @@ void pack_matrix(const float* w, float* packed, int n, int k) {
   }
 }
 
+void pack_matrix16(const uint16_t* w, uint16_t* packed, int n, int k) {
+  const int panels = (n + kPanel - 1) / kPanel;
+  for (int p = 0; p < panels; ++p) {
+    uint16_t* dst = packed + size_t(p) * kPanel * k;
+    for (int kk = 0; kk < k; ++kk)
+      for (int c = 0; c < kPanel; ++c) {
+        const int row = p * kPanel + c;
+        dst[size_t(kk) * kPanel + c] = row < n ? w[size_t(row) * k + kk] : uint16_t(0);
+      }
+  }
+}
+
 size_t attention_scratch_floats(int rows, int n_heads, int n_kv_heads, int head_size) {
   const size_t group = size_t(n_heads / n_kv_heads);
   const size_t head_floats = size_t((head_size + 15) / 16) * 16;
@@ -32,9 +44,11 @@ namespace {
 bool cpu_runs(const std::string& isa) {
   if (isa == "generic") return true;
   __builtin_cpu_init();
-  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-                              __builtin_cpu_supports("fma");
+  if (isa == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
   return false;
 }
 

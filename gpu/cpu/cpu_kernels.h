@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ constexpr int kSuperTiles = 4;
 
 size_t packed_floats(int n, int k);
 void pack_matrix(const float* w, float* packed, int n, int k);
+// The same layout for a matrix of 16-bit floats (f16, bf16): packed_floats(n,
+// k) values, padded with 0 (+0.0 in both).
+void pack_matrix16(const uint16_t* w, uint16_t* packed, int n, int k);
 
 struct AttentionArgs {
   const float* q;          // rows x (n_heads * head_size)
@@ -63,6 +67,15 @@ struct KernelTable {
   // per row k/32 scales in `scales`, k int8 in `qa`); gpu/cpu/q8_kernels.inl.
   void (*matmul_quantized)(WeightType type, const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m,
                            int n, int k, int col_begin, int col_end);
+  // matmul for W of 16-bit floats (`type` f16 or bf16) packed by pack_matrix16:
+  // each weight widened (exact), then the f32 rule.
+  void (*matmul16)(WeightType type, const float* a, const uint16_t* packed_w, float* c, int m, int n, int k,
+                   int panel_begin, int panel_end);
+  // C[m][n] = A W^T for the columns [col_begin, col_end) with W in rows of a
+  // K-quant `type` and A quantized by quantize_activations_k (per row k/256
+  // d, k int8, k/16 block sums); gpu/cpu/kq_kernels.inl.
+  void (*matmul_kquant)(WeightType type, const float* d, const int8_t* qa, const int16_t* bsums, const uint8_t* w,
+                        float* c, int m, int n, int k, int col_begin, int col_end);
 };
 
 const KernelTable& generic_kernels();

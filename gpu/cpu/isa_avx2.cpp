@@ -1,5 +1,5 @@
 // The CPU kernels with AVX2 + FMA: V is two 8-float registers. Compiled with
-// -mavx2 -mfma (CMakeLists.txt) and called only when the CPU has both.
+// -mavx2 -mfma -mf16c (CMakeLists.txt) and called only when the CPU has all three.
 #include <immintrin.h>
 
 #include <cmath>
@@ -34,6 +34,15 @@ inline V vload_n(const float* p, int n) {
   const int nl = n < 8 ? n : 8, nh = n > 8 ? n - 8 : 0;
   return {_mm256_maskload_ps(p, mask8(nl)), _mm256_maskload_ps(p + 8, mask8(nh))};
 }
+inline V vload_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline __m256 bf16x8(const uint16_t* p) {  // 8 bfloat16s: each the top half of a float
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline V vload_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
 inline void vstore(float* p, const V& v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
@@ -88,6 +97,7 @@ constexpr int kNP1 = 3;  // one row: 3 panels (6 independent chains)
 constexpr int kAttnRows = 2;  // heads attended together: 2 x 4 tiles = 16 ymm of scores
 
 #include "gpu/cpu/q8_kernels.inl"
+#include "gpu/cpu/kq_kernels.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

@@ -26,6 +26,13 @@ inline V vset1(float a) { return {_mm512_set1_ps(a)}; }
 inline V viota() { return {_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
 inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline V vload_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(mask16(n), p)}; }
+inline V vload_f16(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline V vload_bf16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
 inline void vstore(float* p, const V& v) { _mm512_storeu_ps(p, v.v); }
 inline void vstore_n(float* p, const V& v, int n) { _mm512_mask_storeu_ps(p, mask16(n), v.v); }
 inline V vadd(const V& a, const V& b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -62,6 +69,7 @@ constexpr int kNP1 = 4;  // one row: 4 panels
 constexpr int kAttnRows = 4;  // heads attended together: 4 x 4 tiles = 16 zmm of scores
 
 #include "gpu/cpu/q8_kernels.inl"
+#include "gpu/cpu/kq_kernels.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

@@ -43,6 +43,16 @@ inline V vload_n(const float* p, int n) {
   for (int i = 0; i < n; ++i) r.f[i] = p[i];
   return r;
 }
+inline V vload_f16(const uint16_t* p) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.f[i] = half_to_float(p[i]);
+  return r;
+}
+inline V vload_bf16(const uint16_t* p) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.f[i] = bf16_to_float(p[i]);
+  return r;
+}
 inline void vstore(float* p, const V& v) {
   for (int i = 0; i < 16; ++i) p[i] = v.f[i];
 }
@@ -100,6 +110,7 @@ constexpr int kNP1 = 2;  // panels per block when there is one row
 constexpr int kAttnRows = 2;  // heads attended together
 
 #include "gpu/cpu/q8_kernels.inl"
+#include "gpu/cpu/kq_kernels.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

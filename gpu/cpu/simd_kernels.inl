@@ -3,6 +3,7 @@
 // they define V, its operations and the block sizes kMR, kNP, kNP1:
 //
 //   vzero() vset1(f) viota() vload(p) vload_n(p, n) vstore(p, v) vstore_n(p, v, n)
+//   vload_f16(p) vload_bf16(p) (16 halves / bfloat16s at p, widened: exact)
 //   vfma(a, b, c) vadd vsub vmul vdiv vmin(a, b) = a < b ? a : b
 //   vround(v) (to nearest even) vpow2i(n) (2^n, integral n) vselect_lt(a, b, x, y)
 //   vreduce_max(v) vtree_sum(v) (fixed::tree_sum16's tree)
@@ -72,10 +73,22 @@ void swiglu_range(float* gate, const float* up, long long begin, long long end) 
 
 // ---------------------------------------------------------------- matrix product
 
+// The weights' element in a panel: f32, or a 16-bit float widened on load
+// (exactly, so the product is the f32 rule's on the values it holds).
+struct Half16 {
+  uint16_t bits;
+};
+struct Brain16 {
+  uint16_t bits;
+};
+inline V wload(const float* p) { return vload(p); }
+inline V wload(const Half16* p) { return vload_f16(&p->bits); }
+inline V wload(const Brain16* p) { return vload_bf16(&p->bits); }
+
 // Rows [0, MR) of C against NP consecutive panels: acc[r][j] holds C[r][16j ..
 // 16j+15]; k runs in order, one FMA per term, from 0 (the fixed rule).
-template <int MR, int NP>
-inline void mm_block(const float* a, int lda, const float* panel, Index panel_floats, float* c, int ldc, int k,
+template <int MR, int NP, class W>
+inline void mm_block(const float* a, int lda, const W* panel, Index panel_floats, float* c, int ldc, int k,
                      int cols) {
   V acc[MR][NP];
 #pragma GCC unroll 16
@@ -85,7 +98,7 @@ inline void mm_block(const float* a, int lda, const float* panel, Index panel_fl
   for (int kk = 0; kk < k; ++kk) {
     V b[NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) b[j] = vload(panel + j * panel_floats + Index(kk) * 16);
+    for (int j = 0; j < NP; ++j) b[j] = wload(panel + j * panel_floats + Index(kk) * 16);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const V av = vset1(a[Index(r) * lda + kk]);
@@ -98,8 +111,8 @@ inline void mm_block(const float* a, int lda, const float* panel, Index panel_fl
 }
 
 // mm_block<rows, np> for rows <= MR, np <= NP chosen at run time.
-template <int MR, int NP>
-inline void mm_call(int rows, int np, const float* a, int lda, const float* panel, Index panel_floats, float* c,
+template <int MR, int NP, class W>
+inline void mm_call(int rows, int np, const float* a, int lda, const W* panel, Index panel_floats, float* c,
                     int ldc, int k, int cols) {
   if constexpr (MR > 1) {
     if (rows < MR) return mm_call<MR - 1, NP>(rows, np, a, lda, panel, panel_floats, c, ldc, k, cols);
@@ -114,7 +127,8 @@ inline void mm_call(int rows, int np, const float* a, int lda, const float* pane
 // L2 while every panel streams past it.
 constexpr Index kRowBlockBytes = 192 * 1024;
 
-void matmul_panels(const float* a, const float* w, float* c, int m, int n, int k, int p0, int p1) {
+template <class W>
+void matmul_panels_of(const float* a, const W* w, float* c, int m, int n, int k, int p0, int p1) {
   const Index panel_floats = Index(16) * k;
   if (m == 1) {  // one row (a decode step alone): stream kNP1 panels at once
     for (int p = p0; p < p1; p += kNP1) {
@@ -136,6 +150,16 @@ void matmul_panels(const float* a, const float* w, float* c, int m, int n, int k
       }
     }
   }
+}
+
+void matmul_panels(const float* a, const float* w, float* c, int m, int n, int k, int p0, int p1) {
+  matmul_panels_of(a, w, c, m, n, k, p0, p1);
+}
+
+void matmul_panels16(WeightType type, const float* a, const uint16_t* w, float* c, int m, int n, int k, int p0,
+                     int p1) {
+  if (type == WeightType::f16) matmul_panels_of(a, reinterpret_cast<const Half16*>(w), c, m, n, k, p0, p1);
+  else matmul_panels_of(a, reinterpret_cast<const Brain16*>(w), c, m, n, k, p0, p1);
 }
 
 // ---------------------------------------------------------------- attention
@@ -399,6 +423,6 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
 
 const KernelTable& table() {
   static const KernelTable t{kIsaName, &matmul_panels, &attention_group, &swiglu_range, &exp_array,
-                             &matmul_quantized};
+                             &matmul_quantized, &matmul_panels16, &matmul_kquant};
   return t;
 }

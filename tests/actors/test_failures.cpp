@@ -13,6 +13,7 @@
 #include "actors/decode.h"
 #include "caf/all.hpp"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

@@ -9,6 +9,7 @@
 
 #include "cluster/cluster_fixture.h"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

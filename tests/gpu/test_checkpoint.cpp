@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/error.h"
 #include "support/test_paths.h"
 

@@ -14,6 +14,7 @@
 
 #include "gpu/backend.h"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/engine.h"
 #include "gpu/pool_contents.h"
 #include "gpu/error.h"

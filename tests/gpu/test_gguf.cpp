@@ -395,8 +395,6 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
       {"missing tensor", [](ModelFile& m) { m.drop_tensor("blk.1.ffn_up.weight"); }, "tensor blk.1.ffn_up.weight is missing"},
       {"shape", [](ModelFile& m) { m.tensor("blk.0.attn_q.weight").dims = {64, 32}; },
        "tensor blk.0.attn_q.weight: shape [64, 32], the metadata says [64, 64]"},
-      {"f16", [](ModelFile& m) { m.tensor("blk.0.ffn_gate.weight").type = uint32_t(gguf::TensorType::f16); },
-       "tensor blk.0.ffn_gate.weight: type f16 (the engine computes with f32, q8_0 and q4_0 matrices so far)"},
       {"quantized norm", [](ModelFile& m) { m.tensor("blk.1.ffn_norm.weight").type = uint32_t(gguf::TensorType::q8_0); },
        "tensor blk.1.ffn_norm.weight: type q8_0 (a norm must be f32)"},
       {"epsilon", [](ModelFile& m) { m.set("llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(1e-6f)); },

@@ -2,10 +2,12 @@
 // shape, and disagg-generate runs on them; bad arguments are usage errors.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <string>
 
 #include "gpu/checkpoint.h"
+#include "gpu/engine.h"
 #include "gpu/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/run_command.h"
@@ -49,6 +51,46 @@ TEST(MakeModelApp, WritesALoadableModelAndTokenizerThatGenerate) {
   std::filesystem::remove_all(dir);
 }
 
+// --format gguf: the same weights for the same seed, the vocabulary inside,
+// the matrices in --type; an f32 GGUF computes the llama2.c file's logits.
+TEST(MakeModelApp, WritesTheSameModelAsGgufOfAnyType) {
+  const std::string dir = test::make_temp_dir("make-model-gguf");
+  const std::string shape = " --dim 64 --hidden 96 --layers 2 --heads 4 --kv-heads 2 --vocab 300 --seq-len 40 --seed 5";
+  ASSERT_EQ(run_command(make_model_app() + " --out " + shell_quoted(dir + "/bin") + shape).second, 0);
+  std::vector<float> want;
+  {
+    Engine e(Checkpoint::open(dir + "/bin/model.bin"));
+    want = e.prefill({1, 40, 50, 60}).logits;
+  }
+  for (const char* type : {"f32", "f16", "bf16", "q8_0", "q4_0"}) {
+    SCOPED_TRACE(type);
+    const std::string out = dir + "/" + type;
+    const auto [log, status] = run_command(make_model_app() + " --out " + shell_quoted(out) + shape +
+                                           " --format gguf --type " + type);
+    ASSERT_EQ(status, 0) << log;
+    EXPECT_EQ(log, out + "/model.gguf\n");
+    const auto cp = Checkpoint::open(out + "/model.gguf");
+    EXPECT_EQ(cp->config().dim, 64);
+    EXPECT_EQ(cp->config().n_kv_heads, 2);
+    ASSERT_TRUE(cp->vocabulary().has_value());
+    EXPECT_EQ(load_tokenizer(*cp, "").vocabulary().pieces, Tokenizer::load(dir + "/bin/tokenizer.bin", 300).vocabulary().pieces);
+    EXPECT_EQ(to_string(cp->weights().layers[1].w2.type), std::string(type));
+    Engine e(cp);
+    const std::vector<float> got = e.prefill({1, 40, 50, 60}).logits;
+    ASSERT_EQ(got.size(), want.size());
+    if (std::string(type) == "f32") {
+      EXPECT_EQ(got, want);
+    } else if (std::string(type) != "q4_0") {  // close, not equal: the weights were rounded
+      // (Q4_0's 4 bits are too coarse for a random model's logits to stay close.)
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < got.size(); ++i) diff += std::fabs(got[i] - want[i]), norm += std::fabs(want[i]);
+      EXPECT_LT(diff, 0.2 * norm);
+      EXPECT_NE(got, want);
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(MakeModelApp, RejectsBadArguments) {
   const std::string dir = test::make_temp_dir("make-model-bad");
   const std::string out = " --out " + shell_quoted(dir + "/m");
@@ -57,6 +99,9 @@ TEST(MakeModelApp, RejectsBadArguments) {
   EXPECT_EQ(run_command(make_model_app() + out + " --dim x 2>/dev/null").second, 2);        // not a number
   EXPECT_EQ(run_command(make_model_app() + out + " --frobnicate 1 2>/dev/null").second, 2); // unknown flag
   EXPECT_EQ(run_command(make_model_app() + out + " --heads 3 2>/dev/null").second, 2);      // 64 % 3 != 0
+  EXPECT_EQ(run_command(make_model_app() + out + " --format onnx 2>/dev/null").second, 2);   // no such format
+  EXPECT_EQ(run_command(make_model_app() + out + " --format gguf --type q3 2>/dev/null").second, 2);  // no such type
+  EXPECT_EQ(run_command(make_model_app() + out + " --type q8_0 2>/dev/null").second, 2);     // llama2.c is f32
   EXPECT_EQ(run_command(make_model_app() + " --out /proc/no-such-dir 2>/dev/null").second, 1);  // cannot write
   EXPECT_FALSE(std::filesystem::exists(dir + "/m/model.bin"));
   std::filesystem::remove_all(dir);

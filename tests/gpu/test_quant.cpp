@@ -1,9 +1,10 @@
-// Quantized weights (gpu/quant.h): half precision against the CPU's own
-// F16C instructions, Q8_0 quantization as ggml's reference does it, the
-// Q8_0 matrix product of every kernel set bit for bit against its naive
-// reference (gpu/quant.cpp) and independent of the batch and the threads,
-// and Q8_0 and Q4_0 models: prefill equals stepwise decode, byte for byte the
-// peer converter's files, and how closely they follow the F32 model.
+// Weight types (gpu/quant.h): half precision against the CPU's own F16C
+// instructions, bfloat16 rounding, Q8_0 quantization as ggml's reference does
+// it, the Q8_0 / Q4_0 matrix product of every kernel set bit for bit against
+// its naive reference (gpu/quant.cpp) and independent of the batch and the
+// threads, the f16 / bf16 product equal to the f32 one of the widened
+// weights, and models of every type: prefill equals stepwise decode, byte
+// for byte the peer converter's files, and how closely they follow F32.
 #include <gtest/gtest.h>
 #include <immintrin.h>
 
@@ -17,10 +18,12 @@
 
 #include "gpu/backend.h"
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/engine.h"
 #include "gpu/fixed_math.h"
 #include "gpu/generate.h"
+#include "gpu/error.h"
 #include "gpu/gguf.h"
 #include "gpu/quant.h"
 #include "gpu/tokenizer.h"
@@ -207,6 +210,280 @@ TEST(Quant, TheBackendsQuantizedProductDoesNotDependOnTheBatch) {
   }
 }
 
+// bfloat16: the top half of a float, rounded to nearest even; NaN stays NaN.
+TEST(Quant, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(bf16_to_float(0x3f80), 1.0f);
+  uint32_t bits = 0x3f808000u;  // halfway between 0x3f80 and 0x3f81: to the even one
+  float f;
+  std::memcpy(&f, &bits, 4);
+  EXPECT_EQ(float_to_bf16(f), 0x3f80);
+  bits = 0x3f818000u;  // halfway between 0x3f81 and 0x3f82: to the even one
+  std::memcpy(&f, &bits, 4);
+  EXPECT_EQ(float_to_bf16(f), 0x3f82);
+  bits = 0x3f808001u;  // above halfway
+  std::memcpy(&f, &bits, 4);
+  EXPECT_EQ(float_to_bf16(f), 0x3f81);
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
+  EXPECT_EQ(float_to_bf16(-0.0f), 0x8000);
+  EXPECT_TRUE(std::isinf(bf16_to_float(float_to_bf16(3.4e38f))));  // rounds up past the largest bf16
+  // Every bf16 value comes back exactly.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float v = bf16_to_float(uint16_t(h));
+    if (!std::isnan(v)) ASSERT_EQ(float_to_bf16(v), h) << h;
+  }
+}
+
+// The f16 / bf16 product of every kernel set is the f32 product of the
+// widened weights, bit for bit (the same kernels' f32 path, itself checked
+// against the fixed order in test_kernels), and a row's result does not
+// depend on its batch or on how the columns are split.
+TEST(Quant, EveryKernelSets16BitProductIsTheF32ProductOfTheWidenedWeights) {
+  for (const WeightType type : {WeightType::f16, WeightType::bf16})
+    for (const std::string& isa : cpu::supported_isas()) {
+      const auto& kt = cpu::kernels_for(isa);
+      const auto& generic = cpu::kernels_for("generic");
+      for (const auto& [m, n, k] : {std::tuple{1, 7, 5}, {1, 50, 96}, {3, 33, 64}, {17, 40, 37}, {13, 16, 300}}) {
+        SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                     " k=" + std::to_string(k));
+        std::mt19937 rng(uint32_t(m * 131 + n * 7 + k));
+        std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+        std::vector<float> a(size_t(m) * k), w(size_t(n) * k);
+        for (float& v : a) v = u(rng);
+        for (float& v : w) v = u(rng);
+        w[0] = 3.0e-6f;  // a subnormal half
+        w[1] = 70000.0f;  // beyond the largest half: inf in f16
+        std::vector<uint16_t> narrow(w.size());
+        for (int r = 0; r < n; ++r)
+          quantize_row(type, w.data() + size_t(r) * k, reinterpret_cast<uint8_t*>(narrow.data() + size_t(r) * k), k);
+        std::vector<float> wide(w.size());
+        for (int r = 0; r < n; ++r)
+          dequantize_row(type, reinterpret_cast<const uint8_t*>(narrow.data() + size_t(r) * k), wide.data() + size_t(r) * k, k);
+        std::vector<float> packed(cpu::packed_floats(n, k));
+        cpu::pack_matrix(wide.data(), packed.data(), n, k);
+        std::vector<uint16_t> packed16(cpu::packed_floats(n, k));
+        cpu::pack_matrix16(narrow.data(), packed16.data(), n, k);
+        const int panels = (n + cpu::kPanel - 1) / cpu::kPanel;
+        std::vector<float> want(size_t(m) * n), got(size_t(m) * n, -1.0f);
+        generic.matmul(a.data(), packed.data(), want.data(), m, n, k, 0, panels);
+        kt.matmul16(type, a.data(), packed16.data(), got.data(), m, n, k, 0, panels / 2);
+        kt.matmul16(type, a.data(), packed16.data(), got.data(), m, n, k, panels / 2, panels);
+        ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
+        for (int r = 0; r < m; ++r) {
+          std::vector<float> one(static_cast<size_t>(n));
+          kt.matmul16(type, a.data() + size_t(r) * k, packed16.data(), one.data(), 1, n, k, 0, panels);
+          ASSERT_EQ(std::memcmp(one.data(), want.data() + size_t(r) * n, one.size() * sizeof(float)), 0) << "row " << r;
+        }
+      }
+    }
+}
+
+// ---------------------------------------------------------------- K-quants
+
+const WeightType kKQuants[] = {WeightType::q4_k, WeightType::q5_k, WeightType::q6_k};
+
+// Rows of n x k (k a multiple of 256) in a K-quant type, from seeded values
+// with the superblocks that test the edges: row 0's first all zero, row 1's
+// first mostly zero with one outlier, row 2's first all positive.
+std::vector<uint8_t> kquant_matrix(WeightType type, int n, int k, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 0.05f);
+  std::vector<float> w(size_t(n) * k);
+  for (float& v : w) v = g(rng);
+  for (int j = 0; j < 256; ++j) w[size_t(j)] = 0.0f;
+  if (n > 1)
+    for (int j = 0; j < 256; ++j) w[size_t(k) + j] = j == 77 ? 3.0f : (j % 5 ? 0.0f : g(rng));
+  if (n > 2)
+    for (int j = 0; j < 256; ++j) w[size_t(2) * k + j] = std::fabs(w[size_t(2) * k + j]);
+  const size_t row = row_bytes(type, k);
+  std::vector<uint8_t> q(size_t(n) * row);
+  for (int r = 0; r < n; ++r) quantize_row(type, w.data() + size_t(r) * k, q.data() + size_t(r) * row, k);
+  return q;
+}
+
+// The reference quantizers approximate: the error of the dequantized row
+// falls with the bits (Q4_K > Q5_K > Q6_K) and stays small. (Their bytes
+// equal ggml's quantize_row_q{4,5,6}_K_ref on 400 varied superblocks, in a
+// one-off comparison against ggml built from source; README.)
+TEST(KQuant, TheQuantizersApproximateTheirRowsBetterWithMoreBits) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  const int k = 4096;
+  std::vector<float> x(static_cast<size_t>(k)), back(static_cast<size_t>(k));
+  for (float& v : x) v = g(rng);
+  double norm = 0;
+  for (float v : x) norm += double(v) * v;
+  double last = 1.0;
+  for (const WeightType type : kKQuants) {
+    std::vector<uint8_t> q(row_bytes(type, k));
+    quantize_row(type, x.data(), q.data(), k);
+    dequantize_row(type, q.data(), back.data(), k);
+    double err = 0;
+    for (int j = 0; j < k; ++j) err += double(back[size_t(j)] - x[size_t(j)]) * (back[size_t(j)] - x[size_t(j)]);
+    const double rel = std::sqrt(err / norm);
+    std::cout << to_string(type) << ": relative rms error " << rel << "\n";
+    EXPECT_LT(rel, last) << to_string(type);
+    EXPECT_LT(rel, type == WeightType::q4_k ? 0.12 : type == WeightType::q5_k ? 0.06 : 0.03) << to_string(type);
+    last = rel;
+  }
+  // An all-zero row stays zero; rows that are not whole superblocks are refused.
+  std::vector<float> zeros(256, 0.0f);
+  for (const WeightType type : kKQuants) {
+    std::vector<uint8_t> q(row_bytes(type, 256), 0xff);
+    quantize_row(type, zeros.data(), q.data(), 256);
+    dequantize_row(type, q.data(), back.data(), 256);
+    for (int j = 0; j < 256; ++j) ASSERT_EQ(back[size_t(j)], 0.0f) << to_string(type);
+    EXPECT_THROW(quantize_row(type, zeros.data(), q.data(), 128), Error);
+  }
+}
+
+// Q8_K activations as llama.cpp's quantize_row_q8_K_ref: the value of
+// largest magnitude maps to -127, d carries its sign, the sums of 16.
+TEST(KQuant, ActivationsQuantizeAsLlamaCppsQ8K) {
+  std::vector<float> a(256);
+  for (int j = 0; j < 256; ++j) a[size_t(j)] = float(j % 17) * 0.25f - 1.0f;
+  a[40] = 6.0f;
+  int8_t q[256];
+  int16_t bsums[16];
+  const float d = fixed::quantize_q8k_block(a.data(), q, bsums);
+  EXPECT_EQ(q[40], -127);
+  EXPECT_LT(d, 0.0f);
+  EXPECT_FLOAT_EQ(d, 1.0f / (-127.0f / 6.0f));
+  for (int g = 0; g < 16; ++g) {
+    int sum = 0;
+    for (int j = 0; j < 16; ++j) sum += q[16 * g + j];
+    EXPECT_EQ(bsums[g], sum);
+  }
+  for (int j = 0; j < 256; ++j) EXPECT_NEAR(d * q[j], a[size_t(j)], std::fabs(d) * 0.5f + 1e-6f) << j;
+}
+
+TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
+  for (const WeightType type : kKQuants)
+    for (const std::string& isa : cpu::supported_isas()) {
+      const auto& kt = cpu::kernels_for(isa);
+      // One row (decode), a few, more than one row block (64); one and several superblocks.
+      for (const auto& [m, n, k] : {std::tuple{1, 7, 256}, {1, 33, 1024}, {3, 5, 512}, {17, 9, 768}, {70, 4, 256}}) {
+        SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                     " k=" + std::to_string(k));
+        const auto w = kquant_matrix(type, n, k, uint32_t(n * 3 + k));
+        auto a = activations(m, k, uint32_t(m * 5 + k));
+        if (m > 2)
+          for (int j = 0; j < 256; ++j) a[size_t(2) * k + j] = 0.0f;  // row 2, superblock 0: all zero
+        std::vector<float> want(size_t(m) * n), got(size_t(m) * n, -1.0f);
+        matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
+        const int blocks = k / kQK;
+        std::vector<float> d(size_t(m) * blocks);
+        std::vector<int8_t> q(size_t(m) * k);
+        std::vector<int16_t> bsums(size_t(m) * k / 16);
+        for (int r = 0; r < m; ++r)
+          quantize_activations_k(a.data() + size_t(r) * k, k, d.data() + size_t(r) * blocks, q.data() + size_t(r) * k,
+                                 bsums.data() + size_t(r) * k / 16);
+        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), w.data(), got.data(), m, n, k, 0, n / 2);
+        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), w.data(), got.data(), m, n, k, n / 2, n);
+        ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
+        // The reference is the product at all: close to the float product of the dequantized weights.
+        std::vector<float> deq(static_cast<size_t>(k));
+        dequantize_row(type, w.data() + row_bytes(type, k) * size_t(n - 1), deq.data(), k);
+        double exact = 0, scale = 0;
+        for (int j = 0; j < k; ++j)
+          exact += double(a[size_t(m - 1) * k + j]) * deq[size_t(j)], scale += std::fabs(a[size_t(m - 1) * k + j] * deq[size_t(j)]);
+        EXPECT_NEAR(want[size_t(m - 1) * n + n - 1], exact, 0.02 * scale + 1e-6);
+      }
+    }
+}
+
+// Through the backend (threads, its scratch): a row's result does not depend on the batch.
+TEST(KQuant, TheBackendsProductDoesNotDependOnTheBatch) {
+  for (const WeightType type : kKQuants) {
+    SCOPED_TRACE(to_string(type));
+    const int m = 9, n = 300, k = 1024;
+    const auto w = kquant_matrix(type, n, k, 21);
+    const auto a = activations(m, k, 22);
+    auto b = make_cpu_backend();
+    DeviceArray<float> da(*b), dc(*b, size_t(m) * n);
+    da.upload(a.data(), a.size());
+    b->matmul_quantized(type, da.get(), w.data(), dc.get(), m, n, k);
+    std::vector<float> all(size_t(m) * n), want(size_t(m) * n);
+    dc.download(all.data(), all.size());
+    matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
+    EXPECT_EQ(std::memcmp(all.data(), want.data(), all.size() * sizeof(float)), 0);
+    for (int r = 0; r < m; ++r) {
+      DeviceArray<float> one(*b), out(*b, size_t(n));
+      one.upload(a.data() + size_t(r) * k, size_t(k));
+      b->matmul_quantized(type, one.get(), w.data(), out.get(), 1, n, k);
+      std::vector<float> row(static_cast<size_t>(n));
+      out.download(row.data(), row.size());
+      ASSERT_EQ(std::memcmp(row.data(), all.data() + size_t(r) * n, row.size() * sizeof(float)), 0) << "row " << r;
+    }
+  }
+}
+
+// A synthetic model whose rows are whole superblocks (dim 256, hidden 512)
+// as llama.cpp's Q4_K_M mixture: the types per tensor and layer, prefill
+// equal to stepwise decode, batched decode equal to single, and greedy
+// tokens near the f32 model's.
+class KQuantModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    config_ = {256, 512, 4, 4, 2, 512, 128, true};
+    const std::string dir = test::make_temp_dir("kquant-model");
+    write_gguf(*random_weights(config_, 17), byte_vocabulary(512), "k", dir + "/f32.gguf");
+    write_gguf(*random_weights(config_, 17), byte_vocabulary(512), "k", dir + "/q4_k_m.gguf", FileType::q4_k_m);
+    f32_ = Checkpoint::open(dir + "/f32.gguf");
+    q4km_ = Checkpoint::open(dir + "/q4_k_m.gguf");
+  }
+  static void TearDownTestSuite() { f32_.reset(), q4km_.reset(); }
+  static ModelConfig config_;
+  static std::shared_ptr<const Checkpoint> f32_, q4km_;
+};
+ModelConfig KQuantModel::config_;
+std::shared_ptr<const Checkpoint> KQuantModel::f32_, KQuantModel::q4km_;
+
+TEST_F(KQuantModel, MixesTypesAsLlamaCppsQ4KM) {
+  const Weights& w = q4km_->weights();
+  EXPECT_EQ(w.token_embedding.type, WeightType::q6_k);  // shared with the classifier
+  for (int l = 0; l < 4; ++l) {
+    SCOPED_TRACE(l);
+    const bool more = l >= 2;  // use_more_bits(l, 4): l >= 3, or (l - 0) % 3 == 2
+    EXPECT_EQ(w.layers[size_t(l)].wv.type, more ? WeightType::q6_k : WeightType::q4_k);
+    EXPECT_EQ(w.layers[size_t(l)].w2.type, more ? WeightType::q6_k : WeightType::q4_k);
+    EXPECT_EQ(w.layers[size_t(l)].wq.type, WeightType::q4_k);
+    EXPECT_EQ(w.layers[size_t(l)].w1.type, WeightType::q4_k);
+  }
+}
+
+TEST_F(KQuantModel, PrefillEqualsStepwiseAndBatchedDecode) {
+  Engine engine(q4km_);
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311};
+  const PrefillOutput prefilled = engine.prefill(prompt);
+  KvPool pool(engine, 16, 8);
+  std::vector<int> blocks = {3, 1}, other = {5, 6};
+  std::vector<float> logits;
+  for (size_t pos = 0; pos < prompt.size(); ++pos) {
+    // The second sequence rides along in the same batch: the first's logits do not change.
+    const auto both = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks},
+                                               DecodeSlot{prompt[prompt.size() - 1 - pos], int(pos), &other}});
+    logits.assign(both.begin(), both.begin() + long(both.size() / 2));
+  }
+  ASSERT_EQ(logits.size(), prefilled.logits.size());
+  EXPECT_EQ(std::memcmp(logits.data(), prefilled.logits.data(), logits.size() * sizeof(float)), 0);
+}
+
+TEST_F(KQuantModel, GreedyTokensFollowTheF32Model) {
+  Engine a(f32_), b(q4km_);
+  size_t agreed = 0, total = 0;
+  for (const std::vector<int>& prompt : {std::vector<int>{1, 300, 301}, {1, 400, 20, 30}, {1, 5}, {1, 260, 261, 262, 263}}) {
+    const auto want = generate(a, prompt, 40, SamplingParams{}).tokens;
+    const auto got = generate(b, prompt, 40, SamplingParams{}).tokens;
+    size_t same = 0;
+    while (same < want.size() && same < got.size() && want[same] == got[same]) ++same;
+    agreed += same;
+    total += want.size();
+  }
+  std::cout << "q4_k_m (dim 256): " << agreed << " of " << total << " tokens agree with f32 before the first difference\n";
+  EXPECT_GT(agreed, 0u);
+}
+
 // The shared model in a quantized type (write_gguf, ggml's reference
 // quantizer), written once per type.
 std::shared_ptr<const Checkpoint> quantized_model(WeightType type) {
@@ -215,8 +492,8 @@ std::shared_ptr<const Checkpoint> quantized_model(WeightType type) {
   if (!cp) {
     const std::string out = test::make_temp_dir("quantized-model") + "/stories260K-" + to_string(type) + ".gguf";
     const auto f32 = Checkpoint::open(test::shared_model());
-    write_gguf(*f32, Tokenizer::load(test::shared_tokenizer(), f32->config().vocab_size).vocabulary(), "stories260K",
-               out, type);
+    write_gguf(*checkpoint_weights(f32), Tokenizer::load(test::shared_tokenizer(), f32->config().vocab_size).vocabulary(),
+               "stories260K", out, *parse_file_type(to_string(type)));
     cp = Checkpoint::open(out);
   }
   return cp;
@@ -230,7 +507,7 @@ TEST_P(QuantModel, KeepsItsWeightsInTheirType) {
   EXPECT_EQ(cp->weights().layers[0].wq.type, GetParam());
   EXPECT_EQ(cp->weights().layers[4].w1.type, GetParam());
   // Rows of 172 (hidden) are no whole blocks: w2 stays f32, as ggml's quantizer leaves them.
-  EXPECT_EQ(cp->weights().layers[0].w2.type, WeightType::f32);
+  EXPECT_EQ(cp->weights().layers[0].w2.type, is_block_quantized(GetParam()) ? WeightType::f32 : GetParam());
   EXPECT_TRUE(cp->weights().wcls == cp->weights().token_embedding);
   EXPECT_NE(cp->weights().layers[0].rms_att, nullptr);
 }
@@ -274,6 +551,7 @@ TEST_P(QuantModel, GreedyTokensFollowTheF32Model) {
   std::cout << to_string(GetParam()) << " stories260K: " << agreed << " of " << total << " reference tokens ("
             << (100.0 * double(agreed) / double(total)) << "%) agree before the first difference\n";
   if (GetParam() == WeightType::q8_0) EXPECT_GT(double(agreed), 0.25 * double(total));
+  if (GetParam() == WeightType::f16) EXPECT_GT(double(agreed), 0.9 * double(total));
 }
 
 // The peer tools' converter (../shared/tools/peer/llama2c-to-gguf.py --type
@@ -283,6 +561,7 @@ TEST_P(QuantModel, GreedyTokensFollowTheF32Model) {
 TEST_P(QuantModel, OurTensorsAreThoseOfThePeersConverter) {
   const std::string script = test::shared_dir() + "/tools/peer/llama2c-to-gguf.py";
   if (!std::filesystem::exists(script)) GTEST_SKIP() << script << " is not there";
+  if (GetParam() == WeightType::bf16) GTEST_SKIP() << "the peer converter writes no bf16";
   if (test::run_command("/usr/bin/python3 -c 'import numpy' 2>/dev/null").second != 0)
     GTEST_SKIP() << "numpy (Debian python3-numpy) is not installed";
   const std::string type = to_string(GetParam());
@@ -301,7 +580,7 @@ TEST_P(QuantModel, OurTensorsAreThoseOfThePeersConverter) {
   const auto their_bytes = read(peer), our_bytes = read(ours->path());
   const auto their_file = gguf::File::parse(their_bytes.data(), their_bytes.size(), peer);
   const auto our_file = gguf::File::parse(our_bytes.data(), our_bytes.size(), ours->path());
-  const uint32_t ggml_type = uint32_t(GetParam() == WeightType::q8_0 ? gguf::TensorType::q8_0 : gguf::TensorType::q4_0);
+  const uint32_t ggml_type = uint32_t(gguf::tensor_type_of(GetParam()));
   int compared = 0, quantized = 0;
   for (const auto& t : our_file.tensors()) {
     const gguf::TensorInfo* u = their_file.tensor(t.name);
@@ -320,7 +599,48 @@ TEST_P(QuantModel, OurTensorsAreThoseOfThePeersConverter) {
             generate(b, c.prompt_tokens, c.max_new_tokens, SamplingParams{}).tokens);
 }
 
-INSTANTIATE_TEST_SUITE_P(Types, QuantModel, ::testing::Values(WeightType::q8_0, WeightType::q4_0),
+// A 16-bit float model computes what the f32 model of the values it holds
+// computes, bit for bit (the f32 rule on widened weights): against a
+// GGUF of the shared model's weights rounded to that type but stored as f32.
+class Float16Model : public ::testing::TestWithParam<WeightType> {};
+
+TEST_P(Float16Model, IsTheF32ModelOfItsValues) {
+  // The shared model with each matrix value rounded to the type, as floats.
+  class Rounded final : public WeightSource {
+   public:
+    Rounded(std::unique_ptr<WeightSource> inner, WeightType type) : inner_(std::move(inner)), type_(type) {}
+    const ModelConfig& config() const override { return inner_->config(); }
+    void row(Tensor t, int layer, int64_t r, float* out) const override {
+      inner_->row(t, layer, r, out);
+      if (!is_matrix(t)) return;
+      const int cols = int(shape_of(t, config()).cols);
+      std::vector<uint8_t> packed(row_bytes(type_, cols));
+      quantize_row(type_, out, packed.data(), cols);
+      dequantize_row(type_, packed.data(), out, cols);
+    }
+
+   private:
+    std::unique_ptr<WeightSource> inner_;
+    WeightType type_;
+  };
+  const auto f32 = Checkpoint::open(test::shared_model());
+  const std::string out = test::make_temp_dir("rounded-model") + "/rounded-" + to_string(GetParam()) + ".gguf";
+  write_gguf(Rounded(checkpoint_weights(f32), GetParam()),
+             Tokenizer::load(test::shared_tokenizer(), f32->config().vocab_size).vocabulary(), "rounded", out);
+  Engine wide(Checkpoint::open(out)), narrow(quantized_model(GetParam()));
+  const std::vector<int> prompt = {1, 403, 407, 261, 378, 300, 301, 302, 303};
+  const PrefillOutput a = wide.prefill(prompt), b = narrow.prefill(prompt);
+  ASSERT_EQ(a.logits.size(), b.logits.size());
+  EXPECT_EQ(std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)), 0);
+  for (const auto& c : test::load_all_reference_cases())
+    EXPECT_EQ(generate(wide, c.prompt_tokens, c.max_new_tokens, SamplingParams{}).tokens,
+              generate(narrow, c.prompt_tokens, c.max_new_tokens, SamplingParams{}).tokens);
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, Float16Model, ::testing::Values(WeightType::f16, WeightType::bf16),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Types, QuantModel,
+                         ::testing::Values(WeightType::f16, WeightType::bf16, WeightType::q8_0, WeightType::q4_0),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 }  // namespace

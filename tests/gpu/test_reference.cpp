@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gpu/checkpoint.h"
+#include "gpu/model_writer.h"
 #include "gpu/engine.h"
 #include "gpu/generate.h"
 #include "gpu/tokenizer.h"
@@ -33,7 +34,7 @@ const std::string& shared_gguf() {
     const std::string out = test::make_temp_dir("reference-gguf") + "/stories260K.gguf";
     const auto checkpoint = Checkpoint::open(test::shared_model());
     const Tokenizer tokenizer = Tokenizer::load(test::shared_tokenizer(), checkpoint->config().vocab_size);
-    write_gguf(*checkpoint, tokenizer.vocabulary(), "stories260K", out);
+    write_gguf(*checkpoint_weights(checkpoint), tokenizer.vocabulary(), "stories260K", out);
     return out;
   }();
   return path;
