@@ -1,5 +1,6 @@
 // Compute-library throughput on the current backend (Google Benchmark; run by
-// `scripts/bench micro`, not by ctest). Two synthetic (seeded) models:
+// `scripts/bench micro`, not by ctest). With --model FILE, instead, one model
+// file's figures (bench/model_report.h). Two synthetic (seeded) models:
 //   m50: dim 512, hidden 1376, 16 layers, 8 heads, vocab 4096, seq 2048 (~50M)
 //   m15: dim 288, hidden 768, 6 layers, 6 heads, vocab 32000, seq 256 (stories15M's shape)
 // Each benchmark takes the OpenMP thread count as its last argument.
@@ -41,6 +42,7 @@ extern "C" void openblas_set_num_threads(int);
 #include "gpu/model_writer.h"
 #include "gpu/engine.h"
 #include "gpu/kv_format.h"
+#include "bench/model_report.h"
 
 namespace {
 
@@ -280,4 +282,12 @@ BENCHMARK(BM_Matmul)
     ->UseRealTime();
 BENCHMARK(BM_KvSerializeParse)->Unit(benchmark::kMillisecond);
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--model") return disagg::bench::model_report(argc, argv);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

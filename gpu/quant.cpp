@@ -26,30 +26,6 @@ const char* to_string(WeightType type) {
   return "unknown";
 }
 
-bool is_float16(WeightType type) { return type == WeightType::f16 || type == WeightType::bf16; }
-bool is_block_quantized(WeightType type) { return type == WeightType::q8_0 || type == WeightType::q4_0; }
-bool is_k_quant(WeightType type) {
-  return type == WeightType::q4_k || type == WeightType::q5_k || type == WeightType::q6_k;
-}
-int block_values(WeightType type) { return is_k_quant(type) ? kQK : is_block_quantized(type) ? kQ8Block : 1; }
-
-size_t block_bytes(WeightType type) {
-  switch (type) {
-    case WeightType::f32: return sizeof(float);
-    case WeightType::f16:
-    case WeightType::bf16: return sizeof(uint16_t);
-    case WeightType::q8_0: return kQ8BlockBytes;
-    case WeightType::q4_0: return kQ4BlockBytes;
-    case WeightType::q4_k: return kQ4KBlockBytes;
-    case WeightType::q5_k: return kQ5KBlockBytes;
-    case WeightType::q6_k: return kQ6KBlockBytes;
-  }
-  return 0;
-}
-
-size_t row_bytes(WeightType type, int k) {
-  return size_t(k / block_values(type)) * block_bytes(type);
-}
 
 float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16;

@@ -29,27 +29,43 @@
 namespace disagg::gpu {
 
 enum class WeightType { f32, f16, bf16, q8_0, q4_0, q4_k, q5_k, q6_k };
+// (The small functions below are static: gpu/cpu/ compiles them once per
+// instruction set, and the linker must never pick an AVX-512 copy.)
 const char* to_string(WeightType type);
 // f16 or bf16: 16-bit floats, multiplied by the f32 rule.
-bool is_float16(WeightType type);
+static constexpr bool is_float16(WeightType type) { return type == WeightType::f16 || type == WeightType::bf16; }
 // q8_0 or q4_0: blocks multiplied by the quantized rule.
-bool is_block_quantized(WeightType type);
+static constexpr bool is_block_quantized(WeightType type) { return type == WeightType::q8_0 || type == WeightType::q4_0; }
 // q4_k, q5_k or q6_k: superblocks multiplied by the K-quant rule.
-bool is_k_quant(WeightType type);
+static constexpr bool is_k_quant(WeightType type) {
+  return type == WeightType::q4_k || type == WeightType::q5_k || type == WeightType::q6_k;
+}
 // Values per block of `type`: 32 (q8_0, q4_0), 256 (K-quants), 1 (floats).
-int block_values(WeightType type);
+constexpr int kQ8Block = 32;  // values per block, Q8_0 and Q4_0
+constexpr int kQK = 256;      // values per K-quant superblock
+static constexpr int block_values(WeightType type) { return is_k_quant(type) ? kQK : is_block_quantized(type) ? kQ8Block : 1; }
 
-constexpr int kQ8Block = 32;             // values per block, Q8_0 and Q4_0
 constexpr size_t kQ8BlockBytes = 2 + 32;  // Q8_0: f16 scale + 32 x int8
 constexpr size_t kQ4BlockBytes = 2 + 16;  // Q4_0: f16 scale + 32 x 4 bits
-constexpr int kQK = 256;                  // values per K-quant superblock
 constexpr size_t kQ4KBlockBytes = 144;
 constexpr size_t kQ5KBlockBytes = 176;
 constexpr size_t kQ6KBlockBytes = 210;
 // Bytes of one block of a quantized type (f32, f16, bf16: of one value).
-size_t block_bytes(WeightType type);
+static constexpr size_t block_bytes(WeightType type) {
+  switch (type) {
+    case WeightType::f32: return sizeof(float);
+    case WeightType::f16:
+    case WeightType::bf16: return sizeof(uint16_t);
+    case WeightType::q8_0: return kQ8BlockBytes;
+    case WeightType::q4_0: return kQ4BlockBytes;
+    case WeightType::q4_k: return kQ4KBlockBytes;
+    case WeightType::q5_k: return kQ5KBlockBytes;
+    case WeightType::q6_k: return kQ6KBlockBytes;
+  }
+  return 0;
+}
 // Bytes of a k-long row in `type` (k a multiple of block_values(type)).
-size_t row_bytes(WeightType type, int k);
+static constexpr size_t row_bytes(WeightType type, int k) { return size_t(k / block_values(type)) * block_bytes(type); }
 
 // IEEE binary16 <-> binary32: half_to_float is exact; float_to_half rounds
 // to nearest, ties to even (as F16C's vcvtps2ph with mode 0).

@@ -19,6 +19,15 @@ inline float q8_scale(const uint8_t* block) {
 }
 
 #if defined(__AVX2__)
+// Share `i` of `shares` of the `bytes` at `next` fetched into the caches: a
+// tile of eight weight rows reads them as eight interleaved streams, which
+// the hardware prefetchers follow badly (Zen 3: a third of the bandwidth), so
+// the tile fetches the next tile's rows (contiguous) while it computes.
+inline void prefetch_share(const uint8_t* next, size_t bytes, int i, int shares) {
+  const size_t begin = bytes * size_t(i) / size_t(shares), end = bytes * size_t(i + 1) / size_t(shares);
+  for (size_t at = begin / 64 * 64; at < end; at += 64) _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T0);
+}
+
 // A block's 32 weights as int8, in value order.
 template <WeightType T>
 inline __m256i q8_weights(const uint8_t* block) {
@@ -106,52 +115,127 @@ inline __m256i q8_hsum8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
-// R rows x C columns (R * C = 8 outputs, one a lane) from (r0, c0): each
-// block's 8 exact sums at once, then each lane's fma of the rule, in block
-// order, as q8_one computes it.
-template <WeightType T, int R, int C>
-inline void q8_tile(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int n, int k, int blocks,
-                    size_t row_size, int r0, int c0) {
-  static_assert(R * C == 8, "one output a lane");
-  const __m256i ones = _mm256_set1_epi16(1);
+// Eight rows (r0 .. r0 + 7) of one column: each block's eight exact sums at
+// once, then each lane's fma of the rule, in block order, as q8_one computes
+// it. `st` holds the eight rows' activation scales block by block (st[8b +
+// i]: row r0 + i's), `a8` (Q4_0) 8 x their block sums likewise, laid out so
+// by the caller once for every column: Q4_0's nibbles enter unsigned and
+// 8 * sum(a) comes off, as in q8_row8.
+template <WeightType T>
+inline void q8_col8(const float* st, const int32_t* a8, const int8_t* qa, const uint8_t* w, float* c, int n, int k,
+                    int blocks, size_t row_size, int r0, int col) {
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0f);
+  const uint8_t* wrow = w + size_t(col) * row_size;
   __m256 acc = _mm256_setzero_ps();
   for (int b = 0; b < blocks; ++b) {
+    const uint8_t* block = wrow + size_t(b) * block_bytes(T);
     __m256i sums[8];
-    alignas(32) float scale[8];
-    for (int ci = 0; ci < C; ++ci) {
-      const uint8_t* block = w + size_t(c0 + ci) * row_size + size_t(b) * block_bytes(T);
-      const float dw = q8_scale(block);
-      const __m256i qw = q8_weights<T>(block);
-      const __m256i wabs = _mm256_sign_epi8(qw, qw);
-      for (int ri = 0; ri < R; ++ri) {
-        const __m256i qv = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(qa + size_t(r0 + ri) * k + size_t(b) * kQ8Block));
-        sums[ri * C + ci] = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(qv, qw)), ones);
-        scale[ri * C + ci] = dw * scales[size_t(r0 + ri) * blocks + b];
-      }
+    __m256i qw, wabs;
+    if constexpr (T == WeightType::q8_0) {
+      qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+      wabs = _mm256_sign_epi8(qw, qw);
+    } else {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+      qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), nibble);  // q, unsigned
+      wabs = qw;
     }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_hsum8(sums)), _mm256_load_ps(scale), acc);
+#pragma GCC unroll 8
+    for (int ri = 0; ri < 8; ++ri) {
+      const __m256i qv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + size_t(r0 + ri) * k + size_t(b) * kQ8Block));
+      const __m256i signed_a = T == WeightType::q8_0 ? _mm256_sign_epi8(qv, qw) : qv;
+      sums[ri] = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, signed_a), ones);
+    }
+    __m256i isum = q8_hsum8(sums);
+    if constexpr (T == WeightType::q4_0)
+      isum = _mm256_sub_epi32(isum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a8 + size_t(b) * 8)));
+    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(q8_scale(block)), _mm256_loadu_ps(st + size_t(b) * 8));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
   }
   alignas(32) float out[8];
   _mm256_store_ps(out, acc);
-  for (int ri = 0; ri < R; ++ri)
-    for (int ci = 0; ci < C; ++ci) c[size_t(r0 + ri) * n + c0 + ci] = out[ri * C + ci];
+  for (int ri = 0; ri < 8; ++ri) c[size_t(r0 + ri) * n + col] = out[ri];
+}
+
+// For each tile of eight rows from r0 (up to r1), its rows' activation
+// scales and (Q4_0) 8 x block sums in q8_col8's layout: tile t's at
+// [t * blocks * 8, ...).
+inline void q8_tile_scales(const float* scales, const int8_t* qa, int k, int blocks, int r0, int r1, float* st,
+                           int32_t* a8) {
+  for (int t = 0; r0 + 8 * t + 8 <= r1; ++t)
+    for (int b = 0; b < blocks; ++b)
+      for (int i = 0; i < 8; ++i) {
+        const int r = r0 + 8 * t + i;
+        st[(size_t(t) * blocks + b) * 8 + i] = scales[size_t(r) * blocks + b];
+        const int8_t* q = qa + size_t(r) * k + size_t(b) * kQ8Block;
+        int32_t sum = 0;
+        for (int j = 0; j < kQ8Block; ++j) sum += q[j];
+        a8[(size_t(t) * blocks + b) * 8 + i] = 8 * sum;
+      }
+}
+
+// Eight columns of one row (a decode step, a small batch): each block's
+// eight exact sums at once, then each lane's fma of the rule, as q8_one
+// computes it. Q4_0's nibbles q enter unsigned, and 8 * (the block's
+// activation sum) comes off the sums after: sum (q - 8) a, exactly.
+template <WeightType T>
+inline void q8_row8(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int n, int k, int blocks,
+                    size_t row_size, int r, int col) {
+  const float* s = scales + size_t(r) * blocks;
+  const int8_t* q = qa + size_t(r) * k;
+  const uint8_t* wrow = w + size_t(col) * row_size;
+  const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1), nibble = _mm256_set1_epi8(0x0f);
+  __m256 acc = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + size_t(b) * kQ8Block));
+    prefetch_share(wrow + 16 * row_size, 8 * row_size, b, blocks);
+    __m256i sums[8];
+    uint16_t dh[8];
+#pragma GCC unroll 8
+    for (int ci = 0; ci < 8; ++ci) {
+      const uint8_t* block = wrow + size_t(ci) * row_size + size_t(b) * block_bytes(T);
+      std::memcpy(&dh[ci], block, 2);
+      if constexpr (T == WeightType::q8_0) {
+        const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+        sums[ci] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qv, qw)), ones16);
+      } else {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+        sums[ci] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(both, nibble), qv), ones16);
+      }
+    }
+    __m256i isum = q8_hsum8(sums);
+    if constexpr (T == WeightType::q4_0) {
+      const __m256i a32 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, qv), ones16);
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(a32), _mm256_extracti128_si256(a32, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+      isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_broadcastd_epi32(t), 3));
+    }
+    // (Inserted one by one: a 16-byte load of eight 2-byte stores would wait for them.)
+    const __m128i halves = _mm_set_epi16(short(dh[7]), short(dh[6]), short(dh[5]), short(dh[4]), short(dh[3]),
+                                         short(dh[2]), short(dh[1]), short(dh[0]));
+    const __m256 dw = _mm256_cvtph_ps(halves);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(s[b])), acc);
+  }
+  _mm256_storeu_ps(c + size_t(r) * n + col, acc);
 }
 #endif
 
 // Rows per pass over a range of columns: their quantized activations stay
 // in L2 while every column's weights stream by once.
 constexpr int kQ8RowBlock = 64;
-// Outputs a tile computes (AVX2): 8 rows of one column, so each weight block
-// is loaded once for 8 rows (measured on the 50M model, 1,000-token prefill,
-// 1 thread, Zen 3: 8 x 1 3.13 s, 4 x 2 3.84 s, 2 x 4 3.86 s, single outputs 5.2 s).
+// Rows a prefill tile computes (AVX2): 8 rows of one column, so each weight
+// block is loaded once for 8 rows (measured on the 50M model, 1,000-token
+// prefill, 1 thread, Zen 3: 8 x 1 3.13 s, 4 x 2 3.84 s, 2 x 4 3.86 s, single
+// outputs 5.2 s).
 constexpr int kQ8TileRows = 8;
-constexpr int kQ8TileCols = 1;
 
 // C[m][n] for the columns [col_begin, col_end) (activations quantized:
-// `scales` m x k/32, `qa` m x k): tiles of 8 rows x 1 column under AVX2 (a
-// prefill, a batch of 8 or more); single outputs at the edges, for fewer
-// rows (a decode step: one weight row streamed at a time) and otherwise.
+// `scales` m x k/32, `qa` m x k): under AVX2 tiles of 8 rows x 1 column (a
+// prefill, a batch of 8 or more), else of 1 row x 8 columns (a decode step:
+// eight weight rows streamed at once); single outputs at the edges and
+// without AVX2.
 template <WeightType T>
 void matmul_quantized_columns(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k,
                               int col_begin, int col_end) {
@@ -162,16 +246,25 @@ void matmul_quantized_columns(const float* scales, const int8_t* qa, const uint8
     int col = col_begin;
 #if defined(__AVX2__)
     if (r1 - r0 >= kQ8TileRows) {
-      for (; col + kQ8TileCols <= col_end; col += kQ8TileCols) {
+      const int tiles = (r1 - r0) / kQ8TileRows;
+      float* st = new float[size_t(tiles) * blocks * 8];
+      int32_t* a8 = new int32_t[size_t(tiles) * blocks * 8];
+      q8_tile_scales(scales, qa, k, blocks, r0, r1, st, a8);
+      for (; col < col_end; ++col) {
         int r = r0;
-        for (; r + kQ8TileRows <= r1; r += kQ8TileRows) q8_tile<T, kQ8TileRows, kQ8TileCols>(scales, qa, w, c, n, k, blocks, row_size, r, col);
-        for (; r < r1; ++r)
-          for (int ci = 0; ci < kQ8TileCols; ++ci) c[size_t(r) * n + col + ci] = q8_one<T>(scales, qa, w, k, blocks, row_size, r, col + ci);
+        for (int t = 0; t < tiles; ++t, r += kQ8TileRows)
+          q8_col8<T>(st + size_t(t) * blocks * 8, a8 + size_t(t) * blocks * 8, qa, w, c, n, k, blocks, row_size, r, col);
+        for (; r < r1; ++r) c[size_t(r) * n + col] = q8_one<T>(scales, qa, w, k, blocks, row_size, r, col);
       }
+      delete[] st;
+      delete[] a8;
+    } else {
+      for (; col + 8 <= col_end; col += 8)
+        for (int r = r0; r < r1; ++r) q8_row8<T>(scales, qa, w, c, n, k, blocks, row_size, r, col);
     }
 #endif
-    // Q4_0: four columns at once (m50 decode, 1 thread, Zen 3: 2.85-3.0 s
-    // against 3.6 s for 333 tokens); Q8_0 ran slower so (4.7-5.9 s against 3.7-3.9 s for 400).
+    // Q4_0 without AVX2: four columns at once (m50 decode, 1 thread, Zen 3:
+    // 2.85-3.0 s against 3.6 s for 333 tokens).
     if constexpr (T == WeightType::q4_0)
       for (; col + 4 <= col_end; col += 4)
         for (int r = r0; r < r1; ++r) q8_four<T>(scales, qa, w, c, n, k, blocks, row_size, r, col);

@@ -1,0 +1,280 @@
+#include "bench/model_report.h"
+
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gpu/checkpoint.h"
+#include "gpu/engine.h"
+#include "gpu/llama_tensors.h"
+#include "gpu/quant.h"
+
+namespace disagg::bench {
+namespace {
+
+using namespace disagg::gpu;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+const char* kUsage =
+    "usage: bench_compute --model FILE [--threads 1,2] [--prefill 512] [--decode 64] [--batch 16]\n"
+    "                     [--context 16]\n"
+    "Loads FILE (llama2.c or GGUF, any weight type) and prints, as JSON lines: the load\n"
+    "(seconds, peak RSS / file size), the measured read bandwidth per thread count, then per\n"
+    "thread count decode (one sequence, --decode steps after a --context prompt), batched\n"
+    "decode (--batch sequences in lock-step) and prefill (--prefill tokens): tokens/s,\n"
+    "GFLOP/s, weight bytes read per decode step and decode's share of the bandwidth limit.\n";
+
+// Peak resident set of this process (VmHWM), bytes.
+size_t peak_rss() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return size_t(std::strtoull(line.c_str() + 6, nullptr, 10)) * 1024;
+  return 0;
+}
+
+// One thread's share of the buffer summed with 256-bit loads, four
+// independent chains (the loads, not the adds, bound it).
+__attribute__((target("avx2"))) uint64_t sum_range(const uint64_t* p, size_t n) {
+  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+  for (size_t i = 0; i + 16 <= n; i += 16) {
+    a = _mm256_add_epi64(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    b = _mm256_add_epi64(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
+    c = _mm256_add_epi64(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 8)));
+    d = _mm256_add_epi64(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 12)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+// Bytes per second of reading a buffer far larger than the caches with
+// `threads` threads (best of 5 passes), as a decode step reads its weights.
+double read_bandwidth_here(int threads) {
+  const size_t n = size_t(1) << 27;  // 1 GiB of uint64
+  static uint64_t* buffer = nullptr;
+  if (!buffer) {
+    buffer = static_cast<uint64_t*>(std::aligned_alloc(64, n * sizeof(uint64_t)));
+    for (size_t i = 0; i < n; ++i) buffer[i] = i;
+  }
+  double best = 0;
+  volatile uint64_t sink = 0;
+  for (int pass = 0; pass < 5; ++pass) {
+    uint64_t sum = 0;
+    const auto t0 = Clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sum)
+    {
+      const size_t per = n / size_t(omp_get_num_threads()) / 16 * 16;
+      const size_t first = per * size_t(omp_get_thread_num());
+      sum += sum_range(buffer + first, per);
+    }
+    const double s = seconds_since(t0);
+    sink = sink + sum;
+    best = std::max(best, double(n / 16 * 16 * sizeof(uint64_t)) / s);
+  }
+  return best;
+}
+
+// read_bandwidth_here for each thread count, measured in a child process
+// before the model loads, so its 1 GiB buffer is not in this process's peak RSS.
+std::vector<double> read_bandwidths(const std::vector<int>& threads) {
+  int fds[2];
+  if (::pipe(fds) != 0) return std::vector<double>(threads.size(), 0.0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(fds[0]);
+    for (int t : threads) {
+      const double bw = read_bandwidth_here(t);
+      if (::write(fds[1], &bw, sizeof bw) != ssize_t(sizeof bw)) ::_exit(1);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::vector<double> out;
+  for (size_t i = 0; i < threads.size(); ++i) {
+    double bw = 0;
+    if (::read(fds[0], &bw, sizeof bw) != ssize_t(sizeof bw)) bw = 0;
+    out.push_back(bw);
+  }
+  ::close(fds[0]);
+  int status = 0;
+  if (child > 0) ::waitpid(child, &status, 0);
+  return out;
+}
+
+// Bytes of weights one decode step reads (every matrix once; one embedding row) and
+// the multiply-adds of one token's matrix products.
+void weight_figures(const Checkpoint& cp, double& bytes, double& macs) {
+  const ModelConfig& c = cp.config();
+  bytes = macs = 0;
+  for_each_tensor(c, [&](Tensor t, int layer) {
+    if (!is_matrix(t)) {
+      bytes += double(shape_of(t, c).cols) * 4;
+      return;
+    }
+    const Weights& w = cp.weights();
+    const LayerWeights& L = w.layers[size_t(layer)];
+    Matrix m;
+    switch (t) {
+      case Tensor::token_embedding: m = w.token_embedding; break;
+      case Tensor::wq: m = L.wq; break;
+      case Tensor::wk: m = L.wk; break;
+      case Tensor::wv: m = L.wv; break;
+      case Tensor::wo: m = L.wo; break;
+      case Tensor::w1: m = L.w1; break;
+      case Tensor::w2: m = L.w2; break;
+      case Tensor::w3: m = L.w3; break;
+      case Tensor::wcls: m = w.wcls; break;
+      default: break;
+    }
+    const TensorShape s = shape_of(t, c);
+    const double row = double(row_bytes(m.type, int(s.cols)));
+    if (t == Tensor::token_embedding) {
+      bytes += row;  // one row looked up
+      if (c.shared_classifier) bytes += row * double(s.rows), macs += double(s.rows) * double(s.cols);
+    } else {
+      bytes += row * double(s.rows);
+      macs += double(s.rows) * double(s.cols);
+    }
+  });
+}
+
+std::vector<int> prompt_of(int n, int vocab) {
+  std::vector<int> tokens(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) tokens[size_t(i)] = 3 + (i * 37) % (vocab - 3);
+  tokens[0] = 1;
+  return tokens;
+}
+
+std::vector<int> parse_list(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
+  return out;
+}
+
+}  // namespace
+
+int model_report(int argc, char** argv) {
+  std::string model;
+  std::vector<int> threads = {1, 2};
+  int prefill = 512, decode = 64, batch = 16, context = 16;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) {
+      std::cerr << kUsage;
+      return 2;
+    }
+    const std::string value = argv[++i];
+    if (flag == "--model") model = value;
+    else if (flag == "--threads") threads = parse_list(value);
+    else if (flag == "--prefill") prefill = std::atoi(value.c_str());
+    else if (flag == "--decode") decode = std::atoi(value.c_str());
+    else if (flag == "--batch") batch = std::atoi(value.c_str());
+    else if (flag == "--context") context = std::atoi(value.c_str());
+    else {
+      std::cerr << "unknown option " << flag << "\n" << kUsage;
+      return 2;
+    }
+  }
+  if (model.empty() || threads.empty() || prefill < 1 || decode < 2 || batch < 1 || context < 1) {
+    std::cerr << kUsage;
+    return 2;
+  }
+  struct stat st {};
+  if (::stat(model.c_str(), &st) != 0) {
+    std::cerr << model << ": cannot stat\n";
+    return 1;
+  }
+  const std::vector<double> bandwidths = read_bandwidths(threads);
+  const auto t0 = Clock::now();
+  auto cp = Checkpoint::open(model);
+  Engine engine(cp);
+  const double load_s = seconds_since(t0);
+  const ModelConfig& c = engine.config();
+  double bytes = 0, macs = 0;
+  weight_figures(*cp, bytes, macs);
+  std::printf("{\"model\":\"%s\",\"backend\":\"%s\",\"file_bytes\":%lld,\"load_s\":%.2f,"
+              "\"peak_rss_over_file\":%.3f,\"weight_bytes_per_token\":%.0f,\"gflop_per_token\":%.3f}\n",
+              model.c_str(), engine.backend().describe().c_str(), (long long)st.st_size, load_s,
+              double(peak_rss()) / double(st.st_size), bytes, 2 * macs / 1e9);
+  std::fflush(stdout);
+
+  const int block = 16;
+  const int positions = std::max(context + decode, prefill) + 1;
+  KvPool pool(engine, block, KvPool::blocks_for(positions, block) * (batch + 1));
+  const int per_seq = KvPool::blocks_for(positions, block);
+  auto blocks_of = [&](int s) {
+    std::vector<int> b(static_cast<size_t>(per_seq));
+    std::iota(b.begin(), b.end(), s * per_seq);
+    return b;
+  };
+  const double pool_bytes = double(pool.num_blocks()) * block * c.n_layers * 2.0 * c.kv_dim() * sizeof(float);
+  const auto prompt = prompt_of(context, c.vocab_size);
+  for (size_t ti = 0; ti < threads.size(); ++ti) {
+    const int t = threads[ti];
+    const double bw = bandwidths[ti];
+    omp_set_num_threads(t);
+    // One sequence: the prompt, then `decode` steps timed.
+    const std::vector<int> seq = blocks_of(0);
+    engine.prefill_chunk(pool, prompt, 0, seq);
+    auto d0 = Clock::now();
+    for (int s = 0; s < decode; ++s)
+      engine.decode_step(pool, {DecodeSlot{3 + s % 50, context + s, &seq}});
+    const double decode_tps = decode / seconds_since(d0);
+    // `batch` sequences in lock-step.
+    std::vector<std::vector<int>> tables;
+    for (int b = 0; b < batch; ++b) {
+      tables.push_back(blocks_of(b + 1));
+      engine.prefill_chunk(pool, prompt, 0, tables.back());
+    }
+    const int steps = std::max(4, decode / 4);
+    d0 = Clock::now();
+    for (int s = 0; s < steps; ++s) {
+      std::vector<DecodeSlot> slots;
+      for (int b = 0; b < batch; ++b) slots.push_back(DecodeSlot{3 + (s + b) % 50, context + s, &tables[size_t(b)]});
+      engine.decode_step(pool, slots);
+    }
+    const double batched_tps = double(batch) * steps / seconds_since(d0);
+    // Prefill: one warm-up, then the best of 2.
+    const auto tokens = prompt_of(prefill, c.vocab_size);
+    engine.prefill(tokens);
+    double best = 1e30;
+    for (int r = 0; r < 2; ++r) {
+      const auto p0 = Clock::now();
+      engine.prefill(tokens);
+      best = std::min(best, seconds_since(p0));
+    }
+    const double prefill_tps = prefill / best;
+    std::printf("{\"threads\":%d,\"read_gb_s\":%.2f,\"decode_tok_s\":%.2f,\"decode_gb_s\":%.2f,"
+                "\"decode_bw_fraction\":%.3f,\"batched\":%d,\"batched_tok_s\":%.2f,\"prefill_tokens\":%d,"
+                "\"prefill_tok_s\":%.2f,\"prefill_gflop_s\":%.1f}\n",
+                t, bw / 1e9, decode_tps, decode_tps * bytes / 1e9, decode_tps * bytes / bw, batch, batched_tps,
+                prefill, prefill_tps, prefill_tps * 2 * macs / 1e9);
+    std::fflush(stdout);
+  }
+  // The KV pool is the engine's, sized for this run: left out of the ratio.
+  std::printf("{\"peak_rss_bytes\":%zu,\"kv_pool_bytes\":%.0f,\"peak_rss_less_pool_over_file\":%.3f}\n", peak_rss(),
+              pool_bytes, (double(peak_rss()) - pool_bytes) / double(st.st_size));
+  return 0;
+}
+
+}  // namespace disagg::bench
