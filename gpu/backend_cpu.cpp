@@ -147,8 +147,10 @@ class CpuBackend final : public Backend {
     const size_t blocks = size_t(k / kQ8Block);
     if (q8_scales_.size() < size_t(m) * blocks) q8_scales_.resize(size_t(m) * blocks);
     if (q8_values_.size() < size_t(m) * k) q8_values_.resize(size_t(m) * k);
-    for (int r = 0; r < m; ++r)
+    // (Rows on every thread: a prefill's quantization alone on one would not scale.)
+    for_each_index(4 * size_t(m) * k, m, [&](long long r) {
       quantize_activations(a + size_t(r) * k, k, q8_scales_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k);
+    });
     const auto* wb = static_cast<const uint8_t*>(w);
     if (size_t(m) * n * k < kParallelWork) {
       k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, 0, n);
@@ -168,9 +170,10 @@ class CpuBackend final : public Backend {
     if (k_d_.size() < size_t(m) * blocks) k_d_.resize(size_t(m) * blocks);
     if (q8_values_.size() < size_t(m) * k) q8_values_.resize(size_t(m) * k);
     if (k_bsums_.size() < size_t(m) * k / 16) k_bsums_.resize(size_t(m) * k / 16);
-    for (int r = 0; r < m; ++r)
+    for_each_index(4 * size_t(m) * k, m, [&](long long r) {
       quantize_activations_k(a + size_t(r) * k, k, k_d_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k,
                              k_bsums_.data() + size_t(r) * k / 16);
+    });
     if (size_t(m) * n * k < kParallelWork) {
       k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, 0, n);
       return;
