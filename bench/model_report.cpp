@@ -129,21 +129,7 @@ void weight_figures(const Checkpoint& cp, double& bytes, double& macs) {
       bytes += double(shape_of(t, c).cols) * 4;
       return;
     }
-    const Weights& w = cp.weights();
-    const LayerWeights& L = w.layers[size_t(layer)];
-    Matrix m;
-    switch (t) {
-      case Tensor::token_embedding: m = w.token_embedding; break;
-      case Tensor::wq: m = L.wq; break;
-      case Tensor::wk: m = L.wk; break;
-      case Tensor::wv: m = L.wv; break;
-      case Tensor::wo: m = L.wo; break;
-      case Tensor::w1: m = L.w1; break;
-      case Tensor::w2: m = L.w2; break;
-      case Tensor::w3: m = L.w3; break;
-      case Tensor::wcls: m = w.wcls; break;
-      default: break;
-    }
+    const Matrix& m = cp.weights().matrix(t, layer);
     const TensorShape s = shape_of(t, c);
     const double row = double(row_bytes(m.type, int(s.cols)));
     if (t == Tensor::token_embedding) {

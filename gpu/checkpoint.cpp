@@ -149,22 +149,8 @@ void Checkpoint::load_gguf(size_t file_size) {
   w.layers.resize(size_t(c.n_layers));
   for_each_tensor(c, [&](Tensor which, int layer) {
     const Matrix m = load(which, layer);
-    const auto* vec = static_cast<const float*>(m.data);
-    LayerWeights& L = w.layers[size_t(layer)];
-    switch (which) {
-      case Tensor::token_embedding: w.token_embedding = m; break;
-      case Tensor::rms_att: L.rms_att = vec; break;
-      case Tensor::wq: L.wq = m; break;
-      case Tensor::wk: L.wk = m; break;
-      case Tensor::wv: L.wv = m; break;
-      case Tensor::wo: L.wo = m; break;
-      case Tensor::rms_ffn: L.rms_ffn = vec; break;
-      case Tensor::w1: L.w1 = m; break;
-      case Tensor::w2: L.w2 = m; break;
-      case Tensor::w3: L.w3 = m; break;
-      case Tensor::rms_final: w.rms_final = vec; break;
-      case Tensor::wcls: w.wcls = m; break;
-    }
+    if (is_matrix(which)) w.matrix(which, layer) = m;
+    else w.norm(which, layer) = static_cast<const float*>(m.data);
   });
   if (c.shared_classifier) w.wcls = w.token_embedding;
 
@@ -257,22 +243,8 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   w.layers.resize(size_t(config.n_layers));
   for_each_tensor(config, [&](Tensor which, int layer) {
     const float* at = floats + layout.offset(which, layer);
-    const Matrix m{at, WeightType::f32};
-    LayerWeights& L = w.layers[size_t(layer)];
-    switch (which) {
-      case Tensor::token_embedding: w.token_embedding = m; break;
-      case Tensor::rms_att: L.rms_att = at; break;
-      case Tensor::wq: L.wq = m; break;
-      case Tensor::wk: L.wk = m; break;
-      case Tensor::wv: L.wv = m; break;
-      case Tensor::wo: L.wo = m; break;
-      case Tensor::rms_ffn: L.rms_ffn = at; break;
-      case Tensor::w1: L.w1 = m; break;
-      case Tensor::w2: L.w2 = m; break;
-      case Tensor::w3: L.w3 = m; break;
-      case Tensor::rms_final: w.rms_final = at; break;
-      case Tensor::wcls: w.wcls = m; break;
-    }
+    if (is_matrix(which)) w.matrix(which, layer) = Matrix{at, WeightType::f32};
+    else w.norm(which, layer) = at;
   });
   if (config.shared_classifier) w.wcls = w.token_embedding;
   cp->name_ = stem_of(path);
@@ -287,6 +259,30 @@ Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokeni
   if (!tokenizer_path.empty()) return Tokenizer::load(tokenizer_path, checkpoint.config().vocab_size);
   if (checkpoint.vocabulary()) return Tokenizer::from_vocabulary(*checkpoint.vocabulary(), checkpoint.path());
   throw Error(checkpoint.path() + ": the model file has no vocabulary: name a tokenizer file");
+}
+
+Matrix& Weights::matrix(Tensor t, int layer) {
+  switch (t) {
+    case Tensor::token_embedding: return token_embedding;
+    case Tensor::wcls: return wcls;
+    case Tensor::wq: return layers[size_t(layer)].wq;
+    case Tensor::wk: return layers[size_t(layer)].wk;
+    case Tensor::wv: return layers[size_t(layer)].wv;
+    case Tensor::wo: return layers[size_t(layer)].wo;
+    case Tensor::w1: return layers[size_t(layer)].w1;
+    case Tensor::w2: return layers[size_t(layer)].w2;
+    case Tensor::w3: return layers[size_t(layer)].w3;
+    default: throw Error(gguf_name(t, layer) + " is a norm, not a matrix");
+  }
+}
+
+const float*& Weights::norm(Tensor t, int layer) {
+  switch (t) {
+    case Tensor::rms_att: return layers[size_t(layer)].rms_att;
+    case Tensor::rms_ffn: return layers[size_t(layer)].rms_ffn;
+    case Tensor::rms_final: return rms_final;
+    default: throw Error(gguf_name(t, layer) + " is a matrix, not a norm");
+  }
 }
 
 void Checkpoint::release(const void* ptr, size_t bytes) const {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/llama_tensors.h"
 #include "gpu/model_config.h"
 #include "gpu/quant.h"
 #include "gpu/tokenizer.h"
@@ -44,6 +45,12 @@ struct Weights {
   std::vector<LayerWeights> layers;   // n_layers
   const float* rms_final = nullptr;   // (dim)
   Matrix wcls;                        // (vocab, dim); == token_embedding when shared
+
+  // Matrix t (is_matrix(t)) or norm t of layer `layer` (0 outside the layers).
+  Matrix& matrix(Tensor t, int layer);
+  const Matrix& matrix(Tensor t, int layer) const { return const_cast<Weights*>(this)->matrix(t, layer); }
+  const float*& norm(Tensor t, int layer);
+  const float* norm(Tensor t, int layer) const { return const_cast<Weights*>(this)->norm(t, layer); }
 };
 
 class Checkpoint {

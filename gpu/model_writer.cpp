@@ -83,27 +83,11 @@ class CheckpointSource final : public WeightSource {
   void row(Tensor t, int layer, int64_t r, float* out) const override {
     const Weights& w = c_->weights();
     const int64_t cols = shape_of(t, config()).cols;
-    const LayerWeights& L = w.layers[size_t(layer)];
-    const float* vec = nullptr;
-    Matrix m;
-    switch (t) {
-      case Tensor::token_embedding: m = w.token_embedding; break;
-      case Tensor::rms_att: vec = L.rms_att; break;
-      case Tensor::wq: m = L.wq; break;
-      case Tensor::wk: m = L.wk; break;
-      case Tensor::wv: m = L.wv; break;
-      case Tensor::wo: m = L.wo; break;
-      case Tensor::rms_ffn: vec = L.rms_ffn; break;
-      case Tensor::w1: m = L.w1; break;
-      case Tensor::w2: m = L.w2; break;
-      case Tensor::w3: m = L.w3; break;
-      case Tensor::rms_final: vec = w.rms_final; break;
-      case Tensor::wcls: m = w.wcls; break;
-    }
-    if (vec) {
-      std::memcpy(out, vec, size_t(cols) * sizeof(float));
+    if (!is_matrix(t)) {
+      std::memcpy(out, w.norm(t, layer), size_t(cols) * sizeof(float));
       return;
     }
+    const Matrix& m = w.matrix(t, layer);
     const size_t bytes = row_bytes(m.type, int(cols));
     dequantize_row(m.type, static_cast<const uint8_t*>(m.data) + size_t(r) * bytes, out, int(cols));
   }

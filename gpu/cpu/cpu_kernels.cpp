@@ -9,29 +9,26 @@ namespace disagg::gpu::cpu {
 
 size_t packed_floats(int n, int k) { return size_t((n + kPanel - 1) / kPanel) * kPanel * size_t(k); }
 
-void pack_matrix(const float* w, float* packed, int n, int k) {
+namespace {
+
+// W[n][k] in panels of kPanel columns (cpu_kernels.h), padded with zeros.
+template <class T>
+void pack_panels(const T* w, T* packed, int n, int k) {
   const int panels = (n + kPanel - 1) / kPanel;
   for (int p = 0; p < panels; ++p) {
-    float* dst = packed + size_t(p) * kPanel * k;
+    T* dst = packed + size_t(p) * kPanel * k;
     for (int kk = 0; kk < k; ++kk)
       for (int c = 0; c < kPanel; ++c) {
         const int row = p * kPanel + c;
-        dst[size_t(kk) * kPanel + c] = row < n ? w[size_t(row) * k + kk] : 0.0f;
+        dst[size_t(kk) * kPanel + c] = row < n ? w[size_t(row) * k + kk] : T(0);
       }
   }
 }
 
-void pack_matrix16(const uint16_t* w, uint16_t* packed, int n, int k) {
-  const int panels = (n + kPanel - 1) / kPanel;
-  for (int p = 0; p < panels; ++p) {
-    uint16_t* dst = packed + size_t(p) * kPanel * k;
-    for (int kk = 0; kk < k; ++kk)
-      for (int c = 0; c < kPanel; ++c) {
-        const int row = p * kPanel + c;
-        dst[size_t(kk) * kPanel + c] = row < n ? w[size_t(row) * k + kk] : uint16_t(0);
-      }
-  }
-}
+}  // namespace
+
+void pack_matrix(const float* w, float* packed, int n, int k) { pack_panels(w, packed, n, k); }
+void pack_matrix16(const uint16_t* w, uint16_t* packed, int n, int k) { pack_panels(w, packed, n, k); }
 
 size_t attention_scratch_floats(int rows, int n_heads, int n_kv_heads, int head_size) {
   const size_t group = size_t(n_heads / n_kv_heads);

@@ -9,17 +9,6 @@
 // same bits. A column's superblock is unpacked once for all the rows of a
 // row block (a prefill), so the unpacking is paid once per weight read.
 
-// Sub-block j's 6-bit scale and min from a Q4_K / Q5_K superblock's 12 bytes.
-inline void scale_min_k(int j, const uint8_t* s, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // A superblock's weights unpacked for the products: 256 quants in value
 // order (Q6_K: signed), each 32 values' scale as int16 lanes (Q6_K: two
 // scales, one per 16), the mins (Q4_K, Q5_K) spread over the 16 block sums'

@@ -182,21 +182,18 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
   }
 }
 
-// Through the backend (threads, its own activation scratch): a row's result
-// does not depend on the other rows of the batch.
-TEST(Quant, TheBackendsQuantizedProductDoesNotDependOnTheBatch) {
-  for (const WeightType type : kQuantized) {
+// Through the backend (threads, its own activation scratch): the reference's
+// bits, and a row's result does not depend on the other rows of the batch.
+void expect_backend_product_is_batch_independent(WeightType type, const std::vector<uint8_t>& w, int m, int n,
+                                                 int k, uint32_t seed) {
   SCOPED_TRACE(to_string(type));
-  const int m = 9, n = 300, k = 512;
-  const auto w = quantized_matrix(type, n, k, 11);
-  const auto a = activations(m, k, 12);
+  const auto a = activations(m, k, seed);
   auto b = make_cpu_backend();
   DeviceArray<float> da(*b), dc(*b, size_t(m) * n);
   da.upload(a.data(), a.size());
   b->matmul_quantized(type, da.get(), w.data(), dc.get(), m, n, k);
-  std::vector<float> all(size_t(m) * n);
+  std::vector<float> all(size_t(m) * n), want(size_t(m) * n);
   dc.download(all.data(), all.size());
-  std::vector<float> want(size_t(m) * n);
   matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
   EXPECT_EQ(std::memcmp(all.data(), want.data(), all.size() * sizeof(float)), 0);
   for (int r = 0; r < m; ++r) {
@@ -207,7 +204,11 @@ TEST(Quant, TheBackendsQuantizedProductDoesNotDependOnTheBatch) {
     out.download(row.data(), row.size());
     ASSERT_EQ(std::memcmp(row.data(), all.data() + size_t(r) * n, row.size() * sizeof(float)), 0) << "row " << r;
   }
-  }
+}
+
+TEST(Quant, TheBackendsQuantizedProductDoesNotDependOnTheBatch) {
+  for (const WeightType type : kQuantized)
+    expect_backend_product_is_batch_independent(type, quantized_matrix(type, 300, 512, 11), 9, 300, 512, 12);
 }
 
 // bfloat16: the top half of a float, rounded to nearest even; NaN stays NaN.
@@ -392,30 +393,9 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
     }
 }
 
-// Through the backend (threads, its scratch): a row's result does not depend on the batch.
 TEST(KQuant, TheBackendsProductDoesNotDependOnTheBatch) {
-  for (const WeightType type : kKQuants) {
-    SCOPED_TRACE(to_string(type));
-    const int m = 9, n = 300, k = 1024;
-    const auto w = kquant_matrix(type, n, k, 21);
-    const auto a = activations(m, k, 22);
-    auto b = make_cpu_backend();
-    DeviceArray<float> da(*b), dc(*b, size_t(m) * n);
-    da.upload(a.data(), a.size());
-    b->matmul_quantized(type, da.get(), w.data(), dc.get(), m, n, k);
-    std::vector<float> all(size_t(m) * n), want(size_t(m) * n);
-    dc.download(all.data(), all.size());
-    matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
-    EXPECT_EQ(std::memcmp(all.data(), want.data(), all.size() * sizeof(float)), 0);
-    for (int r = 0; r < m; ++r) {
-      DeviceArray<float> one(*b), out(*b, size_t(n));
-      one.upload(a.data() + size_t(r) * k, size_t(k));
-      b->matmul_quantized(type, one.get(), w.data(), out.get(), 1, n, k);
-      std::vector<float> row(static_cast<size_t>(n));
-      out.download(row.data(), row.size());
-      ASSERT_EQ(std::memcmp(row.data(), all.data() + size_t(r) * n, row.size() * sizeof(float)), 0) << "row " << r;
-    }
-  }
+  for (const WeightType type : kKQuants)
+    expect_backend_product_is_batch_independent(type, kquant_matrix(type, 300, 1024, 21), 9, 300, 1024, 22);
 }
 
 // A synthetic model whose rows are whole superblocks (dim 256, hidden 512)
