@@ -29,12 +29,9 @@ if [ ! -f "$MODEL" ]; then
 fi
 MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-
 write_configs() {  # DIR TRANSPORT
   local dir=$1 transport=$2 router_port decode_port
-  router_port=$(free_port)
-  decode_port=$(free_port)
+  { read -r router_port; read -r decode_port; } < <(python3 tests/support/ports.py 2)
   rm -rf "$dir" && mkdir -p "$dir"
   cat >"$dir/router.ini" <<EOF
 [node]

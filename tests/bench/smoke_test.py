@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,10 +16,8 @@ import tempfile
 PORT_LINE = re.compile(r"^(\s*[a-z-]*port\s*=\s*)(\d+)", re.MULTILINE)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from ports import free_port  # noqa: E402  (below the ephemeral range: no race with port-0 sockets)
 
 
 def copy_config(src: str, dst: str) -> None:

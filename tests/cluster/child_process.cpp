@@ -12,6 +12,8 @@
 
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <random>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -178,20 +180,31 @@ int run_to_completion(const std::vector<std::string>& argv, std::string& output,
 }
 
 uint16_t free_loopback_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+  constexpr int kLowest = 10000;
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  if (ephemeral_low <= kLowest + 100) ephemeral_low = 32768;
+  static std::mutex mutex;
+  static std::set<uint16_t> given;
+  static std::mt19937 rng{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mutex);
+  std::uniform_int_distribution<int> pick(kLowest, ephemeral_low - 1);
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const auto port = static_cast<uint16_t>(pick(rng));
+    if (given.count(port)) continue;
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) throw std::runtime_error("socket failed");
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(port);
+    const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
     ::close(fd);
-    throw std::runtime_error("cannot bind a loopback port");
+    if (!bound) continue;
+    given.insert(port);
+    return port;
   }
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  throw std::runtime_error("cannot find a free loopback port below the ephemeral range");
 }
 
 bool has_connection_to_port(pid_t pid, uint16_t remote_port) {

@@ -44,7 +44,11 @@ class ChildProcess {
 int run_to_completion(const std::vector<std::string>& argv, std::string& output, std::string& err,
                       std::chrono::milliseconds timeout, std::vector<std::string> env = {});
 
-// A loopback TCP port nothing listens on right now (the kernel's pick).
+// A loopback TCP port nothing listens on right now, picked at random below the
+// kernel's ephemeral range (ip_local_port_range) so that no node's `port = 0`
+// listener or outgoing connection can take it before the node it is meant for
+// binds it; never the same port twice in one process. tests/support/ports.py
+// follows the same rule for the Python tests.
 uint16_t free_loopback_port();
 
 // Whether process `pid` has an established TCP connection to `remote_port`
