@@ -149,7 +149,7 @@ class CpuBackend final : public Backend {
     if (q8_values_.size() < size_t(m) * k) q8_values_.resize(size_t(m) * k);
     // (Rows on every thread: a prefill's quantization alone on one would not scale.)
     for_each_index(4 * size_t(m) * k, m, [&](long long r) {
-      quantize_activations(a + size_t(r) * k, k, q8_scales_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k);
+      k_.quantize_q8(a + size_t(r) * k, k, q8_scales_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k);
     });
     const auto* wb = static_cast<const uint8_t*>(w);
     if (size_t(m) * n * k < kParallelWork) {

@@ -76,6 +76,9 @@ struct KernelTable {
   // d, k int8, k/16 block sums); gpu/cpu/kq_kernels.inl.
   void (*matmul_kquant)(WeightType type, const float* d, const int8_t* qa, const int16_t* bsums, const uint8_t* w,
                         float* c, int m, int n, int k, int col_begin, int col_end);
+  // One row of k activations quantized for matmul_quantized, bit for bit
+  // quantize_activations (gpu/quant.h) with this ISA's vector code.
+  void (*quantize_q8)(const float* a, int k, float* scales, int8_t* q);
 };
 
 const KernelTable& generic_kernels();

@@ -1,5 +1,5 @@
-// The CPU kernels with AVX-512F: V is one 16-float register. Compiled with
-// -mavx512f -mavx2 -mfma (CMakeLists.txt) and called only when the CPU has it.
+// The CPU kernels with AVX-512 (F, BW, VL, VNNI): V is one 16-float register. Compiled with
+// -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx2 -mfma (CMakeLists.txt) and called only when the CPU has them.
 #include <immintrin.h>
 
 #include <cmath>

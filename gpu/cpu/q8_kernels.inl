@@ -3,8 +3,9 @@
 // gpu/quant.cpp matmul_quantized_reference). Included by each
 // gpu/cpu/isa_*.cpp inside its namespace: with AVX2 (the avx2 and avx512
 // compilations) a block's 32 products are summed by vpmaddubsw / vpmaddwd,
-// otherwise by a scalar loop; the sums are exact integers either way, so
-// every compilation returns the same bits. T is the weights' type.
+// under AVX-512 VNNI a prefill's by vpdpbusd, otherwise by a scalar loop;
+// the sums are exact integers every way, so every compilation returns the
+// same bits. T is the weights' type.
 
 // A block's half-precision scale as a float (exact).
 inline float q8_scale(const uint8_t* block) {
@@ -222,6 +223,156 @@ inline void q8_row8(const float* scales, const int8_t* qa, const uint8_t* w, flo
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// A prefill (or a batch) under AVX-512 VNNI: a tile of 16 columns, one per
+// lane, so a block's 32 products of a row and a column are summed in the
+// column's own lane by eight vpdpbusd and no horizontal sum is needed. The
+// tile's weights are re-laid once per call into a panel (below) that every
+// row then reads; vpdpbusd multiplies unsigned by signed bytes, so the
+// activations enter as a + 128 (a XOR 0x80) and 128 x the block's weight sum
+// comes off (the panel's bias, where each lane's sum starts): the exact
+// integer sum of w a, as q8_one's, then the same fma of the rule.
+constexpr int kVnniCols = 16;
+constexpr int kVnniRows = 8;  // rows of one micro-kernel call: 8 + 8 accumulators
+// One block of a panel: [8 groups][16 columns][4 weights] int8 (values 4g ..
+// 4g + 3 of column c at 64g + 4c; Q4_0 as q - 8), then the 16 columns' bias
+// (-128 x sum of the block's weights, int32), then their scales (float).
+constexpr size_t kVnniPanelBlock = 8 * 64 + 64 + 64;
+
+// Columns [col, col + cols) (cols <= 16; the others zero) of W as a panel.
+template <WeightType T>
+inline void vnni_pack(const uint8_t* w, size_t row_size, int blocks, int col, int cols, uint8_t* panel) {
+  const __mmask16 live = __mmask16((1u << cols) - 1u);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int(row_size)));
+  const __m512i ones = _mm512_set1_epi8(1), nibble = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* base = w + size_t(col) * row_size + size_t(b) * block_bytes(T);
+    uint8_t* out = panel + size_t(b) * kVnniPanelBlock;
+    __m512i sum = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      __m512i v;
+      if constexpr (T == WeightType::q8_0) {
+        v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, base + 2 + 4 * g, 1);
+      } else {  // values 4g .. 4g + 3: low nibbles of bytes 4g .., then (g >= 4) high ones
+        const __m512i packed = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, base + 2 + 4 * (g % 4), 1);
+        const __m512i q = _mm512_and_si512(g < 4 ? packed : _mm512_srli_epi16(packed, 4), nibble);
+        v = _mm512_maskz_mov_epi32(live, _mm512_sub_epi8(q, eight));
+      }
+      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * g), v);
+      sum = _mm512_dpbusd_epi32(sum, ones, v);
+    }
+    _mm512_store_si512(reinterpret_cast<__m512i*>(out + 512), _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
+    const __m512i halves = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, base, 1);
+    _mm512_store_ps(out + 576, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halves)));
+  }
+}
+
+// Rows [r, r + R) of the tile: `au` their activations + 128 (row stride k),
+// `s` their scales (row stride `blocks`); `cols` lanes stored at c[.][col].
+template <int R>
+inline void vnni_rows(const uint8_t* panel, int blocks, const uint8_t* au, int k, const float* s, float* c, int n,
+                      int r, int col, int cols) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* pb = panel + size_t(b) * kVnniPanelBlock;
+    const __m512i bias = _mm512_load_si512(reinterpret_cast<const __m512i*>(pb + 512));
+    __m512i isum[R];
+    for (int i = 0; i < R; ++i) isum[i] = bias;
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i wv = _mm512_load_si512(reinterpret_cast<const __m512i*>(pb + 64 * g));
+      for (int i = 0; i < R; ++i) {
+        int32_t four;
+        std::memcpy(&four, au + size_t(r + i) * k + size_t(b) * kQ8Block + 4 * g, 4);
+        isum[i] = _mm512_dpbusd_epi32(isum[i], _mm512_set1_epi32(four), wv);
+      }
+    }
+    const __m512 dw = _mm512_load_ps(pb + 576);
+    for (int i = 0; i < R; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]),
+                               _mm512_mul_ps(dw, _mm512_set1_ps(s[size_t(r + i) * blocks + b])), acc[i]);
+  }
+  const __mmask16 live = __mmask16((1u << cols) - 1u);
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(c + size_t(r + i) * n + col, live, acc[i]);
+}
+
+template <int R>
+void vnni_rows_upto(int rows, const uint8_t* panel, int blocks, const uint8_t* au, int k, const float* s, float* c,
+                    int n, int r, int col, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return vnni_rows<R>(panel, blocks, au, k, s, c, n, r, col, cols);
+    vnni_rows_upto<R - 1>(rows, panel, blocks, au, k, s, c, n, r, col, cols);
+  }
+}
+
+// C[m][n] for the columns [col_begin, col_end), tile by tile.
+template <WeightType T>
+void matmul_vnni_columns(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k,
+                         int col_begin, int col_end) {
+  const int blocks = k / kQ8Block;
+  const size_t row_size = size_t(blocks) * block_bytes(T);
+  thread_local std::vector<uint8_t> au;  // the activations + 128, m x k
+  struct alignas(64) Line { uint8_t bytes[64]; };
+  thread_local std::vector<Line> panel;  // one tile's panel
+  au.resize(size_t(m) * k);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (size_t i = 0; i < au.size(); i += kQ8Block)  // m x k: whole blocks of 32
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(au.data() + i),
+                        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + i)), flip));
+  panel.resize(size_t(blocks) * kVnniPanelBlock / 64);
+  auto* pb = reinterpret_cast<uint8_t*>(panel.data());
+  for (int col = col_begin; col < col_end; col += kVnniCols) {
+    const int cols = std::min(kVnniCols, col_end - col);
+    vnni_pack<T>(w, row_size, blocks, col, cols, pb);
+    int r = 0;
+    for (; r + kVnniRows <= m; r += kVnniRows)
+      vnni_rows<kVnniRows>(pb, blocks, au.data(), k, scales, c, n, r, col, cols);
+    vnni_rows_upto<kVnniRows - 1>(m - r, pb, blocks, au.data(), k, scales, c, n, r, col, cols);
+  }
+}
+#endif
+
+// Row a (k values) quantized per block for the products above, bit for bit
+// fixed::quantize_q8_block: max |a| lane by lane (max is exact and order-free;
+// _mm256_max_ps(x, m) keeps m when x is NaN, as fmaxf(m, x)), the same
+// scalar scale, and each q the low byte of rint(a * inv) as an int32, as the
+// scalar conversion takes it.
+void quantize_q8(const float* a, int k, float* scales, int8_t* q) {
+#if defined(__AVX2__)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i low_bytes = _mm256_set1_epi32(0xff);
+  for (int b = 0; b < k / kQ8Block; ++b) {
+    const float* x = a + size_t(b) * kQ8Block;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      m = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), m);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float d = _mm_cvtss_f32(h) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_and_si256(
+          _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+          low_bytes);
+    // packus keeps 0 .. 255 as they are; the lanes come out in 128-bit halves, put back in order.
+    const __m256i p16 = _mm256_packus_epi32(i32[0], i32[1]), p16b = _mm256_packus_epi32(i32[2], i32[3]);
+    const __m256i p8 = _mm256_packus_epi16(p16, p16b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + size_t(b) * kQ8Block),
+                        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    scales[b] = fixed::round_to_half(d);
+  }
+#else
+  for (int b = 0; b < k / kQ8Block; ++b)
+    scales[b] = fixed::quantize_q8_block(a + size_t(b) * kQ8Block, q + size_t(b) * kQ8Block);
+#endif
+}
+
 // Rows per pass over a range of columns: their quantized activations stay
 // in L2 while every column's weights stream by once.
 constexpr int kQ8RowBlock = 64;
@@ -239,6 +390,9 @@ constexpr int kQ8TileRows = 8;
 template <WeightType T>
 void matmul_quantized_columns(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k,
                               int col_begin, int col_end) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (m >= kQ8TileRows) return matmul_vnni_columns<T>(scales, qa, w, c, m, n, k, col_begin, col_end);
+#endif
   const int blocks = k / kQ8Block;
   const size_t row_size = size_t(blocks) * block_bytes(T);
   for (int r0 = 0; r0 < m; r0 += kQ8RowBlock) {

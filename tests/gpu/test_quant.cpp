@@ -156,8 +156,9 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
   for (const std::string& isa : cpu::supported_isas()) {
     const auto& kt = cpu::kernels_for(isa);
     // Single outputs, groups of four columns, tiles of 8 rows with edges, and more than one row block (64).
+    // (m >= 8 under AVX-512: tiles of 16 columns, 8 rows and the rows left.)
     for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {1, 37, 96}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096},
-                                  {130, 13, 64}}) {
+                                  {130, 13, 64}, {8, 16, 32}, {23, 50, 128}}) {
       SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                    " k=" + std::to_string(k));
       const auto w = quantized_matrix(type, n, k, uint32_t(n + k));
@@ -180,6 +181,33 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
       EXPECT_NEAR(want[size_t(m - 1) * n + n - 1], exact, 0.02 * scale + 1e-6);
     }
   }
+}
+
+TEST(Quant, EveryKernelSetQuantizesActivationsAsTheRule) {
+  // Random rows, an all-zero block, exact ties (q = n + 1/2 must round to
+  // even), negative zero and a block whose largest magnitude is negative.
+  const int k = 8 * 32;
+  std::vector<float> a = activations(1, k, 11);
+  for (int j = 0; j < 32; ++j) a[size_t(32 + j)] = 0.0f;
+  for (int j = 0; j < 31; ++j) a[size_t(64 + j)] = (j % 2 ? -1.0f : 1.0f) * (float(j) + 0.5f);  // d = 1: q = a
+  a[64 + 31] = 127.0f;
+  a[96] = -0.0f;
+  a[128] = -5.0f;
+  std::vector<float> want_scales(k / 32);
+  std::vector<int8_t> want(static_cast<size_t>(k));
+  quantize_activations(a.data(), k, want_scales.data(), want.data());
+  for (const std::string& isa : cpu::supported_isas()) {
+    SCOPED_TRACE(isa);
+    std::vector<float> scales(k / 32, -1.0f);
+    std::vector<int8_t> q(static_cast<size_t>(k), 99);
+    cpu::kernels_for(isa).quantize_q8(a.data(), k, scales.data(), q.data());
+    EXPECT_EQ(std::memcmp(scales.data(), want_scales.data(), scales.size() * sizeof(float)), 0);
+    EXPECT_EQ(q, want);
+  }
+  EXPECT_EQ(want[32], 0);
+  EXPECT_EQ(want[64 + 2], 2);   // 2.5
+  EXPECT_EQ(want[64 + 3], -4);  // -3.5
+  EXPECT_EQ(want[128], -127);
 }
 
 // Through the backend (threads, its own activation scratch): the reference's
