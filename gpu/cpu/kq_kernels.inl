@@ -185,6 +185,159 @@ inline void k_row8(const float* d, const int8_t* qa, const int16_t* bsums, const
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// A prefill (or a batch) under AVX-512 VNNI, as q8_kernels.inl's: a tile of
+// 16 columns, one per lane. Each column's superblocks are unpacked
+// (k_unpack) and re-laid once per call into a panel; a row's S1 comes from
+// vpdpbusd over each scale's values (the quants as the unsigned operand:
+// Q4_K, Q5_K as they are, Q6_K as q + 32) times the scale, and S2 (Q4_K,
+// Q5_K: the mins against the block sums; Q6_K: the 32 x sum of scale x
+// block sum that q + 32 added) from vpdpwssd over pairs of block sums:
+// exact integers, then the rule's fmas.
+// One superblock of a panel: [64 groups][16 columns][4 quants] uint8, the
+// scales [16 (Q6_K) or 8][16 columns] int32, the pairs [8][16 columns][2]
+// int16 (Q4_K, Q5_K: (mn_t, mn_t); Q6_K: (sc_2t, sc_2t+1)) met by block
+// sums 2t, 2t + 1, then d and dmin [16] float.
+constexpr size_t kVnniKQuants = 64 * 64, kVnniKScales = kVnniKQuants, kVnniKPairs = kVnniKScales + 16 * 64,
+                 kVnniKD = kVnniKPairs + 8 * 64, kVnniKDmin = kVnniKD + 64, kVnniKBlock = kVnniKDmin + 64;
+
+template <WeightType T>
+inline void vnni_pack_k(const uint8_t* w, size_t row_size, int blocks, int col, int cols, uint8_t* panel) {
+  constexpr bool six = T == WeightType::q6_k;
+  alignas(64) uint8_t quants[kVnniCols][kQK];
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(kQK));
+  KWeights kw;
+  for (int i = 0; i < blocks; ++i) {
+    uint8_t* out = panel + size_t(i) * kVnniKBlock;
+    auto* scales = reinterpret_cast<int32_t*>(out + kVnniKScales);
+    auto* pairs = reinterpret_cast<int16_t*>(out + kVnniKPairs);
+    auto* dw = reinterpret_cast<float*>(out + kVnniKD);
+    auto* dmin = reinterpret_cast<float*>(out + kVnniKDmin);
+    for (int c = 0; c < kVnniCols; ++c) {
+      if (c >= cols) {
+        std::memset(quants[c], 0, kQK);
+        for (int j = 0; j < 16; ++j) scales[16 * j + c] = 0;
+        for (int t = 0; t < 8; ++t) pairs[32 * t + 2 * c] = pairs[32 * t + 2 * c + 1] = 0;
+        dw[c] = dmin[c] = 0.0f;
+        continue;
+      }
+      k_unpack<T>(w + size_t(col + c) * row_size + size_t(i) * block_bytes(T), kw);
+      for (int g = 0; g < 8; ++g)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(quants[c] + 32 * g),
+                           six ? _mm256_add_epi8(kw.q[g], _mm256_set1_epi8(32)) : kw.q[g]);
+      alignas(32) int16_t lanes[16];
+      for (int g = 0; g < 8; ++g) {  // k_unpack's int16 lanes: one scale a register (Q6_K: one a half)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), kw.scale[g]);
+        if constexpr (six) {
+          scales[16 * (2 * g) + c] = lanes[0];
+          scales[16 * (2 * g + 1) + c] = lanes[8];
+        } else {
+          scales[16 * g + c] = lanes[0];
+        }
+      }
+      if constexpr (six) {
+        for (int t = 0; t < 8; ++t) {
+          pairs[32 * t + 2 * c] = int16_t(scales[16 * (2 * t) + c]);
+          pairs[32 * t + 2 * c + 1] = int16_t(scales[16 * (2 * t + 1) + c]);
+        }
+      } else {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), kw.mins);  // lane g: mn(g / 2)
+        for (int t = 0; t < 8; ++t) pairs[32 * t + 2 * c] = pairs[32 * t + 2 * c + 1] = lanes[2 * t];
+      }
+      dw[c] = kw.d;
+      dmin[c] = kw.dmin;
+    }
+    for (int g = 0; g < 64; ++g)
+      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * g),
+                         _mm512_i32gather_epi32(rows, reinterpret_cast<const int*>(&quants[0][4 * g]), 1));
+  }
+}
+
+// Rows [r, r + R) of the tile (d: row stride `blocks`, qa: k, bsums: k / 16).
+template <WeightType T, int R>
+inline void vnni_k_rows(const uint8_t* panel, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
+                        int k, float* c, int n, int r, int col, int cols) {
+  constexpr bool six = T == WeightType::q6_k;
+  constexpr int kScales = six ? 16 : 8, kGroups = 64 / kScales;  // groups of 4 values per scale
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* pb = panel + size_t(b) * kVnniKBlock;
+    __m512i s1[R], t[R];
+    for (int i = 0; i < R; ++i) s1[i] = _mm512_setzero_si512();
+    for (int j = 0; j < kScales; ++j) {
+      for (int i = 0; i < R; ++i) t[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int g = 0; g < kGroups; ++g) {
+        const int group = j * kGroups + g;
+        const __m512i wv = _mm512_load_si512(reinterpret_cast<const __m512i*>(pb + 64 * group));
+        for (int i = 0; i < R; ++i) {
+          int32_t four;
+          std::memcpy(&four, qa + size_t(r + i) * k + size_t(b) * kQK + 4 * group, 4);
+          t[i] = _mm512_dpbusd_epi32(t[i], wv, _mm512_set1_epi32(four));
+        }
+      }
+      const __m512i sc = _mm512_load_si512(reinterpret_cast<const __m512i*>(pb + kVnniKScales + 64 * j));
+      for (int i = 0; i < R; ++i) s1[i] = _mm512_add_epi32(s1[i], _mm512_mullo_epi32(t[i], sc));
+    }
+    for (int i = 0; i < R; ++i) t[i] = _mm512_setzero_si512();  // now S2 (Q6_K: the q + 32 correction)
+    for (int p = 0; p < 8; ++p) {
+      const __m512i pv = _mm512_load_si512(reinterpret_cast<const __m512i*>(pb + kVnniKPairs + 64 * p));
+      for (int i = 0; i < R; ++i) {
+        int32_t two;
+        std::memcpy(&two, bsums + (size_t(r + i) * blocks + b) * 16 + 2 * p, 4);
+        t[i] = _mm512_dpwssd_epi32(t[i], pv, _mm512_set1_epi32(two));
+      }
+    }
+    const __m512 dw = _mm512_load_ps(reinterpret_cast<const float*>(pb + kVnniKD));
+    const __m512 dmin = _mm512_load_ps(reinterpret_cast<const float*>(pb + kVnniKDmin));
+    for (int i = 0; i < R; ++i) {
+      const __m512 da = _mm512_set1_ps(d[size_t(r + i) * blocks + b]);
+      if constexpr (six) {
+        s1[i] = _mm512_sub_epi32(s1[i], _mm512_slli_epi32(t[i], 5));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_mul_ps(dw, da), acc[i]);
+      } else {
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_mul_ps(dw, da), acc[i]);
+        const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, da)),
+                                                                _mm512_set1_epi32(int(0x80000000u))));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[i]), neg, acc[i]);
+      }
+    }
+  }
+  const __mmask16 live = __mmask16((1u << cols) - 1u);
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(c + size_t(r + i) * n + col, live, acc[i]);
+}
+
+template <WeightType T, int R>
+void vnni_k_rows_upto(int rows, const uint8_t* panel, int blocks, const float* d, const int8_t* qa,
+                      const int16_t* bsums, int k, float* c, int n, int r, int col, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return vnni_k_rows<T, R>(panel, blocks, d, qa, bsums, k, c, n, r, col, cols);
+    vnni_k_rows_upto<T, R - 1>(rows, panel, blocks, d, qa, bsums, k, c, n, r, col, cols);
+  }
+}
+
+template <WeightType T>
+void matmul_k_vnni_columns(const float* d, const int8_t* qa, const int16_t* bsums, const uint8_t* w, float* c, int m,
+                           int n, int k, int col_begin, int col_end) {
+  const int blocks = k / kQK;
+  const size_t row_size = size_t(blocks) * block_bytes(T);
+  struct alignas(64) Line { uint8_t bytes[64]; };
+  thread_local std::vector<Line> panel;  // one tile's panel
+  panel.resize(size_t(blocks) * kVnniKBlock / 64);
+  auto* pb = reinterpret_cast<uint8_t*>(panel.data());
+  for (int col = col_begin; col < col_end; col += kVnniCols) {
+    const int cols = std::min(kVnniCols, col_end - col);
+    vnni_pack_k<T>(w, row_size, blocks, col, cols, pb);
+    int r = 0;
+    for (; r + kVnniRows <= m; r += kVnniRows)
+      vnni_k_rows<T, kVnniRows>(pb, blocks, d, qa, bsums, k, c, n, r, col, cols);
+    vnni_k_rows_upto<T, kVnniRows - 1>(m - r, pb, blocks, d, qa, bsums, k, c, n, r, col, cols);
+  }
+}
+#endif
+
 // C[m][n] for the columns [col_begin, col_end): activations quantized per
 // superblock (d: m x k/256, qa: m x k, bsums: m x k/16). For each row block,
 // column and superblock, the weights are unpacked once and every row of the
@@ -196,6 +349,9 @@ constexpr int kKRowsPerUnpack = 4;
 template <WeightType T>
 void matmul_k_columns(const float* d, const int8_t* qa, const int16_t* bsums, const uint8_t* w, float* c, int m,
                       int n, int k, int col_begin, int col_end) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (m >= kQ8TileRows) return matmul_k_vnni_columns<T>(d, qa, bsums, w, c, m, n, k, col_begin, col_end);
+#endif
   const int blocks = k / kQK;
   const size_t row_size = size_t(blocks) * block_bytes(T);
   float acc[kQ8RowBlock];

@@ -391,7 +391,9 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
     for (const std::string& isa : cpu::supported_isas()) {
       const auto& kt = cpu::kernels_for(isa);
       // One row (decode), a few, more than one row block (64); one and several superblocks.
-      for (const auto& [m, n, k] : {std::tuple{1, 7, 256}, {1, 33, 1024}, {3, 5, 512}, {17, 9, 768}, {70, 4, 256}}) {
+      // (m >= 8 under AVX-512: tiles of 16 columns, 8 rows and the rows left.)
+      for (const auto& [m, n, k] :
+           {std::tuple{1, 7, 256}, {1, 33, 1024}, {3, 5, 512}, {17, 9, 768}, {70, 4, 256}, {23, 37, 512}}) {
         SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                      " k=" + std::to_string(k));
         const auto w = kquant_matrix(type, n, k, uint32_t(n * 3 + k));
