@@ -171,8 +171,8 @@ class CpuBackend final : public Backend {
     if (q8_values_.size() < size_t(m) * k) q8_values_.resize(size_t(m) * k);
     if (k_bsums_.size() < size_t(m) * k / 16) k_bsums_.resize(size_t(m) * k / 16);
     for_each_index(4 * size_t(m) * k, m, [&](long long r) {
-      quantize_activations_k(a + size_t(r) * k, k, k_d_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k,
-                             k_bsums_.data() + size_t(r) * k / 16);
+      k_.quantize_q8k(a + size_t(r) * k, k, k_d_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k,
+                      k_bsums_.data() + size_t(r) * k / 16);
     });
     if (size_t(m) * n * k < kParallelWork) {
       k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, 0, n);

@@ -79,6 +79,8 @@ struct KernelTable {
   // One row of k activations quantized for matmul_quantized, bit for bit
   // quantize_activations (gpu/quant.h) with this ISA's vector code.
   void (*quantize_q8)(const float* a, int k, float* scales, int8_t* q);
+  // The same for matmul_kquant: bit for bit quantize_activations_k.
+  void (*quantize_q8k)(const float* a, int k, float* d, int8_t* q, int16_t* bsums);
 };
 
 const KernelTable& generic_kernels();

@@ -204,10 +204,7 @@ constexpr size_t kVnniKQuants = 64 * 64, kVnniKScales = kVnniKQuants, kVnniKPair
 template <WeightType T>
 inline void vnni_pack_k(const uint8_t* w, size_t row_size, int blocks, int col, int cols, uint8_t* panel) {
   constexpr bool six = T == WeightType::q6_k;
-  alignas(64) uint8_t quants[kVnniCols][kQK];
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(kQK));
-  KWeights kw;
+  KWeights kws[kVnniCols];
   for (int i = 0; i < blocks; ++i) {
     uint8_t* out = panel + size_t(i) * kVnniKBlock;
     auto* scales = reinterpret_cast<int32_t*>(out + kVnniKScales);
@@ -215,17 +212,15 @@ inline void vnni_pack_k(const uint8_t* w, size_t row_size, int blocks, int col, 
     auto* dw = reinterpret_cast<float*>(out + kVnniKD);
     auto* dmin = reinterpret_cast<float*>(out + kVnniKDmin);
     for (int c = 0; c < kVnniCols; ++c) {
+      KWeights& kw = kws[c];
       if (c >= cols) {
-        std::memset(quants[c], 0, kQK);
+        for (int g = 0; g < 8; ++g) kw.q[g] = _mm256_set1_epi8(six ? -32 : 0);
         for (int j = 0; j < 16; ++j) scales[16 * j + c] = 0;
         for (int t = 0; t < 8; ++t) pairs[32 * t + 2 * c] = pairs[32 * t + 2 * c + 1] = 0;
         dw[c] = dmin[c] = 0.0f;
         continue;
       }
       k_unpack<T>(w + size_t(col + c) * row_size + size_t(i) * block_bytes(T), kw);
-      for (int g = 0; g < 8; ++g)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(quants[c] + 32 * g),
-                           six ? _mm256_add_epi8(kw.q[g], _mm256_set1_epi8(32)) : kw.q[g]);
       alignas(32) int16_t lanes[16];
       for (int g = 0; g < 8; ++g) {  // k_unpack's int16 lanes: one scale a register (Q6_K: one a half)
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), kw.scale[g]);
@@ -248,9 +243,13 @@ inline void vnni_pack_k(const uint8_t* w, size_t row_size, int blocks, int col, 
       dw[c] = kw.d;
       dmin[c] = kw.dmin;
     }
-    for (int g = 0; g < 64; ++g)
-      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * g),
-                         _mm512_i32gather_epi32(rows, reinterpret_cast<const int*>(&quants[0][4 * g]), 1));
+    for (int g = 0; g < 8; ++g) {  // values 32g .. 32g + 31 of the 16 columns: words 8g .. 8g + 7
+      __m256i values[kVnniCols];
+      for (int c = 0; c < kVnniCols; ++c) values[c] = six ? _mm256_add_epi8(kws[c].q[g], _mm256_set1_epi8(32)) : kws[c].q[g];
+      __m512i words[8];
+      vnni_transpose(values, words);
+      for (int j = 0; j < 8; ++j) _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * (8 * g + j)), words[j]);
+    }
   }
 }
 

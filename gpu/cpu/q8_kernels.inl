@@ -330,10 +330,32 @@ inline __m256i vnni_block_values(const uint8_t* block) {
   }
 }
 
+// 16 rows of 8 words (4 bytes each) transposed: lane c of out[w] is row c's
+// word w. Row i sits beside row i + 8 in one register; per 256-bit half an
+// 8 x 8 transpose: t pairs rows, u[4h + j] takes four rows' words j and
+// j + 4 (one per 128-bit lane), vpermt2q joins rows 0-3 with 4-7.
+inline void vnni_transpose(const __m256i (&rows)[16], __m512i (&out)[8]) {
+  __m512i z[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(rows[i]), rows[i + 8], 1);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int e = 0; e < 2; ++e) {
+      u[4 * h + 2 * e] = _mm512_unpacklo_epi64(t[4 * h + e], t[4 * h + 2 + e]);
+      u[4 * h + 2 * e + 1] = _mm512_unpackhi_epi64(t[4 * h + e], t[4 * h + 2 + e]);
+    }
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm512_permutex2var_epi64(u[j], first, u[4 + j]);
+    out[j + 4] = _mm512_permutex2var_epi64(u[j], second, u[4 + j]);
+  }
+}
+
 // Columns [col, col + cols) (cols <= 16; the others zero) of W as a panel:
-// per block the 16 rows' values loaded as they lie (row i beside row i + 8
-// in one register) and transposed as 16 x 8 words of 4 values (unpacks, then
-// vpermt2q): a third of the instructions of a gather per word (Intel Xeon,
+// per block the 16 rows' values loaded as they lie and transposed
+// (vnni_transpose): a third of the instructions of a gather per word (Intel Xeon,
 // 1B-shaped Q8_0, batch of 16: 63 -> 66 tok/s; the pack, bound by reading
 // the weights, is still a third of that step's time). Software prefetch of
 // the next tile's rows made it slower (62 tok/s).
@@ -343,37 +365,18 @@ inline void vnni_pack(const uint8_t* w, size_t row_size, int blocks, int col, in
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(int(row_size)));
   const __m512i ones = _mm512_set1_epi8(1);
-  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* base = w + size_t(col) * row_size + size_t(b) * block_bytes(T);
     uint8_t* out = panel + size_t(b) * kVnniPanelBlock;
-    // z[i]: row i's 8 words, then row i + 8's.
-    __m512i z[8];
-    for (int i = 0; i < 8; ++i) {
-      const __m256i lo = i < cols ? vnni_block_values<T>(base + size_t(i) * row_size) : _mm256_setzero_si256();
-      const __m256i hi = i + 8 < cols ? vnni_block_values<T>(base + size_t(i + 8) * row_size) : _mm256_setzero_si256();
-      z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    }
-    // Per 256-bit half, an 8 x 8 transpose of words: t pairs rows, u takes
-    // four rows' word e and e + 4 (one per 128-bit lane), vpermt2q joins rows 0-3 with 4-7.
-    __m512i t[8], u[8];
-    for (int i = 0; i < 4; ++i) {
-      t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; ++h)  // rows 4h .. 4h + 3 (and + 8): u[4h + j] holds words j and j + 4
-      for (int e = 0; e < 2; ++e) {
-        u[4 * h + 2 * e] = _mm512_unpacklo_epi64(t[4 * h + e], t[4 * h + 2 + e]);
-        u[4 * h + 2 * e + 1] = _mm512_unpackhi_epi64(t[4 * h + e], t[4 * h + 2 + e]);
-      }
+    __m256i values[kVnniCols];
+    for (int i = 0; i < kVnniCols; ++i)
+      values[i] = i < cols ? vnni_block_values<T>(base + size_t(i) * row_size) : _mm256_setzero_si256();
+    __m512i words[8];
+    vnni_transpose(values, words);
     __m512i sum = _mm512_setzero_si512();
-    for (int word = 0; word < 4; ++word) {  // u[word] (rows 0-3, 8-11) and u[4 + word] (4-7, 12-15): words word, word + 4
-      const int j = word;
-      const __m512i v0 = _mm512_permutex2var_epi64(u[j], first, u[4 + j]);
-      const __m512i v1 = _mm512_permutex2var_epi64(u[j], second, u[4 + j]);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * word), v0);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * (word + 4)), v1);
-      sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, v0), ones, v1);
+    for (int g = 0; g < 8; ++g) {
+      _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * g), words[g]);
+      sum = _mm512_dpbusd_epi32(sum, ones, words[g]);
     }
     _mm512_store_si512(reinterpret_cast<__m512i*>(out + 512), _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
     const __m512i halves = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows, base, 1);
@@ -483,6 +486,67 @@ void quantize_q8(const float* a, int k, float* scales, int8_t* q) {
 #else
   for (int b = 0; b < k / kQ8Block; ++b)
     scales[b] = fixed::quantize_q8_block(a + size_t(b) * kQ8Block, q + size_t(b) * kQ8Block);
+#endif
+}
+
+// Row a (k values) quantized per superblock for the K-quant products, bit for
+// bit fixed::quantize_q8k_block: max |a| lane by lane (NaN kept out as
+// there), the first value of that magnitude found by a compare, then each q
+// as min(127, rint(iscale * a)) (_mm256_min_ps(v, 127) is 127 for NaN, as
+// the scalar test) and the block sums from the int32 lanes.
+void quantize_q8k(const float* a, int k, float* d, int8_t* q, int16_t* bsums) {
+#if defined(__AVX2__)
+  constexpr int kVectors = kQK / 8;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int b = 0; b < k / kQK; ++b) {
+    const float* x = a + size_t(b) * kQK;
+    int8_t* out = q + size_t(b) * kQK;
+    int16_t* sums = bsums + size_t(b) * (kQK / 16);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < kVectors; ++i) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const float amax = _mm_cvtss_f32(h);
+    if (amax == 0.0f) {
+      std::memset(out, 0, kQK);
+      for (int g = 0; g < kQK / 16; ++g) sums[g] = 0;
+      d[b] = 0.0f;
+      continue;
+    }
+    const __m256 target = _mm256_set1_ps(amax);
+    int first = 0;
+    for (int i = 0; i < kVectors; ++i) {
+      const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude), target, _CMP_EQ_OQ));
+      if (hits) {
+        first = 8 * i + __builtin_ctz(unsigned(hits));
+        break;
+      }
+    }
+    const float iscale = -127.0f / x[first];
+    const __m256 vs = _mm256_set1_ps(iscale), top = _mm256_set1_ps(127.0f);
+    for (int g = 0; g < kQK / 16; ++g) {
+      __m256i i32[2];
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const __m256 v = _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + 16 * g + 8 * h2)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        i32[h2] = _mm256_cvtps_epi32(_mm256_min_ps(v, top));
+      }
+      // q in [-127, 127]: the packs do not saturate; their 128-bit halves put back in order.
+      const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[0], i32[1]), 0xd8);  // 16 x int16, in order
+      const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * g), p8);
+      __m256i t = _mm256_add_epi32(i32[0], i32[1]);
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
+      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1)));
+      sums[g] = int16_t(_mm_cvtsi128_si32(u));
+    }
+    d[b] = 1.0f / iscale;
+  }
+#else
+  for (int b = 0; b < k / kQK; ++b)
+    d[b] = fixed::quantize_q8k_block(a + size_t(b) * kQK, q + size_t(b) * kQK, bsums + size_t(b) * (kQK / 16));
 #endif
 }
 

@@ -423,6 +423,6 @@ void attention_group(const AttentionArgs& a, int r0, int r1, int kvh, float* scr
 
 const KernelTable& table() {
   static const KernelTable t{kIsaName, &matmul_panels, &attention_group, &swiglu_range, &exp_array,
-                             &matmul_quantized, &matmul_panels16, &matmul_kquant, &quantize_q8};
+                             &matmul_quantized, &matmul_panels16, &matmul_kquant, &quantize_q8, &quantize_q8k};
   return t;
 }

@@ -386,6 +386,36 @@ TEST(KQuant, ActivationsQuantizeAsLlamaCppsQ8K) {
   for (int j = 0; j < 256; ++j) EXPECT_NEAR(d * q[j], a[size_t(j)], std::fabs(d) * 0.5f + 1e-6f) << j;
 }
 
+TEST(KQuant, EveryKernelSetQuantizesActivationsAsTheRule) {
+  // Random superblocks, an all-zero one, one whose largest magnitude comes
+  // twice with both signs (the first decides d's sign), ties of rint.
+  const int k = 5 * kQK;
+  std::vector<float> a = activations(1, k, 13);
+  for (int j = 0; j < kQK; ++j) a[size_t(kQK + j)] = 0.0f;
+  a[2 * kQK + 7] = -9.0f;
+  a[2 * kQK + 200] = 9.0f;
+  for (int j = 0; j < kQK; ++j) a[size_t(3 * kQK + j)] = float(j % 64) - 31.5f;  // iscale * a: many halves
+  a[3 * kQK + 5] = -127.0f;
+  const int blocks = k / kQK;
+  std::vector<float> want_d(static_cast<size_t>(blocks));
+  std::vector<int8_t> want(static_cast<size_t>(k));
+  std::vector<int16_t> want_sums(static_cast<size_t>(k / 16));
+  quantize_activations_k(a.data(), k, want_d.data(), want.data(), want_sums.data());
+  for (const std::string& isa : cpu::supported_isas()) {
+    SCOPED_TRACE(isa);
+    std::vector<float> d(static_cast<size_t>(blocks), -1.0f);
+    std::vector<int8_t> q(static_cast<size_t>(k), 99);
+    std::vector<int16_t> sums(static_cast<size_t>(k / 16), 999);
+    cpu::kernels_for(isa).quantize_q8k(a.data(), k, d.data(), q.data(), sums.data());
+    EXPECT_EQ(std::memcmp(d.data(), want_d.data(), d.size() * sizeof(float)), 0);
+    EXPECT_EQ(q, want);
+    EXPECT_EQ(sums, want_sums);
+  }
+  EXPECT_EQ(want_d[1], 0.0f);
+  EXPECT_GT(want_d[2], 0.0f);  // -9 comes first: iscale = -127 / -9, d = 1 / iscale
+  EXPECT_EQ(want[2 * kQK + 7], -127);
+}
+
 TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
   for (const WeightType type : kKQuants)
     for (const std::string& isa : cpu::supported_isas()) {
