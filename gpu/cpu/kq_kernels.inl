@@ -201,6 +201,23 @@ inline void k_row8(const float* d, const int8_t* qa, const int16_t* bsums, const
 constexpr size_t kVnniKQuants = 64 * 64, kVnniKScales = kVnniKQuants, kVnniKPairs = kVnniKScales + 16 * 64,
                  kVnniKD = kVnniKPairs + 8 * 64, kVnniKDmin = kVnniKD + 64, kVnniKBlock = kVnniKDmin + 64;
 
+// The pack of a tile reads its 16 rows superblock by superblock: 16 streams
+// the hardware prefetchers fed too late (the pack stalled on each
+// superblock's first load). So each row's superblock `ahead` on is fetched
+// (past the row's end: the next tile's rows from their start). Intel Xeon,
+// 1B-shaped Q4_K_M, batch of 16, 1 thread: 47-48 -> 53-57 tok/s with 2 ahead
+// (4: 52). (The Q8_0 / Q4_0 pack gained nothing from the same.)
+inline void prefetch_tile_ahead(const uint8_t* w, size_t row_size, int blocks, size_t bytes, int col, int b,
+                                int ahead) {
+  int at_block = b + ahead, at_col = col;
+  if (at_block >= blocks) at_block -= blocks, at_col += kVnniCols;
+  if (at_block >= blocks) return;
+  const uint8_t* first = w + size_t(at_col) * row_size + size_t(at_block) * bytes;
+  for (int c = 0; c < kVnniCols; ++c)
+    for (size_t at = 0; at < bytes; at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first + size_t(c) * row_size + at), _MM_HINT_T0);
+}
+
 template <WeightType T>
 inline void vnni_pack_k(const uint8_t* w, size_t row_size, int blocks, int col, int cols, uint8_t* panel) {
   constexpr bool six = T == WeightType::q6_k;
@@ -211,6 +228,7 @@ inline void vnni_pack_k(const uint8_t* w, size_t row_size, int blocks, int col, 
     auto* pairs = reinterpret_cast<int16_t*>(out + kVnniKPairs);
     auto* dw = reinterpret_cast<float*>(out + kVnniKD);
     auto* dmin = reinterpret_cast<float*>(out + kVnniKDmin);
+    prefetch_tile_ahead(w, row_size, blocks, block_bytes(T), col, i, 2);
     for (int c = 0; c < kVnniCols; ++c) {
       KWeights& kw = kws[c];
       if (c >= cols) {
