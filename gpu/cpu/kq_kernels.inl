@@ -100,6 +100,18 @@ inline void k_unpack(const uint8_t* y, KWeights& w) {
 #endif
 }
 
+#if defined(__AVX2__)
+// acc + the pairs of p16 times their scales (int16 products summed in pairs,
+// exact): one vpdpwssd under AVX-512 VNNI.
+inline __m256i k_scaled_add(__m256i acc, __m256i p16, __m256i scale) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p16, scale);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, scale));
+#endif
+}
+#endif
+
 // S1 and S2 of one superblock against one activation row's (exact).
 #if defined(__AVX2__)
 // S1 and S2 of one superblock as 8 int32 lanes each (their sums are S1, S2).
@@ -113,7 +125,7 @@ inline void k_lanes(const KWeights& w, const int8_t* a, const int16_t* bsums, __
       p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w.q[i], w.q[i]), _mm256_sign_epi8(qa, w.q[i]));
     else
       p16 = _mm256_maddubs_epi16(w.q[i], qa);
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p16, w.scale[i]));
+    acc = k_scaled_add(acc, p16, w.scale[i]);
   }
   s1 = acc;
   s2 = T == WeightType::q6_k ? _mm256_setzero_si256()
@@ -132,7 +144,7 @@ inline void k_sums(const KWeights& w, const int8_t* a, const int16_t* bsums, int
       p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w.q[i], w.q[i]), _mm256_sign_epi8(qa, w.q[i]));
     else  // q in [0, 31]: at most 2 * 31 * 127 a pair
       p16 = _mm256_maddubs_epi16(w.q[i], qa);
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p16, w.scale[i]));
+    acc = k_scaled_add(acc, p16, w.scale[i]);
   }
   const __m256i m32 = T == WeightType::q6_k
                           ? _mm256_setzero_si256()
