@@ -175,11 +175,12 @@ inline void k_row8(const float* d, const int8_t* qa, const int16_t* bsums, const
                    int blocks, size_t row_size, int r, int col) {
   __m256 acc = _mm256_setzero_ps();
   KWeights kw;
+  const PrefetchShares ahead(w + size_t(col + 16) * row_size, 8 * row_size, blocks);
   for (int i = 0; i < blocks; ++i) {
     __m256i s1[8], s2[8];
     alignas(32) float dw[8], dmin[8];
     const size_t at = size_t(r) * blocks + i;
-    prefetch_share(w + size_t(col + 16) * row_size, 8 * row_size, i, blocks);
+    ahead.fetch(i);
     for (int ci = 0; ci < 8; ++ci) {
       k_unpack<T>(w + size_t(col + ci) * row_size + size_t(i) * block_bytes(T), kw);
       k_lanes<T>(kw, qa + at * kQK, bsums + at * 16, s1[ci], s2[ci]);

@@ -20,16 +20,24 @@ inline float q8_scale(const uint8_t* block) {
 }
 
 #if defined(__AVX2__)
-// Share `i` of `shares` of the `bytes` at `next` fetched into the caches: a
+// The `bytes` at `next` fetched into the caches in `shares` shares: a
 // tile of eight weight rows reads them as eight interleaved streams, which
 // the hardware prefetchers follow badly (Zen 3: a third of the bandwidth), so
-// the tile fetches the next tile's rows (contiguous) while it computes.
-inline void prefetch_share(const uint8_t* next, size_t bytes, int i, int shares) {
-  const size_t begin = bytes * size_t(i) / size_t(shares), end = bytes * size_t(i + 1) / size_t(shares);
-  // (Into L2: into L1 they took fill buffers the demand loads needed; Intel
-  // Xeon, 1B-shaped Q8_0 decode: 69% -> 78% of the read bandwidth.)
-  for (size_t at = begin / 64 * 64; at < end; at += 64) _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T1);
-}
+// the tile fetches the tile after next (contiguous rows) while it computes,
+// into L2: into L1 the prefetches took the fill buffers the demand loads
+// needed (Intel Xeon, 1B-shaped Q8_0 decode: 69% -> 78% of the read
+// bandwidth). The lines of each share are counted once per tile.
+struct PrefetchShares {
+  PrefetchShares(const uint8_t* next, size_t bytes, int shares)
+      : base(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(next) & ~uintptr_t(63))),
+        lines((reinterpret_cast<uintptr_t>(next) + bytes - reinterpret_cast<uintptr_t>(base) + 63) / 64),
+        per((lines + size_t(shares) - 1) / size_t(shares)) {}
+  void fetch(int i) const {
+    for (size_t l = size_t(i) * per, end = std::min(lines, l + per); l < end; ++l) _mm_prefetch(base + 64 * l, _MM_HINT_T1);
+  }
+  const char* base;
+  size_t lines, per;
+};
 
 // Lane i: u[4i] s[4i] + .. + u[4i + 3] s[4i + 3] (u unsigned, s signed
 // bytes; no pair may pass int16, which the callers' ranges keep): one
@@ -213,9 +221,10 @@ inline void q8_row8(const float* scales, const int8_t* qa, const uint8_t* w, flo
   const int8_t* q = qa + size_t(r) * k;
   const uint8_t* wrow = w + size_t(col) * row_size;
   __m256 acc = _mm256_setzero_ps();
+  const PrefetchShares ahead(wrow + 16 * row_size, 8 * row_size, blocks);
   for (int b = 0; b < blocks; ++b) {
     const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + size_t(b) * kQ8Block));
-    prefetch_share(wrow + 16 * row_size, 8 * row_size, b, blocks);
+    ahead.fetch(b);
     __m256i sums[8];
 #pragma GCC unroll 8
     for (int ci = 0; ci < 8; ++ci) {
@@ -244,9 +253,10 @@ inline void q4_row8(const float* scales, const int8_t* qa, const int32_t* a8, co
   const int8_t* q = qa + size_t(r) * k;
   const uint8_t* wrow = w + size_t(col) * row_size;
   __m256 acc = _mm256_setzero_ps();
+  const PrefetchShares ahead(wrow + 16 * row_size, 8 * row_size, blocks);
   for (int b = 0; b < blocks; ++b) {
     const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + size_t(b) * kQ8Block));
-    prefetch_share(wrow + 16 * row_size, 8 * row_size, b, blocks);
+    ahead.fetch(b);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     // Four columns a register (one per 128-bit quarter): quarter i of
     // sums4[h] sums column 4h + i.
