@@ -201,6 +201,55 @@ TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
   }
 }
 
+// A batch of 1, 2, 17 or 64 sequences (distinct prompts, every one decoded
+// in every step): each sequence's logits at every step are the bits of the
+// same step decoded alone, and its tokens are generate()'s. (The product
+// kernels tile rows by 12 and 8: 17 and 64 leave edges.)
+class BatchSize : public ::testing::TestWithParam<int> {};
+
+TEST_P(BatchSize, EverySequenceDecodesAsItWouldAlone) {
+  Engine engine(shared_checkpoint());
+  const int batch = GetParam(), steps = 6, block_size = 16, vocab = engine.config().vocab_size;
+  std::vector<std::vector<int>> prompts;
+  for (int s = 0; s < batch; ++s) {
+    std::vector<int> prompt = {kBosToken};
+    for (int i = 0; i <= s % 7; ++i) prompt.push_back(3 + (s * 31 + i * 17) % 500);
+    prompts.push_back(prompt);
+  }
+  std::vector<std::vector<int>> blocks(static_cast<size_t>(batch)), tokens(static_cast<size_t>(batch));
+  std::vector<int> pos(static_cast<size_t>(batch));
+  const int per = KvPool::blocks_for(8 + steps, block_size);
+  KvPool pool(engine, block_size, batch * per);
+  for (int s = 0; s < batch; ++s) {
+    for (int b = 0; b < per; ++b) blocks[s].push_back(b * batch + s);  // interleaved with the others'
+    const PrefillOutput prefilled = engine.prefill(prompts[s]);
+    pool.write(blocks[s], view_of(engine, prefilled));
+    tokens[s].push_back(argmax(prefilled.logits.data(), vocab));
+    pos[s] = int(prompts[s].size());
+  }
+  for (int step = 1; step < steps; ++step) {
+    std::vector<DecodeSlot> slots;
+    for (int s = 0; s < batch; ++s) slots.push_back(DecodeSlot{tokens[s].back(), pos[s], &blocks[s]});
+    const std::vector<float> logits = engine.decode_step(pool, slots);
+    ASSERT_EQ(logits.size(), size_t(batch) * vocab);
+    for (int s = 0; s < batch; ++s) {
+      const std::vector<float> row(logits.begin() + size_t(s) * vocab, logits.begin() + size_t(s + 1) * vocab);
+      // The same step alone (it rewrites this position's KV with the same bits).
+      const auto alone = engine.decode_step(pool, {DecodeSlot{tokens[s].back(), pos[s], &blocks[s]}});
+      ASSERT_TRUE(alone == row) << "batch " << batch << ", sequence " << s << ", step " << step;
+      tokens[s].push_back(argmax(row.data(), vocab));
+      ++pos[s];
+    }
+  }
+  for (int s = 0; s < batch; ++s) {  // (generate stops at an end token; the batch went on)
+    const std::vector<int> alone = generate(engine, prompts[s], steps, SamplingParams{}).tokens;
+    ASSERT_FALSE(alone.empty());
+    EXPECT_EQ(std::vector<int>(tokens[s].begin(), tokens[s].begin() + long(alone.size())), alone) << "sequence " << s;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, BatchSize, ::testing::Values(1, 2, 17, 64));
+
 // 20 positions: two blocks of 16.
 std::vector<int> twenty_tokens() {
   std::vector<int> prompt = {1, 403, 407, 261, 378};
