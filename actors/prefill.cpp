@@ -142,6 +142,7 @@ void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode
   } else {
     // (streamed: prefill_us ends with the last layer, the rest is transfer)
     const int64_t prefill_us = micros_since(j.received) - computed.tail_us;
+    record_prefill_computed(job.prompt_tokens.size());
     ship_kv(self, serial, job, decode, std::move(computed), prefill_us);
   }
 }

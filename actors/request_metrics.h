@@ -62,6 +62,10 @@ inline void record_prefill_report(const PrefillReport& report) {
   m.kv_transfer_bytes.inc(double(report.kv_bytes));
 }
 
+// Prefill worker: a prefill computed, of `tokens` positions (a migrated
+// request's: its prompt and the tokens its lost decode worker had streamed).
+inline void record_prefill_computed(size_t tokens) { metrics::disagg_metrics().prefill_tokens.inc(double(tokens)); }
+
 // Decode worker: its load whenever it changes.
 inline void record_decode_load(const DecodeLoad& load) {
   auto& m = metrics::disagg_metrics();

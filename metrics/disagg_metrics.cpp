@@ -54,6 +54,9 @@ DisaggMetrics::DisaggMetrics(Registry& r)
           r.gauge("disagg_kv_cache_usage_perc", "Fraction of the decode worker's KV blocks in use (0 to 1).").get()),
       prompt_tokens(r.counter("disagg_prompt_tokens_total", "Prompt tokens of finished requests.").get()),
       generation_tokens(r.counter("disagg_generation_tokens_total", "Generated tokens of finished requests.").get()),
+      prefill_tokens(r.counter("disagg_prefill_tokens_total",
+                               "Positions the prefill workers computed (a migrated request's prompt and streamed tokens).")
+                         .get()),
       request_success(r.counter("disagg_request_success_total", "Requests that completed, by finish reason.",
                                 {"finished_reason"})),
       request_errors(r.counter("disagg_request_errors_total", "Requests that ended with an error, by error code.",

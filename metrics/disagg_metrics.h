@@ -37,6 +37,7 @@ struct DisaggMetrics {
   Gauge& kv_cache_usage_perc;       // decode: used / total KV blocks, 0..1
   Counter& prompt_tokens;
   Counter& generation_tokens;
+  Counter& prefill_tokens;          // prefill: positions computed (a migration's streamed tokens included)
   Family<Counter>& request_success;  // {finished_reason}: stop | length
   Family<Counter>& request_errors;   // {code}: kErrorCodes
   Histogram& kv_transfer;           // seconds

@@ -14,6 +14,7 @@
 #include "caf/all.hpp"
 #include "gpu/checkpoint.h"
 #include "gpu/model_writer.h"
+#include "metrics/disagg_metrics.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -347,10 +348,17 @@ class MigrationTest : public ActorTest {
       if (++seen == kill_after_tokens) some_tokens.set_value();
     });
     some_tokens.get_future().wait();
+    // (Prefills of this process's workers: the first ran the prompt.)
+    const double prefilled_before = metrics::disagg_metrics().prefill_tokens.value();
     ASSERT_EQ(kill_busy_decode_workers(*system_, *cluster_), 1);
     const RequestOutcome out = future.get();
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
     EXPECT_EQ(out.tokens, colocated(kOnceUponATime, max_new, sampling).tokens);
+    // The new prefill continued: it ran the prompt and the tokens already
+    // streamed (at least the ones the client had seen), not the prompt alone.
+    EXPECT_GE(metrics::disagg_metrics().prefill_tokens.value() - prefilled_before,
+              double(kOnceUponATime.size() + size_t(kill_after_tokens)))
+        << "the migrated request was prefilled from scratch";
     {
       std::lock_guard<std::mutex> lock(log.mutex);
       ASSERT_EQ(log.events.size(), out.tokens.size()) << "a gap or a duplicate in the stream";

@@ -11,6 +11,7 @@
 
 #include "cluster/cluster_fixture.h"
 #include "cluster/raw_peer.h"
+#include "node/port_guard.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -82,6 +83,47 @@ TEST(PortGuard, AReplayedHandshakeThenAStalledLargeMessagePinsNoMemoryAndNoSlot)
   const RequestOutcome served = cluster.client().generate(kRequest);
   EXPECT_TRUE(served.ok()) << to_string(served.code) << ": " << served.message;
   std::cout << "router RSS " << before / 1024 << " KiB, peak +" << peak / 1024 << " KiB\n";
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// Every header is checked against its own limit, not only the first one and
+// not only the 4 GiB announcement: a first message one byte over the
+// handshake's 64 KiB (decode port), and after a replayed handshake a message one byte over
+// max-message-bytes, are refused at once (long before message-timeout-ms)
+// and logged with their sizes; a message of exactly the limit is collected.
+TEST(PortGuard, EveryHeaderIsCheckedAgainstItsLimit) {
+  TestCluster cluster("guard-limits-each");
+  cluster.start_node("router", "router", "max-message-bytes = 1048576\nmessage-timeout-ms = 20000\n");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  const std::string handshake = record_client_handshake(cluster.router_port());
+  ASSERT_GT(handshake.size(), 32u) << "no client handshake recorded";
+
+  // (On the decode port: a guard logs the first refusal of each reason.)
+  const int first = connect_to(cluster.port_of("decode-1"));
+  ASSERT_GE(first, 0);
+  send_all(first, basp_header(kMaxHandshakeBytes + 1));
+  EXPECT_TRUE(closed_by_peer(first, 2s)) << "a handshake over 64 KiB was let through";
+  ::close(first);
+
+  const int over = connect_to(cluster.router_port()), at_limit = connect_to(cluster.router_port());
+  ASSERT_GE(over, 0);
+  ASSERT_GE(at_limit, 0);
+  send_all(over, handshake + basp_header((1u << 20) + 1));
+  send_all(at_limit, handshake + basp_header(1u << 20));
+  EXPECT_TRUE(closed_by_peer(over, 2s)) << "a second header over max-message-bytes was let through";
+  EXPECT_FALSE(closed_by_peer(at_limit, 200ms)) << "a message of exactly max-message-bytes was refused";
+  ::close(over);
+  ::close(at_limit);
+
+  EXPECT_NE(cluster.node("decode-1").log().find("announced a handshake of 65537 bytes"), std::string::npos)
+      << cluster.node("decode-1").log();
+  const std::string log = cluster.node("router").log();
+  EXPECT_NE(log.find("announced a message of 1048577 bytes (max 1048576)"), std::string::npos) << log;
+  EXPECT_EQ(log.find("announced a message of 1048576 bytes"), std::string::npos) << log;
+  const RequestOutcome served = cluster.client().generate(kRequest);
+  EXPECT_TRUE(served.ok()) << to_string(served.code) << ": " << served.message;
   EXPECT_TRUE(cluster.stop_all());
 }
 
