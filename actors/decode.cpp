@@ -175,6 +175,7 @@ bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t
   }
   const int32_t index = seq.first_step + int32_t(seq.tokens.size());
   seq.tokens.push_back(token);
+  record_decoded_token();
   self->send(self->state.router, token_atom::value, TokenEvent{it->first, index, token, {}});
   if (int32_t(seq.tokens.size()) >= seq.limit) {
     finish_sequence(self, it, ErrorCode::none, {}, FinishReason::length);

@@ -66,6 +66,9 @@ inline void record_prefill_report(const PrefillReport& report) {
 // request's: its prompt and the tokens its lost decode worker had streamed).
 inline void record_prefill_computed(size_t tokens) { metrics::disagg_metrics().prefill_tokens.inc(double(tokens)); }
 
+// Decode worker: a token its sequences made (every one, cancelled or not).
+inline void record_decoded_token() { metrics::disagg_metrics().decode_tokens.inc(); }
+
 // Decode worker: its load whenever it changes.
 inline void record_decode_load(const DecodeLoad& load) {
   auto& m = metrics::disagg_metrics();

@@ -57,6 +57,9 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       prefill_tokens(r.counter("disagg_prefill_tokens_total",
                                "Positions the prefill workers computed (a migrated request's prompt and streamed tokens).")
                          .get()),
+      decode_tokens(r.counter("disagg_decode_tokens_total",
+                              "Tokens the decode workers made, cancelled and failed requests' included.")
+                        .get()),
       request_success(r.counter("disagg_request_success_total", "Requests that completed, by finish reason.",
                                 {"finished_reason"})),
       request_errors(r.counter("disagg_request_errors_total", "Requests that ended with an error, by error code.",

@@ -38,6 +38,7 @@ struct DisaggMetrics {
   Counter& prompt_tokens;
   Counter& generation_tokens;
   Counter& prefill_tokens;          // prefill: positions computed (a migration's streamed tokens included)
+  Counter& decode_tokens;           // decode: tokens its sequences made, finished or not
   Family<Counter>& request_success;  // {finished_reason}: stop | length
   Family<Counter>& request_errors;   // {code}: kErrorCodes
   Histogram& kv_transfer;           // seconds

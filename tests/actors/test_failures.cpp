@@ -111,6 +111,7 @@ TEST_F(ActorTest, CancelMidGenerationStopsItAndFreesItsBlocks) {
   std::atomic<int> seen{0};
   Client* client = client_.get();
   const RequestId id = request.id;
+  const double decoded_before = metrics::disagg_metrics().decode_tokens.value();
   auto future = client_->submit(request, [&seen, client, id](const TokenEvent&) {
     if (seen++ == 2) client->cancel(id);
   });
@@ -121,6 +122,10 @@ TEST_F(ActorTest, CancelMidGenerationStopsItAndFreesItsBlocks) {
   // also in the router's books: it was cancelled while a decode step ran, so
   // the blocks are freed after that step, and the decode worker must say so.
   EXPECT_TRUE(cluster_->wait_pools_free());
+  // ... because the decode worker was told: left alone it would have gone on
+  // to all 300 tokens (and freed the blocks then, tens of ms later).
+  const double decoded = metrics::disagg_metrics().decode_tokens.value() - decoded_before;
+  EXPECT_LT(decoded, max_new / 2) << "the decode worker made " << decoded << " tokens of a request cancelled at its 3rd";
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   int router_free = -1, total = -1;
   while (router_free != total && std::chrono::steady_clock::now() < deadline) {

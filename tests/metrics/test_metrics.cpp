@@ -118,6 +118,7 @@ TEST(Metrics, DisaggCatalogHasEveryLabelValueUpFront) {
         "disagg_request_prefill_time_seconds_count 0", "disagg_request_decode_time_seconds_count 0",
         "disagg_num_requests_running 0", "disagg_num_requests_waiting 0", "disagg_kv_cache_usage_perc 0",
         "disagg_prompt_tokens_total 0", "disagg_generation_tokens_total 0", "disagg_prefill_tokens_total 0",
+        "disagg_decode_tokens_total 0",
         "disagg_request_success_total{finished_reason=\"stop\"} 1",
         "disagg_request_success_total{finished_reason=\"length\"} 0",
         "disagg_request_errors_total{code=\"overloaded\"} 2", "disagg_request_errors_total{code=\"internal\"} 0",
