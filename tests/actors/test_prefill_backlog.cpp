@@ -120,7 +120,7 @@ TEST_F(ActorTest, CancelledJobsAreSkippedByThePrefillCompute) {
   start(1, 1);
   const auto single = timed_request(*client_);
   // Straight to the prefill worker (the router knows nothing of these ids),
-  // and cancelled at once: at most the first is computed.
+  // and cancelled at once: only those begun before their cancel are computed.
   const prefill_actor prefill = cluster_->prefill_workers().at(0);
   caf::scoped_actor self{*system_};
   const int jobs = 40;
@@ -139,10 +139,14 @@ TEST_F(ActorTest, CancelledJobsAreSkippedByThePrefillCompute) {
   EXPECT_EQ(reports, jobs);
   EXPECT_GE(cancelled, jobs - 1);
   // The reports say "cancelled" whether or not the prompt ran: the compute
-  // actor's counts say what it did. The first job may have begun before its cancel.
+  // actor's counts say what it did. A job the compute actor began before its
+  // cancel arrived runs: the first, usually, but on a loaded machine the
+  // compute actor may finish two or three while this thread waits to send
+  // the cancels (CI once saw 2). Without the skip all 40 would run.
   const PrefillCounts counts = prefill_counts();
-  EXPECT_LE(counts.computed - before.computed, 1);
-  EXPECT_GE(counts.skipped_cancelled - before.skipped_cancelled, jobs - 1);
+  EXPECT_LE(counts.computed - before.computed, jobs / 4);
+  EXPECT_GE(counts.skipped_cancelled - before.skipped_cancelled, jobs - jobs / 4);
+  EXPECT_EQ(counts.computed - before.computed + counts.skipped_cancelled - before.skipped_cancelled, jobs);
   const auto after = timed_request(*client_);
   EXPECT_LT(after, std::chrono::seconds(1) + 2 * single)
       << "one request takes " << std::chrono::duration_cast<std::chrono::milliseconds>(single).count()
