@@ -619,8 +619,12 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
       kv.second.info = std::move(info);
       return;
     }
-  if (info.role == WorkerRole::prefill && !st.limits)
-    st.limits = ModelLimits{info.model.vocab_size, info.model.seq_len};
+  if (!st.model) {  // a router without disagg.model: its first worker's model is the cluster's
+    st.model = info.model;
+    if (!st.limits) st.limits = ModelLimits{info.model.vocab_size, info.model.seq_len};
+    node_log(LogLevel::info, "the cluster's model is that of " + to_string(info.role) + " worker \"" + info.name +
+                                 "\" (fingerprint " + std::to_string(info.model.fingerprint) + ")");
+  }
   Worker w;
   w.address = address;
   w.prefill = std::move(prefill);

@@ -17,8 +17,9 @@ namespace disagg {
 // `tokenizer` may be null: then text prompts are rejected as invalid_request
 // and token events carry no text. `model`, the cluster's model (the router's
 // own disagg.model), makes the router the authority on vocabulary and
-// context from the start; without it (tests of the router alone), the first
-// prefill worker to register sets them.
+// context from the start; without it (a router node with no disagg.model),
+// the first worker to register sets the cluster's model, and every later
+// worker must have the same (fingerprint, vocabulary, context).
 router_actor spawn_router(caf::actor_system& system, const DisaggConfig& config,
                           std::shared_ptr<const gpu::Tokenizer> tokenizer,
                           std::optional<ModelInfo> model = std::nullopt);

@@ -11,6 +11,7 @@
 #include "actors/actor_fixture.h"
 #include "actors/compute.h"
 #include "actors/decode.h"
+#include "actors/router.h"
 #include "caf/all.hpp"
 #include "gpu/checkpoint.h"
 #include "gpu/model_writer.h"
@@ -75,6 +76,44 @@ std::string refusal_of_extra_decode_worker(caf::actor_system& system, LocalClust
                   caf::anon_send_exit(worker, caf::exit_reason::user_shutdown);
                 });
   return why;
+}
+
+// A router node without disagg.model used to accept workers of any model
+// (issue 22). Now its first worker's model is the cluster's: a second worker
+// with other weights is refused as by a router that loaded the model.
+TEST_F(ActorTest, ARouterWithoutAModelTakesItsFirstWorkersAndRefusesOthers) {
+  const auto dir = make_temp_dir("actors-first-model");
+  const std::string other = dir + "/other.bin";
+  gpu::write_random_checkpoint(other, gpu::Checkpoint::open(shared_model())->config(), 7);
+  const DisaggConfig config = shared_model_config(1, 1);
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto spawn_worker = [&](const std::string& model, const std::string& name) {
+    ComputeSpec spec;
+    spec.checkpoint = gpu::Checkpoint::open(model);
+    spec.pool_block_size = 16;
+    spec.pool_blocks = 64;
+    return spawn_decode(*system_, config, spawn_compute(*system_, spec), router, name);
+  };
+  const decode_actor first = spawn_worker(shared_model(), "first");
+  caf::scoped_actor self{*system_};
+  int decode_workers = 0;  // registered: the router's status says so
+  for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       decode_workers == 0 && std::chrono::steady_clock::now() < deadline;)
+    self->request(router, std::chrono::seconds(5), status_atom::value)
+        .receive([&](const RouterStatus& s) { decode_workers = s.count(WorkerRole::decode); }, [](caf::error&) {});
+  ASSERT_EQ(decode_workers, 1);
+  const decode_actor second = spawn_worker(other, "second");
+  self->monitor(second);
+  std::string why;
+  self->receive([&](caf::down_msg& down) { why = system_->render(down.reason); },
+                caf::after(std::chrono::seconds(10)) >> [&] { caf::anon_send_exit(second, caf::exit_reason::user_shutdown); });
+  EXPECT_NE(why.find("is not the cluster's (fingerprint " +
+                     std::to_string(gpu::Checkpoint::open(shared_model())->fingerprint())),
+            std::string::npos)
+      << why;
+  for (const auto& actor : {caf::actor_cast<caf::actor>(first), caf::actor_cast<caf::actor>(router)})
+    caf::anon_send_exit(actor, caf::exit_reason::user_shutdown);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(ActorTest, DecodeWorkerWithAnotherModelIsRefusedAtRegistration) {
