@@ -39,6 +39,16 @@ void close_all(std::vector<int>& fds) {
   fds.clear();
 }
 
+// A router with `router_options`, a prefill and a decode worker, and a real
+// client's BASP handshake recorded off the router's port (to replay).
+std::string start_and_record_handshake(TestCluster& cluster, const std::string& router_options) {
+  cluster.start_node("router", "router", router_options);
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  EXPECT_TRUE(cluster.wait_for_workers(1, 1));
+  return record_client_handshake(cluster.router_port());
+}
+
 // The probe: 100 connections each replay a real client's handshake, then
 // announce a message of exactly max-message-bytes (16 MiB) and stall. CAF
 // allocated each announced payload (router +1.6 GB) and nothing timed out.
@@ -47,11 +57,7 @@ void close_all(std::vector<int>& fds) {
 // closed at message-timeout-ms.
 TEST(PortGuard, AReplayedHandshakeThenAStalledLargeMessagePinsNoMemoryAndNoSlot) {
   TestCluster cluster("guard-replay");
-  cluster.start_node("router", "router", "message-timeout-ms = 1500\n");
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
-  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
-  const std::string handshake = record_client_handshake(cluster.router_port());
+  const std::string handshake = start_and_record_handshake(cluster, "message-timeout-ms = 1500\n");
   ASSERT_GT(handshake.size(), 32u) << "no client handshake recorded";
   const pid_t router = cluster.node("router").pid();
   const int64_t before = rss_bytes(router);
@@ -93,11 +99,8 @@ TEST(PortGuard, AReplayedHandshakeThenAStalledLargeMessagePinsNoMemoryAndNoSlot)
 // and logged with their sizes; a message of exactly the limit is collected.
 TEST(PortGuard, EveryHeaderIsCheckedAgainstItsLimit) {
   TestCluster cluster("guard-limits-each");
-  cluster.start_node("router", "router", "max-message-bytes = 1048576\nmessage-timeout-ms = 20000\n");
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
-  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
-  const std::string handshake = record_client_handshake(cluster.router_port());
+  const std::string handshake =
+      start_and_record_handshake(cluster, "max-message-bytes = 1048576\nmessage-timeout-ms = 20000\n");
   ASSERT_GT(handshake.size(), 32u) << "no client handshake recorded";
 
   // (On the decode port: a guard logs the first refusal of each reason.)
@@ -133,12 +136,8 @@ TEST(PortGuard, EveryHeaderIsCheckedAgainstItsLimit) {
 // sources still connect while one source holds its share.
 TEST(PortGuard, StrangersHoldAtMostTheirShareOfTheSlots) {
   TestCluster cluster("guard-share");
-  cluster.start_node("router", "router",
-                     "max-connections = 40\nmax-pending-per-source = 3\nhandshake-timeout-ms = 3000\n");
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
-  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
-  const std::string handshake = record_client_handshake(cluster.router_port());
+  const std::string handshake = start_and_record_handshake(
+      cluster, "max-connections = 40\nmax-pending-per-source = 3\nhandshake-timeout-ms = 3000\n");
   ASSERT_GT(handshake.size(), 32u) << "no client handshake recorded";
 
   // One source: 3 pending, the rest refused at accept.
