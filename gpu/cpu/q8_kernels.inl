@@ -50,6 +50,20 @@ inline __m256i q8_dot4(__m256i u, __m256i s) {
 #endif
 }
 
+// The largest of m's 8 lanes (none NaN), and the sum of v's 8 int32 lanes.
+inline float q8_hmax(__m256 m) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+}
+inline int32_t q8_hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
 // A block's 32 weights as int8, in value order.
 template <WeightType T>
 inline __m256i q8_weights(const uint8_t* block) {
@@ -73,10 +87,7 @@ inline int32_t q8_dot32(const uint8_t* block, const int8_t* a) {
   // |w| (as unsigned) times a with w's sign: pairs of products in int16
   // (at most 2 * 128 * 127: no saturation, as |a| <= 127), then in int32.
   const __m256i p32 = q8_dot4(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qa, qw));
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p32), _mm256_extracti128_si256(p32, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
+  return q8_hsum(p32);
 #else
   int8_t w[kQ8Block];
   unpack_block(T, block, w);
@@ -178,6 +189,14 @@ inline void q8_col8(const float* st, const int32_t* a8, const int8_t* qa, const 
   for (int ri = 0; ri < 8; ++ri) c[size_t(r0 + ri) * n + col] = out[ri];
 }
 
+// 8 x the sum of a block's 32 activations (Q4_0's nibbles enter unsigned:
+// this comes off their sums to give sum (q - 8) a).
+inline int32_t q8_block_sum8(const int8_t* q) {
+  int32_t sum = 0;
+  for (int j = 0; j < kQ8Block; ++j) sum += q[j];
+  return 8 * sum;
+}
+
 // For each tile of eight rows from r0 (up to r1), its rows' activation
 // scales and (Q4_0) 8 x block sums in q8_col8's layout: tile t's at
 // [t * blocks * 8, ...).
@@ -188,10 +207,7 @@ inline void q8_tile_scales(const float* scales, const int8_t* qa, int k, int blo
       for (int i = 0; i < 8; ++i) {
         const int r = r0 + 8 * t + i;
         st[(size_t(t) * blocks + b) * 8 + i] = scales[size_t(r) * blocks + b];
-        const int8_t* q = qa + size_t(r) * k + size_t(b) * kQ8Block;
-        int32_t sum = 0;
-        for (int j = 0; j < kQ8Block; ++j) sum += q[j];
-        a8[(size_t(t) * blocks + b) * 8 + i] = 8 * sum;
+        a8[(size_t(t) * blocks + b) * 8 + i] = q8_block_sum8(qa + size_t(r) * k + size_t(b) * kQ8Block);
       }
 }
 
@@ -328,18 +344,6 @@ constexpr int kVnniRows = 8;  // rows of one micro-kernel call: 8 + 8 accumulato
 // (-128 x sum of the block's weights, int32), then their scales (float).
 constexpr size_t kVnniPanelBlock = 8 * 64 + 64 + 64;
 
-// A block's 32 values as int8 in value order (Q4_0: q - 8).
-template <WeightType T>
-inline __m256i vnni_block_values(const uint8_t* block) {
-  if constexpr (T == WeightType::q8_0) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2)), nibble = _mm_set1_epi8(0x0f);
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-  }
-}
-
 // 16 rows of 8 words (4 bytes each) transposed: lane c of out[w] is row c's
 // word w. Row i sits beside row i + 8 in one register; per 256-bit half an
 // 8 x 8 transpose: t pairs rows, u[4h + j] takes four rows' words j and
@@ -380,7 +384,7 @@ inline void vnni_pack(const uint8_t* w, size_t row_size, int blocks, int col, in
     uint8_t* out = panel + size_t(b) * kVnniPanelBlock;
     __m256i values[kVnniCols];
     for (int i = 0; i < kVnniCols; ++i)
-      values[i] = i < cols ? vnni_block_values<T>(base + size_t(i) * row_size) : _mm256_setzero_si256();
+      values[i] = i < cols ? q8_weights<T>(base + size_t(i) * row_size) : _mm256_setzero_si256();
     __m512i words[8];
     vnni_transpose(values, words);
     __m512i sum = _mm512_setzero_si512();
@@ -476,10 +480,7 @@ void quantize_q8(const float* a, int k, float* scales, int8_t* q) {
       v[i] = _mm256_loadu_ps(x + 8 * i);
       m = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), m);
     }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    const float d = _mm_cvtss_f32(h) / 127.0f;
+    const float d = q8_hmax(m) / 127.0f;
     const __m256 inv = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
     __m256i i32[4];
     for (int i = 0; i < 4; ++i)
@@ -514,10 +515,7 @@ void quantize_q8k(const float* a, int k, float* d, int8_t* q, int16_t* bsums) {
     int16_t* sums = bsums + size_t(b) * (kQK / 16);
     __m256 m = _mm256_setzero_ps();
     for (int i = 0; i < kVectors; ++i) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude), m);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    const float amax = _mm_cvtss_f32(h);
+    const float amax = q8_hmax(m);
     if (amax == 0.0f) {
       std::memset(out, 0, kQK);
       for (int g = 0; g < kQK / 16; ++g) sums[g] = 0;
@@ -546,11 +544,7 @@ void quantize_q8k(const float* a, int k, float* d, int8_t* q, int16_t* bsums) {
       const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[0], i32[1]), 0xd8);  // 16 x int16, in order
       const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * g), p8);
-      __m256i t = _mm256_add_epi32(i32[0], i32[1]);
-      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
-      u = _mm_add_epi32(u, _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 3, 0, 1)));
-      sums[g] = int16_t(_mm_cvtsi128_si32(u));
+      sums[g] = int16_t(q8_hsum(_mm256_add_epi32(i32[0], i32[1])));
     }
     d[b] = 1.0f / iscale;
   }
@@ -606,12 +600,8 @@ void matmul_quantized_columns(const float* scales, const int8_t* qa, const uint8
       thread_local std::vector<int32_t> a8;  // rows r0 .. r1: 8 x each block's activation sum
       a8.resize(size_t(r1 - r0) * blocks);
       for (int r = r0; r < r1; ++r)
-        for (int b = 0; b < blocks; ++b) {
-          const int8_t* q = qa + size_t(r) * k + size_t(b) * kQ8Block;
-          int32_t sum = 0;
-          for (int j = 0; j < kQ8Block; ++j) sum += q[j];
-          a8[size_t(r - r0) * blocks + b] = 8 * sum;
-        }
+        for (int b = 0; b < blocks; ++b)
+          a8[size_t(r - r0) * blocks + b] = q8_block_sum8(qa + size_t(r) * k + size_t(b) * kQ8Block);
       for (; col + 8 <= col_end; col += 8)
         for (int r = r0; r < r1; ++r)
           q4_row8(scales, qa, a8.data() + size_t(r - r0) * blocks, w, c, n, k, blocks, row_size, r, col);
