@@ -383,6 +383,7 @@ ModelInfo model_info_of(uint64_t fingerprint, const gpu::ModelConfig& c) {
   info.n_layers = c.n_layers;
   info.n_kv_heads = c.n_kv_heads;
   info.head_dim = c.head_size();
+  info.end_tokens.assign(c.end_tokens.begin(), c.end_tokens.end());
   return info;
 }
 

@@ -65,11 +65,11 @@ struct DisaggConfig {
   int max_prefill_inflight = 8;      // jobs per prefill worker at once
   int64_t default_deadline_ms = 60000;  // at most kMaxDeadlineMs (messages/request.h)
   // Longest text prompt the router encodes; longer: invalid_request, before
-  // any encoding. Encoding is quadratic in the length and runs on the router's
-  // own thread: 2 KiB of English take ~45 ms on the 2-core dev VM, 4 KiB ~180
-  // ms, 64 KiB a minute. 2 KiB is ~540 tokens of tok512, more than the 512 of
-  // stories260K's seq_len; raise it for models with a longer context.
-  int64_t max_prompt_bytes = 2048;
+  // any encoding. Encoding runs on the router's own thread and is linear in
+  // the length (gpu/merge_queue.h): 64 KiB take 2-14 ms on the 2-core dev VM
+  // (bench_tokenizer, either tokenizer model), so 256 KiB hold it at most
+  // ~55 ms; 256 KiB is ~65K Llama 3 tokens.
+  int64_t max_prompt_bytes = 256 * 1024;
   int session_affinity_size = 4096;  // sessions remembered (least recently used evicted)
   int max_decode_retries = 2;        // other decode workers tried after overloaded
   int max_worker_retries = 2;        // restarts of a request before its first token when a worker is lost or hung

@@ -91,6 +91,7 @@ struct DecodeState {
   int32_t n_layers = 0;    // from the compute actor's model (stream plans)
   int32_t kv_dim = 0;
   uint64_t fingerprint = 0;
+  std::vector<int32_t> end_tokens;  // from the compute actor's model: the stop rule's ids
   // A request's phases here: reserved (blocks held, KV not yet arrived) ->
   // admitting (compute writing the KV into them) -> active (decoding) -> gone.
   std::map<RequestId, Reservation> reserved;
@@ -169,7 +170,7 @@ void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, Erro
 // sequence finished.
 bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t token) {
   Sequence& seq = it->second;
-  if (token == gpu::kBosToken) {
+  if (gpu::ends_generation(self->state.end_tokens, token)) {
     finish_sequence(self, it, ErrorCode::none, {}, FinishReason::eos);
     return true;
   }
@@ -540,6 +541,7 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
             self->state.n_layers = model.n_layers;
             self->state.kv_dim = model.n_kv_heads * model.head_dim;
             self->state.fingerprint = model.fingerprint;
+            self->state.end_tokens = model.end_tokens;
             WorkerInfo info;
             info.role = WorkerRole::decode;
             info.host_id = kv::host_identity();

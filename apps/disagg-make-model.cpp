@@ -14,6 +14,7 @@
 #include "gpu/checkpoint.h"
 #include "gpu/model_writer.h"
 #include "gpu/error.h"
+#include "gpu/hf_tokenizer.h"
 #include "gpu/tokenizer.h"
 
 namespace {
@@ -24,10 +25,15 @@ const char* kUsage =
     "usage: disagg-make-model --out DIR [--dim 64] [--hidden 172] [--layers 5] [--heads 8]\n"
     "                         [--kv-heads 4] [--vocab 512] [--seq-len 512] [--seed 42]\n"
     "                         [--format llama2c|gguf] [--type f32|f16|bf16|q8_0|q4_0|q4_k_m]\n"
+    "                         [--hf-tokenizer DIR]\n"
     "Writes DIR/model.bin (random weights from --seed) and DIR/tokenizer.bin\n"
     "(a byte tokenizer with the same vocabulary), creating DIR; with --format gguf\n"
     "DIR/model.gguf instead: the same weights, the vocabulary inside, the matrices in\n"
-    "--type (default f32), written a row at a time (any size fits in memory).\n";
+    "--type (default f32), written a row at a time (any size fits in memory).\n"
+    "--hf-tokenizer DIR (with --format gguf): the vocabulary of DIR/tokenizer.json and\n"
+    "DIR/tokenizer_config.json (a Hugging Face byte-level BPE: Llama 3, Qwen) instead,\n"
+    "padded to --vocab rows, with its special tokens and chat template: a file laid\n"
+    "out like a real model of that family, with random weights.\n";
 
 struct Options {
   std::string out_dir;
@@ -36,6 +42,7 @@ struct Options {
   bool gguf = false;
   disagg::gpu::FileType type = disagg::gpu::FileType::f32;
   bool type_named = false;
+  std::string hf_tokenizer;  // a directory with tokenizer.json, or empty
 };
 
 Options parse_args(int argc, char** argv) {
@@ -60,6 +67,8 @@ Options parse_args(int argc, char** argv) {
       if (!type) throw UsageError{std::string("--type must be one of ") + disagg::gpu::file_type_names()};
       o.type = *type;
       o.type_named = true;
+    } else if (flag == "--hf-tokenizer") {
+      o.hf_tokenizer = value;
     } else if (flag == "--seed") {
       o.seed = static_cast<unsigned long long>(parse_integer(flag, value, 0, LLONG_MAX));
     } else if (auto it = dims.find(flag); it != dims.end()) {
@@ -71,6 +80,7 @@ Options parse_args(int argc, char** argv) {
   if (o.out_dir.empty()) throw UsageError{"--out DIR is required"};
   if (o.type_named && !o.gguf && o.type != disagg::gpu::FileType::f32)
     throw UsageError{"--type needs --format gguf (a llama2.c checkpoint is f32)"};
+  if (!o.hf_tokenizer.empty() && !o.gguf) throw UsageError{"--hf-tokenizer needs --format gguf"};
   if (std::string problem = disagg::gpu::validate(o.config); !problem.empty()) throw UsageError{problem};
   // Checked here so that a bad vocabulary leaves no model without its tokenizer.
   if (o.config.vocab_size < 259)
@@ -84,8 +94,14 @@ int run(const Options& options) {
   fs::create_directories(options.out_dir);
   if (options.gguf) {
     const std::string model = (fs::path(options.out_dir) / "model.gguf").string();
+    const fs::path hf(options.hf_tokenizer);
+    const fs::path hf_config = hf / "tokenizer_config.json";
     disagg::gpu::write_gguf(*disagg::gpu::random_weights(options.config, options.seed),
-                            disagg::gpu::byte_vocabulary(options.config.vocab_size),
+                            options.hf_tokenizer.empty()
+                                ? disagg::gpu::byte_vocabulary(options.config.vocab_size)
+                                : disagg::gpu::read_hf_tokenizer((hf / "tokenizer.json").string(),
+                                                                 fs::exists(hf_config) ? hf_config.string() : "",
+                                                                 options.config.vocab_size),
                             fs::path(options.out_dir).filename().string(), model, options.type);
     std::cout << model << "\n";
     return 0;

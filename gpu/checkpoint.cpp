@@ -20,6 +20,7 @@
 #include <xxh_x86dispatch.h>  // Debian's libxxhash picks AVX2/AVX-512 at run time: ~2x SSE2
 #endif
 
+#include "gpu/byte_bpe.h"
 #include "gpu/error.h"
 #include "gpu/fixed_math.h"
 #include "gpu/gguf.h"
@@ -88,6 +89,79 @@ std::string shape_text(const std::vector<int64_t>& dims) {
 
 // A GGUF file of the llama architecture (tensor names and shapes as
 // llama.cpp writes them; dims[0] is a matrix's row length).
+namespace {
+
+// A token id the metadata names, checked against the vocabulary.
+int token_id(const gguf::File& f, const std::string& path, const std::string& key, int vocab_size) {
+  const uint64_t id = f.uint(key);
+  if (id >= uint64_t(vocab_size))
+    throw Error(path + ": metadata " + key + " = " + std::to_string(id) + " is outside the vocabulary of " +
+                std::to_string(vocab_size));
+  return int(id);
+}
+
+bool flag(const gguf::File& f, const std::string& path, const std::string& key, bool fallback) {
+  const gguf::Value* v = f.find(key);
+  if (!v) return fallback;
+  if (v->type != gguf::ValueType::boolean) throw Error(path + ": metadata " + key + " must be a bool");
+  return v->u != 0;
+}
+
+// The vocabulary of `tokenizer.ggml.*`: the `llama` (SentencePiece) and
+// `gpt2` (byte-level BPE) models, one piece per row of token_embd.
+Vocabulary read_vocabulary(const gguf::File& f, const std::string& path, int vocab_size) {
+  const std::string& model = f.string("tokenizer.ggml.model");
+  Vocabulary v;
+  if (model == "llama") v.model = TokenizerModel::sentencepiece;
+  else if (model == "gpt2") v.model = TokenizerModel::byte_bpe;
+  else throw Error(path + ": tokenizer.ggml.model \"" + model + "\" is not supported (llama: SentencePiece, gpt2: byte-level BPE)");
+  const auto& tokens = f.array("tokenizer.ggml.tokens", gguf::ValueType::string).array;
+  if (tokens.size() != size_t(vocab_size))
+    throw Error(path + ": the vocabulary has " + std::to_string(tokens.size()) + " tokens; token_embd.weight has " +
+                std::to_string(vocab_size) + " rows");
+  v.pieces.reserve(tokens.size());
+  if (f.find("tokenizer.ggml.token_type")) {
+    const auto& types = f.array("tokenizer.ggml.token_type", gguf::ValueType::i32).array;
+    if (types.size() != tokens.size())
+      throw Error(path + ": " + std::to_string(types.size()) + " token types for " + std::to_string(tokens.size()) + " tokens");
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (types[i].i < 1 || types[i].i > 6)
+        throw Error(path + ": token " + std::to_string(i) + " has type " + std::to_string(types[i].i) + " (GGUF's are 1..6)");
+      v.types.push_back(TokenType(types[i].i));
+    }
+  }
+  if (v.model == TokenizerModel::sentencepiece) {
+    const auto& scores = f.array("tokenizer.ggml.scores", gguf::ValueType::f32).array;
+    if (scores.size() != tokens.size())
+      throw Error(path + ": " + std::to_string(scores.size()) + " scores for " + std::to_string(tokens.size()) + " tokens");
+    for (const auto& t : tokens) v.pieces.push_back(llama2c_spelling(t.s));
+    for (const auto& s : scores) v.scores.push_back(float(s.f));
+  } else {
+    for (const auto& t : tokens) v.pieces.push_back(t.s);
+    for (const auto& m : f.array("tokenizer.ggml.merges", gguf::ValueType::string).array) v.merges.push_back(m.s);
+    v.pre = f.find("tokenizer.ggml.pre") ? f.string("tokenizer.ggml.pre") : "default";
+    try {
+      pre_tokenizer(v.pre);  // an unknown one is an error at start, naming it
+    } catch (const Error& e) {
+      throw Error(path + ": " + e.what());
+    }
+  }
+  // llama.cpp's defaults: SentencePiece has BOS 1 and adds it; byte-level BPE
+  // has none unless the file names one (Llama 3 adds it, Qwen does not).
+  v.bos = f.find("tokenizer.ggml.bos_token_id") ? token_id(f, path, "tokenizer.ggml.bos_token_id", vocab_size)
+          : v.model == TokenizerModel::sentencepiece ? kBosToken : -1;
+  v.eos = f.find("tokenizer.ggml.eos_token_id") ? token_id(f, path, "tokenizer.ggml.eos_token_id", vocab_size)
+          : v.model == TokenizerModel::sentencepiece ? 2 : -1;
+  if (f.find("tokenizer.chat_template")) v.chat_template = f.string("tokenizer.chat_template");
+  v.add_bos = flag(f, path, "tokenizer.ggml.add_bos_token", v.model == TokenizerModel::sentencepiece) && v.bos >= 0;
+  if (v.model == TokenizerModel::sentencepiece && v.bos != kBosToken)
+    throw Error(path + ": metadata tokenizer.ggml.bos_token_id = " + std::to_string(v.bos) +
+                " (a SentencePiece vocabulary has BOS 1 here so far)");
+  return v;
+}
+
+}  // namespace
+
 void Checkpoint::load_gguf(size_t file_size) {
   const auto* bytes = static_cast<const uint8_t*>(mapping_);
   const gguf::File f = gguf::File::parse(bytes, file_size, path_);
@@ -155,26 +229,11 @@ void Checkpoint::load_gguf(size_t file_size) {
   if (c.shared_classifier) w.wcls = w.token_embedding;
 
   if (f.find("tokenizer.ggml.model")) {
-    const std::string& model = f.string("tokenizer.ggml.model");
-    if (model != "llama")
-      throw Error(path_ + ": tokenizer.ggml.model " + model + " is not supported yet (llama, SentencePiece, is)");
-    const auto& tokens = f.array("tokenizer.ggml.tokens", gguf::ValueType::string).array;
-    const auto& scores = f.array("tokenizer.ggml.scores", gguf::ValueType::f32).array;
-    if (tokens.size() != size_t(c.vocab_size) || scores.size() != tokens.size())
-      throw Error(path_ + ": the vocabulary has " + std::to_string(tokens.size()) + " tokens and " +
-                  std::to_string(scores.size()) + " scores; token_embd.weight has " + std::to_string(c.vocab_size) + " rows");
-    // The llama2.c ids the engine and the API use (kBosToken, http's kEosToken).
-    for (const auto& [key, want] : {std::pair<const char*, uint64_t>{"tokenizer.ggml.bos_token_id", 1},
-                                    {"tokenizer.ggml.eos_token_id", 2}}) {
-      if (f.find(key) && f.uint(key) != want)
-        throw Error(path_ + ": metadata " + key + " = " + std::to_string(f.uint(key)) + " (only " +
-                    std::to_string(want) + " is supported so far)");
-    }
-    Vocabulary v;
-    v.pieces.reserve(tokens.size());
-    for (const auto& t : tokens) v.pieces.push_back(llama2c_spelling(t.s));
-    for (const auto& s : scores) v.scores.push_back(float(s.f));
-    vocabulary_ = std::move(v);
+    vocabulary_ = read_vocabulary(f, path_, c.vocab_size);
+    std::vector<int> named;
+    for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"})
+      if (f.find(key)) named.push_back(token_id(f, path_, key, c.vocab_size));
+    c.end_tokens = end_tokens_of(*vocabulary_, named);
   }
   name_ = f.find("general.name") ? f.string("general.name") : stem_of(path_);
 }

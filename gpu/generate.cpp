@@ -33,7 +33,7 @@ int positions_needed(const Engine& engine, const std::vector<int>& prompt, int m
 }
 
 // Samples token 0 from `logits` (after the prompt), then feeds each emitted
-// token at the next position until BOS, max_new_tokens or seq_len.
+// token at the next position until an end token, max_new_tokens or seq_len.
 GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, int prompt_len,
                            std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling) {
   const ModelConfig& c = engine.config();
@@ -44,7 +44,7 @@ GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>&
   while (int(result.tokens.size()) < limit) {
     const int step = int(result.tokens.size());
     const int next = sample_token(logits.data(), c.vocab_size, sampling, uint64_t(step));
-    if (next == kBosToken) {
+    if (ends_generation(c.end_tokens, next)) {
       result.finish = FinishReason::eos;
       break;
     }

@@ -11,7 +11,7 @@ namespace disagg::gpu {
 enum class FinishReason { eos, length };
 
 struct GenerateResult {
-  std::vector<int> tokens;  // generated, prompt excluded, stopping before an emitted BOS
+  std::vector<int> tokens;  // generated, prompt excluded, stopping before an end token (ModelConfig::end_tokens)
   FinishReason finish = FinishReason::length;
 };
 
@@ -20,7 +20,7 @@ struct GenerateResult {
 // pool reserves this many for a request, colocated or disaggregated.
 int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len);
 
-// Stops before an emitted BOS, after max_new_tokens, or when the sequence
+// Stops before an end token (gpu::ends_generation), after max_new_tokens, or when the sequence
 // reaches the model's seq_len. Throws Error on an empty prompt or a bad token id.
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                         const SamplingParams& sampling);

@@ -163,8 +163,11 @@ std::unique_ptr<WeightSource> random_weights(const ModelConfig& config, uint64_t
 void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const std::string& name,
                 const std::string& path, FileType type) {
   const ModelConfig& c = weights.config();
-  if (int(vocabulary.pieces.size()) != c.vocab_size || vocabulary.scores.size() != vocabulary.pieces.size())
-    throw Error(path + ": a vocabulary of " + std::to_string(vocabulary.pieces.size()) + " pieces for a model of " +
+  const Vocabulary& v = vocabulary;
+  const bool spm = v.model == TokenizerModel::sentencepiece;
+  if (int(v.pieces.size()) != c.vocab_size || (spm && v.scores.size() != v.pieces.size()) ||
+      (!v.types.empty() && v.types.size() != v.pieces.size()))
+    throw Error(path + ": a vocabulary of " + std::to_string(v.pieces.size()) + " pieces for a model of " +
                 std::to_string(c.vocab_size));
   gguf::Writer w;
   w.add("general.architecture", gguf::Writer::str("llama"));
@@ -179,20 +182,25 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
   w.add("llama.rope.dimension_count", gguf::Writer::u32(uint32_t(c.head_size())));
   w.add("llama.rope.freq_base", gguf::Writer::f32(c.rope_theta));
   w.add("llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(fixed::kRmsEpsilon));
-  // SentencePiece's conventions: U+2581 for spaces; types 2 unknown, 3 control, 6 byte, 1 normal.
   std::vector<std::string> tokens;
   std::vector<int32_t> types;
-  for (size_t i = 0; i < vocabulary.pieces.size(); ++i) {
-    tokens.push_back(sentencepiece_spelling(vocabulary.pieces[i]));
-    types.push_back(i == 0 ? 2 : i < 3 ? 3 : i < 3 + 256 ? 6 : 1);
+  for (size_t i = 0; i < v.pieces.size(); ++i) {
+    // SentencePiece's spelling has U+2581 for spaces; a llama2.c vocabulary
+    // has no types: 2 unknown, 3 control, 6 byte, 1 normal by position.
+    tokens.push_back(spm ? sentencepiece_spelling(v.pieces[i]) : v.pieces[i]);
+    types.push_back(!v.types.empty() ? int32_t(v.types[i]) : i == 0 ? 2 : i < 3 ? 3 : i < 3 + 256 ? 6 : 1);
   }
-  w.add("tokenizer.ggml.model", gguf::Writer::str("llama"));
+  w.add("tokenizer.ggml.model", gguf::Writer::str(spm ? "llama" : "gpt2"));
+  if (!spm) w.add("tokenizer.ggml.pre", gguf::Writer::str(v.pre));
   w.add("tokenizer.ggml.tokens", gguf::Writer::strings(std::move(tokens)));
-  w.add("tokenizer.ggml.scores", gguf::Writer::f32s(vocabulary.scores));
+  if (spm) w.add("tokenizer.ggml.scores", gguf::Writer::f32s(v.scores));
   w.add("tokenizer.ggml.token_type", gguf::Writer::i32s(types));
-  w.add("tokenizer.ggml.bos_token_id", gguf::Writer::u32(uint32_t(kBosToken)));
-  w.add("tokenizer.ggml.eos_token_id", gguf::Writer::u32(2));
-  w.add("tokenizer.ggml.unknown_token_id", gguf::Writer::u32(0));
+  if (!spm) w.add("tokenizer.ggml.merges", gguf::Writer::strings(v.merges));
+  if (v.bos >= 0) w.add("tokenizer.ggml.bos_token_id", gguf::Writer::u32(uint32_t(v.bos)));
+  if (v.eos >= 0) w.add("tokenizer.ggml.eos_token_id", gguf::Writer::u32(uint32_t(v.eos)));
+  if (spm) w.add("tokenizer.ggml.unknown_token_id", gguf::Writer::u32(0));
+  w.add("tokenizer.ggml.add_bos_token", gguf::Writer::boolean(v.add_bos));
+  if (!v.chat_template.empty()) w.add("tokenizer.chat_template", gguf::Writer::str(v.chat_template));
 
   // Each tensor in its type, converted a row at a time (no copy of the whole).
   for_each_tensor(c, [&](Tensor t, int layer) {

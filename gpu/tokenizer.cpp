@@ -8,8 +8,11 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <unordered_map>
 
+#include "gpu/byte_bpe.h"
 #include "gpu/error.h"
+#include "gpu/merge_queue.h"
 
 namespace disagg::gpu {
 namespace {
@@ -111,39 +114,113 @@ Tokenizer Tokenizer::load(const std::string& path, int expected_vocab) {
   return from_vocabulary(std::move(v), path);
 }
 
-Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary, const std::string& path) {
-  Tokenizer t;
-  if (vocabulary.scores.size() != vocabulary.pieces.size())
-    throw Error(path + ": " + std::to_string(vocabulary.pieces.size()) + " pieces but " +
-                std::to_string(vocabulary.scores.size()) + " scores");
-  t.pieces_ = std::move(vocabulary.pieces);
-  t.scores_ = std::move(vocabulary.scores);
-  if (t.vocab_size() < kMinVocab)
-    throw Error(path + ": tokenizer has " + std::to_string(t.vocab_size()) +
-                " pieces; byte fallback needs at least " + std::to_string(kMinVocab));
-  for (int b = 0; b < 256; ++b)
-    if (byte_piece_value(t.pieces_[b + kByteTokenOffset]) != b)
-      throw Error(path + ": piece " + std::to_string(b + kByteTokenOffset) + " should be the byte piece for " +
-                  std::to_string(b));
+namespace {
 
-  t.lookup_.reserve(t.pieces_.size());
-  for (int i = 0; i < t.vocab_size(); ++i) t.lookup_.emplace(t.pieces_[i], i);  // first id wins on duplicates
+// A byte trie of the tokens recognised whole in text (control and added
+// tokens): at each position the longest one that starts there, as Hugging
+// Face's added-token split and llama.cpp's special-token parse find them.
+class SpecialTokens {
+ public:
+  void add(const std::string& text, int id) {
+    if (text.empty()) return;
+    int node = 0;
+    for (unsigned char c : text) {
+      auto& kids = nodes_[size_t(node)].children;
+      auto it = std::lower_bound(kids.begin(), kids.end(), c, [](const auto& k, unsigned char v) { return k.first < v; });
+      if (it == kids.end() || it->first != c) {
+        it = kids.insert(it, {c, int(nodes_.size())});
+        const int child = it->second;
+        nodes_.emplace_back();
+        node = child;
+      } else {
+        node = it->second;
+      }
+    }
+    if (nodes_[size_t(node)].id < 0) nodes_[size_t(node)].id = id;  // first id wins
+  }
+  bool empty() const { return nodes_.size() == 1; }
+  // (id, length) of the longest token at text[at...], or id -1.
+  std::pair<int, size_t> longest_at(const std::string& text, size_t at) const {
+    std::pair<int, size_t> best{-1, 0};
+    int node = 0;
+    for (size_t i = at; i < text.size(); ++i) {
+      const auto& kids = nodes_[size_t(node)].children;
+      const auto c = static_cast<unsigned char>(text[i]);
+      auto it = std::lower_bound(kids.begin(), kids.end(), c, [](const auto& k, unsigned char v) { return k.first < v; });
+      if (it == kids.end() || it->first != c) break;
+      node = it->second;
+      if (nodes_[size_t(node)].id >= 0) best = {nodes_[size_t(node)].id, i + 1 - at};
+    }
+    return best;
+  }
+
+ private:
+  struct Node {
+    std::vector<std::pair<unsigned char, int>> children;  // sorted by byte
+    int id = -1;
+  };
+  std::vector<Node> nodes_{1};
+};
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  Vocabulary v;
+  std::unordered_map<std::string, int> lookup;  // sentencepiece: piece -> id
+  SpecialTokens special;
+  std::unique_ptr<ByteBpe> bpe;
+
+  TokenType type(int id) const { return v.types.empty() ? TokenType::normal : v.types[size_t(id)]; }
+  void encode_sentencepiece(const std::string& text, bool at_start, std::vector<int>& out) const;
+};
+
+Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary, const std::string& path) {
+  auto impl = std::make_shared<Impl>();
+  Vocabulary& v = impl->v;
+  v = std::move(vocabulary);
+  const int n = int(v.pieces.size());
+  if (!v.types.empty() && v.types.size() != v.pieces.size())
+    throw Error(path + ": " + std::to_string(n) + " pieces but " + std::to_string(v.types.size()) + " token types");
+  for (int id : {v.bos, v.eos})
+    if (id < -1 || id >= n) throw Error(path + ": special token id " + std::to_string(id) + " is not in the vocabulary");
+  if (v.add_bos && v.bos < 0) throw Error(path + ": the vocabulary adds BOS but has none");
+  if (v.model == TokenizerModel::sentencepiece) {
+    if (v.scores.size() != v.pieces.size())
+      throw Error(path + ": " + std::to_string(n) + " pieces but " + std::to_string(v.scores.size()) + " scores");
+    if (n < kMinVocab)
+      throw Error(path + ": tokenizer has " + std::to_string(n) + " pieces; byte fallback needs at least " +
+                  std::to_string(kMinVocab));
+    for (int b = 0; b < 256; ++b)
+      if (byte_piece_value(v.pieces[size_t(b + kByteTokenOffset)]) != b)
+        throw Error(path + ": piece " + std::to_string(b + kByteTokenOffset) + " should be the byte piece for " +
+                    std::to_string(b));
+    impl->lookup.reserve(v.pieces.size());
+    for (int i = 0; i < n; ++i) impl->lookup.emplace(v.pieces[size_t(i)], i);  // first id wins on duplicates
+  } else {
+    impl->bpe = std::make_unique<ByteBpe>(v.pieces, v.merges, pre_tokenizer(v.pre), path);
+  }
+  for (int i = 0; i < n; ++i)
+    if (impl->type(i) == TokenType::control || impl->type(i) == TokenType::user_defined)
+      impl->special.add(v.pieces[size_t(i)], i);
+  Tokenizer t;
+  t.impl_ = std::move(impl);
   return t;
 }
 
-std::vector<int> Tokenizer::encode(const std::string& text) const {
-  std::vector<int> tokens{kBosToken};
+int Tokenizer::vocab_size() const { return int(impl_->v.pieces.size()); }
+const Vocabulary& Tokenizer::vocabulary() const { return impl_->v; }
+
+void Tokenizer::Impl::encode_sentencepiece(const std::string& text, bool at_start, std::vector<int>& tokens) const {
+  const size_t first = tokens.size();
   auto emit = [&](const std::string& s) {
-    if (auto it = lookup_.find(s); it != lookup_.end()) {
+    if (auto it = lookup.find(s); it != lookup.end()) {
       tokens.push_back(it->second);
     } else {
       for (unsigned char b : s) tokens.push_back(int(b) + kByteTokenOffset);
     }
   };
-
   // SentencePiece's "dummy prefix": words at the start look like words after a space.
-  if (!text.empty()) emit(" ");
-
+  if (at_start && !text.empty()) emit(" ");
   // One UTF-8 code point at a time (at most 4 bytes, as llama2.c does).
   for (size_t i = 0; i < text.size();) {
     size_t n = 1;
@@ -151,37 +228,60 @@ std::vector<int> Tokenizer::encode(const std::string& text) const {
     emit(text.substr(i, n));
     i += n;
   }
-
-  // Merge the adjacent pair with the highest-scoring merged piece (leftmost on
-  // ties) until no adjacent pair forms a piece. Quadratic, like llama2.c; prompts are short.
+  // Merge the adjacent pair with the highest-scoring merged piece, leftmost
+  // on ties, until no adjacent pair forms a piece (llama2.c's rule).
+  std::vector<int> ids(tokens.begin() + long(first), tokens.end());
   std::string merged;
-  for (;;) {
-    float best_score = 0.0f;
-    int best_id = -1;
-    size_t best_index = 0;
-    for (size_t i = 1; i + 1 < tokens.size(); ++i) {  // tokens[0] is BOS: never merged
-      merged = pieces_[tokens[i]];
-      merged += pieces_[tokens[i + 1]];
-      auto it = lookup_.find(merged);
-      if (it != lookup_.end() && (best_id < 0 || scores_[it->second] > best_score)) {
-        best_score = scores_[it->second];
-        best_id = it->second;
-        best_index = i;
+  merge_greedily(ids, [&](int left, int right) -> std::optional<Merge> {
+    merged = v.pieces[size_t(left)];
+    merged += v.pieces[size_t(right)];
+    auto it = lookup.find(merged);
+    if (it == lookup.end()) return std::nullopt;
+    return Merge{-double(v.scores[size_t(it->second)]), it->second};
+  });
+  tokens.resize(first);
+  tokens.insert(tokens.end(), ids.begin(), ids.end());
+}
+
+std::vector<int> Tokenizer::encode(const std::string& text, bool add_bos) const {
+  const Impl& m = *impl_;
+  std::vector<int> tokens;
+  if (add_bos && m.v.add_bos) tokens.push_back(m.v.bos);
+  auto plain = [&](size_t from, size_t to) {
+    if (to <= from) return;
+    const std::string part = text.substr(from, to - from);
+    if (m.bpe) m.bpe->encode(part, tokens);
+    else m.encode_sentencepiece(part, from == 0, tokens);
+  };
+  size_t start = 0;  // of the plain text not yet encoded
+  if (!m.special.empty()) {
+    for (size_t i = 0; i < text.size();) {
+      const auto [id, length] = m.special.longest_at(text, i);
+      if (id < 0) {
+        ++i;
+        continue;
       }
+      plain(start, i);
+      tokens.push_back(id);
+      i += length;
+      start = i;
     }
-    if (best_id < 0) break;
-    tokens[best_index] = best_id;
-    tokens.erase(tokens.begin() + long(best_index) + 1);
   }
+  plain(start, text.size());
   return tokens;
 }
 
 std::string Tokenizer::decode(int previous, int token) const {
   if (token < 0 || token >= vocab_size())
     throw Error("token id " + std::to_string(token) + " is out of range [0, " + std::to_string(vocab_size()) + ")");
-  const std::string& piece = pieces_[token];
+  const Impl& m = *impl_;
+  const std::string& piece = m.v.pieces[size_t(token)];
+  const TokenType type = m.type(token);
+  if (type == TokenType::control) return {};
+  if (type == TokenType::user_defined) return piece;
+  if (m.bpe) return byte_level_bytes(piece);
   if (const int byte = byte_piece_value(piece); byte >= 0) return std::string(1, char(byte));
-  if (previous == kBosToken && !piece.empty() && piece[0] == ' ') return piece.substr(1);
+  if (previous == m.v.bos && !piece.empty() && piece[0] == ' ') return piece.substr(1);
   return piece;
 }
 
@@ -192,6 +292,23 @@ std::string Tokenizer::decode_all(int previous, const std::vector<int>& tokens) 
     previous = token;
   }
   return text;
+}
+
+std::vector<int> end_tokens_of(const Vocabulary& v, const std::vector<int>& named) {
+  static const char* const kEndOfTurn[] = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>",
+                                           "<|end|>",    "<end_of_turn>"};
+  std::vector<int> ends;
+  auto add = [&](int id) {
+    if (id >= 0 && id < int(v.pieces.size()) && !ends_generation(ends, id)) ends.push_back(id);
+  };
+  for (int id : named) add(id);
+  for (size_t i = 0; i < v.types.size(); ++i)
+    if (v.types[i] == TokenType::control)
+      for (const char* name : kEndOfTurn)
+        if (v.pieces[i] == name) add(int(i));
+  if (v.model == TokenizerModel::sentencepiece) add(v.bos);
+  std::sort(ends.begin(), ends.end());
+  return ends;
 }
 
 // ---------------------------------------------------------------- synthetic tokenizer
@@ -254,7 +371,10 @@ Vocabulary byte_vocabulary(int vocab_size) {
     pieces.push_back(std::move(piece));
     scores.push_back(-float(rank++));
   }
-  return {std::move(pieces), std::move(scores)};
+  Vocabulary v;
+  v.pieces = std::move(pieces);
+  v.scores = std::move(scores);
+  return v;
 }
 
 void write_byte_tokenizer(const std::string& path, int vocab_size) {

@@ -1,25 +1,53 @@
-// The llama2.c tokenizer: byte-fallback BPE with score-ordered merges, from a
-// llama2.c tokenizer file or a GGUF vocabulary of the SentencePiece kind.
+// Tokenizers: llama2.c's (byte-fallback BPE with score-ordered merges: a
+// llama2.c tokenizer file, a GGUF `llama` vocabulary) and byte-level BPE (a
+// GGUF `gpt2` vocabulary, a Hugging Face tokenizer.json), behind one class.
 #pragma once
+#include <cstdint>
+#include <memory>
 #include <string>
-#include <unordered_map>
 #include <vector>
+
+#include "gpu/model_config.h"
 
 namespace disagg::gpu {
 
-constexpr int kBosToken = 1;  // <s>; generation stops before an emitted BOS
+// A model's vocabulary, as a model file carries it (GGUF `tokenizer.ggml.*`,
+// a Hugging Face tokenizer.json) or a llama2.c tokenizer file.
+enum class TokenizerModel {
+  sentencepiece,  // llama.cpp's `llama`: score-ordered merges, <0xHH> byte fallback (Llama 2, TinyLlama, llama2.c)
+  byte_bpe,       // llama.cpp's `gpt2`: byte-level BPE with merge ranks (Llama 3, Qwen2, Qwen3): gpu/byte_bpe.h
+};
 
-// A SentencePiece-style vocabulary in llama2.c's convention: spaces as ' '
-// (not U+2581), <0xHH> byte pieces at ids 3..258.
+// GGUF's token types (llama.cpp's llama_token_type).
+enum class TokenType : int32_t { normal = 1, unknown = 2, control = 3, user_defined = 4, unused = 5, byte = 6 };
+
 struct Vocabulary {
+  TokenizerModel model = TokenizerModel::sentencepiece;
+  // sentencepiece: llama2.c's spelling (spaces as ' ', not U+2581; <0xHH>
+  // byte pieces at ids 3..258); byte_bpe: GPT-2's byte-level spelling, added
+  // tokens as their text.
   std::vector<std::string> pieces;
-  std::vector<float> scores;
+  std::vector<float> scores;        // sentencepiece: merge priority; byte_bpe: empty
+  std::vector<TokenType> types;     // one per piece; empty: all normal (a llama2.c tokenizer file)
+  std::vector<std::string> merges;  // byte_bpe: "left right", lowest rank first
+  std::string pre;                  // byte_bpe: the pre-tokenizer (tokenizer.ggml.pre)
+  int bos = kBosToken;              // the beginning-of-sequence id, -1 for none
+  bool add_bos = true;              // encode() puts BOS first
+  int eos = 2;                      // the end-of-sequence id, -1 for none
+  std::string chat_template;        // the file's Jinja chat template (tokenizer.chat_template), or empty
 };
 
 // A piece as a GGUF `llama` vocabulary spells it (SentencePiece's word
 // boundary U+2581 for each ' '), and back.
 std::string sentencepiece_spelling(const std::string& piece);
 std::string llama2c_spelling(const std::string& sentencepiece_piece);
+
+// The ids that end a generation (ModelConfig::end_tokens) for a vocabulary whose file names `named`
+// (eos, eot, eom ids, -1 for absent): those, the control tokens that are a
+// family's end of turn (<|eot_id|>, <|eom_id|>, <|im_end|>, <|endoftext|>,
+// <|end|>, <end_of_turn>), and for a SentencePiece vocabulary BOS as well
+// (llama2.c's rule: a new document ends this one).
+std::vector<int> end_tokens_of(const Vocabulary& vocabulary, const std::vector<int>& named);
 
 class Tokenizer {
  public:
@@ -29,23 +57,30 @@ class Tokenizer {
   // From a vocabulary (a model file's); `source` names it in errors.
   static Tokenizer from_vocabulary(Vocabulary vocabulary, const std::string& source);
 
-  int vocab_size() const { return static_cast<int>(pieces_.size()); }
-  Vocabulary vocabulary() const { return {pieces_, scores_}; }
+  int vocab_size() const;
+  const Vocabulary& vocabulary() const;
 
-  // BOS first, a leading space prepended to non-empty text, UTF-8 code points
-  // looked up whole else byte pieces, then highest-score merges.
-  std::vector<int> encode(const std::string& text) const;
+  // BOS first when the vocabulary says so, then the text's ids: control and
+  // added tokens written in the text are recognised whole (a vocabulary with
+  // token types only: not a llama2.c tokenizer file); the rest by the model:
+  // SentencePiece prepends a space to text at the start, looks up UTF-8 code
+  // points whole else as byte pieces, then merges highest score first;
+  // byte-level BPE as gpu/byte_bpe.h says. Linear up to a log factor.
+  // `add_bos` false: no BOS whatever the vocabulary says (a chat template
+  // writes its own).
+  std::vector<int> encode(const std::string& text, bool add_bos = true) const;
 
-  // Text of `token` when it follows `previous` (drops the leading space of the
-  // first piece after BOS; <0xHH> pieces are raw bytes). Throws on a bad id.
+  // Text of `token` when it follows `previous` (SentencePiece drops the
+  // leading space of the first piece after BOS; <0xHH> pieces and byte-level
+  // pieces are raw bytes, so a character may span tokens). Control tokens
+  // have no text (skip_special_tokens). Throws on a bad id.
   std::string decode(int previous, int token) const;
   // Text of a continuation: tokens that follow `previous`.
   std::string decode_all(int previous, const std::vector<int>& tokens) const;
 
  private:
-  std::vector<std::string> pieces_;
-  std::vector<float> scores_;
-  std::unordered_map<std::string, int> lookup_;
+  struct Impl;
+  std::shared_ptr<const Impl> impl_;
 };
 
 // A vocabulary of `vocab_size` pieces (>= 259): <unk>, <s>, </s>, the 256

@@ -22,6 +22,7 @@ struct ModelInfo {
   int32_t n_kv_heads = 0;
   int32_t head_dim = 0;
   std::string backend;  // "cpu" or "cuda:<device>"
+  std::vector<int32_t> end_tokens;  // gpu::ModelConfig::end_tokens: the ids that end a generation
 };
 
 // Sent with the worker's typed handle in (register_atom, WorkerInfo, handle).
@@ -92,7 +93,7 @@ struct RouterStatus {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, ModelInfo& x) {
   return f(caf::meta::type_name("ModelInfo"), x.fingerprint, x.vocab_size, x.seq_len, x.n_layers,
-           x.n_kv_heads, x.head_dim, x.backend);
+           x.n_kv_heads, x.head_dim, x.backend, x.end_tokens);
 }
 
 template <class Inspector>

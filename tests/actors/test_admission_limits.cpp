@@ -1,6 +1,6 @@
 // Input that would cost the cluster too much, or break it, is refused up
 // front with invalid_request and a message naming the limit: a text prompt
-// longer than max-prompt-bytes (encoding is quadratic, on the router's
+// longer than max-prompt-bytes (encoding runs on the router's
 // thread), a deadline beyond kMaxDeadlineMs, a KV transfer whose first token
 // is outside the vocabulary. The node keeps serving afterwards.
 #include <gtest/gtest.h>

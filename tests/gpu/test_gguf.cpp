@@ -11,6 +11,7 @@
 #include <functional>
 #include <random>
 
+#include "gpu/byte_bpe.h"
 #include "gpu/checkpoint.h"
 #include "gpu/error.h"
 #include "gpu/gguf.h"
@@ -332,6 +333,19 @@ struct ModelFile {
   }
 };
 
+// A byte-level BPE vocabulary of the model's 300 rows: the 256 byte pieces,
+// one merge ("a" "b" -> "ab"), fillers.
+void byte_level_vocabulary(ModelFile& m) {
+  std::vector<std::string> pieces;
+  for (int b = 0; b < 256; ++b) pieces.push_back(byte_level_spelling(std::string(1, char(b))));
+  pieces.push_back("ab");
+  while (pieces.size() < 300) pieces.push_back("[PAD" + std::to_string(pieces.size()) + "]");
+  m.set("tokenizer.ggml.model", gguf::Writer::str("gpt2"));
+  m.set("tokenizer.ggml.pre", gguf::Writer::str("llama-bpe"));
+  m.set("tokenizer.ggml.tokens", gguf::Writer::strings(pieces));
+  m.set("tokenizer.ggml.merges", gguf::Writer::strings({"a b"}));
+}
+
 std::string open_error(const std::string& path) {
   try {
     Checkpoint::open(path);
@@ -405,9 +419,38 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
          m.set("tokenizer.ggml.model", gguf::Writer::str("llama"));
          m.set("tokenizer.ggml.tokens", gguf::Writer::strings(std::vector<std::string>(299, "a")));
          m.set("tokenizer.ggml.scores", gguf::Writer::f32s(std::vector<float>(299, 0.0f)));
-       }, "the vocabulary has 299 tokens and 299 scores; token_embd.weight has 300 rows"},
-      {"bpe vocabulary", [](ModelFile& m) { m.set("tokenizer.ggml.model", gguf::Writer::str("gpt2")); },
-       "tokenizer.ggml.model gpt2 is not supported yet"},
+       }, "the vocabulary has 299 tokens; token_embd.weight has 300 rows"},
+      {"score count", [](ModelFile& m) {
+         m.set("tokenizer.ggml.model", gguf::Writer::str("llama"));
+         m.set("tokenizer.ggml.tokens", gguf::Writer::strings(std::vector<std::string>(300, "a")));
+         m.set("tokenizer.ggml.scores", gguf::Writer::f32s(std::vector<float>(299, 0.0f)));
+       }, "299 scores for 300 tokens"},
+      {"tokenizer model", [](ModelFile& m) { m.set("tokenizer.ggml.model", gguf::Writer::str("t5")); },
+       "tokenizer.ggml.model \"t5\" is not supported (llama: SentencePiece, gpt2: byte-level BPE)"},
+      {"bpe without merges", [](ModelFile& m) { byte_level_vocabulary(m); m.drop_key("tokenizer.ggml.merges"); },
+       "metadata tokenizer.ggml.merges is missing"},
+      {"unknown pre-tokenizer", [](ModelFile& m) {
+         byte_level_vocabulary(m);
+         m.set("tokenizer.ggml.pre", gguf::Writer::str("klingon"));
+       }, "tokenizer.ggml.pre \"klingon\" is not supported (supported: default, gpt-2, llama-bpe"},
+      {"token types", [](ModelFile& m) {
+         byte_level_vocabulary(m);
+         m.set("tokenizer.ggml.token_type", gguf::Writer::i32s(std::vector<int32_t>(12, 1)));
+       }, "12 token types for 300 tokens"},
+      {"token type value", [](ModelFile& m) {
+         byte_level_vocabulary(m);
+         std::vector<int32_t> types(300, 1);
+         types[7] = 9;
+         m.set("tokenizer.ggml.token_type", gguf::Writer::i32s(types));
+       }, "token 7 has type 9 (GGUF's are 1..6)"},
+      {"eos beyond the vocabulary", [](ModelFile& m) {
+         byte_level_vocabulary(m);
+         m.set("tokenizer.ggml.eos_token_id", gguf::Writer::u32(300));
+       }, "metadata tokenizer.ggml.eos_token_id = 300 is outside the vocabulary of 300"},
+      {"eot beyond the vocabulary", [](ModelFile& m) {
+         byte_level_vocabulary(m);
+         m.set("tokenizer.ggml.eot_token_id", gguf::Writer::u32(1u << 31));
+       }, "metadata tokenizer.ggml.eot_token_id = 2147483648 is outside the vocabulary of 300"},
   };
   int k = 0;
   for (const auto& c : cases) {
