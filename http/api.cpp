@@ -165,53 +165,28 @@ ApiError error_for_outcome(ErrorCode code, const std::string& message) {
   return e;
 }
 
-std::optional<ChatTemplate> parse_chat_template(const std::string& name) {
-  if (name == "llama2") return ChatTemplate::llama2;
-  if (name == "plain") return ChatTemplate::plain;
-  return std::nullopt;
-}
-
 std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer) {
-  struct Message {
-    std::string role, text;
-  };
-  std::vector<Message> list;
+  using gpu::ChatMessage, gpu::ChatPiece;
+  std::vector<ChatMessage> list;
   for (size_t i = 0; i < messages.size(); ++i)
     list.push_back({messages[i]["role"].get<std::string>(), message_text(messages[i]["content"], i)});
-
-  if (tmpl == ChatTemplate::plain) {
-    std::string text;
-    for (const auto& m : list) text += m.role + ": " + m.text + "\n";
-    return as_tokens(tokenizer.encode(text + "assistant:"));
+  std::vector<ChatPiece> pieces;
+  try {
+    pieces = gpu::render_chat_pieces(tmpl, list);
+  } catch (const gpu::ChatTemplateError& e) {
+    throw bad_request("messages", std::string("the ") + gpu::to_string(tmpl) + " chat template: " + e.message);
   }
-  // llama2
-  size_t i = 0;
-  std::string system;
-  if (!list.empty() && list[0].role == "system") {
-    system = "<<SYS>>\n" + list[0].text + "\n<</SYS>>\n\n";
-    ++i;
-  }
+  const gpu::Vocabulary& v = tokenizer.vocabulary();
   std::vector<int32_t> tokens;
-  for (bool first = true; i < list.size(); first = false) {
-    if (list[i].role != "user")
-      throw bad_request("messages", "the llama2 chat template expects user and assistant messages alternating, "
-                                    "starting with user (after an optional first system message); message " +
-                                        std::to_string(i) + " is " + list[i].role);
-    std::string turn = "[INST] " + (first ? system : std::string()) + list[i].text + " [/INST]";
-    ++i;
-    const bool answered = i < list.size();
-    if (answered) {
-      if (list[i].role != "assistant")
-        throw bad_request("messages", "the llama2 chat template expects an assistant message after each user "
-                                      "message; message " + std::to_string(i) + " is " + list[i].role);
-      turn += " " + list[i].text + " ";
-      ++i;
+  for (const ChatPiece& p : pieces) {
+    if (p.kind == ChatPiece::text) {
+      const std::vector<int> ids = tokenizer.encode(p.value, /*add_bos=*/false);  // the template placed BOS
+      tokens.insert(tokens.end(), ids.begin(), ids.end());
+    } else if (const int id = p.kind == ChatPiece::bos ? v.bos : v.eos; id >= 0) {
+      tokens.push_back(id);
     }
-    const auto encoded = tokenizer.encode(turn);  // BOS first
-    tokens.insert(tokens.end(), encoded.begin(), encoded.end());
-    if (answered) tokens.push_back(kEosToken);
   }
-  if (tokens.empty()) throw bad_request("messages", "the messages hold no user message");
+  if (tokens.empty()) throw bad_request("messages", "the messages render to an empty prompt");
   return tokens;
 }
 

@@ -12,15 +12,14 @@
 #include <nlohmann/json.hpp>
 
 #include "gpu/tokenizer.h"
+#include "gpu/chat_template.h"
 #include "messages/request.h"
 
 namespace disagg::http {
 
 using json = nlohmann::json;
+using gpu::ChatTemplate;
 
-// llama2.c's end-of-sequence token (</s>): closes an assistant turn in the
-// Llama-2 chat template.
-constexpr int32_t kEosToken = 2;
 // max_tokens of a completion that sets none (OpenAI's legacy default; vLLM's too).
 constexpr int kDefaultCompletionMaxTokens = 16;
 // The largest sampling temperature accepted (disagg-client's limit too).
@@ -59,17 +58,9 @@ constexpr int kOverloadedRetryAfterS = 1;
 
 enum class Endpoint { completions, chat };
 
-// How chat messages become a prompt (node.chat-template):
-//   llama2 (default): Meta's Llama-2 chat format. An optional first system
-//     message goes into the first user turn as "<<SYS>>\n{system}\n<</SYS>>\n\n";
-//     each turn is BOS "[INST] {user} [/INST]", an answered turn continues
-//     " {assistant} " and ends with EOS. Roles: [system], user, assistant,
-//     user, ... alternating, starting with user.
-//   plain: "{role}: {content}\n" per message, then "assistant:" (one BOS).
-enum class ChatTemplate { llama2, plain };
-std::optional<ChatTemplate> parse_chat_template(const std::string& name);
-// The prompt tokens of `messages` (a validated array of {role, content});
-// throws ApiError (param "messages") when the roles break the template's rules.
+// The prompt tokens of `messages` (a validated array of {role, content}) in
+// the chat template `tmpl` (http/chat_template.h); throws ApiError (param
+// "messages") when the roles break the template's rules.
 std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer);
 
 // What the frontend serves.

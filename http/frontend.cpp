@@ -706,7 +706,26 @@ int run_frontend(caf::actor_system& system, const NodeOptions& node, const Disag
   }
   model.max_prompt_bytes = cfg.max_prompt_bytes;
   model.created = unix_now();
-  const ChatTemplate tmpl = *parse_chat_template(node.chat_template);  // validated with the config
+  // node.chat-template: a built-in by name, or "auto": the one that renders
+  // the model file's template (an unrecognised one is an error here); without
+  // one in the file, llama2 for a SentencePiece vocabulary, plain otherwise.
+  ChatTemplate tmpl = ChatTemplate::plain;
+  std::string tmpl_source = "named by node.chat-template";
+  if (node.chat_template != "auto") {
+    tmpl = *gpu::parse_chat_template(node.chat_template);  // validated with the config
+  } else if (const std::string& jinja = tokenizer->vocabulary().chat_template; !jinja.empty()) {
+    const auto detected = gpu::detect_chat_template(jinja);
+    if (!detected) {
+      node_log(LogLevel::error, cfg.model + ": the model file's chat template is not one the built-ins render (" +
+                                    gpu::chat_template_names() + "): name one with node.chat-template");
+      return 1;
+    }
+    tmpl = *detected;
+    tmpl_source = "the model file's";
+  } else {
+    tmpl = tokenizer->vocabulary().model == gpu::TokenizerModel::sentencepiece ? ChatTemplate::llama2 : ChatTemplate::plain;
+    tmpl_source = "the model file has none";
+  }
 
   auto fe = std::make_unique<Frontend>(system, node, cfg, model, std::move(*tokenizer), tmpl);
   beast::error_code ec;
@@ -730,7 +749,7 @@ int run_frontend(caf::actor_system& system, const NodeOptions& node, const Disag
   std::vector<std::thread> threads;
   for (int i = 0; i < node.http_threads; ++i) threads.emplace_back([&ioc = fe->ioc] { ioc.run(); });
   node_log("frontend serving http://" + where + " (model " + model.name + ", context " +
-           std::to_string(model.seq_len) + ", chat template " + node.chat_template + ")");
+           std::to_string(model.seq_len) + ", chat template " + gpu::to_string(tmpl) + ": " + tmpl_source + ")");
   if (!node.ready_file.empty() && !write_ready_file(node.ready_file, where))
     node_log(LogLevel::error, "cannot write ready file " + node.ready_file);
 

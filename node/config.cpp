@@ -10,6 +10,7 @@
 #include "caf/config_option_adder.hpp"
 #include "caf/io/middleman.hpp"
 #include "caf/settings.hpp"
+#include "gpu/chat_template.h"
 
 namespace disagg {
 
@@ -99,8 +100,9 @@ std::string NodeOptions::validate() const {
   if (http_body_limit <= 0) add_problem(problems, "node.http-body-limit must be > 0");
   if (http_stream_buffer_bytes <= 0) add_problem(problems, "node.http-stream-buffer-bytes must be > 0");
   if (http_threads < 1) add_problem(problems, "node.http-threads must be >= 1");
-  if (chat_template != "llama2" && chat_template != "plain")
-    add_problem(problems, "node.chat-template must be \"llama2\" or \"plain\" (got \"" + chat_template + "\")");
+  if (chat_template != "auto" && !gpu::parse_chat_template(chat_template))
+    add_problem(problems, "node.chat-template must be \"auto\" or one of " + gpu::chat_template_names() + " (got \"" +
+                              chat_template + "\")");
   LogLevel level;
   if (!parse_log_level(log_level, &level))
     add_problem(problems, "node.log-level must be \"error\", \"warning\" or \"info\" (got \"" + log_level + "\")");
@@ -144,7 +146,7 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.http_stream_buffer_bytes, "http-stream-buffer-bytes",
            "frontend: bytes of a stream queued for a client that reads slowly; more: cancelled, closed")
       .add(n.http_threads, "http-threads", "frontend: HTTP I/O threads")
-      .add(n.chat_template, "chat-template", "frontend: llama2 (default) or plain")
+      .add(n.chat_template, "chat-template", "frontend: auto (default: the model file's) or a built-in (gpu/chat_template.h)")
       .add(n.served_model_name, "served-model-name", "frontend: the model's name in the API (default: file name)");
 }
 

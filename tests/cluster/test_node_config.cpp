@@ -101,8 +101,8 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
   expect_fails_fast({"frontend without tokenizer",
                      "[node]\nrole = \"frontend\"\nrouter-port = 4000\n[disagg]\n" + model, {}, 1,
                      "the model file has no vocabulary: name a tokenizer file"});
-  expect_fails_fast({"unknown chat template", "[node]\nrole = \"frontend\"\nrouter-port = 4000\nchat-template = \"chatml\"\n",
-                     {}, 2, "node.chat-template must be \"llama2\" or \"plain\""});
+  expect_fails_fast({"unknown chat template", "[node]\nrole = \"frontend\"\nrouter-port = 4000\nchat-template = \"vicuna\"\n",
+                     {}, 2, "node.chat-template must be \"auto\" or one of llama2, llama3, chatml"});
   expect_fails_fast({"single-quoted value", "[node]\nrole = \"decode\"\nrouter-host = '127.0.0.1'\n", {}, 2,
                      "line 3: node.router-host = '127.0.0.1': single-quoted"});
   expect_fails_fast({"missing model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\n"

@@ -222,7 +222,7 @@ TEST(HttpApi, ChatLlama2Template) {
   const ApiRequest r = parse(Endpoint::chat, R"({"messages":[{"role":"system","content":"Be kind."},
       {"role":"user","content":"Hi"},{"role":"assistant","content":"Hello"},{"role":"user","content":[{"type":"text","text":"More"}]}]})");
   std::vector<int32_t> want = encode("[INST] <<SYS>>\nBe kind.\n<</SYS>>\n\nHi [/INST] Hello ");
-  want.push_back(kEosToken);
+  want.push_back(2);  // </s> of the llama2.c vocabulary
   const auto second = encode("[INST] More [/INST]");
   want.insert(want.end(), second.begin(), second.end());
   EXPECT_EQ(r.prompt_tokens, want);
@@ -240,8 +240,9 @@ TEST(HttpApi, ChatLlama2Template) {
   }
   EXPECT_EQ(error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"max_completion_tokens":0})").param,
             "max_completion_tokens");
-  EXPECT_EQ(parse_chat_template("llama2"), ChatTemplate::llama2);
-  EXPECT_EQ(parse_chat_template("chatml"), std::nullopt);
+  EXPECT_EQ(gpu::parse_chat_template("llama2"), ChatTemplate::llama2);
+  EXPECT_EQ(gpu::parse_chat_template("chatml"), ChatTemplate::chatml);
+  EXPECT_EQ(gpu::parse_chat_template("vicuna"), std::nullopt);
 }
 
 TEST(HttpApi, TextAssemblerEqualsDecodeAllWithoutStops) {

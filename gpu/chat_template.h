@@ -1,0 +1,67 @@
+// Chat templates: a chat request's messages -> the prompt. Built-in renderers
+// of the families' templates, each byte for byte what jinja2 renders from the
+// Jinja template a model file carries (tokenizer.chat_template) for the same
+// messages with add_generation_prompt=True (tests/gpu/test_chat_template.cpp
+// checks that against python3-jinja2). A model file's template is recognised
+// by its content, as llama.cpp's llm_chat_detect_template does; none is
+// interpreted (no Jinja engine here).
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace disagg::gpu {
+
+//   llama2:  Meta's Llama 2 chat: BOS "[INST] {user} [/INST]" per turn, an
+//            answered one " {assistant} " EOS; a first system message goes into
+//            the first turn as "<<SYS>>\n{system}\n<</SYS>>\n\n"; contents stripped.
+//   llama3:  BOS, then "<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
+//            per message (contents trimmed), then the assistant header.
+//   chatml:  "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
+//            "<|im_start|>assistant\n" (Qwen2, many fine-tunes).
+//   qwen3:   ChatML as Qwen3's template writes it: reasoning (<think>...</think>)
+//            dropped from assistant turns before the last user message, tool
+//            messages as <tool_response> in user turns.
+//   mistral: BOS, "[INST] {user} [/INST]" and "{assistant}" EOS; no system role.
+//   gemma:   BOS, "<start_of_turn>{user|model}\n{content}<end_of_turn>\n", then
+//            "<start_of_turn>model\n"; no system role.
+//   plain:   "{role}: {content}\n" per message, then "assistant:" (after BOS as
+//            the vocabulary adds it).
+// Roles must alternate user/assistant (after an optional system message)
+// where the family's template says so.
+enum class ChatTemplate { llama2, llama3, chatml, qwen3, mistral, gemma, plain };
+
+// By name ("llama2", "llama3", "chatml", "qwen3", "mistral", "gemma",
+// "plain"), and back.
+std::optional<ChatTemplate> parse_chat_template(const std::string& name);
+const char* to_string(ChatTemplate tmpl);
+// Every name parse_chat_template accepts, comma-separated (for messages).
+std::string chat_template_names();
+
+// The built-in that renders a model file's Jinja template, or nullopt.
+std::optional<ChatTemplate> detect_chat_template(const std::string& jinja);
+
+struct ChatMessage {
+  std::string role, content;
+};
+
+// One piece of a rendered prompt: text (special tokens written as their text,
+// recognised by the tokenizer) or the vocabulary's BOS/EOS token.
+struct ChatPiece {
+  enum Kind { text, bos, eos } kind = text;
+  std::string value;  // text only
+};
+
+// Throws ChatTemplateError when the messages break the template's rules
+// (as the template's raise_exception would).
+struct ChatTemplateError {
+  std::string message;
+};
+std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& messages);
+
+// The rendered prompt as text, BOS and EOS written as `bos` and `eos`: what
+// jinja2 renders with bos_token / eos_token set to them.
+std::string chat_text(const std::vector<ChatPiece>& pieces, const std::string& bos, const std::string& eos);
+
+}  // namespace disagg::gpu

