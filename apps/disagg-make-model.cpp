@@ -25,7 +25,7 @@ const char* kUsage =
     "usage: disagg-make-model --out DIR [--dim 64] [--hidden 172] [--layers 5] [--heads 8]\n"
     "                         [--kv-heads 4] [--vocab 512] [--seq-len 512] [--seed 42]\n"
     "                         [--format llama2c|gguf] [--type f32|f16|bf16|q8_0|q4_0|q4_k_m]\n"
-    "                         [--hf-tokenizer DIR]\n"
+    "                         [--hf-tokenizer DIR] [--rope-theta 10000] [--rope-freqs llama3]\n"
     "Writes DIR/model.bin (random weights from --seed) and DIR/tokenizer.bin\n"
     "(a byte tokenizer with the same vocabulary), creating DIR; with --format gguf\n"
     "DIR/model.gguf instead: the same weights, the vocabulary inside, the matrices in\n"
@@ -33,7 +33,8 @@ const char* kUsage =
     "--hf-tokenizer DIR (with --format gguf): the vocabulary of DIR/tokenizer.json and\n"
     "DIR/tokenizer_config.json (a Hugging Face byte-level BPE: Llama 3, Qwen) instead,\n"
     "padded to --vocab rows, with its special tokens and chat template: a file laid\n"
-    "out like a real model of that family, with random weights.\n";
+    "out like a real model of that family, with random weights. --rope-freqs llama3\n"
+    "(GGUF): Llama 3.2's RoPE frequency factors (rope_freqs.weight).\n";
 
 struct Options {
   std::string out_dir;
@@ -43,6 +44,7 @@ struct Options {
   disagg::gpu::FileType type = disagg::gpu::FileType::f32;
   bool type_named = false;
   std::string hf_tokenizer;  // a directory with tokenizer.json, or empty
+  bool rope_freqs = false;   // Llama 3.2's frequency factors
 };
 
 Options parse_args(int argc, char** argv) {
@@ -69,6 +71,13 @@ Options parse_args(int argc, char** argv) {
       o.type_named = true;
     } else if (flag == "--hf-tokenizer") {
       o.hf_tokenizer = value;
+    } else if (flag == "--rope-theta") {
+      char* end = nullptr;
+      o.config.rope_theta = std::strtof(value.c_str(), &end);
+      if (end == value.c_str() || *end != '\0' || !(o.config.rope_theta > 1.0f)) throw UsageError{"--rope-theta must be > 1"};
+    } else if (flag == "--rope-freqs") {
+      if (value != "llama3") throw UsageError{"--rope-freqs must be llama3"};
+      o.rope_freqs = true;
     } else if (flag == "--seed") {
       o.seed = static_cast<unsigned long long>(parse_integer(flag, value, 0, LLONG_MAX));
     } else if (auto it = dims.find(flag); it != dims.end()) {
@@ -81,6 +90,9 @@ Options parse_args(int argc, char** argv) {
   if (o.type_named && !o.gguf && o.type != disagg::gpu::FileType::f32)
     throw UsageError{"--type needs --format gguf (a llama2.c checkpoint is f32)"};
   if (!o.hf_tokenizer.empty() && !o.gguf) throw UsageError{"--hf-tokenizer needs --format gguf"};
+  if (o.rope_freqs && !o.gguf) throw UsageError{"--rope-freqs needs --format gguf"};
+  if (o.config.rope_theta != 10000.0f && !o.gguf) throw UsageError{"--rope-theta needs --format gguf (llama2.c's is 10000)"};
+  if (o.rope_freqs) o.config.rope_factors = disagg::gpu::llama3_rope_factors(o.config, 32.0f, 1.0f, 4.0f, 8192);
   if (std::string problem = disagg::gpu::validate(o.config); !problem.empty()) throw UsageError{problem};
   // Checked here so that a bad vocabulary leaves no model without its tokenizer.
   if (o.config.vocab_size < 259)

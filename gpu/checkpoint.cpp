@@ -189,6 +189,23 @@ void Checkpoint::load_gguf(size_t file_size) {
   if (!(c.rope_theta > 1.0f) || !std::isfinite(c.rope_theta))
     throw Error(path_ + ": metadata llama.rope.freq_base = " + std::to_string(c.rope_theta) + " is out of range");
   if (std::string problem = validate(c); !problem.empty()) throw Error(path_ + ": " + problem);
+  if (f.find("llama.rope.scaling.type") && f.string("llama.rope.scaling.type") != "none")
+    throw Error(path_ + ": metadata llama.rope.scaling.type = " + f.string("llama.rope.scaling.type") +
+                " (only none is computed so far; Llama 3.1's scaling is the rope_freqs tensor)");
+  if (const gguf::TensorInfo* factors = f.tensor("rope_freqs.weight")) {
+    const std::vector<int64_t> want{c.head_size() / 2};
+    if (factors->dims != want || factors->type != uint32_t(gguf::TensorType::f32))
+      throw Error(path_ + ": tensor rope_freqs.weight: shape " + shape_text(factors->dims) + " type " +
+                  gguf::ggml_type_name(factors->type) + ", an f32 " + shape_text(want) + " is expected");
+    if (factors->offset % sizeof(float) != 0)
+      throw Error(path_ + ": tensor rope_freqs.weight: offset " + std::to_string(factors->offset) + " is not aligned");
+    const auto* values = reinterpret_cast<const float*>(bytes + factors->offset);
+    c.rope_factors.assign(values, values + want[0]);
+    for (size_t i = 0; i < c.rope_factors.size(); ++i)
+      if (!(c.rope_factors[i] > 0.0f) || !std::isfinite(c.rope_factors[i]))
+        throw Error(path_ + ": tensor rope_freqs.weight: factor " + std::to_string(i) + " = " +
+                    std::to_string(c.rope_factors[i]) + " is not a positive number");
+  }
   const uint64_t rotary = f.uint("llama.rope.dimension_count", uint64_t(c.head_size()));
   if (rotary != uint64_t(c.head_size()))
     throw Error(path_ + ": metadata llama.rope.dimension_count = " + std::to_string(rotary) +

@@ -130,14 +130,16 @@ std::vector<Matrix> per_layer(const std::vector<LayerWeights>& layers, Matrix La
   return out;
 }
 
-// cos and sin of every (position, pair) RoPE angle, as RopeOp reads them.
-DeviceArray<float> rope_table(Backend& backend, int seq_len, int head_size, float theta) {
-  const int half = head_size / 2;
+// cos and sin of every (position, pair) RoPE angle, as RopeOp reads them
+// (ModelConfig::rope_theta and rope_factors).
+DeviceArray<float> rope_table(Backend& backend, const ModelConfig& c) {
+  const int seq_len = c.seq_len, head_size = c.head_size(), half = head_size / 2;
   std::vector<float> t(size_t(seq_len) * half * 2);
   for (int pos = 0; pos < seq_len; ++pos)
     for (int pair = 0; pair < half; ++pair) {
-      const float freq = 1.0f / powf(theta, float(2 * pair) / float(head_size));
-      const float val = float(pos) * freq;
+      const float freq = 1.0f / powf(c.rope_theta, float(2 * pair) / float(head_size));
+      float val = float(pos) * freq;
+      if (!c.rope_factors.empty()) val /= c.rope_factors[size_t(pair)];
       t[(size_t(pos) * half + pair) * 2] = cosf(val);
       t[(size_t(pos) * half + pair) * 2 + 1] = sinf(val);
     }
@@ -170,7 +172,7 @@ struct Engine::Impl {
         w3(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w3), cfg.hidden_dim, cfg.dim),
         rms_final(upload_tensor(*backend, weights().rms_final, dim)),
         wcls(*backend, *checkpoint, {weights().wcls}, cfg.vocab_size, cfg.dim),
-        rope(rope_table(*backend, cfg.seq_len, cfg.head_size(), cfg.rope_theta)),
+        rope(rope_table(*backend, cfg)),
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
         tables(*backend) {

@@ -19,6 +19,9 @@ struct ModelConfig {
   int seq_len = 0;      // maximum positions
   bool shared_classifier = true;  // wcls == token_embedding
   float rope_theta = 10000.0f;    // RoPE base: pair i of a head turns by pos * theta^(-2i/head_size)
+  // Llama 3.1's frequency factors (GGUF tensor rope_freqs.weight, [head_size/2]):
+  // pair i turns by pos * theta^(-2i/head_size) / rope_factors[i]; empty: none.
+  std::vector<float> rope_factors{};
   // The ids that end a generation, from the model file's vocabulary
   // (gpu::end_tokens_of); a llama2.c checkpoint ends at BOS, as run.c does.
   std::vector<int> end_tokens{kBosToken};

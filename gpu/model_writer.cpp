@@ -160,6 +160,26 @@ std::unique_ptr<WeightSource> random_weights(const ModelConfig& config, uint64_t
 
 // ---------------------------------------------------------------- GGUF
 
+std::vector<float> llama3_rope_factors(const ModelConfig& c, float factor, float low_freq_factor, float high_freq_factor,
+                                       int original_context) {
+  const double low_wavelen = double(original_context) / low_freq_factor;
+  const double high_wavelen = double(original_context) / high_freq_factor;
+  std::vector<float> factors;
+  for (int i = 0; i < c.head_size(); i += 2) {
+    const double freq = 1.0 / std::pow(double(c.rope_theta), double(i) / c.head_size());
+    const double wavelen = 2 * M_PI / freq;
+    if (wavelen < high_wavelen) {
+      factors.push_back(1.0f);
+    } else if (wavelen > low_wavelen) {
+      factors.push_back(factor);
+    } else {
+      const double smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+      factors.push_back(float(1.0 / ((1 - smooth) / factor + smooth)));
+    }
+  }
+  return factors;
+}
+
 void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const std::string& name,
                 const std::string& path, FileType type) {
   const ModelConfig& c = weights.config();
@@ -202,6 +222,16 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
   w.add("tokenizer.ggml.add_bos_token", gguf::Writer::boolean(v.add_bos));
   if (!v.chat_template.empty()) w.add("tokenizer.chat_template", gguf::Writer::str(v.chat_template));
 
+  if (!c.rope_factors.empty()) {
+    if (c.rope_factors.size() != size_t(c.head_size() / 2))
+      throw Error(path + ": " + std::to_string(c.rope_factors.size()) + " rope factors for a head of " +
+                  std::to_string(c.head_size()));
+    w.add_tensor("rope_freqs.weight", {int64_t(c.rope_factors.size())}, uint32_t(gguf::TensorType::f32),
+                 [&c, &path](std::FILE* f) {
+                   if (std::fwrite(c.rope_factors.data(), sizeof(float), c.rope_factors.size(), f) != c.rope_factors.size())
+                     throw Error(path + ": write failed: " + errno_text());
+                 });
+  }
   // Each tensor in its type, converted a row at a time (no copy of the whole).
   for_each_tensor(c, [&](Tensor t, int layer) {
     const TensorShape shape = shape_of(t, c);

@@ -55,8 +55,17 @@ std::unique_ptr<WeightSource> random_weights(const ModelConfig& config, uint64_t
 
 // A GGUF v3 file of the llama architecture (tensor names and metadata as
 // llama.cpp's converter writes them, general.name `name`) with `vocabulary`
-// as a SentencePiece (`llama`) vocabulary. Throws Error; a file not written
-// whole is removed.
+// (SentencePiece as `llama`, byte-level BPE as `gpt2`, with its chat
+// template) and the config's rope_factors as rope_freqs.weight. Throws
+// Error; a file not written whole is removed.
+// Llama 3.1's RoPE frequency factors for `config`'s head size and theta, as
+// llama.cpp's converter computes them from rope_scaling {factor,
+// low_freq_factor, high_freq_factor, original_max_position_embeddings}
+// (Llama 3.2 1B: 32, 1, 4, 8192): 1 for short wavelengths, `factor` for
+// long ones, interpolated between.
+std::vector<float> llama3_rope_factors(const ModelConfig& config, float factor, float low_freq_factor,
+                                       float high_freq_factor, int original_context);
+
 void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const std::string& name,
                 const std::string& path, FileType type = FileType::f32);
 

