@@ -94,17 +94,20 @@ class Backend {
     (void)table, (void)tokens, (void)out, (void)rows, (void)dim;
     throw Error(name() + ": no " + to_string(type) + " kernels (the CPU backend has them)");
   }
-  // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + fixed::kRmsEpsilon); out may equal x.
-  virtual void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) = 0;
-  // Rotary embedding in place, row r at position positions[r]: pairs (2i, 2i+1)
-  // within each head rotated by the angle pos * theta^(-2i/head_size) (ModelConfig::rope_theta), whose
-  // cosine and sine are rope_table[(pos * head_size/2 + i) * 2 + {0, 1}].
+  // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + epsilon) (ModelConfig::rms_epsilon); out may equal x.
+  virtual void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim, float epsilon) = 0;
+  // Rotary embedding in place, row r at position positions[r]: pair i within
+  // each head ((2i, 2i+1), or with `neox` (i, i + head_size/2)) rotated by the
+  // angle pos * theta^(-2i/head_size) (ModelConfig::rope_theta, rope_factors),
+  // whose cosine and sine are rope_table[(pos * head_size/2 + i) * 2 + {0, 1}].
   virtual void rope(float* x, const int* positions, const float* rope_table, int rows, int n_heads,
-                    int head_size) = 0;
+                    int head_size, bool neox) = 0;
   // gate[i] = silu(gate[i]) * up[i] (fixed::swiglu).
   virtual void swiglu(float* gate, const float* up, size_t n) = 0;
   // x[i] += y[i].
   virtual void add(float* x, const float* y, size_t n) = 0;
+  // x[r][j] += bias[j] for each of `rows` rows of n.
+  virtual void add_bias(float* x, const float* bias, int rows, int n) = 0;
   // Stores row r of k and v (kv_dim floats each) at position positions[r] of
   // `layer` in row r's blocks.
   virtual void kv_write(const PagedKv& kv, int layer, const float* k, const float* v, const int* positions,

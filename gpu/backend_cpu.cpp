@@ -195,12 +195,13 @@ class CpuBackend final : public Backend {
     dispatch(size_t(rows) * dim,
              [&](const auto& p) { cpu_kernels::embedding(p, table, tokens, out, rows, dim); });
   }
-  void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) override {
-    dispatch(3 * size_t(rows) * dim, [&](const auto& p) { cpu_kernels::rmsnorm(p, x, weight, out, rows, dim); });
+  void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim, float epsilon) override {
+    dispatch(3 * size_t(rows) * dim, [&](const auto& p) { cpu_kernels::rmsnorm(p, x, weight, out, rows, dim, epsilon); });
   }
-  void rope(float* x, const int* positions, const float* table, int rows, int n_heads, int head_size) override {
+  void rope(float* x, const int* positions, const float* table, int rows, int n_heads, int head_size,
+            bool neox) override {
     dispatch(8 * size_t(rows) * n_heads * head_size,
-             [&](const auto& p) { cpu_kernels::rope(p, x, positions, table, rows, n_heads, head_size); });
+             [&](const auto& p) { cpu_kernels::rope(p, x, positions, table, rows, n_heads, head_size, neox); });
   }
   void swiglu(float* gate, const float* up, size_t n) override {
     constexpr long long kChunk = 4096;  // floats per parallel piece (a multiple of 16)
@@ -211,6 +212,9 @@ class CpuBackend final : public Backend {
   }
   void add(float* x, const float* y, size_t n) override {
     dispatch(n, [&](const auto& p) { cpu_kernels::add(p, x, y, n); });
+  }
+  void add_bias(float* x, const float* bias, int rows, int n) override {
+    dispatch(size_t(rows) * n, [&](const auto& p) { cpu_kernels::add_bias(p, x, bias, rows, n); });
   }
   // Row by row, not the per-float Thrust functor (its index arithmetic cost
   // more than the copy): K scattered into its tile, V one copy.

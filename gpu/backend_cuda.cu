@@ -108,7 +108,7 @@ __global__ void matmul_kernel(const float* __restrict__ a, const float* __restri
 constexpr int kNormLanes = 16;
 
 __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ weight, float* out, int rows,
-                               int dim) {
+                               int dim, float epsilon) {
   const long long thread = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long row = thread / kNormLanes;
   const int lane = int(thread % kNormLanes);
@@ -119,7 +119,7 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
   const unsigned group = 0xffffu << (threadIdx.x & 16);  // this half-warp
   for (int off = 8; off >= 1; off /= 2) ss = ss + __shfl_xor_sync(group, ss, off, kNormLanes);
   ss /= dim;
-  ss += ::disagg::gpu::fixed::kRmsEpsilon;
+  ss += epsilon;
   ss = 1.0f / sqrtf(ss);
   float* o = out + row * dim;
   // A lane reads and writes only its own indices j, so out may equal x.
@@ -262,19 +262,21 @@ class CudaBackend final : public Backend {
     activate();
     run_thrust("embedding", [&] { cuda_kernels::embedding(stream_policy(stream_), table, tokens, out, rows, dim); });
   }
-  void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim) override {
+  void rmsnorm(const float* x, const float* weight, float* out, int rows, int dim, float epsilon) override {
     if (rows <= 0) return;
     activate();
     constexpr int kThreads = 128;
     const long long threads = (long long)rows * kNormLanes;
     rmsnorm_kernel<<<unsigned((threads + kThreads - 1) / kThreads), kThreads, 0, stream_>>>(x, weight, out, rows,
-                                                                                               dim);
+                                                                                               dim, epsilon);
     check(cudaGetLastError(), "rmsnorm kernel launch");
   }
-  void rope(float* x, const int* positions, const float* table, int rows, int n_heads, int head_size) override {
+  void rope(float* x, const int* positions, const float* table, int rows, int n_heads, int head_size,
+            bool neox) override {
     activate();
-    run_thrust("rope",
-               [&] { cuda_kernels::rope(stream_policy(stream_), x, positions, table, rows, n_heads, head_size); });
+    run_thrust("rope", [&] {
+      cuda_kernels::rope(stream_policy(stream_), x, positions, table, rows, n_heads, head_size, neox);
+    });
   }
   void swiglu(float* gate, const float* up, size_t n) override {
     activate();
@@ -283,6 +285,10 @@ class CudaBackend final : public Backend {
   void add(float* x, const float* y, size_t n) override {
     activate();
     run_thrust("add", [&] { cuda_kernels::add(stream_policy(stream_), x, y, n); });
+  }
+  void add_bias(float* x, const float* bias, int rows, int n) override {
+    activate();
+    run_thrust("add_bias", [&] { cuda_kernels::add_bias(stream_policy(stream_), x, bias, rows, n); });
   }
   void kv_write(const PagedKv& kv, int layer, const float* k, const float* v, const int* positions,
                 int rows) override {

@@ -166,31 +166,34 @@ void Checkpoint::load_gguf(size_t file_size) {
   const auto* bytes = static_cast<const uint8_t*>(mapping_);
   const gguf::File f = gguf::File::parse(bytes, file_size, path_);
   const std::string& arch = f.string("general.architecture");
-  if (arch != "llama") throw Error(path_ + ": architecture " + arch + " is not supported (llama is)");
+  ModelConfig& c = config_;
+  if (arch == "llama") c.arch = Architecture::llama;
+  else if (arch == "qwen2") c.arch = Architecture::qwen2;
+  else throw Error(path_ + ": architecture " + arch + " is not supported (llama and qwen2 are)");
+  const std::string p = arch + ".";  // the metadata keys' prefix
   auto dimension = [&](const std::string& key) {
     const uint64_t v = f.uint(key);
     if (v == 0 || v > uint64_t(std::numeric_limits<int32_t>::max()))
       throw Error(path_ + ": metadata " + key + " = " + std::to_string(v) + " is out of range");
     return int(v);
   };
-  ModelConfig& c = config_;
-  c.dim = dimension("llama.embedding_length");
-  c.hidden_dim = dimension("llama.feed_forward_length");
-  c.n_layers = dimension("llama.block_count");
-  c.n_heads = dimension("llama.attention.head_count");
-  c.n_kv_heads = f.find("llama.attention.head_count_kv") ? dimension("llama.attention.head_count_kv") : c.n_heads;
-  c.seq_len = dimension("llama.context_length");
+  c.dim = dimension(p + "embedding_length");
+  c.hidden_dim = dimension(p + "feed_forward_length");
+  c.n_layers = dimension(p + "block_count");
+  c.n_heads = dimension(p + "attention.head_count");
+  c.n_kv_heads = f.find(p + "attention.head_count_kv") ? dimension(p + "attention.head_count_kv") : c.n_heads;
+  c.seq_len = dimension(p + "context_length");
   const gguf::TensorInfo& embedding = f.require_tensor("token_embd.weight");
   if (embedding.dims.size() != 2 || embedding.dims[1] > std::numeric_limits<int32_t>::max())
     throw Error(path_ + ": tensor token_embd.weight: shape " + shape_text(embedding.dims) + " is no [dim, vocab] matrix");
   c.vocab_size = int(embedding.dims[1]);
   c.shared_classifier = f.tensor("output.weight") == nullptr;
-  c.rope_theta = float(f.number("llama.rope.freq_base", 10000.0));
+  c.rope_theta = float(f.number(p + "rope.freq_base", 10000.0));
   if (!(c.rope_theta > 1.0f) || !std::isfinite(c.rope_theta))
-    throw Error(path_ + ": metadata llama.rope.freq_base = " + std::to_string(c.rope_theta) + " is out of range");
+    throw Error(path_ + ": metadata " + p + "rope.freq_base = " + std::to_string(c.rope_theta) + " is out of range");
   if (std::string problem = validate(c); !problem.empty()) throw Error(path_ + ": " + problem);
-  if (f.find("llama.rope.scaling.type") && f.string("llama.rope.scaling.type") != "none")
-    throw Error(path_ + ": metadata llama.rope.scaling.type = " + f.string("llama.rope.scaling.type") +
+  if (f.find(p + "rope.scaling.type") && f.string(p + "rope.scaling.type") != "none")
+    throw Error(path_ + ": metadata " + p + "rope.scaling.type = " + f.string(p + "rope.scaling.type") +
                 " (only none is computed so far; Llama 3.1's scaling is the rope_freqs tensor)");
   if (const gguf::TensorInfo* factors = f.tensor("rope_freqs.weight")) {
     const std::vector<int64_t> want{c.head_size() / 2};
@@ -206,14 +209,15 @@ void Checkpoint::load_gguf(size_t file_size) {
         throw Error(path_ + ": tensor rope_freqs.weight: factor " + std::to_string(i) + " = " +
                     std::to_string(c.rope_factors[i]) + " is not a positive number");
   }
-  const uint64_t rotary = f.uint("llama.rope.dimension_count", uint64_t(c.head_size()));
+  const uint64_t rotary = f.uint(p + "rope.dimension_count", uint64_t(c.head_size()));
   if (rotary != uint64_t(c.head_size()))
-    throw Error(path_ + ": metadata llama.rope.dimension_count = " + std::to_string(rotary) +
+    throw Error(path_ + ": metadata " + p + "rope.dimension_count = " + std::to_string(rotary) +
                 ": only whole heads (" + std::to_string(c.head_size()) + ") are rotated so far");
-  const double eps = f.number("llama.attention.layer_norm_rms_epsilon", double(fixed::kRmsEpsilon));
-  if (std::fabs(eps - double(fixed::kRmsEpsilon)) > 1e-9)
-    throw Error(path_ + ": metadata llama.attention.layer_norm_rms_epsilon = " + std::to_string(eps) +
-                ": the engine computes with 1e-05 only so far");
+  const double eps = f.number(p + "attention.layer_norm_rms_epsilon", double(c.rms_epsilon));
+  if (!(eps > 0.0 && eps <= 1e-2))
+    throw Error(path_ + ": metadata " + p + "attention.layer_norm_rms_epsilon = " + std::to_string(eps) +
+                " is out of range (0, 0.01]");
+  c.rms_epsilon = float(eps);
 
   // Each tensor by its name, with the shape the metadata gives it ({in, out}
   // as GGUF lists a matrix's dimensions, {n} a vector's): norms in f32,
@@ -357,6 +361,9 @@ const float*& Weights::norm(Tensor t, int layer) {
     case Tensor::rms_att: return layers[size_t(layer)].rms_att;
     case Tensor::rms_ffn: return layers[size_t(layer)].rms_ffn;
     case Tensor::rms_final: return rms_final;
+    case Tensor::bq: return layers[size_t(layer)].bq;
+    case Tensor::bk: return layers[size_t(layer)].bk;
+    case Tensor::bv: return layers[size_t(layer)].bv;
     default: throw Error(gguf_name(t, layer) + " is a matrix, not a norm");
   }
 }

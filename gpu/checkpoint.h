@@ -38,6 +38,9 @@ struct LayerWeights {
   Matrix w1;                       // (hidden, dim): the gate
   Matrix w2;                       // (dim, hidden): down
   Matrix w3;                       // (hidden, dim): up
+  const float* bq = nullptr;       // qwen2: (n_heads*head_size) added to q
+  const float* bk = nullptr;       // qwen2: (kv_dim) added to k
+  const float* bv = nullptr;       // qwen2: (kv_dim) added to v
 };
 
 struct Weights {

@@ -166,6 +166,9 @@ struct Engine::Impl {
         wk(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wk), cfg.kv_dim(), cfg.dim),
         wv(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wv), cfg.kv_dim(), cfg.dim),
         wo(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.dim),
+        bq(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bq, dim) : DeviceArray<float>(*backend)),
+        bk(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bk, kv_dim) : DeviceArray<float>(*backend)),
+        bv(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bv, kv_dim) : DeviceArray<float>(*backend)),
         rms_ffn(upload_layers(*backend, weights().layers, &LayerWeights::rms_ffn, dim)),
         w1(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w1), cfg.hidden_dim, cfg.dim),
         w2(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w2), cfg.dim, cfg.hidden_dim),
@@ -281,6 +284,7 @@ struct Engine::Impl {
   const void* token_rows = nullptr;     // quantized: the table's rows (device pointer)
   DeviceArray<float> rms_att;           // (layers, dim)
   LayerMatrices wq, wk, wv, wo;         // (dim, dim), (kv_dim, dim) x2, (dim, dim)
+  DeviceArray<float> bq, bk, bv;        // qwen2 only: (layers, dim), (layers, kv_dim) x2
   DeviceArray<float> rms_ffn;           // (layers, dim)
   LayerMatrices w1, w2, w3;             // (hidden, dim), (dim, hidden), (hidden, dim)
   DeviceArray<float> rms_final;         // (dim)
@@ -322,6 +326,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   const int rows = int(host_tokens.size());
   const int n_dim = cfg.dim;
   const int n_heads = cfg.n_heads, n_kv_heads = cfg.n_kv_heads, head_size = cfg.head_size();
+  const float eps = cfg.rms_epsilon;
   const size_t row_floats = size_t(rows) * dim;
 
   tokens.upload(host_tokens.data(), host_tokens.size());
@@ -341,12 +346,17 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
 
   for (size_t l = 0; l < layers; ++l) {
     // attention block
-    b.rmsnorm(x_, rms_att.get() + l * dim, xb_, rows, n_dim);
+    b.rmsnorm(x_, rms_att.get() + l * dim, xb_, rows, n_dim, eps);
     wq.mul(b, l, xb_, q_, rows);
     wk.mul(b, l, xb_, k_, rows);
     wv.mul(b, l, xb_, v_, rows);
-    b.rope(q_, pos_, rope.get(), rows, n_heads, head_size);
-    b.rope(k_, pos_, rope.get(), rows, n_kv_heads, head_size);
+    if (cfg.qkv_bias()) {  // qwen2
+      b.add_bias(q_, bq.get() + l * dim, rows, n_dim);
+      b.add_bias(k_, bk.get() + l * kv_dim, rows, int(kv_dim));
+      b.add_bias(v_, bv.get() + l * kv_dim, rows, int(kv_dim));
+    }
+    b.rope(q_, pos_, rope.get(), rows, n_heads, head_size, cfg.rope_neox());
+    b.rope(k_, pos_, rope.get(), rows, n_kv_heads, head_size, cfg.rope_neox());
     b.kv_write(kv, int(l), k_, v_, pos_, rows);
     if (hooks && hooks->on_layer_kv) hand_out_layer(*hooks, int(l), host_positions.front(), rows, k_, v_);
     if (hooks && hooks->on_layer_cache) hand_out_cache(*hooks, int(l), host_positions.front(), rows, kv);
@@ -355,7 +365,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
     b.add(x_, xb2_, row_floats);
 
     // feed-forward block: w2(silu(w1 x) * w3 x)
-    b.rmsnorm(x_, rms_ffn.get() + l * dim, xb_, rows, n_dim);
+    b.rmsnorm(x_, rms_ffn.get() + l * dim, xb_, rows, n_dim, eps);
     w1.mul(b, l, xb_, hb_, rows);
     w3.mul(b, l, xb_, hb2_, rows);
     b.swiglu(hb_, hb2_, size_t(rows) * hidden);
@@ -366,7 +376,7 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   const int out_rows = rows - first_logit_row;
   if (out_rows <= 0) return;
   float* x_out = x_ + size_t(first_logit_row) * dim;
-  b.rmsnorm(x_out, rms_final.get(), x_out, out_rows, n_dim);
+  b.rmsnorm(x_out, rms_final.get(), x_out, out_rows, n_dim, eps);
   wcls.mul(b, 0, x_out, logits.ensure(size_t(out_rows) * vocab), out_rows);
 }
 

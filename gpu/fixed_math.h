@@ -62,10 +62,8 @@
 namespace disagg::gpu::fixed {
 
 constexpr int kKeyTile = 16;  // key positions per attention tile (and lanes of tree_sum16)
-// RMSNorm's epsilon: out = w * x / sqrt(mean(x^2) + kRmsEpsilon). A model
-// file that asks for another is refused (gpu/checkpoint.cpp) until the
-// kernels take it.
-constexpr float kRmsEpsilon = 1e-5f;
+// RMSNorm's epsilon is the model's (ModelConfig::rms_epsilon): out = w * x /
+// sqrt(mean(x^2) + epsilon), the mean as RmsNormOp orders it.
 
 // fixed_exp's constants: range, ln(2) split in a high part exact in float and
 // the rest, and the Cephes expf polynomial for e^r - 1 - r on [-ln2/2, ln2/2].

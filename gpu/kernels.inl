@@ -49,6 +49,7 @@ struct RmsNormOp {  // index: one row
   const float* weight;
   float* out;
   int dim;
+  float epsilon;  // ModelConfig::rms_epsilon
   HD void operator()(Index row) const {
     const float* xr = x + row * dim;
     // Sum of squares in 16 lanes (lane i: j = i mod 16, in order), then
@@ -58,7 +59,7 @@ struct RmsNormOp {  // index: one row
     for (int j = 0; j < dim; ++j) lanes[j % 16] += xr[j] * xr[j];
     float ss = ::disagg::gpu::fixed::tree_sum16(lanes);
     ss /= dim;
-    ss += ::disagg::gpu::fixed::kRmsEpsilon;
+    ss += epsilon;
     ss = 1.0f / sqrtf(ss);
     float* o = out + row * dim;
     for (int j = 0; j < dim; ++j) o[j] = weight[j] * (ss * xr[j]);
@@ -71,6 +72,7 @@ struct RopeOp {  // index: one (row, head, pair)
   const float* table;  // [position][pair][cos, sin]
   int n_heads;
   int head_size;
+  bool neox;  // pair i is (i, i + head_size/2), else (2i, 2i + 1)
   HD void operator()(Index i) const {
     const int half = head_size / 2;
     const int pair = int(i % half);
@@ -80,11 +82,13 @@ struct RopeOp {  // index: one (row, head, pair)
     const float* cs = table + (Index(positions[row]) * half + pair) * 2;
     const float fcr = cs[0];
     const float fci = cs[1];
-    float* v = x + (row * n_heads + head) * head_size + 2 * pair;
-    const float v0 = v[0];
-    const float v1 = v[1];
-    v[0] = v0 * fcr - v1 * fci;
-    v[1] = v0 * fci + v1 * fcr;
+    float* head_x = x + (row * n_heads + head) * head_size;
+    float* a = neox ? head_x + pair : head_x + 2 * pair;
+    float* b = neox ? head_x + pair + half : head_x + 2 * pair + 1;
+    const float v0 = *a;
+    const float v1 = *b;
+    *a = v0 * fcr - v1 * fci;
+    *b = v0 * fci + v1 * fcr;
   }
 };
 
@@ -98,6 +102,13 @@ struct AddOp {  // index: one float
   float* x;
   const float* y;
   HD void operator()(Index i) const { x[i] += y[i]; }
+};
+
+struct AddBiasOp {  // index: one float of a [rows][n] matrix
+  float* x;
+  const float* bias;  // [n]
+  int n;
+  HD void operator()(Index i) const { x[i] += bias[i % n]; }
 };
 
 struct KvWriteOp {  // index: one (row, element of kv_dim)
@@ -126,14 +137,14 @@ void embedding(const Policy& p, const float* table, const int* tokens, float* ou
 }
 
 template <class Policy>
-void rmsnorm(const Policy& p, const float* x, const float* weight, float* out, int rows, int dim) {
-  launch(p, rows, RmsNormOp{x, weight, out, dim});
+void rmsnorm(const Policy& p, const float* x, const float* weight, float* out, int rows, int dim, float epsilon) {
+  launch(p, rows, RmsNormOp{x, weight, out, dim, epsilon});
 }
 
 template <class Policy>
 void rope(const Policy& p, float* x, const int* positions, const float* table, int rows, int n_heads,
-          int head_size) {
-  launch(p, Index(rows) * n_heads * (head_size / 2), RopeOp{x, positions, table, n_heads, head_size});
+          int head_size, bool neox) {
+  launch(p, Index(rows) * n_heads * (head_size / 2), RopeOp{x, positions, table, n_heads, head_size, neox});
 }
 
 template <class Policy>
@@ -144,6 +155,11 @@ void swiglu(const Policy& p, float* gate, const float* up, size_t n) {
 template <class Policy>
 void add(const Policy& p, float* x, const float* y, size_t n) {
   launch(p, Index(n), AddOp{x, y});
+}
+
+template <class Policy>
+void add_bias(const Policy& p, float* x, const float* bias, int rows, int n) {
+  launch(p, Index(rows) * n, AddBiasOp{x, bias, n});
 }
 
 template <class Policy>

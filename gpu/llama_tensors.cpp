@@ -4,7 +4,10 @@ namespace disagg::gpu {
 
 bool per_layer(Tensor t) { return t != Tensor::token_embedding && t != Tensor::rms_final && t != Tensor::wcls; }
 
-bool is_matrix(Tensor t) { return t != Tensor::rms_att && t != Tensor::rms_ffn && t != Tensor::rms_final; }
+bool is_matrix(Tensor t) {
+  return t != Tensor::rms_att && t != Tensor::rms_ffn && t != Tensor::rms_final && t != Tensor::bq && t != Tensor::bk &&
+         t != Tensor::bv;
+}
 
 std::string gguf_name(Tensor t, int layer) {
   const std::string blk = "blk." + std::to_string(layer) + ".";
@@ -21,6 +24,9 @@ std::string gguf_name(Tensor t, int layer) {
     case Tensor::w3: return blk + "ffn_up.weight";
     case Tensor::rms_final: return "output_norm.weight";
     case Tensor::wcls: return "output.weight";
+    case Tensor::bq: return blk + "attn_q.bias";
+    case Tensor::bk: return blk + "attn_k.bias";
+    case Tensor::bv: return blk + "attn_v.bias";
   }
   return "?";
 }
@@ -41,12 +47,15 @@ TensorShape shape_of(Tensor t, const ModelConfig& c) {
     case Tensor::w1:
     case Tensor::w3: return {hidden, dim};
     case Tensor::w2: return {dim, hidden};
+    case Tensor::bq: return {1, q_dim};
+    case Tensor::bk:
+    case Tensor::bv: return {1, kv_dim};
   }
   return {0, 0};
 }
 
 Llama2cLayout::Llama2cLayout(const ModelConfig& c) : layers_(size_t(c.n_layers)) {
-  for (int i = 0; i < kTensorKinds; ++i) {
+  for (int i = 0; i < kLlama2cTensorKinds; ++i) {
     const auto t = Tensor(i);
     const TensorShape s = shape_of(t, c);
     // The shape's product in size_t, saturated (negative dimensions: invalid, as large).
@@ -58,6 +67,7 @@ Llama2cLayout::Llama2cLayout(const ModelConfig& c) : layers_(size_t(c.n_layers))
 }
 
 size_t Llama2cLayout::offset(Tensor t, int layer) const {
+  if (int(t) >= kLlama2cTensorKinds) return file_bytes() - kHeaderBytes;  // never in the file
   size_t at = 0;
   for (int i = 0; i < int(t); ++i) at += floats_[i];
   if (t == Tensor::wcls) at += rope_unused_;

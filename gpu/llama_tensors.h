@@ -13,13 +13,16 @@
 
 namespace disagg::gpu {
 
-// In llama2.c file order (the GGUF order is per layer: tensors()).
-enum class Tensor { token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls };
-constexpr int kTensorKinds = 12;
+// In llama2.c file order (the GGUF order is per layer: tensors()), then the
+// vectors only other architectures have (qwen2's Q/K/V biases), which a
+// llama2.c file never holds.
+enum class Tensor { token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls, bq, bk, bv };
+constexpr int kLlama2cTensorKinds = 12;
+constexpr int kTensorKinds = 15;
 
 // True for the tensors each layer has one of.
 bool per_layer(Tensor t);
-// True for the weight matrices (the rest are norm vectors).
+// True for the weight matrices (the rest are vectors: norms, biases).
 bool is_matrix(Tensor t);
 // "token_embd.weight", "blk.<layer>.attn_q.weight", ...
 std::string gguf_name(Tensor t, int layer);
@@ -32,16 +35,18 @@ struct TensorShape {
 TensorShape shape_of(Tensor t, const ModelConfig& c);
 
 // The tensors of a model in GGUF file order: the embedding, each layer's
-// (attention norm, q, k, v, output, FFN norm, gate, down, up), the final
-// norm, the classifier unless it is shared. f(tensor, layer) for each (layer
-// 0 outside the layers).
+// (attention norm, q, k, v, [qwen2: their biases], output, FFN norm, gate,
+// down, up), the final norm, the classifier unless it is shared. f(tensor,
+// layer) for each (layer 0 outside the layers).
 template <class F>
 void for_each_tensor(const ModelConfig& c, F f) {
   f(Tensor::token_embedding, 0);
-  for (int l = 0; l < c.n_layers; ++l)
-    for (Tensor t : {Tensor::rms_att, Tensor::wq, Tensor::wk, Tensor::wv, Tensor::wo, Tensor::rms_ffn, Tensor::w1,
-                     Tensor::w2, Tensor::w3})
-      f(t, l);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (Tensor t : {Tensor::rms_att, Tensor::wq, Tensor::wk, Tensor::wv}) f(t, l);
+    if (c.qkv_bias())
+      for (Tensor t : {Tensor::bq, Tensor::bk, Tensor::bv}) f(t, l);
+    for (Tensor t : {Tensor::wo, Tensor::rms_ffn, Tensor::w1, Tensor::w2, Tensor::w3}) f(t, l);
+  }
   f(Tensor::rms_final, 0);
   if (!c.shared_classifier) f(Tensor::wcls, 0);
 }
@@ -73,9 +78,11 @@ struct Llama2cLayout {
   // Float offset (after the header) of layer `layer`'s tensor t.
   size_t offset(Tensor t, int layer) const;
   size_t file_bytes() const;
+  // Floats after the header (saturated).
+  size_t values() const { return (file_bytes() - kHeaderBytes) / sizeof(float); }
 
  private:
-  size_t floats_[kTensorKinds];
+  size_t floats_[kLlama2cTensorKinds];
   size_t rope_unused_;
   size_t layers_;
 };

@@ -2,6 +2,14 @@
 
 namespace disagg::gpu {
 
+const char* to_string(Architecture a) {
+  switch (a) {
+    case Architecture::llama: return "llama";
+    case Architecture::qwen2: return "qwen2";
+  }
+  return "?";
+}
+
 std::string validate(const ModelConfig& c) {
   if (c.dim <= 0 || c.hidden_dim <= 0 || c.n_layers <= 0 || c.n_heads <= 0 || c.n_kv_heads <= 0 ||
       c.vocab_size <= 0 || c.seq_len <= 0) {

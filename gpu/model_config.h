@@ -9,6 +9,13 @@ namespace disagg::gpu {
 
 constexpr int kBosToken = 1;  // llama2.c's <s>, which ends a llama2.c generation
 
+// The transformer variants computed (GGUF general.architecture).
+enum class Architecture {
+  llama,  // Llama 2/3, Mistral, TinyLlama, llama2.c: RoPE on adjacent pairs
+  qwen2,  // Qwen2, Qwen2.5: Q/K/V biases, NeoX RoPE (pair i with i + head_size/2)
+};
+const char* to_string(Architecture a);  // the GGUF name: "llama", "qwen2"
+
 struct ModelConfig {
   int dim = 0;          // residual stream width
   int hidden_dim = 0;   // SwiGLU inner width
@@ -18,6 +25,8 @@ struct ModelConfig {
   int vocab_size = 0;
   int seq_len = 0;      // maximum positions
   bool shared_classifier = true;  // wcls == token_embedding
+  Architecture arch = Architecture::llama;
+  float rms_epsilon = 1e-5f;      // RMSNorm: w * x / sqrt(mean(x^2) + rms_epsilon) (llama2.c's 1e-5; Qwen 1e-6)
   float rope_theta = 10000.0f;    // RoPE base: pair i of a head turns by pos * theta^(-2i/head_size)
   // Llama 3.1's frequency factors (GGUF tensor rope_freqs.weight, [head_size/2]):
   // pair i turns by pos * theta^(-2i/head_size) / rope_factors[i]; empty: none.
@@ -29,6 +38,8 @@ struct ModelConfig {
   int head_size() const { return dim / n_heads; }
   int kv_dim() const { return n_kv_heads * head_size(); }
   int kv_group() const { return n_heads / n_kv_heads; }  // query heads per kv head
+  bool rope_neox() const { return arch == Architecture::qwen2; }
+  bool qkv_bias() const { return arch == Architecture::qwen2; }
 };
 
 // The stop rule's token test, the one place every path (gpu::generate, the

@@ -128,9 +128,17 @@ class RandomSource final : public WeightSource {
       default: half_width = 3.0f / std::sqrt(float(shape_of(t, c_).cols)); break;
     }
     const int64_t cols = shape_of(t, c_).cols;
-    // The value's index among the file's random values (the RoPE tables are zeros).
-    uint64_t index = layout_.offset(t, layer) + uint64_t(r) * uint64_t(cols);
-    if (t == Tensor::wcls) index -= layout_.rope_unused();
+    // The value's index among the file's random values (the RoPE tables are
+    // zeros); the tensors a llama2.c file lacks (biases) come after them all.
+    uint64_t index;
+    if (int(t) < kLlama2cTensorKinds) {
+      index = layout_.offset(t, layer) + uint64_t(r) * uint64_t(cols);
+      if (t == Tensor::wcls) index -= layout_.rope_unused();
+    } else {
+      const uint64_t stride = uint64_t(shape_of(Tensor::bq, c_).cols);  // the longest bias
+      index = layout_.values() + (uint64_t(int(t) - kLlama2cTensorKinds) * uint64_t(c_.n_layers) + uint64_t(layer)) * stride;
+      half_width = 0.5f;
+    }
     uint64_t state = state0_ + (index + 1) * kGamma;
     for (int64_t j = 0; j < cols; ++j, state += kGamma) {
       const float u = float(mix64(state) >> 40) * (1.0f / 16777216.0f);  // [0, 1)
@@ -190,18 +198,19 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
     throw Error(path + ": a vocabulary of " + std::to_string(v.pieces.size()) + " pieces for a model of " +
                 std::to_string(c.vocab_size));
   gguf::Writer w;
-  w.add("general.architecture", gguf::Writer::str("llama"));
+  const std::string arch = to_string(c.arch), p = arch + ".";  // the metadata keys' prefix
+  w.add("general.architecture", gguf::Writer::str(arch));
   w.add("general.name", gguf::Writer::str(name));
   w.add("general.file_type", gguf::Writer::u32(info(type).llama_ftype));
-  w.add("llama.context_length", gguf::Writer::u32(uint32_t(c.seq_len)));
-  w.add("llama.embedding_length", gguf::Writer::u32(uint32_t(c.dim)));
-  w.add("llama.block_count", gguf::Writer::u32(uint32_t(c.n_layers)));
-  w.add("llama.feed_forward_length", gguf::Writer::u32(uint32_t(c.hidden_dim)));
-  w.add("llama.attention.head_count", gguf::Writer::u32(uint32_t(c.n_heads)));
-  w.add("llama.attention.head_count_kv", gguf::Writer::u32(uint32_t(c.n_kv_heads)));
-  w.add("llama.rope.dimension_count", gguf::Writer::u32(uint32_t(c.head_size())));
-  w.add("llama.rope.freq_base", gguf::Writer::f32(c.rope_theta));
-  w.add("llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(fixed::kRmsEpsilon));
+  w.add(p + "context_length", gguf::Writer::u32(uint32_t(c.seq_len)));
+  w.add(p + "embedding_length", gguf::Writer::u32(uint32_t(c.dim)));
+  w.add(p + "block_count", gguf::Writer::u32(uint32_t(c.n_layers)));
+  w.add(p + "feed_forward_length", gguf::Writer::u32(uint32_t(c.hidden_dim)));
+  w.add(p + "attention.head_count", gguf::Writer::u32(uint32_t(c.n_heads)));
+  w.add(p + "attention.head_count_kv", gguf::Writer::u32(uint32_t(c.n_kv_heads)));
+  w.add(p + "rope.dimension_count", gguf::Writer::u32(uint32_t(c.head_size())));
+  w.add(p + "rope.freq_base", gguf::Writer::f32(c.rope_theta));
+  w.add(p + "attention.layer_norm_rms_epsilon", gguf::Writer::f32(c.rms_epsilon));
   std::vector<std::string> tokens;
   std::vector<int32_t> types;
   for (size_t i = 0; i < v.pieces.size(); ++i) {
@@ -257,6 +266,9 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
 
 void write_random_checkpoint(const std::string& path, const ModelConfig& config, uint64_t seed) {
   if (std::string problem = validate(config); !problem.empty()) throw Error(path + ": " + problem);
+  if (config.arch != Architecture::llama || config.rms_epsilon != 1e-5f || !config.rope_factors.empty() ||
+      config.rope_theta != 10000.0f)
+    throw Error(path + ": a llama2.c checkpoint holds the llama architecture with llama2.c's constants only");
   const Llama2cLayout layout(config);
   if (layout.file_bytes() == std::numeric_limits<size_t>::max()) throw Error(path + ": model too large to write");
   const RandomSource weights(config, seed);
@@ -286,7 +298,7 @@ void write_random_checkpoint(const std::string& path, const ModelConfig& config,
   bytes(header, sizeof header);
   // Tensor order, each tensor's layers one after the other.
   std::vector<float> values;
-  for (int i = 0; i < kTensorKinds; ++i) {
+  for (int i = 0; i < kLlama2cTensorKinds; ++i) {
     const auto t = Tensor(i);
     if (t == Tensor::wcls) {
       values.assign(layout.rope_unused(), 0.0f);

@@ -134,6 +134,49 @@ TEST(Engine, PrefillMatchesStepwiseOnARandomGqaModelWithItsOwnClassifier) {
   std::filesystem::remove_all(dir);
 }
 
+// The other layouts' paths (Qwen2's biases, NeoX rotary and epsilon; Llama
+// 3.1's RoPE factors) keep the arithmetic fixed: prefill equals stepwise
+// decode bit for bit, and a batch decodes each sequence as it would alone.
+TEST(Engine, Qwen2AndRopeFactorModelsAreBatchAndChunkInvariant) {
+  const std::string dir = test::make_temp_dir("engine-arch");
+  ModelConfig qwen2{64, 96, 2, 4, 2, 300, 64, true};
+  qwen2.arch = Architecture::qwen2;
+  qwen2.rms_epsilon = 1e-6f;
+  ModelConfig factors{64, 96, 2, 4, 2, 300, 64, false};
+  factors.rope_theta = 500000.0f;
+  factors.rope_factors = llama3_rope_factors(factors, 32.0f, 1.0f, 4.0f, 8192);
+  for (const ModelConfig& config : {qwen2, factors}) {
+    SCOPED_TRACE(to_string(config.arch));
+    const std::string path = dir + "/" + to_string(config.arch) + std::to_string(config.rope_factors.size()) + ".gguf";
+    write_gguf(*random_weights(config, 3), byte_vocabulary(300), "arch", path, FileType::f32);
+    const auto checkpoint = Checkpoint::open(path);
+    EXPECT_EQ(checkpoint->config().arch, config.arch);
+    EXPECT_EQ(checkpoint->config().rms_epsilon, config.rms_epsilon);
+    EXPECT_EQ(checkpoint->config().rope_factors, config.rope_factors);
+    Engine engine(checkpoint);
+    std::vector<int> prompt;
+    for (int i = 0; i < 40; ++i) prompt.push_back((i * 37 + 5) % config.vocab_size);
+    expect_prefill_matches_stepwise(engine, prompt, 16, {3, 0, 1});
+    // Three sequences decoded together, each against itself alone.
+    KvPool pool(engine, 16, 12);
+    std::vector<std::vector<int>> blocks{{0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8, 11}};
+    std::vector<DecodeSlot> slots;
+    for (int s = 0; s < 3; ++s) {
+      const std::vector<int> p(prompt.begin(), prompt.begin() + 10 + 7 * s);
+      pool.write(blocks[size_t(s)], view_of(engine, engine.prefill(p)));
+      slots.push_back(DecodeSlot{11 + s, int(p.size()), &blocks[size_t(s)]});
+    }
+    const std::vector<float> together = engine.decode_step(pool, slots);
+    for (int s = 0; s < 3; ++s) {
+      const std::vector<float> alone = engine.decode_step(pool, {slots[size_t(s)]});
+      const size_t v = size_t(config.vocab_size);
+      EXPECT_TRUE(alone == std::vector<float>(together.begin() + long(s * v), together.begin() + long((s + 1) * v)))
+          << "sequence " << s;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
   Engine engine(shared_checkpoint());
   const int steps = 12, block_size = 16;

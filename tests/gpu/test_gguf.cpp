@@ -401,8 +401,10 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
     std::function<void(ModelFile&)> change;
     const char* expected;
   } cases[] = {
-      {"architecture", [](ModelFile& m) { m.set("general.architecture", gguf::Writer::str("qwen2")); },
-       "architecture qwen2 is not supported (llama is)"},
+      {"architecture", [](ModelFile& m) { m.set("general.architecture", gguf::Writer::str("gemma")); },
+       "architecture gemma is not supported (llama and qwen2 are)"},
+      {"qwen2 keys", [](ModelFile& m) { m.set("general.architecture", gguf::Writer::str("qwen2")); },
+       "metadata qwen2.embedding_length is missing"},
       {"no block count", [](ModelFile& m) { m.drop_key("llama.block_count"); }, "metadata llama.block_count is missing"},
       {"zero heads", [](ModelFile& m) { m.set("llama.attention.head_count", gguf::Writer::u32(0)); },
        "metadata llama.attention.head_count = 0 is out of range"},
@@ -411,8 +413,8 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
        "tensor blk.0.attn_q.weight: shape [64, 32], the metadata says [64, 64]"},
       {"quantized norm", [](ModelFile& m) { m.tensor("blk.1.ffn_norm.weight").type = uint32_t(gguf::TensorType::q8_0); },
        "tensor blk.1.ffn_norm.weight: type q8_0 (a norm must be f32)"},
-      {"epsilon", [](ModelFile& m) { m.set("llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(1e-6f)); },
-       "layer_norm_rms_epsilon"},
+      {"epsilon", [](ModelFile& m) { m.set("llama.attention.layer_norm_rms_epsilon", gguf::Writer::f32(0.5f)); },
+       "metadata llama.attention.layer_norm_rms_epsilon = 0.500000 is out of range (0, 0.01]"},
       {"partial rotary", [](ModelFile& m) { m.set("llama.rope.dimension_count", gguf::Writer::u32(8)); },
        "llama.rope.dimension_count = 8"},
       {"vocabulary size", [](ModelFile& m) {

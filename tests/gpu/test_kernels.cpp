@@ -198,45 +198,60 @@ TEST_P(KernelTest, RmsNormNormalisesEachRow) {
     }
     auto dx = to_device(x), dw = to_device(w);
     DeviceArray<float> out(*backend_, x.size());
-    backend_->rmsnorm(dx.get(), dw.get(), out.get(), rows, dim);
+    backend_->rmsnorm(dx.get(), dw.get(), out.get(), rows, dim, 1e-5f);
     expect_near_all(to_host(out, x.size()), expected, 1e-5f, "rmsnorm");
-    backend_->rmsnorm(dx.get(), dw.get(), dx.get(), rows, dim);  // in place, as the final norm runs
+    backend_->rmsnorm(dx.get(), dw.get(), dx.get(), rows, dim, 1e-5f);  // in place, as the final norm runs
     expect_near_all(to_host(dx, x.size()), expected, 1e-5f, "rmsnorm in place");
   }
 }
 
+// Llama's RoPE turns adjacent pairs (2i, 2i+1); NeoX's (Qwen2) pairs i with
+// i + head_size/2. The same table (pair i's angle) for both.
 TEST_P(KernelTest, RopeRotatesPairsPerHeadAtEachRowsPosition) {
   std::vector<int> many_positions(700);
   for (int i = 0; i < 700; ++i) many_positions[i] = (i * 7) % 512;
+  for (const bool neox : {false, true})
   for (const std::vector<int>& positions : {std::vector<int>{0, 5, 17, 511}, many_positions}) {
-    const int n_heads = 3, head_size = 8;
+    const int n_heads = 3, head_size = 8, half = head_size / 2;
     const int rows = int(positions.size()), width = n_heads * head_size;
     const auto x = random_floats(size_t(rows) * width, 6);
     std::vector<float> expected = x;
     for (int r = 0; r < rows; ++r)
       for (int h = 0; h < n_heads; ++h)
-        for (int i = 0; i < head_size / 2; ++i) {
+        for (int i = 0; i < half; ++i) {
           const double angle = positions[r] * std::pow(10000.0, -2.0 * i / head_size);
-          const size_t at = size_t(r) * width + h * head_size + 2 * i;
-          expected[at] = float(x[at] * std::cos(angle) - x[at + 1] * std::sin(angle));
-          expected[at + 1] = float(x[at] * std::sin(angle) + x[at + 1] * std::cos(angle));
+          const size_t head = size_t(r) * width + h * head_size;
+          const size_t a = neox ? head + i : head + 2 * i, b = neox ? head + i + half : head + 2 * i + 1;
+          expected[a] = float(x[a] * std::cos(angle) - x[b] * std::sin(angle));
+          expected[b] = float(x[a] * std::sin(angle) + x[b] * std::cos(angle));
         }
-    std::vector<float> table(size_t(512) * (head_size / 2) * 2);  // as the engine builds it
+    std::vector<float> table(size_t(512) * half * 2);  // as the engine builds it
     for (int pos = 0; pos < 512; ++pos)
-      for (int i = 0; i < head_size / 2; ++i) {
+      for (int i = 0; i < half; ++i) {
         const float angle = float(pos) * (1.0f / powf(10000.0f, float(2 * i) / float(head_size)));
-        table[(size_t(pos) * (head_size / 2) + i) * 2] = cosf(angle);
-        table[(size_t(pos) * (head_size / 2) + i) * 2 + 1] = sinf(angle);
+        table[(size_t(pos) * half + i) * 2] = cosf(angle);
+        table[(size_t(pos) * half + i) * 2 + 1] = sinf(angle);
       }
     auto dx = to_device(x);
     auto dpos = to_device(positions);
     auto dtable = to_device(table);
-    backend_->rope(dx.get(), dpos.get(), dtable.get(), rows, n_heads, head_size);
+    backend_->rope(dx.get(), dpos.get(), dtable.get(), rows, n_heads, head_size, neox);
     // float32 angles at position 511 carry ~1e-4 absolute error.
-    expect_near_all(to_host(dx, x.size()), expected, 2e-4f, "rope");
+    expect_near_all(to_host(dx, x.size()), expected, 2e-4f, neox ? "rope (neox)" : "rope");
     // Position 0 is the identity.
     for (int j = 0; j < width; ++j) EXPECT_EQ(to_host(dx, x.size())[j], x[j]);
   }
+}
+
+TEST_P(KernelTest, AddBiasAddsTheVectorToEveryRow) {
+  const int rows = 37, n = 48;
+  const auto x = random_floats(size_t(rows) * n, 21), bias = random_floats(n, 22);
+  auto dx = to_device(x);
+  auto db = to_device(bias);
+  backend_->add_bias(dx.get(), db.get(), rows, n);
+  const std::vector<float> got = to_host(dx, x.size());
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < n; ++j) ASSERT_EQ(got[size_t(r) * n + j], x[size_t(r) * n + j] + bias[size_t(j)]) << r << "," << j;
 }
 
 TEST_P(KernelTest, SwigluAndAdd) {
@@ -575,7 +590,7 @@ TEST(CudaVersusCpu, LayerOfOperationsAgrees) {
     b.pack_matrix(w1.data(), d1.get(), hidden, dim);
     b.pack_matrix(w3.data(), d3.get(), hidden, dim);
     b.pack_matrix(w2.data(), d2.get(), dim, hidden);
-    b.rmsnorm(dx.get(), dn.get(), xb.get(), rows, dim);
+    b.rmsnorm(dx.get(), dn.get(), xb.get(), rows, dim, 1e-5f);
     b.matmul(xb.get(), d1.get(), h1.get(), rows, hidden, dim);
     b.matmul(xb.get(), d3.get(), h3.get(), rows, hidden, dim);
     b.swiglu(h1.get(), h3.get(), size_t(rows) * hidden);

@@ -28,6 +28,8 @@ SHAPE = ["--dim", "64", "--hidden", "128", "--layers", "2", "--heads", "4", "--k
 MODELS = {
     "llama3": ("llama3", SHAPE + ["--vocab", "128256"]),
     "qwen3": ("qwen3", SHAPE + ["--vocab", "151669"]),
+    # Qwen2's layout: Q/K/V biases, NeoX rotary, RMSNorm epsilon 1e-6.
+    "qwen2": ("qwen3", SHAPE + ["--vocab", "151669", "--arch", "qwen2", "--rms-epsilon", "1e-6"]),
     # Llama 3.2's RoPE frequency factors: a head of 64 so that long
     # wavelengths exist, a prompt of 300 tokens so that they matter.
     "llama3-rope-freqs": ("llama3", ["--dim", "256", "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
