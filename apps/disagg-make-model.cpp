@@ -26,7 +26,7 @@ const char* kUsage =
     "                         [--kv-heads 4] [--vocab 512] [--seq-len 512] [--seed 42]\n"
     "                         [--format llama2c|gguf] [--type f32|f16|bf16|q8_0|q4_0|q4_k_m]\n"
     "                         [--hf-tokenizer DIR] [--rope-theta 10000] [--rope-freqs llama3]\n"
-    "                         [--arch llama|qwen2] [--rms-epsilon 1e-5]\n"
+    "                         [--arch llama|qwen2|qwen3] [--rms-epsilon 1e-5] [--head-dim N]\n"
     "Writes DIR/model.bin (random weights from --seed) and DIR/tokenizer.bin\n"
     "(a byte tokenizer with the same vocabulary), creating DIR; with --format gguf\n"
     "DIR/model.gguf instead: the same weights, the vocabulary inside, the matrices in\n"
@@ -36,7 +36,8 @@ const char* kUsage =
     "padded to --vocab rows, with its special tokens and chat template: a file laid\n"
     "out like a real model of that family, with random weights. --rope-freqs llama3\n"
     "(GGUF): Llama 3.2's RoPE frequency factors (rope_freqs.weight). --arch qwen2 (GGUF):\n"
-    "Qwen2's layout (Q/K/V biases, NeoX rotary); --rms-epsilon: RMSNorm's (Qwen: 1e-6).\n";
+    "Qwen2's layout (Q/K/V biases, NeoX rotary); qwen3: Qwen3's (Q/K norms, NeoX rotary);\n"
+    "--rms-epsilon: RMSNorm's (Qwen: 1e-6); --head-dim (GGUF): a head size other than dim/heads.\n";
 
 struct Options {
   std::string out_dir;
@@ -80,7 +81,10 @@ Options parse_args(int argc, char** argv) {
     } else if (flag == "--arch") {
       if (value == "llama") o.config.arch = disagg::gpu::Architecture::llama;
       else if (value == "qwen2") o.config.arch = disagg::gpu::Architecture::qwen2;
-      else throw UsageError{"--arch must be llama or qwen2"};
+      else if (value == "qwen3") o.config.arch = disagg::gpu::Architecture::qwen3;
+      else throw UsageError{"--arch must be llama, qwen2 or qwen3"};
+    } else if (flag == "--head-dim") {
+      o.config.head_dim = static_cast<int>(parse_integer(flag, value, 2, 1024));
     } else if (flag == "--rms-epsilon") {
       char* end = nullptr;
       o.config.rms_epsilon = std::strtof(value.c_str(), &end);
@@ -103,8 +107,9 @@ Options parse_args(int argc, char** argv) {
   if (!o.hf_tokenizer.empty() && !o.gguf) throw UsageError{"--hf-tokenizer needs --format gguf"};
   if (o.rope_freqs && !o.gguf) throw UsageError{"--rope-freqs needs --format gguf"};
   if (o.config.rope_theta != 10000.0f && !o.gguf) throw UsageError{"--rope-theta needs --format gguf (llama2.c's is 10000)"};
-  if ((o.config.arch != disagg::gpu::Architecture::llama || o.config.rms_epsilon != 1e-5f) && !o.gguf)
-    throw UsageError{"--arch and --rms-epsilon need --format gguf (a llama2.c checkpoint is llama with 1e-5)"};
+  if ((o.config.arch != disagg::gpu::Architecture::llama || o.config.rms_epsilon != 1e-5f || o.config.head_dim != 0) &&
+      !o.gguf)
+    throw UsageError{"--arch, --rms-epsilon and --head-dim need --format gguf (a llama2.c checkpoint is llama2.c's)"};
   if (o.rope_freqs) o.config.rope_factors = disagg::gpu::llama3_rope_factors(o.config, 32.0f, 1.0f, 4.0f, 8192);
   if (std::string problem = disagg::gpu::validate(o.config); !problem.empty()) throw UsageError{problem};
   // Checked here so that a bad vocabulary leaves no model without its tokenizer.

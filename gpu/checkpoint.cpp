@@ -169,7 +169,8 @@ void Checkpoint::load_gguf(size_t file_size) {
   ModelConfig& c = config_;
   if (arch == "llama") c.arch = Architecture::llama;
   else if (arch == "qwen2") c.arch = Architecture::qwen2;
-  else throw Error(path_ + ": architecture " + arch + " is not supported (llama and qwen2 are)");
+  else if (arch == "qwen3") c.arch = Architecture::qwen3;
+  else throw Error(path_ + ": architecture " + arch + " is not supported (llama, qwen2 and qwen3 are)");
   const std::string p = arch + ".";  // the metadata keys' prefix
   auto dimension = [&](const std::string& key) {
     const uint64_t v = f.uint(key);
@@ -183,6 +184,12 @@ void Checkpoint::load_gguf(size_t file_size) {
   c.n_heads = dimension(p + "attention.head_count");
   c.n_kv_heads = f.find(p + "attention.head_count_kv") ? dimension(p + "attention.head_count_kv") : c.n_heads;
   c.seq_len = dimension(p + "context_length");
+  if (f.find(p + "attention.key_length")) {  // a head size other than dim / heads (Qwen3)
+    c.head_dim = dimension(p + "attention.key_length");
+    if (f.find(p + "attention.value_length") && dimension(p + "attention.value_length") != c.head_dim)
+      throw Error(path_ + ": metadata " + p + "attention.value_length differs from key_length (" +
+                  std::to_string(c.head_dim) + ")");
+  }
   const gguf::TensorInfo& embedding = f.require_tensor("token_embd.weight");
   if (embedding.dims.size() != 2 || embedding.dims[1] > std::numeric_limits<int32_t>::max())
     throw Error(path_ + ": tensor token_embd.weight: shape " + shape_text(embedding.dims) + " is no [dim, vocab] matrix");
@@ -364,6 +371,8 @@ const float*& Weights::norm(Tensor t, int layer) {
     case Tensor::bq: return layers[size_t(layer)].bq;
     case Tensor::bk: return layers[size_t(layer)].bk;
     case Tensor::bv: return layers[size_t(layer)].bv;
+    case Tensor::q_norm: return layers[size_t(layer)].q_norm;
+    case Tensor::k_norm: return layers[size_t(layer)].k_norm;
     default: throw Error(gguf_name(t, layer) + " is a matrix, not a norm");
   }
 }

@@ -41,6 +41,8 @@ struct LayerWeights {
   const float* bq = nullptr;       // qwen2: (n_heads*head_size) added to q
   const float* bk = nullptr;       // qwen2: (kv_dim) added to k
   const float* bv = nullptr;       // qwen2: (kv_dim) added to v
+  const float* q_norm = nullptr;   // qwen3: (head_size), RMSNorm of each query head
+  const float* k_norm = nullptr;   // qwen3: (head_size), RMSNorm of each key head
 };
 
 struct Weights {

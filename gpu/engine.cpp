@@ -155,6 +155,8 @@ struct Engine::Impl {
         backend(make_backend(options.backend)),
         dim(size_t(cfg.dim)),
         kv_dim(size_t(cfg.kv_dim())),
+        q_dim(size_t(cfg.q_dim())),
+        head(size_t(cfg.head_size())),
         hidden(size_t(cfg.hidden_dim)),
         layers(size_t(cfg.n_layers)),
         vocab(size_t(cfg.vocab_size)),
@@ -162,13 +164,17 @@ struct Engine::Impl {
         token_embedding(*backend),
         token_blocks(*backend),
         rms_att(upload_layers(*backend, weights().layers, &LayerWeights::rms_att, dim)),
-        wq(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wq), cfg.dim, cfg.dim),
+        wq(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wq), cfg.q_dim(), cfg.dim),
         wk(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wk), cfg.kv_dim(), cfg.dim),
         wv(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wv), cfg.kv_dim(), cfg.dim),
-        wo(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.dim),
-        bq(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bq, dim) : DeviceArray<float>(*backend)),
+        wo(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.q_dim()),
+        bq(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bq, q_dim) : DeviceArray<float>(*backend)),
         bk(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bk, kv_dim) : DeviceArray<float>(*backend)),
         bv(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bv, kv_dim) : DeviceArray<float>(*backend)),
+        q_norm(cfg.qk_norm() ? upload_layers(*backend, weights().layers, &LayerWeights::q_norm, head)
+                             : DeviceArray<float>(*backend)),
+        k_norm(cfg.qk_norm() ? upload_layers(*backend, weights().layers, &LayerWeights::k_norm, head)
+                             : DeviceArray<float>(*backend)),
         rms_ffn(upload_layers(*backend, weights().layers, &LayerWeights::rms_ffn, dim)),
         w1(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w1), cfg.hidden_dim, cfg.dim),
         w2(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w2), cfg.dim, cfg.hidden_dim),
@@ -272,7 +278,7 @@ struct Engine::Impl {
   std::shared_ptr<const Checkpoint> checkpoint;
   ModelConfig cfg;
   std::unique_ptr<Backend> backend;
-  size_t dim, kv_dim, hidden, layers, vocab;
+  size_t dim, kv_dim, q_dim, head, hidden, layers, vocab;  // head: floats per head (head_size)
 
   // Weights, all layers per tensor. Vectors row-major; the embedding table
   // as f32 rows (token_embedding) or Q8_0 rows (token_rows); matrices per
@@ -283,8 +289,9 @@ struct Engine::Impl {
   DeviceArray<uint8_t> token_blocks;    // quantized, on a device backend
   const void* token_rows = nullptr;     // quantized: the table's rows (device pointer)
   DeviceArray<float> rms_att;           // (layers, dim)
-  LayerMatrices wq, wk, wv, wo;         // (dim, dim), (kv_dim, dim) x2, (dim, dim)
-  DeviceArray<float> bq, bk, bv;        // qwen2 only: (layers, dim), (layers, kv_dim) x2
+  LayerMatrices wq, wk, wv, wo;         // (q_dim, dim), (kv_dim, dim) x2, (dim, q_dim)
+  DeviceArray<float> bq, bk, bv;        // qwen2 only: (layers, q_dim), (layers, kv_dim) x2
+  DeviceArray<float> q_norm, k_norm;    // qwen3 only: (layers, head_size) each
   DeviceArray<float> rms_ffn;           // (layers, dim)
   LayerMatrices w1, w2, w3;             // (hidden, dim), (dim, hidden), (hidden, dim)
   DeviceArray<float> rms_final;         // (dim)
@@ -327,14 +334,15 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   const int n_dim = cfg.dim;
   const int n_heads = cfg.n_heads, n_kv_heads = cfg.n_kv_heads, head_size = cfg.head_size();
   const float eps = cfg.rms_epsilon;
+  const size_t q_floats = size_t(rows) * q_dim;  // q and the attention's output
   const size_t row_floats = size_t(rows) * dim;
 
   tokens.upload(host_tokens.data(), host_tokens.size());
   positions.upload(host_positions.data(), host_positions.size());
   float* x_ = x.ensure(row_floats);
-  float* xb_ = xb.ensure(row_floats);
+  float* xb_ = xb.ensure(std::max(row_floats, q_floats));
   float* xb2_ = xb2.ensure(row_floats);
-  float* q_ = q.ensure(row_floats);
+  float* q_ = q.ensure(q_floats);
   float* k_ = k.ensure(size_t(rows) * kv_dim);
   float* v_ = v.ensure(size_t(rows) * kv_dim);
   float* hb_ = hb.ensure(size_t(rows) * hidden);
@@ -351,9 +359,13 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
     wk.mul(b, l, xb_, k_, rows);
     wv.mul(b, l, xb_, v_, rows);
     if (cfg.qkv_bias()) {  // qwen2
-      b.add_bias(q_, bq.get() + l * dim, rows, n_dim);
+      b.add_bias(q_, bq.get() + l * q_dim, rows, int(q_dim));
       b.add_bias(k_, bk.get() + l * kv_dim, rows, int(kv_dim));
       b.add_bias(v_, bv.get() + l * kv_dim, rows, int(kv_dim));
+    }
+    if (cfg.qk_norm()) {  // qwen3: each head of q and k RMS-normalised
+      b.rmsnorm(q_, q_norm.get() + l * head, q_, rows * n_heads, head_size, eps);
+      b.rmsnorm(k_, k_norm.get() + l * head, k_, rows * n_kv_heads, head_size, eps);
     }
     b.rope(q_, pos_, rope.get(), rows, n_heads, head_size, cfg.rope_neox());
     b.rope(k_, pos_, rope.get(), rows, n_kv_heads, head_size, cfg.rope_neox());

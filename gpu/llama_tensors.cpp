@@ -6,7 +6,7 @@ bool per_layer(Tensor t) { return t != Tensor::token_embedding && t != Tensor::r
 
 bool is_matrix(Tensor t) {
   return t != Tensor::rms_att && t != Tensor::rms_ffn && t != Tensor::rms_final && t != Tensor::bq && t != Tensor::bk &&
-         t != Tensor::bv;
+         t != Tensor::bv && t != Tensor::q_norm && t != Tensor::k_norm;
 }
 
 std::string gguf_name(Tensor t, int layer) {
@@ -27,6 +27,8 @@ std::string gguf_name(Tensor t, int layer) {
     case Tensor::bq: return blk + "attn_q.bias";
     case Tensor::bk: return blk + "attn_k.bias";
     case Tensor::bv: return blk + "attn_v.bias";
+    case Tensor::q_norm: return blk + "attn_q_norm.weight";
+    case Tensor::k_norm: return blk + "attn_k_norm.weight";
   }
   return "?";
 }
@@ -50,6 +52,8 @@ TensorShape shape_of(Tensor t, const ModelConfig& c) {
     case Tensor::bq: return {1, q_dim};
     case Tensor::bk:
     case Tensor::bv: return {1, kv_dim};
+    case Tensor::q_norm:
+    case Tensor::k_norm: return {1, c.head_size()};
   }
   return {0, 0};
 }

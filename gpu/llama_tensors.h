@@ -16,9 +16,13 @@ namespace disagg::gpu {
 // In llama2.c file order (the GGUF order is per layer: tensors()), then the
 // vectors only other architectures have (qwen2's Q/K/V biases), which a
 // llama2.c file never holds.
-enum class Tensor { token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls, bq, bk, bv };
+enum class Tensor {
+  token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, wcls,
+  bq, bk, bv,      // qwen2: Q/K/V biases
+  q_norm, k_norm,  // qwen3: per-head RMSNorm weights of Q and K
+};
 constexpr int kLlama2cTensorKinds = 12;
-constexpr int kTensorKinds = 15;
+constexpr int kTensorKinds = 17;
 
 // True for the tensors each layer has one of.
 bool per_layer(Tensor t);
@@ -35,7 +39,7 @@ struct TensorShape {
 TensorShape shape_of(Tensor t, const ModelConfig& c);
 
 // The tensors of a model in GGUF file order: the embedding, each layer's
-// (attention norm, q, k, v, [qwen2: their biases], output, FFN norm, gate,
+// (attention norm, q, k, v, [qwen2: their biases; qwen3: Q and K norms], output, FFN norm, gate,
 // down, up), the final norm, the classifier unless it is shared. f(tensor,
 // layer) for each (layer 0 outside the layers).
 template <class F>
@@ -45,6 +49,8 @@ void for_each_tensor(const ModelConfig& c, F f) {
     for (Tensor t : {Tensor::rms_att, Tensor::wq, Tensor::wk, Tensor::wv}) f(t, l);
     if (c.qkv_bias())
       for (Tensor t : {Tensor::bq, Tensor::bk, Tensor::bv}) f(t, l);
+    if (c.qk_norm())
+      for (Tensor t : {Tensor::q_norm, Tensor::k_norm}) f(t, l);
     for (Tensor t : {Tensor::wo, Tensor::rms_ffn, Tensor::w1, Tensor::w2, Tensor::w3}) f(t, l);
   }
   f(Tensor::rms_final, 0);

@@ -6,6 +6,7 @@ const char* to_string(Architecture a) {
   switch (a) {
     case Architecture::llama: return "llama";
     case Architecture::qwen2: return "qwen2";
+    case Architecture::qwen3: return "qwen3";
   }
   return "?";
 }
@@ -18,7 +19,8 @@ std::string validate(const ModelConfig& c) {
            std::to_string(c.n_heads) + ", kv heads " + std::to_string(c.n_kv_heads) + ", vocab " +
            std::to_string(c.vocab_size) + ", seq_len " + std::to_string(c.seq_len) + ")";
   }
-  if (c.dim % c.n_heads != 0)
+  if (c.head_dim < 0) return "head_dim " + std::to_string(c.head_dim) + " is negative";
+  if (c.head_dim == 0 && c.dim % c.n_heads != 0)
     return "dim " + std::to_string(c.dim) + " is not divisible by n_heads " + std::to_string(c.n_heads);
   if (c.n_heads % c.n_kv_heads != 0)
     return "n_heads " + std::to_string(c.n_heads) + " is not a multiple of n_kv_heads " +

@@ -13,8 +13,9 @@ constexpr int kBosToken = 1;  // llama2.c's <s>, which ends a llama2.c generatio
 enum class Architecture {
   llama,  // Llama 2/3, Mistral, TinyLlama, llama2.c: RoPE on adjacent pairs
   qwen2,  // Qwen2, Qwen2.5: Q/K/V biases, NeoX RoPE (pair i with i + head_size/2)
+  qwen3,  // Qwen3: per-head RMSNorm of Q and K before RoPE (no biases), NeoX RoPE, a head size of its own
 };
-const char* to_string(Architecture a);  // the GGUF name: "llama", "qwen2"
+const char* to_string(Architecture a);  // the GGUF name: "llama", "qwen2", "qwen3"
 
 struct ModelConfig {
   int dim = 0;          // residual stream width
@@ -27,6 +28,7 @@ struct ModelConfig {
   bool shared_classifier = true;  // wcls == token_embedding
   Architecture arch = Architecture::llama;
   float rms_epsilon = 1e-5f;      // RMSNorm: w * x / sqrt(mean(x^2) + rms_epsilon) (llama2.c's 1e-5; Qwen 1e-6)
+  int head_dim = 0;               // per head (GGUF attention.key_length); 0: dim / n_heads
   float rope_theta = 10000.0f;    // RoPE base: pair i of a head turns by pos * theta^(-2i/head_size)
   // Llama 3.1's frequency factors (GGUF tensor rope_freqs.weight, [head_size/2]):
   // pair i turns by pos * theta^(-2i/head_size) / rope_factors[i]; empty: none.
@@ -35,10 +37,12 @@ struct ModelConfig {
   // (gpu::end_tokens_of); a llama2.c checkpoint ends at BOS, as run.c does.
   std::vector<int> end_tokens{kBosToken};
 
-  int head_size() const { return dim / n_heads; }
+  int head_size() const { return head_dim > 0 ? head_dim : dim / n_heads; }
+  int q_dim() const { return n_heads * head_size(); }  // the query projection's width (dim, but Qwen3's)
   int kv_dim() const { return n_kv_heads * head_size(); }
   int kv_group() const { return n_heads / n_kv_heads; }  // query heads per kv head
-  bool rope_neox() const { return arch == Architecture::qwen2; }
+  bool rope_neox() const { return arch == Architecture::qwen2 || arch == Architecture::qwen3; }
+  bool qk_norm() const { return arch == Architecture::qwen3; }
   bool qkv_bias() const { return arch == Architecture::qwen2; }
 };
 

@@ -135,9 +135,10 @@ class RandomSource final : public WeightSource {
       index = layout_.offset(t, layer) + uint64_t(r) * uint64_t(cols);
       if (t == Tensor::wcls) index -= layout_.rope_unused();
     } else {
-      const uint64_t stride = uint64_t(shape_of(Tensor::bq, c_).cols);  // the longest bias
+      const uint64_t stride = uint64_t(shape_of(Tensor::bq, c_).cols);  // the longest of them
       index = layout_.values() + (uint64_t(int(t) - kLlama2cTensorKinds) * uint64_t(c_.n_layers) + uint64_t(layer)) * stride;
-      half_width = 0.5f;
+      if (t == Tensor::q_norm || t == Tensor::k_norm) center = 1.0f, half_width = 0.1f;  // gains, as the norms'
+      else half_width = 0.5f;                                                          // biases
     }
     uint64_t state = state0_ + (index + 1) * kGamma;
     for (int64_t j = 0; j < cols; ++j, state += kGamma) {
@@ -209,6 +210,10 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
   w.add(p + "attention.head_count", gguf::Writer::u32(uint32_t(c.n_heads)));
   w.add(p + "attention.head_count_kv", gguf::Writer::u32(uint32_t(c.n_kv_heads)));
   w.add(p + "rope.dimension_count", gguf::Writer::u32(uint32_t(c.head_size())));
+  if (c.head_dim > 0) {
+    w.add(p + "attention.key_length", gguf::Writer::u32(uint32_t(c.head_dim)));
+    w.add(p + "attention.value_length", gguf::Writer::u32(uint32_t(c.head_dim)));
+  }
   w.add(p + "rope.freq_base", gguf::Writer::f32(c.rope_theta));
   w.add(p + "attention.layer_norm_rms_epsilon", gguf::Writer::f32(c.rms_epsilon));
   std::vector<std::string> tokens;
@@ -267,7 +272,7 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
 void write_random_checkpoint(const std::string& path, const ModelConfig& config, uint64_t seed) {
   if (std::string problem = validate(config); !problem.empty()) throw Error(path + ": " + problem);
   if (config.arch != Architecture::llama || config.rms_epsilon != 1e-5f || !config.rope_factors.empty() ||
-      config.rope_theta != 10000.0f)
+      config.rope_theta != 10000.0f || config.head_dim != 0)
     throw Error(path + ": a llama2.c checkpoint holds the llama architecture with llama2.c's constants only");
   const Llama2cLayout layout(config);
   if (layout.file_bytes() == std::numeric_limits<size_t>::max()) throw Error(path + ": model too large to write");

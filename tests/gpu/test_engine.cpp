@@ -134,18 +134,23 @@ TEST(Engine, PrefillMatchesStepwiseOnARandomGqaModelWithItsOwnClassifier) {
   std::filesystem::remove_all(dir);
 }
 
-// The other layouts' paths (Qwen2's biases, NeoX rotary and epsilon; Llama
+// The other layouts' paths (Qwen2's biases, NeoX rotary and epsilon; Qwen3's
+// Q/K norms and wider heads; Llama
 // 3.1's RoPE factors) keep the arithmetic fixed: prefill equals stepwise
 // decode bit for bit, and a batch decodes each sequence as it would alone.
-TEST(Engine, Qwen2AndRopeFactorModelsAreBatchAndChunkInvariant) {
+TEST(Engine, QwenAndRopeFactorModelsAreBatchAndChunkInvariant) {
   const std::string dir = test::make_temp_dir("engine-arch");
   ModelConfig qwen2{64, 96, 2, 4, 2, 300, 64, true};
   qwen2.arch = Architecture::qwen2;
   qwen2.rms_epsilon = 1e-6f;
+  ModelConfig qwen3{64, 96, 2, 4, 2, 300, 64, true};
+  qwen3.arch = Architecture::qwen3;
+  qwen3.head_dim = 32;  // q is 128 wide, the residual 64
+  qwen3.rms_epsilon = 1e-6f;
   ModelConfig factors{64, 96, 2, 4, 2, 300, 64, false};
   factors.rope_theta = 500000.0f;
   factors.rope_factors = llama3_rope_factors(factors, 32.0f, 1.0f, 4.0f, 8192);
-  for (const ModelConfig& config : {qwen2, factors}) {
+  for (const ModelConfig& config : {qwen2, qwen3, factors}) {
     SCOPED_TRACE(to_string(config.arch));
     const std::string path = dir + "/" + to_string(config.arch) + std::to_string(config.rope_factors.size()) + ".gguf";
     write_gguf(*random_weights(config, 3), byte_vocabulary(300), "arch", path, FileType::f32);
@@ -153,6 +158,7 @@ TEST(Engine, Qwen2AndRopeFactorModelsAreBatchAndChunkInvariant) {
     EXPECT_EQ(checkpoint->config().arch, config.arch);
     EXPECT_EQ(checkpoint->config().rms_epsilon, config.rms_epsilon);
     EXPECT_EQ(checkpoint->config().rope_factors, config.rope_factors);
+    EXPECT_EQ(checkpoint->config().head_size(), config.head_size());
     Engine engine(checkpoint);
     std::vector<int> prompt;
     for (int i = 0; i < 40; ++i) prompt.push_back((i * 37 + 5) % config.vocab_size);

@@ -402,7 +402,7 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
     const char* expected;
   } cases[] = {
       {"architecture", [](ModelFile& m) { m.set("general.architecture", gguf::Writer::str("gemma")); },
-       "architecture gemma is not supported (llama and qwen2 are)"},
+       "architecture gemma is not supported (llama, qwen2 and qwen3 are)"},
       {"qwen2 keys", [](ModelFile& m) { m.set("general.architecture", gguf::Writer::str("qwen2")); },
        "metadata qwen2.embedding_length is missing"},
       {"no block count", [](ModelFile& m) { m.drop_key("llama.block_count"); }, "metadata llama.block_count is missing"},

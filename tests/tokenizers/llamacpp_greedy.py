@@ -30,6 +30,8 @@ MODELS = {
     "qwen3": ("qwen3", SHAPE + ["--vocab", "151669"]),
     # Qwen2's layout: Q/K/V biases, NeoX rotary, RMSNorm epsilon 1e-6.
     "qwen2": ("qwen3", SHAPE + ["--vocab", "151669", "--arch", "qwen2", "--rms-epsilon", "1e-6"]),
+    # Qwen3's: per-head Q/K norms, NeoX rotary, heads of 32 on a residual of 64.
+    "qwen3-arch": ("qwen3", SHAPE + ["--vocab", "151669", "--arch", "qwen3", "--rms-epsilon", "1e-6", "--head-dim", "32"]),
     # Llama 3.2's RoPE frequency factors: a head of 64 so that long
     # wavelengths exist, a prompt of 300 tokens so that they matter.
     "llama3-rope-freqs": ("llama3", ["--dim", "256", "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
