@@ -7,6 +7,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +25,8 @@
 #endif
 
 #include "gpu/byte_bpe.h"
+#include "gpu/hf_tokenizer.h"
+#include "gpu/safetensors.h"
 #include "gpu/error.h"
 #include "gpu/fixed_math.h"
 #include "gpu/gguf.h"
@@ -44,22 +50,27 @@ constexpr size_t kHeaderBytes = Llama2cLayout::kHeaderBytes;
 // (MADV_DONTNEED on a read-only private file mapping: the next access reads
 // the page cache or the file again), so the hash does not make the whole
 // file resident: a model's peak RSS is what the engine keeps (README).
-uint64_t fingerprint_bytes(void* mapping, size_t size) {
+// Several buffers (a Hugging Face directory's files) are hashed one after
+// the other into one digest.
+uint64_t fingerprint_bytes(const std::vector<std::pair<const void*, size_t>>& buffers) {
   constexpr size_t kChunk = size_t(32) << 20;
   XXH3_state_t* state = XXH3_createState();
   if (!state) throw Error("cannot allocate a hash state");
   XXH3_64bits_reset(state);
-  auto* base = static_cast<char*>(mapping);
-  for (size_t at = 0; at < size; at += kChunk) {
-    const size_t n = std::min(kChunk, size - at);
-    if (at + n < size) ::madvise(base + at + n, std::min(kChunk, size - at - n), MADV_WILLNEED);  // advice only
-    XXH3_64bits_update(state, base + at, n);
-    ::madvise(base + at, n, MADV_DONTNEED);
+  for (const auto& [mapping, size] : buffers) {
+    auto* base = static_cast<char*>(const_cast<void*>(mapping));
+    for (size_t at = 0; at < size; at += kChunk) {
+      const size_t n = std::min(kChunk, size - at);
+      if (at + n < size) ::madvise(base + at + n, std::min(kChunk, size - at - n), MADV_WILLNEED);  // advice only
+      XXH3_64bits_update(state, base + at, n);
+      ::madvise(base + at, n, MADV_DONTNEED);
+    }
   }
   const uint64_t hash = XXH3_64bits_digest(state);
   XXH3_freeState(state);
   return hash;
 }
+uint64_t fingerprint_bytes(void* mapping, size_t size) { return fingerprint_bytes({{mapping, size}}); }
 
 struct FileCloser {
   int fd;
@@ -273,6 +284,12 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
 
   struct stat st {};
   if (::fstat(fd, &st) != 0) throw Error(path + ": cannot stat: " + errno_text());
+  if (S_ISDIR(st.st_mode)) {
+    std::shared_ptr<Checkpoint> cp(new Checkpoint());
+    cp->path_ = path;
+    cp->load_hf(path);
+    return cp;
+  }
   if (!S_ISREG(st.st_mode)) throw Error(path + ": not a regular file");
   const size_t file_size = size_t(st.st_size);
   if (file_size < kHeaderBytes)
@@ -342,6 +359,183 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   return cp;
 }
 
+// ---------------------------------------------------------------- Hugging Face directories
+
+namespace {
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path + ": cannot open");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path + ": not JSON: " + e.what());
+  }
+}
+
+// A whole file mapped read-only.
+std::pair<void*, size_t> map_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(path + ": cannot open: " + errno_text());
+  FileCloser closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) throw Error(path + ": not a regular file");
+  if (st.st_size == 0) throw Error(path + ": empty");
+  void* m = ::mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+  if (m == MAP_FAILED) throw Error(path + ": cannot mmap: " + errno_text());
+  return {m, size_t(st.st_size)};
+}
+
+// The ids of an eos_token_id (an id or a list of them) in a config, if any.
+void add_ids(const nlohmann::json& config, const char* key, std::vector<int>& ids) {
+  if (!config.contains(key)) return;
+  const nlohmann::json& v = config[key];
+  if (v.is_number_integer()) ids.push_back(v.get<int>());
+  else if (v.is_array())
+    for (const auto& x : v)
+      if (x.is_number_integer()) ids.push_back(x.get<int>());
+}
+
+}  // namespace
+
+// config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+// Qwen3ForCausalLM), model.safetensors or the shards its index names (F32,
+// F16, BF16: mapped, not copied), tokenizer.json and tokenizer_config.json.
+// Hugging Face's Llama keeps q/k rows in rotate_half order, which the engine
+// rotates as it is (ModelConfig::rotate_half) instead of permuting a copy.
+void Checkpoint::load_hf(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  const nlohmann::json j = read_json_file(config_path);
+  ModelConfig& c = config_;
+  try {
+    const std::string arch = j.at("architectures").at(0).get<std::string>();
+    if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM") c.arch = Architecture::llama, c.rotate_half = true;
+    else if (arch == "Qwen2ForCausalLM") c.arch = Architecture::qwen2;
+    else if (arch == "Qwen3ForCausalLM") c.arch = Architecture::qwen3;
+    else throw Error(config_path + ": architectures[0] " + arch +
+                     " is not supported (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM are)");
+    auto positive = [&](const char* key) {
+      const int64_t v = j.at(key).get<int64_t>();
+      if (v <= 0 || v > std::numeric_limits<int32_t>::max())
+        throw Error(config_path + ": " + key + " = " + std::to_string(v) + " is out of range");
+      return int(v);
+    };
+    c.dim = positive("hidden_size");
+    c.hidden_dim = positive("intermediate_size");
+    c.n_layers = positive("num_hidden_layers");
+    c.n_heads = positive("num_attention_heads");
+    c.n_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null() ? positive("num_key_value_heads")
+                                                                                          : c.n_heads;
+    c.vocab_size = positive("vocab_size");
+    c.seq_len = positive("max_position_embeddings");
+    if (j.contains("head_dim") && !j["head_dim"].is_null() && j["head_dim"].get<int64_t>() * c.n_heads != c.dim)
+      c.head_dim = positive("head_dim");
+    c.rope_theta = j.value("rope_theta", 10000.0f);
+    c.rms_epsilon = j.value("rms_norm_eps", 1e-5f);
+    c.shared_classifier = j.value("tie_word_embeddings", false);
+    if (!(c.rope_theta > 1.0f) || !(c.rms_epsilon > 0.0f && c.rms_epsilon <= 1e-2f))
+      throw Error(config_path + ": rope_theta or rms_norm_eps is out of range");
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+      const nlohmann::json& r = j["rope_scaling"];
+      const std::string type = r.value("rope_type", r.value("type", ""));
+      if (type != "llama3")
+        throw Error(config_path + ": rope_scaling type \"" + type + "\" is not supported (llama3 is)");
+      if (std::string problem = validate(c); !problem.empty()) throw Error(config_path + ": " + problem);
+      c.rope_factors = llama3_rope_factors(c, r.at("factor").get<float>(), r.at("low_freq_factor").get<float>(),
+                                           r.at("high_freq_factor").get<float>(),
+                                           r.at("original_max_position_embeddings").get<int>());
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(config_path + ": " + e.what());
+  }
+  if (std::string problem = validate(c); !problem.empty()) throw Error(config_path + ": " + problem);
+
+  // The weight files: one, or the shards an index names (each mapped once).
+  std::vector<std::string> files;
+  const std::string single = (fs::path(dir) / "model.safetensors").string();
+  const std::string index = (fs::path(dir) / "model.safetensors.index.json").string();
+  if (fs::exists(single)) {
+    files.push_back(single);
+  } else if (fs::exists(index)) {
+    const nlohmann::json ix = read_json_file(index);
+    if (!ix.contains("weight_map") || !ix["weight_map"].is_object()) throw Error(index + ": no weight_map");
+    for (const auto& [name, file] : ix["weight_map"].items()) {
+      if (!file.is_string()) throw Error(index + ": weight_map[" + name + "] is not a file name");
+      const std::string f = file.get<std::string>();
+      if (f.find('/') != std::string::npos || f == "..") throw Error(index + ": shard \"" + f + "\" is not a file of the directory");
+      const std::string shard = (fs::path(dir) / f).string();
+      if (std::find(files.begin(), files.end(), shard) == files.end()) files.push_back(shard);
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    throw Error(dir + ": neither model.safetensors nor model.safetensors.index.json");
+  }
+  std::map<std::string, std::pair<safetensors::Tensor, const uint8_t*>> tensors;  // name -> (info, file base)
+  for (size_t i = 0; i < files.size(); ++i) {
+    const auto mapped = map_file(files[i]);
+    if (i == 0) mapping_ = mapped.first, mapping_size_ = mapped.second;
+    else shards_.push_back(mapped);
+    const auto* base = static_cast<const uint8_t*>(mapped.first);
+    for (auto& [name, t] : safetensors::parse(base, mapped.second, files[i]))
+      if (!tensors.emplace(name, std::pair{t, base}).second) throw Error(files[i] + ": tensor " + name + " is in two files");
+  }
+
+  Weights& w = weights_;
+  w.layers.resize(size_t(c.n_layers));
+  for_each_tensor(c, [&](Tensor which, int layer) {
+    const std::string name = hf_name(which, layer);
+    auto it = tensors.find(name);
+    if (it == tensors.end()) throw Error(dir + ": tensor " + name + " is missing");
+    const safetensors::Tensor& t = it->second.first;
+    const TensorShape shape = shape_of(which, c);
+    const std::vector<int64_t> want = is_matrix(which) ? std::vector<int64_t>{shape.rows, shape.cols}
+                                                       : std::vector<int64_t>{shape.cols};
+    if (t.shape != want)
+      throw Error(dir + ": tensor " + name + ": shape " + shape_text(t.shape) + ", the config says " + shape_text(want));
+    const WeightType type = t.dtype == "F32" ? WeightType::f32 : t.dtype == "F16" ? WeightType::f16
+                            : t.dtype == "BF16" ? WeightType::bf16
+                                                : throw Error(dir + ": tensor " + name + ": dtype " + t.dtype +
+                                                              " (F32, F16 and BF16 are read)");
+    const uint8_t* data = it->second.second + t.offset;
+    if (t.offset % block_bytes(type) != 0) throw Error(dir + ": tensor " + name + ": offset not aligned to its values");
+    if (is_matrix(which)) {
+      w.matrix(which, layer) = Matrix{data, type};
+    } else if (type == WeightType::f32) {
+      w.norm(which, layer) = reinterpret_cast<const float*>(data);
+    } else {  // a vector in 16 bits: widened once (a few KB)
+      std::vector<float>& wide = widened_.emplace_back(size_t(shape.cols));
+      dequantize_row(type, data, wide.data(), int(shape.cols));
+      w.norm(which, layer) = wide.data();
+    }
+  });
+  if (c.shared_classifier) w.wcls = w.token_embedding;
+
+  // The vocabulary, its end tokens and chat template.
+  const std::string tokenizer = (fs::path(dir) / "tokenizer.json").string();
+  const std::string tokenizer_config = (fs::path(dir) / "tokenizer_config.json").string();
+  if (fs::exists(tokenizer)) {
+    vocabulary_ = read_hf_tokenizer(tokenizer, fs::exists(tokenizer_config) ? tokenizer_config : "", c.vocab_size);
+    std::vector<int> named;
+    add_ids(j, "eos_token_id", named);
+    const std::string generation = (fs::path(dir) / "generation_config.json").string();
+    if (fs::exists(generation)) add_ids(read_json_file(generation), "eos_token_id", named);
+    if (vocabulary_->eos >= 0) named.push_back(vocabulary_->eos);
+    c.end_tokens = end_tokens_of(*vocabulary_, named);
+  }
+  name_ = fs::path(dir).filename().string().empty() ? fs::path(dir).parent_path().filename().string()
+                                                    : fs::path(dir).filename().string();
+
+  // Every byte of config.json and the weight files.
+  std::vector<std::pair<const void*, size_t>> buffers;
+  const auto config_bytes = map_file(config_path);
+  buffers.emplace_back(config_bytes.first, config_bytes.second);
+  buffers.emplace_back(mapping_, mapping_size_);
+  for (const auto& [m, n] : shards_) buffers.emplace_back(m, n);
+  fingerprint_ = fingerprint_bytes(buffers);
+  ::munmap(config_bytes.first, config_bytes.second);
+}
+
 Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokenizer_path) {
   if (!tokenizer_path.empty()) return Tokenizer::load(tokenizer_path, checkpoint.config().vocab_size);
   if (checkpoint.vocabulary()) return Tokenizer::from_vocabulary(*checkpoint.vocabulary(), checkpoint.path());
@@ -380,12 +574,15 @@ const float*& Weights::norm(Tensor t, int layer) {
 void Checkpoint::release(const void* ptr, size_t bytes) const {
   const auto page = uintptr_t(::sysconf(_SC_PAGESIZE));
   const uintptr_t begin = (uintptr_t(ptr) + page - 1) / page * page, end = (uintptr_t(ptr) + bytes) / page * page;
-  const auto lo = uintptr_t(mapping_), hi = lo + mapping_size_;
-  if (begin < end && begin >= lo && end <= hi) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  auto inside = [&](void* m, size_t n) { return begin >= uintptr_t(m) && end <= uintptr_t(m) + n; };
+  bool ours = inside(mapping_, mapping_size_);
+  for (const auto& [m, n] : shards_) ours = ours || inside(m, n);
+  if (begin < end && ours) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 Checkpoint::~Checkpoint() {
   if (mapping_) ::munmap(mapping_, mapping_size_);
+  for (const auto& [m, n] : shards_) ::munmap(m, n);
 }
 
 }  // namespace disagg::gpu

@@ -62,7 +62,8 @@ class Checkpoint {
  public:
   // Maps and validates the file and computes its fingerprint (reading every
   // byte once). Throws Error("<path>: <problem>") for a missing, truncated or
-  // oversized file, non-positive or inconsistent dimensions; for a GGUF file
+  // oversized file, non-positive or inconsistent dimensions; `path` may also
+  // be a Hugging Face model directory (gpu/hf_model.cpp); for a GGUF file
   // also a missing key or tensor, a shape that disagrees with the metadata, a
   // tensor type the engine does not compute with (matrices: F32, F16, BF16,
   // Q8_0, Q4_0; norms: F32).
@@ -92,14 +93,17 @@ class Checkpoint {
  private:
   Checkpoint() = default;
   void load_gguf(size_t file_size);
+  void load_hf(const std::string& dir);  // gpu/hf_model.cpp
   std::string path_;
   ModelConfig config_;
   Weights weights_;
   uint64_t fingerprint_ = 0;
   std::optional<Vocabulary> vocabulary_;
   std::string name_;
-  void* mapping_ = nullptr;
+  void* mapping_ = nullptr;  // the file (a Hugging Face directory: its first shard)
   size_t mapping_size_ = 0;
+  std::vector<std::pair<void*, size_t>> shards_;  // a Hugging Face directory's other files' mappings
+  std::vector<std::vector<float>> widened_;       // vectors stored in 16 bits, as f32 (Hugging Face BF16 norms)
 };
 
 // The tokenizer of a model: the file `tokenizer_path` names (its vocabulary

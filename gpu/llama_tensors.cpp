@@ -33,6 +33,30 @@ std::string gguf_name(Tensor t, int layer) {
   return "?";
 }
 
+std::string hf_name(Tensor t, int layer) {
+  const std::string blk = "model.layers." + std::to_string(layer) + ".";
+  switch (t) {
+    case Tensor::token_embedding: return "model.embed_tokens.weight";
+    case Tensor::rms_att: return blk + "input_layernorm.weight";
+    case Tensor::wq: return blk + "self_attn.q_proj.weight";
+    case Tensor::wk: return blk + "self_attn.k_proj.weight";
+    case Tensor::wv: return blk + "self_attn.v_proj.weight";
+    case Tensor::wo: return blk + "self_attn.o_proj.weight";
+    case Tensor::rms_ffn: return blk + "post_attention_layernorm.weight";
+    case Tensor::w1: return blk + "mlp.gate_proj.weight";
+    case Tensor::w2: return blk + "mlp.down_proj.weight";
+    case Tensor::w3: return blk + "mlp.up_proj.weight";
+    case Tensor::rms_final: return "model.norm.weight";
+    case Tensor::wcls: return "lm_head.weight";
+    case Tensor::bq: return blk + "self_attn.q_proj.bias";
+    case Tensor::bk: return blk + "self_attn.k_proj.bias";
+    case Tensor::bv: return blk + "self_attn.v_proj.bias";
+    case Tensor::q_norm: return blk + "self_attn.q_norm.weight";
+    case Tensor::k_norm: return blk + "self_attn.k_norm.weight";
+  }
+  return "?";
+}
+
 TensorShape shape_of(Tensor t, const ModelConfig& c) {
   const int64_t dim = c.dim, hidden = c.hidden_dim, vocab = c.vocab_size;
   const int64_t q_dim = int64_t(c.n_heads) * c.head_size(), kv_dim = c.kv_dim();

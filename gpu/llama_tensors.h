@@ -30,6 +30,9 @@ bool per_layer(Tensor t);
 bool is_matrix(Tensor t);
 // "token_embd.weight", "blk.<layer>.attn_q.weight", ...
 std::string gguf_name(Tensor t, int layer);
+// The same tensor in a Hugging Face checkpoint: "model.embed_tokens.weight",
+// "model.layers.<layer>.self_attn.q_proj.weight", ...
+std::string hf_name(Tensor t, int layer);
 
 // A tensor's shape, "out x in": `rows` rows of `cols` values (a vector: one
 // row). GGUF lists the dimensions the other way: {cols, rows}, or {cols}.

@@ -1,5 +1,7 @@
 #include "gpu/model_config.h"
 
+#include <cmath>
+
 namespace disagg::gpu {
 
 const char* to_string(Architecture a) {
@@ -27,6 +29,27 @@ std::string validate(const ModelConfig& c) {
            std::to_string(c.n_kv_heads);
   if (c.head_size() % 2 != 0) return "head size " + std::to_string(c.head_size()) + " is odd (RoPE needs pairs)";
   return {};
+}
+
+
+std::vector<float> llama3_rope_factors(const ModelConfig& c, float factor, float low_freq_factor, float high_freq_factor,
+                                       int original_context) {
+  const double low_wavelen = double(original_context) / low_freq_factor;
+  const double high_wavelen = double(original_context) / high_freq_factor;
+  std::vector<float> factors;
+  for (int i = 0; i < c.head_size(); i += 2) {
+    const double freq = 1.0 / std::pow(double(c.rope_theta), double(i) / c.head_size());
+    const double wavelen = 2 * M_PI / freq;
+    if (wavelen < high_wavelen) {
+      factors.push_back(1.0f);
+    } else if (wavelen > low_wavelen) {
+      factors.push_back(factor);
+    } else {
+      const double smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+      factors.push_back(float(1.0 / ((1 - smooth) / factor + smooth)));
+    }
+  }
+  return factors;
 }
 
 }  // namespace disagg::gpu

@@ -41,7 +41,10 @@ struct ModelConfig {
   int q_dim() const { return n_heads * head_size(); }  // the query projection's width (dim, but Qwen3's)
   int kv_dim() const { return n_kv_heads * head_size(); }
   int kv_group() const { return n_heads / n_kv_heads; }  // query heads per kv head
-  bool rope_neox() const { return arch == Architecture::qwen2 || arch == Architecture::qwen3; }
+  // Hugging Face's Llama q/k rows: each head's pairs are (i, i + head_size/2)
+  // (its rotate_half), where a GGUF's converter permuted them to (2i, 2i+1).
+  bool rotate_half = false;
+  bool rope_neox() const { return rotate_half || arch == Architecture::qwen2 || arch == Architecture::qwen3; }
   bool qk_norm() const { return arch == Architecture::qwen3; }
   bool qkv_bias() const { return arch == Architecture::qwen2; }
 };
@@ -51,6 +54,14 @@ struct ModelConfig {
 inline bool ends_generation(const std::vector<int>& end_tokens, int token) {
   return std::find(end_tokens.begin(), end_tokens.end(), token) != end_tokens.end();
 }
+
+// Llama 3.1's RoPE frequency factors for `config`'s head size and theta, as
+// llama.cpp's converter computes them from rope_scaling {factor,
+// low_freq_factor, high_freq_factor, original_max_position_embeddings}
+// (Llama 3.2 1B: 32, 1, 4, 8192): 1 for short wavelengths, `factor` for
+// long ones, interpolated between.
+std::vector<float> llama3_rope_factors(const ModelConfig& config, float factor, float low_freq_factor,
+                                       float high_freq_factor, int original_context);
 
 // Empty string when the config is usable, else what is wrong with it.
 std::string validate(const ModelConfig& config);

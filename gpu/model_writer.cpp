@@ -1,6 +1,10 @@
 #include "gpu/model_writer.h"
 
 #include <cerrno>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -8,6 +12,7 @@
 #include <vector>
 
 #include "gpu/error.h"
+#include "gpu/safetensors.h"
 #include "gpu/fixed_math.h"
 #include "gpu/gguf.h"
 
@@ -76,13 +81,22 @@ WeightType matrix_type(FileType type, Tensor t, int layer, const ModelConfig& co
 
 namespace {
 
+// Rows in GGUF order: a Hugging Face Llama's q/k rows (rotate_half order)
+// are read through the converter's permutation, so its config says none.
 class CheckpointSource final : public WeightSource {
  public:
-  explicit CheckpointSource(std::shared_ptr<const Checkpoint> c) : c_(std::move(c)) {}
-  const ModelConfig& config() const override { return c_->config(); }
+  explicit CheckpointSource(std::shared_ptr<const Checkpoint> c) : c_(std::move(c)), config_(c_->config()) {
+    config_.rotate_half = false;
+  }
+  const ModelConfig& config() const override { return config_; }
   void row(Tensor t, int layer, int64_t r, float* out) const override {
     const Weights& w = c_->weights();
     const int64_t cols = shape_of(t, config()).cols;
+    if (c_->config().rotate_half && (t == Tensor::wq || t == Tensor::wk)) {
+      // GGUF row (head, 2i + j) is Hugging Face's (head, j * half + i).
+      const int64_t hd = config_.head_size(), half = hd / 2, head = r / hd, within = r % hd;
+      r = head * hd + (within % 2) * half + within / 2;
+    }
     if (!is_matrix(t)) {
       std::memcpy(out, w.norm(t, layer), size_t(cols) * sizeof(float));
       return;
@@ -94,6 +108,7 @@ class CheckpointSource final : public WeightSource {
 
  private:
   std::shared_ptr<const Checkpoint> c_;
+  ModelConfig config_;
 };
 
 // splitmix64's finalizer: a cheap, well-mixing 64-bit permutation.
@@ -167,27 +182,74 @@ std::unique_ptr<WeightSource> random_weights(const ModelConfig& config, uint64_t
   return std::make_unique<RandomSource>(config, seed);
 }
 
+// ---------------------------------------------------------------- Hugging Face
+
+void write_hf_directory(const WeightSource& weights, const std::string& dir, FileType type, int shards) {
+  const ModelConfig& c = weights.config();
+  const WeightType wt = info(type).matrices;
+  if (wt != WeightType::f32 && wt != WeightType::f16 && wt != WeightType::bf16)
+    throw Error(dir + ": a Hugging Face directory is written in f32, f16 or bf16");
+  if (!c.rope_factors.empty()) throw Error(dir + ": RoPE factors are not written to a Hugging Face config");
+  if (shards < 1) throw Error(dir + ": at least one shard");
+  std::filesystem::create_directories(dir);
+  const char* arch = c.arch == Architecture::qwen2 ? "Qwen2ForCausalLM"
+                     : c.arch == Architecture::qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
+  nlohmann::json config{{"architectures", {arch}},
+                        {"hidden_size", c.dim},
+                        {"intermediate_size", c.hidden_dim},
+                        {"num_hidden_layers", c.n_layers},
+                        {"num_attention_heads", c.n_heads},
+                        {"num_key_value_heads", c.n_kv_heads},
+                        {"vocab_size", c.vocab_size},
+                        {"max_position_embeddings", c.seq_len},
+                        {"rope_theta", c.rope_theta},
+                        {"rms_norm_eps", c.rms_epsilon},
+                        {"tie_word_embeddings", c.shared_classifier},
+                        {"head_dim", c.head_size()},
+                        {"torch_dtype", type == FileType::f32 ? "float32" : type == FileType::f16 ? "float16" : "bfloat16"}};
+  std::ofstream(std::filesystem::path(dir) / "config.json") << config.dump(2);
+
+  // Each tensor's bytes, rows in Hugging Face's order.
+  std::vector<std::pair<std::string, safetensors::Input>> all;
+  for_each_tensor(c, [&](Tensor t, int layer) {
+    const TensorShape shape = shape_of(t, c);
+    const WeightType tt = is_matrix(t) ? wt : WeightType::f32;
+    safetensors::Input in;
+    in.dtype = tt == WeightType::f32 ? "F32" : tt == WeightType::f16 ? "F16" : "BF16";
+    in.shape = is_matrix(t) ? std::vector<int64_t>{shape.rows, shape.cols} : std::vector<int64_t>{shape.cols};
+    const size_t bytes = row_bytes(tt, int(shape.cols));
+    in.data.resize(size_t(shape.rows) * bytes);
+    const bool permute = c.arch == Architecture::llama && (t == Tensor::wq || t == Tensor::wk);
+    const int hd = c.head_size(), half = hd / 2;
+    std::vector<float> values(size_t(shape.cols));
+    for (int64_t r = 0; r < shape.rows; ++r) {
+      // HF row (head, j, i) holds GGUF row (head, 2i + j).
+      int64_t from = r;
+      if (permute) {
+        const int64_t head = r / hd, within = r % hd, j = within / half, i = within % half;
+        from = head * hd + 2 * i + j;
+      }
+      weights.row(t, layer, from, values.data());
+      quantize_row(tt, values.data(), in.data.data() + size_t(r) * bytes, int(shape.cols));
+    }
+    all.emplace_back(hf_name(t, layer), std::move(in));
+  });
+  nlohmann::json index{{"metadata", nlohmann::json::object()}, {"weight_map", nlohmann::json::object()}};
+  for (int s = 0; s < shards; ++s) {
+    std::map<std::string, safetensors::Input> part;
+    const std::string file = shards == 1 ? "model.safetensors"
+                                         : "model-" + std::to_string(s + 1) + "-of-" + std::to_string(shards) + ".safetensors";
+    for (size_t i = size_t(s); i < all.size(); i += size_t(shards)) {
+      index["weight_map"][all[i].first] = file;
+      part.emplace(all[i].first, std::move(all[i].second));
+    }
+    safetensors::write((std::filesystem::path(dir) / file).string(), part);
+  }
+  if (shards > 1) std::ofstream(std::filesystem::path(dir) / "model.safetensors.index.json") << index.dump(2);
+}
+
 // ---------------------------------------------------------------- GGUF
 
-std::vector<float> llama3_rope_factors(const ModelConfig& c, float factor, float low_freq_factor, float high_freq_factor,
-                                       int original_context) {
-  const double low_wavelen = double(original_context) / low_freq_factor;
-  const double high_wavelen = double(original_context) / high_freq_factor;
-  std::vector<float> factors;
-  for (int i = 0; i < c.head_size(); i += 2) {
-    const double freq = 1.0 / std::pow(double(c.rope_theta), double(i) / c.head_size());
-    const double wavelen = 2 * M_PI / freq;
-    if (wavelen < high_wavelen) {
-      factors.push_back(1.0f);
-    } else if (wavelen > low_wavelen) {
-      factors.push_back(factor);
-    } else {
-      const double smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-      factors.push_back(float(1.0 / ((1 - smooth) / factor + smooth)));
-    }
-  }
-  return factors;
-}
 
 void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const std::string& name,
                 const std::string& path, FileType type) {

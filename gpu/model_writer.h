@@ -58,13 +58,13 @@ std::unique_ptr<WeightSource> random_weights(const ModelConfig& config, uint64_t
 // (SentencePiece as `llama`, byte-level BPE as `gpt2`, with its chat
 // template) and the config's rope_factors as rope_freqs.weight. Throws
 // Error; a file not written whole is removed.
-// Llama 3.1's RoPE frequency factors for `config`'s head size and theta, as
-// llama.cpp's converter computes them from rope_scaling {factor,
-// low_freq_factor, high_freq_factor, original_max_position_embeddings}
-// (Llama 3.2 1B: 32, 1, 4, 8192): 1 for short wavelengths, `factor` for
-// long ones, interpolated between.
-std::vector<float> llama3_rope_factors(const ModelConfig& config, float factor, float low_freq_factor,
-                                       float high_freq_factor, int original_context);
+// A Hugging Face model directory of `weights`: config.json and
+// model.safetensors (or `shards` files and model.safetensors.index.json),
+// matrices in `type` (f32, f16 or bf16; vectors f32), a llama model's q/k
+// rows in Hugging Face's rotate_half order (the inverse of llama.cpp's
+// converter's permutation). No tokenizer files. Throws Error (RoPE factors,
+// other types are not written).
+void write_hf_directory(const WeightSource& weights, const std::string& dir, FileType type, int shards = 1);
 
 void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const std::string& name,
                 const std::string& path, FileType type = FileType::f32);

@@ -50,6 +50,13 @@ bool is_regular_file(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+// A model file, or a Hugging Face model directory (its config.json).
+bool is_model(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return false;
+  return S_ISREG(st.st_mode) || (S_ISDIR(st.st_mode) && is_regular_file(path + "/config.json"));
+}
+
 // One "key = value" line of the file, as the scanner saw it.
 struct Entry {
   std::string name;  // "group.key"
@@ -297,8 +304,8 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
   const bool worker = node.role != "router";  // frontends too: the model sets the context
   if (worker && disagg.model.empty())
     errors.push_back("disagg.model is required for a " + node.role + " node");
-  if (!disagg.model.empty() && !is_regular_file(disagg.model))
-    errors.push_back("disagg.model: " + disagg.model + " is not a readable file");
+  if (!disagg.model.empty() && !is_model(disagg.model))
+    errors.push_back("disagg.model: " + disagg.model + " is not a readable file (or a directory with a config.json)");
   if (!disagg.tokenizer.empty() && !is_regular_file(disagg.tokenizer))
     errors.push_back("disagg.tokenizer: " + disagg.tokenizer + " is not a readable file");
   return result;
