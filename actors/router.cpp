@@ -318,6 +318,8 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
 
 void dispatch(Self self);
 void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report);
+enum class Rescue { retried, completed, failed };
+Rescue retry_or_fail(Self self, RequestId id, const std::string& why);
 void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply reply);
 
 // Milliseconds left of the request's deadline (at least 1).
@@ -519,6 +521,11 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
     if (Worker* d = find_worker(self, r.decode_key))
       if (report.decode_load.total_blocks > 0) d->load = report.decode_load;
     requeue_elsewhere(self, r);
+  } else if (report.code == ErrorCode::worker_lost) {
+    // The prefill worker lost its KV stream to the decode worker (that node
+    // died, and the router may not have heard yet): a lost worker, so the
+    // request starts over as when the router sees one go (max-worker-retries).
+    retry_or_fail(self, id, report.message);
   } else {
     fail(self, id, report.code, std::move(report.message));
   }
@@ -679,7 +686,6 @@ size_t let_go_of_prefill_worker(Self self, WorkerKey key) {
 // exactly the tokens the lost worker would have made; the client's stream
 // goes on at index k, with no gap and no duplicate. A request whose tokens
 // are all there (tokens_final) completes instead.
-enum class Rescue { retried, completed, failed };
 Rescue retry_or_fail(Self self, RequestId id, const std::string& why) {
   auto& st = self->state;
   Request& r = st.requests.at(id);

@@ -51,6 +51,9 @@ struct GateLog {
   std::mutex mutex;
   std::vector<RequestId> cancelled;  // requests the router told it to drop
   std::atomic<bool> stop_after_report{true};
+  // Jobs still to be answered worker_lost at once, unrun (as a prefill
+  // worker whose KV connection to the decode worker broke).
+  std::atomic<int> lose_jobs{0};
   std::promise<void> committed;  // set when the first report came back (then it stops)
   std::atomic<bool> committed_set{false};
 
@@ -87,6 +90,15 @@ caf::behavior prefill_gate(caf::stateful_actor<GateState>* self, router_actor ro
       [=, &st](prefill_atom, PrefillJob& job, decode_actor& decode) {
         log->jobs += 1;
         auto promise = self->make_response_promise<PrefillReport>();
+        if (log->lose_jobs > 0) {
+          log->lose_jobs -= 1;
+          PrefillReport lost;
+          lost.id = job.id;
+          lost.code = ErrorCode::worker_lost;
+          lost.message = "KV stream: KV connection to 127.0.0.1:1: Endpoint timeout (the test's)";
+          promise.deliver(std::move(lost));
+          return promise;
+        }
         auto pass_on = [=, &st]() mutable {
           self->request(st.worker, caf::infinite, prefill_atom::value, job, decode)
               .then(
@@ -490,6 +502,22 @@ class LostPrefillTest : public HungPrefillTest {
     EXPECT_FALSE(log_->was_cancelled(victim_));
   }
 };
+
+// The prefill worker's KV stream to the decode worker broke before any token
+// (the decode node died and the router has not heard yet; ctest
+// KvFaults.ADecodeNodeKilledMidStream... failed this way under load): the
+// request starts over, within max-worker-retries, instead of failing.
+TEST_F(LostPrefillTest, ARequestWhoseKvStreamBrokeBeforeAnyTokenStartsOver) {
+  log_->stop_after_report = false;
+  log_->lose_jobs = 1;
+  TokenLog log;
+  auto future = submit(40, Sampling{}, log);
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(8)), std::future_status::ready);
+  const RequestOutcome out = future.get();
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  expect_exact(out, log, local_);
+  EXPECT_EQ(log_->jobs.load(), 2);
+}
 
 TEST_F(LostPrefillTest, AGreedyRequestDecodingWhenItsPrefillWorkerGoesDownCompletes) {
   expect_completes_past_a_lost_prefill(Sampling{}, 300);
