@@ -350,6 +350,17 @@ std::string start_stream(net::ip::tcp::socket& socket, uint16_t port, int max_to
   return received;
 }
 
+// 1 prefill + 1 decode node and a frontend serving `model` with the
+// vocabulary inside it (no tokenizer file), healthy; `port` the frontend's.
+void serve_with_its_vocabulary(TestCluster& cluster, const std::string& model, uint16_t& port) {
+  cluster.set_model(model);
+  cluster.set_tokenizer_file(false);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "\"status\":\"ok\"")) << cluster.logs();
+}
+
 // A GGUF (disagg-convert of the shared model) served by every role with no
 // tokenizer file: the vocabulary and the API's model name come from the
 // file, and the text equals disagg-generate's on the llama2.c checkpoint.
@@ -362,12 +373,8 @@ TEST(HttpFrontend, ServesAGgufModelWithTheVocabularyInside) {
                               out, err, kReplyTimeout),
             0)
       << err;
-  cluster.set_model(gguf);
-  cluster.set_tokenizer_file(false);
-  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
-  cluster.start_node("frontend", "frontend");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "\"status\":\"ok\"")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(serve_with_its_vocabulary(cluster, gguf, port));
   EXPECT_EQ(json::parse(http(port, bhttp::verb::get, "/v1/models").body)["data"][0]["id"], "stories260K-gguf");
   for (const auto& [prompt, temperature, seed] : {std::tuple{"Once upon a time", 0.0, 0}, {"The little dog was", 0.8, 7}}) {
     SCOPED_TRACE(prompt);
@@ -436,12 +443,8 @@ TEST(HttpFrontend, ServesALlama3ModelWithTheFilesChatTemplateAndEndToken) {
   const std::vector<int> before_end(free_run.begin(), free_run.begin() + long(stop_at));
   EXPECT_EQ(greedy(served), before_end);  // gpu::generate stops there too
 
-  cluster.set_model(served);
-  cluster.set_tokenizer_file(false);
-  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
-  cluster.start_node("frontend", "frontend");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "\"status\":\"ok\"")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(serve_with_its_vocabulary(cluster, served, port));
   EXPECT_NE(cluster.node("frontend").log().find("chat template llama3: the model file's"), std::string::npos)
       << cluster.node("frontend").log();
   EXPECT_EQ(json::parse(http(port, bhttp::verb::get, "/v1/models").body)["data"][0]["id"], "tiny-llama3");

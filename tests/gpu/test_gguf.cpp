@@ -13,6 +13,7 @@
 
 #include "gpu/byte_bpe.h"
 #include "gpu/checkpoint.h"
+#include "gpu/open_error.h"
 #include "gpu/error.h"
 #include "gpu/gguf.h"
 #include "support/test_paths.h"
@@ -346,14 +347,7 @@ void byte_level_vocabulary(ModelFile& m) {
   m.set("tokenizer.ggml.merges", gguf::Writer::strings({"a b"}));
 }
 
-std::string open_error(const std::string& path) {
-  try {
-    Checkpoint::open(path);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(opened)";
-}
+using test::open_error;
 
 TEST(GgufModel, ASmallModelLoadsWithItsShapeFromTheMetadata) {
   const std::string dir = test::make_temp_dir("gguf-model");

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpu/checkpoint.h"
+#include "gpu/open_error.h"
 #include "gpu/engine.h"
 #include "gpu/error.h"
 #include "gpu/generate.h"
@@ -98,14 +99,7 @@ TEST(HfModel, TheDirectorysTokenizerTemplateAndEndTokensAreRead) {
   fs::remove_all(fs::path(dir).parent_path());
 }
 
-std::string open_error(const std::string& path) {
-  try {
-    Checkpoint::open(path);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(opened)";
-}
+using test::open_error;
 
 TEST(HfModel, BadDirectoriesGetAnErrorNamingTheFileAndKey) {
   const std::string root = test::make_temp_dir("hf-bad");
