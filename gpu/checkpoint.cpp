@@ -429,6 +429,11 @@ void Checkpoint::load_hf(const std::string& dir) {
                                                                                           : c.n_heads;
     c.vocab_size = positive("vocab_size");
     c.seq_len = positive("max_position_embeddings");
+    // Sliding-window attention (Mistral 7B v0.1; Qwen with use_sliding_window)
+    // equals full attention up to the window: the context stops there.
+    const bool windowed = arch == "MistralForCausalLM" || j.value("use_sliding_window", false);
+    if (windowed && j.contains("sliding_window") && j["sliding_window"].is_number_integer())
+      c.seq_len = std::min(c.seq_len, positive("sliding_window"));
     if (j.contains("head_dim") && !j["head_dim"].is_null() && j["head_dim"].get<int64_t>() * c.n_heads != c.dim)
       c.head_dim = positive("head_dim");
     c.rope_theta = j.value("rope_theta", 10000.0f);

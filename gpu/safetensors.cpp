@@ -46,7 +46,7 @@ std::map<std::string, Tensor> parse(const uint8_t* data, size_t size, const std:
     for (const json& d : t["shape"]) {
       if (!d.is_number_unsigned()) throw Error(where + ": shape " + t["shape"].dump() + " is not of non-negative integers");
       const uint64_t v = d.get<uint64_t>();
-      if (v > (uint64_t(1) << 40) || (v && count > (uint64_t(1) << 62) / v))
+      if (v > (uint64_t(1) << 40) || (v && count > (uint64_t(1) << 58) / v))  // count * 8 bytes fits
         throw Error(where + ": shape " + t["shape"].dump() + " is too large");
       count *= v;
       x.shape.push_back(int64_t(v));

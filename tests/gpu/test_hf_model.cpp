@@ -101,6 +101,26 @@ TEST(HfModel, TheDirectorysTokenizerTemplateAndEndTokensAreRead) {
 
 using test::open_error;
 
+// Mistral 7B v0.1's sliding window (and Qwen's when use_sliding_window is
+// set) equals full attention up to the window: the context ends there.
+TEST(HfModel, ASlidingWindowBoundsTheContext) {
+  const std::string dir = test::make_temp_dir("hf-window") + "/m";
+  write_hf_directory(*random_weights(configs()[0], 4), dir, FileType::f32);
+  auto set_config = [&](const json& changes) {
+    std::ifstream in(dir + "/config.json");
+    json j = json::parse(in);
+    j.update(changes);
+    std::ofstream(dir + "/config.json") << j.dump();
+  };
+  set_config({{"architectures", {"MistralForCausalLM"}}, {"sliding_window", 64}});
+  EXPECT_EQ(Checkpoint::open(dir)->config().seq_len, 64);
+  set_config({{"sliding_window", nullptr}});
+  EXPECT_EQ(Checkpoint::open(dir)->config().seq_len, 128);
+  set_config({{"architectures", {"LlamaForCausalLM"}}, {"sliding_window", 64}});  // not a windowed model
+  EXPECT_EQ(Checkpoint::open(dir)->config().seq_len, 128);
+  fs::remove_all(fs::path(dir).parent_path());
+}
+
 TEST(HfModel, BadDirectoriesGetAnErrorNamingTheFileAndKey) {
   const std::string root = test::make_temp_dir("hf-bad");
   const ModelConfig c = configs()[0];
@@ -148,6 +168,11 @@ TEST(HfModel, BadDirectoriesGetAnErrorNamingTheFileAndKey) {
          write_bytes(d + "/model.safetensors",
                      header_of({{"x", {{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {0, 16}}}}}) + "12345678");
        }, "tensor x: data_offsets [0,16] outside the 8 bytes of data"},
+      {"huge shape", [&](const std::string& d) {
+         write_bytes(d + "/model.safetensors",
+                     header_of({{"x", {{"dtype", "F32"}, {"shape", {1ull << 40, 1ull << 40}}, {"data_offsets", {0, 8}}}}}) +
+                         "12345678");
+       }, "tensor x: shape [1099511627776,1099511627776] is too large"},
       {"count", [&](const std::string& d) {
          write_bytes(d + "/model.safetensors",
                      header_of({{"x", {{"dtype", "F32"}, {"shape", {3}}, {"data_offsets", {0, 8}}}}}) + "12345678");
