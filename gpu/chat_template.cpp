@@ -1,14 +1,17 @@
 #include "gpu/chat_template.h"
 
 #include <array>
+#include <ctime>
 #include <utility>
 
 namespace disagg::gpu {
 namespace {
 
-constexpr std::array<std::pair<ChatTemplate, const char*>, 7> kNames{{
+constexpr std::array<std::pair<ChatTemplate, const char*>, 9> kNames{{
     {ChatTemplate::llama2, "llama2"},
     {ChatTemplate::llama3, "llama3"},
+    {ChatTemplate::llama31, "llama3.1"},
+    {ChatTemplate::llama32, "llama3.2"},
     {ChatTemplate::chatml, "chatml"},
     {ChatTemplate::qwen3, "qwen3"},
     {ChatTemplate::mistral, "mistral"},
@@ -105,6 +108,30 @@ void render_llama2(const std::vector<ChatMessage>& m, Pieces& out) {
   }
 }
 
+// Llama 3.1-3.3 Instruct without tools: the system block is always there.
+void render_llama31(const std::vector<ChatMessage>& m, const std::string& date, Pieces& out) {
+  const bool system = !m.empty() && m[0].role == "system";
+  out.bos();
+  out.text("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: " + date +
+           "\n\n" + (system ? strip(m[0].content) : std::string()) + "<|eot_id|>");
+  for (size_t i = system ? 1 : 0; i < m.size(); ++i) {
+    // (The template writes tool results as JSON; the API takes none.)
+    if (m[i].role == "tool" || m[i].role == "ipython") throw ChatTemplateError{"tool messages are not rendered"};
+    out.text("<|start_header_id|>" + m[i].role + "<|end_header_id|>\n\n" + strip(m[i].content) + "<|eot_id|>");
+  }
+  out.text("<|start_header_id|>assistant<|end_header_id|>\n\n");
+}
+
+// strftime("%d %b %Y") of now, local time (as Hugging Face's strftime_now).
+std::string today_date() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char buffer[32];
+  std::strftime(buffer, sizeof buffer, "%d %b %Y", &local);
+  return buffer;
+}
+
 void render_qwen3(const std::vector<ChatMessage>& m, Pieces& out) {
   if (!m.empty() && m[0].role == "system") out.text("<|im_start|>system\n" + m[0].content + "<|im_end|>\n");
   // The last user message that is not a tool response (else the last message).
@@ -163,9 +190,11 @@ std::string chat_template_names() {
 
 std::optional<ChatTemplate> detect_chat_template(const std::string& j) {
   // Variants whose output the built-ins do not reproduce are not recognised:
-  // Llama 3.1's dated system header, Qwen2.5's default system message.
-  if (contains(j, "<|start_header_id|>") && contains(j, "<|end_header_id|>"))
-    return contains(j, "Cutting Knowledge Date") ? std::nullopt : std::optional(ChatTemplate::llama3);
+  // Qwen2.5's default system message.
+  if (contains(j, "<|start_header_id|>") && contains(j, "<|end_header_id|>")) {
+    if (!contains(j, "Cutting Knowledge Date")) return ChatTemplate::llama3;
+    return contains(j, "strftime_now") ? ChatTemplate::llama32 : ChatTemplate::llama31;
+  }
   if (contains(j, "<|im_start|>")) {
     if (contains(j, "You are Qwen, created by Alibaba Cloud")) return std::nullopt;
     return contains(j, "<think>") ? ChatTemplate::qwen3 : ChatTemplate::chatml;
@@ -175,9 +204,15 @@ std::optional<ChatTemplate> detect_chat_template(const std::string& j) {
   return std::nullopt;
 }
 
-std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& m) {
+std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& m, const std::string& today) {
   Pieces out;
   switch (tmpl) {
+    case ChatTemplate::llama31:
+      render_llama31(m, "26 Jul 2024", out);
+      break;
+    case ChatTemplate::llama32:
+      render_llama31(m, today.empty() ? today_date() : today, out);
+      break;
     case ChatTemplate::llama2:
       render_llama2(m, out);
       break;

@@ -18,6 +18,11 @@ namespace disagg::gpu {
 //            the first turn as "<<SYS>>\n{system}\n<</SYS>>\n\n"; contents stripped.
 //   llama3:  BOS, then "<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
 //            per message (contents trimmed), then the assistant header.
+//   llama3.1, llama3.2: Llama 3.1-3.3 Instruct's: BOS, a system block always
+//            ("Cutting Knowledge Date: December 2023\nToday Date: {date}\n\n"
+//            then the system message, trimmed), the other messages as llama3
+//            (no tool messages), the assistant header. The
+//            date: 3.1 and 3.3's fixed "26 Jul 2024"; 3.2's today's (strftime_now).
 //   chatml:  "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
 //            "<|im_start|>assistant\n" (Qwen2, many fine-tunes).
 //   qwen3:   ChatML as Qwen3's template writes it: reasoning (<think>...</think>)
@@ -30,10 +35,10 @@ namespace disagg::gpu {
 //            the vocabulary adds it).
 // Roles must alternate user/assistant (after an optional system message)
 // where the family's template says so.
-enum class ChatTemplate { llama2, llama3, chatml, qwen3, mistral, gemma, plain };
+enum class ChatTemplate { llama2, llama3, llama31, llama32, chatml, qwen3, mistral, gemma, plain };
 
-// By name ("llama2", "llama3", "chatml", "qwen3", "mistral", "gemma",
-// "plain"), and back.
+// By name ("llama2", "llama3", "llama3.1", "llama3.2", "chatml", "qwen3",
+// "mistral", "gemma", "plain"), and back.
 std::optional<ChatTemplate> parse_chat_template(const std::string& name);
 const char* to_string(ChatTemplate tmpl);
 // Every name parse_chat_template accepts, comma-separated (for messages).
@@ -58,7 +63,9 @@ struct ChatPiece {
 struct ChatTemplateError {
   std::string message;
 };
-std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& messages);
+// `today`: llama3.2's date ("02 Dec 2026"); empty: the local date now.
+std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& messages,
+                                          const std::string& today = "");
 
 // The rendered prompt as text, BOS and EOS written as `bos` and `eos`: what
 // jinja2 renders with bos_token / eos_token set to them.

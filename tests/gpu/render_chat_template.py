@@ -3,7 +3,8 @@
 as Hugging Face's apply_chat_template does (jinja2, trim_blocks and
 lstrip_blocks, raise_exception, add_generation_prompt=True).
     render_chat_template.py IN.json OUT.json
-IN: {"template": str, "bos_token": str, "eos_token": str, "conversations": [[{role, content}...]...]}
+IN: {"template": str, "bos_token": str, "eos_token": str, "today": str, "conversations": [[{role, content}...]...]}
+(strftime_now, which Hugging Face provides, returns "today": the date is the test's.)
 OUT: one {"text": str} or {"error": str} per conversation."""
 import json
 import sys
@@ -24,6 +25,7 @@ def main():
     spec = json.load(open(sys.argv[1], encoding="utf-8"))
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: spec["today"]
     template = env.from_string(spec["template"])
     out = []
     for messages in spec["conversations"]:

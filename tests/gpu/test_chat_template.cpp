@@ -2,7 +2,8 @@
 // Hugging Face's apply_chat_template renders): for each family's Jinja
 // template (the real Llama 3 and Qwen3 ones from tests/tokenizers' npm
 // packages; the Llama 2, Mistral, Gemma and ChatML templates as their model
-// cards publish them, in tests/gpu/chat_templates/), the template is
+// cards publish them, and the tool-less path of Llama 3.1-3.3's written from
+// its published behaviour, in tests/gpu/chat_templates/), the template is
 // recognised as its built-in, and every conversation renders to the same
 // bytes, or is refused where jinja2 raises.
 #include <gtest/gtest.h>
@@ -69,7 +70,9 @@ TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
   EXPECT_EQ(detect_chat_template(jinja), c.kind) << c.name;
 
   const std::string tmp = test::make_temp_dir(std::string("chat-") + c.name);
-  json spec{{"template", jinja}, {"bos_token", c.bos}, {"eos_token", c.eos}, {"conversations", json::array()}};
+  const std::string today = "02 Dec 2026";  // what strftime_now("%d %b %Y") says on both sides
+  json spec{{"template", jinja}, {"bos_token", c.bos}, {"eos_token", c.eos}, {"today", today},
+            {"conversations", json::array()}};
   for (const auto& messages : conversations()) {
     json m = json::array();
     for (const auto& msg : messages) m.push_back({{"role", msg.role}, {"content", msg.content}});
@@ -87,7 +90,7 @@ TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
     std::string got;
     bool refused = false;
     try {
-      got = chat_text(render_chat_pieces(c.kind, conversations()[i]), c.bos, c.eos);
+      got = chat_text(render_chat_pieces(c.kind, conversations()[i], today), c.bos, c.eos);
     } catch (const ChatTemplateError& e) {
       refused = true;
       got = e.message;
@@ -112,6 +115,8 @@ INSTANTIATE_TEST_SUITE_P(
     Families, Jinja,
     ::testing::Values(Case{"llama3", ChatTemplate::llama3, npm("llama3"), "<|begin_of_text|>", "<|end_of_text|>"},
                       Case{"qwen3", ChatTemplate::qwen3, npm("qwen3"), "", "<|im_end|>"},
+                      Case{"llama31", ChatTemplate::llama31, here("llama3.1.jinja"), "<|begin_of_text|>", "<|eot_id|>"},
+                      Case{"llama32", ChatTemplate::llama32, here("llama3.2.jinja"), "<|begin_of_text|>", "<|eot_id|>"},
                       Case{"llama2", ChatTemplate::llama2, here("llama2.jinja"), "<s>", "</s>"},
                       Case{"mistral", ChatTemplate::mistral, here("mistral.jinja"), "<s>", "</s>"},
                       Case{"gemma", ChatTemplate::gemma, here("gemma.jinja"), "<bos>", "<eos>"},
@@ -120,10 +125,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(ChatTemplates, UnrecognisedTemplatesAreNotGuessed) {
   EXPECT_EQ(detect_chat_template("{{ messages }}"), std::nullopt);
-  EXPECT_EQ(detect_chat_template("<|start_header_id|>system<|end_header_id|>Cutting Knowledge Date: December 2023"),
-            std::nullopt);
+
   EXPECT_EQ(detect_chat_template("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud."), std::nullopt);
-  for (const char* name : {"llama2", "llama3", "chatml", "qwen3", "mistral", "gemma", "plain"})
+  for (const char* name : {"llama2", "llama3", "llama3.1", "llama3.2", "chatml", "qwen3", "mistral", "gemma", "plain"})
     EXPECT_STREQ(to_string(*parse_chat_template(name)), name);
 }
 
