@@ -473,8 +473,13 @@ void dispatch(Self self) {
       }
       r.validated = true;
     }
-    const int positions = gpu::kv_positions_needed(int(job_prompt_len(r)), job_new_tokens(r), st.limits->seq_len);
     const auto decodes = decode_candidates(self);
+    if (r.request.up_to_capacity && r.earlier.empty() && !decodes.empty()) {
+      // The client asked for as much as the context holds: as much as a pool holds.
+      const int most = most_new_tokens(decodes, int(r.prompt.size()));
+      if (most >= 1 && most < r.request.max_new_tokens) r.request.max_new_tokens = most;
+    }
+    const int positions = gpu::kv_positions_needed(int(job_prompt_len(r)), job_new_tokens(r), st.limits->seq_len);
     if (!decodes.empty() && !any_decode_could_fit(decodes, positions, r.excluded)) {
       fail(self, id, ErrorCode::overloaded,
            r.excluded.empty()

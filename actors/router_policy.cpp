@@ -115,6 +115,12 @@ bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int po
   return false;
 }
 
+int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_len) {
+  int64_t most = 0;
+  for (const auto& c : candidates) most = std::max(most, int64_t(c.total_blocks) * c.block_size);
+  return int(std::max<int64_t>(0, most - prompt_len + 1));
+}
+
 std::optional<WorkerKey> SessionAffinity::find(const std::string& session) {
   auto it = index_.find(session);
   if (it == index_.end()) return std::nullopt;

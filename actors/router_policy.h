@@ -83,6 +83,11 @@ std::optional<WorkerPair> pick_workers(const std::vector<PrefillCandidate>& pref
 bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int positions,
                           const std::vector<WorkerKey>& excluded);
 
+// The most new tokens a request of `prompt_len` prompt tokens may generate
+// for the largest pool of `candidates` to hold its KV (positions: the prompt
+// and every generated token but the last); 0 when none holds the prompt.
+int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_len);
+
 
 // Session key -> decode worker, bounded; the least recently used entry goes
 // first when full. Capacity 0 disables affinity.

@@ -289,6 +289,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   } else {
     r.max_tokens = endpoint == Endpoint::chat ? int32_t(model.seq_len - prompt_len)
                                               : int32_t(std::min<int64_t>(kDefaultCompletionMaxTokens, model.seq_len - prompt_len));
+    r.max_tokens_defaulted = endpoint == Endpoint::chat;
   }
 
   r.sampling.temperature = float(number_in(body, "temperature", 1.0, 0.0, kMaxTemperature, false));

@@ -76,6 +76,7 @@ struct ApiRequest {
   Endpoint endpoint = Endpoint::completions;
   std::vector<int32_t> prompt_tokens;
   int32_t max_tokens = 0;
+  bool max_tokens_defaulted = false;  // chat without max_tokens: the rest of the context, as much as fits
   Sampling sampling;
   std::vector<std::string> stop;
   bool stream = false;

@@ -371,6 +371,7 @@ class Session : public std::enable_shared_from_this<Session> {
     r.id = g.id;
     r.prompt_tokens = g.request.prompt_tokens;
     r.max_new_tokens = g.request.max_tokens;
+    r.up_to_capacity = g.request.max_tokens_defaulted;
     r.sampling = g.request.sampling;
     r.session = g.request.user;
     r.token_text = false;  // decoded here

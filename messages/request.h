@@ -59,6 +59,10 @@ struct GenerateRequest {
   // Whether the router adds each token's text (when it has a tokenizer); a
   // client that decodes by itself (the HTTP frontend) saves the router that work.
   bool token_text = true;
+  // max_new_tokens is the client's "as many as the context holds" (a chat
+  // request without max_tokens): the router lowers it to what the largest
+  // decode pool can hold, rather than refusing a request no pool fits.
+  bool up_to_capacity = false;
 };
 
 // One generated token, streamed as soon as the decode step produced it.
@@ -105,7 +109,8 @@ typename Inspector::result_type inspect(Inspector& f, Sampling& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
   return f(caf::meta::type_name("GenerateRequest"), x.id, x.prompt_tokens, x.prompt_text,
-           x.prompt_is_text, x.max_new_tokens, x.sampling, x.session, x.deadline_ms, x.token_text);
+           x.prompt_is_text, x.max_new_tokens, x.sampling, x.session, x.deadline_ms, x.token_text,
+           x.up_to_capacity);
 }
 
 template <class Inspector>

@@ -184,6 +184,12 @@ TEST(RouterPolicy, DecodeGoesToMostRoomThenFewestSequencesThenSession) {
   EXPECT_FALSE(pick_decode(c, 16 * 51, std::nullopt, {}, cursor));
   EXPECT_TRUE(any_decode_could_fit(c, 1600, {}));
   EXPECT_FALSE(any_decode_could_fit(c, 1601, {}));
+  // The most a request may ask for: the largest pool, 1600 positions.
+  EXPECT_EQ(most_new_tokens(c, 5), 1596);
+  EXPECT_TRUE(any_decode_could_fit(c, gpu::kv_positions_needed(5, most_new_tokens(c, 5), 1 << 20), {}));
+  EXPECT_FALSE(any_decode_could_fit(c, gpu::kv_positions_needed(5, most_new_tokens(c, 5) + 1, 1 << 20), {}));
+  EXPECT_EQ(most_new_tokens(c, 1700), 0);
+  EXPECT_EQ(most_new_tokens({}, 5), 0);
   // As gpu::generate feeds them: the last generated token is never fed back.
   EXPECT_EQ(gpu::kv_positions_needed(5, 10, 512), 14);
   EXPECT_EQ(gpu::kv_positions_needed(5, 1, 512), 5);

@@ -74,6 +74,28 @@ TEST_F(ActorTest, RequestThatExactlyFitsThePoolAsGenerateCountsIsServed) {
   EXPECT_EQ(over.code, ErrorCode::overloaded) << over.message;
 }
 
+// A chat request without max_tokens asks for the rest of the context; where
+// no pool holds that much the router lowers it to what the largest holds
+// (the request is served, and ends with finish length there), instead of
+// refusing it. A request that set its own limit is still refused.
+TEST_F(ActorTest, UpToCapacityRequestsAreLoweredToTheLargestPool) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.block_size = 16;
+  options.config.pool_blocks = 4;  // 64 positions; the model's context is 512
+  start(std::move(options));
+  auto request = make_request(kOnceUponATime, 512 - 5);
+  request.up_to_capacity = true;
+  const auto local = colocated(kOnceUponATime, 60);
+  ASSERT_EQ(local.tokens.size(), 60u) << "precondition: no BOS before 60 tokens";
+  const RequestOutcome out = client_->generate(request);
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.tokens, local.tokens);  // 5 prompt + 59 fed positions: the pool
+  EXPECT_EQ(out.finish, FinishReason::length);
+  request.up_to_capacity = false;
+  EXPECT_EQ(client_->generate(request).code, ErrorCode::overloaded);
+}
+
 // Sends a forged token event and a failed DecodeDone for `id` to the router
 // whenever told to: an actor the router knows nothing about.
 caf::behavior forger(caf::event_based_actor* self, router_actor router) {

@@ -227,6 +227,7 @@ TEST(HttpApi, ChatLlama2Template) {
   want.insert(want.end(), second.begin(), second.end());
   EXPECT_EQ(r.prompt_tokens, want);
   EXPECT_EQ(r.max_tokens, 512 - int(want.size()));  // chat default: the rest of the context
+  EXPECT_TRUE(r.max_tokens_defaulted);  // the router lowers it to what a pool holds
 
   const ApiRequest plain = parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"Hi"}]})", ChatTemplate::plain);
   EXPECT_EQ(plain.prompt_tokens, encode("user: Hi\nassistant:"));
