@@ -7,12 +7,14 @@
 namespace disagg::gpu {
 namespace {
 
-constexpr std::array<std::pair<ChatTemplate, const char*>, 9> kNames{{
+constexpr std::array<std::pair<ChatTemplate, const char*>, 11> kNames{{
     {ChatTemplate::llama2, "llama2"},
     {ChatTemplate::llama3, "llama3"},
     {ChatTemplate::llama31, "llama3.1"},
     {ChatTemplate::llama32, "llama3.2"},
     {ChatTemplate::chatml, "chatml"},
+    {ChatTemplate::qwen2, "qwen2"},
+    {ChatTemplate::qwen25, "qwen2.5"},
     {ChatTemplate::qwen3, "qwen3"},
     {ChatTemplate::mistral, "mistral"},
     {ChatTemplate::gemma, "gemma"},
@@ -189,15 +191,18 @@ std::string chat_template_names() {
 }
 
 std::optional<ChatTemplate> detect_chat_template(const std::string& j) {
-  // Variants whose output the built-ins do not reproduce are not recognised:
-  // Qwen2.5's default system message.
+  // ChatML variants by their default system messages (Qwen2, Qwen2.5).
   if (contains(j, "<|start_header_id|>") && contains(j, "<|end_header_id|>")) {
     if (!contains(j, "Cutting Knowledge Date")) return ChatTemplate::llama3;
     return contains(j, "strftime_now") ? ChatTemplate::llama32 : ChatTemplate::llama31;
   }
   if (contains(j, "<|im_start|>")) {
-    if (contains(j, "You are Qwen, created by Alibaba Cloud")) return std::nullopt;
-    return contains(j, "<think>") ? ChatTemplate::qwen3 : ChatTemplate::chatml;
+    if (contains(j, "<think>")) return ChatTemplate::qwen3;
+    if (contains(j, "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")) return ChatTemplate::qwen25;
+    if (contains(j, "<|im_start|>system\\nYou are a helpful assistant.<|im_end|>") ||
+        contains(j, "<|im_start|>system\nYou are a helpful assistant.<|im_end|>"))
+      return ChatTemplate::qwen2;
+    return ChatTemplate::chatml;
   }
   if (contains(j, "<start_of_turn>")) return ChatTemplate::gemma;
   if (contains(j, "[INST]")) return contains(j, "<<SYS>>") ? ChatTemplate::llama2 : ChatTemplate::mistral;
@@ -223,7 +228,17 @@ std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<C
       out.text("<|start_header_id|>assistant<|end_header_id|>\n\n");
       break;
     case ChatTemplate::chatml:
-      for (const ChatMessage& msg : m) out.text("<|im_start|>" + msg.role + "\n" + msg.content + "<|im_end|>\n");
+    case ChatTemplate::qwen2:
+    case ChatTemplate::qwen25:
+      if (tmpl != ChatTemplate::chatml && !m.empty() && m[0].role != "system")
+        out.text(std::string("<|im_start|>system\n") +
+                 (tmpl == ChatTemplate::qwen2 ? "You are a helpful assistant."
+                                              : "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.") +
+                 "<|im_end|>\n");
+      for (const ChatMessage& msg : m) {
+        if (tmpl == ChatTemplate::qwen25 && msg.role == "tool") throw ChatTemplateError{"tool messages are not rendered"};
+        out.text("<|im_start|>" + msg.role + "\n" + msg.content + "<|im_end|>\n");
+      }
       out.text("<|im_start|>assistant\n");
       break;
     case ChatTemplate::qwen3:

@@ -24,7 +24,11 @@ namespace disagg::gpu {
 //            (no tool messages), the assistant header. The
 //            date: 3.1 and 3.3's fixed "26 Jul 2024"; 3.2's today's (strftime_now).
 //   chatml:  "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
-//            "<|im_start|>assistant\n" (Qwen2, many fine-tunes).
+//            "<|im_start|>assistant\n" (many fine-tunes).
+//   qwen2, qwen2.5: ChatML with the family's system message when the first
+//            message is not one ("You are a helpful assistant."; Qwen2.5: "You
+//            are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
+//            Qwen2.5: no tool messages.
 //   qwen3:   ChatML as Qwen3's template writes it: reasoning (<think>...</think>)
 //            dropped from assistant turns before the last user message, tool
 //            messages as <tool_response> in user turns.
@@ -35,10 +39,10 @@ namespace disagg::gpu {
 //            the vocabulary adds it).
 // Roles must alternate user/assistant (after an optional system message)
 // where the family's template says so.
-enum class ChatTemplate { llama2, llama3, llama31, llama32, chatml, qwen3, mistral, gemma, plain };
+enum class ChatTemplate { llama2, llama3, llama31, llama32, chatml, qwen2, qwen25, qwen3, mistral, gemma, plain };
 
-// By name ("llama2", "llama3", "llama3.1", "llama3.2", "chatml", "qwen3",
-// "mistral", "gemma", "plain"), and back.
+// By name ("llama2", "llama3", "llama3.1", "llama3.2", "chatml", "qwen2",
+// "qwen2.5", "qwen3", "mistral", "gemma", "plain"), and back.
 std::optional<ChatTemplate> parse_chat_template(const std::string& name);
 const char* to_string(ChatTemplate tmpl);
 // Every name parse_chat_template accepts, comma-separated (for messages).

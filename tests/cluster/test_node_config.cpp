@@ -102,7 +102,7 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
                      "[node]\nrole = \"frontend\"\nrouter-port = 4000\n[disagg]\n" + model, {}, 1,
                      "the model file has no vocabulary: name a tokenizer file"});
   expect_fails_fast({"unknown chat template", "[node]\nrole = \"frontend\"\nrouter-port = 4000\nchat-template = \"vicuna\"\n",
-                     {}, 2, "node.chat-template must be \"auto\" or one of llama2, llama3, llama3.1, llama3.2, chatml"});
+                     {}, 2, "node.chat-template must be \"auto\" or one of llama2, llama3, llama3.1, llama3.2, chatml, qwen2"});
   expect_fails_fast({"single-quoted value", "[node]\nrole = \"decode\"\nrouter-host = '127.0.0.1'\n", {}, 2,
                      "line 3: node.router-host = '127.0.0.1': single-quoted"});
   expect_fails_fast({"missing model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\n"

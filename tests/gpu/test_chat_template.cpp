@@ -2,8 +2,9 @@
 // Hugging Face's apply_chat_template renders): for each family's Jinja
 // template (the real Llama 3 and Qwen3 ones from tests/tokenizers' npm
 // packages; the Llama 2, Mistral, Gemma and ChatML templates as their model
-// cards publish them, and the tool-less path of Llama 3.1-3.3's written from
-// its published behaviour, in tests/gpu/chat_templates/), the template is
+// cards publish them, Qwen2's, and the tool-less paths of Llama 3.1-3.3's and
+// Qwen2.5's written from their published behaviour, in
+// tests/gpu/chat_templates/), the template is
 // recognised as its built-in, and every conversation renders to the same
 // bytes, or is refused where jinja2 raises.
 #include <gtest/gtest.h>
@@ -120,14 +121,16 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"llama2", ChatTemplate::llama2, here("llama2.jinja"), "<s>", "</s>"},
                       Case{"mistral", ChatTemplate::mistral, here("mistral.jinja"), "<s>", "</s>"},
                       Case{"gemma", ChatTemplate::gemma, here("gemma.jinja"), "<bos>", "<eos>"},
-                      Case{"chatml", ChatTemplate::chatml, here("chatml.jinja"), "", "<|im_end|>"}),
+                      Case{"chatml", ChatTemplate::chatml, here("chatml.jinja"), "", "<|im_end|>"},
+                      Case{"qwen2", ChatTemplate::qwen2, here("qwen2.jinja"), "", "<|im_end|>"},
+                      Case{"qwen25", ChatTemplate::qwen25, here("qwen2.5.jinja"), "", "<|im_end|>"}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(ChatTemplates, UnrecognisedTemplatesAreNotGuessed) {
   EXPECT_EQ(detect_chat_template("{{ messages }}"), std::nullopt);
-
-  EXPECT_EQ(detect_chat_template("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud."), std::nullopt);
-  for (const char* name : {"llama2", "llama3", "llama3.1", "llama3.2", "chatml", "qwen3", "mistral", "gemma", "plain"})
+  EXPECT_EQ(detect_chat_template("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud."), ChatTemplate::chatml);
+  for (const char* name :
+       {"llama2", "llama3", "llama3.1", "llama3.2", "chatml", "qwen2", "qwen2.5", "qwen3", "mistral", "gemma", "plain"})
     EXPECT_STREQ(to_string(*parse_chat_template(name)), name);
 }
 
