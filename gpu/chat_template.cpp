@@ -2,6 +2,8 @@
 
 #include <array>
 #include <ctime>
+
+#include <nlohmann/json.hpp>
 #include <utility>
 
 namespace disagg::gpu {
@@ -117,9 +119,10 @@ void render_llama31(const std::vector<ChatMessage>& m, const std::string& date, 
   out.text("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: " + date +
            "\n\n" + (system ? strip(m[0].content) : std::string()) + "<|eot_id|>");
   for (size_t i = system ? 1 : 0; i < m.size(); ++i) {
-    // (The template writes tool results as JSON; the API takes none.)
-    if (m[i].role == "tool" || m[i].role == "ipython") throw ChatTemplateError{"tool messages are not rendered"};
-    out.text("<|start_header_id|>" + m[i].role + "<|end_header_id|>\n\n" + strip(m[i].content) + "<|eot_id|>");
+    if (m[i].role == "tool" || m[i].role == "ipython")  // a string is iterable to Jinja: tojson quotes it
+      out.text("<|start_header_id|>ipython<|end_header_id|>\n\n" + nlohmann::json(m[i].content).dump() + "<|eot_id|>");
+    else
+      out.text("<|start_header_id|>" + m[i].role + "<|end_header_id|>\n\n" + strip(m[i].content) + "<|eot_id|>");
   }
   out.text("<|start_header_id|>assistant<|end_header_id|>\n\n");
 }

@@ -21,7 +21,7 @@ namespace disagg::gpu {
 //   llama3.1, llama3.2: Llama 3.1-3.3 Instruct's: BOS, a system block always
 //            ("Cutting Knowledge Date: December 2023\nToday Date: {date}\n\n"
 //            then the system message, trimmed), the other messages as llama3
-//            (no tool messages), the assistant header. The
+//            (tool results as ipython, JSON-quoted), the assistant header. The
 //            date: 3.1 and 3.3's fixed "26 Jul 2024"; 3.2's today's (strftime_now).
 //   chatml:  "<|im_start|>{role}\n{content}<|im_end|>\n" per message, then
 //            "<|im_start|>assistant\n" (many fine-tunes).

