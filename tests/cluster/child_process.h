@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "support/test_paths.h"
+
 namespace disagg::test {
 
 class ChildProcess {
@@ -61,7 +63,6 @@ bool process_alive(pid_t pid);
 // Resident memory of a process in bytes (VmRSS), 0 when it cannot be read.
 int64_t rss_bytes(pid_t pid);
 
-void write_text_file(const std::string& path, const std::string& text);
-std::string read_text_file(const std::string& path);
+// write_text_file, read_text_file: support/test_paths.h
 
 }  // namespace disagg::test

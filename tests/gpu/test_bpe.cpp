@@ -159,13 +159,8 @@ TEST(ByteBpeTokenizer, EndTokensAreTheNamedOnesAndTheFamiliesEndOfTurn) {
 
 // ---------------------------------------------------------------- against Hugging Face
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 std::vector<std::string> corpus_records() {
-  const std::string bytes = read_file(std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/corpus.txt");
+  const std::string bytes = test::read_text_file(std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/corpus.txt");
   std::vector<std::string> records;
   size_t start = 0;
   for (size_t i = 0; i <= bytes.size(); ++i)
@@ -198,7 +193,7 @@ TEST_P(HuggingFace, EncodesTheCorpusAsTheReferenceDoes) {
                                                " reference.mjs " + family + " corpus.txt " +
                                                test::shell_quoted(tmp + "/reference.json") + " 2>&1");
   ASSERT_EQ(status, 0) << out;
-  const json reference = json::parse(read_file(tmp + "/reference.json"));
+  const json reference = json::parse(test::read_text_file(tmp + "/reference.json"));
 
   const Vocabulary hf = read_hf_tokenizer(package + "/tokenizer.json", package + "/tokenizer_config.json", 0);
   ModelConfig c{16, 32, 1, 2, 2, int(hf.pieces.size()), 64, true};

@@ -23,11 +23,6 @@ namespace {
 
 using nlohmann::json;
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 const std::vector<std::vector<ChatMessage>>& conversations() {
   static const std::vector<std::vector<ChatMessage>> c = {
       {{"user", "Hi"}},
@@ -65,8 +60,8 @@ TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
   if (!std::filesystem::exists(c.source))
     GTEST_SKIP() << c.source << " is not installed (scripts/install-deps runs npm ci in tests/tokenizers)";
   const std::string jinja = c.source.size() > 5 && c.source.substr(c.source.size() - 5) == ".json"
-                                ? json::parse(read_file(c.source))["chat_template"].get<std::string>()
-                                : read_file(c.source);
+                                ? json::parse(test::read_text_file(c.source))["chat_template"].get<std::string>()
+                                : test::read_text_file(c.source);
   ASSERT_FALSE(jinja.empty());
   EXPECT_EQ(detect_chat_template(jinja), c.kind) << c.name;
 
@@ -85,7 +80,7 @@ TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
                                                " " + test::shell_quoted(tmp + "/in.json") + " " +
                                                test::shell_quoted(tmp + "/out.json") + " 2>&1");
   ASSERT_EQ(status, 0) << out << " (python3-jinja2 is installed by scripts/install-deps)";
-  const json want = json::parse(read_file(tmp + "/out.json"));
+  const json want = json::parse(test::read_text_file(tmp + "/out.json"));
   ASSERT_EQ(want.size(), conversations().size());
   for (size_t i = 0; i < conversations().size(); ++i) {
     std::string got;

@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <stdexcept>
 
@@ -26,6 +28,17 @@ std::string make_temp_dir(const std::string& tag) {
     if (fs::create_directory(dir)) return dir.string();
   }
   throw std::runtime_error("cannot create a temp dir for " + tag);
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_text_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  if (!out) throw std::runtime_error(path + ": cannot write");
 }
 
 }  // namespace disagg::test

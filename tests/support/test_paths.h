@@ -16,5 +16,8 @@ std::vector<std::string> shared_reference_files();
 std::string bin_dir();           // build/bin
 // A fresh empty directory under the system temp dir, unique per call.
 std::string make_temp_dir(const std::string& tag);
+// A whole file's bytes ("" when it cannot be read), and writing one (throws).
+std::string read_text_file(const std::string& path);
+void write_text_file(const std::string& path, const std::string& text);
 
 }  // namespace disagg::test
