@@ -363,16 +363,6 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
 
 namespace {
 
-nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open");
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(path + ": not JSON: " + e.what());
-  }
-}
-
 // A whole file mapped read-only.
 std::pair<void*, size_t> map_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

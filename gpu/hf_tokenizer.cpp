@@ -13,16 +13,6 @@ namespace {
 
 using json = nlohmann::json;
 
-json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open");
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    throw Error(path + ": not JSON: " + e.what());
-  }
-}
-
 // The Split regex of a pre_tokenizer (alone or in a Sequence), or "".
 std::string split_pattern(const json& pre) {
   if (!pre.is_object()) return {};
@@ -44,8 +34,18 @@ bool has_byte_level(const json& pre) {
 
 }  // namespace
 
+json read_json_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path + ": cannot open");
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    throw Error(path + ": not JSON: " + e.what());
+  }
+}
+
 Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_path, int vocab_size) {
-  const json t = read_json(path);
+  const json t = read_json_file(path);
   try {
     const json& model = t.at("model");
     if (model.value("type", "") != "BPE" || !has_byte_level(t.value("pre_tokenizer", json())))
@@ -79,7 +79,7 @@ Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_
     for (const json& m : model.at("merges"))
       v.merges.push_back(m.is_string() ? m.get<std::string>() : m.at(0).get<std::string>() + " " + m.at(1).get<std::string>());
 
-    const json config = config_path.empty() ? json::object() : read_json(config_path);
+    const json config = config_path.empty() ? json::object() : read_json_file(config_path);
     auto id_of = [&](const char* key) {
       const json& value = config.contains(key) ? config[key] : json();
       const std::string text = value.is_string() ? value.get<std::string>()
