@@ -116,6 +116,13 @@ Tokenizer Tokenizer::load(const std::string& path, int expected_vocab) {
 
 namespace {
 
+// The first of a trie node's children (sorted by byte) whose byte is not
+// below `c`: where `c`'s child is, or goes.
+template <class Children>
+auto first_not_below(Children& kids, unsigned char c) {
+  return std::lower_bound(kids.begin(), kids.end(), c, [](const auto& k, unsigned char v) { return k.first < v; });
+}
+
 // A byte trie of the tokens recognised whole in text (control and added
 // tokens): at each position the longest one that starts there, as Hugging
 // Face's added-token split and llama.cpp's special-token parse find them.
@@ -126,12 +133,10 @@ class SpecialTokens {
     int node = 0;
     for (unsigned char c : text) {
       auto& kids = nodes_[size_t(node)].children;
-      auto it = std::lower_bound(kids.begin(), kids.end(), c, [](const auto& k, unsigned char v) { return k.first < v; });
+      auto it = first_not_below(kids, c);
       if (it == kids.end() || it->first != c) {
-        it = kids.insert(it, {c, int(nodes_.size())});
-        const int child = it->second;
-        nodes_.emplace_back();
-        node = child;
+        node = kids.insert(it, {c, int(nodes_.size())})->second;
+        nodes_.emplace_back();  // (may move `kids`: read before)
       } else {
         node = it->second;
       }
@@ -146,7 +151,7 @@ class SpecialTokens {
     for (size_t i = at; i < text.size(); ++i) {
       const auto& kids = nodes_[size_t(node)].children;
       const auto c = static_cast<unsigned char>(text[i]);
-      auto it = std::lower_bound(kids.begin(), kids.end(), c, [](const auto& k, unsigned char v) { return k.first < v; });
+      auto it = first_not_below(kids, c);
       if (it == kids.end() || it->first != c) break;
       node = it->second;
       if (nodes_[size_t(node)].id >= 0) best = {nodes_[size_t(node)].id, i + 1 - at};
