@@ -11,33 +11,103 @@
 
 namespace disagg::gpu {
 
-// ---------------------------------------------------------------- BlockAllocator
+// ---------------------------------------------------------------- BlockPool
 
-BlockAllocator::BlockAllocator(int num_blocks) : num_blocks_(num_blocks) {
-  if (num_blocks < 0) throw Error("BlockAllocator: negative block count " + std::to_string(num_blocks));
+BlockPool::BlockPool(int num_blocks) : num_blocks_(num_blocks) {
+  if (num_blocks < 0) throw Error("BlockPool: negative block count " + std::to_string(num_blocks));
   // Highest id at the back, so allocate() hands out low ids first.
   for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
+  in_lru_.assign(size_t(num_blocks), lru_.end());
+  refs_.assign(size_t(num_blocks), 0);
+  hash_.assign(size_t(num_blocks), 0);
+  has_hash_.assign(size_t(num_blocks), 0);
 }
 
-std::vector<int> BlockAllocator::allocate(int n) {
+void BlockPool::forget(int block) {
+  if (!has_hash_[size_t(block)]) return;
+  by_hash_.erase(hash_[size_t(block)]);
+  events_.push_back({false, hash_[size_t(block)]});
+  has_hash_[size_t(block)] = 0;
+}
+
+std::vector<int> BlockPool::allocate(int n) {
   if (n < 0 || n > free_blocks()) return {};
-  std::vector<int> blocks(free_.end() - n, free_.end());
+  std::vector<int> blocks;
+  blocks.reserve(size_t(n));
+  const int plain = std::min(n, int(free_.size()));
+  blocks.assign(free_.end() - plain, free_.end());
   std::reverse(blocks.begin(), blocks.end());
-  free_.resize(free_.size() - size_t(n));
+  free_.resize(free_.size() - size_t(plain));
+  while (int(blocks.size()) < n) {  // evict: the least recently released cached block
+    const int b = lru_.front();
+    lru_.pop_front();
+    in_lru_[size_t(b)] = lru_.end();
+    forget(b);
+    blocks.push_back(b);
+  }
+  for (int b : blocks) refs_[size_t(b)] = 1;
+  return blocks;
+}
+
+std::vector<int> BlockPool::take_cached(const std::vector<uint64_t>& hashes, int max_blocks) {
+  std::vector<int> blocks;
+  for (size_t i = 0; i < hashes.size() && int(i) < max_blocks; ++i) {
+    auto it = by_hash_.find(hashes[i]);
+    if (it == by_hash_.end()) break;
+    const int b = it->second;
+    if (refs_[size_t(b)]++ == 0) {
+      lru_.erase(in_lru_[size_t(b)]);
+      in_lru_[size_t(b)] = lru_.end();
+    }
+    blocks.push_back(b);
+  }
   return blocks;
 }
 
 // Checks everything before releasing anything, so a bad call changes nothing.
-void BlockAllocator::release(const std::vector<int>& blocks) {
-  for (int b : blocks)
-    if (b < 0 || b >= num_blocks_) throw Error("BlockAllocator: release of unknown block " + std::to_string(b));
-  if (free_.size() + blocks.size() > size_t(num_blocks_))
-    throw Error("BlockAllocator: " + std::to_string(blocks.size()) + " blocks released but only " +
-                std::to_string(num_blocks_ - free_blocks()) + " are allocated");
+void BlockPool::release(const std::vector<int>& blocks) {
+  std::unordered_map<int, int> count;
+  for (int b : blocks) {
+    if (b < 0 || b >= num_blocks_) throw Error("BlockPool: release of unknown block " + std::to_string(b));
+    if (++count[b] > refs_[size_t(b)])
+      throw Error("BlockPool: block " + std::to_string(b) + " released more often than it is held (" +
+                  std::to_string(refs_[size_t(b)]) + ")");
+  }
   // In reverse, so that allocating as many again hands back the same run in
   // the same (ascending) order: consecutive blocks are one contiguous piece
-  // per layer of a streamed KV (gpu/kv_layout.h).
-  free_.insert(free_.end(), blocks.rbegin(), blocks.rend());
+  // per layer of a streamed KV (gpu/kv_layout.h). Cached blocks join the LRU
+  // queue the same way, a sequence's last block first: the longest prefixes,
+  // the least likely to be shared, are evicted first (as vLLM does).
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+    const int b = *it;
+    if (--refs_[size_t(b)] > 0) continue;
+    if (has_hash_[size_t(b)]) in_lru_[size_t(b)] = lru_.insert(lru_.end(), b);
+    else free_.push_back(b);
+  }
+}
+
+bool BlockPool::publish(int block, uint64_t hash) {
+  if (block < 0 || block >= num_blocks_ || refs_[size_t(block)] == 0)
+    throw Error("BlockPool: publish of block " + std::to_string(block) + ", which nobody holds");
+  if (has_hash_[size_t(block)]) return hash_[size_t(block)] == hash;
+  if (!by_hash_.emplace(hash, block).second) return false;
+  hash_[size_t(block)] = hash;
+  has_hash_[size_t(block)] = 1;
+  events_.push_back({true, hash});
+  return true;
+}
+
+std::vector<BlockEvent> BlockPool::take_events() {
+  std::vector<BlockEvent> out;
+  out.swap(events_);
+  return out;
+}
+
+std::vector<uint64_t> BlockPool::cached_hashes() const {
+  std::vector<uint64_t> out;
+  out.reserve(by_hash_.size());
+  for (const auto& kv : by_hash_) out.push_back(kv.first);
+  return out;
 }
 
 // ---------------------------------------------------------------- KvPool

@@ -1,8 +1,11 @@
-// The KV cache of a decode worker: which blocks are free (BlockAllocator) and
+// The KV cache of a decode worker: which blocks are free and which hold a cached prefix (BlockPool) and
 // their storage on the engine's backend (KvPool), laid out as gpu/kv_layout.h
 // says. No arithmetic: the engine's kernels read and write the blocks.
 #pragma once
 #include <cstddef>
+#include <cstdint>
+#include <list>
+#include <unordered_map>
 #include <vector>
 
 #include "gpu/kv_format.h"
@@ -12,19 +15,61 @@ namespace disagg::gpu {
 
 class Engine;
 
-// Bookkeeping of which pool blocks are free (no storage, no arithmetic).
-class BlockAllocator {
+// What changed in a pool's prefix cache (the KV events a decode worker
+// publishes to the router's index, in order).
+struct BlockEvent {
+  bool stored = false;  // true: a block now holds `hash`; false: no block does any more
+  uint64_t hash = 0;
+};
+
+// Bookkeeping of the pool's blocks (no storage, no arithmetic), with a prefix
+// cache as vLLM's block pool: each block has a reference count; a block whose
+// KV is final may carry its gpu/block_hash.h hash, and a later prompt that
+// starts with the same blocks shares them (take_cached). A block nobody holds
+// any more keeps its KV and hash in an LRU queue and is reused for other data
+// only when no block without a hash is free. free_blocks() alone answers "how
+// much room": free and cached-but-unheld blocks both count.
+class BlockPool {
  public:
-  explicit BlockAllocator(int num_blocks);
+  explicit BlockPool(int num_blocks);
   int num_blocks() const { return num_blocks_; }
-  int free_blocks() const { return static_cast<int>(free_.size()); }
-  // n blocks, or an empty vector when fewer than n are free (nothing taken).
+  int free_blocks() const { return int(free_.size() + lru_.size()); }
+  int cached_blocks() const { return int(by_hash_.size()); }  // blocks with a hash, held or not
+  int refs(int block) const { return refs_.at(size_t(block)); }
+
+  // n blocks, each held once, or an empty vector when fewer than n are free
+  // (nothing taken). Free blocks without a hash go first; then the least
+  // recently released cached blocks, whose hashes are forgotten (events).
   std::vector<int> allocate(int n);
+  // The blocks holding the longest prefix of `hashes` (at most max_blocks of
+  // it), each now held once more.
+  std::vector<int> take_cached(const std::vector<uint64_t>& hashes, int max_blocks);
+  // One reference less on each block (a block may appear once per reference
+  // its caller holds); a block nobody holds is free again, cached or not.
+  // Checks everything before changing anything.
   void release(const std::vector<int>& blocks);
+  // Held block `block` holds, from now on unchanged, the KV of the full block
+  // named `hash`: later prompts may share it. False (and nothing changes)
+  // when another block already holds that hash or `block` has another.
+  bool publish(int block, uint64_t hash);
+
+  // The events since the last call, oldest first.
+  std::vector<BlockEvent> take_events();
+  // Every hash the pool holds now (what an index resyncs from).
+  std::vector<uint64_t> cached_hashes() const;
 
  private:
+  void forget(int block);  // drops the block's hash (an event)
+
   int num_blocks_;
-  std::vector<int> free_;
+  std::vector<int> free_;             // free, no hash; the next one handed out at the back
+  std::list<int> lru_;                // free, with a hash; least recently released first
+  std::vector<std::list<int>::iterator> in_lru_;  // per block: its place in lru_, or lru_.end()
+  std::vector<int> refs_;             // per block
+  std::vector<uint64_t> hash_;        // per block (meaningful where has_hash_)
+  std::vector<char> has_hash_;
+  std::unordered_map<uint64_t, int> by_hash_;
+  std::vector<BlockEvent> events_;
 };
 
 // A contiguous part of a pool's memory (backend memory, floats).

@@ -201,7 +201,7 @@ TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
   std::vector<int> needed(prompts.size());
   for (size_t s = 0; s < prompts.size(); ++s)
     needed[s] = KvPool::blocks_for(int(prompts[s].size()) + steps, block_size);
-  BlockAllocator allocator(std::accumulate(needed.begin(), needed.end(), 0));
+  BlockPool allocator(std::accumulate(needed.begin(), needed.end(), 0));
   for (int round = 0; round < *std::max_element(needed.begin(), needed.end()); ++round)
     for (size_t s = 0; s < prompts.size(); ++s)
       if (round < needed[s]) seqs[s].blocks.push_back(allocator.allocate(1).at(0));
@@ -397,8 +397,8 @@ TEST(Engine, DescribesItsModelAndBackend) {
   EXPECT_THROW(Engine(shared_checkpoint(), EngineOptions{"tpu"}), Error);
 }
 
-TEST(BlockAllocator, AllocatesAllOrNothingAndTakesBlocksBack) {
-  BlockAllocator allocator(4);
+TEST(BlockPool, AllocatesAllOrNothingAndTakesBlocksBack) {
+  BlockPool allocator(4);
   const auto a = allocator.allocate(3);
   ASSERT_EQ(a.size(), 3u);
   EXPECT_EQ(allocator.free_blocks(), 1);
