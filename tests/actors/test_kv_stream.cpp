@@ -131,8 +131,8 @@ TEST_F(KvStreamTest, CancellingAHalfSentStreamFreesItsBlocksAndTheSenderHearsIt)
     std::vector<float> layer0(plan_->total_bytes() / sizeof(float), 1.0f);
     int pieces = 0;
     const auto* source = reinterpret_cast<const uint8_t*>(layer0.data());
-    plan_->for_each_piece(0, 0, kPromptLen, [&](size_t offset, size_t bytes) {
-      ASSERT_TRUE(tx->send(reply.target.transfer_id, uint32_t(pieces++), offset, source + offset, bytes));
+    plan_->for_each_piece(0, 0, kPromptLen, [&](size_t offset, size_t from, size_t bytes) {
+      ASSERT_TRUE(tx->send(reply.target.transfer_id, uint32_t(pieces++), offset, source + from, bytes));
     });
     EXPECT_GT(pieces, 0);
     caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, id);
@@ -160,9 +160,9 @@ TEST_F(KvStreamTest, ACorruptPieceFailsTheStreamAndFreesItsBlocksAtOnce) {
   std::vector<float> cache(plan_->total_bytes() / sizeof(float), 0.5f);
   bool refused = false;  // the receiver failed the stream: send() says so from then on
   for (int layer = 0; layer < layers_ && !refused; ++layer)
-    plan_->for_each_piece(layer, 0, kPromptLen, [&](size_t offset, size_t bytes) {
+    plan_->for_each_piece(layer, 0, kPromptLen, [&](size_t offset, size_t from, size_t bytes) {
       const auto* source = reinterpret_cast<const uint8_t*>(cache.data());
-      if (!refused) refused = !tx.send(reply.target.transfer_id, uint32_t(sent), offset, source + offset, bytes);
+      if (!refused) refused = !tx.send(reply.target.transfer_id, uint32_t(sent), offset, source + from, bytes);
     });
   const kv::TransferResult verdict = tx.wait(reply.target.transfer_id, kv::Clock::now() + 5s);
   EXPECT_EQ(verdict.status, kv::TransferStatus::bad_checksum) << verdict.detail;

@@ -179,7 +179,8 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
         size_t largest = 0;
         PrefillHooks hooks;
         hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
-          plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
+          plan.for_each_piece(layer, first, count, [&](size_t offset, size_t source, size_t bytes) {
+            ASSERT_EQ(source, offset) << "nothing skipped: the byte space is the cache";
             write_piece(spans, offset, reinterpret_cast<const char*>(cache) + offset, bytes);
             for (size_t b = offset; b < offset + bytes; ++b) written[b] += 1;
             largest = std::max(largest, bytes);
@@ -198,6 +199,62 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
       }
     }
   }
+}
+
+// A prefix cache hit on the streamed path: the decode pool's first blocks
+// hold a shorter prompt's KV (the same tokens), and the plan with
+// first_position S sends only positions [S, P). The pool then holds exactly
+// the whole prompt's KV: the cached prefix is bit for bit what the longer
+// prefill computes, and the pieces from S on land where they belong, with
+// no byte of the transfer written twice or left out.
+TEST(LongContext, StreamedPiecesAfterACachedPrefixGiveTheWholePromptsKv) {
+  Engine engine(long_model());
+  const ModelConfig& c = engine.config();
+  namespace kvl = kv_layout;
+  for (const int block : {16, 48}) {
+    for (const int n : {40, 100, 700}) {
+      for (const int cached_blocks : {1, 2, (n - 1) / block}) {
+        const int skip = cached_blocks * block;
+        if (skip >= n || cached_blocks < 1) continue;
+        SCOPED_TRACE("block " + std::to_string(block) + ", prompt " + std::to_string(n) + ", cached " +
+                     std::to_string(skip));
+        std::vector<int> prompt(static_cast<size_t>(n));
+        for (int i = 0; i < n; ++i) prompt[size_t(i)] = 3 + (i * 29) % (c.vocab_size - 3);
+        const int nb = KvPool::blocks_for(kvl::padded(n), block);
+        std::vector<int32_t> blocks;
+        for (int j = 0; j < nb; ++j) blocks.push_back(j % 2 == 0 ? 2 * nb - j : j);  // runs of one and of two
+        KvPool pool(engine, block, 2 * nb + 1);
+        const std::vector<int> dest(blocks.begin(), blocks.end());
+        const PrefillOutput prefix = engine.prefill(std::vector<int>(prompt.begin(), prompt.begin() + skip));
+        KvView view;
+        view.header.fingerprint = engine.fingerprint();
+        view.header.shape = prefix.shape;
+        view.payload = prefix.kv.data();
+        pool.write(std::vector<int>(dest.begin(), dest.begin() + cached_blocks), view);
+        const KvStreamPlan plan(c.n_layers, c.kv_dim(), n, block, KvStreamPlan::runs_of(blocks, nb), skip);
+        const std::vector<PoolSpan> spans = pool.stream_spans(plan, dest);
+        size_t region_bytes = 0;
+        for (const auto& span : spans) region_bytes += span.floats * sizeof(float);
+        ASSERT_EQ(region_bytes, plan.total_bytes());
+        ASSERT_EQ(plan.total_bytes(), 2 * size_t(c.n_layers) * size_t(kvl::padded(n) - skip) * c.kv_dim() * 4);
+        std::vector<int> written(plan.total_bytes(), 0);
+        PrefillHooks hooks;
+        hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
+          plan.for_each_piece(layer, first, count, [&](size_t offset, size_t source, size_t bytes) {
+            write_piece(spans, offset, reinterpret_cast<const char*>(cache) + source, bytes);
+            for (size_t b = offset; b < offset + bytes; ++b) written[b] += 1;
+          });
+        };
+        const PrefillOutput out = engine.prefill(prompt, hooks);
+        EXPECT_TRUE(std::all_of(written.begin(), written.end(), [](int w) { return w == 1; }))
+            << "every byte of the transfer is written exactly once";
+        EXPECT_TRUE(same_bits(test::gather_kv(engine, pool, dest, n), out.kv))
+            << "cached prefix + streamed rest differ from the prompt's KV";
+      }
+    }
+  }
+  EXPECT_THROW(KvStreamPlan(c.n_layers, c.kv_dim(), 40, 16, {}, 8), std::invalid_argument) << "not a block";
+  EXPECT_THROW(KvStreamPlan(c.n_layers, c.kv_dim(), 32, 16, {}, 32), std::invalid_argument) << "nothing left";
 }
 
 // Chunked prefill into a pool (Engine::prefill_chunk, a colocated worker's
