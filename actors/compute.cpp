@@ -82,7 +82,8 @@ constexpr auto kCancelPoll = std::chrono::milliseconds(50);
 void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r) {
   const KvTarget& target = work.target;
   const gpu::ModelConfig& c = st.engine->config();
-  const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs);
+  const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs,
+                               target.first_position);
   const auto transport = target.transport == uint8_t(kv::Transport::shm) ? kv::Transport::shm : kv::Transport::tcp;
   std::shared_ptr<kv::KvSender> tx;
   try {
@@ -105,13 +106,13 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
     if (was_cancelled(work)) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
     const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
-    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t bytes) {
+    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t source, size_t bytes) {
       const kv::Deadline until = std::min(request_deadline, kv::Clock::now() + stall_limit);
       // Waiting for room in flight, in slices: a cancel (the router's, e.g.
       // after the decode node died) ends the wait within one.
       for (;;) {
         try {
-          if (!tx->send(target.transfer_id, piece, offset, bytes_of_cache + offset, bytes,
+          if (!tx->send(target.transfer_id, piece, offset, bytes_of_cache + source, bytes,
                         std::min(until, kv::Clock::now() + kCancelPoll)))
             throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
           break;
@@ -176,7 +177,8 @@ caf::result<PrefillResult> start_local_prefill(Self self, ComputeState& st, Pref
   try {
     // The checks a stream's receiver makes: the plan fits the blocks.
     const gpu::ModelConfig& c = st.engine->config();
-    const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs);
+    const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs,
+                                 target.first_position);
     p.blocks.assign(blocks->begin(), blocks->end());
     st.pool->stream_spans(plan, p.blocks);
     p.kv_bytes = plan.total_bytes();
@@ -186,6 +188,7 @@ caf::result<PrefillResult> start_local_prefill(Self self, ComputeState& st, Pref
     r.message = std::string("KV target: ") + e.what();
     return r;
   }
+  p.done = target.first_position;  // the prefix the blocks hold already (the prefix cache)
   p.work = std::move(work);
   p.promise = self->make_response_promise<PrefillResult>();
   st.local_prefills.push_back(std::move(p));
@@ -417,6 +420,7 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
   st->engine = std::make_shared<gpu::Engine>(spec.checkpoint, spec.engine);
   st->plane = spec.kv_plane;
   st->local = spec.local_targets;
+  if (spec.pool_blocks > 0 && !st->local) st->local = std::make_shared<kv::LocalKvTargets>();
   st->prefill_chunk = spec.prefill_chunk;
   if (spec.pool_blocks > 0) {
     auto* pool = new gpu::KvPool(*st->engine, spec.pool_block_size, spec.pool_blocks);
@@ -425,6 +429,7 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
   warm_up(*st);
   ComputeUnit unit;
   unit.pool = st->pool;
+  unit.local = st->local;
   unit.actor = system.spawn<caf::detached>(compute_behavior, std::move(st));
   return unit;
 }

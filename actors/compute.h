@@ -40,6 +40,10 @@ struct ComputeSpec {
 struct ComputeUnit {
   compute_actor actor;
   std::shared_ptr<gpu::KvPool> pool;  // null without one
+  // With a pool: where its decode worker registers blocks the compute fills
+  // itself (ComputeSpec::local_targets, or new ones): a colocated unit's
+  // prompts, and a decode worker's own prefills of short uncached rests.
+  std::shared_ptr<kv::LocalKvTargets> local;
 };
 
 // Builds the engine and pool here, so a load or backend failure throws

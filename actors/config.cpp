@@ -30,6 +30,8 @@ std::string DisaggConfig::validate() const {
           "block-size must be a positive multiple of " + std::to_string(gpu::kv_layout::kTile) +
               " (whole key tiles, gpu/kv_layout.h)");
   require(pool_blocks >= 1, "pool-blocks must be >= 1");
+  require(local_prefill_tokens >= 0, "local-prefill-tokens must be >= 0");
+  require(kv_routing_prefill_weight >= 0, "kv-routing-prefill-weight must be >= 0");
   require(max_batch >= 1, "max-batch must be >= 1");
   require(prefill_chunk >= 0, "prefill-chunk must be >= 0");
   require(queue_capacity >= 0, "queue-capacity must be >= 0");
@@ -64,8 +66,15 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.block_size, "block-size", "positions per KV block of the decode pool")
       .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
       .add(c.max_batch, "max-batch", "sequences per decode step")
+      .add(c.prefix_caching, "prefix-caching",
+           "decode workers keep finished sequences' KV blocks and share them with prompts that start alike")
       .add(c.prefill_chunk, "prefill-chunk",
            "a colocated worker's prompt positions per turn between decode steps (0: the whole prompt)")
+      .add(c.local_prefill_tokens, "local-prefill-tokens",
+           "a decode worker prefills a prompt itself when its prefix cache holds part of it and at most this "
+           "many positions are left (0: never)")
+      .add(c.kv_routing_prefill_weight, "kv-routing-prefill-weight",
+           "weight of the prompt blocks a decode worker's prefix cache lacks in the router's choice (0: ignore)")
       .add(c.queue_capacity, "queue-capacity",
            "requests the router holds before dispatch (more: overloaded)")
       .add(c.max_prefill_inflight, "max-prefill-inflight", "jobs per prefill worker at once")

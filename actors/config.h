@@ -49,6 +49,10 @@ struct DisaggConfig {
   int block_size = 16;     // positions per KV block
   int pool_blocks = 1024;  // KV pool capacity in blocks
   int max_batch = 64;      // sequences per decode step
+  // Prefix caching: a decode worker keeps the KV of finished sequences' full
+  // blocks (gpu/kv_cache.h BlockPool) and a prompt that starts with them
+  // shares them instead of having them computed and sent again.
+  bool prefix_caching = true;
 
   // Colocated worker (node role `worker`): prompt positions computed per
   // turn of its compute, with the decode steps of its running sequences
@@ -61,6 +65,17 @@ struct DisaggConfig {
   int prefill_chunk = gpu::kPrefillRows;
 
   // Router.
+  // Conditional disaggregation: a prompt whose decode worker's prefix cache
+  // holds part of it, with at most this many positions left, is prefilled
+  // by that decode worker itself (no prefill worker, no KV transfer). 0:
+  // always a prefill worker. A prompt with nothing cached always goes to a
+  // prefill worker.
+  int local_prefill_tokens = 256;
+  // KV-aware routing: a decode worker's score is this x the prompt's blocks
+  // its prefix cache lacks (the router's index of the workers' KV events),
+  // minus its free blocks; the lowest wins (README "Prefix caching").
+  // 0: blocks are not looked at (the most free blocks win).
+  double kv_routing_prefill_weight = 1.0;
   int queue_capacity = 256;          // accepted requests waiting for dispatch
   int max_prefill_inflight = 8;      // jobs per prefill worker at once
   int64_t default_deadline_ms = 60000;  // at most kMaxDeadlineMs (messages/request.h)

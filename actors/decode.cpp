@@ -5,12 +5,15 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "actors/errors.h"
+#include "actors/prefill.h"
 #include "actors/request_metrics.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
+#include "gpu/block_hash.h"
 #include "gpu/engine.h"
 #include "gpu/kv_stream.h"
 #include "gpu/generate.h"
@@ -33,9 +36,12 @@ struct PendingCommit {
 // verdict yet) the KV receiver may write into the blocks: they are freed only
 // after the receiver gave them back (cancel).
 struct Reservation {
-  std::vector<int32_t> blocks;
+  std::vector<int32_t> blocks;  // the first `cached` of them shared from the prefix cache
   int32_t positions = 0;
   uint64_t serial = 0;
+  int32_t cached = 0;           // prompt positions those shared blocks hold
+  std::vector<int32_t> prompt;  // KvReservation::prompt_tokens (empty: not cached)
+  uint64_t hash_seed = 0;
   uint64_t transfer_id = 0;
   kv::Transport transport = kv::Transport::tcp;
   bool local = false;                   // the compute writes the KV in (kv/local.h), no receiver
@@ -47,6 +53,8 @@ struct Reservation {
 struct Sequence {
   std::vector<int32_t> blocks;
   int32_t prompt_len = 0;
+  std::vector<int32_t> prompt;  // the prompt's tokens when its blocks go to the prefix cache, else empty
+  uint64_t hash_seed = 0;       // gpu::block_hash_seed of the request
   int32_t limit = 0;  // tokens it may generate: max_new_tokens, capped by seq_len
   Sampling sampling;
   std::vector<int32_t> tokens;  // generated so far
@@ -85,7 +93,10 @@ struct DecodeState {
   std::string name;  // also the actor's name in CAF (stateful_actor reads state.name)
   compute_actor compute;
   router_actor router;
-  std::optional<gpu::BlockAllocator> allocator;
+  // Not colocated: its own unregistered prefill worker on `compute`, which
+  // prefills short uncached rests of prompts the prefix cache mostly holds.
+  prefill_actor local_prefill;
+  std::optional<gpu::BlockPool> allocator;  // also the prefix cache (config.prefix_caching)
   int32_t seq_len = 0;     // from the compute actor's model
   int32_t vocab_size = 0;  // from the compute actor's model
   int32_t n_layers = 0;    // from the compute actor's model (stream plans)
@@ -98,6 +109,7 @@ struct DecodeState {
   std::map<RequestId, Sequence> active;
   std::unordered_set<RequestId> admitting;
   uint64_t next_serial = 1;
+  uint64_t events_seq = 0;  // the last KvEvents batch sent to the router
   RecentIds cancelled{4096};
   bool step_in_flight = false;
   size_t cursor = 0;  // round robin over active sequences when more than max_batch
@@ -128,7 +140,27 @@ DecodeLoad load_of(Self self) {
   return load;
 }
 
+// What the prefix cache stored and evicted since the last batch goes to the
+// router's index, as each hash's net change (the router's view before the
+// batch is the pool's, so the net change brings it to the pool's now).
+void flush_events(Self self) {
+  auto& st = self->state;
+  const std::vector<gpu::BlockEvent> events = st.allocator->take_events();
+  if (events.empty()) return;
+  std::unordered_map<uint64_t, bool> last;  // hash -> stored at the end of the batch
+  std::vector<uint64_t> order;
+  for (const auto& e : events) {
+    if (!last.count(e.hash)) order.push_back(e.hash);
+    last[e.hash] = e.stored;
+  }
+  KvEvents batch;
+  batch.seq = ++st.events_seq;
+  for (uint64_t h : order) (last[h] ? batch.stored : batch.removed).push_back(h);
+  self->send(st.router, kv_events_atom::value, std::move(batch));
+}
+
 void report_load(Self self) {
+  flush_events(self);
   const DecodeLoad load = load_of(self);
   record_decode_load(load);
   self->send(self->state.router, load_atom::value, load);
@@ -138,8 +170,26 @@ KvAck make_ack(Self self, RequestId id, ErrorCode code, std::string message) {
   return KvAck{id, code, std::move(message), load_of(self)};
 }
 
-// Every sequence ends here: blocks freed, its one DecodeDone sent (after all
-// of its token events, so the router sees them first).
+// The prefix cache learns the full blocks of `tokens` (a sequence's tokens
+// whose KV is final, in order) held in `blocks`: later prompts that start
+// with them share them.
+void publish_blocks(Self self, const std::vector<int32_t>& tokens, uint64_t seed,
+                    const std::vector<int32_t>& blocks) {
+  auto& st = self->state;
+  const std::vector<uint64_t> hashes = gpu::block_hashes(tokens, st.config.block_size, seed);
+  for (size_t i = 0; i < hashes.size() && i < blocks.size(); ++i) st.allocator->publish(blocks[i], hashes[i]);
+}
+
+// A sequence's KV is final up to its last token, which no step has fed
+// (or whose step may still be in flight): the prompt and all tokens but the
+// last go to the prefix cache.
+void publish_sequence(Self self, const Sequence& seq) {
+  if (seq.prompt.empty()) return;
+  std::vector<int32_t> done = seq.prompt;
+  if (!seq.tokens.empty()) done.insert(done.end(), seq.tokens.begin(), seq.tokens.end() - 1);
+  publish_blocks(self, done, seq.hash_seed, seq.blocks);
+}
+
 // Blocks of a sequence that ended: back to the allocator now, or after the
 // step in flight if it includes the sequence.
 void release_sequence_blocks(Self self, RequestId id, const std::vector<int32_t>& blocks) {
@@ -153,7 +203,9 @@ void release_sequence_blocks(Self self, RequestId id, const std::vector<int32_t>
 void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, ErrorCode code,
                      std::string message, FinishReason finish) {
   auto& st = self->state;
+  if (code == ErrorCode::none) publish_sequence(self, it->second);
   release_sequence_blocks(self, it->first, it->second.blocks);
+  flush_events(self);  // before the done: the router's index knows the blocks when the client hears
   DecodeDone done;
   done.id = it->first;
   done.code = code;
@@ -279,7 +331,7 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
     throw std::invalid_argument(std::to_string(r.prompt_len) + " prompt positions need " +
                                 std::to_string(prompt_blocks) + " blocks");
   std::vector<int32_t> runs = gpu::KvStreamPlan::runs_of(held.blocks, prompt_blocks);
-  const gpu::KvStreamPlan plan(st.n_layers, st.kv_dim, r.prompt_len, bs, runs);
+  const gpu::KvStreamPlan plan(st.n_layers, st.kv_dim, r.prompt_len, bs, runs, held.cached);
   std::vector<kv::Region> regions;
   for (const gpu::PoolSpan& span : st.kv.pool->stream_spans(plan, held.blocks))
     regions.push_back({span.data, span.floats * sizeof(float)});
@@ -337,24 +389,55 @@ ReserveReply reserve(Self self, const KvReservation& r) {
     return reply(ErrorCode::invalid_request, "reservation of " + std::to_string(r.positions) +
                                                  " positions for " + std::to_string(r.lease_ms) +
                                                  " ms (seq_len " + std::to_string(st.seq_len) + ")");
-  const int needed = gpu::KvPool::blocks_for(r.positions, st.config.block_size);
-  std::vector<int32_t> blocks = st.allocator->allocate(needed);
-  if (blocks.empty())
+  const int bs = st.config.block_size;
+  const int needed = gpu::KvPool::blocks_for(r.positions, bs);
+  const bool colocated = !st.kv.colocated.empty() && st.kv.local;
+  const bool into_blocks = (colocated || can_stream(st)) && r.prompt_len > 0 && r.prompt_len <= r.positions;
+  // The prefix cache: the prompt's leading full blocks that this pool holds
+  // are shared, and only the rest is computed or sent. At least the last
+  // prompt position is always computed (its logits give token 0). Only a KV
+  // that goes into the blocks (stream or local) can leave the shared ones
+  // alone; a one-message KV writes every position.
+  Reservation held;
+  const bool cacheable = st.config.prefix_caching && into_blocks && int(r.prompt_tokens.size()) == r.prompt_len;
+  if (cacheable) {
+    held.prompt = r.prompt_tokens;
+    held.hash_seed = gpu::block_hash_seed(st.fingerprint, bs, r.cache_salt);
+    held.blocks = st.allocator->take_cached(gpu::block_hashes(held.prompt, bs, held.hash_seed),
+                                            std::min(needed, (r.prompt_len - 1) / bs));
+    held.cached = int32_t(held.blocks.size()) * bs;
+  }
+  std::vector<int32_t> fresh = st.allocator->allocate(needed - int(held.blocks.size()));
+  if (fresh.empty() && needed > int(held.blocks.size())) {
+    st.allocator->release(held.blocks);
     return reply(ErrorCode::overloaded, st.name + " needs " + std::to_string(needed) + " KV blocks, " +
                                             std::to_string(st.allocator->free_blocks()) + " free");
-  const uint64_t serial = st.next_serial++;
-  Reservation held{std::move(blocks), r.positions, serial};
+  }
+  held.blocks.insert(held.blocks.end(), fresh.begin(), fresh.end());
+  held.positions = r.positions;
+  held.serial = st.next_serial++;
+  const uint64_t serial = held.serial;
   ReserveReply answer = reply(ErrorCode::none, {});
-  if ((st.kv.local || can_stream(st)) && r.prompt_len > 0 && r.prompt_len <= r.positions) {
+  if (into_blocks) {
+    // Conditional disaggregation: a short rest after a cached prefix is
+    // computed here, between decode steps; no prefill worker, no transfer.
+    const bool local = colocated || (st.local_prefill && held.cached > 0 &&
+                                     r.prompt_len - held.cached <= r.local_prefill_tokens);
     try {
-      answer.target = st.kv.local ? open_local(self, r, held) : open_stream(self, r, held);
+      answer.target = local ? open_local(self, r, held) : open_stream(self, r, held);
     } catch (const std::exception& e) {
       st.allocator->release(held.blocks);
       return reply(ErrorCode::internal, std::string("cannot open the KV stream: ") + e.what());
     }
+    answer.target.first_position = held.cached;
+    answer.cached_tokens = held.cached;
+    if (cacheable)
+      record_prefix_lookup(r.prompt_len, held.cached, local && !colocated ? r.prompt_len : held.cached,
+                           2 * uint64_t(st.n_layers) * uint64_t(st.kv_dim) * sizeof(float));
   }
   st.reserved.emplace(r.id, std::move(held));
   self->delayed_send(self, std::chrono::milliseconds(r.lease_ms), lease_atom::value, r.id, serial);
+  flush_events(self);  // (evictions)
   answer.load = load_of(self);
   return answer;
 }
@@ -380,6 +463,7 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
 // The KV is in the sequence's blocks: it joins the next decode step.
 void activate(Self self, RequestId id, Sequence seq, int32_t first_token, caf::typed_response_promise<KvAck> promise) {
   seq.admitted = Clock::now();
+  if (!seq.prompt.empty()) publish_blocks(self, seq.prompt, seq.hash_seed, seq.blocks);  // its KV is final
   auto it = self->state.active.emplace(id, std::move(seq)).first;
   accept_token(self, it, first_token);  // token 0, sampled by the prefill side
   promise.deliver(make_ack(self, id, ErrorCode::none, {}));
@@ -408,6 +492,8 @@ void settle_stream(Self self, RequestId id) {
   const KvTransfer& t = commit.transfer;
   Sequence seq;
   seq.blocks = std::move(it->second.blocks);
+  seq.prompt = std::move(it->second.prompt);
+  seq.hash_seed = it->second.hash_seed;
   seq.prompt_len = t.prompt_len;
   seq.limit = std::min(t.max_new_tokens, st.seq_len - t.prompt_len);
   seq.sampling = t.sampling;
@@ -477,6 +563,10 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
     return refuse(ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
                                                   std::to_string(held->second.positions) + " were reserved");
   if (transfer.transfer_id != 0) return commit_stream(self, held->second, std::move(transfer), promise);
+  // A one-message KV writes every position, the shared blocks' too.
+  if (held->second.cached > 0)
+    return refuse(ErrorCode::invalid_request, "request " + std::to_string(id) +
+                                                  " shares cached KV blocks: its KV must be streamed into the rest");
   // One message: a stream offered for this reservation is not used.
   if (held->second.streaming()) {
     st.kv.plane->receiver(held->second.transport).cancel(held->second.transfer_id);
@@ -531,6 +621,10 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
   st.router = router;
   st.allocator.emplace(st.config.pool_blocks);
   self->link_to(compute);
+  if (st.kv.local && st.kv.colocated.empty() && st.kv.pool) {
+    st.local_prefill = spawn_prefill(self->system(), st.config, compute, router, st.name + "/prefill", {}, false);
+    self->link_to(st.local_prefill);
+  }
   const auto compute_timeout = std::chrono::milliseconds(st.config.compute_timeout_ms);
   // Membership: learn the model from compute, then register with the router.
   self->request(compute, compute_timeout, info_atom::value)
@@ -558,6 +652,17 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
   return {
       [=](reserve_atom, const KvReservation& r) { return reserve(self, r); },
       [=](kv_atom, KvTransfer& transfer) { return admit(self, transfer); },
+      [=](prefill_atom, PrefillJob& job) -> caf::result<PrefillReport> {
+        if (!self->state.local_prefill) {
+          PrefillReport refused;
+          refused.id = job.id;
+          refused.code = ErrorCode::invalid_request;
+          refused.message = self->state.name + " prefills no prompt itself";
+          return refused;
+        }
+        return self->delegate(self->state.local_prefill, prefill_atom::value, std::move(job),
+                              caf::actor_cast<decode_actor>(self));
+      },
       [=](lease_atom, RequestId id, uint64_t serial) {
         auto it = self->state.reserved.find(id);
         if (it == self->state.reserved.end() || it->second.serial != serial) return;  // filled or gone
@@ -583,6 +688,7 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
       [=](cancel_atom, RequestId id) {
         auto& state = self->state;
         state.cancelled.add(id);
+        if (state.local_prefill) self->send(state.local_prefill, cancel_atom::value, id);
         drop_reservation(self, id);
         auto it = state.active.find(id);
         if (it != state.active.end()) {
@@ -595,6 +701,14 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         report_load(self);
       },
       [=](status_atom) { return load_of(self); },
+      [=](kv_events_atom) {
+        flush_events(self);  // what the router has not heard yet comes first, numbered
+        KvEvents snapshot;
+        snapshot.seq = self->state.events_seq;
+        snapshot.snapshot = true;
+        snapshot.stored = self->state.allocator->cached_hashes();
+        return snapshot;
+      },
   };
 }
 

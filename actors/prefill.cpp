@@ -142,13 +142,17 @@ void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode
   } else {
     // (streamed: prefill_us ends with the last layer, the rest is transfer)
     const int64_t prefill_us = micros_since(j.received) - computed.tail_us;
-    record_prefill_computed(job.prompt_tokens.size());
+    // (computed into a pool that held a cached prefix: only the rest ran;
+    // a stream's prefill computes every position and sends the rest)
+    const bool into_pool = job.target.transfer_id != 0 && job.target.transport == kLocalKvTransport;
+    record_prefill_computed(job.prompt_tokens.size() - size_t(into_pool ? job.target.first_position : 0));
     ship_kv(self, serial, job, decode, std::move(computed), prefill_us);
   }
 }
 
 prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, compute_actor compute,
-                                              router_actor router, std::string name, std::string colocated) {
+                                              router_actor router, std::string name, std::string colocated,
+                                              bool join_router) {
   self->state.config = std::move(config);
   self->state.name = std::move(name);
   self->state.colocated = std::move(colocated);
@@ -161,6 +165,7 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
       .then(
           [=](ModelInfo& model) {
             self->state.model = model;
+            if (!join_router) return;
             WorkerInfo info;
             info.role = WorkerRole::prefill;
             info.host_id = kv::host_identity();
@@ -187,7 +192,8 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
           // A stream's size is known before any compute: refuse it now.
           const uint64_t bytes = gpu::KvStreamPlan(std::max(1, st.model.n_layers),
                                                    std::max(1, st.model.n_kv_heads * st.model.head_dim),
-                                                   int(job.prompt_tokens.size()), job.target.block_size)
+                                                   int(job.prompt_tokens.size()), job.target.block_size, {},
+                                                   job.target.first_position)
                                      .total_bytes();
           if (int64_t(bytes) > st.config.max_kv_transfer_bytes) {
             auto r = failure(job.id, ErrorCode::kv_too_large,
@@ -250,9 +256,9 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
 
 prefill_actor spawn_prefill(caf::actor_system& system, const DisaggConfig& config,
                             compute_actor compute, router_actor router, std::string name,
-                            std::string colocated) {
+                            std::string colocated, bool join_router) {
   return system.spawn(prefill_behavior, config, std::move(compute), std::move(router),
-                      std::move(name), std::move(colocated));
+                      std::move(name), std::move(colocated), join_router);
 }
 
 }  // namespace disagg

@@ -69,6 +69,17 @@ inline void record_prefill_computed(size_t tokens) { metrics::disagg_metrics().p
 // Decode worker: a token its sequences made (every one, cancelled or not).
 inline void record_decoded_token() { metrics::disagg_metrics().decode_tokens.inc(); }
 
+// Decode worker: a reservation's look-up in its prefix cache: `prompt`
+// positions asked for, `cached` found; `not_sent` positions of KV will not
+// travel (the cached ones, or the whole prompt when it prefills it itself),
+// of `position_bytes` each.
+inline void record_prefix_lookup(int prompt, int cached, int not_sent, uint64_t position_bytes) {
+  auto& m = metrics::disagg_metrics();
+  m.decode_prefix_cache_queries.inc(double(prompt));
+  m.decode_prefix_cache_hits.inc(double(cached));
+  m.kv_bytes_not_sent.inc(double(uint64_t(not_sent) * position_bytes));
+}
+
 // Decode worker: its load whenever it changes.
 inline void record_decode_load(const DecodeLoad& load) {
   auto& m = metrics::disagg_metrics();

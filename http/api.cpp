@@ -334,6 +334,10 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     expect_type(user->is_string(), "user", "a string", *user);
     r.user = user->get<std::string>();
   }
+  if (const json* salt = field(body, "cache_salt")) {
+    expect_type(salt->is_string(), "cache_salt", "a string", *salt);
+    r.cache_salt = salt->get<std::string>();
+  }
   return r;
 }
 
@@ -393,25 +397,28 @@ std::string TextAssembler::flush() {
 
 // ---------------------------------------------------------------- responses
 
-json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
   return {{"prompt_tokens", prompt_tokens},
           {"completion_tokens", completion_tokens},
-          {"total_tokens", prompt_tokens + completion_tokens}};
+          {"total_tokens", prompt_tokens + completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
 }
 
 json completion_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens) {
+                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
+                         int64_t cached_tokens) {
   return {{"id", id},
           {"object", kCompletionObject},
           {"created", created},
           {"model", model},
           {"choices", json::array({{{"index", 0}, {"text", text}, {"logprobs", nullptr},
                                     {"finish_reason", nullable(finish_reason)}}})},
-          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens)}};
 }
 
 json chat_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens) {
+                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
+                   int64_t cached_tokens) {
   return {{"id", id},
           {"object", kChatObject},
           {"created", created},
@@ -420,7 +427,7 @@ json chat_response(const std::string& id, int64_t created, const std::string& mo
                                     {"message", {{"role", "assistant"}, {"content", text}}},
                                     {"logprobs", nullptr},
                                     {"finish_reason", nullable(finish_reason)}}})},
-          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens)}};
 }
 
 json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
@@ -444,13 +451,13 @@ json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, con
 }
 
 json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
-                 int64_t prompt_tokens, int64_t completion_tokens) {
+                 int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
   return {{"id", id},
           {"object", endpoint == Endpoint::completions ? kCompletionObject : kChatChunkObject},
           {"created", created},
           {"model", model},
           {"choices", json::array()},
-          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens)}};
 }
 
 json models_response(const ServedModel& model) {

@@ -82,6 +82,7 @@ struct ApiRequest {
   bool stream = false;
   bool include_usage = false;
   std::string user;  // the router's session affinity key
+  std::string cache_salt;  // GenerateRequest::cache_salt
 };
 
 // Parses and validates a request body; throws ApiError and nothing else:
@@ -123,17 +124,20 @@ class TextAssembler {
 
 // The response bodies (OpenAI's shapes). finish_reason: "stop" or "length";
 // an empty string writes null.
-json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
+// cached_tokens: of the prompt, in the prefix cache (usage.prompt_tokens_details.cached_tokens, as vLLM).
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
 json completion_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens);
+                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
+                         int64_t cached_tokens = 0);
 json chat_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens);
+                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
+                   int64_t cached_tokens = 0);
 // One streamed chunk; for chat, `first` adds role "assistant" to the delta.
 // With include_usage every chunk carries "usage": null (the last one the counts).
 json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
                   const std::string& text, const std::string& finish_reason, bool first, bool include_usage);
 json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
-                 int64_t prompt_tokens, int64_t completion_tokens);
+                 int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
 json models_response(const ServedModel& model);
 
 // "data: {json}\n\n" (invalid UTF-8 replaced by U+FFFD) and the final "data: [DONE]\n\n".

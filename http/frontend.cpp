@@ -171,6 +171,7 @@ class Session : public std::enable_shared_from_this<Session> {
     bool counted = false;      // its metrics were recorded
     Clock::time_point accepted;
     std::optional<Clock::time_point> last_token;
+    int64_t cached_tokens = 0;  // prompt tokens the prefix cache held (the router's token events say)
   };
 
   // ---- reading requests
@@ -374,6 +375,7 @@ class Session : public std::enable_shared_from_this<Session> {
     r.up_to_capacity = g.request.max_tokens_defaulted;
     r.sampling = g.request.sampling;
     r.session = g.request.user;
+    r.cache_salt = g.request.cache_salt;
     r.token_text = false;  // decoded here
     fe_.track(g.id, client);
     fe_.metrics.num_requests_running.add(1);
@@ -382,7 +384,9 @@ class Session : public std::enable_shared_from_this<Session> {
     client->submit_async(
         std::move(r),
         [self, id](const TokenEvent& event) {
-          net::post(self->stream_.get_executor(), [self, id, token = event.token] { self->on_token(id, token); });
+          net::post(self->stream_.get_executor(), [self, id, token = event.token, cached = event.cached_tokens] {
+            self->on_token(id, token, cached);
+          });
         },
         [self, id, fe = &fe_](RequestOutcome outcome) {
           fe->untrack(id);
@@ -394,9 +398,10 @@ class Session : public std::enable_shared_from_this<Session> {
 
   Generation* current(RequestId id) { return gen_ && gen_->id == id ? &*gen_ : nullptr; }
 
-  void on_token(RequestId id, int32_t token) {
+  void on_token(RequestId id, int32_t token, int32_t cached_tokens) {
     Generation* g = current(id);
     if (!g || g->done) return;
+    g->cached_tokens = cached_tokens;
     const auto now = Clock::now();
     if (!g->last_token) fe_.metrics.time_to_first_token.observe(seconds_between(g->accepted, now));
     else fe_.metrics.inter_token_latency.observe(seconds_between(*g->last_token, now));
@@ -424,6 +429,7 @@ class Session : public std::enable_shared_from_this<Session> {
       fail(*g, error_for_outcome(outcome.code, outcome.message));
       return;
     }
+    g->cached_tokens = outcome.timings.cached_tokens;
     // Tokens the events did not carry (none are expected): add them now.
     for (size_t i = size_t(g->text->tokens()); i < outcome.tokens.size(); ++i) {
       const std::string piece = g->text->add(outcome.tokens[i]);
@@ -490,16 +496,17 @@ class Session : public std::enable_shared_from_this<Session> {
       send_piece(g, "", finish_reason);
       if (g.request.include_usage)
         enqueue(Out{Out::chunk,
-                    sse_event(usage_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, prompt, completion))});
+                    sse_event(usage_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, prompt,
+                                          completion, g.cached_tokens))});
       enqueue(Out{Out::chunk, kSseDone});
       finish_response(Out{Out::last, {}});
       return;
     }
     const json body = g.request.endpoint == Endpoint::completions
                           ? completion_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
-                                                prompt, completion)
+                                                prompt, completion, g.cached_tokens)
                           : chat_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
-                                          prompt, completion);
+                                          prompt, completion, g.cached_tokens);
     send_json(200, body);
   }
 

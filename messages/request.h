@@ -63,6 +63,9 @@ struct GenerateRequest {
   // request without max_tokens): the router lowers it to what the largest
   // decode pool can hold, rather than refusing a request no pool fits.
   bool up_to_capacity = false;
+  // Keeps this request's prompt out of the prefix cache entries of requests
+  // with another salt (a tenant's own cache, vLLM's cache_salt); "" shares.
+  std::string cache_salt;
 };
 
 // One generated token, streamed as soon as the decode step produced it.
@@ -71,6 +74,10 @@ struct TokenEvent {
   int32_t index = 0;  // 0 for the first generated token
   int32_t token = 0;
   std::string text;   // the token's text piece when the router has a tokenizer
+  // Set by the router: prompt tokens the decode worker's prefix cache held
+  // (as RequestOutcome's timings will say), so a client that stops early
+  // (a stop string) can report them.
+  int32_t cached_tokens = 0;
 };
 
 // Durations in microseconds, each measured on one machine's clock.
@@ -81,6 +88,7 @@ struct Timings {
   int64_t decode_us = 0;       // decode worker: admitted -> finished
   uint64_t kv_bytes = 0;       // the KV as it travelled
   bool kv_streamed = false;    // streamed during the prefill (else one message after it)
+  int32_t cached_tokens = 0;   // prompt tokens whose KV the decode worker's prefix cache held
 };
 
 // The terminal reply: exactly one per request.
@@ -110,18 +118,18 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
   return f(caf::meta::type_name("GenerateRequest"), x.id, x.prompt_tokens, x.prompt_text,
            x.prompt_is_text, x.max_new_tokens, x.sampling, x.session, x.deadline_ms, x.token_text,
-           x.up_to_capacity);
+           x.up_to_capacity, x.cache_salt);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, TokenEvent& x) {
-  return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text);
+  return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text, x.cached_tokens);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, Timings& x) {
   return f(caf::meta::type_name("Timings"), x.queued_us, x.prefill_us, x.kv_transfer_us,
-           x.decode_us, x.kv_bytes, x.kv_streamed);
+           x.decode_us, x.kv_bytes, x.kv_streamed, x.cached_tokens);
 }
 
 template <class Inspector>

@@ -23,6 +23,15 @@ struct KvReservation {
   int64_t lease_ms = 0;
   int32_t prompt_len = 0;    // positions the prefill will stream into the blocks
   std::string prefill_host;  // the prefill worker's WorkerInfo::host_id (same host: shared memory)
+  // The prompt itself (prompt_len tokens; empty: no prefix caching) and the
+  // request's cache salt: the decode worker hashes its full blocks
+  // (gpu/block_hash.h) and shares the ones its prefix cache holds.
+  std::vector<int32_t> prompt_tokens;
+  std::string cache_salt;
+  // The router's local-prefill-tokens: when the prefix cache holds part of
+  // the prompt and at most this many positions are left, the decode worker
+  // computes them itself (a local target) instead of a prefill worker.
+  int32_t local_prefill_tokens = 0;
 };
 
 // Where a prefill worker streams a request's KV (kv/plane.h): the decode
@@ -40,6 +49,10 @@ struct KvTarget {
   std::string address;        // "host:port" of the decode node's receiver
   int32_t block_size = 0;     // the decode pool's positions per block (gpu::KvStreamPlan)
   std::vector<int32_t> runs;  // the prompt's blocks as runs of consecutive ids (gpu::KvStreamPlan::runs_of)
+  // Positions [0, first_position) are in the blocks already (the decode
+  // worker's prefix cache): not sent, and not computed by a prefill into the
+  // pool itself (gpu::KvStreamPlan's first position).
+  int32_t first_position = 0;
 };
 
 // Decode -> router: the reply to KvReservation. code none: reserved;
@@ -51,6 +64,7 @@ struct ReserveReply {
   std::string message;
   DecodeLoad load;  // after the reservation
   KvTarget target;  // code none: where the KV goes
+  int32_t cached_tokens = 0;  // prompt positions the prefix cache had (target.first_position)
 };
 
 // Router -> prefill, sent as (prefill_atom, PrefillJob, decode_actor): run the
@@ -140,17 +154,19 @@ struct DecodeDone {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
-  return f(caf::meta::type_name("KvReservation"), x.id, x.positions, x.lease_ms, x.prompt_len, x.prefill_host);
+  return f(caf::meta::type_name("KvReservation"), x.id, x.positions, x.lease_ms, x.prompt_len, x.prefill_host,
+           x.prompt_tokens, x.cache_salt, x.local_prefill_tokens);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTarget& x) {
-  return f(caf::meta::type_name("KvTarget"), x.transfer_id, x.transport, x.address, x.block_size, x.runs);
+  return f(caf::meta::type_name("KvTarget"), x.transfer_id, x.transport, x.address, x.block_size, x.runs,
+           x.first_position);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, ReserveReply& x) {
-  return f(caf::meta::type_name("ReserveReply"), x.id, x.code, x.message, x.load, x.target);
+  return f(caf::meta::type_name("ReserveReply"), x.id, x.code, x.message, x.load, x.target, x.cached_tokens);
 }
 
 template <class Inspector>

@@ -70,13 +70,24 @@ DisaggMetrics::DisaggMetrics(Registry& r)
                       .get()),
       kv_transfer_bytes(
           r.counter("disagg_kv_transfer_bytes_total", "Bytes of KV sent from prefill to decode workers.").get()),
+      prefix_cache_queries(r.counter("disagg_prefix_cache_queries_total",
+                                     "Prompt tokens looked up in a worker's prefix cache, by role.", {"role"})),
+      prefix_cache_hits(r.counter("disagg_prefix_cache_hits_total",
+                                  "Prompt tokens found in a worker's prefix cache (their KV reused), by role.",
+                                  {"role"})),
+      kv_bytes_not_sent(r.counter("disagg_kv_transfer_bytes_saved_total",
+                                  "KV bytes no prefill worker sent: positions a decode worker's prefix cache held, "
+                                  "and prompts it prefilled itself.")
+                            .get()),
       workers(r.gauge("disagg_workers", "Workers registered at the router, by role.", {"role"})),
       connections_closed(r.counter("disagg_connections_closed_total",
                                    "Connections a node's port guard refused or closed, by reason.", {"reason"})),
       success_stop(request_success.with({"stop"})),
       success_length(request_success.with({"length"})),
       prefill_workers(workers.with({"prefill"})),
-      decode_workers(workers.with({"decode"})) {
+      decode_workers(workers.with({"decode"})),
+      decode_prefix_cache_queries(prefix_cache_queries.with({"decode"})),
+      decode_prefix_cache_hits(prefix_cache_hits.with({"decode"})) {
   for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
   // (node/port_guard.h GuardRefusal's names: every reason exists at zero)
   for (const char* reason : {"connection_cap", "pending_cap", "source_cap", "bad_header", "message_too_large",

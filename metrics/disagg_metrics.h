@@ -43,6 +43,12 @@ struct DisaggMetrics {
   Family<Counter>& request_errors;   // {code}: kErrorCodes
   Histogram& kv_transfer;           // seconds
   Counter& kv_transfer_bytes;
+  // {role}: prompt tokens looked up in a prefix cache, and those found
+  // (vLLM's prefix_cache_queries / prefix_cache_hits); only decode workers
+  // keep one so far.
+  Family<Counter>& prefix_cache_queries;
+  Family<Counter>& prefix_cache_hits;
+  Counter& kv_bytes_not_sent;       // decode: KV a stream would have carried without the cache (or local prefill)
   Family<Gauge>& workers;           // {role}: prefill | decode registered at the router
   // {reason}: connections a node's port guard refused or closed (node/port_guard.h)
   Family<Counter>& connections_closed;
@@ -53,6 +59,8 @@ struct DisaggMetrics {
   std::array<Counter*, kErrorCodes.size()> errors_by_code{};  // kErrorCodes' order
   Gauge& prefill_workers;
   Gauge& decode_workers;
+  Counter& decode_prefix_cache_queries;
+  Counter& decode_prefix_cache_hits;
 
   // finished_reason "stop" or "length"; code one of kErrorCodes (else the
   // family's child for it is created, under its lock).

@@ -67,10 +67,12 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
       prefill_compute.push_back(spawn_compute(
           system_,
           {checkpoints.get(model_for(options_.prefill_models, size_t(i), cfg.model)), engine, 0, 0, plane}));
-    for (int i = 0; i < cfg.decode_workers; ++i)
-      decode_compute.push_back(spawn_compute_unit(
-          system_, {checkpoints.get(model_for(options_.decode_models, size_t(i), cfg.model)), engine,
-                    cfg.block_size, cfg.pool_blocks, plane}));
+    for (int i = 0; i < cfg.decode_workers; ++i) {
+      ComputeSpec spec{checkpoints.get(model_for(options_.decode_models, size_t(i), cfg.model)), engine,
+                       cfg.block_size, cfg.pool_blocks, plane};
+      spec.prefill_chunk = cfg.prefill_chunk;  // its own prefills of short uncached rests
+      decode_compute.push_back(spawn_compute_unit(system_, spec));
+    }
     for (int i = 0; i < options_.colocated_workers; ++i) {
       local_targets.push_back(std::make_shared<kv::LocalKvTargets>());
       ComputeSpec spec{checkpoints.get(cfg.model), engine, cfg.block_size, cfg.pool_blocks, nullptr};
@@ -91,7 +93,8 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
                                      "prefill-" + std::to_string(i)));
   for (int i = 0; i < cfg.decode_workers; ++i)
     decode_.push_back(spawn_decode(system_, cfg, decode_compute[size_t(i)].actor, router_,
-                                   "decode-" + std::to_string(i), DecodeKv{decode_compute[size_t(i)].pool, plane}));
+                                   "decode-" + std::to_string(i), DecodeKv{decode_compute[size_t(i)].pool, plane,
+                                                                      decode_compute[size_t(i)].local}));
 
   for (int i = 0; i < options_.colocated_workers; ++i) {
     const std::string unit = "worker-" + std::to_string(i);

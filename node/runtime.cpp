@@ -319,7 +319,7 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
     });
   } else if (is_decode) {
     add_worker([&](router_actor relay) {
-      return spawn_decode(system, cfg, compute.actor, relay, name, DecodeKv{compute.pool, plane});
+      return spawn_decode(system, cfg, compute.actor, relay, name, DecodeKv{compute.pool, plane, compute.local});
     });
   } else {
     add_worker([&](router_actor relay) { return spawn_prefill(system, cfg, compute.actor, relay, name); });

@@ -61,6 +61,9 @@ TEST_F(ActorTest, TimedOutPromptsDoNotDelayTheNextRequest) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
   options.config.max_prefill_inflight = 32;  // many expired prompts reach the compute actor's mailbox
+  // The same prompt each time: with the prefix cache its repeats would be
+  // prefilled in a moment on the decode worker, and none would expire.
+  options.config.prefix_caching = false;
   start(std::move(options));
   const PrefillCounts at_start = prefill_counts();
   Clock::duration one_prefill{};

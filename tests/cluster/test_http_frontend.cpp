@@ -245,9 +245,23 @@ TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
     streamed += chunk["choices"][0]["delta"].value("content", "");
   }
   EXPECT_EQ(streamed, chat_want.text);
-  completed += 2;
-  prompt_tokens += 2 * int64_t(chat_prompt.size());
-  generated += 2 * int64_t(chat_want.output_tokens.size());
+  // The same chat again: the decode worker's prefix cache holds the
+  // prompt's full blocks but the one with its last position, and the usage
+  // says so (prompt_tokens_details.cached_tokens, as vLLM). The first chat
+  // had nothing cached; the streamed one, like this one, prefilled only the
+  // rest on the decode worker: no KV transfer for either.
+  const int64_t cached = 16 * ((int64_t(chat_prompt.size()) - 1) / 16);
+  ASSERT_GT(cached, 0) << "the test wants a chat prompt longer than a block";
+  EXPECT_EQ(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const Reply chat_again = post(port, "/v1/chat/completions", chat);
+  ASSERT_EQ(chat_again.status, 200) << chat_again.body;
+  const json again = json::parse(chat_again.body);
+  EXPECT_EQ(again["choices"][0]["message"]["content"], chat_want.text);
+  EXPECT_EQ(again["usage"]["prompt_tokens_details"]["cached_tokens"], cached);
+  const int local_prefills = 2;
+  completed += 3;
+  prompt_tokens += 3 * int64_t(chat_prompt.size());
+  generated += 3 * int64_t(chat_want.output_tokens.size());
 
   // Metrics: every node's /metrics passes promtool; the frontend's and the
   // router's counters moved by exactly what was served.
@@ -274,7 +288,9 @@ TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
   EXPECT_EQ(sample(scraped["router"], "disagg_workers{role=\"decode\"}"), 1);
   EXPECT_EQ(sample(scraped["router"], "disagg_num_requests_running"), 0);
   EXPECT_EQ(sample(scraped["router"], "disagg_request_queue_time_seconds_count"), completed);
-  EXPECT_EQ(sample(scraped["prefill-1"], "disagg_kv_transfer_seconds_count"), completed);
+  EXPECT_EQ(sample(scraped["prefill-1"], "disagg_kv_transfer_seconds_count"), completed - local_prefills);
+  EXPECT_EQ(sample(scraped["decode-1"], "disagg_prefix_cache_hits_total{role=\"decode\"}"), local_prefills * cached);
+  EXPECT_EQ(sample(scraped["decode-1"], "disagg_prefix_cache_queries_total{role=\"decode\"}"), prompt_tokens);
   EXPECT_GT(sample(scraped["prefill-1"], "disagg_kv_transfer_bytes_total"), 0);
   EXPECT_EQ(sample(scraped["decode-1"], "disagg_kv_cache_usage_perc"), 0);  // all blocks free again
   EXPECT_EQ(sample(on_http_port, "disagg_prompt_tokens_total"), prompt_tokens);

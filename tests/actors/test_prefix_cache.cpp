@@ -1,0 +1,237 @@
+// Prefix caching through the cluster (gpu/kv_cache.h BlockPool on each
+// decode worker): a request whose prompt starts with full blocks a decode
+// worker holds (an earlier request's prompt, or its prompt and generated
+// tokens: a conversation's next turn) shares them; its rest is prefilled by
+// the decode worker itself when short (conditional disaggregation), or by a
+// prefill worker that streams only the blocks after the cached ones. The
+// tokens are those of gpu::generate on the whole prompt, greedy and sampled,
+// on every path; a cache salt keeps requests apart, and eviction under a full
+// pool never gives a request another prompt's KV.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <thread>
+
+#include "actors/actor_fixture.h"
+#include "caf/all.hpp"
+
+namespace disagg::test {
+namespace {
+
+constexpr int kBlock = 16;  // DisaggConfig's default block size
+
+// A prompt of n tokens of the shared model (ids its vocabulary has), `seed`
+// making different prompts.
+std::vector<int32_t> prompt_of(int n, int seed) {
+  std::vector<int32_t> p{1};
+  for (int i = 1; i < n; ++i) p.push_back(3 + (i * 37 + seed * 101) % 500);
+  return p;
+}
+
+RequestOutcome generate(Client& client, std::vector<int32_t> prompt, int max_new, const Sampling& sampling = {},
+                        const std::string& salt = {}) {
+  GenerateRequest r = make_request(std::move(prompt), max_new, sampling);
+  r.cache_salt = salt;
+  return client.generate(std::move(r));
+}
+
+// Who computes the rest of a prompt after its cached blocks.
+enum class Rest {
+  decode_worker,   // the decode worker itself (conditional disaggregation)
+  prefill_worker,  // a prefill worker, which sends only the positions after the cached blocks
+};
+
+// A conversation: turn 1, then turn 2 = turn 1's prompt + its answer + new
+// tokens. Turn 2 has every full block before its last 5 positions cached.
+void expect_second_turn_cached(Client& client, const Sampling& sampling, Rest rest) {
+  const std::vector<int32_t> first = prompt_of(70, 1);
+  const RequestOutcome one = generate(client, first, 40, sampling);
+  ASSERT_TRUE(one.ok()) << one.message;
+  EXPECT_EQ(one.tokens, colocated(first, 40, sampling).tokens);
+  EXPECT_EQ(one.timings.cached_tokens, 0);
+  ASSERT_EQ(one.tokens.size(), 40u) << "the test wants a turn that ends by length";
+  std::vector<int32_t> second = first;
+  second.insert(second.end(), one.tokens.begin(), one.tokens.end());
+  const std::vector<int32_t> user = prompt_of(6, 2);
+  second.insert(second.end(), user.begin() + 1, user.end());  // 115 tokens
+  const RequestOutcome two = generate(client, second, 30, sampling);
+  ASSERT_TRUE(two.ok()) << two.message;
+  EXPECT_EQ(two.tokens, colocated(second, 30, sampling).tokens) << "cached KV gave other tokens";
+  // Cached: the prompt's and the answer's full blocks whose KV was final
+  // (all but the answer's last token): 70 + 39 = 109 positions -> 6 blocks.
+  EXPECT_EQ(two.timings.cached_tokens, 6 * kBlock);
+  if (rest == Rest::decode_worker) {
+    EXPECT_EQ(two.prefill_worker, two.decode_worker) << "the short rest was not prefilled by the decode worker";
+  } else {
+    EXPECT_NE(two.prefill_worker, two.decode_worker);
+    // Only the positions after the cached blocks travel (a colocated unit's
+    // prefill worker counts what a stream would have carried).
+    EXPECT_EQ(two.timings.kv_bytes, stream_bytes_for(int(second.size())) - stream_bytes_for(6 * kBlock));
+  }
+}
+
+TEST_F(ActorTest, ASecondTurnPrefillsOnlyItsNewTokensOnTheDecodeWorker) {
+  start(1, 1);
+  expect_second_turn_cached(*client_, Sampling{}, Rest::decode_worker);
+}
+
+TEST_F(ActorTest, ASecondTurnSampledGivesTheSameTokensFromTheCache) {
+  start(1, 1);
+  expect_second_turn_cached(*client_, Sampling{0.9f, 0.95f, 1234}, Rest::decode_worker);
+}
+
+TEST_F(ActorTest, WithoutLocalPrefillTheRestIsStreamedAfterTheCachedBlocks) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.local_prefill_tokens = 0;
+  start(std::move(options));
+  expect_second_turn_cached(*client_, Sampling{}, Rest::prefill_worker);
+}
+
+TEST_F(ActorTest, AColocatedWorkerPrefillsOnlyAfterItsCachedBlocks) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(0, 0);
+  options.colocated_workers = 1;
+  start(std::move(options));
+  expect_second_turn_cached(*client_, Sampling{}, Rest::prefill_worker);  // its unit's, into its own blocks
+}
+
+TEST_F(ActorTest, PrefixCachingOffCachesNothing) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.prefix_caching = false;
+  start(std::move(options));
+  const std::vector<int32_t> p = prompt_of(100, 3);
+  ASSERT_TRUE(generate(*client_, p, 8).ok());
+  const RequestOutcome again = generate(*client_, p, 8);
+  ASSERT_TRUE(again.ok()) << again.message;
+  EXPECT_EQ(again.timings.cached_tokens, 0);
+  EXPECT_EQ(again.timings.kv_bytes, stream_bytes_for(100));
+}
+
+TEST_F(ActorTest, TheSamePromptAgainSharesAllButItsLastBlockAndASaltKeepsItApart) {
+  start(1, 1);
+  const std::vector<int32_t> p = prompt_of(96, 4);  // 6 full blocks
+  const RequestOutcome one = generate(*client_, p, 8, {}, "tenant-a");
+  ASSERT_TRUE(one.ok()) << one.message;
+  const RequestOutcome two = generate(*client_, p, 8, {}, "tenant-a");
+  ASSERT_TRUE(two.ok()) << two.message;
+  // The last position is always computed (its logits give token 0), so the
+  // last of the 6 full blocks is computed again.
+  EXPECT_EQ(two.timings.cached_tokens, 5 * kBlock);
+  EXPECT_EQ(two.tokens, one.tokens);
+  const RequestOutcome other = generate(*client_, p, 8, {}, "tenant-b");
+  ASSERT_TRUE(other.ok()) << other.message;
+  EXPECT_EQ(other.timings.cached_tokens, 0) << "another tenant's salt shared the cache";
+  EXPECT_EQ(other.tokens, one.tokens);
+}
+
+// A pool too small to keep everything: later prompts evict earlier ones'
+// blocks (least recently released first), and whatever a prompt finds
+// cached, its tokens stay those of gpu::generate.
+TEST_F(ActorTest, EvictionUnderAFullPoolNeverGivesARequestWrongKv) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 24;  // 384 positions: about two of the prompts below and their answers
+  start(std::move(options));
+  std::vector<std::vector<int32_t>> prompts;
+  for (int k = 0; k < 4; ++k) prompts.push_back(prompt_of(150, 10 + k));
+  int misses = 0;
+  for (int round = 0; round < 3; ++round)
+    for (size_t k = 0; k < prompts.size(); ++k) {
+      // Prompts that share a prefix with the previous one, and fresh ones.
+      std::vector<int32_t> p = prompts[k];
+      if (round == 2) p.resize(120);
+      const RequestOutcome out = generate(*client_, p, 12);
+      ASSERT_TRUE(out.ok()) << out.message;
+      EXPECT_EQ(out.tokens, colocated(p, 12).tokens) << "round " << round << ", prompt " << k;
+      misses += out.timings.cached_tokens == 0;
+    }
+  // 4 prompts of ~10 blocks through 24 blocks: the cache cannot hold them
+  // all (misses after the first round), and the one just used is still there
+  // for the next request of the same prompt.
+  EXPECT_GT(misses, 4) << "nothing was evicted";
+  const RequestOutcome again = generate(*client_, prompts[3], 12);
+  ASSERT_TRUE(again.ok());
+  EXPECT_GT(again.timings.cached_tokens, 0) << "the most recent prompt was evicted first";
+  EXPECT_EQ(again.tokens, colocated(prompts[3], 12).tokens);
+}
+
+}  // namespace
+}  // namespace disagg::test
+
+namespace disagg::test {
+namespace {
+
+// KV-aware routing: with two decode workers, the requests of a group that
+// shares a 96-token prefix go to the worker whose prefix cache holds it (the
+// router's index of the workers' KV events), and the groups spread over
+// both workers. Without the index (weight 0) equal free blocks leave it to
+// round robin, which with three groups moves each group between workers.
+int requests_on_their_groups_worker(Client& client, std::map<std::string, int>* per_worker) {
+  std::map<int, std::string> home;  // group -> the worker of its first request
+  int on_home = 0;
+  for (int round = 0; round < 4; ++round)
+    for (int g = 0; g < 3; ++g) {
+      std::vector<int32_t> p = prompt_of(96, 100 + g);
+      const std::vector<int32_t> suffix = prompt_of(20, 1000 + 10 * round + g);
+      p.insert(p.end(), suffix.begin() + 1, suffix.end());
+      const RequestOutcome out = generate(client, p, 4);
+      EXPECT_TRUE(out.ok()) << out.message;
+      EXPECT_EQ(out.tokens, colocated(p, 4).tokens);
+      (*per_worker)[out.decode_worker] += 1;
+      if (round == 0) home[g] = out.decode_worker;
+      else on_home += out.decode_worker == home[g];
+    }
+  return on_home;
+}
+
+TEST_F(ActorTest, RequestsGoToTheDecodeWorkerThatHoldsTheirPrefix) {
+  start(1, 2);
+  std::map<std::string, int> per_worker;
+  const int on_home = requests_on_their_groups_worker(*client_, &per_worker);
+  EXPECT_EQ(on_home, 9) << "of the 9 requests after each group's first";
+  EXPECT_EQ(per_worker.size(), 2u) << "the groups did not spread over both workers";
+}
+
+TEST_F(ActorTest, WithoutKvAwareRoutingAGroupsRequestsMoveBetweenWorkers) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 2);
+  options.config.kv_routing_prefill_weight = 0;
+  start(std::move(options));
+  std::map<std::string, int> per_worker;
+  EXPECT_LT(requests_on_their_groups_worker(*client_, &per_worker), 9);
+}
+
+// A decode worker that dies takes its cached blocks with it: the router
+// forgets them with the worker, and the same prompt, on the survivor, is
+// computed whole (nothing cached) and gives the same tokens.
+TEST_F(ActorTest, ALostDecodeWorkersCachedBlocksAreForgotten) {
+  start(1, 2);
+  expect_pools_free_ = false;  // one pool dies with its worker
+  const std::vector<int32_t> p = prompt_of(120, 7);
+  const RequestOutcome first = generate(*client_, p, 6);
+  ASSERT_TRUE(first.ok()) << first.message;
+  const RequestOutcome hit = generate(*client_, p, 6);
+  ASSERT_TRUE(hit.ok()) << hit.message;
+  ASSERT_EQ(hit.decode_worker, first.decode_worker) << "the router did not send the prompt back to its blocks";
+  ASSERT_GT(hit.timings.cached_tokens, 0);
+  const size_t holder = first.decode_worker == "decode-0" ? 0 : 1;  // (LocalCluster's names, in order)
+  caf::anon_send_exit(cluster_->decode_workers().at(holder), caf::exit_reason::kill);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (;;) {  // until the router has seen it go (it monitors its workers)
+    const auto status = client_->status();
+    if (status && status->count(WorkerRole::decode) == 1) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the router never saw the worker go";
+    std::this_thread::yield();
+  }
+  const RequestOutcome after = generate(*client_, p, 6);
+  ASSERT_TRUE(after.ok()) << after.message;
+  EXPECT_NE(after.decode_worker, first.decode_worker);
+  EXPECT_EQ(after.timings.cached_tokens, 0);
+  EXPECT_EQ(after.tokens, first.tokens);
+}
+
+}  // namespace
+}  // namespace disagg::test
