@@ -13,6 +13,7 @@
 #include "actors/router_policy.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
+#include "gpu/block_hash.h"
 
 namespace disagg {
 
@@ -37,6 +38,9 @@ struct Worker {
   // heartbeat-timeout-ms gets no new work until it answers again.
   bool responsive = true;
   bool heartbeat_pending = false;
+  // decode: what its prefix cache holds, as its KV events say (routing only)
+  PrefixIndex prefix{0};
+  bool snapshot_pending = false;
 };
 
 // A request's phases at the router:
@@ -72,6 +76,10 @@ struct Request {
   WorkerKey decode_key = 0;
   int reserved_blocks = 0;
   KvTarget kv_target;  // where the decode worker takes the KV (its ReserveReply)
+  int32_t cached_tokens = 0;  // of the prompt, in the decode worker's prefix cache (its ReserveReply)
+  // The decode worker prefills the rest itself (its reservation's target is
+  // local, and it is no colocated unit's): no prefill worker in this attempt.
+  bool local_prefill = false;
   std::optional<PrefillReport> prefill_report;
   // No report is waited for: the prefill worker went down, stopped answering
   // or answered with an error once its part of this attempt was done.
@@ -221,7 +229,8 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
   outcome.id = id;
   if (r.dispatched) {
     outcome.timings.queued_us = micros_between(r.accepted, *r.dispatched);
-    if (outcome.prefill_worker.empty()) outcome.prefill_worker = worker_name(self, r.prefill_key);
+    if (outcome.prefill_worker.empty())
+      outcome.prefill_worker = worker_name(self, r.local_prefill ? r.decode_key : r.prefill_key);
     if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, r.decode_key);
   }
   record_finished(outcome, r.accepted, r.dispatched.has_value());
@@ -268,6 +277,7 @@ void complete(Self self, RequestId id) {
     out.timings.kv_bytes = r.prefill_report->kv_bytes;
     out.timings.kv_streamed = r.prefill_report->streamed;
   }
+  out.timings.cached_tokens = std::min<int32_t>(r.cached_tokens, int32_t(r.prompt.size()));
   finish(self, id, std::move(out));
 }
 
@@ -316,6 +326,34 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
   return out;
 }
 
+// KV-aware routing: each candidate's compute_cost, kv-routing-prefill-weight
+// x the prompt's blocks its prefix cache lacks as the router's index says
+// (the worker decides what it shares; the index only steers).
+void score_prefixes(Self self, const Request& r, std::vector<DecodeCandidate>& decodes) {
+  auto& st = self->state;
+  if (!st.model || st.config.kv_routing_prefill_weight <= 0) return;
+  const std::vector<int32_t> prompt = job_prompt(r);
+  std::unordered_map<int, std::vector<uint64_t>> by_block_size;  // the prompt's hashes per block size
+  for (DecodeCandidate& c : decodes) {
+    const Worker* w = find_worker(self, c.key);
+    const int blocks = gpu::KvPool::blocks_for(int(prompt.size()), c.block_size);
+    int cached = 0;
+    if (w && w->prefix.synced() && w->prefix.size() > 0) {
+      auto it = by_block_size.find(c.block_size);
+      if (it == by_block_size.end())
+        it = by_block_size
+                 .emplace(c.block_size,
+                          gpu::block_hashes(prompt, c.block_size,
+                                            gpu::block_hash_seed(st.model->fingerprint, c.block_size,
+                                                                 r.request.cache_salt)))
+                 .first;
+      // (the worker computes at least the last position itself)
+      cached = std::min(w->prefix.matched(it->second), (int(prompt.size()) - 1) / c.block_size);
+    }
+    c.compute_cost = st.config.kv_routing_prefill_weight * double(blocks - cached);
+  }
+}
+
 void dispatch(Self self);
 void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report);
 enum class Rescue { retried, completed, failed };
@@ -353,8 +391,12 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
 
   // The lease outlives the request's deadline by the ack timeout: a request
   // still alive never loses its blocks, a lost one frees them by itself.
-  const KvReservation reservation{id, positions, time_left_ms(r) + st.config.ack_timeout_ms,
-                                  int32_t(job_prompt_len(r)), p.info.host_id};
+  KvReservation reservation{id, positions, time_left_ms(r) + st.config.ack_timeout_ms, int32_t(job_prompt_len(r)),
+                            p.info.host_id};
+  reservation.prompt_tokens = job_prompt(r);
+  reservation.cache_salt = r.request.cache_salt;
+  reservation.local_prefill_tokens = st.config.local_prefill_tokens;
+  r.local_prefill = false;
   const uint64_t attempt = r.attempt;
   self->request(d.decode, std::chrono::milliseconds(st.config.ack_timeout_ms), reserve_atom::value, reservation)
       .then([=](ReserveReply& reply) { on_reservation(self, id, attempt, std::move(reply)); },
@@ -370,7 +412,7 @@ void send_prefill_job(Self self, RequestId id) {
   Request& r = st.requests.at(id);
   Worker* p = find_worker(self, r.prefill_key);
   Worker* d = find_worker(self, r.decode_key);
-  if (!p || !d) {  // gone meanwhile (remove_worker fails its requests; defensive)
+  if ((!p && !r.local_prefill) || !d) {  // gone meanwhile (remove_worker fails its requests; defensive)
     fail(self, id, ErrorCode::worker_lost, "a worker chosen for the request went down");
     return;
   }
@@ -389,20 +431,23 @@ void send_prefill_job(Self self, RequestId id) {
   // The router's own deadline timer fires first; this bound only guarantees
   // that the response handler itself never waits forever.
   const auto bound = std::chrono::milliseconds(job.deadline_ms + st.config.ack_timeout_ms);
-  self->request(p->prefill, bound, prefill_atom::value, std::move(job), d->decode)
-      .then(
-          [=](PrefillReport& report) {
-            release_prefill_slot(self, prefill_key, prompt_tokens);
-            on_prefill_report(self, id, attempt, std::move(report));
-          },
-          [=](caf::error& e) {
-            release_prefill_slot(self, prefill_key, prompt_tokens);
-            PrefillReport report;
-            report.id = id;
-            report.code = code_of(e);
-            report.message = describe("prefill worker", e);
-            on_prefill_report(self, id, attempt, std::move(report));
-          });
+  const bool local = r.local_prefill;
+  auto on_report = [=](PrefillReport& report) {
+    release_prefill_slot(self, prefill_key, prompt_tokens);  // (none booked for a local prefill)
+    on_prefill_report(self, id, attempt, std::move(report));
+  };
+  auto on_error = [=](caf::error& e) {
+    release_prefill_slot(self, prefill_key, prompt_tokens);
+    PrefillReport report;
+    report.id = id;
+    report.code = code_of(e);
+    report.message = describe(local ? "decode worker (its own prefill)" : "prefill worker", e);
+    on_prefill_report(self, id, attempt, std::move(report));
+  };
+  if (local)
+    self->request(d->decode, bound, prefill_atom::value, std::move(job)).then(on_report, on_error);
+  else
+    self->request(p->prefill, bound, prefill_atom::value, std::move(job), d->decode).then(on_report, on_error);
 }
 
 // Puts a dispatched request that holds nothing on its workers any more back
@@ -437,6 +482,15 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     if (reply.load.total_blocks > 0) d->load = reply.load;
   if (reply.code == ErrorCode::none) {
     r.kv_target = std::move(reply.target);
+    r.cached_tokens = reply.cached_tokens;
+    const Worker* d = find_worker(self, r.decode_key);
+    if (r.kv_target.transport == kLocalKvTransport && d && d->info.colocated.empty()) {
+      // Conditional disaggregation: the prefill worker booked at start() is
+      // not needed after all.
+      release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
+      r.prefill_key = 0;
+      r.local_prefill = true;
+    }
     send_prefill_job(self, id);
     return;
   }
@@ -473,7 +527,8 @@ void dispatch(Self self) {
       }
       r.validated = true;
     }
-    const auto decodes = decode_candidates(self);
+    auto decodes = decode_candidates(self);
+    score_prefixes(self, r, decodes);
     if (r.request.up_to_capacity && r.earlier.empty() && !decodes.empty()) {
       // The client asked for as much as the context holds: as much as a pool holds.
       const int most = most_new_tokens(decodes, int(r.prompt.size()));
@@ -623,6 +678,25 @@ caf::error refuse(const WorkerInfo& info, const std::string& why) {
   return caf::make_error(caf::sec::invalid_argument, message);
 }
 
+// Asks a decode worker for all it caches: its index starts again from there.
+void request_snapshot(Self self, WorkerKey key) {
+  Worker* w = find_worker(self, key);
+  if (!w || !w->decode || w->snapshot_pending) return;
+  w->snapshot_pending = true;
+  self->request(w->decode, std::chrono::milliseconds(self->state.config.ack_timeout_ms), kv_events_atom::value)
+      .then(
+          [=](KvEvents& snapshot) {
+            if (Worker* found = find_worker(self, key)) {
+              found->snapshot_pending = false;
+              snapshot.snapshot = true;
+              found->prefix.apply(snapshot);
+            }
+          },
+          [=](caf::error&) {
+            if (Worker* found = find_worker(self, key)) found->snapshot_pending = false;  // the next batch asks again
+          });
+}
+
 void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor decode) {
   auto& st = self->state;
   const caf::actor_addr address = prefill ? prefill.address() : decode.address();
@@ -644,12 +718,16 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
   w.load.total_blocks = info.total_blocks;
   w.load.free_blocks = info.total_blocks;
   w.load.block_size = info.block_size;
+  w.prefix = PrefixIndex(size_t(std::max(0, info.total_blocks)));
   w.info = std::move(info);
   if (w.prefill) self->monitor(w.prefill);
   if (w.decode) self->monitor(w.decode);
   node_log("registered " + to_string(w.info.role) + " worker " + w.info.name +
            (w.info.endpoint.empty() ? "" : " (KV endpoint " + w.info.endpoint + ")"));
-  st.workers.emplace(st.next_worker_key++, std::move(w));
+  const WorkerKey key = st.next_worker_key++;
+  const bool is_decode = bool(w.decode);
+  st.workers.emplace(key, std::move(w));
+  if (is_decode) request_snapshot(self, key);  // (a worker that restarted starts from what it holds now)
   dispatch(self);
 }
 
@@ -895,6 +973,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         r.streamed.push_back(event.token);
         if (r.phase == Phase::prefilling) r.phase = Phase::decoding;  // the decode worker has the KV
         record_token(r.accepted, r.last_token);
+        event.cached_tokens = std::min<int32_t>(r.cached_tokens, int32_t(r.prompt.size()));
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
       [=](done_atom, DecodeDone& done) {
@@ -921,6 +1000,17 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
           w->load = load;
           dispatch(self);
         }
+      },
+      [=](kv_events_atom, KvEvents& events) {
+        // From a registered decode worker only; anybody else's are ignored.
+        const auto sender = caf::actor_cast<caf::actor_addr>(self->current_sender());
+        for (auto& kv : self->state.workers)
+          if (kv.second.decode && kv.second.address == sender) {
+            if (kv.second.prefix.apply(events) == PrefixIndex::Applied::resync ||
+                (!kv.second.prefix.synced() && !kv.second.snapshot_pending))
+              request_snapshot(self, kv.first);
+            return;
+          }
       },
       [=](deadline_atom, RequestId id, uint64_t serial) {
         auto it = self->state.requests.find(id);

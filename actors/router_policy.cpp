@@ -72,9 +72,8 @@ std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candida
       continue;
     }
     const auto& b = candidates[*best];
-    if (c.free_blocks > b.free_blocks ||
-        (c.free_blocks == b.free_blocks && c.active_sequences < b.active_sequences))
-      best = i;
+    const double score = c.compute_cost - c.free_blocks, best_score = b.compute_cost - b.free_blocks;
+    if (score < best_score || (score == best_score && c.active_sequences < b.active_sequences)) best = i;
   }
   if (!best) return std::nullopt;
   ++cursor;
@@ -119,6 +118,39 @@ int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_l
   int64_t most = 0;
   for (const auto& c : candidates) most = std::max(most, int64_t(c.total_blocks) * c.block_size);
   return int(std::max<int64_t>(0, most - prompt_len + 1));
+}
+
+PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
+  if (events.snapshot) {
+    hashes_.clear();
+    if (events.stored.size() <= capacity_) hashes_.insert(events.stored.begin(), events.stored.end());
+    seq_ = events.seq;
+    synced_ = true;
+    return Applied::applied;
+  }
+  if (!synced_ || events.seq <= seq_) return Applied::ignored;
+  if (events.seq != seq_ + 1) {
+    hashes_.clear();
+    synced_ = false;
+    return Applied::resync;
+  }
+  for (uint64_t h : events.removed) hashes_.erase(h);
+  for (uint64_t h : events.stored) {
+    hashes_.insert(h);
+    if (hashes_.size() > capacity_) {  // more blocks than the pool has: not what the worker holds
+      hashes_.clear();
+      synced_ = false;
+      return Applied::resync;
+    }
+  }
+  seq_ = events.seq;
+  return Applied::applied;
+}
+
+int PrefixIndex::matched(const std::vector<uint64_t>& hashes) const {
+  int n = 0;
+  while (size_t(n) < hashes.size() && hashes_.count(hashes[size_t(n)])) ++n;
+  return n;
 }
 
 std::optional<WorkerKey> SessionAffinity::find(const std::string& session) {

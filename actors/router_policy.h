@@ -8,11 +8,13 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "gpu/engine.h"
 #include "gpu/generate.h"
 #include "messages/request.h"
+#include "messages/worker.h"
 
 namespace disagg {
 
@@ -53,11 +55,16 @@ struct DecodeCandidate {
   // one is not registered or not responsive: then it takes none).
   bool colocated = false;
   WorkerKey partner = 0;
+  // KV-aware routing: prefill-weight x the request's prompt blocks this
+  // worker's prefix cache lacks (PrefixIndex), as the router's index says.
+  double compute_cost = 0;
 };
 
 // The preferred worker (a session's previous one) when it has room; else the
-// one with the most free blocks, then the fewest active sequences, ties round
-// robin. Workers in `excluded` are skipped; nullopt when none has room.
+// lowest score, compute_cost - free_blocks (Dynamo's prefill_weight x blocks
+// to compute + decode load, with the load as the blocks in use: the most
+// free blocks), then the fewest active sequences, ties round robin. Workers
+// in `excluded` are skipped; nullopt when none has room.
 std::optional<WorkerKey> pick_decode(const std::vector<DecodeCandidate>& candidates, int positions,
                                      std::optional<WorkerKey> preferred,
                                      const std::vector<WorkerKey>& excluded, size_t& cursor);
@@ -88,6 +95,32 @@ bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int po
 // and every generated token but the last); 0 when none holds the prompt.
 int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_len);
 
+
+// The router's view of one decode worker's prefix cache, from the worker's
+// KV events (messages/worker.h KvEvents): bounded by the worker's pool (it
+// cannot hold more blocks than it has), numbered batches applied in order.
+// Only a hint for routing: the worker itself decides what it shares, so a
+// stale or forged event can misroute a request but never give it wrong KV.
+class PrefixIndex {
+ public:
+  explicit PrefixIndex(size_t capacity) : capacity_(capacity) {}
+  enum class Applied {
+    applied,  // the index follows the worker
+    ignored,  // an old batch, or one while waiting for a snapshot
+    resync,   // a number was skipped or the batch does not fit the pool: cleared, ask for a snapshot
+  };
+  Applied apply(const KvEvents& events);
+  // How many of `hashes`, from the first, the worker holds.
+  int matched(const std::vector<uint64_t>& hashes) const;
+  bool synced() const { return synced_; }
+  size_t size() const { return hashes_.size(); }
+
+ private:
+  size_t capacity_;
+  bool synced_ = false;  // a snapshot has been applied since the last resync
+  uint64_t seq_ = 0;     // the last batch applied
+  std::unordered_set<uint64_t> hashes_;
+};
 
 // Session key -> decode worker, bounded; the least recently used entry goes
 // first when full. Capacity 0 disables affinity.

@@ -34,12 +34,19 @@ using compute_actor = caf::typed_actor<
 using decode_actor = caf::typed_actor<
     caf::replies_to<reserve_atom, KvReservation>::with<ReserveReply>,
     caf::replies_to<kv_atom, KvTransfer>::with<KvAck>,
+    // conditional disaggregation: the decode worker prefills the uncached rest
+    // of a prompt itself, into the blocks it reserved with a local target
+    // (ReserveReply::target transport kLocalKvTransport on a worker that is
+    // not colocated).
+    caf::replies_to<prefill_atom, PrefillJob>::with<PrefillReport>,
     caf::reacts_to<cancel_atom, RequestId>,
     // its own lease timer: (request id, reservation serial).
     caf::reacts_to<lease_atom, RequestId, uint64_t>,
     // its KV receiver's verdict on a streamed transfer: (request id, reservation serial, verdict).
     caf::reacts_to<landed_atom, RequestId, uint64_t, KvLanded>,
-    caf::replies_to<status_atom>::with<DecodeLoad>>;
+    caf::replies_to<status_atom>::with<DecodeLoad>,
+    // a snapshot of its prefix cache for the router's index (KvEvents)
+    caf::replies_to<kv_events_atom>::with<KvEvents>>;
 
 // Runs prompts and ships their KV to the decode worker the router chose.
 using prefill_actor = caf::typed_actor<
@@ -59,6 +66,7 @@ using router_actor = caf::typed_actor<
     caf::reacts_to<token_atom, TokenEvent>,
     caf::reacts_to<done_atom, DecodeDone>,
     caf::reacts_to<load_atom, DecodeLoad>,
+    caf::reacts_to<kv_events_atom, KvEvents>,
     // the router's own deadline timer: (request id, admission serial).
     caf::reacts_to<deadline_atom, RequestId, uint64_t>,
     // the router's own heartbeat timer: ask every worker whether it is alive.

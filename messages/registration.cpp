@@ -55,6 +55,7 @@ void register_messages(caf::actor_system_config& config) {
   config.add_message_type<ModelInfo>("disagg::ModelInfo");
   config.add_message_type<WorkerInfo>("disagg::WorkerInfo");
   config.add_message_type<DecodeLoad>("disagg::DecodeLoad");
+  config.add_message_type<KvEvents>("disagg::KvEvents");
   config.add_message_type<PrefillLoad>("disagg::PrefillLoad");
   config.add_message_type<WorkerStatus>("disagg::WorkerStatus");
   config.add_message_type<RouterStatus>("disagg::RouterStatus");

@@ -58,6 +58,19 @@ struct DecodeLoad {
   int32_t active_sequences = 0;
 };
 
+// What a decode worker's prefix cache stored and evicted (gpu::BlockEvent),
+// for the router's index of which worker holds which blocks (Dynamo's KV
+// events). Numbered per worker: the router applies batch seq only after
+// seq - 1 and asks for a snapshot (the reply to kv_events_atom: every hash
+// the pool holds, `snapshot` set) when a number is skipped, when a batch
+// does not fit the worker's pool, or after it restarted.
+struct KvEvents {
+  uint64_t seq = 0;     // this batch (a snapshot: the last batch it includes)
+  bool snapshot = false;
+  std::vector<uint64_t> stored;   // hashes (gpu/block_hash.h) a block now holds
+  std::vector<uint64_t> removed;  // hashes no block holds any more
+};
+
 // A prefill worker's load, answered to (status_atom).
 struct PrefillLoad {
   int32_t in_flight = 0;       // jobs received and not yet reported
@@ -100,6 +113,11 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
   return f(caf::meta::type_name("WorkerInfo"), x.role, x.name, x.model, x.block_size,
            x.total_blocks, x.endpoint, x.host_id, x.cluster, x.colocated);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, KvEvents& x) {
+  return f(caf::meta::type_name("KvEvents"), x.seq, x.snapshot, x.stored, x.removed);
 }
 
 template <class Inspector>

@@ -349,6 +349,9 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
       [=](load_atom, DecodeLoad& load) {
         if (self->state.router) self->delegate(self->state.router, load_atom::value, std::move(load));
       },
+      [=](kv_events_atom, KvEvents& events) {
+        if (self->state.router) self->delegate(self->state.router, kv_events_atom::value, std::move(events));
+      },
       [=](deadline_atom, RequestId id, uint64_t serial) {
         if (self->state.router) self->delegate(self->state.router, deadline_atom::value, id, serial);
       },

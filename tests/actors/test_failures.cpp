@@ -248,10 +248,21 @@ decode_actor::behavior_type always_full_decode(decode_actor::pointer self, route
         kv_sent->fetch_add(1);
         return KvAck{transfer.id, ErrorCode::overloaded, "always full", DecodeLoad{0, 1 << 20, 16, 0}};
       },
+      [](prefill_atom, PrefillJob& job) {
+        PrefillReport r;
+        r.id = job.id;
+        r.code = ErrorCode::overloaded;
+        return r;
+      },
       [](cancel_atom, RequestId) {},
       [](lease_atom, RequestId, uint64_t) {},
       [](landed_atom, RequestId, uint64_t, KvLanded&) {},
       [](status_atom) { return DecodeLoad{0, 1 << 20, 16, 0}; },
+      [](kv_events_atom) {
+        KvEvents nothing;
+        nothing.snapshot = true;
+        return nothing;
+      },
   };
 }
 

@@ -226,6 +226,7 @@ caf::behavior decode_relay(caf::event_based_actor* self, router_actor router, st
         self->delegate(router, a, std::move(done));
       },
       [=](load_atom a, DecodeLoad& load) { self->delegate(router, a, std::move(load)); },
+      [=](kv_events_atom a, KvEvents& events) { self->delegate(router, a, std::move(events)); },
   };
 }
 

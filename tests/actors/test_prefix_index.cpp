@@ -1,0 +1,77 @@
+// The router's index of a decode worker's prefix cache (router_policy.h
+// PrefixIndex) and the KV-aware pick (pick_decode's compute_cost).
+#include <gtest/gtest.h>
+
+#include "actors/router_policy.h"
+
+namespace disagg {
+namespace {
+
+KvEvents batch(uint64_t seq, std::vector<uint64_t> stored, std::vector<uint64_t> removed = {}) {
+  KvEvents e;
+  e.seq = seq;
+  e.stored = std::move(stored);
+  e.removed = std::move(removed);
+  return e;
+}
+
+KvEvents snapshot(uint64_t seq, std::vector<uint64_t> stored) {
+  KvEvents e = batch(seq, std::move(stored));
+  e.snapshot = true;
+  return e;
+}
+
+TEST(PrefixIndex, AppliesNumberedBatchesInOrderAndResyncsOnAGap) {
+  PrefixIndex index(8);
+  EXPECT_EQ(index.apply(batch(1, {10})), PrefixIndex::Applied::ignored) << "nothing before the first snapshot";
+  EXPECT_FALSE(index.synced());
+  EXPECT_EQ(index.apply(snapshot(3, {10, 11})), PrefixIndex::Applied::applied);
+  EXPECT_EQ(index.matched({10, 11, 12}), 2);
+  EXPECT_EQ(index.matched({11, 10}), 2);
+  EXPECT_EQ(index.matched({12, 10}), 0) << "a prefix counts from its first block";
+  EXPECT_EQ(index.apply(batch(3, {99})), PrefixIndex::Applied::ignored) << "already in the snapshot";
+  EXPECT_EQ(index.matched({99}), 0);
+  EXPECT_EQ(index.apply(batch(4, {12}, {10})), PrefixIndex::Applied::applied);
+  EXPECT_EQ(index.matched({10, 11, 12}), 0);
+  EXPECT_EQ(index.matched({11, 12}), 2);
+  // A skipped number: the index cannot know what it missed.
+  EXPECT_EQ(index.apply(batch(6, {13})), PrefixIndex::Applied::resync);
+  EXPECT_FALSE(index.synced());
+  EXPECT_EQ(index.size(), 0u);
+  EXPECT_EQ(index.apply(batch(7, {14})), PrefixIndex::Applied::ignored) << "until the snapshot";
+  EXPECT_EQ(index.apply(snapshot(7, {11})), PrefixIndex::Applied::applied);
+  EXPECT_EQ(index.matched({11}), 1);
+}
+
+TEST(PrefixIndex, ABatchThatDoesNotFitThePoolIsNotTrusted) {
+  PrefixIndex index(3);
+  ASSERT_EQ(index.apply(snapshot(1, {1, 2})), PrefixIndex::Applied::applied);
+  EXPECT_EQ(index.apply(batch(2, {3, 4})), PrefixIndex::Applied::resync) << "4 hashes in a pool of 3 blocks";
+  EXPECT_EQ(index.size(), 0u);
+  ASSERT_EQ(index.apply(snapshot(2, {1, 2, 3, 4, 5})), PrefixIndex::Applied::applied);
+  EXPECT_EQ(index.size(), 0u) << "nor a snapshot larger than the pool";
+}
+
+TEST(PickDecode, PrefersTheWorkerThatHoldsThePromptUnlessItIsMuchFuller) {
+  size_t cursor = 0;
+  // Both have room; worker 2 holds the prompt's blocks (less to compute).
+  std::vector<DecodeCandidate> c = {{1, 16, 100, 90, 0}, {2, 16, 100, 85, 3}};
+  c[0].compute_cost = 10;  // 10 blocks to compute
+  c[1].compute_cost = 1;
+  EXPECT_EQ(pick_decode(c, 160, std::nullopt, {}, cursor), 2u);
+  // Without the index the most free blocks win.
+  c[0].compute_cost = c[1].compute_cost = 0;
+  EXPECT_EQ(pick_decode(c, 160, std::nullopt, {}, cursor), 1u);
+  // The load counts too: 9 blocks saved do not outweigh 40 more blocks in
+  // use at weight 1; at weight 10 (90 blocks saved) they do.
+  c[0].compute_cost = 10;
+  c[1].compute_cost = 1;
+  c[1].free_blocks = 50;
+  EXPECT_EQ(pick_decode(c, 160, std::nullopt, {}, cursor), 1u);
+  c[0].compute_cost = 100;
+  c[1].compute_cost = 10;
+  EXPECT_EQ(pick_decode(c, 160, std::nullopt, {}, cursor), 2u);
+}
+
+}  // namespace
+}  // namespace disagg
