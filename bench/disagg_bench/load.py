@@ -49,6 +49,69 @@ def make_prompts(n: int, input_len: int, output_len: int, range_ratio: float, se
     return out
 
 
+def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, suffix_len: int, output_len: int,
+                          seed: int, vocab_size: int) -> list:
+    """groups x per_group token prompts: each group's requests share a prefix of prefix_len tokens
+    (a system prompt) and differ in a suffix of suffix_len; interleaved (group 0, 1, ..., 0, 1, ...)
+    so that the groups compete for the workers."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab_size) for _ in range(prefix_len)] for _ in range(groups)]
+    out = []
+    for _ in range(per_group):
+        for g in range(groups):
+            suffix = [rng.randrange(3, vocab_size) for _ in range(suffix_len)]
+            out.append(Prompt(prefixes[g] + suffix, prefix_len + suffix_len, output_len))
+    return out
+
+
+@dataclass
+class Conversation:
+    system: str       # the system prompt every turn starts with
+    users: list       # the user's words of each turn
+    output_len: int   # max_tokens of each turn
+
+
+def conversations(n: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int) -> list:
+    """n seeded conversations of `turns` turns: a system prompt of system_len words, then per turn
+    user_len new words. Text: a turn's prompt is the history with the server's answers in it, and
+    only the server's tokenizer turns those back into tokens."""
+    rng = random.Random(seed)
+    words = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
+    return [Conversation(words(system_len), [words(user_len) for _ in range(turns)], output_len) for _ in range(n)]
+
+
+async def run_conversations(session, url: str, model: str, convs: list, max_concurrency, temperature: float,
+                            seed: int, label: str = ""):
+    """Every conversation at once (at most max_concurrency in flight), each turn sent when the
+    previous one has answered; turn t's prompt is the system prompt, then each earlier turn's user
+    words and answer, then turn t's words (the history a chat client resends). Returns (records
+    in conversation, turn order; wall time in s)."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    progress = Progress(sum(len(c.users) for c in convs), label)
+
+    async def converse(k: int, c: Conversation) -> list:
+        history, records = c.system, []
+        for t, user in enumerate(c.users):
+            history += " " + user
+            body = payload(model, Prompt(history, 0, c.output_len), temperature, seed + 1000 * k + t)
+            if limit is None:
+                rec = await send(session, url, body, 0)
+            else:
+                async with limit:
+                    rec = await send(session, url, body, 0)
+            rec.turn = t + 1
+            records.append(rec)
+            progress.step()
+            if rec.error is not None:
+                break  # a conversation whose turn failed ends there
+            history += rec.text
+        return records
+
+    start = time.perf_counter()
+    per_conversation = await asyncio.gather(*(converse(k, c) for k, c in enumerate(convs)))
+    return [r for rs in per_conversation for r in rs], time.perf_counter() - start
+
+
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list:
     """Delays before requests 2..n (the first goes at once): gamma with shape = burstiness and
     mean 1/rate (burstiness 1 = Poisson arrivals), as vLLM's get_request; all 0 for rate inf."""
@@ -95,9 +158,12 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict, prompt_l
                         break
                     if event.get("choices"):
                         rec.chunk_times.append(now)
+                        rec.text += event["choices"][0].get("text") or ""
                     if event.get("usage"):
                         usage_tokens = event["usage"].get("completion_tokens")
                         rec.prompt_tokens = event["usage"].get("prompt_tokens", prompt_len)
+                        details = event["usage"].get("prompt_tokens_details") or {}
+                        rec.cached_tokens = details.get("cached_tokens") or 0
                 if rec.error is None and not done:
                     rec.error = "incomplete_stream"
     except asyncio.TimeoutError:

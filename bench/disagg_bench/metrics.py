@@ -33,6 +33,9 @@ class RequestRecord:
     output_tokens: int = 0  # usage.completion_tokens (the client falls back to the chunk count)
     error: Optional[str] = None  # None: completed; else its error code, e.g. "503 overloaded"
     end_time: Optional[float] = None  # when the request ended, completed or failed
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held
+    text: str = ""  # the streamed text (a multi-turn conversation appends it to its history)
+    turn: int = 0  # multi-turn: the request's turn in its conversation (1 = the first); 0 otherwise
 
 
 def percentile(values, p: float) -> float:
@@ -111,6 +114,8 @@ def compute_metrics(records, duration: Optional[float] = None, slo_ttft_ms: Opti
 
     has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
     total_in = sum(input_lens[i] for i, e in enumerate(errors) if not e)
+    total_cached = sum(r.cached_tokens for r, e in zip(records, errors) if not e)
+    later_ttfts = [r.chunk_times[0] - r.send_time for r, e in zip(records, errors) if not e and r.turn >= 2]
     total_out = sum(output_lens)
     per_s = (lambda n: n / duration) if duration > 0 else (lambda n: 0.0)
     result = {
@@ -128,6 +133,11 @@ def compute_metrics(records, duration: Optional[float] = None, slo_ttft_ms: Opti
         "slo_tpot_ms": slo_tpot_ms,
         "good_requests": good if has_slo else None,
         "slo_attainment": (good / len(records) if records else 0.0) if has_slo else None,
+        # prefix caching: the share of completed requests' prompt tokens the server had cached
+        "total_cached_tokens": total_cached,
+        "prefix_hit_rate": total_cached / total_in if total_in else 0.0,
+        # multi-turn: the first token of turns 2 and later (their history was seen before)
+        "median_ttft_later_turns_ms": percentile([t * 1000.0 for t in later_ttfts], 50) if later_ttfts else None,
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         result.update(_stats(name, values))

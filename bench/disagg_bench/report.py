@@ -24,6 +24,9 @@ def summary(result: dict) -> str:
     row("Total generated tokens:", result["total_output_tokens"], "{}")
     row("Request throughput (req/s):", result["request_throughput"])
     row("Output token throughput (tok/s):", result["output_throughput"])
+    row("Prefix cache hit rate (% of prompt tokens):", 100 * result.get("prefix_hit_rate", 0.0))
+    if result.get("median_ttft_later_turns_ms") is not None:
+        row("Median TTFT of turns 2+ (ms):", result["median_ttft_later_turns_ms"])
     if result["slo_attainment"] is not None:
         row("Request goodput (req/s):", result["request_goodput"])
         row("SLO attainment (%):", 100 * result["slo_attainment"])
