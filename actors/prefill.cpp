@@ -27,6 +27,7 @@ struct Job {
   Clock::time_point received;
   Clock::time_point deadline;
   CancelFlag cancelled = std::make_shared<std::atomic<bool>>(false);
+  bool local = false;  // computed into its decode worker's own pool: no KV crosses to another worker
 };
 
 struct PrefillState {
@@ -57,7 +58,7 @@ void finish(Self self, uint64_t serial, PrefillReport report) {
   st.queued_tokens -= job.prompt_tokens;
   auto live = st.live.find(job.id);
   if (live != st.live.end() && live->second == serial) st.live.erase(live);
-  record_prefill_report(report);
+  if (!job.local) record_prefill_report(report);  // (the KV transfer metrics)
   job.promise.deliver(std::move(report));
   st.jobs.erase(it);
 }
@@ -211,6 +212,7 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
         j.id = job.id;
         j.promise = promise;
         j.prompt_tokens = int64_t(job.prompt_tokens.size());
+        j.local = job.target.transfer_id != 0 && job.target.transport == kLocalKvTransport;
         j.received = Clock::now();
         j.deadline = j.received + time_left;
         PrefillWork work;

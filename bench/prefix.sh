@@ -36,11 +36,17 @@ run() {  # SYSTEM CONFIG_DIR CACHING
   local system=$1 config=$2 caching=$3 log=$out/$1-$3.log
   export DISAGG_RUN_DIR=$PWD/$out/run-$1-$3
   running=$DISAGG_RUN_DIR
-  MODEL=$MODEL TOKENIZER=$TOKENIZER DISAGG_OPTIONS="--disagg.prefix-caching=$caching" \
-    scripts/cluster up "$config" >"$out/up-$1-$3.log"
+  # (a copy of the configs with the setting: CAF 0.17 takes a bool on the
+  # command line only as a flag that sets it)
+  local configs=$out/config-$1-$3
+  mkdir -p "$configs"
+  for ini in "$config"/*.ini; do
+    sed "s/^\[disagg\]\$/[disagg]\nprefix-caching = $caching/" "$ini" >"$configs/$(basename "$ini")"
+  done
+  MODEL=$MODEL TOKENIZER=$TOKENIZER scripts/cluster up "$configs" >"$out/up-$1-$3.log"
   local http ports
   http=$(sed -n 's/^http=//p' "$out/up-$1-$3.log" | head -n 1)
-  ports=$(grep -ho 'metrics-port *= *[0-9]*' "$config"/*.ini | grep -o '[0-9]*$' | tr '\n' ' ')
+  ports=$(grep -ho 'metrics-port *= *[0-9]*' "$configs"/*.ini | grep -o '[0-9]*$' | tr '\n' ' ')
   bench/disagg-bench --base-url "http://$http" --workload multi-turn --conversations "$CONV" --turns "$TURNS" \
     --system-len "$SYSTEM_LEN" --user-len "$USER_LEN" --output-len "$OUT_LEN" --seed 1 --timeout 1200 \
     --result-file "$out/$1-$3.json" >"$log" 2>&1 || { tail -n 20 "$log" >&2; exit 1; }
