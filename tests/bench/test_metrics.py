@@ -108,6 +108,20 @@ class HandComputedStream(unittest.TestCase):
                               "mean_ttft_ms": 0.0, "p99_ttft_ms": 0.0})
 
 
+    def test_prefix_hit_rate_and_later_turns(self):
+        # Three turns of a conversation (prompts 100, 150, 200 tokens; 0, 96, 144 cached) and a failed
+        # fourth whose cached tokens do not count: 240 / 450 of the completed prompts' tokens; the
+        # median TTFT of turns 2+ is that of turns 2 and 3 (200 and 100 ms -> 150).
+        records = [RequestRecord(0.0, [0.5], 100, 1, None, 0.5, 0, "", 1),
+                   RequestRecord(1.0, [1.2], 150, 1, None, 1.2, 96, "", 2),
+                   RequestRecord(2.0, [2.1], 200, 1, None, 2.1, 144, "", 3),
+                   RequestRecord(3.0, [], 250, 0, "503 overloaded", 3.1, 192, "", 4)]
+        m = compute_metrics(records)
+        self.assertEqual(m["total_cached_tokens"], 240)
+        self.assertAlmostEqual(m["prefix_hit_rate"], 240 / 450)
+        self.assertAlmostEqual(m["median_ttft_later_turns_ms"], 150.0)
+        self.assertIsNone(compute_metrics(STREAM)["median_ttft_later_turns_ms"])
+
 class Percentile(unittest.TestCase):
     def test_equals_numpy_linear_interpolation(self):
         import numpy
