@@ -9,7 +9,13 @@
 #   prefix SYSTEM caching=on|off: hit=H% ttft_p50_turns2+=X ms duration=D s req/s=R prefilled=P kv_sent=B MB
 # where prefilled and kv_sent are the prefill and decode nodes' own counters
 # (disagg_prefill_tokens_total over every node, disagg_kv_transfer_bytes_total
-# of the prefill nodes), then the ratios on/off. Run by `scripts/bench prefix`.
+# of the prefill nodes). Then the shared-prefix workload (SP_GROUPS groups of
+# PER_GROUP requests sharing a PREFIX_LEN-token prompt, SUFFIX_LEN tokens
+# each of their own, at most CONCURRENCY in flight) on the disaggregated
+# cluster: per decode node its requests (prompt tokens looked up / prompt
+# length) and the share of them that found their group's prefix there.
+# Run by `scripts/bench prefix`; PARTS="multi-turn shared-prefix" (default)
+# chooses.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -66,6 +72,38 @@ PY
   running=""
 }
 
+shared() {
+  local system=disaggregated config=config/local configs=$out/config-shared log=$out/shared-prefix.log
+  local groups=${SP_GROUPS:-4} per_group=${PER_GROUP:-16} prefix_len=${PREFIX_LEN:-1536} suffix_len=${SUFFIX_LEN:-128}
+  export DISAGG_RUN_DIR=$PWD/$out/run-shared
+  running=$DISAGG_RUN_DIR
+  mkdir -p "$configs" && cp "$config"/*.ini "$configs"/
+  MODEL=$MODEL TOKENIZER=$TOKENIZER scripts/cluster up "$configs" >"$out/up-shared.log"
+  local http
+  http=$(sed -n 's/^http=//p' "$out/up-shared.log" | head -n 1)
+  bench/disagg-bench --base-url "http://$http" --workload shared-prefix --groups "$groups" \
+    --num-prompts $((groups * per_group)) --prefix-len "$prefix_len" --input-len "$suffix_len" --output-len 16 \
+    --max-concurrency "${CONCURRENCY:-4}" --vocab-size 4096 --seed 1 --timeout 1200 \
+    --result-file "$out/shared-prefix.json" >"$log" 2>&1 || { tail -n 20 "$log" >&2; exit 1; }
+  local ini port name
+  for ini in "$configs"/decode-*.ini; do
+    port=$(grep -o 'metrics-port *= *[0-9]*' "$ini" | grep -o '[0-9]*$')
+    name=$(basename "$ini" .ini)
+    curl -s "http://127.0.0.1:$port/metrics" | awk -v node="$name" -v p=$((prefix_len + suffix_len)) \
+      -v g=$((prefix_len / 16 * 16)) '
+      $1 == "disagg_prefix_cache_queries_total{role=\"decode\"}" {q = $2}
+      $1 == "disagg_prefix_cache_hits_total{role=\"decode\"}" {h = $2}
+      END {printf "shared-prefix %s: requests=%d found_their_prefix=%d\n", node, q / p, h / g}'
+  done | tee -a "$out/summary.txt"
+  python3 -c "import json; r = json.load(open('$out/shared-prefix.json'))['results'][0]; \
+print(f\"shared-prefix: completed={r['completed']} failed={r['failed']} hit={100 * r['prefix_hit_rate']:.1f}%\")" |
+    tee -a "$out/summary.txt"
+  scripts/cluster down >/dev/null
+  running=""
+}
+
+PARTS=${PARTS:-multi-turn shared-prefix}
+[[ " $PARTS " == *" shared-prefix "* ]] && [[ " $PARTS " != *" multi-turn "* ]] && { shared; exit 0; }
 echo "prefix: $CONV conversations x $TURNS turns, system $SYSTEM_LEN words, $USER_LEN user words and $OUT_LEN" \
   "tokens per turn; model $MODEL; results in $out"
 for system in disaggregated colocated; do
@@ -73,3 +111,4 @@ for system in disaggregated colocated; do
   [ $system = colocated ] && config=config/colocated
   for caching in true false; do run $system $config $caching; done
 done
+if [[ " $PARTS " == *" shared-prefix "* ]]; then shared; fi
