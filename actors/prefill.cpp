@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "actors/errors.h"
@@ -190,12 +191,20 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
         }
         const bool stream = st.config.kv_transport != "message" && job.target.transfer_id != 0;
         if (stream && job.target.block_size > 0 && !job.prompt_tokens.empty()) {
-          // A stream's size is known before any compute: refuse it now.
-          const uint64_t bytes = gpu::KvStreamPlan(std::max(1, st.model.n_layers),
-                                                   std::max(1, st.model.n_kv_heads * st.model.head_dim),
-                                                   int(job.prompt_tokens.size()), job.target.block_size, {},
-                                                   job.target.first_position)
-                                     .total_bytes();
+          // A stream's size is known before any compute: refuse it now
+          // (and a target no plan fits: a block size that is no whole
+          // number of tiles, a first position past the prompt).
+          uint64_t bytes = 0;
+          try {
+            bytes = gpu::KvStreamPlan(std::max(1, st.model.n_layers),
+                                      std::max(1, st.model.n_kv_heads * st.model.head_dim),
+                                      int(job.prompt_tokens.size()), job.target.block_size, {},
+                                      job.target.first_position)
+                        .total_bytes();
+          } catch (const std::invalid_argument& e) {
+            promise.deliver(failure(job.id, ErrorCode::invalid_request, std::string("KV target: ") + e.what()));
+            return promise;
+          }
           if (int64_t(bytes) > st.config.max_kv_transfer_bytes) {
             auto r = failure(job.id, ErrorCode::kv_too_large,
                              "KV of " + std::to_string(bytes) + " bytes exceeds max-kv-transfer-bytes " +

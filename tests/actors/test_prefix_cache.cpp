@@ -233,5 +233,31 @@ TEST_F(ActorTest, ALostDecodeWorkersCachedBlocksAreForgotten) {
   EXPECT_EQ(after.tokens, first.tokens);
 }
 
+// A job whose KV target no stream plan fits (a first position at or past
+// the prompt's end, a block size that is no whole number of tiles) is refused
+// with invalid_request, and the prefill worker goes on serving.
+TEST_F(ActorTest, APrefillJobWithAnImpossibleTargetIsRefusedAndTheWorkerServesOn) {
+  start(1, 1);
+  caf::scoped_actor self{*system_};
+  const std::vector<int32_t> p = prompt_of(40, 9);
+  for (const auto& [first_position, block_size] : {std::pair<int, int>{48, 16}, {16, 16}, {0, 20}}) {
+    PrefillJob job;
+    job.id = 777000 + RequestId(first_position + block_size);
+    job.prompt_tokens = first_position == 16 ? std::vector<int32_t>(p.begin(), p.begin() + 16) : p;
+    job.max_new_tokens = 1;
+    job.deadline_ms = 10000;
+    job.target = KvTarget{12345, 0, "127.0.0.1:1", block_size, {}, first_position};
+    PrefillReport report;
+    self->request(cluster_->prefill_workers().at(0), std::chrono::seconds(10), prefill_atom::value, job,
+                  cluster_->decode_workers().at(0))
+        .receive([&](PrefillReport& r) { report = std::move(r); },
+                 [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    EXPECT_EQ(report.code, ErrorCode::invalid_request) << report.message;
+  }
+  const RequestOutcome out = generate(*client_, p, 4);
+  ASSERT_TRUE(out.ok()) << out.message;
+  EXPECT_EQ(out.tokens, colocated(p, 4).tokens);
+}
+
 }  // namespace
 }  // namespace disagg::test
