@@ -356,7 +356,7 @@ compute_actor::behavior_type compute_behavior(Self self, std::shared_ptr<Compute
       [self, st](prefill_atom, PrefillWork& work) -> caf::result<PrefillResult> {
         if (std::optional<PrefillResult> skipped = skip_ended(work)) return std::move(*skipped);
         ++prefills_computed;
-        if (work.target.transfer_id != 0 && work.target.transport == kLocalKvTransport)
+        if (work.target.local())
           return start_local_prefill(self, *st, work);
         return run_prefill(*st, work);
       },

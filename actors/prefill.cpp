@@ -146,8 +146,7 @@ void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode
     const int64_t prefill_us = micros_since(j.received) - computed.tail_us;
     // (computed into a pool that held a cached prefix: only the rest ran;
     // a stream's prefill computes every position and sends the rest)
-    const bool into_pool = job.target.transfer_id != 0 && job.target.transport == kLocalKvTransport;
-    record_prefill_computed(job.prompt_tokens.size() - size_t(into_pool ? job.target.first_position : 0));
+    record_prefill_computed(job.prompt_tokens.size() - size_t(j.local ? job.target.first_position : 0));
     ship_kv(self, serial, job, decode, std::move(computed), prefill_us);
   }
 }
@@ -221,7 +220,7 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
         j.id = job.id;
         j.promise = promise;
         j.prompt_tokens = int64_t(job.prompt_tokens.size());
-        j.local = job.target.transfer_id != 0 && job.target.transport == kLocalKvTransport;
+        j.local = job.target.local();
         j.received = Clock::now();
         j.deadline = j.received + time_left;
         PrefillWork work;

@@ -154,12 +154,15 @@ Worker* find_worker(Self self, WorkerKey key) {
   return it == self->state.workers.end() ? nullptr : &it->second;
 }
 
-Worker* sender_worker(Self self) {
+// The registered worker the current message comes from (0: none).
+WorkerKey sender_key(Self self) {
   const auto sender = caf::actor_cast<caf::actor_addr>(self->current_sender());
   for (auto& kv : self->state.workers)
-    if (kv.second.address == sender) return &kv.second;
-  return nullptr;
+    if (kv.second.address == sender) return kv.first;
+  return 0;
 }
+
+Worker* sender_worker(Self self) { return find_worker(self, sender_key(self)); }
 
 std::string worker_name(Self self, WorkerKey key) {
   const Worker* w = find_worker(self, key);
@@ -277,7 +280,7 @@ void complete(Self self, RequestId id) {
     out.timings.kv_bytes = r.prefill_report->kv_bytes;
     out.timings.kv_streamed = r.prefill_report->streamed;
   }
-  out.timings.cached_tokens = std::min<int32_t>(r.cached_tokens, int32_t(r.prompt.size()));
+  out.timings.cached_tokens = r.cached_tokens;
   finish(self, id, std::move(out));
 }
 
@@ -482,9 +485,9 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     if (reply.load.total_blocks > 0) d->load = reply.load;
   if (reply.code == ErrorCode::none) {
     r.kv_target = std::move(reply.target);
-    r.cached_tokens = reply.cached_tokens;
+    r.cached_tokens = std::min<int32_t>(reply.cached_tokens, int32_t(r.prompt.size()));  // (of the prompt, not of earlier tokens)
     const Worker* d = find_worker(self, r.decode_key);
-    if (r.kv_target.transport == kLocalKvTransport && d && d->info.colocated.empty()) {
+    if (r.kv_target.local() && d && d->info.colocated.empty()) {
       // Conditional disaggregation: the prefill worker booked at start() is
       // not needed after all.
       release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
@@ -973,7 +976,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         r.streamed.push_back(event.token);
         if (r.phase == Phase::prefilling) r.phase = Phase::decoding;  // the decode worker has the KV
         record_token(r.accepted, r.last_token);
-        event.cached_tokens = std::min<int32_t>(r.cached_tokens, int32_t(r.prompt.size()));
+        event.cached_tokens = r.cached_tokens;
         if (r.client) self->send(r.client, token_atom::value, std::move(event));
       },
       [=](done_atom, DecodeDone& done) {
@@ -1003,14 +1006,11 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
       },
       [=](kv_events_atom, KvEvents& events) {
         // From a registered decode worker only; anybody else's are ignored.
-        const auto sender = caf::actor_cast<caf::actor_addr>(self->current_sender());
-        for (auto& kv : self->state.workers)
-          if (kv.second.decode && kv.second.address == sender) {
-            if (kv.second.prefix.apply(events) == PrefixIndex::Applied::resync ||
-                (!kv.second.prefix.synced() && !kv.second.snapshot_pending))
-              request_snapshot(self, kv.first);
-            return;
-          }
+        const WorkerKey key = sender_key(self);
+        Worker* w = find_worker(self, key);
+        if (!w || !w->decode) return;
+        if (w->prefix.apply(events) == PrefixIndex::Applied::resync || (!w->prefix.synced() && !w->snapshot_pending))
+          request_snapshot(self, key);
       },
       [=](deadline_atom, RequestId id, uint64_t serial) {
         auto it = self->state.requests.find(id);

@@ -53,6 +53,10 @@ struct KvTarget {
   // worker's prefix cache): not sent, and not computed by a prefill into the
   // pool itself (gpu::KvStreamPlan's first position).
   int32_t first_position = 0;
+
+  // A target in the decode worker's own pool, which its compute writes itself
+  // (kLocalKvTransport): no KV crosses to another worker.
+  bool local() const { return transfer_id != 0 && transport == kLocalKvTransport; }
 };
 
 // Decode -> router: the reply to KvReservation. code none: reserved;
