@@ -42,6 +42,7 @@ struct Reservation {
   int32_t cached = 0;           // prompt positions those shared blocks hold
   std::vector<int32_t> prompt;  // KvReservation::prompt_tokens (empty: not cached)
   uint64_t hash_seed = 0;
+  std::vector<uint64_t> hashes;  // of the prompt's full blocks (gpu/block_hash.h)
   uint64_t transfer_id = 0;
   kv::Transport transport = kv::Transport::tcp;
   bool local = false;                   // the compute writes the KV in (kv/local.h), no receiver
@@ -55,6 +56,7 @@ struct Sequence {
   int32_t prompt_len = 0;
   std::vector<int32_t> prompt;  // the prompt's tokens when its blocks go to the prefix cache, else empty
   uint64_t hash_seed = 0;       // gpu::block_hash_seed of the request
+  std::vector<uint64_t> hashes;  // of its full blocks so far (the prompt's, at first)
   int32_t limit = 0;  // tokens it may generate: max_new_tokens, capped by seq_len
   Sampling sampling;
   std::vector<int32_t> tokens;  // generated so far
@@ -170,24 +172,21 @@ KvAck make_ack(Self self, RequestId id, ErrorCode code, std::string message) {
   return KvAck{id, code, std::move(message), load_of(self)};
 }
 
-// The prefix cache learns the full blocks of `tokens` (a sequence's tokens
-// whose KV is final, in order) held in `blocks`: later prompts that start
-// with them share them.
-void publish_blocks(Self self, const std::vector<int32_t>& tokens, uint64_t seed,
-                    const std::vector<int32_t>& blocks) {
-  auto& st = self->state;
-  const std::vector<uint64_t> hashes = gpu::block_hashes(tokens, st.config.block_size, seed);
-  for (size_t i = 0; i < hashes.size() && i < blocks.size(); ++i) st.allocator->publish(blocks[i], hashes[i]);
+// The prefix cache learns the full blocks named by `hashes`, held in
+// `blocks` (their KV final): later prompts that start with them share them.
+void publish_blocks(Self self, const std::vector<uint64_t>& hashes, const std::vector<int32_t>& blocks) {
+  for (size_t i = 0; i < hashes.size() && i < blocks.size(); ++i) self->state.allocator->publish(blocks[i], hashes[i]);
 }
 
 // A sequence's KV is final up to its last token, which no step has fed
 // (or whose step may still be in flight): the prompt and all tokens but the
-// last go to the prefix cache.
-void publish_sequence(Self self, const Sequence& seq) {
-  if (seq.prompt.empty()) return;
+// last go to the prefix cache (the prompt's blocks are published already).
+void publish_sequence(Self self, Sequence& seq) {
+  if (seq.prompt.empty() || seq.tokens.size() < 2) return;
   std::vector<int32_t> done = seq.prompt;
-  if (!seq.tokens.empty()) done.insert(done.end(), seq.tokens.begin(), seq.tokens.end() - 1);
-  publish_blocks(self, done, seq.hash_seed, seq.blocks);
+  done.insert(done.end(), seq.tokens.begin(), seq.tokens.end() - 1);
+  gpu::extend_block_hashes(seq.hashes, done, self->state.config.block_size, seq.hash_seed);
+  publish_blocks(self, seq.hashes, seq.blocks);
 }
 
 // Blocks of a sequence that ended: back to the allocator now, or after the
@@ -403,8 +402,8 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   if (cacheable) {
     held.prompt = r.prompt_tokens;
     held.hash_seed = gpu::block_hash_seed(st.fingerprint, bs, r.cache_salt);
-    held.blocks = st.allocator->take_cached(gpu::block_hashes(held.prompt, bs, held.hash_seed),
-                                            std::min(needed, (r.prompt_len - 1) / bs));
+    held.hashes = gpu::block_hashes(held.prompt, bs, held.hash_seed);
+    held.blocks = st.allocator->take_cached(held.hashes, std::min(needed, (r.prompt_len - 1) / bs));
     held.cached = int32_t(held.blocks.size()) * bs;
   }
   std::vector<int32_t> fresh = st.allocator->allocate(needed - int(held.blocks.size()));
@@ -463,7 +462,7 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
 // The KV is in the sequence's blocks: it joins the next decode step.
 void activate(Self self, RequestId id, Sequence seq, int32_t first_token, caf::typed_response_promise<KvAck> promise) {
   seq.admitted = Clock::now();
-  if (!seq.prompt.empty()) publish_blocks(self, seq.prompt, seq.hash_seed, seq.blocks);  // its KV is final
+  publish_blocks(self, seq.hashes, seq.blocks);  // the prompt's KV is final
   auto it = self->state.active.emplace(id, std::move(seq)).first;
   accept_token(self, it, first_token);  // token 0, sampled by the prefill side
   promise.deliver(make_ack(self, id, ErrorCode::none, {}));
@@ -494,6 +493,7 @@ void settle_stream(Self self, RequestId id) {
   seq.blocks = std::move(it->second.blocks);
   seq.prompt = std::move(it->second.prompt);
   seq.hash_seed = it->second.hash_seed;
+  seq.hashes = std::move(it->second.hashes);
   seq.prompt_len = t.prompt_len;
   seq.limit = std::min(t.max_new_tokens, st.seq_len - t.prompt_len);
   seq.sampling = t.sampling;

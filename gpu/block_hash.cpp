@@ -13,16 +13,22 @@ uint64_t block_hash_seed(uint64_t fingerprint, int block_size, const std::string
   return XXH3_64bits_withSeed(cache_salt.data(), cache_salt.size(), seed);
 }
 
-std::vector<uint64_t> block_hashes(const std::vector<int32_t>& tokens, int block_size, uint64_t seed) {
+void extend_block_hashes(std::vector<uint64_t>& hashes, const std::vector<int32_t>& tokens, int block_size,
+                         uint64_t seed) {
   if (block_size <= 0) throw std::invalid_argument("block_hashes: block size must be positive");
   const size_t full = tokens.size() / size_t(block_size);
-  std::vector<uint64_t> hashes(full);
-  uint64_t parent = seed;
-  for (size_t i = 0; i < full; ++i) {
+  if (hashes.size() > full) throw std::invalid_argument("block_hashes: more hashes than full blocks");
+  uint64_t parent = hashes.empty() ? seed : hashes.back();
+  for (size_t i = hashes.size(); i < full; ++i) {
     parent = XXH3_64bits_withSeed(tokens.data() + i * size_t(block_size), sizeof(int32_t) * size_t(block_size),
                                   parent);
-    hashes[i] = parent;
+    hashes.push_back(parent);
   }
+}
+
+std::vector<uint64_t> block_hashes(const std::vector<int32_t>& tokens, int block_size, uint64_t seed) {
+  std::vector<uint64_t> hashes;
+  extend_block_hashes(hashes, tokens, block_size, seed);
   return hashes;
 }
 

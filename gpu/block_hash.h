@@ -21,4 +21,10 @@ uint64_t block_hash_seed(uint64_t fingerprint, int block_size, const std::string
 // them), in order.
 std::vector<uint64_t> block_hashes(const std::vector<int32_t>& tokens, int block_size, uint64_t seed);
 
+// `hashes`, those of the first hashes.size() full blocks of `tokens`, made
+// those of all its full blocks: only the new blocks are hashed (a sequence
+// that grew since).
+void extend_block_hashes(std::vector<uint64_t>& hashes, const std::vector<int32_t>& tokens, int block_size,
+                         uint64_t seed);
+
 }  // namespace disagg::gpu

@@ -6,6 +6,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <stdexcept>
 
 #include "gpu/block_hash.h"
 #include "gpu/error.h"
@@ -40,6 +41,13 @@ TEST(BlockHash, ChainsOverThePrefixAndTheSeed) {
   longer.insert(longer.end(), 30, 9);
   const auto hl = block_hashes(longer, 16, seed);
   EXPECT_TRUE(std::equal(ha.begin(), ha.end(), hl.begin()));
+  // Extending a's hashes to the longer sequence hashes only the new blocks
+  // and gives the longer one's.
+  std::vector<uint64_t> extended = ha;
+  extend_block_hashes(extended, longer, 16, seed);
+  EXPECT_EQ(extended, hl);
+  std::vector<uint64_t> too_many(hl.size() + 1, 0);
+  EXPECT_THROW(extend_block_hashes(too_many, longer, 16, seed), std::invalid_argument);
 }
 
 TEST(BlockPool, SharesPublishedBlocksAndKeepsThemUntilRoomRunsOut) {
