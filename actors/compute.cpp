@@ -12,6 +12,7 @@
 #include "caf/all.hpp"
 #include "gpu/kv_format.h"
 #include "gpu/kv_stream.h"
+#include "gpu/prefix_cache.h"
 #include "gpu/sampling.h"
 #include "gpu/tokenizer.h"
 
@@ -52,6 +53,42 @@ struct ComputeState {
   // Colocated prompts in arrival order: the first one's chunks run, one per
   // chunk_atom; while any is queued, exactly one chunk_atom is on its way.
   std::deque<LocalPrefill> local_prefills;
+  std::unique_ptr<gpu::PrefixCache> prefix_cache;  // a prefill worker's (ComputeSpec::prefix_cache_blocks)
+};
+
+// A prefill worker's prompt with what its prefix cache holds of it: the
+// cached positions are copied, not computed (gpu/prefix_cache.h). Whatever
+// ends the prefill, the held blocks are released; the prompt's own blocks
+// are kept only when it was computed.
+class CachedPrefix {
+ public:
+  CachedPrefix(ComputeState& st, const PrefillWork& work) : cache_(st.prefix_cache.get()) {
+    if (cache_) lookup_ = cache_->lookup(work.tokens, work.cache_salt);
+  }
+  ~CachedPrefix() {
+    if (cache_) cache_->drop(lookup_);
+  }
+  CachedPrefix(const CachedPrefix&) = delete;
+  CachedPrefix& operator=(const CachedPrefix&) = delete;
+  const gpu::PrefillPrefix& prefix() const { return lookup_.prefix; }
+  int32_t positions() const { return lookup_.prefix.positions(); }
+  // The prefill succeeded: its full blocks join the cache.
+  void keep() {
+    if (cache_) cache_->keep(lookup_);
+    cache_ = nullptr;
+  }
+  // The cache's stores and evictions since the last prompt (none without one).
+  static KvEvents events_of(ComputeState& st) {
+    KvEvents out;
+    if (!st.prefix_cache) return out;
+    for (const gpu::BlockEvent& e : st.prefix_cache->take_events())
+      (e.stored ? out.stored : out.removed).push_back(e.hash);
+    return out;
+  }
+
+ private:
+  gpu::PrefixCache* cache_;
+  gpu::PrefixCache::Lookup lookup_;
 };
 
 // Whether the request of `work` has been cancelled (the router's flag).
@@ -86,6 +123,11 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
                                target.first_position);
   const auto transport = target.transport == uint8_t(kv::Transport::shm) ? kv::Transport::shm : kv::Transport::tcp;
   std::shared_ptr<kv::KvSender> tx;
+  struct TakeEvents {  // on every way out: the events of this prompt's keep (or of none)
+    ComputeState& st;
+    PrefillResult& r;
+    ~TakeEvents() { r.cache_events = CachedPrefix::events_of(st); }
+  } take_events{st, r};
   try {
     if (!st.plane) throw kv::KvError(kv::KvErrc::invalid_argument, "this node has no KV data plane");
     tx = st.plane->sender(transport, target.address);
@@ -127,9 +169,12 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   };
   const auto start = Clock::now();
   std::optional<StreamStopped> stopped;
+  CachedPrefix cached(st, work);
+  r.cached_tokens = cached.positions();
   try {
-    gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks);
+    gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks, cached.prefix());
     r.first_token = gpu::sample_token(out.logits.data(), c.vocab_size, to_gpu(work.sampling), work.first_step);
+    cached.keep();  // (reads the prompt's cache, as the pieces in flight do)
   } catch (const StreamStopped& s) {
     stopped = s;
   } catch (const kv::KvError& e) {
@@ -286,7 +331,11 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
     return r;
   }
   try {
-    gpu::PrefillOutput out = st.engine->prefill(work.tokens);
+    CachedPrefix cached(st, work);
+    r.cached_tokens = cached.positions();
+    gpu::PrefillOutput out = st.engine->prefill(work.tokens, {}, cached.prefix());
+    cached.keep();
+    r.cache_events = CachedPrefix::events_of(st);
     r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,
                                       to_gpu(work.sampling), work.first_step);
     r.kv = gpu::serialize_kv(st.engine->fingerprint(), out.shape, out.kv.data());
@@ -363,6 +412,12 @@ compute_actor::behavior_type compute_behavior(Self self, std::shared_ptr<Compute
       [self, st](chunk_atom) { run_local_chunk(self, *st); },
       [st](admit_atom, KvAdmit& admit) { return run_admit(*st, admit); },
       [st](step_atom, DecodeStep& step) { return run_step(*st, step); },
+      [st](kv_events_atom) {
+        KvEvents all;
+        all.snapshot = true;
+        if (st->prefix_cache) all.stored = st->prefix_cache->cached_hashes();
+        return all;
+      },
   };
 }
 
@@ -422,6 +477,8 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
   st->local = spec.local_targets;
   if (spec.pool_blocks > 0 && !st->local) st->local = std::make_shared<kv::LocalKvTargets>();
   st->prefill_chunk = spec.prefill_chunk;
+  if (spec.prefix_cache_blocks > 0)
+    st->prefix_cache = std::make_unique<gpu::PrefixCache>(*st->engine, spec.pool_block_size, spec.prefix_cache_blocks);
   if (spec.pool_blocks > 0) {
     auto* pool = new gpu::KvPool(*st->engine, spec.pool_block_size, spec.pool_blocks);
     st->pool = std::shared_ptr<gpu::KvPool>(pool, [engine = st->engine](gpu::KvPool* p) { delete p; });

@@ -31,6 +31,9 @@ struct ComputeSpec {
   // ... computed this many positions per turn, decode steps between turns
   // (DisaggConfig::prefill_chunk; 0: the whole prompt in one turn).
   int prefill_chunk = 0;
+  // A prefill worker's prefix cache (gpu/prefix_cache.h): blocks of
+  // pool_block_size positions; 0: none (DisaggConfig::prefill_cache_blocks_in_use).
+  int prefix_cache_blocks = 0;
 };
 
 // A compute actor and, on a decode worker, its pool: the decode actor lets

@@ -30,6 +30,7 @@ std::string DisaggConfig::validate() const {
           "block-size must be a positive multiple of " + std::to_string(gpu::kv_layout::kTile) +
               " (whole key tiles, gpu/kv_layout.h)");
   require(pool_blocks >= 1, "pool-blocks must be >= 1");
+  require(prefill_cache_blocks >= 0, "prefill-cache-blocks must be >= 0");
   require(local_prefill_tokens >= 0, "local-prefill-tokens must be >= 0");
   require(kv_routing_prefill_weight >= 0, "kv-routing-prefill-weight must be >= 0");
   require(max_batch >= 1, "max-batch must be >= 1");
@@ -67,7 +68,10 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
       .add(c.max_batch, "max-batch", "sequences per decode step")
       .add(c.prefix_caching, "prefix-caching",
-           "decode workers keep finished sequences' KV blocks and share them with prompts that start alike")
+           "decode workers keep finished sequences' KV blocks and share them with prompts that start alike; "
+           "prefill workers keep recent prompts' (prefill-cache-blocks)")
+      .add(c.prefill_cache_blocks, "prefill-cache-blocks",
+           "KV blocks (of block-size positions) of a prefill worker's prefix cache (0: none)")
       .add(c.prefill_chunk, "prefill-chunk",
            "a colocated worker's prompt positions per turn between decode steps (0: the whole prompt)")
       .add(c.local_prefill_tokens, "local-prefill-tokens",

@@ -53,6 +53,11 @@ struct DisaggConfig {
   // blocks (gpu/kv_cache.h BlockPool) and a prompt that starts with them
   // shares them instead of having them computed and sent again.
   bool prefix_caching = true;
+  // Prefill worker: its own prefix cache (gpu/prefix_cache.h), this many
+  // blocks of block-size positions: a prompt whose start it holds computes
+  // only the rest. Used when prefix-caching is on.
+  int prefill_cache_blocks = 1024;
+  int prefill_cache_blocks_in_use() const { return prefix_caching ? prefill_cache_blocks : 0; }
 
   // Colocated worker (node role `worker`): prompt positions computed per
   // turn of its compute, with the decode steps of its running sequences

@@ -42,6 +42,8 @@ struct PrefillState {
   int64_t queued_tokens = 0;
   ModelInfo model;  // from compute: the fingerprint sent with streamed KV, the shape of stream plans
   std::string colocated;  // WorkerInfo::colocated
+  bool joined = false;     // registered with the router (its prefix cache's events go there)
+  uint64_t events_seq = 0;  // the last KvEvents batch sent to the router
 };
 
 using Self = prefill_actor::stateful_pointer<PrefillState>;
@@ -102,6 +104,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
     transfer.fingerprint = self->state.model.fingerprint;
   }
   const bool streamed = computed.streamed;
+  const int32_t cached_tokens = computed.cached_tokens;
   const int64_t tail_us = computed.tail_us;  // streamed: already spent between the last layer and the verdict
   const auto sent = Clock::now();
   const RequestId id = job.id;
@@ -118,6 +121,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
             r.kv_transfer_us = tail_us + micros_since(sent);
             r.streamed = streamed;
             r.decode_load = ack.load;
+            r.cached_tokens = cached_tokens;
             finish(self, serial, std::move(r));
           },
           [=](caf::error& e) {
@@ -132,6 +136,12 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
 // ended meanwhile.
 void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode_actor& decode,
                  PrefillResult& computed) {
+  auto& st = self->state;
+  if (st.joined && (!computed.cache_events.stored.empty() || !computed.cache_events.removed.empty())) {
+    // (in the compute's order: its answers come in the order it computed them)
+    computed.cache_events.seq = ++st.events_seq;
+    self->send(st.router, kv_events_atom::value, std::move(computed.cache_events));
+  }
   auto it = self->state.jobs.find(serial);
   if (it == self->state.jobs.end()) return;
   const Job& j = it->second;
@@ -146,7 +156,10 @@ void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode
     const int64_t prefill_us = micros_since(j.received) - computed.tail_us;
     // (computed into a pool that held a cached prefix: only the rest ran;
     // a stream's prefill computes every position and sends the rest)
-    record_prefill_computed(job.prompt_tokens.size() - size_t(j.local ? job.target.first_position : 0));
+    // (its own prefix cache: what it held was copied, not computed)
+    const size_t skipped = size_t(j.local ? job.target.first_position : computed.cached_tokens);
+    record_prefill_computed(job.prompt_tokens.size() - skipped);
+    if (!j.local) record_prefill_prefix_lookup(int(job.prompt_tokens.size()), computed.cached_tokens);
     ship_kv(self, serial, job, decode, std::move(computed), prefill_us);
   }
 }
@@ -167,8 +180,12 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
           [=](ModelInfo& model) {
             self->state.model = model;
             if (!join_router) return;
+            self->state.joined = true;
             WorkerInfo info;
             info.role = WorkerRole::prefill;
+            info.block_size = self->state.config.block_size;
+            // (a colocated unit's compute keeps its prefixes in its decode pool)
+            info.cache_blocks = self->state.colocated.empty() ? self->state.config.prefill_cache_blocks_in_use() : 0;
             info.host_id = kv::host_identity();
             info.name = self->state.name;
             info.colocated = self->state.colocated;
@@ -233,6 +250,7 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
         if (stream) work.target = job.target;  // else: send it as a message
         work.kv_wait_ms = st.config.ack_timeout_ms;
         work.first_step = job.first_step;
+        work.cache_salt = job.cache_salt;
         st.queued_tokens += j.prompt_tokens;
         st.live[job.id] = serial;
         st.jobs.emplace(serial, std::move(j));
@@ -258,6 +276,20 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
       },
       [=](status_atom) {
         return PrefillLoad{int32_t(self->state.jobs.size()), self->state.queued_tokens};
+      },
+      [=](kv_events_atom) -> caf::typed_response_promise<KvEvents> {
+        // The compute's answer comes after those of every prompt before it,
+        // whose events are numbered by then: the snapshot is as of that number.
+        auto promise = self->make_response_promise<KvEvents>();
+        self->request(self->state.compute, std::chrono::milliseconds(self->state.config.compute_timeout_ms),
+                      kv_events_atom::value)
+            .then(
+                [=](KvEvents& all) mutable {
+                  all.seq = self->state.events_seq;
+                  promise.deliver(std::move(all));
+                },
+                [=](caf::error& e) mutable { promise.deliver(std::move(e)); });
+        return promise;
       },
   };
 }

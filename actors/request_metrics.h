@@ -80,6 +80,14 @@ inline void record_prefix_lookup(int prompt, int cached, int not_sent, uint64_t 
   m.kv_bytes_not_sent.inc(double(uint64_t(not_sent) * position_bytes));
 }
 
+// Prefill worker: a prompt's look-up in its own prefix cache: `prompt`
+// positions asked for, `cached` found (copied, not computed).
+inline void record_prefill_prefix_lookup(int prompt, int cached) {
+  auto& m = metrics::disagg_metrics();
+  m.prefill_prefix_cache_queries.inc(double(prompt));
+  m.prefill_prefix_cache_hits.inc(double(cached));
+}
+
 // Decode worker: its load whenever it changes.
 inline void record_decode_load(const DecodeLoad& load) {
   auto& m = metrics::disagg_metrics();

@@ -65,6 +65,11 @@ struct Request {
   uint64_t serial = 0;   // this admission (the deadline timer names it)
   uint64_t attempt = 0;  // this dispatch (stale prefill reports name another)
   Phase phase = Phase::queued;
+  // The job prompt's block hashes for one block size (prompt_hashes), kept
+  // across dispatch attempts.
+  int hashed_block_size = 0;
+  size_t hashed_tokens = 0;
+  std::vector<uint64_t> hashes;
   bool validated = false;  // against the model limits (known once a prefill worker registered)
   Clock::time_point accepted;
   std::optional<Clock::time_point> dispatched;
@@ -76,7 +81,7 @@ struct Request {
   WorkerKey decode_key = 0;
   int reserved_blocks = 0;
   KvTarget kv_target;  // where the decode worker takes the KV (its ReserveReply)
-  int32_t cached_tokens = 0;  // of the prompt, in the decode worker's prefix cache (its ReserveReply)
+  int32_t cached_tokens = 0;  // of the prompt, in a prefix cache: the decode worker's (ReserveReply) or, if more, the prefill worker's (PrefillReport)
   // The decode worker prefills the rest itself (its reservation's target is
   // local, and it is no colocated unit's): no prefill worker in this attempt.
   bool local_prefill = false;
@@ -329,31 +334,47 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
   return out;
 }
 
-// KV-aware routing: each candidate's compute_cost, kv-routing-prefill-weight
-// x the prompt's blocks its prefix cache lacks as the router's index says
-// (the worker decides what it shares; the index only steers).
-void score_prefixes(Self self, const Request& r, std::vector<DecodeCandidate>& decodes) {
+// The job prompt's block hashes for `block_size` (gpu/block_hash.h), as the
+// workers' caches name their blocks.
+const std::vector<uint64_t>& prompt_hashes(Self self, Request& r, int block_size) {
+  const size_t tokens = r.prompt.size() + r.earlier.size();
+  if (r.hashed_block_size != block_size || r.hashed_tokens != tokens) {
+    r.hashes = gpu::block_hashes(job_prompt(r), block_size,
+                                 gpu::block_hash_seed(self->state.model->fingerprint, block_size, r.request.cache_salt));
+    r.hashed_block_size = block_size;
+    r.hashed_tokens = tokens;
+  }
+  return r.hashes;
+}
+
+// How many of the job prompt's positions worker `key`'s prefix cache holds,
+// as the router's index says (at most all but the last position: a worker
+// computes that one itself).
+int cached_positions(Self self, Request& r, WorkerKey key, int block_size) {
+  const Worker* w = find_worker(self, key);
+  if (!w || !w->prefix.synced() || w->prefix.size() == 0 || block_size <= 0) return 0;
+  const int tokens = int(job_prompt_len(r));
+  const int blocks = std::min(w->prefix.matched(prompt_hashes(self, r, block_size)), (tokens - 1) / block_size);
+  return blocks * block_size;
+}
+
+// KV-aware routing (README "Prefix caching"): a decode candidate's
+// compute_cost is kv-routing-prefill-weight x the prompt's blocks its prefix
+// cache lacks; a prefill candidate's compute_tokens the positions it would
+// compute. Only steers: each worker decides what it shares.
+void score_prefixes(Self self, Request& r, std::vector<DecodeCandidate>& decodes,
+                    std::vector<PrefillCandidate>& prefills) {
   auto& st = self->state;
   if (!st.model || st.config.kv_routing_prefill_weight <= 0) return;
-  const std::vector<int32_t> prompt = job_prompt(r);
-  std::unordered_map<int, std::vector<uint64_t>> by_block_size;  // the prompt's hashes per block size
+  const int tokens = int(job_prompt_len(r));
   for (DecodeCandidate& c : decodes) {
-    const Worker* w = find_worker(self, c.key);
-    const int blocks = gpu::KvPool::blocks_for(int(prompt.size()), c.block_size);
-    int cached = 0;
-    if (w && w->prefix.synced() && w->prefix.size() > 0) {
-      auto it = by_block_size.find(c.block_size);
-      if (it == by_block_size.end())
-        it = by_block_size
-                 .emplace(c.block_size,
-                          gpu::block_hashes(prompt, c.block_size,
-                                            gpu::block_hash_seed(st.model->fingerprint, c.block_size,
-                                                                 r.request.cache_salt)))
-                 .first;
-      // (the worker computes at least the last position itself)
-      cached = std::min(w->prefix.matched(it->second), (int(prompt.size()) - 1) / c.block_size);
-    }
+    const int blocks = gpu::KvPool::blocks_for(tokens, c.block_size);
+    const int cached = cached_positions(self, r, c.key, c.block_size) / c.block_size;
     c.compute_cost = st.config.kv_routing_prefill_weight * double(blocks - cached);
+  }
+  for (PrefillCandidate& c : prefills) {
+    const Worker* w = find_worker(self, c.key);
+    c.compute_tokens = tokens - (w ? cached_positions(self, r, c.key, w->info.block_size) : 0);
   }
 }
 
@@ -428,6 +449,7 @@ void send_prefill_job(Self self, RequestId id) {
   job.sampling = r.request.sampling;
   job.deadline_ms = time_left_ms(r);
   job.target = r.kv_target;
+  job.cache_salt = r.request.cache_salt;
   const uint64_t attempt = r.attempt;
   const WorkerKey prefill_key = r.prefill_key;
   const int64_t prompt_tokens = job_prompt_len(r);
@@ -531,7 +553,8 @@ void dispatch(Self self) {
       r.validated = true;
     }
     auto decodes = decode_candidates(self);
-    score_prefixes(self, r, decodes);
+    auto prefills = prefill_candidates(self);
+    score_prefixes(self, r, decodes, prefills);
     if (r.request.up_to_capacity && r.earlier.empty() && !decodes.empty()) {
       // The client asked for as much as the context holds: as much as a pool holds.
       const int most = most_new_tokens(decodes, int(r.prompt.size()));
@@ -547,7 +570,7 @@ void dispatch(Self self) {
     }
     // Nothing yet: every prefill worker is busy, or no decode worker has
     // room; wait for a report, a finish or a load report.
-    const auto pair = pick_workers(prefill_candidates(self), decodes, st.config.max_prefill_inflight, positions,
+    const auto pair = pick_workers(prefills, decodes, st.config.max_prefill_inflight, positions,
                                    st.sessions.find(r.request.session), r.excluded, st.prefill_cursor,
                                    st.decode_cursor);
     if (!pair) return;
@@ -567,6 +590,9 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
   Request& r = it->second;
   if (report.code == ErrorCode::none) {
     r.phase = Phase::decoding;
+    // (a prompt its prefill worker's own cache held more of than the decode
+    // worker's: that many positions were not computed)
+    r.cached_tokens = std::max(r.cached_tokens, std::min<int32_t>(report.cached_tokens, int32_t(r.prompt.size())));
     r.prefill_report = std::move(report);
     complete_if_done(self, id);
   } else if (r.phase == Phase::decoding) {
@@ -681,23 +707,24 @@ caf::error refuse(const WorkerInfo& info, const std::string& why) {
   return caf::make_error(caf::sec::invalid_argument, message);
 }
 
-// Asks a decode worker for all it caches: its index starts again from there.
+// Asks a worker for all it caches: its index starts again from there.
 void request_snapshot(Self self, WorkerKey key) {
   Worker* w = find_worker(self, key);
-  if (!w || !w->decode || w->snapshot_pending) return;
+  if (!w || w->snapshot_pending) return;
   w->snapshot_pending = true;
-  self->request(w->decode, std::chrono::milliseconds(self->state.config.ack_timeout_ms), kv_events_atom::value)
-      .then(
-          [=](KvEvents& snapshot) {
-            if (Worker* found = find_worker(self, key)) {
-              found->snapshot_pending = false;
-              snapshot.snapshot = true;
-              found->prefix.apply(snapshot);
-            }
-          },
-          [=](caf::error&) {
-            if (Worker* found = find_worker(self, key)) found->snapshot_pending = false;  // the next batch asks again
-          });
+  auto on_snapshot = [=](KvEvents& snapshot) {
+    if (Worker* found = find_worker(self, key)) {
+      found->snapshot_pending = false;
+      snapshot.snapshot = true;
+      found->prefix.apply(snapshot);
+    }
+  };
+  auto on_error = [=](caf::error&) {
+    if (Worker* found = find_worker(self, key)) found->snapshot_pending = false;  // the next batch asks again
+  };
+  const auto timeout = std::chrono::milliseconds(self->state.config.ack_timeout_ms);
+  if (w->decode) self->request(w->decode, timeout, kv_events_atom::value).then(on_snapshot, on_error);
+  else self->request(w->prefill, timeout, kv_events_atom::value).then(on_snapshot, on_error);
 }
 
 void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor decode) {
@@ -721,7 +748,7 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
   w.load.total_blocks = info.total_blocks;
   w.load.free_blocks = info.total_blocks;
   w.load.block_size = info.block_size;
-  w.prefix = PrefixIndex(size_t(std::max(0, info.total_blocks)));
+  w.prefix = PrefixIndex(size_t(std::max(0, w.decode ? info.total_blocks : info.cache_blocks)));
   w.info = std::move(info);
   if (w.prefill) self->monitor(w.prefill);
   if (w.decode) self->monitor(w.decode);
@@ -1005,10 +1032,10 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         }
       },
       [=](kv_events_atom, KvEvents& events) {
-        // From a registered decode worker only; anybody else's are ignored.
+        // From a registered worker only; anybody else's are ignored.
         const WorkerKey key = sender_key(self);
         Worker* w = find_worker(self, key);
-        if (!w || !w->decode) return;
+        if (!w) return;
         if (w->prefix.apply(events) == PrefixIndex::Applied::resync || (!w->prefix.synced() && !w->snapshot_pending))
           request_snapshot(self, key);
       },

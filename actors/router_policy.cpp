@@ -39,7 +39,8 @@ std::optional<WorkerKey> pick_prefill(const std::vector<PrefillCandidate>& candi
     const size_t i = (cursor + k) % n;  // rotated start: the first of equals wins
     const auto& c = candidates[i];
     if (c.in_flight >= max_in_flight) continue;
-    if (!best || c.outstanding_tokens < candidates[*best].outstanding_tokens) best = i;
+    auto work = [](const PrefillCandidate& p) { return p.outstanding_tokens + p.compute_tokens; };
+    if (!best || work(c) < work(candidates[*best])) best = i;
   }
   if (!best) return std::nullopt;
   ++cursor;

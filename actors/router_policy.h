@@ -37,9 +37,13 @@ struct PrefillCandidate {
   int in_flight = 0;
   int64_t outstanding_tokens = 0;  // prompt tokens dispatched and not yet reported
   bool colocated = false;          // of a colocated unit: prefills only for its own decode worker
+  // KV-aware routing: the positions of this request it would compute, the
+  // prompt less what its prefix cache holds (PrefixIndex); 0: not scored.
+  int64_t compute_tokens = 0;
 };
 
-// The candidate with the fewest outstanding prompt tokens among those below
+// The candidate that would have this prompt done first: the fewest
+// outstanding prompt tokens plus compute_tokens, among those below
 // max_in_flight; ties go round robin (cursor advances on every pick).
 std::optional<WorkerKey> pick_prefill(const std::vector<PrefillCandidate>& candidates,
                                       int max_in_flight, size_t& cursor);
@@ -96,9 +100,10 @@ bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int po
 int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_len);
 
 
-// The router's view of one decode worker's prefix cache, from the worker's
-// KV events (messages/worker.h KvEvents): bounded by the worker's pool (it
-// cannot hold more blocks than it has), numbered batches applied in order.
+// The router's view of one worker's prefix cache (a decode pool, a prefill
+// worker's own cache), from the worker's KV events (messages/worker.h
+// KvEvents): bounded by the cache's blocks (it cannot hold more than it has),
+// numbered batches applied in order.
 // Only a hint for routing: the worker itself decides what it shares, so a
 // stale or forged event can misroute a request but never give it wrong KV.
 class PrefixIndex {

@@ -303,6 +303,7 @@ struct Engine::Impl {
   DeviceArray<int> tokens, positions, tables;
   std::vector<float> host_k, host_v;  // hook staging when the backend's memory is not the host's
   std::vector<float> host_cache;      // on_layer_cache's mirror of the prefill cache, likewise
+  int last_prefill_positions = 0;     // the last prefill's cache: one block of this many positions
 
   // Gives on_layer_cache the cache once layer `layer` of positions [first,
   // first + rows) is in it: the backend's memory itself, or the host mirror
@@ -417,7 +418,8 @@ KvExpectation Engine::kv_expectation() const {
                        uint32_t(c.seq_len)};
 }
 
-PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks& hooks) {
+PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks& hooks,
+                              const PrefillPrefix& prefix) {
   Impl& m = *impl_;
   const int n = int(tokens.size());
   if (n == 0) throw Error("prefill: empty prompt");
@@ -425,6 +427,18 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
     throw Error("prefill: prompt of " + std::to_string(n) + " tokens exceeds seq_len " +
                 std::to_string(m.cfg.seq_len));
   for (int t : tokens) m.validate_token(t, "prefill");
+  const int skip = prefix.positions();  // positions whose KV the prefix holds
+  if (prefix.pool) {
+    if (&prefix.pool->engine() != this) throw Error("prefill: the prefix's KV pool belongs to another engine");
+    if (skip >= n)
+      throw Error("prefill: a prefix of " + std::to_string(skip) + " positions leaves nothing of a prompt of " +
+                  std::to_string(n) + " to compute");
+    if (hooks.on_layer_kv) throw Error("prefill: on_layer_kv cannot hand out a cached prefix");
+    for (int b : prefix.blocks)
+      if (b < 0 || b >= prefix.pool->num_blocks())
+        throw Error("prefill: prefix block " + std::to_string(b) + " outside the pool of " +
+                    std::to_string(prefix.pool->num_blocks()));
+  }
 
   // The request's cache is a pool of one block holding all n positions
   // (rounded up to whole key tiles), converted to the wire layout at the end.
@@ -443,7 +457,22 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   kv.table_stride = 0;
   if (hooks.on_layer_cache && !m.backend->host_memory()) m.host_cache.resize(cache_floats);
 
-  m.forward_prompt(tokens, 0, kv, &hooks);
+  if (skip > 0) {
+    // The prefix's blocks are consecutive positions of the cache's one block
+    // (gpu/kv_layout.h): a copy per (plane, block), then handed out.
+    const int bs = prefix.pool->block_size();
+    const size_t block = size_t(bs) * m.kv_dim;
+    const float* pool = const_cast<KvPool*>(prefix.pool)->data();
+    for (size_t plane = 0; plane < 2 * m.layers; ++plane)
+      for (size_t j = 0; j < prefix.blocks.size(); ++j)
+        m.backend->copy(kv.data + plane * size_t(cache_positions) * m.kv_dim + j * block,
+                        pool + (plane * size_t(prefix.pool->num_blocks()) + size_t(prefix.blocks[j])) * block,
+                        block * sizeof(float));
+    if (hooks.on_layer_cache)
+      for (int l = 0; l < int(m.layers); ++l) m.hand_out_cache(hooks, l, 0, skip, kv);
+  }
+  m.forward_prompt(std::vector<int>(tokens.begin() + skip, tokens.end()), skip, kv, &hooks);
+  m.last_prefill_positions = cache_positions;
 
   out.logits.resize(m.vocab);
   m.logits.download(out.logits.data(), m.vocab);
@@ -462,6 +491,28 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   out.kv.resize(out.shape.floats());
   cache_to_wire(cache, cache_positions, n, int(m.layers), int(m.kv_dim), out.kv.data());
   return out;
+}
+
+void Engine::keep_prefill_blocks(KvPool& pool, const std::vector<int>& blocks, int first_block) {
+  Impl& m = *impl_;
+  if (&pool.engine() != this) throw Error("keep_prefill_blocks: the KV pool belongs to another engine");
+  const int bs = pool.block_size();
+  const int cache_positions = m.last_prefill_positions;
+  if (first_block < 0 || (first_block + int(blocks.size())) * bs > cache_positions)
+    throw Error("keep_prefill_blocks: blocks [" + std::to_string(first_block) + ", " +
+                std::to_string(first_block + int(blocks.size())) + ") of " + std::to_string(bs) +
+                " positions are not in the last prefill's " + std::to_string(cache_positions));
+  for (int b : blocks)
+    if (b < 0 || b >= pool.num_blocks())
+      throw Error("keep_prefill_blocks: block " + std::to_string(b) + " outside the pool of " +
+                  std::to_string(pool.num_blocks()));
+  const size_t block = size_t(bs) * m.kv_dim;
+  const float* cache = m.prefill_kv.get();
+  for (size_t plane = 0; plane < 2 * m.layers; ++plane)
+    for (size_t j = 0; j < blocks.size(); ++j)
+      m.backend->copy(pool.data() + (plane * size_t(pool.num_blocks()) + size_t(blocks[j])) * block,
+                      cache + plane * size_t(cache_positions) * m.kv_dim + (size_t(first_block) + j) * block,
+                      block * sizeof(float));
 }
 
 std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlot>& slots) {

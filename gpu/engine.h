@@ -46,6 +46,17 @@ struct PrefillHooks {
   bool wire_kv = true;
 };
 
+// A prompt's first positions whose KV a pool holds already (a prefill
+// worker's prefix cache, gpu/prefix_cache.h): prefill() copies them into the
+// prompt's cache, hands them to on_layer_cache as if computed (layer by
+// layer, positions [0, positions())), and computes only the rest. With the
+// fixed arithmetic the result is prefill()'s without a prefix, bit for bit.
+struct PrefillPrefix {
+  const KvPool* pool = nullptr;  // none: no prefix
+  std::vector<int> blocks;       // in position order; each holds pool->block_size() positions
+  int positions() const { return pool ? int(blocks.size()) * pool->block_size() : 0; }
+};
+
 // One sequence in a decode step: feed `token` at position `pos`; its KV for
 // positions [0, pos) already lives in `blocks` of the pool, and the step
 // writes position `pos` there too.
@@ -79,7 +90,15 @@ class Engine {
   // All prompt tokens, in chunks of positions: matrix products over the
   // chunk's rows, causal attention over the cache so far. `hooks` (optional)
   // sees each layer's K and V as soon as they exist.
-  PrefillOutput prefill(const std::vector<int>& tokens, const PrefillHooks& hooks = {});
+  // `prefix` (optional) holds the KV of positions [0, prefix.positions()),
+  // fewer than the prompt's (the last one is computed for its logits);
+  // on_layer_kv cannot be used with one.
+  PrefillOutput prefill(const std::vector<int>& tokens, const PrefillHooks& hooks = {},
+                        const PrefillPrefix& prefix = {});
+  // Copies the last prefill's KV of positions [first_block * B, (first_block
+  // + blocks.size()) * B) into `blocks` of `pool` (B its block size), which
+  // must be whole blocks of that prompt: what a prefix cache keeps of it.
+  void keep_prefill_blocks(KvPool& pool, const std::vector<int>& blocks, int first_block);
 
   // One token for each slot; returns logits, slots.size() x vocab_size.
   std::vector<float> decode_step(KvPool& pool, const std::vector<DecodeSlot>& slots);

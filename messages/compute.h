@@ -11,6 +11,7 @@
 #include "caf/meta/type_name.hpp"
 #include "messages/request.h"
 #include "messages/transfer.h"
+#include "messages/worker.h"
 
 namespace disagg {
 
@@ -39,6 +40,7 @@ struct PrefillWork {
   KvTarget target;
   int64_t kv_wait_ms = 0;
   int32_t first_step = 0;  // the sampling step of the token sampled here (PrefillJob::first_step)
+  std::string cache_salt;  // keeps the request's cached prefixes apart (GenerateRequest::cache_salt)
 };
 
 struct PrefillResult {
@@ -52,6 +54,8 @@ struct PrefillResult {
   bool streamed = false;
   uint64_t kv_bytes = 0;
   int64_t tail_us = 0;  // from the last layer computed to the receiver's verdict
+  int32_t cached_tokens = 0;  // prompt positions the prefill worker's prefix cache held (not computed)
+  KvEvents cache_events;      // what its prefix cache stored and evicted meanwhile (seq unset)
 };
 
 // Decode -> compute, sent as (admit_atom, KvAdmit): validate the KV against
@@ -92,13 +96,14 @@ struct StepResult {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillWork& x) {
   return f(caf::meta::type_name("PrefillWork"), x.id, x.tokens, x.sampling, x.deadline_ns, x.target,
-           x.kv_wait_ms, x.first_step);
+           x.kv_wait_ms, x.first_step, x.cache_salt);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillResult& x) {
   return f(caf::meta::type_name("PrefillResult"), x.id, x.code, x.message, x.first_token, x.kv,
-           x.compute_us, x.streamed, x.kv_bytes, x.tail_us);
+           x.compute_us, x.streamed, x.kv_bytes, x.tail_us, x.cached_tokens,
+           x.cache_events);
 }
 
 template <class Inspector>

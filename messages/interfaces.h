@@ -25,6 +25,8 @@ using compute_actor = caf::typed_actor<
     caf::replies_to<prefill_atom, PrefillWork>::with<PrefillResult>,
     caf::replies_to<admit_atom, KvAdmit>::with<AdmitResult>,
     caf::replies_to<step_atom, DecodeStep>::with<StepResult>,
+    // all a prefill worker's prefix cache holds (KvEvents::stored; none without one)
+    caf::replies_to<kv_events_atom>::with<KvEvents>,
     // its own turn for the next chunk of a colocated worker's prompt, sent
     // after each chunk so that queued decode steps run between two chunks.
     caf::reacts_to<chunk_atom>>;
@@ -52,7 +54,10 @@ using decode_actor = caf::typed_actor<
 using prefill_actor = caf::typed_actor<
     caf::replies_to<prefill_atom, PrefillJob, decode_actor>::with<PrefillReport>,
     caf::reacts_to<cancel_atom, RequestId>,
-    caf::replies_to<status_atom>::with<PrefillLoad>>;
+    caf::replies_to<status_atom>::with<PrefillLoad>,
+    // a snapshot of its prefix cache for the router's index (KvEvents), as a
+    // decode worker's; its stores and evictions go to the router as they happen
+    caf::replies_to<kv_events_atom>::with<KvEvents>>;
 
 // Admits, schedules and finishes requests; the only actor clients talk to.
 using router_actor = caf::typed_actor<

@@ -85,6 +85,7 @@ struct PrefillJob {
   // already streamed (prompt_tokens then ends with them, and max_new_tokens
   // counts only what is left), so the continuation is exactly the original.
   int32_t first_step = 0;
+  std::string cache_salt;  // GenerateRequest::cache_salt (the prefill worker's prefix cache)
 };
 
 // Prefill -> router: the reply to PrefillJob. code none: the decode worker
@@ -99,6 +100,7 @@ struct PrefillReport {
   int64_t kv_transfer_us = 0;  // one message: send to ack; streamed: the last layer computed to the ack
   bool streamed = false;       // the KV went as a stream of pieces during the prefill
   DecodeLoad decode_load;      // from the decode worker's ack (overloaded: how full)
+  int32_t cached_tokens = 0;   // prompt positions the prefill worker's prefix cache held
 };
 
 // Prefill -> decode, sent as request(kv_atom, KvTransfer): a request's KV in
@@ -176,13 +178,13 @@ typename Inspector::result_type inspect(Inspector& f, ReserveReply& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
   return f(caf::meta::type_name("PrefillJob"), x.id, x.prompt_tokens, x.max_new_tokens, x.sampling,
-           x.deadline_ms, x.target, x.first_step);
+           x.deadline_ms, x.target, x.first_step, x.cache_salt);
 }
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillReport& x) {
   return f(caf::meta::type_name("PrefillReport"), x.id, x.code, x.message, x.kv_bytes,
-           x.prefill_us, x.kv_transfer_us, x.streamed, x.decode_load);
+           x.prefill_us, x.kv_transfer_us, x.streamed, x.decode_load, x.cached_tokens);
 }
 
 template <class Inspector>

@@ -30,8 +30,9 @@ struct WorkerInfo {
   WorkerRole role = WorkerRole::prefill;
   std::string name;  // unique per cluster, e.g. "node1/decode-0"
   ModelInfo model;
-  int32_t block_size = 0;    // decode only: positions per KV block
+  int32_t block_size = 0;    // positions per KV block (of a decode pool; of a prefill worker's prefix cache)
   int32_t total_blocks = 0;  // decode only: KV pool capacity in blocks
+  int32_t cache_blocks = 0;  // prefill only: its prefix cache's capacity in blocks (0: none)
   // "host:port" where other nodes reach this worker's node directly (a decode
   // node's own listening port: prefill nodes ship KV there, not via the
   // router's node); empty for an in-process worker.
@@ -112,7 +113,7 @@ typename Inspector::result_type inspect(Inspector& f, ModelInfo& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
   return f(caf::meta::type_name("WorkerInfo"), x.role, x.name, x.model, x.block_size,
-           x.total_blocks, x.endpoint, x.host_id, x.cluster, x.colocated);
+           x.total_blocks, x.cache_blocks, x.endpoint, x.host_id, x.cluster, x.colocated);
 }
 
 template <class Inspector>

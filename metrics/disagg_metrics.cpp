@@ -87,7 +87,9 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       prefill_workers(workers.with({"prefill"})),
       decode_workers(workers.with({"decode"})),
       decode_prefix_cache_queries(prefix_cache_queries.with({"decode"})),
-      decode_prefix_cache_hits(prefix_cache_hits.with({"decode"})) {
+      decode_prefix_cache_hits(prefix_cache_hits.with({"decode"})),
+      prefill_prefix_cache_queries(prefix_cache_queries.with({"prefill"})),
+      prefill_prefix_cache_hits(prefix_cache_hits.with({"prefill"})) {
   for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
   // (node/port_guard.h GuardRefusal's names: every reason exists at zero)
   for (const char* reason : {"connection_cap", "pending_cap", "source_cap", "bad_header", "message_too_large",

@@ -44,8 +44,8 @@ struct DisaggMetrics {
   Histogram& kv_transfer;           // seconds
   Counter& kv_transfer_bytes;
   // {role}: prompt tokens looked up in a prefix cache, and those found
-  // (vLLM's prefix_cache_queries / prefix_cache_hits); only decode workers
-  // keep one so far.
+  // (vLLM's prefix_cache_queries / prefix_cache_hits): role decode (its
+  // pool) or prefill (its own cache, gpu/prefix_cache.h).
   Family<Counter>& prefix_cache_queries;
   Family<Counter>& prefix_cache_hits;
   Counter& kv_bytes_not_sent;       // decode: KV a stream would have carried without the cache (or local prefill)
@@ -61,6 +61,8 @@ struct DisaggMetrics {
   Gauge& decode_workers;
   Counter& decode_prefix_cache_queries;
   Counter& decode_prefix_cache_hits;
+  Counter& prefill_prefix_cache_queries;
+  Counter& prefill_prefix_cache_hits;
 
   // finished_reason "stop" or "length"; code one of kErrorCodes (else the
   // family's child for it is created, under its lock).

@@ -63,10 +63,12 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   std::vector<ComputeUnit> colocated_compute;
   std::vector<std::shared_ptr<kv::LocalKvTargets>> local_targets;
   try {
-    for (int i = 0; i < cfg.prefill_workers; ++i)
-      prefill_compute.push_back(spawn_compute(
-          system_,
-          {checkpoints.get(model_for(options_.prefill_models, size_t(i), cfg.model)), engine, 0, 0, plane}));
+    for (int i = 0; i < cfg.prefill_workers; ++i) {
+      ComputeSpec spec{checkpoints.get(model_for(options_.prefill_models, size_t(i), cfg.model)), engine,
+                       cfg.block_size, 0, plane};
+      spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
+      prefill_compute.push_back(spawn_compute(system_, spec));
+    }
     for (int i = 0; i < cfg.decode_workers; ++i) {
       ComputeSpec spec{checkpoints.get(model_for(options_.decode_models, size_t(i), cfg.model)), engine,
                        cfg.block_size, cfg.pool_blocks, plane};

@@ -36,7 +36,9 @@ std::pair<std::string, uint16_t> split_endpoint(const std::string& endpoint) {
 // ---------------------------------------------------------------- the prefill gate
 
 using gate_actor = prefill_actor::extend<caf::reacts_to<refresh_atom>,
-                                         caf::reacts_to<router_atom, router_actor>>;
+                                         caf::reacts_to<router_atom, router_actor>,
+                                         // its prefill worker's KV events, passed on by the relay
+                                         caf::reacts_to<kv_events_atom, KvEvents>>;
 
 struct WaitingJob {
   PrefillJob job;
@@ -206,6 +208,11 @@ gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
         self->send(self->state.prefill, cancel_atom::value, id);
       },
       [=](status_atom) { return self->delegate(self->state.prefill, status_atom::value); },
+      [=](kv_events_atom) { return self->delegate(self->state.prefill, kv_events_atom::value); },
+      [=](kv_events_atom, KvEvents& events) {
+        // Sent by the gate itself: the router knows the worker by this face.
+        if (self->state.router) self->send(self->state.router, kv_events_atom::value, std::move(events));
+      },
       [=](refresh_atom) {
         ask_router(self);
         self->delayed_send(self, self->state.refresh, refresh_atom::value);
@@ -350,7 +357,12 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         if (self->state.router) self->delegate(self->state.router, load_atom::value, std::move(load));
       },
       [=](kv_events_atom, KvEvents& events) {
-        if (self->state.router) self->delegate(self->state.router, kv_events_atom::value, std::move(events));
+        // A prefill worker's go through its gate (the face the router knows);
+        // a decode worker's straight on, their sender kept.
+        if (self->state.worker && self->state.worker->gate)
+          self->send(self->state.worker->gate, kv_events_atom::value, std::move(events));
+        else if (self->state.router)
+          self->delegate(self->state.router, kv_events_atom::value, std::move(events));
       },
       [=](deadline_atom, RequestId id, uint64_t serial) {
         if (self->state.router) self->delegate(self->state.router, deadline_atom::value, id, serial);

@@ -276,10 +276,9 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
     spec.kv_plane = plane;
     spec.local_targets = local;
     spec.prefill_chunk = cfg.prefill_chunk;
-    if (is_decode || colocated) {
-      spec.pool_block_size = cfg.block_size;
-      spec.pool_blocks = cfg.pool_blocks;
-    }
+    spec.pool_block_size = cfg.block_size;
+    if (is_decode || colocated) spec.pool_blocks = cfg.pool_blocks;
+    else spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
     compute = spawn_compute_unit(system, spec);
   } catch (const std::exception& e) {
     node_log(std::string("cannot load the model: ") + e.what());

@@ -15,6 +15,7 @@
 
 #include "actors/actor_fixture.h"
 #include "caf/all.hpp"
+#include "metrics/disagg_metrics.h"
 
 namespace disagg::test {
 namespace {
@@ -134,6 +135,7 @@ TEST_F(ActorTest, EvictionUnderAFullPoolNeverGivesARequestWrongKv) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
   options.config.pool_blocks = 24;  // 384 positions: about two of the prompts below and their answers
+  options.config.prefill_cache_blocks = 0;  // (the prefill worker's cache would hold them all)
   start(std::move(options));
   std::vector<std::vector<int32_t>> prompts;
   for (int k = 0; k < 4; ++k) prompts.push_back(prompt_of(150, 10 + k));
@@ -158,6 +160,75 @@ TEST_F(ActorTest, EvictionUnderAFullPoolNeverGivesARequestWrongKv) {
   EXPECT_EQ(again.tokens, colocated(prompts[3], 12).tokens);
 }
 
+// The prefill worker's own prefix cache (gpu/prefix_cache.h): a prompt
+// that starts with one it computed before computes only the rest there, and
+// streams what the decode worker lacks, cached positions included.
+struct PrefillWorkerCounts {
+  double computed = metrics::disagg_metrics().prefill_tokens.value();
+  double hits = metrics::disagg_metrics().prefill_prefix_cache_hits.value();
+  double queries = metrics::disagg_metrics().prefill_prefix_cache_queries.value();
+  PrefillWorkerCounts since(const PrefillWorkerCounts& before) const {
+    return {computed - before.computed, hits - before.hits, queries - before.queries};
+  }
+};
+
+TEST_F(ActorTest, APrefillWorkerComputesOnlyWhatItsOwnCacheLacks) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.local_prefill_tokens = 0;  // every prompt to the prefill worker
+  options.config.pool_blocks = 24;  // the decode worker keeps little: 384 positions
+  start(std::move(options));
+  const std::vector<int32_t> a = prompt_of(300, 21);
+  std::vector<int32_t> b(a.begin(), a.begin() + 288);  // a's 18 full blocks, then 60 new tokens
+  const std::vector<int32_t> tail = prompt_of(61, 22);
+  b.insert(b.end(), tail.begin() + 1, tail.end());
+
+  PrefillWorkerCounts before;
+  ASSERT_TRUE(generate(*client_, a, 4).ok());
+  EXPECT_EQ(PrefillWorkerCounts().since(before).computed, 300);
+  // Another prompt of 22 blocks evicts nearly all of a from the decode
+  // worker's 24 (not from the prefill worker's 1024).
+  ASSERT_TRUE(generate(*client_, prompt_of(350, 23), 4).ok());
+
+  before = PrefillWorkerCounts();
+  const RequestOutcome two = generate(*client_, b, 12);
+  ASSERT_TRUE(two.ok()) << two.message;
+  EXPECT_EQ(two.tokens, colocated(b, 12).tokens) << "the prefill worker's cached KV gave other tokens";
+  const PrefillWorkerCounts counts = PrefillWorkerCounts().since(before);
+  EXPECT_EQ(counts.queries, 348);
+  EXPECT_EQ(counts.hits, 288) << "a's 18 blocks";
+  EXPECT_EQ(counts.computed, 60) << "only the new tokens are computed";
+  EXPECT_EQ(two.timings.cached_tokens, 288);
+  // The decode worker lost most of a's blocks: the positions it lacks were
+  // sent, cached ones included.
+  EXPECT_GT(two.timings.kv_bytes, stream_bytes_for(348) - stream_bytes_for(288));
+
+  // The same prompt under another salt: nothing cached, all computed.
+  before = PrefillWorkerCounts();
+  const RequestOutcome salted = generate(*client_, b, 12, {}, "tenant-b");
+  ASSERT_TRUE(salted.ok()) << salted.message;
+  EXPECT_EQ(PrefillWorkerCounts().since(before).computed, 348);
+  EXPECT_EQ(salted.tokens, two.tokens);
+}
+
+TEST_F(ActorTest, WithoutAPrefillCacheThePrefillWorkerComputesEverything) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.local_prefill_tokens = 0;
+  options.config.prefill_cache_blocks = 0;
+  start(std::move(options));
+  const std::vector<int32_t> a = prompt_of(200, 24);
+  ASSERT_TRUE(generate(*client_, a, 4).ok());
+  std::vector<int32_t> b = a;
+  b.push_back(7);
+  const PrefillWorkerCounts before;
+  const RequestOutcome two = generate(*client_, b, 4);
+  ASSERT_TRUE(two.ok()) << two.message;
+  EXPECT_EQ(PrefillWorkerCounts().since(before).computed, 201);
+  EXPECT_EQ(PrefillWorkerCounts().since(before).hits, 0);
+  EXPECT_EQ(two.tokens, colocated(b, 4).tokens);
+}
+
 }  // namespace
 }  // namespace disagg::test
 
@@ -169,7 +240,8 @@ namespace {
 // router's index of the workers' KV events), and the groups spread over
 // both workers. Without the index (weight 0) equal free blocks leave it to
 // round robin, which with three groups moves each group between workers.
-int requests_on_their_groups_worker(Client& client, std::map<std::string, int>* per_worker) {
+int requests_on_their_groups_worker(Client& client, std::map<std::string, int>* per_worker,
+                                    std::string RequestOutcome::*worker = &RequestOutcome::decode_worker) {
   std::map<int, std::string> home;  // group -> the worker of its first request
   int on_home = 0;
   for (int round = 0; round < 4; ++round)
@@ -180,9 +252,9 @@ int requests_on_their_groups_worker(Client& client, std::map<std::string, int>* 
       const RequestOutcome out = generate(client, p, 4);
       EXPECT_TRUE(out.ok()) << out.message;
       EXPECT_EQ(out.tokens, colocated(p, 4).tokens);
-      (*per_worker)[out.decode_worker] += 1;
-      if (round == 0) home[g] = out.decode_worker;
-      else on_home += out.decode_worker == home[g];
+      (*per_worker)[out.*worker] += 1;
+      if (round == 0) home[g] = out.*worker;
+      else on_home += out.*worker == home[g];
     }
   return on_home;
 }
@@ -202,6 +274,31 @@ TEST_F(ActorTest, WithoutKvAwareRoutingAGroupsRequestsMoveBetweenWorkers) {
   start(std::move(options));
   std::map<std::string, int> per_worker;
   EXPECT_LT(requests_on_their_groups_worker(*client_, &per_worker), 9);
+}
+
+// The same for prefill workers (their own prefix caches' events), when the
+// rests go to them: each group's later requests go to the prefill worker that
+// computed its first, and compute only their suffixes there.
+TEST_F(ActorTest, RequestsGoToThePrefillWorkerThatHoldsTheirPrefix) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(2, 1);
+  options.config.local_prefill_tokens = 0;
+  start(std::move(options));
+  std::map<std::string, int> per_worker;
+  const PrefillWorkerCounts before;
+  EXPECT_EQ(requests_on_their_groups_worker(*client_, &per_worker, &RequestOutcome::prefill_worker), 9);
+  EXPECT_EQ(per_worker.size(), 2u) << "the groups did not spread over both prefill workers";
+  EXPECT_EQ(PrefillWorkerCounts().since(before).hits, 9 * 96) << "each later request found its group's 6 blocks";
+}
+
+TEST_F(ActorTest, WithoutKvAwareRoutingAGroupsRequestsMoveBetweenPrefillWorkers) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(2, 1);
+  options.config.local_prefill_tokens = 0;
+  options.config.kv_routing_prefill_weight = 0;
+  start(std::move(options));
+  std::map<std::string, int> per_worker;
+  EXPECT_LT(requests_on_their_groups_worker(*client_, &per_worker, &RequestOutcome::prefill_worker), 9);
 }
 
 // A decode worker that dies takes its cached blocks with it: the router
@@ -229,7 +326,9 @@ TEST_F(ActorTest, ALostDecodeWorkersCachedBlocksAreForgotten) {
   const RequestOutcome after = generate(*client_, p, 6);
   ASSERT_TRUE(after.ok()) << after.message;
   EXPECT_NE(after.decode_worker, first.decode_worker);
-  EXPECT_EQ(after.timings.cached_tokens, 0);
+  // Nothing of it was on the survivor: all its KV was sent (the prefill
+  // worker's own cache may have spared it the compute).
+  EXPECT_EQ(after.timings.kv_bytes, stream_bytes_for(int(p.size())));
   EXPECT_EQ(after.tokens, first.tokens);
 }
 

@@ -173,6 +173,18 @@ TEST(RouterPolicy, PrefillGoesToTheLeastQueuedTokensWithinTheInFlightCap) {
   EXPECT_NE(first, second);
 }
 
+// KV-aware: the worker that would have the prompt done first, its queue plus
+// what it would compute of this prompt (less what its cache holds).
+TEST(RouterPolicy, PrefillWeighsTheQueueAgainstWhatEachWorkerWouldCompute) {
+  size_t cursor = 0;
+  std::vector<PrefillCandidate> c{{1, 1, 200}, {2, 0, 0}};
+  c[0].compute_tokens = 100;   // holds 900 of a 1,000-token prompt
+  c[1].compute_tokens = 1000;  // idle, holds none
+  EXPECT_EQ(pick_prefill(c, 8, cursor), WorkerKey{1});
+  c[0].outstanding_tokens = 1200;  // now busier than the prompt is long
+  EXPECT_EQ(pick_prefill(c, 8, cursor), WorkerKey{2});
+}
+
 TEST(RouterPolicy, DecodeGoesToMostRoomThenFewestSequencesThenSession) {
   size_t cursor = 0;
   // key, block_size, total, free, active

@@ -131,6 +131,7 @@ prefill_actor::behavior_type small_model_prefill(prefill_actor::pointer self, ro
       },
       [](cancel_atom, RequestId) {},
       [](status_atom) { return PrefillLoad{}; },
+      [](kv_events_atom) { return KvEvents{}; },
   };
 }
 

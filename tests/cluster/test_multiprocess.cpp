@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <map>
 #include <set>
 
 #include "cluster/cluster_fixture.h"
@@ -160,6 +161,36 @@ void expect_kv_goes_prefill_to_decode(const std::string& transport) {
 TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) {
   expect_kv_goes_prefill_to_decode("tcp");
   expect_kv_goes_prefill_to_decode("message");
+}
+
+// KV-aware routing to prefill nodes: a prefill worker's prefix-cache events
+// reach the router through its node's relay and gate (the face the router
+// knows it by), so each group's later requests go to the prefill node that
+// computed the group's first. (The events travel two local hops more than
+// the job's report: one of the 9 may race the client's next request.)
+TEST(MultiProcessCluster, RequestsGoToThePrefillNodeThatHoldsTheirPrefix) {
+  TestCluster cluster("prefill-prefix");
+  cluster.set_disagg_options("local-prefill-tokens = 0\n");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 1));
+  auto engine = std::make_shared<gpu::Engine>(gpu::Checkpoint::open(shared_model()));
+  std::map<int, std::string> home;
+  std::set<std::string> used;
+  int on_home = 0;
+  for (int round = 0; round < 4; ++round)
+    for (int g = 0; g < 3; ++g) {
+      std::vector<int> p{1};
+      for (int i = 1; i < 96; ++i) p.push_back(3 + (i * 37 + g * 101) % 500);  // the group's 6 blocks
+      for (int i = 0; i < 19; ++i) p.push_back(3 + (i * 53 + round * 7 + g) % 500);
+      const RequestOutcome out = cluster.client().generate(token_request(p, 4));
+      ASSERT_TRUE(out.ok()) << out.message << "\n" << cluster.logs();
+      EXPECT_EQ(out.tokens, gpu::generate(*engine, p, 4, {}).tokens);
+      used.insert(out.prefill_worker);
+      if (round == 0) home[g] = out.prefill_worker;
+      else on_home += out.prefill_worker == home[g];
+    }
+  EXPECT_GE(on_home, 8) << "of the 9 requests after each group's first\n" << cluster.node("router").log();
+  EXPECT_EQ(used.size(), 2u) << "the groups did not spread over both prefill nodes";
+  EXPECT_TRUE(cluster.stop_all());
 }
 
 // Colocated worker nodes (role `worker`, config/colocated/): each registers
