@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Prefix caching on a multi-turn chat workload (issue 21's): CONV conversations
-# of TURNS turns, each turn resending the history (a SYSTEM_LEN-word system
-# prompt, then USER_LEN new words and the server's OUT_LEN-token answer per
-# turn), through the HTTP frontend of a fresh disaggregated cluster
+# of TURNS turns, each turn resending the history (a SYSTEM_LEN-token system
+# prompt, then USER_LEN new tokens and the server's OUT_LEN-token answer per
+# turn; HISTORY=tokens, the default, sends token ids with the answers' own
+# ids, HISTORY=text words that the server re-encodes, answers included), through the HTTP frontend of a fresh disaggregated cluster
 # (config/local) and a fresh colocated one (config/colocated), each with
 # prefix caching on and off (disagg.prefix-caching). Model: MODEL (default the
 # 50M synthetic one, made once into build/bench/m50). Prints per run one line:
-#   prefix SYSTEM caching=on|off: hit=H% ttft_p50_turns2+=X ms duration=D s req/s=R prefilled=P kv_sent=B MB
+#   prefix SYSTEM caching=on|off: hit=H% ttft_p50_turns2+=X ms duration=D s req/s=R prefilled=P never_seen=N kv_sent=B MB
 # where prefilled and kv_sent are the prefill and decode nodes' own counters
 # (disagg_prefill_tokens_total over every node, disagg_kv_transfer_bytes_total
 # of the prefill nodes). Then the shared-prefix workload (SP_GROUPS groups of
@@ -20,6 +21,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 CONV=${CONV:-16} TURNS=${TURNS:-8} SYSTEM_LEN=${SYSTEM_LEN:-1024} USER_LEN=${USER_LEN:-64} OUT_LEN=${OUT_LEN:-64}
+HISTORY=${HISTORY:-tokens}  # disagg-bench --history: token ids (the issue's workload) or text (a chat client's)
 MODEL=${MODEL:-build/bench/m50/model.bin}
 if [ ! -f "$MODEL" ]; then BIN_DIR=build/bin bench/make-m50.sh "$(dirname "$MODEL")"; fi
 MODEL=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")
@@ -54,18 +56,23 @@ run() {  # SYSTEM CONFIG_DIR CACHING
   http=$(sed -n 's/^http=//p' "$out/up-$1-$3.log" | head -n 1)
   ports=$(grep -ho 'metrics-port *= *[0-9]*' "$configs"/*.ini | grep -o '[0-9]*$' | tr '\n' ' ')
   bench/disagg-bench --base-url "http://$http" --workload multi-turn --conversations "$CONV" --turns "$TURNS" \
-    --system-len "$SYSTEM_LEN" --user-len "$USER_LEN" --output-len "$OUT_LEN" --seed 1 --timeout 1200 \
+    --system-len "$SYSTEM_LEN" --user-len "$USER_LEN" --output-len "$OUT_LEN" --history "$HISTORY" \
+    --vocab-size "${VOCAB_SIZE:-4096}" --seed 1 --timeout 1200 \
     --result-file "$out/$1-$3.json" >"$log" 2>&1 || { tail -n 20 "$log" >&2; exit 1; }
   local prefilled sent
   prefilled=$(counter "$ports" disagg_prefill_tokens_total)
   sent=$(counter "$ports" disagg_kv_transfer_bytes_total)
-  python3 - "$out/$1-$3.json" "$system" "$caching" "$prefilled" "$sent" <<'PY' | tee -a "$out/summary.txt"
+  python3 - "$out/$1-$3.json" "$system" "$caching" "$prefilled" "$sent" <<PY | tee -a "$out/summary.txt"
 import json, sys
+# (token history: the tokens no earlier request of a conversation sent: its
+# system prompt and each turn's user tokens)
+never_seen = $CONV * ($SYSTEM_LEN + $TURNS * $USER_LEN) if "$HISTORY" == "tokens" else None
 r = json.load(open(sys.argv[1]))["results"][0]
 print(f"prefix {sys.argv[2]} caching={'on' if sys.argv[3] == 'true' else 'off'}: hit={100 * r['prefix_hit_rate']:.1f}% "
       f"ttft_p50_turns2+={r['median_ttft_later_turns_ms']:.1f} ms duration={r['duration']:.1f} s "
       f"req/s={r['request_throughput']:.3f} completed={r['completed']} failed={r['failed']} "
       f"prompt_tokens={r['total_input_tokens']} prefilled={float(sys.argv[4]):.0f} "
+      f"never_seen={never_seen if never_seen is not None else '-'} "
       f"kv_sent={float(sys.argv[5]) / 1e6:.1f} MB")
 PY
   scripts/cluster down >/dev/null
@@ -104,8 +111,8 @@ print(f\"shared-prefix: completed={r['completed']} failed={r['failed']} hit={100
 
 PARTS=${PARTS:-multi-turn shared-prefix}
 [[ " $PARTS " == *" shared-prefix "* ]] && [[ " $PARTS " != *" multi-turn "* ]] && { shared; exit 0; }
-echo "prefix: $CONV conversations x $TURNS turns, system $SYSTEM_LEN words, $USER_LEN user words and $OUT_LEN" \
-  "tokens per turn; model $MODEL; results in $out"
+echo "prefix: $CONV conversations x $TURNS turns, system $SYSTEM_LEN, $USER_LEN user and $OUT_LEN answer" \
+  "tokens per turn (history as $HISTORY); model $MODEL; results in $out"
 for system in disaggregated colocated; do
   config=config/local
   [ $system = colocated ] && config=config/colocated

@@ -334,6 +334,10 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     expect_type(user->is_string(), "user", "a string", *user);
     r.user = user->get<std::string>();
   }
+  if (const json* ids = field(body, "return_token_ids")) {
+    expect_type(ids->is_boolean(), "return_token_ids", "a boolean", *ids);
+    r.return_token_ids = ids->get<bool>();
+  }
   if (const json* salt = field(body, "cache_salt")) {
     expect_type(salt->is_string(), "cache_salt", "a string", *salt);
     r.cache_salt = salt->get<std::string>();

@@ -83,6 +83,10 @@ struct ApiRequest {
   bool include_usage = false;
   std::string user;  // the router's session affinity key
   std::string cache_salt;  // GenerateRequest::cache_salt
+  // vLLM's return_token_ids: each choice (and each streamed chunk) carries
+  // the ids of the completion's tokens ("token_ids"), so that a client can
+  // resend a conversation as the very tokens it was made of.
+  bool return_token_ids = false;
 };
 
 // Parses and validates a request body; throws ApiError and nothing else:

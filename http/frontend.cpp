@@ -172,7 +172,24 @@ class Session : public std::enable_shared_from_this<Session> {
     Clock::time_point accepted;
     std::optional<Clock::time_point> last_token;
     int64_t cached_tokens = 0;  // prompt tokens the prefix cache held (the router's token events say)
+    std::vector<int32_t> ids;   // the completion's tokens so far (return_token_ids)
+    size_t ids_streamed = 0;    // of them, those a streamed chunk carried
   };
+
+  // The next token's text (held back, maybe: TextAssembler).
+  static std::string add_token(Generation& g, int32_t token) {
+    g.ids.push_back(token);
+    return g.text->add(token);
+  }
+  // A choice of this generation with its tokens' ids, when asked for: all of
+  // them, or (streaming) those no chunk carried yet.
+  static json with_token_ids(Generation& g, json body, bool streamed) {
+    if (!g.request.return_token_ids || body["choices"].empty()) return body;
+    const size_t from = streamed ? g.ids_streamed : 0;
+    body["choices"][0]["token_ids"] = std::vector<int32_t>(g.ids.begin() + long(from), g.ids.end());
+    if (streamed) g.ids_streamed = g.ids.size();
+    return body;
+  }
 
   // ---- reading requests
   void read() {
@@ -406,7 +423,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (!g->last_token) fe_.metrics.time_to_first_token.observe(seconds_between(g->accepted, now));
     else fe_.metrics.inter_token_latency.observe(seconds_between(*g->last_token, now));
     g->last_token = now;
-    const std::string piece = g->text->add(token);
+    const std::string piece = add_token(*g, token);
     if (g->request.stream && !piece.empty()) send_piece(*g, piece, "");
     if (g->text->stopped()) {
       g->client->cancel(g->id);  // the rest is not wanted; the cancelled outcome is ignored
@@ -432,7 +449,7 @@ class Session : public std::enable_shared_from_this<Session> {
     g->cached_tokens = outcome.timings.cached_tokens;
     // Tokens the events did not carry (none are expected): add them now.
     for (size_t i = size_t(g->text->tokens()); i < outcome.tokens.size(); ++i) {
-      const std::string piece = g->text->add(outcome.tokens[i]);
+      const std::string piece = add_token(*g, outcome.tokens[i]);
       if (g->request.stream && !piece.empty()) send_piece(*g, piece, "");
       if (g->text->stopped()) break;
     }
@@ -483,8 +500,11 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void send_piece(Generation& g, const std::string& piece, const std::string& finish_reason) {
     send_header_once(g);
-    enqueue(Out{Out::chunk, sse_event(stream_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, piece,
-                                                   finish_reason, false, g.request.include_usage))});
+    enqueue(Out{Out::chunk, sse_event(with_token_ids(g,
+                                                     stream_chunk(g.request.endpoint, g.response_id, g.created,
+                                                                  fe_.model.name, piece, finish_reason, false,
+                                                                  g.request.include_usage),
+                                                     true))});
   }
 
   // The reply of a request that completed (finish_reason "stop" or "length").
@@ -507,7 +527,7 @@ class Session : public std::enable_shared_from_this<Session> {
                                                 prompt, completion, g.cached_tokens)
                           : chat_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
                                           prompt, completion, g.cached_tokens);
-    send_json(200, body);
+    send_json(200, with_token_ids(g, body, false));
   }
 
   void fail(Generation& g, const ApiError& e) {

@@ -66,18 +66,24 @@ def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, suffix_l
 
 @dataclass
 class Conversation:
-    system: str       # the system prompt every turn starts with
-    users: list       # the user's words of each turn
+    system: object    # the system prompt every turn starts with: words, or token ids
+    users: list       # the user's words (or token ids) of each turn
     output_len: int   # max_tokens of each turn
 
 
-def conversations(n: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int) -> list:
+def conversations(n: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int,
+                  history: str = "text", vocab_size: int = 512) -> list:
     """n seeded conversations of `turns` turns: a system prompt of system_len words, then per turn
-    user_len new words. Text: a turn's prompt is the history with the server's answers in it, and
-    only the server's tokenizer turns those back into tokens."""
+    user_len new words. history "text": a turn's prompt is the history with the server's answers in
+    it, and only the server's tokenizer turns those back into tokens (as a chat client's); "tokens":
+    the prompt is token ids (system_len and user_len of them, drawn from [3, vocab_size)) with the
+    answers' own ids in it (return_token_ids), so every token resent is one the server saw."""
     rng = random.Random(seed)
-    words = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
-    return [Conversation(words(system_len), [words(user_len) for _ in range(turns)], output_len) for _ in range(n)]
+    if history == "tokens":
+        part = lambda k: [rng.randrange(3, vocab_size) for _ in range(k)]  # noqa: E731
+    else:
+        part = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
+    return [Conversation(part(system_len), [part(user_len) for _ in range(turns)], output_len) for _ in range(n)]
 
 
 async def run_conversations(session, url: str, model: str, convs: list, max_concurrency, temperature: float,
@@ -90,10 +96,14 @@ async def run_conversations(session, url: str, model: str, convs: list, max_conc
     progress = Progress(sum(len(c.users) for c in convs), label)
 
     async def converse(k: int, c: Conversation) -> list:
-        history, records = c.system, []
+        tokens = isinstance(c.system, list)
+        history, records = (list(c.system) if tokens else c.system), []
         for t, user in enumerate(c.users):
-            history += " " + user
-            body = payload(model, Prompt(history, 0, c.output_len), temperature, seed + 1000 * k + t)
+            history = history + user if tokens else history + " " + user
+            body = payload(model, Prompt(list(history) if tokens else history, 0, c.output_len), temperature,
+                           seed + 1000 * k + t)
+            if tokens:
+                body["return_token_ids"] = True
             if limit is None:
                 rec = await send(session, url, body, 0)
             else:
@@ -104,7 +114,10 @@ async def run_conversations(session, url: str, model: str, convs: list, max_conc
             progress.step()
             if rec.error is not None:
                 break  # a conversation whose turn failed ends there
-            history += rec.text
+            if tokens and len(rec.token_ids) != rec.output_tokens:
+                rec.error = "token_ids_missing"  # (a server without return_token_ids)
+                break
+            history = history + rec.token_ids if tokens else history + rec.text
         return records
 
     start = time.perf_counter()
@@ -159,6 +172,7 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict, prompt_l
                     if event.get("choices"):
                         rec.chunk_times.append(now)
                         rec.text += event["choices"][0].get("text") or ""
+                        rec.token_ids += event["choices"][0].get("token_ids") or []
                     if event.get("usage"):
                         usage_tokens = event["usage"].get("completion_tokens")
                         rec.prompt_tokens = event["usage"].get("prompt_tokens", prompt_len)

@@ -36,6 +36,7 @@ class RequestRecord:
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held
     text: str = ""  # the streamed text (a multi-turn conversation appends it to its history)
     turn: int = 0  # multi-turn: the request's turn in its conversation (1 = the first); 0 otherwise
+    token_ids: list = field(default_factory=list)  # the streamed token ids (return_token_ids)
 
 
 def percentile(values, p: float) -> float:

@@ -215,6 +215,30 @@ TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
   ++completed;
   prompt_tokens += 5;
   generated += int64_t(ids.output_tokens.size());
+  // return_token_ids (vLLM's): the completion's token ids, whole and per streamed chunk.
+  const json want_ids = ids.output_tokens;
+  const Reply with_ids = post(port, "/v1/completions", {{"prompt", {1, 403, 407, 261, 378}}, {"max_tokens", 20},
+                                                        {"temperature", 0}, {"return_token_ids", true}});
+  ASSERT_EQ(with_ids.status, 200) << with_ids.body;
+  EXPECT_EQ(json::parse(with_ids.body)["choices"][0]["token_ids"], want_ids);
+  const Reply ids_streamed = post(port, "/v1/completions", {{"prompt", {1, 403, 407, 261, 378}}, {"max_tokens", 20},
+                                                            {"temperature", 0}, {"return_token_ids", true},
+                                                            {"stream", true}});
+  ASSERT_EQ(ids_streamed.status, 200) << ids_streamed.body;
+  json streamed_ids = json::array();
+  std::string streamed_text;
+  bool ids_done = false;
+  for (const auto& chunk : sse_events(ids_streamed.body, &ids_done)) {
+    for (const auto& t : chunk["choices"][0]["token_ids"]) streamed_ids.push_back(t);
+    streamed_text += chunk["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_TRUE(ids_done);
+  EXPECT_EQ(streamed_ids, want_ids);
+  EXPECT_EQ(streamed_text, ids.text);
+  EXPECT_EQ(json::parse(by_ids.body)["choices"][0].count("token_ids"), 0u) << "only when asked for";
+  completed += 2;
+  prompt_tokens += 10;
+  generated += 2 * int64_t(ids.output_tokens.size());
 
   // Chat with the Llama-2 template: [INST] {user} [/INST], BOS first.
   const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), 512);
