@@ -123,11 +123,6 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
                                target.first_position);
   const auto transport = target.transport == uint8_t(kv::Transport::shm) ? kv::Transport::shm : kv::Transport::tcp;
   std::shared_ptr<kv::KvSender> tx;
-  struct TakeEvents {  // on every way out: the events of this prompt's keep (or of none)
-    ComputeState& st;
-    PrefillResult& r;
-    ~TakeEvents() { r.cache_events = CachedPrefix::events_of(st); }
-  } take_events{st, r};
   try {
     if (!st.plane) throw kv::KvError(kv::KvErrc::invalid_argument, "this node has no KV data plane");
     tx = st.plane->sender(transport, target.address);
@@ -328,22 +323,23 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
       r.code = ErrorCode::invalid_request;
       r.message = std::string("KV stream: ") + e.what();
     }
-    return r;
+  } else {
+    try {
+      CachedPrefix cached(st, work);
+      r.cached_tokens = cached.positions();
+      gpu::PrefillOutput out = st.engine->prefill(work.tokens, {}, cached.prefix());
+      cached.keep();
+      r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,
+                                        to_gpu(work.sampling), work.first_step);
+      r.kv = gpu::serialize_kv(st.engine->fingerprint(), out.shape, out.kv.data());
+    } catch (const std::exception& e) {
+      r.code = ErrorCode::internal;
+      r.message = std::string("prefill: ") + e.what();
+    }
+    r.compute_us = micros_since(start);
   }
-  try {
-    CachedPrefix cached(st, work);
-    r.cached_tokens = cached.positions();
-    gpu::PrefillOutput out = st.engine->prefill(work.tokens, {}, cached.prefix());
-    cached.keep();
-    r.cache_events = CachedPrefix::events_of(st);
-    r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,
-                                      to_gpu(work.sampling), work.first_step);
-    r.kv = gpu::serialize_kv(st.engine->fingerprint(), out.shape, out.kv.data());
-  } catch (const std::exception& e) {
-    r.code = ErrorCode::internal;
-    r.message = std::string("prefill: ") + e.what();
-  }
-  r.compute_us = micros_since(start);
+  // Whatever happened: what the prefix cache stored and evicted meanwhile.
+  r.cache_events = CachedPrefix::events_of(st);
   return r;
 }
 

@@ -352,10 +352,18 @@ const std::vector<uint64_t>& prompt_hashes(Self self, Request& r, int block_size
 // computes that one itself).
 int cached_positions(Self self, Request& r, WorkerKey key, int block_size) {
   const Worker* w = find_worker(self, key);
-  if (!w || !w->prefix.synced() || w->prefix.size() == 0 || block_size <= 0) return 0;
+  if (!w || w->prefix.size() == 0 || block_size <= 0) return 0;  // (unsynced: its predictions alone)
   const int tokens = int(job_prompt_len(r));
   const int blocks = std::min(w->prefix.matched(prompt_hashes(self, r, block_size)), (tokens - 1) / block_size);
   return blocks * block_size;
+}
+
+// The request's prompt blocks, in the index of the worker it was just sent
+// to (PrefixIndex::predict): the next request of its group finds them there
+// before the worker's own events come.
+void predict_prefix(Self self, Request& r, Worker& w) {
+  if (!self->state.model || self->state.config.kv_routing_prefill_weight <= 0 || w.info.block_size <= 0) return;
+  w.prefix.predict(prompt_hashes(self, r, w.info.block_size));
 }
 
 // KV-aware routing (README "Prefix caching"): a decode candidate's
@@ -412,6 +420,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   d.load.free_blocks -= r.reserved_blocks;  // until its next report says otherwise
   d.assigned += 1;
   st.sessions.remember(r.request.session, decode_key);
+  predict_prefix(self, r, d);
 
   // The lease outlives the request's deadline by the ack timeout: a request
   // still alive never loses its blocks, a lost one frees them by itself.
@@ -450,6 +459,7 @@ void send_prefill_job(Self self, RequestId id) {
   job.deadline_ms = time_left_ms(r);
   job.target = r.kv_target;
   job.cache_salt = r.request.cache_salt;
+  if (p && !r.local_prefill && p->info.cache_blocks > 0) predict_prefix(self, r, *p);
   const uint64_t attempt = r.attempt;
   const WorkerKey prefill_key = r.prefill_key;
   const int64_t prompt_tokens = job_prompt_len(r);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 
 namespace disagg {
 
@@ -121,10 +122,28 @@ int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_l
   return int(std::max<int64_t>(0, most - prompt_len + 1));
 }
 
+void PrefixIndex::unpredict(uint64_t hash) {
+  auto it = predicted_.find(hash);
+  if (it == predicted_.end()) return;
+  predicted_order_.erase(it->second);
+  predicted_.erase(it);
+}
+
+void PrefixIndex::predict(const std::vector<uint64_t>& hashes) {
+  for (uint64_t h : hashes) {
+    if (hashes_.count(h)) continue;
+    unpredict(h);  // (to the back: the newest)
+    predicted_order_.push_back(h);
+    predicted_[h] = std::prev(predicted_order_.end());
+    if (predicted_.size() > capacity_) unpredict(predicted_order_.front());
+  }
+}
+
 PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
   if (events.snapshot) {
     hashes_.clear();
     if (events.stored.size() <= capacity_) hashes_.insert(events.stored.begin(), events.stored.end());
+    for (uint64_t h : hashes_) unpredict(h);
     seq_ = events.seq;
     synced_ = true;
     return Applied::applied;
@@ -135,12 +154,16 @@ PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
     synced_ = false;
     return Applied::resync;
   }
-  for (uint64_t h : events.removed) hashes_.erase(h);
+  for (uint64_t h : events.removed) {
+    hashes_.erase(h);
+    unpredict(h);
+  }
   for (uint64_t h : events.stored) {
     hashes_.insert(h);
+    unpredict(h);
     if (hashes_.size() > capacity_) {  // more blocks than the pool has: not what the worker holds
       hashes_.clear();
-      synced_ = false;
+        synced_ = false;
       return Applied::resync;
     }
   }
@@ -150,7 +173,7 @@ PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
 
 int PrefixIndex::matched(const std::vector<uint64_t>& hashes) const {
   int n = 0;
-  while (size_t(n) < hashes.size() && hashes_.count(hashes[size_t(n)])) ++n;
+  while (size_t(n) < hashes.size() && (hashes_.count(hashes[size_t(n)]) || predicted_.count(hashes[size_t(n)]))) ++n;
   return n;
 }
 

@@ -115,16 +115,28 @@ class PrefixIndex {
     resync,   // a number was skipped or the batch does not fit the pool: cleared, ask for a snapshot
   };
   Applied apply(const KvEvents& events);
-  // How many of `hashes`, from the first, the worker holds.
+  // The blocks of a prompt just sent to the worker, which it will hold once
+  // the prompt's KV is in (SGLang's router inserts a request into its tree
+  // at dispatch): counted as held until an event (or a snapshot) stores or
+  // removes them, at most `capacity` of them (the oldest go first). They
+  // outlive a resync: they are about requests in flight, not past events.
+  // Without it, a group's requests sent before the first one's events
+  // arrive look uncached everywhere and scatter.
+  void predict(const std::vector<uint64_t>& hashes);
+  // How many of `hashes`, from the first, the worker holds (or will).
   int matched(const std::vector<uint64_t>& hashes) const;
   bool synced() const { return synced_; }
-  size_t size() const { return hashes_.size(); }
+  size_t size() const { return hashes_.size() + predicted_.size(); }
 
  private:
+  void unpredict(uint64_t hash);
+
   size_t capacity_;
   bool synced_ = false;  // a snapshot has been applied since the last resync
   uint64_t seq_ = 0;     // the last batch applied
   std::unordered_set<uint64_t> hashes_;
+  std::list<uint64_t> predicted_order_;  // oldest first
+  std::unordered_map<uint64_t, std::list<uint64_t>::iterator> predicted_;
 };
 
 // Session key -> decode worker, bounded; the least recently used entry goes

@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
+#include <set>
 #include <map>
 #include <thread>
 
@@ -265,6 +267,35 @@ TEST_F(ActorTest, RequestsGoToTheDecodeWorkerThatHoldsTheirPrefix) {
   const int on_home = requests_on_their_groups_worker(*client_, &per_worker);
   EXPECT_EQ(on_home, 9) << "of the 9 requests after each group's first";
   EXPECT_EQ(per_worker.size(), 2u) << "the groups did not spread over both workers";
+}
+
+// Two requests of a group sent together, before the first one's KV is in
+// anywhere: the router counts the first one's blocks as on their way to its
+// decode worker (PrefixIndex::predict), so the second follows it there
+// (without, the first's reservation makes the other worker the emptier).
+// (A third would go to the other worker: two reservations of 8 blocks
+// outweigh 2 x 6 shared blocks, kv-routing-prefill-weight's trade.)
+TEST_F(ActorTest, AGroupsConcurrentRequestsFollowItsFirstToOneDecodeWorker) {
+  start(1, 2);
+  std::vector<std::future<RequestOutcome>> outcomes;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int k = 0; k < 2; ++k) {
+    std::vector<int32_t> p = prompt_of(96, 300);  // the group's 6 blocks
+    const std::vector<int32_t> suffix = prompt_of(20, 310 + k);
+    p.insert(p.end(), suffix.begin() + 1, suffix.end());
+    prompts.push_back(p);
+    auto done = std::make_shared<std::promise<RequestOutcome>>();
+    outcomes.push_back(done->get_future());
+    client_->submit_async(make_request(p, 4), {}, [done](RequestOutcome out) { done->set_value(std::move(out)); });
+  }
+  std::set<std::string> workers;
+  for (size_t k = 0; k < outcomes.size(); ++k) {
+    const RequestOutcome out = outcomes[k].get();
+    ASSERT_TRUE(out.ok()) << out.message;
+    EXPECT_EQ(out.tokens, colocated(prompts[k], 4).tokens);
+    workers.insert(out.decode_worker);
+  }
+  EXPECT_EQ(workers.size(), 1u) << "the group's requests scattered over the decode workers";
 }
 
 TEST_F(ActorTest, WithoutKvAwareRoutingAGroupsRequestsMoveBetweenWorkers) {

@@ -52,6 +52,32 @@ TEST(PrefixIndex, ABatchThatDoesNotFitThePoolIsNotTrusted) {
   EXPECT_EQ(index.size(), 0u) << "nor a snapshot larger than the pool";
 }
 
+// Predicted blocks (a prompt just sent there) count as held until the
+// worker's events say otherwise, bounded, whether or not the index is
+// synced: they are about requests in flight.
+TEST(PrefixIndex, PredictedBlocksCountUntilTheWorkersEventsSpeak) {
+  PrefixIndex index(4);
+  index.predict({1, 2});
+  EXPECT_EQ(index.matched({1, 2}), 2) << "before the first snapshot too";
+  ASSERT_EQ(index.apply(snapshot(1, {1})), PrefixIndex::Applied::applied);
+  index.predict({1, 2, 3});
+  EXPECT_EQ(index.matched({1, 2, 3, 4}), 3);
+  EXPECT_EQ(index.size(), 3u) << "1 held, 2 and 3 predicted";
+  ASSERT_EQ(index.apply(batch(2, {2})), PrefixIndex::Applied::applied);  // stored: now held
+  EXPECT_EQ(index.size(), 3u);
+  ASSERT_EQ(index.apply(batch(3, {}, {3})), PrefixIndex::Applied::applied);  // evicted, or never stored
+  EXPECT_EQ(index.matched({1, 2, 3}), 2);
+  index.predict({10, 11, 12, 13, 14});  // more than the pool: the oldest predictions go
+  EXPECT_EQ(index.matched({10}), 0);
+  EXPECT_EQ(index.matched({14}), 1);
+  EXPECT_LE(index.size(), 2u + 4u);
+  EXPECT_EQ(index.apply(batch(9, {})), PrefixIndex::Applied::resync);
+  EXPECT_EQ(index.matched({1}), 0) << "what the events said is forgotten";
+  EXPECT_EQ(index.matched({14}), 1) << "the requests in flight are not";
+  ASSERT_EQ(index.apply(snapshot(9, {14})), PrefixIndex::Applied::applied);
+  EXPECT_EQ(index.size(), 4u) << "14 held now, no longer predicted; 11-13 still on their way";
+}
+
 TEST(PickDecode, PrefersTheWorkerThatHoldsThePromptUnlessItIsMuchFuller) {
   size_t cursor = 0;
   // Both have room; worker 2 holds the prompt's blocks (less to compute).
