@@ -934,6 +934,7 @@ RouterStatus status_of(Self self) {
     ws.free_blocks = std::max(0, std::min(w.load.free_blocks, w.info.total_blocks - w.reserved_blocks));
     ws.total_blocks = w.info.total_blocks;
     ws.active_sequences = w.load.active_sequences;
+    ws.cached_blocks = int32_t(w.prefix.held());
     ws.endpoint = w.info.endpoint;
     s.workers.push_back(std::move(ws));
   }

@@ -127,6 +127,7 @@ class PrefixIndex {
   int matched(const std::vector<uint64_t>& hashes) const;
   bool synced() const { return synced_; }
   size_t size() const { return hashes_.size() + predicted_.size(); }
+  size_t held() const { return hashes_.size(); }  // what the worker's events say it holds
 
  private:
   void unpredict(uint64_t hash);

@@ -88,6 +88,9 @@ struct WorkerStatus {
   int32_t free_blocks = 0;          // decode: as last reported
   int32_t total_blocks = 0;         // decode
   int32_t active_sequences = 0;     // decode: as last reported
+  // blocks the router's index says its prefix cache holds, from the
+  // worker's own KV events (not counting predictions: PrefixIndex::held)
+  int32_t cached_blocks = 0;
   std::string endpoint;             // WorkerInfo::endpoint
 };
 
@@ -135,7 +138,8 @@ typename Inspector::result_type inspect(Inspector& f, PrefillLoad& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerStatus& x) {
   return f(caf::meta::type_name("WorkerStatus"), x.name, x.role, x.fingerprint, x.in_flight,
-           x.outstanding_tokens, x.free_blocks, x.total_blocks, x.active_sequences, x.endpoint);
+           x.outstanding_tokens, x.free_blocks, x.total_blocks, x.active_sequences, x.cached_blocks,
+           x.endpoint);
 }
 
 template <class Inspector>

@@ -4,6 +4,7 @@
 // prefill -> decode connections that carry the KV, and the client binary.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <future>
 #include <map>
 #include <set>
@@ -190,6 +191,19 @@ TEST(MultiProcessCluster, RequestsGoToThePrefillNodeThatHoldsTheirPrefix) {
     }
   EXPECT_GE(on_home, 8) << "of the 9 requests after each group's first\n" << cluster.node("router").log();
   EXPECT_EQ(used.size(), 2u) << "the groups did not spread over both prefill nodes";
+  // The router's index follows the prefill nodes' own events, not just its
+  // predictions: together they hold each group's 6 shared full blocks and
+  // each prompt's own 7th (3 groups, 12 prompts of 115 tokens: at least
+  // 3 x 6 + 12 x 1 = 30; more when a group visited both).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  int held = 0;
+  while (held < 30 && std::chrono::steady_clock::now() < deadline) {
+    held = 0;
+    if (const auto status = cluster.client().status())
+      for (const auto& w : status->workers)
+        if (w.role == WorkerRole::prefill) held += w.cached_blocks;
+  }
+  EXPECT_GE(held, 30) << "the prefill nodes' KV events did not reach the router's index";
   EXPECT_TRUE(cluster.stop_all());
 }
 
