@@ -84,7 +84,9 @@ struct DisaggConfig {
   // KV-aware routing: a decode worker's score is this x the prompt's blocks
   // its prefix cache lacks (the router's index of the workers' KV events),
   // minus its free blocks; the lowest wins (README "Prefix caching").
-  // 0: blocks are not looked at (the most free blocks win). 2 from
+  // A prefill worker's score: its queued prompt tokens plus those of this
+  // prompt its own cache lacks. 0: blocks are not looked at (the most free
+  // blocks and the fewest queued tokens win, nothing predicted). 2 from
   // bench/prefix.sh's shared-prefix run (5 groups, 2 decode workers of 400
   // blocks): 50 of 60 requests found their group's prefix at 2, 30 at 1,
   // 48 at 4, 8 at 0 (README "Measured performance").
