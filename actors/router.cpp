@@ -347,11 +347,10 @@ const std::vector<uint64_t>& prompt_hashes(Self self, Request& r, int block_size
   return r.hashes;
 }
 
-// How many of the job prompt's positions worker `key`'s prefix cache holds,
+// How many of the job prompt's positions worker `w`'s prefix cache holds,
 // as the router's index says (at most all but the last position: a worker
 // computes that one itself).
-int cached_positions(Self self, Request& r, WorkerKey key, int block_size) {
-  const Worker* w = find_worker(self, key);
+int cached_positions(Self self, Request& r, const Worker* w, int block_size) {
   if (!w || w->prefix.size() == 0 || block_size <= 0) return 0;  // (unsynced: its predictions alone)
   const int tokens = int(job_prompt_len(r));
   const int blocks = std::min(w->prefix.matched(prompt_hashes(self, r, block_size)), (tokens - 1) / block_size);
@@ -377,12 +376,12 @@ void score_prefixes(Self self, Request& r, std::vector<DecodeCandidate>& decodes
   const int tokens = int(job_prompt_len(r));
   for (DecodeCandidate& c : decodes) {
     const int blocks = gpu::KvPool::blocks_for(tokens, c.block_size);
-    const int cached = cached_positions(self, r, c.key, c.block_size) / c.block_size;
+    const int cached = cached_positions(self, r, find_worker(self, c.key), c.block_size) / c.block_size;
     c.compute_cost = st.config.kv_routing_prefill_weight * double(blocks - cached);
   }
   for (PrefillCandidate& c : prefills) {
     const Worker* w = find_worker(self, c.key);
-    c.compute_tokens = tokens - (w ? cached_positions(self, r, c.key, w->info.block_size) : 0);
+    c.compute_tokens = tokens - (w ? cached_positions(self, r, w, w->info.block_size) : 0);
   }
 }
 

@@ -163,7 +163,7 @@ PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
     unpredict(h);
     if (hashes_.size() > capacity_) {  // more blocks than the pool has: not what the worker holds
       hashes_.clear();
-        synced_ = false;
+      synced_ = false;
       return Applied::resync;
     }
   }

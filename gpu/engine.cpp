@@ -305,6 +305,22 @@ struct Engine::Impl {
   std::vector<float> host_cache;      // on_layer_cache's mirror of the prefill cache, likewise
   int last_prefill_positions = 0;     // the last prefill's cache: one block of this many positions
 
+  // Whole blocks between `pool` and a prefill's cache of cache_positions
+  // positions (one block): cache positions [first_block * B, ...) and the
+  // pool's `blocks`, in that order (B the pool's block size). Both are laid
+  // out as gpu/kv_layout.h says, so it is one copy per (plane, block).
+  void copy_blocks(KvPool& pool, const std::vector<int>& blocks, float* cache, int cache_positions,
+                   int first_block, bool into_pool) {
+    const size_t block = size_t(pool.block_size()) * kv_dim;
+    for (size_t plane = 0; plane < 2 * layers; ++plane)
+      for (size_t j = 0; j < blocks.size(); ++j) {
+        float* in_pool = pool.data() + (plane * size_t(pool.num_blocks()) + size_t(blocks[j])) * block;
+        float* in_cache = cache + plane * size_t(cache_positions) * kv_dim + (size_t(first_block) + j) * block;
+        if (into_pool) backend->copy(in_pool, in_cache, block * sizeof(float));
+        else backend->copy(in_cache, in_pool, block * sizeof(float));
+      }
+  }
+
   // Gives on_layer_cache the cache once layer `layer` of positions [first,
   // first + rows) is in it: the backend's memory itself, or the host mirror
   // after copying that layer's new K tiles and V rows into it.
@@ -458,16 +474,9 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
   if (hooks.on_layer_cache && !m.backend->host_memory()) m.host_cache.resize(cache_floats);
 
   if (skip > 0) {
-    // The prefix's blocks are consecutive positions of the cache's one block
-    // (gpu/kv_layout.h): a copy per (plane, block), then handed out.
-    const int bs = prefix.pool->block_size();
-    const size_t block = size_t(bs) * m.kv_dim;
-    const float* pool = const_cast<KvPool*>(prefix.pool)->data();
-    for (size_t plane = 0; plane < 2 * m.layers; ++plane)
-      for (size_t j = 0; j < prefix.blocks.size(); ++j)
-        m.backend->copy(kv.data + plane * size_t(cache_positions) * m.kv_dim + j * block,
-                        pool + (plane * size_t(prefix.pool->num_blocks()) + size_t(prefix.blocks[j])) * block,
-                        block * sizeof(float));
+    // The prefix's blocks are the cache's first positions, then handed out.
+    // (The pool is only read: KvPool::data() has no const form.)
+    m.copy_blocks(const_cast<KvPool&>(*prefix.pool), prefix.blocks, kv.data, cache_positions, 0, false);
     if (hooks.on_layer_cache)
       for (int l = 0; l < int(m.layers); ++l) m.hand_out_cache(hooks, l, 0, skip, kv);
   }
@@ -506,13 +515,7 @@ void Engine::keep_prefill_blocks(KvPool& pool, const std::vector<int>& blocks, i
     if (b < 0 || b >= pool.num_blocks())
       throw Error("keep_prefill_blocks: block " + std::to_string(b) + " outside the pool of " +
                   std::to_string(pool.num_blocks()));
-  const size_t block = size_t(bs) * m.kv_dim;
-  const float* cache = m.prefill_kv.get();
-  for (size_t plane = 0; plane < 2 * m.layers; ++plane)
-    for (size_t j = 0; j < blocks.size(); ++j)
-      m.backend->copy(pool.data() + (plane * size_t(pool.num_blocks()) + size_t(blocks[j])) * block,
-                      cache + plane * size_t(cache_positions) * m.kv_dim + (size_t(first_block) + j) * block,
-                      block * sizeof(float));
+  m.copy_blocks(pool, blocks, m.prefill_kv.get(), cache_positions, first_block, true);
 }
 
 std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlot>& slots) {
