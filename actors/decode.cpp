@@ -418,10 +418,11 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   const uint64_t serial = held.serial;
   ReserveReply answer = reply(ErrorCode::none, {});
   if (into_blocks) {
-    // Conditional disaggregation: a short rest after a cached prefix is
-    // computed here, between decode steps; no prefill worker, no transfer.
-    const bool local = colocated || (st.local_prefill && held.cached > 0 &&
-                                     r.prompt_len - held.cached <= r.local_prefill_tokens);
+    // Conditional disaggregation: a short rest (after a cached prefix, or a
+    // short prompt with nothing cached) is computed here, between decode
+    // steps; no prefill worker, no transfer.
+    const bool local =
+        colocated || (st.local_prefill && r.prompt_len - held.cached <= r.local_prefill_tokens);
     try {
       answer.target = local ? open_local(self, r, held) : open_stream(self, r, held);
     } catch (const std::exception& e) {

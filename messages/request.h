@@ -86,7 +86,7 @@ struct Timings {
   int64_t prefill_us = 0;      // prefill worker: job received -> KV ready (streamed: last layer computed)
   int64_t kv_transfer_us = 0;  // prefill worker: KV sent -> decode's ack (streamed: last layer -> ack)
   int64_t decode_us = 0;       // decode worker: admitted -> finished
-  uint64_t kv_bytes = 0;       // the KV as it travelled
+  uint64_t kv_bytes = 0;       // the KV as it travelled (prefilled where it is decoded: as a stream would carry it)
   bool kv_streamed = false;    // streamed during the prefill (else one message after it)
   int32_t cached_tokens = 0;   // prompt tokens whose KV the decode worker's prefix cache held
 };

@@ -19,6 +19,11 @@ DisaggConfig shared_model_config(int prefill, int decode) {
   c.decode_workers = decode;
   c.pool_blocks = 512;  // 8192 positions: 16 full-length sequences
   c.default_deadline_ms = 30000;
+  // Every prompt to a prefill worker: these tests are about the disaggregated
+  // path (a prefill worker's faults, streams, reservations), which the
+  // default would skip for their short prompts (conditional disaggregation);
+  // the tests of the decode worker's own prefill set it back.
+  c.local_prefill_tokens = 0;
   return c;
 }
 

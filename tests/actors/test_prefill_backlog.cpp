@@ -145,15 +145,17 @@ TEST_F(ActorTest, CancelledJobsAreSkippedByThePrefillCompute) {
         },
         [&](caf::error&) {}, caf::after(std::chrono::seconds(30)) >> [] {});
   EXPECT_EQ(reports, jobs);
-  EXPECT_GE(cancelled, jobs - 1);
   // The reports say "cancelled" whether or not the prompt ran: the compute
   // actor's counts say what it did. A job the compute actor began before its
   // cancel arrived runs: the first, usually, but on a loaded machine the
   // compute actor may finish two or three while this thread waits to send
-  // the cancels (CI once saw 2). Without the skip all 40 would run.
+  // the cancels (CI once saw 2), and those report what they did, not
+  // always a cancel. Without the skip all 40 would run. Every skipped job
+  // reports its cancel.
   const PrefillCounts counts = prefill_counts();
   EXPECT_LE(counts.computed - before.computed, jobs / 4);
   EXPECT_GE(counts.skipped_cancelled - before.skipped_cancelled, jobs - jobs / 4);
+  EXPECT_GE(cancelled, counts.skipped_cancelled - before.skipped_cancelled);
   EXPECT_EQ(counts.computed - before.computed + counts.skipped_cancelled - before.skipped_cancelled, jobs);
   const auto after = timed_request(*client_);
   EXPECT_LT(after, std::chrono::seconds(1) + 2 * single)

@@ -74,14 +74,47 @@ void expect_second_turn_cached(Client& client, const Sampling& sampling, Rest re
   }
 }
 
+// 1 prefill + 1 decode worker with DisaggConfig's local-prefill-tokens (the
+// fixture's is 0) or `local` positions.
+LocalClusterOptions with_local_prefill(int local = DisaggConfig{}.local_prefill_tokens) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.local_prefill_tokens = local;
+  return options;
+}
+
 TEST_F(ActorTest, ASecondTurnPrefillsOnlyItsNewTokensOnTheDecodeWorker) {
-  start(1, 1);
+  start(with_local_prefill());
   expect_second_turn_cached(*client_, Sampling{}, Rest::decode_worker);
 }
 
 TEST_F(ActorTest, ASecondTurnSampledGivesTheSameTokensFromTheCache) {
-  start(1, 1);
+  start(with_local_prefill());
   expect_second_turn_cached(*client_, Sampling{0.9f, 0.95f, 1234}, Rest::decode_worker);
+}
+
+// Conditional disaggregation of a prompt with nothing cached: at most
+// local-prefill-tokens positions and the decode worker chosen for it
+// prefills it itself (no prefill worker, no KV sent); one position more and
+// a prefill worker computes and streams all of it. The tokens are the same.
+TEST_F(ActorTest, AShortPromptWithNothingCachedIsPrefilledByItsDecodeWorker) {
+  start(with_local_prefill(64));
+  int seed = 30;
+  for (const Sampling& sampling : {Sampling{}, Sampling{0.9f, 0.95f, 77}}) {
+    for (const int n : {64, 65}) {
+      const std::vector<int32_t> prompt = prompt_of(n, ++seed);  // (another prompt each time: nothing cached)
+      const RequestOutcome r = generate(*client_, prompt, 20, sampling);
+      ASSERT_TRUE(r.ok()) << r.message;
+      EXPECT_EQ(r.tokens, colocated(prompt, 20, sampling).tokens) << n << " positions";
+      EXPECT_EQ(r.timings.cached_tokens, 0);
+      if (n <= 64) {
+        EXPECT_EQ(r.prefill_worker, r.decode_worker) << n << " positions went to a prefill worker";
+      } else {
+        EXPECT_NE(r.prefill_worker, r.decode_worker) << n << " positions stayed on the decode worker";
+        EXPECT_EQ(r.timings.kv_bytes, stream_bytes_for(n));
+      }
+    }
+  }
 }
 
 TEST_F(ActorTest, WithoutLocalPrefillTheRestIsStreamedAfterTheCachedBlocks) {

@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 
+#include "actors/config.h"
 #include "cluster/cluster_fixture.h"
 #include "cluster/tcp_traffic.h"
 #include "gpu/checkpoint.h"
@@ -164,6 +165,34 @@ TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) 
   expect_kv_goes_prefill_to_decode("message");
 }
 
+// Conditional disaggregation with the default local-prefill-tokens (the
+// fixture's is 0): a short prompt is prefilled by the decode node chosen for
+// it, no KV travels; a prompt longer than that goes to the prefill node and
+// its KV is streamed. Both give gpu::generate's tokens.
+TEST(MultiProcessCluster, ByDefaultShortPromptsArePrefilledOnTheirDecodeNode) {
+  TestCluster cluster("local-prefill");
+  cluster.set_local_prefill_tokens(-1);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  auto engine = std::make_shared<gpu::Engine>(gpu::Checkpoint::open(shared_model()));
+  const int local = DisaggConfig{}.local_prefill_tokens;
+  for (const int n : {5, local, local + 1}) {
+    SCOPED_TRACE(std::to_string(n) + " prompt tokens");
+    std::vector<int> p{1};
+    for (int i = 1; i < n; ++i) p.push_back(3 + (i * 37 + n) % 500);  // (another prompt each time)
+    const RequestOutcome out = cluster.client().generate(token_request(p, 8));
+    ASSERT_TRUE(out.ok()) << out.message << "\n" << cluster.logs();
+    EXPECT_EQ(out.tokens, gpu::generate(*engine, p, 8, {}).tokens);
+    EXPECT_EQ(out.decode_worker, "decode-1");
+    if (n <= local) {
+      EXPECT_EQ(out.prefill_worker, "decode-1");
+    } else {
+      EXPECT_EQ(out.prefill_worker, "prefill-1");
+      EXPECT_TRUE(out.timings.kv_streamed);
+    }
+  }
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // KV-aware routing to prefill nodes: a prefill worker's prefix-cache events
 // reach the router through its node's relay and gate (the face the router
 // knows it by), so each group's later requests go to the prefill node that
@@ -171,7 +200,6 @@ TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) 
 // the job's report: one of the 9 may race the client's next request.)
 TEST(MultiProcessCluster, RequestsGoToThePrefillNodeThatHoldsTheirPrefix) {
   TestCluster cluster("prefill-prefix");
-  cluster.set_disagg_options("local-prefill-tokens = 0\n");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 1));
   auto engine = std::make_shared<gpu::Engine>(gpu::Checkpoint::open(shared_model()));
   std::map<int, std::string> home;
