@@ -75,8 +75,8 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.prefill_chunk, "prefill-chunk",
            "a colocated worker's prompt positions per turn between decode steps (0: the whole prompt)")
       .add(c.local_prefill_tokens, "local-prefill-tokens",
-           "a decode worker prefills a prompt itself when its prefix cache holds part of it and at most this "
-           "many positions are left (0: never)")
+           "a decode worker prefills a prompt itself when at most this many positions are left after its "
+           "prefix cache's (0: never)")
       .add(c.kv_routing_prefill_weight, "kv-routing-prefill-weight",
            "weight of the prompt blocks a decode worker's prefix cache lacks in the router's choice (0: ignore)")
       .add(c.queue_capacity, "queue-capacity",

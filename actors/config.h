@@ -70,16 +70,18 @@ struct DisaggConfig {
   int prefill_chunk = gpu::kPrefillRows;
 
   // Router.
-  // Conditional disaggregation: a prompt whose decode worker's prefix cache
-  // holds part of it, with at most this many positions left, is prefilled
-  // by that decode worker itself (no prefill worker, no KV transfer). 0:
-  // always a prefill worker. A prompt with nothing cached always goes to a
-  // prefill worker. Measured (README "Prefix caching" figures: 8 x 4-turn
-  // conversations, rests of ~70-150 positions): later turns' TTFT p50 was
-  // 13.8 s at 0 and 64 (the prefill workers recompute whole histories),
-  // 0.81, 0.74 and 0.73 s at 256, 512 and 1024, TPOT p50 68 ms at 0 and
-  // 86-107 ms with local prefills between the decode steps. 256 takes a
-  // chat turn's rest and keeps longer prompts off the decode worker.
+  // Conditional disaggregation: a prompt with at most this many positions
+  // left to compute (after its decode worker's cached prefix, or all of it
+  // when nothing is cached) is prefilled by that decode worker itself (no
+  // prefill worker, no KV transfer). 0: always a prefill worker. Measured
+  // (README "Prefix caching" figures): on 8 x 4-turn conversations (rests
+  // of ~70-150 positions) later turns' TTFT p50 was 13.8 s at 0 and 64 (the
+  // prefill workers recompute whole histories), 0.81, 0.74 and 0.73 s at
+  // 256, 512 and 1024, TPOT p50 68 ms at 0 and 86-107 ms with local
+  // prefills between the decode steps; on cold random prompts of 26-486
+  // tokens at 4 req/s, TTFT p50 526 / 353 / 275 / 168 ms at 0 / 64 / 256 /
+  // 1024, TPOT p90 26.6 / 27.1 / 22.7 / 27.2 ms. 256 takes a chat turn's
+  // rest and short prompts, and keeps longer prompts off the decode worker.
   int local_prefill_tokens = 256;
   // KV-aware routing: a decode worker's score is this x the prompt's blocks
   // its prefix cache lacks (the router's index of the workers' KV events),
