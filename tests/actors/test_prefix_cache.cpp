@@ -103,13 +103,17 @@ TEST_F(ActorTest, AShortPromptWithNothingCachedIsPrefilledByItsDecodeWorker) {
   for (const Sampling& sampling : {Sampling{}, Sampling{0.9f, 0.95f, 77}}) {
     for (const int n : {64, 65}) {
       const std::vector<int32_t> prompt = prompt_of(n, ++seed);  // (another prompt each time: nothing cached)
+      const double sent_before = metrics::disagg_metrics().kv_transfer_bytes.value();
       const RequestOutcome r = generate(*client_, prompt, 20, sampling);
       ASSERT_TRUE(r.ok()) << r.message;
       EXPECT_EQ(r.tokens, colocated(prompt, 20, sampling).tokens) << n << " positions";
       EXPECT_EQ(r.timings.cached_tokens, 0);
+      const double sent = metrics::disagg_metrics().kv_transfer_bytes.value() - sent_before;
       if (n <= 64) {
         EXPECT_EQ(r.prefill_worker, r.decode_worker) << n << " positions went to a prefill worker";
+        EXPECT_EQ(sent, 0) << "KV was sent for a prompt its decode worker prefilled";
       } else {
+        EXPECT_EQ(sent, double(stream_bytes_for(n)));
         EXPECT_NE(r.prefill_worker, r.decode_worker) << n << " positions stayed on the decode worker";
         EXPECT_EQ(r.timings.kv_bytes, stream_bytes_for(n));
       }

@@ -89,7 +89,7 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   if ((role == "router" || role == "frontend") && with_tokenizer_)
     ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
   if (role == "decode" || role == "worker") ini << "pool-blocks = 512\n";
-  if (local_prefill_tokens_ >= 0) ini << "local-prefill-tokens = " << local_prefill_tokens_ << "\n";
+  if (local_prefill_tokens_) ini << "local-prefill-tokens = " << *local_prefill_tokens_ << "\n";
   ini << disagg_extra_ << "\n" << disagg_extra << "\n";
   if (tls()) {
     const TlsOptions files = certificate_files(tls_dir_, name);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -67,8 +68,8 @@ class TestCluster {
   // The router's local-prefill-tokens for nodes started from now on. The
   // fixture's is 0 (every prompt to a prefill node: the tests are about the
   // disaggregated path, which the default skips for their short prompts);
-  // -1: the default of DisaggConfig.
-  void set_local_prefill_tokens(int n) { local_prefill_tokens_ = n; }
+  // nullopt: DisaggConfig's default.
+  void set_local_prefill_tokens(std::optional<int> n) { local_prefill_tokens_ = n; }
   // Writes <dir>/<name>.ini and starts disagg-node on it.
   ChildProcess& start_node(const std::string& role, const std::string& name, const std::string& extra = "",
                            const std::string& disagg_extra = "");
@@ -106,7 +107,7 @@ class TestCluster {
   std::set<std::string> stopped_;  // by stop_node / kill_node
   std::unique_ptr<RemoteClient> remote_;
   std::string disagg_extra_;
-  int local_prefill_tokens_ = 0;
+  std::optional<int> local_prefill_tokens_ = 0;
   std::string model_;
   bool with_tokenizer_ = true;
   std::string tls_dir_;

@@ -171,7 +171,7 @@ TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) 
 // its KV is streamed. Both give gpu::generate's tokens.
 TEST(MultiProcessCluster, ByDefaultShortPromptsArePrefilledOnTheirDecodeNode) {
   TestCluster cluster("local-prefill");
-  cluster.set_local_prefill_tokens(-1);
+  cluster.set_local_prefill_tokens(std::nullopt);
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
   auto engine = std::make_shared<gpu::Engine>(gpu::Checkpoint::open(shared_model()));
   const int local = DisaggConfig{}.local_prefill_tokens;
