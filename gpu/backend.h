@@ -81,9 +81,16 @@ class Backend {
   virtual void embedding(const float* table, const int* tokens, float* out, int rows, int dim) = 0;
 
   // ---- quantized weights (gpu/quant.h; the rule: fixed_math.h). W[n][k] in
-  // ggml's blocks of `type` (q8_0, q4_0), row after row, in device memory
-  // (the CPU's: the model file's mapping itself). A backend without these
+  // ggml's blocks of `type`, kept in its type: in the backend's layout
+  // (pack_quantized), or, where quantized_bytes is 0, the file's rows read
+  // where they lie (the CPU's mapping, no copy). A backend without these
   // kernels says so. C[m,n] = A[m,k] W^T.
+  // Bytes of W in this backend's layout (default: the rows as stored).
+  virtual size_t quantized_bytes(WeightType type, int n, int k) const { return size_t(n) * row_bytes(type, k); }
+  // W's rows as the file stores them (host memory) into `dst` (quantized_bytes, device memory).
+  virtual void pack_quantized(WeightType type, const void* host_rows, void* dst, int n, int k) {
+    upload(dst, host_rows, quantized_bytes(type, n, k));
+  }
   virtual void matmul_quantized(WeightType type, const float* a, const void* w, float* c, int m, int n, int k) {
     (void)a, (void)w, (void)c, (void)m, (void)n, (void)k;
     throw Error(name() + ": no " + to_string(type) + " kernels (the CPU backend has them)");

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <thrust/for_each.h>
 #include <thrust/iterator/counting_iterator.h>
@@ -139,6 +140,19 @@ class CpuBackend final : public Backend {
       if (p0 < p1) k_.matmul16(type, a, w, c, m, n, k, p0, p1);
     }
   }
+  // Quantized weights in tiles (cpu_kernels.h).
+  size_t quantized_bytes(WeightType type, int n, int k) const override { return cpu::tiled_bytes(type, n, k); }
+  void pack_quantized(WeightType type, const void* host_rows, void* dst, int n, int k) override {
+    if (k % block_values(type) != 0)
+      throw Error("pack_quantized: k = " + std::to_string(k) + " is not a multiple of " +
+                  std::to_string(block_values(type)));
+    const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
+#pragma omp parallel
+    {
+      const auto [t0, t1] = share(tiles, omp_get_thread_num(), omp_get_num_threads());
+      cpu::tile_quantized(type, static_cast<const uint8_t*>(host_rows), static_cast<uint8_t*>(dst), n, k, t0, t1);
+    }
+  }
   void matmul_quantized(WeightType type, const float* a, const void* w, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
     if (is_k_quant(type)) return matmul_kquant(type, a, static_cast<const uint8_t*>(w), c, m, n, k);
@@ -156,10 +170,12 @@ class CpuBackend final : public Backend {
       k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, 0, n);
       return;
     }
-    // Each thread its own columns, as matmul.
+    // Each thread its own tiles, as matmul its panels.
+    const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
 #pragma omp parallel
     {
-      const auto [c0, c1] = share(n, omp_get_thread_num(), omp_get_num_threads());
+      const auto [t0, t1] = share(tiles, omp_get_thread_num(), omp_get_num_threads());
+      const int c0 = t0 * cpu::kTileCols, c1 = std::min(n, t1 * cpu::kTileCols);
       if (c0 < c1) k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, c0, c1);
     }
   }
@@ -178,9 +194,11 @@ class CpuBackend final : public Backend {
       k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, 0, n);
       return;
     }
+    const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
 #pragma omp parallel
     {
-      const auto [c0, c1] = share(n, omp_get_thread_num(), omp_get_num_threads());
+      const auto [t0, t1] = share(tiles, omp_get_thread_num(), omp_get_num_threads());
+      const int c0 = t0 * cpu::kTileCols, c1 = std::min(n, t1 * cpu::kTileCols);
       if (c0 < c1) k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, c0, c1);
     }
   }

@@ -61,8 +61,8 @@ const void* place_quantized(Backend& backend, const void* host, size_t bytes, De
 
 // One weight matrix per layer (n x k, "out x in"; each layer in its own
 // type, as a Q4_K_M file mixes them) on the backend: f32, f16 and bf16
-// packed in its matmul layout; quantized rows placed as stored
-// (place_quantized).
+// packed in its matmul layout, quantized ones in the backend's layout
+// (pack_quantized) or, where it reads them in place, as the file stores them.
 class LayerMatrices {
  public:
   // The packed matrices' pages leave memory once packed (Checkpoint::release),
@@ -74,7 +74,7 @@ class LayerMatrices {
     for (const Matrix& m : per_layer) {
       if (m.type == WeightType::f32) floats += stride;
       else if (is_float16(m.type)) halves += stride;
-      else if (!backend.host_memory()) bytes += size_t(n) * row_bytes(m.type, k);
+      else bytes += backend.quantized_bytes(m.type, n, k);
     }
     packed_.ensure(floats);
     packed16_.ensure(halves);
@@ -93,9 +93,13 @@ class LayerMatrices {
         backend.pack_matrix16(static_cast<const uint16_t*>(m.data), dst, n, k);
         L.data = dst;
         halves += stride;
-      } else {
-        L.data = place_quantized(backend, m.data, size, blocks_, bytes);
-        if (!backend.host_memory()) bytes += size;
+      } else if (const size_t packed = backend.quantized_bytes(m.type, n, k); packed > 0) {
+        uint8_t* dst = blocks_.get() + bytes;
+        backend.pack_quantized(m.type, m.data, dst, n, k);
+        L.data = dst;
+        bytes += packed;
+      } else {  // read in place: the file's pages stay
+        L.data = m.data;
         layers_.push_back(L);
         continue;
       }
@@ -115,12 +119,12 @@ class LayerMatrices {
  private:
   struct Layer {
     WeightType type;
-    const void* data;  // packed (f32, f16, bf16) or the rows as stored, on the backend
+    const void* data;  // in the backend's layout, or (read in place) the file's rows
   };
   int n_, k_;
   DeviceArray<float> packed_;        // f32 layers
   DeviceArray<uint16_t> packed16_;   // f16, bf16 layers
-  DeviceArray<uint8_t> blocks_;      // quantized layers, on a device backend
+  DeviceArray<uint8_t> blocks_;      // quantized layers in the backend's layout
   std::vector<Layer> layers_;
 };
 

@@ -2,6 +2,8 @@
 #include "gpu/cpu/cpu_kernels.h"
 
 #include <cstdlib>
+#include <cstring>
+#include <string>
 
 #include "gpu/error.h"
 
@@ -29,6 +31,70 @@ void pack_panels(const T* w, T* packed, int n, int k) {
 
 void pack_matrix(const float* w, float* packed, int n, int k) { pack_panels(w, packed, n, k); }
 void pack_matrix16(const uint16_t* w, uint16_t* packed, int n, int k) { pack_panels(w, packed, n, k); }
+
+namespace {
+
+// A tile's layout of `type` (cpu_kernels.h): the file block's byte ranges
+// that become the body's words, in order, and the offsets of its halves
+// that become the tail.
+struct TileSpec {
+  int ranges[3][2];  // [begin, end) in the block; {0, 0}: none
+  int halves[2];     // -1: none
+  bool flip;         // bytes XOR 0x80 (Q8_0)
+};
+
+TileSpec tile_spec(WeightType type) {
+  switch (type) {
+    case WeightType::q8_0: return {{{2, 34}, {0, 0}, {0, 0}}, {0, -1}, true};
+    case WeightType::q4_0: return {{{2, 18}, {0, 0}, {0, 0}}, {0, -1}, false};
+    case WeightType::q4_k: return {{{16, 144}, {4, 16}, {0, 0}}, {0, 2}, false};
+    case WeightType::q5_k: return {{{48, 176}, {16, 48}, {4, 16}}, {0, 2}, false};
+    case WeightType::q6_k: return {{{0, 128}, {128, 192}, {192, 208}}, {208, -1}, false};
+    default: throw Error(std::string("tile_quantized: ") + to_string(type) + " is not quantized");
+  }
+}
+
+}  // namespace
+
+size_t tile_body_bytes(WeightType type) {
+  const TileSpec spec = tile_spec(type);
+  size_t words = 0;
+  for (const auto& range : spec.ranges) words += size_t(range[1] - range[0]) / 4;
+  return words * 4 * kTileCols;
+}
+
+size_t tile_tail_bytes(WeightType type) { return kTileCols * block_bytes(type) - tile_body_bytes(type); }
+
+size_t tiled_bytes(WeightType type, int n, int k) {
+  return size_t((n + kTileCols - 1) / kTileCols) * size_t(k / block_values(type)) * kTileCols * block_bytes(type);
+}
+
+void tile_quantized(WeightType type, const uint8_t* rows, uint8_t* tiled, int n, int k, int tile_begin,
+                    int tile_end) {
+  const TileSpec spec = tile_spec(type);
+  const int blocks = k / block_values(type);
+  const size_t bytes = block_bytes(type), row = row_bytes(type, k), body = tile_body_bytes(type),
+               tail = tile_tail_bytes(type), tile_bytes = size_t(blocks) * (body + tail);
+  const uint8_t pad = spec.flip ? 0x80 : 0x00;  // q = 0 (Q8_0); under zero scales elsewhere
+  for (int t = tile_begin; t < tile_end; ++t)
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* out = tiled + size_t(t) * tile_bytes + size_t(b) * body;
+      uint8_t* tails = tiled + size_t(t) * tile_bytes + size_t(blocks) * body + size_t(b) * tail;
+      for (int c = 0; c < kTileCols; ++c) {
+        const int col = t * kTileCols + c;
+        const uint8_t* block = col < n ? rows + size_t(col) * row + size_t(b) * bytes : nullptr;
+        int word = 0;
+        for (const auto& range : spec.ranges)
+          for (int at = range[0]; at < range[1]; at += 4, ++word)
+            for (int i = 0; i < 4; ++i)
+              out[64 * word + 4 * c + i] = block ? uint8_t(block[at + i] ^ (spec.flip ? 0x80 : 0x00)) : pad;
+        for (int h = 0; h < 2 && spec.halves[h] >= 0; ++h) {
+          const uint8_t zero[2] = {0, 0};
+          std::memcpy(tails + 32 * h + 2 * c, block ? block + spec.halves[h] : zero, 2);
+        }
+      }
+    }
+}
 
 size_t attention_scratch_floats(int rows, int n_heads, int n_kv_heads, int head_size) {
   const size_t group = size_t(n_heads / n_kv_heads);

@@ -38,6 +38,31 @@ void pack_matrix(const float* w, float* packed, int n, int k);
 // k) values, padded with 0 (+0.0 in both).
 void pack_matrix16(const uint16_t* w, uint16_t* packed, int n, int k);
 
+// Quantized matrices W[n][k] (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) are re-laid once,
+// at load, into tiles of kTileCols output columns, so that a product reads
+// one stream and sums each column in its own vector lane (no horizontal
+// sums). A tile is its blocks' (32 values along k; K-quants: superblocks of
+// 256) bodies, each tile_body_bytes, 64-byte aligned, then their tails, each
+// tile_tail_bytes. A body is the block's integer parts as 4-byte words,
+// [word][16 columns][4 bytes]: word w of column c at 64w + 4c holds the
+// block's bytes 4w .. 4w+3 of one range of the file's block, ranges in order:
+// - Q8_0: q (8 words), each byte XOR 0x80 (q + 128 as unsigned);
+// - Q4_0: qs (4 words: low nibbles values 4w + i, high 16 + 4w + i; q + 8);
+// - Q4_K: qs (32 words), the 12 bytes of 6-bit scales and mins (3 words);
+// - Q5_K: qs (32), qh (8), scales and mins (3);
+// - Q6_K: ql (32), qh (16), the 16 int8 scales (4).
+// A tail is the 16 columns' half d (Q4_K, Q5_K: then their half dmin). Each
+// tile holds the file's bytes of its 16 rows, no more: 16 x 34, 18, 144, 176
+// or 210 a block. Columns past n: zero bytes (Q8_0: 0x80), scales 0. A
+// product's column ranges start at a tile (a multiple of kTileCols).
+constexpr int kTileCols = 16;
+size_t tile_body_bytes(WeightType type);
+size_t tile_tail_bytes(WeightType type);
+size_t tiled_bytes(WeightType type, int n, int k);
+// Tiles [tile_begin, tile_end) of W (rows as the file stores them) into
+// `tiled`; `type` quantized (not f32, f16, bf16).
+void tile_quantized(WeightType type, const uint8_t* rows, uint8_t* tiled, int n, int k, int tile_begin, int tile_end);
+
 struct AttentionArgs {
   const float* q;          // rows x (n_heads * head_size)
   float* out;              // rows x (n_heads * head_size)
@@ -62,18 +87,19 @@ struct KernelTable {
   void (*swiglu)(float* gate, const float* up, long long begin, long long end);
   // y[i] = fixed_exp(x[i]) with this ISA's vector code (tests).
   void (*exp)(const float* x, float* y, long long n);
-  // C[m][n] = A W^T for the columns [col_begin, col_end) with W[n][k] in
-  // rows of `type` (q8_0, q4_0) and A already quantized (quantize_activations:
-  // per row k/32 scales in `scales`, k int8 in `qa`); gpu/cpu/q8_kernels.inl.
+  // C[m][n] = A W^T for the columns [col_begin, col_end) (col_begin a
+  // multiple of kTileCols) with W[n][k] of `type` (q8_0, q4_0) in tiles
+  // (tile_quantized) and A already quantized (quantize_activations: per row
+  // k/32 scales in `scales`, k int8 in `qa`); gpu/cpu/q8_tiles.inl.
   void (*matmul_quantized)(WeightType type, const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m,
                            int n, int k, int col_begin, int col_end);
   // matmul for W of 16-bit floats (`type` f16 or bf16) packed by pack_matrix16:
   // each weight widened (exact), then the f32 rule.
   void (*matmul16)(WeightType type, const float* a, const uint16_t* packed_w, float* c, int m, int n, int k,
                    int panel_begin, int panel_end);
-  // C[m][n] = A W^T for the columns [col_begin, col_end) with W in rows of a
-  // K-quant `type` and A quantized by quantize_activations_k (per row k/256
-  // d, k int8, k/16 block sums); gpu/cpu/kq_kernels.inl.
+  // The same with W of a K-quant `type` in tiles and A quantized by
+  // quantize_activations_k (per row k/256 d, k int8, k/16 block sums);
+  // gpu/cpu/kq_tiles.inl.
   void (*matmul_kquant)(WeightType type, const float* d, const int8_t* qa, const int16_t* bsums, const uint8_t* w,
                         float* c, int m, int n, int k, int col_begin, int col_end);
   // One row of k activations quantized for matmul_quantized, bit for bit

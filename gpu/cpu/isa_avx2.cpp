@@ -97,7 +97,8 @@ constexpr int kNP1 = 3;  // one row: 3 panels (6 independent chains)
 constexpr int kAttnRows = 2;  // heads attended together: 2 x 4 tiles = 16 ymm of scores
 
 #include "gpu/cpu/q8_kernels.inl"
-#include "gpu/cpu/kq_kernels.inl"
+#include "gpu/cpu/q8_tiles.inl"
+#include "gpu/cpu/kq_tiles.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

@@ -69,7 +69,8 @@ constexpr int kNP1 = 4;  // one row: 4 panels
 constexpr int kAttnRows = 4;  // heads attended together: 4 x 4 tiles = 16 zmm of scores
 
 #include "gpu/cpu/q8_kernels.inl"
-#include "gpu/cpu/kq_kernels.inl"
+#include "gpu/cpu/q8_tiles.inl"
+#include "gpu/cpu/kq_tiles.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

@@ -110,7 +110,8 @@ constexpr int kNP1 = 2;  // panels per block when there is one row
 constexpr int kAttnRows = 2;  // heads attended together
 
 #include "gpu/cpu/q8_kernels.inl"
-#include "gpu/cpu/kq_kernels.inl"
+#include "gpu/cpu/q8_tiles.inl"
+#include "gpu/cpu/kq_tiles.inl"
 #include "gpu/cpu/simd_kernels.inl"
 
 }  // namespace

@@ -155,10 +155,10 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
   for (const WeightType type : kQuantized)
   for (const std::string& isa : cpu::supported_isas()) {
     const auto& kt = cpu::kernels_for(isa);
-    // Single outputs, groups of four columns, tiles of 8 rows with edges, and more than one row block (64).
-    // (m >= 8 under AVX-512: tiles of 16 columns, 8 rows and the rows left.)
+    // Tiles of 16 columns with partial last tiles (and halves of 8 under AVX2), rows kTileRows at a time
+    // (8 AVX-512, 4 AVX2) and each count of rows left, more than one row block (64).
     for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {1, 37, 96}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096},
-                                  {130, 13, 64}, {8, 16, 32}, {23, 50, 128}}) {
+                                  {130, 13, 64}, {8, 16, 32}, {23, 50, 128}, {15, 64, 64}, {6, 90, 160}}) {
       SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                    " k=" + std::to_string(k));
       const auto w = quantized_matrix(type, n, k, uint32_t(n + k));
@@ -169,9 +169,14 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
       std::vector<int8_t> q(size_t(m) * k);
       for (int r = 0; r < m; ++r)
         quantize_activations(a.data() + size_t(r) * k, k, scales.data() + size_t(r) * k / 32, q.data() + size_t(r) * k);
-      // Two column ranges, as two threads would.
-      kt.matmul_quantized(type, scales.data(), q.data(), w.data(), got.data(), m, n, k, 0, n / 2);
-      kt.matmul_quantized(type, scales.data(), q.data(), w.data(), got.data(), m, n, k, n / 2, n);
+      std::vector<uint8_t> tiled(cpu::tiled_bytes(type, n, k), 0xee);
+      const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
+      cpu::tile_quantized(type, w.data(), tiled.data(), n, k, 0, tiles / 2);  // in two parts, as two threads would
+      cpu::tile_quantized(type, w.data(), tiled.data(), n, k, tiles / 2, tiles);
+      // Two column ranges, split at a tile, as two threads would.
+      const int split = std::min(n, tiles / 2 * cpu::kTileCols);
+      kt.matmul_quantized(type, scales.data(), q.data(), tiled.data(), got.data(), m, n, k, 0, split);
+      kt.matmul_quantized(type, scales.data(), q.data(), tiled.data(), got.data(), m, n, k, split, n);
       ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
       // The reference is a Q8_0 product at all: close to the float product of the dequantized weights.
       std::vector<float> deq(static_cast<size_t>(k));
@@ -219,7 +224,11 @@ void expect_backend_product_is_batch_independent(WeightType type, const std::vec
   auto b = make_cpu_backend();
   DeviceArray<float> da(*b), dc(*b, size_t(m) * n);
   da.upload(a.data(), a.size());
-  b->matmul_quantized(type, da.get(), w.data(), dc.get(), m, n, k);
+  // The backend's layout (tiles).
+  DeviceArray<uint8_t> packed(*b, b->quantized_bytes(type, n, k));
+  const void* weights = w.data();
+  if (b->quantized_bytes(type, n, k) > 0) b->pack_quantized(type, w.data(), packed.get(), n, k), weights = packed.get();
+  b->matmul_quantized(type, da.get(), weights, dc.get(), m, n, k);
   std::vector<float> all(size_t(m) * n), want(size_t(m) * n);
   dc.download(all.data(), all.size());
   matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
@@ -227,7 +236,7 @@ void expect_backend_product_is_batch_independent(WeightType type, const std::vec
   for (int r = 0; r < m; ++r) {
     DeviceArray<float> one(*b), out(*b, size_t(n));
     one.upload(a.data() + size_t(r) * k, size_t(k));
-    b->matmul_quantized(type, one.get(), w.data(), out.get(), 1, n, k);
+    b->matmul_quantized(type, one.get(), weights, out.get(), 1, n, k);
     std::vector<float> row(static_cast<size_t>(n));
     out.download(row.data(), row.size());
     ASSERT_EQ(std::memcmp(row.data(), all.data() + size_t(r) * n, row.size() * sizeof(float)), 0) << "row " << r;
@@ -420,10 +429,10 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
   for (const WeightType type : kKQuants)
     for (const std::string& isa : cpu::supported_isas()) {
       const auto& kt = cpu::kernels_for(isa);
-      // One row (decode), a few, more than one row block (64); one and several superblocks.
-      // (m >= 8 under AVX-512: tiles of 16 columns, 8 rows and the rows left.)
-      for (const auto& [m, n, k] :
-           {std::tuple{1, 7, 256}, {1, 33, 1024}, {3, 5, 512}, {17, 9, 768}, {70, 4, 256}, {23, 37, 512}}) {
+      // One row (decode), a few, more than one row block (64); one and several superblocks; tiles of 16
+      // columns with partial last tiles (AVX2: halves of 8), rows kKRows at a time and the rows left.
+      for (const auto& [m, n, k] : {std::tuple{1, 7, 256}, {1, 33, 1024}, {3, 5, 512}, {17, 9, 768}, {70, 4, 256},
+                                    {23, 37, 512}, {7, 48, 256}, {2, 20, 512}}) {
         SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                      " k=" + std::to_string(k));
         const auto w = kquant_matrix(type, n, k, uint32_t(n * 3 + k));
@@ -439,8 +448,13 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
         for (int r = 0; r < m; ++r)
           quantize_activations_k(a.data() + size_t(r) * k, k, d.data() + size_t(r) * blocks, q.data() + size_t(r) * k,
                                  bsums.data() + size_t(r) * k / 16);
-        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), w.data(), got.data(), m, n, k, 0, n / 2);
-        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), w.data(), got.data(), m, n, k, n / 2, n);
+        std::vector<uint8_t> tiled(cpu::tiled_bytes(type, n, k), 0xee);
+        const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
+        cpu::tile_quantized(type, w.data(), tiled.data(), n, k, 0, tiles / 2);
+        cpu::tile_quantized(type, w.data(), tiled.data(), n, k, tiles / 2, tiles);
+        const int split = std::min(n, tiles / 2 * cpu::kTileCols);  // two column ranges, split at a tile
+        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), tiled.data(), got.data(), m, n, k, 0, split);
+        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), tiled.data(), got.data(), m, n, k, split, n);
         ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
         // The reference is the product at all: close to the float product of the dequantized weights.
         std::vector<float> deq(static_cast<size_t>(k));

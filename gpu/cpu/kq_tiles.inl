@@ -1,0 +1,417 @@
+// The K-quant matrix products (Q4_K, Q5_K, Q6_K against Q8_K activations)
+// of one instruction set, on weights in tiles of 16 columns (gpu/cpu/
+// cpu_kernels.h tile_quantized; the rule: gpu/fixed_math.h, "K-quant matrix
+// product"; the reference: gpu/kquant.cpp matmul_k_reference). Included by
+// each gpu/cpu/isa_*.cpp inside its namespace after q8_tiles.inl.
+//
+// Per output and superblock the rule wants two exact integers, S1 (each
+// scale times its values' products) and S2 (the mins against the block sums
+// of the activations), then two fmas. A tile's superblock holds its 16
+// columns' quants as 4-byte words, column c in word c of each 64 bytes, so
+// the vector code below (one 16-lane register under AVX-512 VNNI, two halves
+// of 8 under AVX2) sums each column in its own lane:
+// - the quants are rebuilt from their bit planes as unsigned bytes (Q4_K
+//   0..15, Q5_K 0..31, Q6_K q + 32 in 0..63) and summed against four
+//   activations broadcast to every lane (vpdpbusd, or vpmaddubsw + vpmaddwd:
+//   no pair passes int16 at these ranges);
+// - each scale (and min) is taken out of the columns' packed bytes by one
+//   byte shuffle, so S1 += t * scale by vpmulld, and S2 by vpdpwssd over the
+//   mins paired against pairs of the activations' sums of 32; Q6_K's + 32
+//   comes off as 32 x the sum of 16 activations before its scale.
+// Every way the integers are exact, and the fmas run in superblock order as
+// the reference's: the same bits on every kernel set, whatever the batch.
+
+#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Integer and float lanes of one tile: 16 columns.
+struct KLanes {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kHalves = 1;  // one register covers the tile
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I bor(I a, I b) { return _mm512_or_si512(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I shl16(I a, int n) { return _mm512_sll_epi16(a, _mm_cvtsi32_si128(n)); }
+  static I shr16(I a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)); }
+  static I sar32(I a, int n) { return _mm512_sra_epi32(a, _mm_cvtsi32_si128(n)); }
+  static I shuffle(I a, I idx) { return _mm512_shuffle_epi8(a, idx); }
+  // A pattern for shuffle: the dword `pattern` in every lane plus the lane's
+  // offset within its 128 bits (0, 4, 8, 12) times `times` (its index bytes).
+  static I lanes_pattern(uint32_t pattern, uint32_t times) {
+    return _mm512_add_epi32(_mm512_set1_epi32(int(pattern)),
+                            _mm512_mullo_epi32(_mm512_set4_epi32(12, 8, 4, 0), _mm512_set1_epi32(int(times))));
+  }
+  static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I dot2(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
+  static F halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F fset1(float v) { return _mm512_set1_ps(v); }
+  static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fneg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u)))); }
+  static F fma(I i, F b, F acc) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), b, acc); }
+  static void store(float* c, F v, int live) { _mm512_mask_storeu_ps(c, __mmask16((1u << live) - 1u), v); }
+};
+constexpr int kKTileRows = 8;  // per row: a sum, S1 and the output: 3 x 8 of 32 zmm, the rest for the weights
+#else
+// Integer and float lanes of half a tile: 8 columns.
+struct KLanes {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kHalves = 2;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I bor(I a, I b) { return _mm256_or_si256(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I shl16(I a, int n) { return _mm256_sll_epi16(a, _mm_cvtsi32_si128(n)); }
+  static I shr16(I a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(n)); }
+  static I sar32(I a, int n) { return _mm256_sra_epi32(a, _mm_cvtsi32_si128(n)); }
+  static I shuffle(I a, I idx) { return _mm256_shuffle_epi8(a, idx); }
+  static I lanes_pattern(uint32_t pattern, uint32_t times) {
+    return _mm256_add_epi32(_mm256_set1_epi32(int(pattern)), _mm256_mullo_epi32(_mm256_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12),
+                                                                                _mm256_set1_epi32(int(times))));
+  }
+  static I dot4(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I dot2(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F fset1(float v) { return _mm256_set1_ps(v); }
+  static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fneg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static F fma(I i, F b, F acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), b, acc); }
+  static void store(float* c, F v, int live) {
+    if (live == 8) return _mm256_storeu_ps(c, v);
+    alignas(32) float out[8];
+    _mm256_store_ps(out, v);
+    std::memcpy(c, out, sizeof(float) * size_t(live));
+  }
+};
+constexpr int kKTileRows = 4;  // 16 ymm: 3 x 4 for the rows, the rest for the weights
+#endif
+
+constexpr uint32_t kZ = 0x80u;  // a shuffle index that writes zero
+// Shuffle patterns over each column's 4 packed bytes: byte j alone as an
+// int32; byte j in the top byte (then >> 24, signed); bytes x and y as two
+// int16 (a pair for dot2).
+inline KLanes::I byte_lane(uint32_t j) { return KLanes::lanes_pattern(kZ << 24 | kZ << 16 | kZ << 8 | j, 1); }
+inline KLanes::I top_byte_lane(uint32_t j) { return KLanes::lanes_pattern(j << 24 | kZ << 16 | kZ << 8 | kZ, 1u << 24); }
+inline KLanes::I pair_lane(uint32_t x, uint32_t y) {
+  return KLanes::lanes_pattern(kZ << 24 | y << 16 | kZ << 8 | x, 1u | 1u << 16);
+}
+#endif
+
+// Rows a call of ktile_rows computes.
+#if defined(__AVX2__)
+constexpr int kKRows = kKTileRows;
+#else
+constexpr int kKRows = 1;
+#endif
+
+template <WeightType T>
+constexpr size_t ktile_body_bytes() { return T == WeightType::q4_k ? 35 * 64 : T == WeightType::q5_k ? 43 * 64 : 52 * 64; }
+template <WeightType T>
+constexpr size_t ktile_tail_bytes() { return T == WeightType::q6_k ? 32 : 64; }
+// Scales a superblock has (one per 32 values; Q6_K: per 16).
+template <WeightType T>
+constexpr int kscales() { return T == WeightType::q6_k ? 16 : 8; }
+
+#if defined(__AVX2__)
+// A tile's superblocks read where they lie: each group of 4 values rebuilt
+// from its bit planes when asked for (a decode step: every weight is used once).
+template <WeightType T>
+struct KTileSource {
+  using L = KLanes;
+  using I = L::I;
+  const uint8_t* tile;
+  int blocks;
+  size_t half;  // bytes into each 64 (AVX2: the second 8 columns)
+  I low4 = L::set1(0x0f0f0f0f), bytes[4] = {byte_lane(0), byte_lane(1), byte_lane(2), byte_lane(3)},
+    top[4] = {top_byte_lane(0), top_byte_lane(1), top_byte_lane(2), top_byte_lane(3)},
+    pairs[2] = {pair_lane(0, 1), pair_lane(2, 3)};
+  // Per superblock: its scales (and mins), unpacked by begin().
+  I sc_lo, sc_hi, mn_lo, mn_hi, sc6[4];
+  const uint8_t* body;
+  const uint8_t* tail;
+
+  I word(int w) const { return L::load(body + 64 * size_t(w)); }
+  void begin(int b) {
+    body = tile + size_t(b) * ktile_body_bytes<T>() + half;
+    tail = tile + size_t(blocks) * ktile_body_bytes<T>() + size_t(b) * ktile_tail_bytes<T>() + half / 2;
+    for (size_t at = 0; at < ktile_body_bytes<T>() + 64; at += 64)  // 4 superblocks ahead
+      _mm_prefetch(reinterpret_cast<const char*>(body + 4 * ktile_body_bytes<T>() + at), _MM_HINT_T0);
+    if constexpr (T == WeightType::q6_k) {
+      for (int j = 0; j < 4; ++j) sc6[j] = word(48 + j);
+    } else {
+      constexpr int kScaleWord = T == WeightType::q5_k ? 40 : 32;
+      const I u0 = word(kScaleWord), u1 = word(kScaleWord + 1), u2 = word(kScaleWord + 2);
+      const I m6 = L::set1(0x3f3f3f3f), m2 = L::set1(0x03030303);
+      // Scales 0-3 and mins 0-3 are the low 6 bits of the first two words;
+      // 4-7 take 4 bits from the third word and 2 from the top of the first two.
+      sc_lo = L::band(u0, m6);
+      mn_lo = L::band(u1, m6);
+      sc_hi = L::bor(L::band(u2, low4), L::shl16(L::band(L::shr16(u0, 6), m2), 4));
+      mn_hi = L::bor(L::band(L::shr16(u2, 4), low4), L::shl16(L::band(L::shr16(u1, 6), m2), 4));
+    }
+  }
+  // Values 4g .. 4g + 3 of each column, unsigned (Q4_K q, Q5_K q, Q6_K q + 32).
+  I values(int g) const {
+    if constexpr (T == WeightType::q6_k) {
+      const int hh = g / 32, qq = (g % 32) / 8, l = g % 8;  // value 128 hh + 32 qq + 4 l
+      const I x = word(16 * hh + 8 * (qq % 2) + l), c = word(32 + 8 * hh + l);
+      const I nibble = qq < 2 ? L::band(x, low4) : L::band(L::shr16(x, 4), low4);
+      const I high = qq == 0 ? L::shl16(c, 4) : qq == 1 ? L::shl16(c, 2) : qq == 2 ? c : L::shr16(c, 2);
+      return L::bor(nibble, L::band(high, L::set1(0x30303030)));
+    } else {
+      const int c4 = g / 16, up = (g % 16) / 8, l = g % 8;  // value 64 c4 + 32 up + 4 l
+      const I x = word(8 * c4 + l);
+      I q = up ? L::band(L::shr16(x, 4), low4) : L::band(x, low4);
+      if constexpr (T == WeightType::q5_k) {  // the fifth bit: bit 2 c4 + up of each qh byte, to bit 4
+        const I qh = word(32 + l);
+        const int bit = 2 * c4 + up;
+        q = L::bor(q, L::band(bit <= 4 ? L::shl16(qh, 4 - bit) : L::shr16(qh, bit - 4), L::set1(0x10101010)));
+      }
+      return q;
+    }
+  }
+  // Scale j as int32 lanes (Q6_K signed).
+  I scale(int j) const {
+    if constexpr (T == WeightType::q6_k) return L::sar32(L::shuffle(sc6[j / 4], top[j % 4]), 24);
+    else return L::shuffle(j < 4 ? sc_lo : sc_hi, bytes[j % 4]);
+  }
+  // Mins 2p and 2p + 1 as an int16 pair (Q4_K, Q5_K).
+  I min_pair(int p) const { return L::shuffle(p < 2 ? mn_lo : mn_hi, pairs[p % 2]); }
+  L::F d() const { return L::halves(tail); }
+  L::F dmin() const { return L::halves(tail + 32); }
+};
+
+// The same superblocks unpacked once into a panel that many rows then read
+// (a prefill, a batch): per superblock the 64 value groups, the scales as
+// int32 lanes, the min pairs, d and dmin, each a register's width.
+template <WeightType T>
+struct KPanelSource {
+  using L = KLanes;
+  using I = L::I;
+  static constexpr int kGroups = 64, kPairs = 4, kRegs = kGroups + kscales<T>() + kPairs;
+  static constexpr size_t kLanes = sizeof(I) / 4;
+  struct alignas(64) Block {
+    I r[kRegs];
+    float d[kLanes], dmin[kLanes];
+  };
+  const Block* panel;
+  const Block* at = nullptr;
+  void begin(int b) { at = panel + b; }
+  I values(int g) const { return at->r[g]; }
+  I scale(int j) const { return at->r[kGroups + j]; }
+  I min_pair(int p) const { return at->r[kGroups + kscales<T>() + p]; }
+  L::F d() const { return load_lanes(at->d); }
+  L::F dmin() const { return load_lanes(at->dmin); }
+  static L::F load_lanes(const float* p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return _mm512_load_ps(p);
+#else
+    return _mm256_load_ps(p);
+#endif
+  }
+  // Fills `blocks` panel blocks from a tile's half.
+  static void fill(KTileSource<T>& src, Block* out) {
+    for (int b = 0; b < src.blocks; ++b) {
+      src.begin(b);
+      Block& o = out[b];
+      for (int g = 0; g < kGroups; ++g) o.r[g] = src.values(g);
+      for (int j = 0; j < kscales<T>(); ++j) o.r[kGroups + j] = src.scale(j);
+      if constexpr (T != WeightType::q6_k)
+        for (int p = 0; p < kPairs; ++p) o.r[kGroups + kscales<T>() + p] = src.min_pair(p);
+      L::F dv = src.d();
+      std::memcpy(o.d, &dv, sizeof dv);
+      if constexpr (T != WeightType::q6_k) {
+        dv = src.dmin();
+        std::memcpy(o.dmin, &dv, sizeof dv);
+      }
+    }
+  }
+};
+#endif
+
+// Rows [r, r + R) of `cols` columns from `col` (this source's lanes, AVX2:
+// one half of a tile). Per row: `d` the superblocks' scales (stride
+// `blocks`), `qa` the values (stride k), `bsums` the sums of 16 (stride
+// k / 16), `apairs` (Q4_K, Q5_K) the sums of 32 paired for min_pair (4 a
+// superblock, stride 4 * blocks).
+#if defined(__AVX2__)
+template <WeightType T, int R, class Source>
+inline void ksource_rows(Source& src, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
+                         const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
+  using L = KLanes;
+  using I = L::I;
+  using F = L::F;
+  constexpr int kPerScale = 64 / kscales<T>();  // groups of 4 values a scale
+  F acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = L::fzero();
+  for (int b = 0; b < blocks; ++b) {
+    src.begin(b);
+    const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQK;
+    I s1[R];
+    for (int i = 0; i < R; ++i) s1[i] = L::zero();
+    for (int j = 0; j < kscales<T>(); ++j) {
+      I t[R];
+      for (int i = 0; i < R; ++i) t[i] = L::zero();
+#pragma GCC unroll 8
+      for (int gg = 0; gg < kPerScale; ++gg) {
+        const int g = kPerScale * j + gg;
+        const I q = src.values(g);
+        for (int i = 0; i < R; ++i) t[i] = L::dot4(t[i], q, L::set1(load_word(a0 + size_t(i) * k + 4 * size_t(g))));
+      }
+      const I scale = src.scale(j);
+      for (int i = 0; i < R; ++i) {
+        if constexpr (T == WeightType::q6_k)  // the values came as q + 32
+          t[i] = L::sub(t[i], L::set1(32 * int32_t(bsums[(size_t(r + i) * blocks + b) * 16 + size_t(j)])));
+        s1[i] = L::add(s1[i], L::mullo(t[i], scale));
+      }
+    }
+    const F dw = src.d();
+    for (int i = 0; i < R; ++i) {
+      const F da = L::fset1(d[size_t(r + i) * blocks + b]);
+      acc[i] = L::fma(s1[i], L::fmul(dw, da), acc[i]);
+    }
+    if constexpr (T != WeightType::q6_k) {
+      const F dmin = src.dmin();
+      for (int i = 0; i < R; ++i) {
+        I s2 = L::zero();
+        for (int p = 0; p < 4; ++p) s2 = L::dot2(s2, src.min_pair(p), L::set1(apairs[(size_t(r + i) * blocks + b) * 4 + p]));
+        acc[i] = L::fma(s2, L::fneg(L::fmul(dmin, L::fset1(d[size_t(r + i) * blocks + b]))), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) L::store(c + size_t(r + i) * n + col, acc[i], cols);
+}
+
+template <WeightType T, int R, class Source>
+void ksource_rows_upto(int rows, Source& src, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
+                       const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return ksource_rows<T, R>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+    ksource_rows_upto<T, R - 1>(rows, src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+  }
+}
+#endif
+
+// Rows [r0, r1) of the columns [col, col + cols) of one tile (`tile`: its
+// superblock 0): from the tile itself for fewer than kKPanelRows rows, else
+// from a panel unpacked once for them all.
+constexpr int kKPanelRows = 4;
+template <WeightType T>
+inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
+                       const int32_t* apairs, int k, float* c, int n, int r0, int r1, int col, int cols) {
+  constexpr size_t kBody = ktile_body_bytes<T>(), kTail = ktile_tail_bytes<T>();
+  const uint8_t* tails = tile + size_t(blocks) * kBody;
+#if defined(__AVX2__)
+  using L = KLanes;
+  for (int h = 0; h < L::kHalves && 8 * h < cols; ++h) {
+    KTileSource<T> src;
+    src.tile = tile;
+    src.blocks = blocks;
+    src.half = 32 * size_t(h);
+    const int live = std::min(16 / L::kHalves, cols - 8 * h), at = col + 8 * h;
+    int r = r0;
+    if (r1 - r0 >= kKPanelRows) {
+      using P = KPanelSource<T>;
+      thread_local std::vector<typename P::Block> panel;
+      panel.resize(size_t(blocks));
+      P::fill(src, panel.data());
+      P psrc{panel.data()};
+      for (; r + kKRows <= r1; r += kKRows)
+        ksource_rows<T, kKRows>(psrc, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
+      ksource_rows_upto<T, kKRows - 1>(r1 - r, psrc, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
+    } else {
+      for (; r + kKRows <= r1; r += kKRows)
+        ksource_rows<T, kKRows>(src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
+      ksource_rows_upto<T, kKRows - 1>(r1 - r, src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
+    }
+  }
+  (void)tails;
+  (void)kTail;
+#else
+  // Each column's superblock put back as the file stores it, then the reference's sums.
+  constexpr size_t kBytes = block_bytes(T);
+  const size_t word_ranges[3][2] = {
+      {T == WeightType::q6_k ? 0u : T == WeightType::q5_k ? 48u : 16u, T == WeightType::q6_k ? 128u : kBytes},
+      {T == WeightType::q6_k ? 128u : T == WeightType::q5_k ? 16u : 4u, T == WeightType::q6_k ? 192u : T == WeightType::q5_k ? 48u : 16u},
+      {T == WeightType::q6_k ? 192u : T == WeightType::q5_k ? 4u : 0u, T == WeightType::q6_k ? 208u : T == WeightType::q5_k ? 16u : 0u}};
+  for (int cc = 0; cc < cols; ++cc) {
+    for (int row = r0; row < r1; ++row) {
+      float acc = 0.0f;
+      for (int b = 0; b < blocks; ++b) {
+        uint8_t block[kBytes];
+        const uint8_t* body = tile + size_t(b) * kBody;
+        size_t word = 0;
+        for (const auto& range : word_ranges)
+          for (size_t at = range[0]; at < range[1]; at += 4, ++word) std::memcpy(block + at, body + 64 * word + 4 * cc, 4);
+        const uint8_t* tb = tails + size_t(b) * kTail;
+        if constexpr (T == WeightType::q6_k) {
+          std::memcpy(block + 208, tb + 2 * cc, 2);
+        } else {
+          std::memcpy(block, tb + 2 * cc, 2);
+          std::memcpy(block + 2, tb + 32 + 2 * cc, 2);
+        }
+        KQuantBlock kb;
+        unpack_superblock(T, block, kb);
+        const size_t at = size_t(row) * blocks + b;
+        const int8_t* a = qa + at * kQK;
+        int32_t s1 = 0, s2 = 0;
+        for (int e = 0; e < kQK; ++e)
+          s1 += (T == WeightType::q6_k ? kb.scale[e / 16] : kb.scale[e / 32]) * int32_t(kb.q[e]) * int32_t(a[e]);
+        if constexpr (T != WeightType::q6_k)
+          for (int g = 0; g < 16; ++g) s2 += int32_t(bsums[at * 16 + size_t(g)]) * kb.min[g / 2];
+        acc = std::fma(float(s1), kb.d * d[at], acc);
+        if constexpr (T != WeightType::q6_k) acc = std::fma(float(s2), -(kb.dmin * d[at]), acc);
+      }
+      c[size_t(row) * n + col + cc] = acc;
+    }
+  }
+  (void)apairs;
+  (void)k;
+#endif
+}
+
+// C[m][n] for the columns [col_begin, col_end) (col_begin a multiple of 16):
+// activations quantized per superblock (d: m x k/256, qa: m x k, bsums: m x
+// k/16), tile by tile, kKRows rows at a time.
+template <WeightType T>
+void matmul_ktiled(const float* d, const int8_t* qa, const int16_t* bsums, const uint8_t* w, float* c, int m, int n,
+                   int k, int col_begin, int col_end) {
+  const int blocks = k / kQK;
+  const size_t tile_bytes = size_t(blocks) * kTileCols * block_bytes(T);
+  thread_local std::vector<int32_t> apairs;  // m x blocks x 4: sums of 32, (2p, 2p + 1) as two int16
+  apairs.resize(size_t(m) * blocks * 4);
+  for (size_t rb = 0; rb < size_t(m) * blocks; ++rb)
+    for (int p = 0; p < 4; ++p) {
+      const int16_t* s = bsums + rb * 16 + 4 * size_t(p);
+      const auto even = uint16_t(int16_t(s[0] + s[1])), odd = uint16_t(int16_t(s[2] + s[3]));  // |sum| <= 32 x 127
+      apairs[rb * 4 + size_t(p)] = int32_t(uint32_t(even) | uint32_t(odd) << 16);
+    }
+  for (int r0 = 0; r0 < m; r0 += kQ8RowBlock) {
+    const int r1 = std::min(m, r0 + kQ8RowBlock);
+    for (int col = col_begin; col < col_end; col += kTileCols) {
+      const uint8_t* tile = w + size_t(col / kTileCols) * tile_bytes;
+      const int cols = std::min(kTileCols, col_end - col);
+      ktile_rows<T>(tile, blocks, d, qa, bsums, apairs.data(), k, c, n, r0, r1, col, cols);
+    }
+  }
+}
+
+void matmul_kquant(WeightType type, const float* d, const int8_t* qa, const int16_t* bsums, const uint8_t* w, float* c,
+                   int m, int n, int k, int col_begin, int col_end) {
+  if (type == WeightType::q4_k) matmul_ktiled<WeightType::q4_k>(d, qa, bsums, w, c, m, n, k, col_begin, col_end);
+  else if (type == WeightType::q5_k) matmul_ktiled<WeightType::q5_k>(d, qa, bsums, w, c, m, n, k, col_begin, col_end);
+  else matmul_ktiled<WeightType::q6_k>(d, qa, bsums, w, c, m, n, k, col_begin, col_end);
+}

@@ -1,0 +1,230 @@
+// The Q8_0 and Q4_0 matrix products of one instruction set, on weights in
+// tiles of 16 columns (gpu/cpu/cpu_kernels.h tile_quantized; the rule:
+// gpu/fixed_math.h, "quantized matrix product"; the reference: gpu/quant.cpp
+// matmul_quantized_reference). Included by each gpu/cpu/isa_*.cpp inside its
+// namespace after q8_kernels.inl.
+//
+// A tile's block holds its 16 columns' weights as 4-byte words, column c in
+// word c of each 64 bytes, so a vector of 16 int32 lanes (AVX-512) or two of
+// 8 (AVX2) sums each column in its own lane and no horizontal sum is left:
+// - AVX-512 VNNI: vpdpbusd of the unsigned weights (Q8_0: q + 128; Q4_0: the
+//   nibbles, q + 8) against four activations broadcast to every lane; the
+//   sum starts at -(128 or 8) x the block's activation sum, so it ends at the
+//   exact sum of q a.
+// - AVX2: vpmaddubsw / vpmaddwd, Q8_0 by |q| against a with q's sign (no
+//   pair passes int16), Q4_0 by the nibbles, 8 x the activation sum off.
+// - generic: a scalar loop over the same bytes.
+// Every way the block's integer sum is exact, then each column takes the
+// rule's fma for the block, blocks in increasing order: the same bits on
+// every kernel set, whatever the batch. Several rows (a prefill, a batch)
+// share each load of a tile's weights.
+
+// Rows a call of tile_rows computes: each weight load serves them all.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kTileRows = 8;   // 8 int32 + 8 float accumulators of 32 zmm
+#elif defined(__AVX2__)
+constexpr int kTileRows = 4;   // per half tile: 4 + 4 of 16 ymm, the rest for weights
+#else
+constexpr int kTileRows = 1;
+#endif
+
+// Bytes of a block's body in a tile (cpu_kernels.h tile_body_bytes; the
+// tile's tails, its half scales, come after all the bodies).
+template <WeightType T>
+constexpr size_t tile_quant_bytes() { return T == WeightType::q8_0 ? 8 * 64 : 4 * 64; }
+// What the unsigned weights add to a block's sum, per unit of activation sum.
+template <WeightType T>
+constexpr int32_t tile_bias() { return T == WeightType::q8_0 ? 128 : 8; }
+
+inline int32_t load_word(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(__AVX2__)
+// The lines 16 KB ahead of a block's quants, and of its scales, fetched
+// while it is computed (AMD Zen 5, 1B-shaped Q4_0 decode, 1 thread: 24 tok/s
+// without, 35-39 with 4-32 KB; the hardware prefetchers alone fall behind).
+constexpr size_t kTilePrefetchBytes = 16384;
+template <WeightType T>
+inline void tile_prefetch(const uint8_t* quants, const uint8_t* scales) {
+  constexpr size_t blocks_ahead = kTilePrefetchBytes / tile_quant_bytes<T>();
+  for (size_t at = 0; at < tile_quant_bytes<T>(); at += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(quants + blocks_ahead * tile_quant_bytes<T>() + at), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scales + 32 * blocks_ahead), _MM_HINT_T0);
+}
+#endif
+
+// Rows [r, r + R) of the columns [col, col + cols) of one tile (`tile`: its
+// block 0). `s`: the rows' activation scales (row stride `blocks`), `qa`
+// their quantized values (stride k), `asum` their blocks' sums of q_a
+// (stride `blocks`).
+template <WeightType T, int R>
+inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int8_t* qa, const int32_t* asum, int k,
+                      float* c, int n, int r, int col, int cols) {
+  constexpr size_t kQ = tile_quant_bytes<T>();
+  const uint8_t* tile_scales = tile + size_t(blocks) * kQ;  // 16 halves a block
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* tb = tile + size_t(b) * kQ;
+    const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQ8Block;
+    tile_prefetch<T>(tb, tile_scales + 32 * size_t(b));
+    __m512i is[R];
+    for (int i = 0; i < R; ++i) is[i] = _mm512_set1_epi32(-tile_bias<T>() * asum[size_t(r + i) * blocks + b]);
+    if constexpr (T == WeightType::q8_0) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m512i wv = _mm512_loadu_si512(tb + 64 * g);
+        for (int i = 0; i < R; ++i)
+          is[i] = _mm512_dpbusd_epi32(is[i], wv, _mm512_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g)));
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; ++g) {
+        const __m512i x = _mm512_loadu_si512(tb + 64 * g);
+        const __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+        for (int i = 0; i < R; ++i) {
+          is[i] = _mm512_dpbusd_epi32(is[i], lo, _mm512_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g)));
+          is[i] = _mm512_dpbusd_epi32(is[i], hi, _mm512_set1_epi32(load_word(a0 + size_t(i) * k + 16 + 4 * g)));
+        }
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_scales + 32 * size_t(b))));
+    for (int i = 0; i < R; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(s[size_t(r + i) * blocks + b])),
+                               acc[i]);
+  }
+  const __mmask16 live = __mmask16((1u << cols) - 1u);
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(c + size_t(r + i) * n + col, live, acc[i]);
+#elif defined(__AVX2__)
+  const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2 && 8 * h < cols; ++h) {  // the tile's two halves of 8 columns
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* tb = tile + size_t(b) * kQ + 32 * h;
+      const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQ8Block;
+      if (h == 0) tile_prefetch<T>(tb, tile_scales + 32 * size_t(b));
+      __m256i is[R];
+      if constexpr (T == WeightType::q8_0) {
+        for (int i = 0; i < R; ++i) is[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; ++g) {
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g)), flip);
+          const __m256i wabs = _mm256_sign_epi8(w, w);
+          for (int i = 0; i < R; ++i) {
+            const __m256i av = _mm256_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g));
+            is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(av, w)), ones));
+          }
+        }
+      } else {
+        __m256i p16[R];  // 8 pairs of at most 2 x 15 x 127 a lane: no int16 saturation
+        for (int i = 0; i < R; ++i) p16[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; ++g) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g));
+          const __m256i lo = _mm256_and_si256(x, low4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+          for (int i = 0; i < R; ++i) {
+            const __m256i al = _mm256_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g));
+            const __m256i ah = _mm256_set1_epi32(load_word(a0 + size_t(i) * k + 16 + 4 * g));
+            p16[i] = _mm256_add_epi16(p16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al), _mm256_maddubs_epi16(hi, ah)));
+          }
+        }
+        for (int i = 0; i < R; ++i)
+          is[i] = _mm256_sub_epi32(_mm256_madd_epi16(p16[i], ones),
+                                   _mm256_set1_epi32(tile_bias<T>() * asum[size_t(r + i) * blocks + b]));
+      }
+      const __m256 dw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + 32 * size_t(b) + 16 * h)));
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i]),
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(s[size_t(r + i) * blocks + b])), acc[i]);
+    }
+    const int live = std::min(8, cols - 8 * h);
+    for (int i = 0; i < R; ++i) {
+      if (live == 8) {
+        _mm256_storeu_ps(c + size_t(r + i) * n + col + 8 * h, acc[i]);
+      } else {
+        alignas(32) float out[8];
+        _mm256_store_ps(out, acc[i]);
+        std::memcpy(c + size_t(r + i) * n + col + 8 * h, out, sizeof(float) * size_t(live));
+      }
+    }
+  }
+#else
+  for (int i = 0; i < R; ++i)
+    for (int cc = 0; cc < cols; ++cc) {
+      float acc = 0.0f;
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* tb = tile + size_t(b) * kQ;
+        const int8_t* a = qa + size_t(r + i) * k + size_t(b) * kQ8Block;
+        int32_t isum = 0;
+        for (int j = 0; j < kQ8Block; ++j) {
+          int32_t q;
+          if constexpr (T == WeightType::q8_0) {
+            q = int32_t(int8_t(tb[64 * (j / 4) + 4 * cc + j % 4] ^ 0x80));
+          } else {
+            const uint8_t byte = tb[64 * ((j % 16) / 4) + 4 * cc + j % 4];
+            q = int32_t(j < 16 ? byte & 0x0f : byte >> 4) - 8;
+          }
+          isum += q * int32_t(a[j]);
+        }
+        acc = std::fma(float(isum), q8_scale(tile_scales + 32 * size_t(b) + 2 * size_t(cc)) * s[size_t(r + i) * blocks + b],
+                       acc);
+      }
+      c[size_t(r + i) * n + col + cc] = acc;
+    }
+  (void)asum;
+#endif
+}
+
+template <WeightType T, int R>
+void tile_rows_upto(int rows, const uint8_t* tile, int blocks, const float* s, const int8_t* qa, const int32_t* asum,
+                    int k, float* c, int n, int r, int col, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_rows<T, R>(tile, blocks, s, qa, asum, k, c, n, r, col, cols);
+    tile_rows_upto<T, R - 1>(rows, tile, blocks, s, qa, asum, k, c, n, r, col, cols);
+  }
+}
+
+// Rows per pass over a range of columns: every tile streams from memory once
+// per pass, its rows' activations (up to 512 x k bytes) come from the caches.
+constexpr int kQ8RowBlock = 512;
+
+// C[m][n] for the columns [col_begin, col_end) (col_begin a multiple of 16),
+// tile by tile, kTileRows rows at a time.
+template <WeightType T>
+void matmul_tiled(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k, int col_begin,
+                  int col_end) {
+  const int blocks = k / kQ8Block;
+  const size_t tile_bytes = size_t(blocks) * kTileCols * block_bytes(T);
+  thread_local std::vector<int32_t> asum;  // m x blocks: each block's sum of q_a
+  asum.resize(size_t(m) * blocks);
+  for (size_t rb = 0; rb < asum.size(); ++rb) {
+    const int8_t* q = qa + rb * kQ8Block;
+    int32_t sum = 0;
+    for (int j = 0; j < kQ8Block; ++j) sum += q[j];
+    asum[rb] = sum;
+  }
+  for (int r0 = 0; r0 < m; r0 += kQ8RowBlock) {
+    const int r1 = std::min(m, r0 + kQ8RowBlock);
+    for (int col = col_begin; col < col_end; col += kTileCols) {
+      const uint8_t* tile = w + size_t(col / kTileCols) * tile_bytes;
+      const int cols = std::min(kTileCols, col_end - col);
+      int r = r0;
+      for (; r + kTileRows <= r1; r += kTileRows)
+        tile_rows<T, kTileRows>(tile, blocks, scales, qa, asum.data(), k, c, n, r, col, cols);
+      tile_rows_upto<T, kTileRows - 1>(r1 - r, tile, blocks, scales, qa, asum.data(), k, c, n, r, col, cols);
+    }
+  }
+}
+
+void matmul_quantized(WeightType type, const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n,
+                      int k, int col_begin, int col_end) {
+  if (type == WeightType::q8_0) matmul_tiled<WeightType::q8_0>(scales, qa, w, c, m, n, k, col_begin, col_end);
+  else matmul_tiled<WeightType::q4_0>(scales, qa, w, c, m, n, k, col_begin, col_end);
+}
