@@ -36,6 +36,7 @@ constexpr size_t tile_quant_bytes() { return T == WeightType::q8_0 ? 8 * 64 : 4 
 template <WeightType T>
 constexpr int32_t tile_bias() { return T == WeightType::q8_0 ? 128 : 8; }
 
+// Four bytes as one int32 (to broadcast to every lane).
 inline int32_t load_word(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -56,31 +57,45 @@ inline void tile_prefetch(const uint8_t* quants, const uint8_t* scales) {
 }
 #endif
 
+// A group of R activation rows (R <= kTileRows) as tile_rows reads them, so
+// that one pointer and fixed offsets reach every row: per block b, at b *
+// group_block_bytes(R), the rows' 32 quantized values, then their R scales
+// (float), then their R sums' starts (int32: -(128 or 8) x the block's sum of
+// the values, what the unsigned weights add).
+constexpr size_t group_block_bytes(int R) { return size_t(R) * (kQ8Block + 8); }
+
 // Rows [r, r + R) of the columns [col, col + cols) of one tile (`tile`: its
-// block 0). `s`: the rows' activation scales (row stride `blocks`), `qa`
-// their quantized values (stride k), `asum` their blocks' sums of q_a
-// (stride `blocks`).
+// block 0), from their group `grp`.
 template <WeightType T, int R>
-inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int8_t* qa, const int32_t* asum, int k,
-                      float* c, int n, int r, int col, int cols) {
-  constexpr size_t kQ = tile_quant_bytes<T>();
+inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float* c, int n, int r, int col, int cols) {
+  constexpr size_t kQ = tile_quant_bytes<T>(), kG = group_block_bytes(R);
+  [[maybe_unused]] constexpr size_t kScales = size_t(R) * kQ8Block, kStarts = kScales + 4 * size_t(R);
   const uint8_t* tile_scales = tile + size_t(blocks) * kQ;  // 16 halves a block
+  auto word = [](const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  };
+  auto scale = [](const uint8_t* p) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+  };
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* tb = tile + size_t(b) * kQ;
-    const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQ8Block;
+    const uint8_t* gb = grp + size_t(b) * kG;  // row i's values at 32 i
     tile_prefetch<T>(tb, tile_scales + 32 * size_t(b));
     __m512i is[R];
-    for (int i = 0; i < R; ++i) is[i] = _mm512_set1_epi32(-tile_bias<T>() * asum[size_t(r + i) * blocks + b]);
+    for (int i = 0; i < R; ++i) is[i] = _mm512_set1_epi32(word(gb + kStarts + 4 * i));
     if constexpr (T == WeightType::q8_0) {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const __m512i wv = _mm512_loadu_si512(tb + 64 * g);
-        for (int i = 0; i < R; ++i)
-          is[i] = _mm512_dpbusd_epi32(is[i], wv, _mm512_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g)));
+        for (int i = 0; i < R; ++i) is[i] = _mm512_dpbusd_epi32(is[i], wv, _mm512_set1_epi32(word(gb + 32 * i + 4 * g)));
       }
     } else {
 #pragma GCC unroll 4
@@ -88,14 +103,14 @@ inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int
         const __m512i x = _mm512_loadu_si512(tb + 64 * g);
         const __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
         for (int i = 0; i < R; ++i) {
-          is[i] = _mm512_dpbusd_epi32(is[i], lo, _mm512_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g)));
-          is[i] = _mm512_dpbusd_epi32(is[i], hi, _mm512_set1_epi32(load_word(a0 + size_t(i) * k + 16 + 4 * g)));
+          is[i] = _mm512_dpbusd_epi32(is[i], lo, _mm512_set1_epi32(word(gb + 32 * i + 4 * g)));
+          is[i] = _mm512_dpbusd_epi32(is[i], hi, _mm512_set1_epi32(word(gb + 32 * i + 16 + 4 * g)));
         }
       }
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_scales + 32 * size_t(b))));
     for (int i = 0; i < R; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(s[size_t(r + i) * blocks + b])),
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(scale(gb + kScales + 4 * i))),
                                acc[i]);
   }
   const __mmask16 live = __mmask16((1u << cols) - 1u);
@@ -107,7 +122,7 @@ inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* tb = tile + size_t(b) * kQ + 32 * h;
-      const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQ8Block;
+      const uint8_t* gb = grp + size_t(b) * kG;
       if (h == 0) tile_prefetch<T>(tb, tile_scales + 32 * size_t(b));
       __m256i is[R];
       if constexpr (T == WeightType::q8_0) {
@@ -117,7 +132,7 @@ inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int
           const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g)), flip);
           const __m256i wabs = _mm256_sign_epi8(w, w);
           for (int i = 0; i < R; ++i) {
-            const __m256i av = _mm256_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g));
+            const __m256i av = _mm256_set1_epi32(word(gb + 32 * i + 4 * g));
             is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(av, w)), ones));
           }
         }
@@ -129,20 +144,19 @@ inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g));
           const __m256i lo = _mm256_and_si256(x, low4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
           for (int i = 0; i < R; ++i) {
-            const __m256i al = _mm256_set1_epi32(load_word(a0 + size_t(i) * k + 4 * g));
-            const __m256i ah = _mm256_set1_epi32(load_word(a0 + size_t(i) * k + 16 + 4 * g));
+            const __m256i al = _mm256_set1_epi32(word(gb + 32 * i + 4 * g));
+            const __m256i ah = _mm256_set1_epi32(word(gb + 32 * i + 16 + 4 * g));
             p16[i] = _mm256_add_epi16(p16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al), _mm256_maddubs_epi16(hi, ah)));
           }
         }
         for (int i = 0; i < R; ++i)
-          is[i] = _mm256_sub_epi32(_mm256_madd_epi16(p16[i], ones),
-                                   _mm256_set1_epi32(tile_bias<T>() * asum[size_t(r + i) * blocks + b]));
+          is[i] = _mm256_add_epi32(_mm256_madd_epi16(p16[i], ones), _mm256_set1_epi32(word(gb + kStarts + 4 * i)));
       }
       const __m256 dw =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + 32 * size_t(b) + 16 * h)));
       for (int i = 0; i < R; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i]),
-                                 _mm256_mul_ps(dw, _mm256_set1_ps(s[size_t(r + i) * blocks + b])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i]), _mm256_mul_ps(dw, _mm256_set1_ps(scale(gb + kScales + 4 * i))),
+                                 acc[i]);
     }
     const int live = std::min(8, cols - 8 * h);
     for (int i = 0; i < R; ++i) {
@@ -161,7 +175,7 @@ inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int
       float acc = 0.0f;
       for (int b = 0; b < blocks; ++b) {
         const uint8_t* tb = tile + size_t(b) * kQ;
-        const int8_t* a = qa + size_t(r + i) * k + size_t(b) * kQ8Block;
+        const auto* a = reinterpret_cast<const int8_t*>(grp + size_t(b) * kG + 32 * size_t(i));
         int32_t isum = 0;
         for (int j = 0; j < kQ8Block; ++j) {
           int32_t q;
@@ -173,21 +187,22 @@ inline void tile_rows(const uint8_t* tile, int blocks, const float* s, const int
           }
           isum += q * int32_t(a[j]);
         }
-        acc = std::fma(float(isum), q8_scale(tile_scales + 32 * size_t(b) + 2 * size_t(cc)) * s[size_t(r + i) * blocks + b],
+        acc = std::fma(float(isum),
+                       q8_scale(tile_scales + 32 * size_t(b) + 2 * size_t(cc)) * scale(grp + size_t(b) * kG + kScales + 4 * i),
                        acc);
       }
       c[size_t(r + i) * n + col + cc] = acc;
     }
-  (void)asum;
+  (void)word;
 #endif
 }
 
 template <WeightType T, int R>
-void tile_rows_upto(int rows, const uint8_t* tile, int blocks, const float* s, const int8_t* qa, const int32_t* asum,
-                    int k, float* c, int n, int r, int col, int cols) {
+void tile_rows_upto(int rows, const uint8_t* tile, int blocks, const uint8_t* grp, float* c, int n, int r, int col,
+                    int cols) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_rows<T, R>(tile, blocks, s, qa, asum, k, c, n, r, col, cols);
-    tile_rows_upto<T, R - 1>(rows, tile, blocks, s, qa, asum, k, c, n, r, col, cols);
+    if (rows == R) return tile_rows<T, R>(tile, blocks, grp, c, n, r, col, cols);
+    tile_rows_upto<T, R - 1>(rows, tile, blocks, grp, c, n, r, col, cols);
   }
 }
 
@@ -196,29 +211,42 @@ void tile_rows_upto(int rows, const uint8_t* tile, int blocks, const float* s, c
 constexpr int kQ8RowBlock = 512;
 
 // C[m][n] for the columns [col_begin, col_end) (col_begin a multiple of 16),
-// tile by tile, kTileRows rows at a time.
+// tile by tile, kTileRows rows at a time (the rows of a pass in groups of
+// kTileRows, then one of the rest, each laid out for tile_rows).
 template <WeightType T>
 void matmul_tiled(const float* scales, const int8_t* qa, const uint8_t* w, float* c, int m, int n, int k, int col_begin,
                   int col_end) {
   const int blocks = k / kQ8Block;
   const size_t tile_bytes = size_t(blocks) * kTileCols * block_bytes(T);
-  thread_local std::vector<int32_t> asum;  // m x blocks: each block's sum of q_a
-  asum.resize(size_t(m) * blocks);
-  for (size_t rb = 0; rb < asum.size(); ++rb) {
-    const int8_t* q = qa + rb * kQ8Block;
-    int32_t sum = 0;
-    for (int j = 0; j < kQ8Block; ++j) sum += q[j];
-    asum[rb] = sum;
-  }
+  thread_local std::vector<uint8_t> groups;  // m x blocks x (32 + 8) bytes; row r's group at r x blocks x 40
+  groups.resize(size_t(m) * blocks * group_block_bytes(1));
+  auto group_of = [&](int r) { return groups.data() + size_t(r) * blocks * group_block_bytes(1); };
+  auto lay_out = [&](int r, int rows) {
+    uint8_t* g = group_of(r);
+    for (int b = 0; b < blocks; ++b) {
+      uint8_t* gb = g + size_t(b) * rows * group_block_bytes(1);
+      for (int i = 0; i < rows; ++i) {
+        const int8_t* q = qa + size_t(r + i) * k + size_t(b) * kQ8Block;
+        std::memcpy(gb + 32 * size_t(i), q, kQ8Block);
+        std::memcpy(gb + 32 * size_t(rows) + 4 * size_t(i), scales + size_t(r + i) * blocks + b, 4);
+        int32_t sum = 0;
+        for (int j = 0; j < kQ8Block; ++j) sum += q[j];
+        const int32_t start = -tile_bias<T>() * sum;
+        std::memcpy(gb + 36 * size_t(rows) + 4 * size_t(i), &start, 4);
+      }
+    }
+  };
   for (int r0 = 0; r0 < m; r0 += kQ8RowBlock) {
     const int r1 = std::min(m, r0 + kQ8RowBlock);
+    int full = r0;
+    for (; full + kTileRows <= r1; full += kTileRows) lay_out(full, kTileRows);
+    if (full < r1) lay_out(full, r1 - full);
     for (int col = col_begin; col < col_end; col += kTileCols) {
       const uint8_t* tile = w + size_t(col / kTileCols) * tile_bytes;
       const int cols = std::min(kTileCols, col_end - col);
       int r = r0;
-      for (; r + kTileRows <= r1; r += kTileRows)
-        tile_rows<T, kTileRows>(tile, blocks, scales, qa, asum.data(), k, c, n, r, col, cols);
-      tile_rows_upto<T, kTileRows - 1>(r1 - r, tile, blocks, scales, qa, asum.data(), k, c, n, r, col, cols);
+      for (; r + kTileRows <= r1; r += kTileRows) tile_rows<T, kTileRows>(tile, blocks, group_of(r), c, n, r, col, cols);
+      tile_rows_upto<T, kTileRows - 1>(r1 - r, tile, blocks, group_of(r), c, n, r, col, cols);
     }
   }
 }
