@@ -65,6 +65,10 @@ const void* place_quantized(Backend& backend, const void* host, size_t bytes, De
 // (pack_quantized) or, where it reads them in place, as the file stores them.
 class LayerMatrices {
  public:
+  // Rows a quantized matrix is packed in at a time: whole tiles of the CPU's
+  // layout (16 rows), and of any backend's that keeps the file's rows.
+  static constexpr int kPackSliceRows = 1024;
+
   // The packed matrices' pages leave memory once packed (Checkpoint::release),
   // so a model is resident once, in the engine's layout.
   LayerMatrices(Backend& backend, const Checkpoint& checkpoint, const std::vector<Matrix>& per_layer, int n, int k)
@@ -94,8 +98,17 @@ class LayerMatrices {
         L.data = dst;
         halves += stride;
       } else if (const size_t packed = backend.quantized_bytes(m.type, n, k); packed > 0) {
+        // In slices of whole tiles, each slice's file pages released once
+        // copied, so the load holds one slice of the file beside the copy
+        // (a 128,256-row classifier is a fifth of a Q4_0 1B model).
         uint8_t* dst = blocks_.get() + bytes;
-        backend.pack_quantized(m.type, m.data, dst, n, k);
+        const size_t row = row_bytes(m.type, k);
+        for (int r = 0; r < n; r += kPackSliceRows) {
+          const int rows = std::min(kPackSliceRows, n - r);
+          const auto* src = static_cast<const uint8_t*>(m.data) + size_t(r) * row;
+          backend.pack_quantized(m.type, src, dst + backend.quantized_bytes(m.type, r, k), rows, k);
+          checkpoint.release(src, size_t(rows) * row);
+        }
         L.data = dst;
         bytes += packed;
       } else {  // read in place: the file's pages stay

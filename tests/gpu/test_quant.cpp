@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -696,6 +697,45 @@ INSTANTIATE_TEST_SUITE_P(Types, Float16Model, ::testing::Values(WeightType::f16,
 INSTANTIATE_TEST_SUITE_P(Types, QuantModel,
                          ::testing::Values(WeightType::f16, WeightType::bf16, WeightType::q8_0, WeightType::q4_0),
                          [](const auto& info) { return std::string(to_string(info.param)); });
+
+// Resident bytes of this process's mappings of `path` (/proc/self/smaps).
+size_t resident_bytes_of_mapping(const std::string& path) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  size_t kb = 0;
+  while (std::getline(smaps, line)) {
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') < line.find(' '))
+      inside = line.size() >= path.size() && line.compare(line.size() - path.size(), path.size(), path) == 0;
+    else if (inside && line.rfind("Rss:", 0) == 0)
+      kb += std::stoul(line.substr(4));
+  }
+  return kb * 1024;
+}
+
+// The quantized matrices are copied into the kernels' tiles and the file's
+// pages released as they go: after the load, the process holds (almost)
+// none of the file, so the model is resident once (not as file + tiles).
+TEST(QuantModelMemory, ALoadedModelKeepsNoneOfItsFilesPages) {
+  const ModelConfig config{256, 1024, 4, 4, 4, 8192, 128, true};
+  const std::string dir = test::make_temp_dir("quant-memory");
+  for (const FileType type : {FileType::q4_0, FileType::q8_0, FileType::q4_k_m}) {
+    SCOPED_TRACE(to_string(type));
+    const std::string path = dir + "/" + to_string(type) + ".gguf";
+    write_gguf(*random_weights(config, 5), byte_vocabulary(8192), "m", path, type);
+    const size_t file = std::filesystem::file_size(path);
+    auto checkpoint = Checkpoint::open(path);
+    // Reading every weight makes the file resident (what an engine that kept the mapping would hold).
+    uint64_t sum = 0;
+    for (const Matrix* m : {&checkpoint->weights().token_embedding, &checkpoint->weights().layers[3].w2})
+      for (size_t at = 0; at < 4096; ++at) sum += static_cast<const uint8_t*>(m->data)[at];
+    EXPECT_GT(resident_bytes_of_mapping(path), 0u) << sum;
+    Engine engine(checkpoint);
+    const size_t resident = resident_bytes_of_mapping(path);
+    EXPECT_LT(resident, file / 20) << resident << " of " << file << " bytes of the file still resident";
+    (void)engine.prefill({1, 5, 9});  // and it computes from the copy
+  }
+}
 
 }  // namespace
 }  // namespace disagg::gpu
