@@ -262,6 +262,8 @@ inline void ksource_rows(Source& src, int blocks, const float* d, const int8_t* 
     const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQK;
     I s1[R];
     for (int i = 0; i < R; ++i) s1[i] = L::zero();
+    // (Unrolled whole: each group's planes and shifts are then constants.)
+#pragma GCC unroll 16
     for (int j = 0; j < kscales<T>(); ++j) {
       I t[R];
       for (int i = 0; i < R; ++i) t[i] = L::zero();
