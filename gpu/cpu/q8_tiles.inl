@@ -44,10 +44,11 @@ inline int32_t load_word(const int8_t* p) {
 }
 
 #if defined(__AVX2__)
-// The lines 16 KB ahead of a block's quants, and of its scales, fetched
-// while it is computed (AMD Zen 5, 1B-shaped Q4_0 decode, 1 thread: 24 tok/s
-// without, 35-39 with 4-32 KB; the hardware prefetchers alone fall behind).
-constexpr size_t kTilePrefetchBytes = 16384;
+// The lines 4 KB ahead of a block's quants, and of its scales, fetched while
+// it is computed (AMD Zen 5, 1B-shaped decode, 1 thread: Q4_0 24 tok/s
+// without, 35-41 with 4-32 KB; Q8_0 22-23 at 16 KB, 24-28 at 4 KB: the
+// hardware prefetchers alone fall behind).
+constexpr size_t kTilePrefetchBytes = 4096;
 template <WeightType T>
 inline void tile_prefetch(const uint8_t* quants, const uint8_t* scales) {
   constexpr size_t blocks_ahead = kTilePrefetchBytes / tile_quant_bytes<T>();
