@@ -6,6 +6,7 @@
 // stream; download() and synchronize() wait for it.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <string>
@@ -16,6 +17,7 @@
 
 #include "gpu/backend.h"
 #include "gpu/backend_cuda.h"
+#include "gpu/quant_blocks.h"
 #include "gpu/error.h"
 #include "gpu/fixed_math.h"
 #include "gpu/kv_layout.h"
@@ -100,6 +102,119 @@ __global__ void matmul_kernel(const float* __restrict__ a, const float* __restri
       const int row = row0 + ty * TM + r, col = col0 + tx * 4 + q;
       if (row < m && col < n) c[(long long)row * n + col] = acc[r][q];
     }
+}
+
+// ---------------------------------------------------------------- quantized weights
+// The rows as the file stores them (the Backend's default quantized_bytes
+// and pack_quantized: uploaded as they are). The rule of fixed_math.h: each
+// activation row quantized per block by the CPU's very functions
+// (fixed::quantize_q8_block, quantize_q8k_block), then one thread an output:
+// each block's integer products summed exactly, the blocks added in order
+// with the rule's fmaf (two for the K-quants' mins): the CPU's bits. Plain
+// and uncoalesced (a thread walks its own weight row); scripts/gpu-check
+// times it.
+
+__global__ void quantize_q8_kernel(const float* __restrict__ a, long long blocks, float* scales, int8_t* q) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;  // row r, block b: r * k/32 + b
+  if (i < blocks) scales[i] = fixed::quantize_q8_block(a + i * kQ8Block, q + i * kQ8Block);
+}
+
+__global__ void quantize_q8k_kernel(const float* __restrict__ a, long long blocks, float* d, int8_t* q,
+                                    int16_t* bsums) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;  // row r, superblock b
+  if (i < blocks) d[i] = fixed::quantize_q8k_block(a + i * kQK, q + i * kQK, bsums + i * (kQK / 16));
+}
+
+template <WeightType T>
+__global__ void matmul_q8_kernel(const float* __restrict__ scales, const int8_t* __restrict__ qa,
+                                 const uint8_t* __restrict__ w, float* __restrict__ c, int m, int n, int k) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= n) return;
+  constexpr int kBytes = T == WeightType::q8_0 ? 34 : 18;
+  const int blocks = k / kQ8Block;
+  const uint8_t* row = w + (long long)col * blocks * kBytes;
+  for (int r = blockIdx.y; r < m; r += gridDim.y) {
+    const int8_t* a = qa + (long long)r * k;
+    float acc = 0.0f;
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* y = row + (long long)b * kBytes;
+      int isum = 0;
+      for (int j = 0; j < kQ8Block; ++j) isum += blocks::value(T, y, j) * int(a[kQ8Block * b + j]);
+      acc = fmaf(float(isum), blocks::d_of(T, y) * scales[(long long)r * blocks + b], acc);
+    }
+    c[(long long)r * n + col] = acc;
+  }
+}
+
+template <WeightType T>
+__global__ void matmul_k_kernel(const float* __restrict__ d, const int8_t* __restrict__ qa,
+                                const int16_t* __restrict__ bsums, const uint8_t* __restrict__ w,
+                                float* __restrict__ c, int m, int n, int k) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= n) return;
+  constexpr int kBytes = T == WeightType::q4_k ? 144 : T == WeightType::q5_k ? 176 : 210;
+  constexpr bool six = T == WeightType::q6_k;
+  const int blocks = k / kQK;
+  const uint8_t* row = w + (long long)col * blocks * kBytes;
+  for (int r = blockIdx.y; r < m; r += gridDim.y) {
+    float acc = 0.0f;
+    for (int i = 0; i < blocks; ++i) {
+      const uint8_t* y = row + (long long)i * kBytes;
+      const long long at = (long long)r * blocks + i;
+      const int8_t* a = qa + at * kQK;
+      int sc[16], mn[8];
+      for (int j = 0; j < (six ? 16 : 8); ++j) {
+        int mj;
+        blocks::scale_min(T, y, j, sc[j], mj);
+        if (j < 8) mn[j] = mj;
+      }
+      int s1 = 0, s2 = 0;
+      for (int e = 0; e < kQK; ++e) s1 += sc[six ? e / 16 : e / 32] * blocks::value(T, y, e) * int(a[e]);
+      if (!six)
+        for (int g = 0; g < 16; ++g) s2 += int(bsums[at * 16 + g]) * mn[g / 2];
+      acc = fmaf(float(s1), blocks::d_of(T, y) * d[at], acc);
+      if (!six) acc = fmaf(float(s2), -(blocks::dmin_of(T, y) * d[at]), acc);
+    }
+    c[(long long)r * n + col] = acc;
+  }
+}
+
+// out[r][e] = value e of row tokens[r] of a table in `type`, as the CPU's
+// dequantize_row computes it (d * q; Q6_K (d * scale) * q; Q4_K, Q5_K
+// (d * scale) * q - dmin * min; f16, bf16 widened).
+__global__ void dequantize_rows_kernel(WeightType type, const uint8_t* __restrict__ table, long long row_bytes,
+                                       const int* __restrict__ tokens, float* __restrict__ out, int rows, int dim) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= (long long)rows * dim) return;
+  const int r = int(i / dim), e = int(i % dim);
+  const uint8_t* row = table + (long long)tokens[r] * row_bytes;
+  float v;
+  if (type == WeightType::f16 || type == WeightType::bf16) {
+    const uint16_t h = uint16_t(row[2 * e] | row[2 * e + 1] << 8);
+    if (type == WeightType::f16) {
+      v = blocks::half_bits_to_float(h);
+    } else {
+      const uint32_t bits = uint32_t(h) << 16;
+      memcpy(&v, &bits, 4);
+    }
+  } else if (type == WeightType::q8_0 || type == WeightType::q4_0) {
+    const uint8_t* y = row + (long long)(e / kQ8Block) * (type == WeightType::q8_0 ? 34 : 18);
+    v = blocks::d_of(type, y) * float(blocks::value(type, y, e % kQ8Block));
+  } else {
+    const int bytes = type == WeightType::q4_k ? 144 : type == WeightType::q5_k ? 176 : 210;
+    const uint8_t* y = row + (long long)(e / kQK) * bytes;
+    const int at = e % kQK;
+    int sc, mn;
+    blocks::scale_min(type, y, type == WeightType::q6_k ? at / 16 : at / 32, sc, mn);
+    const float q = float(blocks::value(type, y, at));
+    if (type == WeightType::q6_k) {
+      v = blocks::d_of(type, y) * float(sc) * q;
+    } else {
+      const float d1 = blocks::d_of(type, y) * float(sc), m1 = blocks::dmin_of(type, y) * float(mn);
+      v = d1 * q - m1;
+    }
+  }
+  out[i] = v;
 }
 
 // RMSNorm with 16 threads per row: lane i sums x[j]^2 for j = i mod 16 in
@@ -201,6 +316,8 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);  // a destructor cannot report a kernel failure
+    for (Scratch* scratch : {&scales_, &values_, &bsums_})
+      if (scratch->ptr) cudaFree(scratch->ptr);
     release();
   }
 
@@ -257,6 +374,52 @@ class CudaBackend final : public Backend {
       matmul_kernel<4><<<dim3((n + 63) / 64, (m + 63) / 64), threads, 0, stream_>>>(a, w, c, m, n, k);
     }
     check(cudaGetLastError(), "matmul kernel launch");
+  }
+  void matmul_quantized(WeightType type, const float* a, const void* w, float* c, int m, int n, int k) override {
+    if (m <= 0 || n <= 0) return;
+    if (!is_block_quantized(type) && !is_k_quant(type))
+      throw Error(name_ + ": no " + to_string(type) + " matrix kernels (the CPU backend has them)");
+    const int per_block = block_values(type);
+    if (k % per_block != 0)
+      throw Error("matmul_quantized: k = " + std::to_string(k) + " is not a multiple of " + std::to_string(per_block));
+    activate();
+    const long long blocks = (long long)m * (k / per_block);
+    float* scales = scales_.ensure<float>(this, size_t(blocks));
+    int8_t* q = values_.ensure<int8_t>(this, size_t(m) * size_t(k));
+    constexpr int kThreads = 128;
+    const unsigned grid_q = unsigned((blocks + kThreads - 1) / kThreads);
+    const dim3 grid(unsigned((n + kThreads - 1) / kThreads), unsigned(std::min(m, 65535)));
+    const auto* wb = static_cast<const uint8_t*>(w);
+    if (is_block_quantized(type)) {
+      quantize_q8_kernel<<<grid_q, kThreads, 0, stream_>>>(a, blocks, scales, q);
+      if (type == WeightType::q8_0)
+        matmul_q8_kernel<WeightType::q8_0><<<grid, kThreads, 0, stream_>>>(scales, q, wb, c, m, n, k);
+      else
+        matmul_q8_kernel<WeightType::q4_0><<<grid, kThreads, 0, stream_>>>(scales, q, wb, c, m, n, k);
+    } else {
+      int16_t* bsums = bsums_.ensure<int16_t>(this, size_t(blocks) * 16);
+      quantize_q8k_kernel<<<grid_q, kThreads, 0, stream_>>>(a, blocks, scales, q, bsums);
+      if (type == WeightType::q4_k)
+        matmul_k_kernel<WeightType::q4_k><<<grid, kThreads, 0, stream_>>>(scales, q, bsums, wb, c, m, n, k);
+      else if (type == WeightType::q5_k)
+        matmul_k_kernel<WeightType::q5_k><<<grid, kThreads, 0, stream_>>>(scales, q, bsums, wb, c, m, n, k);
+      else
+        matmul_k_kernel<WeightType::q6_k><<<grid, kThreads, 0, stream_>>>(scales, q, bsums, wb, c, m, n, k);
+    }
+    check(cudaGetLastError(), "quantized matmul kernel launch");
+  }
+  void embedding_quantized(WeightType type, const void* table, const int* tokens, float* out, int rows,
+                           int dim) override {
+    if (rows <= 0) return;
+    if (dim % block_values(type) != 0)
+      throw Error("embedding_quantized: dim = " + std::to_string(dim) + " is not a multiple of " +
+                  std::to_string(block_values(type)));
+    activate();
+    const long long n = (long long)rows * dim;
+    constexpr int kThreads = 256;
+    dequantize_rows_kernel<<<unsigned((n + kThreads - 1) / kThreads), kThreads, 0, stream_>>>(
+        type, static_cast<const uint8_t*>(table), (long long)row_bytes(type, dim), tokens, out, rows, dim);
+    check(cudaGetLastError(), "dequantize kernel launch");
   }
   void embedding(const float* table, const int* tokens, float* out, int rows, int dim) override {
     activate();
@@ -320,9 +483,26 @@ class CudaBackend final : public Backend {
     cudaGetLastError();
   }
 
+  // Device scratch that only grows (the quantized products' activations).
+  struct Scratch {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    template <class T>
+    T* ensure(CudaBackend* b, size_t n) {
+      if (n * sizeof(T) > bytes) {
+        b->free_bytes(ptr);
+        ptr = nullptr, bytes = 0;
+        ptr = b->alloc_bytes(n * sizeof(T));
+        bytes = n * sizeof(T);
+      }
+      return static_cast<T*>(ptr);
+    }
+  };
+
   int device_;
   std::string name_;
   cudaStream_t stream_ = nullptr;
+  Scratch scales_, values_, bsums_;  // per block: scales (float), per value: int8, per 16 (K-quants): int16
 };
 
 }  // namespace

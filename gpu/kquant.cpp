@@ -26,6 +26,7 @@
 #include "gpu/error.h"
 #include "gpu/fixed_math.h"
 #include "gpu/quant.h"
+#include "gpu/quant_blocks.h"
 
 namespace disagg::gpu {
 
@@ -52,15 +53,6 @@ void store_half(uint8_t* p, float f) {
   std::memcpy(p, &h, 2);
 }
 
-void scale_min_k4(int j, const uint8_t* s, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
 
 // Fits x ~ scale * L + min (L in [0, nmax], min <= 0) by weighted least
 // squares over nstep + 1 trial scales (ggml's make_qkx2_quants, squared
@@ -205,7 +197,7 @@ void quantize_superblock_q45(const float* x, uint8_t* y, bool five) {
   const float d = load_half(y), dmin = load_half(y + 2);
   for (int j = 0; j < 8; ++j) {
     int sc, m;
-    scale_min_k4(j, s, sc, m);
+    blocks::scale_min(WeightType::q4_k, y, j, sc, m);  // (Q5_K's scales lie where Q4_K's do)
     const float dq = d * float(sc);
     if (dq == 0) continue;  // L keeps the fit's values
     const float dm = dmin * float(m);
@@ -284,35 +276,17 @@ void quantize_row_q6_k(const float* x, uint8_t* out, int k) {
 }
 
 void unpack_superblock(WeightType type, const uint8_t* y, KQuantBlock& out) {
-  if (type == WeightType::q6_k) {
-    const uint8_t* ql = y;
-    const uint8_t* qh = y + 128;
-    for (int e = 0; e < kQK; ++e) {
-      const int h = e / 128, k = (e % 128) / 32, l = e % 32;
-      const uint8_t byte = ql[64 * h + 32 * (k & 1) + l];
-      const int low = k < 2 ? byte & 0x0f : byte >> 4;
-      const int high = (qh[32 * h + l] >> (2 * k)) & 3;
-      out.q[e] = int8_t((low | (high << 4)) - 32);
-    }
-    for (int g = 0; g < 16; ++g) out.scale[g] = int8_t(y[192 + g]);
-    for (int j = 0; j < 8; ++j) out.min[j] = 0;
-    out.d = load_half(y + 208);
-    out.dmin = 0;
-    return;
+  for (int e = 0; e < kQK; ++e) out.q[e] = int8_t(blocks::value(type, y, e));
+  const int scales = type == WeightType::q6_k ? 16 : 8;
+  for (int j = 0; j < 16; ++j) out.scale[j] = 0;
+  for (int j = 0; j < 8; ++j) out.min[j] = 0;
+  for (int j = 0; j < scales; ++j) {
+    int mn;
+    blocks::scale_min(type, y, j, out.scale[j], mn);
+    if (j < 8) out.min[j] = mn;
   }
-  const bool five = type == WeightType::q5_k;
-  const uint8_t* qs = y + (five ? 48 : 16);
-  const uint8_t* qh = y + 16;
-  for (int e = 0; e < kQK; ++e) {
-    const int c = e / 64, r = e % 64, l = r % 32;
-    int q = r < 32 ? qs[32 * c + l] & 0x0f : qs[32 * c + l] >> 4;
-    if (five && (qh[l] >> (2 * c + (r >= 32 ? 1 : 0))) & 1) q += 16;
-    out.q[e] = int8_t(q);
-  }
-  for (int j = 0; j < 8; ++j) scale_min_k4(j, y + 4, out.scale[j], out.min[j]);
-  for (int j = 8; j < 16; ++j) out.scale[j] = 0;
-  out.d = load_half(y);
-  out.dmin = load_half(y + 2);
+  out.d = blocks::d_of(type, y);
+  out.dmin = blocks::dmin_of(type, y);
 }
 
 namespace detail {

@@ -1,4 +1,5 @@
 #include "gpu/quant.h"
+#include "gpu/quant_blocks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -148,17 +149,8 @@ void quantize_row(WeightType type, const float* x, uint8_t* out, int k) {
 }
 
 float unpack_block(WeightType type, const uint8_t* block, int8_t* values) {
-  uint16_t dh;
-  std::memcpy(&dh, block, 2);
-  if (type == WeightType::q8_0) {
-    std::memcpy(values, block + 2, kQ8Block);
-  } else {
-    for (int j = 0; j < kQ8Block / 2; ++j) {
-      values[j] = int8_t((block[2 + j] & 0x0f) - 8);
-      values[j + kQ8Block / 2] = int8_t((block[2 + j] >> 4) - 8);
-    }
-  }
-  return half_to_float(dh);
+  for (int j = 0; j < kQ8Block; ++j) values[j] = int8_t(blocks::value(type, block, j));
+  return blocks::d_of(type, block);
 }
 
 void quantize_activations(const float* a, int k, float* scales, int8_t* q) {

@@ -698,6 +698,38 @@ INSTANTIATE_TEST_SUITE_P(Types, QuantModel,
                          ::testing::Values(WeightType::f16, WeightType::bf16, WeightType::q8_0, WeightType::q4_0),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
+// The CUDA backend's quantized products and table rows (GPU machines only):
+// the reference's bits for every quantized type, rows as the file stores them.
+TEST(CudaVersusCpu, QuantizedProductsAndTableRowsAreTheReferences) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  auto cuda = make_backend("cuda");
+  const int m = 5, n = 37, k = 512;
+  for (const WeightType type : {WeightType::q8_0, WeightType::q4_0, WeightType::q4_k, WeightType::q5_k, WeightType::q6_k}) {
+    SCOPED_TRACE(to_string(type));
+    const auto w = is_k_quant(type) ? kquant_matrix(type, n, k, 31) : quantized_matrix(type, n, k, 31);
+    const auto a = activations(m, k, 32);
+    std::vector<float> want(size_t(m) * n), got(size_t(m) * n);
+    matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
+    DeviceArray<uint8_t> dw(*cuda, cuda->quantized_bytes(type, n, k));
+    cuda->pack_quantized(type, w.data(), dw.get(), n, k);
+    DeviceArray<float> da(*cuda), dc(*cuda, got.size());
+    da.upload(a.data(), a.size());
+    cuda->matmul_quantized(type, da.get(), dw.get(), dc.get(), m, n, k);
+    dc.download(got.data(), got.size());
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
+    const std::vector<int> tokens = {3, 0, n - 1};
+    std::vector<float> rows(tokens.size() * k), want_rows(tokens.size() * k);
+    for (size_t r = 0; r < tokens.size(); ++r)
+      dequantize_row(type, w.data() + size_t(tokens[r]) * row_bytes(type, k), want_rows.data() + r * k, k);
+    DeviceArray<int> dt(*cuda, tokens.size());
+    dt.upload(tokens.data(), tokens.size());
+    DeviceArray<float> dr(*cuda, rows.size());
+    cuda->embedding_quantized(type, dw.get(), dt.get(), dr.get(), int(tokens.size()), k);
+    dr.download(rows.data(), rows.size());
+    EXPECT_EQ(std::memcmp(rows.data(), want_rows.data(), rows.size() * sizeof(float)), 0);
+  }
+}
+
 // Resident bytes of this process's mappings of `path` (/proc/self/smaps).
 size_t resident_bytes_of_mapping(const std::string& path) {
   std::ifstream smaps("/proc/self/smaps");
