@@ -1,9 +1,10 @@
 // Load with failures: 200 requests on a 2 prefill + 2 decode cluster while
-// one prefill and one decode node are killed (SIGKILL). Every request ends
-// with exactly one terminal reply, within its deadline; a completed one has
-// exactly the colocated tokens, streamed with every index once and in order
-// (requests that lose their worker start over or migrate); nothing is left
-// in flight, and the surviving decode pool is full again.
+// one prefill and one decode node are killed (SIGKILL). Every request
+// completes, within its deadline, with exactly the colocated tokens, streamed
+// with every index once and in order (requests that lose their worker start
+// over, or migrate after their first tokens); the router sends exactly one
+// terminal reply per request (its e2e-latency histogram counts 200); nothing
+// is left in flight, and the surviving decode pool is full again.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "cluster/cluster_fixture.h"
+#include "support/http_client.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -29,7 +31,7 @@ GenerateRequest chaos_request(int i) {
   r.prompt_tokens = {1};
   const int prompt_len = 4 + (i * 7) % 60;
   for (int t = 1; t < prompt_len; ++t) r.prompt_tokens.push_back(3 + (i * 31 + t * 17) % 500);
-  r.max_new_tokens = 20 + (i * 13) % 100;
+  r.max_new_tokens = 16 + (i * 13) % 64;
   if (i % 3 == 0) r.sampling = Sampling{0.8f, 0.9f, uint64_t(1000 + i)};
   r.deadline_ms = kDeadlineMs;
   return r;
@@ -39,7 +41,6 @@ struct Tracked {
   std::mutex mutex;
   std::vector<TokenEvent> events;
   std::promise<RequestOutcome> outcome;
-  std::atomic<int> replies{0};
   std::chrono::steady_clock::time_point sent;
   std::chrono::steady_clock::time_point ended;
 };
@@ -47,7 +48,11 @@ struct Tracked {
 TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
   TestCluster cluster("chaos");
   cluster.set_disagg_options("heartbeat-interval-ms = 200\nheartbeat-timeout-ms = 2000\nmax-worker-retries = 3\n");
-  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  const uint16_t metrics_port = free_loopback_port();
+  cluster.start_node("router", "router", "metrics-port = " + std::to_string(metrics_port) + "\n");
+  for (const char* name : {"prefill-1", "prefill-2"}) cluster.start_node("prefill", name);
+  for (const char* name : {"decode-1", "decode-2"}) cluster.start_node("decode", name);
+  ASSERT_TRUE(cluster.wait_for_workers(2, 2));
 
   std::vector<std::unique_ptr<Tracked>> tracked;
   for (int i = 0; i < kRequests; ++i) tracked.push_back(std::make_unique<Tracked>());
@@ -63,7 +68,7 @@ TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
         },
         [t, &done](RequestOutcome out) {
           t->ended = std::chrono::steady_clock::now();
-          if (t->replies++ == 0) t->outcome.set_value(std::move(out));
+          t->outcome.set_value(std::move(out));  // (a client delivers one reply: the router's count is below)
           ++done;
         });
   }
@@ -83,8 +88,7 @@ TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
     codes[to_string(out.code)] += 1;
     EXPECT_LE(t.ended - t.sent, std::chrono::milliseconds(kDeadlineMs + 1000)) << "request " << i;
     if (!out.ok()) {
-      EXPECT_TRUE(out.code == ErrorCode::worker_lost) << "request " << i << ": " << to_string(out.code) << ": "
-                                                      << out.message;
+      ADD_FAILURE() << "request " << i << ": " << to_string(out.code) << ": " << out.message;
       continue;
     }
     ++completed;
@@ -93,21 +97,23 @@ TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
     ASSERT_EQ(t.events.size(), out.tokens.size()) << "request " << i << ": a gap or a duplicate in its stream";
     for (size_t k = 0; k < t.events.size(); ++k) EXPECT_EQ(t.events[k].index, int32_t(k)) << "request " << i;
   }
-  std::this_thread::sleep_for(200ms);  // any second reply would have come by now
-  for (int i = 0; i < kRequests; ++i) EXPECT_EQ(tracked[size_t(i)]->replies.load(), 1) << "request " << i;
   std::string summary;
   for (const auto& [code, n] : codes) summary += code + "=" + std::to_string(n) + " ";
   RecordProperty("outcomes", summary);
   std::cout << "[ chaos    ] " << summary << "\n";
-  EXPECT_GE(completed, kRequests * 9 / 10) << summary << "\n" << cluster.logs();
-  // The kills hit requests in flight: some started over or migrated.
+  EXPECT_EQ(completed, kRequests) << summary << "\n" << cluster.logs();
+  // The kills hit requests in flight: some decode worker's requests
+  // migrated (went on after streamed tokens); restarts before a first token
+  // are counted, not required (the prompts are short).
   const std::string router_log = cluster.node("router").log();
-  size_t restarted = 0;
-  for (size_t at = router_log.find("starts over on other workers"); at != std::string::npos;
-       at = router_log.find("starts over on other workers", at + 1))
-    ++restarted;
-  std::cout << "[ chaos    ] requests restarted or migrated: " << restarted << "\n";
-  EXPECT_GT(restarted, 0u) << "the kills hit nothing in flight\n" << router_log;
+  size_t restarted = 0, migrated = 0;
+  const std::string over = "starts over on other workers (retry ";
+  for (size_t at = router_log.find(over); at != std::string::npos; at = router_log.find(over, at + 1)) {
+    const size_t close = router_log.find(')', at);
+    (router_log.substr(at, close - at).find("continuing after") != std::string::npos ? migrated : restarted) += 1;
+  }
+  std::cout << "[ chaos    ] restarted before a first token: " << restarted << ", migrated: " << migrated << "\n";
+  EXPECT_GT(migrated, 0u) << "no request migrated\n" << router_log;
 
   // Nothing is left anywhere: the router holds no request, the surviving
   // decode pool is full.
@@ -123,6 +129,8 @@ TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
     if (!settled) std::this_thread::sleep_for(20ms);
   }
   EXPECT_TRUE(settled) << cluster.logs();
+  // Exactly one terminal reply a request, counted where it is sent.
+  EXPECT_EQ(metric_sample(scrape_metrics(metrics_port), "disagg_e2e_request_latency_seconds_count"), double(kRequests));
   EXPECT_TRUE(cluster.stop_all());
 }
 

@@ -24,6 +24,7 @@
 #include "gpu/hf_tokenizer.h"
 #include "gpu/model_writer.h"
 #include "gpu/tokenizer.h"
+#include "support/http_client.h"
 #include "support/reference_cases.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"
@@ -37,34 +38,10 @@ namespace bhttp = boost::beast::http;
 using Clock = std::chrono::steady_clock;
 constexpr auto kReplyTimeout = std::chrono::seconds(60);
 
-struct Reply {
-  int status = 0;
-  std::string body;
-  std::string content_type;
-  std::string retry_after;
-};
+using Reply = HttpReply;
 
-// One HTTP/1.1 request on a fresh connection (Beast, blocking, bounded by
-// kReplyTimeout through SO_RCVTIMEO).
 Reply http(uint16_t port, bhttp::verb verb, const std::string& target, const std::string& body = "") {
-  net::io_context ioc;
-  net::ip::tcp::socket socket(ioc);
-  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
-  timeval tv{std::chrono::duration_cast<std::chrono::seconds>(kReplyTimeout).count(), 0};
-  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  bhttp::request<bhttp::string_body> req{verb, target, 11};
-  req.set(bhttp::field::host, "127.0.0.1");
-  if (!body.empty()) req.set(bhttp::field::content_type, "application/json");
-  req.body() = body;
-  req.prepare_payload();
-  bhttp::write(socket, req);
-  boost::beast::flat_buffer buffer;
-  bhttp::response_parser<bhttp::string_body> parser;
-  parser.body_limit(64 << 20);
-  bhttp::read(socket, buffer, parser);
-  const auto& res = parser.get();
-  return Reply{int(res.result_int()), res.body(), std::string(res[bhttp::field::content_type]),
-               std::string(res[bhttp::field::retry_after])};
+  return http_request(port, verb, target, body, kReplyTimeout);
 }
 
 Reply post(uint16_t port, const std::string& target, const json& body) {
@@ -98,14 +75,8 @@ ReferenceCase generate_reference(const std::vector<std::string>& args) {
   return parse_reference_case(out);
 }
 
-// A metric's value in a /metrics text (the sample line "name value"), or -1.
-double sample(const std::string& text, const std::string& name) {
-  const size_t at = text.find("\n" + name + " ");
-  if (at == std::string::npos) return -1;
-  return std::stod(text.substr(at + name.size() + 2));
-}
-
-std::string scrape(uint16_t port) { return http(port, bhttp::verb::get, "/metrics").body; }
+double sample(const std::string& text, const std::string& name) { return metric_sample(text, name); }
+std::string scrape(uint16_t port) { return scrape_metrics(port); }
 
 ::testing::AssertionResult promtool_accepts(const std::string& text, const std::string& tag) {
   if (run_command("command -v promtool >/dev/null 2>&1").second != 0)  // (it used to pass silently then)
