@@ -15,6 +15,7 @@
 #include "gpu/prefix_cache.h"
 #include "gpu/sampling.h"
 #include "gpu/tokenizer.h"
+#include "metrics/disagg_metrics.h"
 
 namespace disagg {
 
@@ -160,6 +161,7 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
         }
       }
       ++piece;
+      metrics::disagg_metrics().kv_pieces_sent.inc();
     });
   };
   const auto start = Clock::now();

@@ -70,6 +70,9 @@ DisaggMetrics::DisaggMetrics(Registry& r)
                       .get()),
       kv_transfer_bytes(
           r.counter("disagg_kv_transfer_bytes_total", "Bytes of KV sent from prefill to decode workers.").get()),
+      kv_pieces_sent(r.counter("disagg_kv_pieces_sent_total",
+                               "KV stream pieces a prefill worker handed to the data plane, layer by layer.")
+                         .get()),
       prefix_cache_queries(r.counter("disagg_prefix_cache_queries_total",
                                      "Prompt tokens looked up in a worker's prefix cache, by role.", {"role"})),
       prefix_cache_hits(r.counter("disagg_prefix_cache_hits_total",

@@ -43,6 +43,7 @@ struct DisaggMetrics {
   Family<Counter>& request_errors;   // {code}: kErrorCodes
   Histogram& kv_transfer;           // seconds
   Counter& kv_transfer_bytes;
+  Counter& kv_pieces_sent;          // prefill: stream pieces handed to the KV data plane (each layer's, as it is computed)
   // {role}: prompt tokens looked up in a prefix cache, and those found
   // (vLLM's prefix_cache_queries / prefix_cache_hits): role decode (its
   // pool) or prefill (its own cache, gpu/prefix_cache.h).

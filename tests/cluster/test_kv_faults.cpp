@@ -18,6 +18,7 @@
 #include "cluster/cluster_fixture.h"
 #include "gpu/checkpoint.h"
 #include "gpu/model_writer.h"
+#include "support/http_client.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -71,22 +72,36 @@ class KvFaults : public ::testing::Test {
   // 1 router, 1 prefill, `decode` decode nodes on the slow model, streaming
   // over this test's transport; a short ack timeout so that a stream to a
   // dead receiver (shared memory has no peer-failure detection) gives up soon.
+  // (prefill-1 with a metrics port: its stream pieces are the event the kills wait for.)
   void start(TestCluster& cluster, const std::string& transport, int decode) {
     cluster.set_model(slow_model(cluster.dir()));
     cluster.set_disagg_options("kv-transport = \"" + transport + "\"\nack-timeout-ms = 3000\n");
-    ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, decode));
+    prefill_metrics_ = free_loopback_port();
+    cluster.start_router();
+    cluster.start_node("prefill", "prefill-1", "metrics-port = " + std::to_string(prefill_metrics_) + "\n");
+    for (int i = 1; i <= decode; ++i) cluster.start_node("decode", "decode-" + std::to_string(i));
+    ASSERT_TRUE(cluster.wait_for_workers(1, decode));
   }
 
   // Submits a long prompt and returns once its blocks are reserved at
-  // decode-1 and its prefill (the stream) is under way.
+  // decode-1 and prefill-1 has handed the first pieces of its KV to the data
+  // plane: the stream is under way (it lasts 1-2 s; the last piece is
+  // layer 8's).
   std::future<RequestOutcome> submit_and_wait_for_the_stream(TestCluster& cluster, int total_blocks) {
     auto pending = cluster.client().submit(request_of(kLongPrompt, 4));
     const auto reserved = decode_status_when(
         cluster, "decode-1", [&](const WorkerStatus& w) { return w.free_blocks < total_blocks; }, 20s);
     EXPECT_TRUE(reserved && reserved->free_blocks < total_blocks) << "no reservation at decode-1\n" << cluster.logs();
-    std::this_thread::sleep_for(50ms);  // into a prefill of 1-2 s
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    double pieces = 0;
+    while ((pieces = metric_sample(scrape_metrics(prefill_metrics_), "disagg_kv_pieces_sent_total")) <= 0 &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(2ms);  // (a poll of the event, bounded)
+    EXPECT_GT(pieces, 0) << "prefill-1 sent no KV piece\n" << cluster.logs();
     return pending;
   }
+
+  uint16_t prefill_metrics_ = 0;
 };
 
 TEST_F(KvFaults, APrefillNodeKilledMidStreamFreesTheDecodeBlocksAndTheRequestCompletesOnAnother) {
