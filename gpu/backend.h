@@ -81,10 +81,9 @@ class Backend {
   virtual void embedding(const float* table, const int* tokens, float* out, int rows, int dim) = 0;
 
   // ---- quantized weights (gpu/quant.h; the rule: fixed_math.h). W[n][k] in
-  // ggml's blocks of `type`, kept in its type: in the backend's layout
-  // (pack_quantized), or, where quantized_bytes is 0, the file's rows read
-  // where they lie (the CPU's mapping, no copy). A backend without these
-  // kernels says so. C[m,n] = A[m,k] W^T.
+  // ggml's blocks of `type`, kept in its type, in the backend's layout
+  // (pack_quantized: the CPU's tiles, cpu/cpu_kernels.h; CUDA's the rows as
+  // stored). A backend without these kernels says so. C[m,n] = A[m,k] W^T.
   // Bytes of W in this backend's layout (default: the rows as stored).
   virtual size_t quantized_bytes(WeightType type, int n, int k) const { return size_t(n) * row_bytes(type, k); }
   // W's rows as the file stores them (host memory) into `dst` (quantized_bytes, device memory).

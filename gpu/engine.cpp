@@ -62,7 +62,7 @@ const void* place_quantized(Backend& backend, const void* host, size_t bytes, De
 // One weight matrix per layer (n x k, "out x in"; each layer in its own
 // type, as a Q4_K_M file mixes them) on the backend: f32, f16 and bf16
 // packed in its matmul layout, quantized ones in the backend's layout
-// (pack_quantized) or, where it reads them in place, as the file stores them.
+// (pack_quantized).
 class LayerMatrices {
  public:
   // Rows a quantized matrix is packed in at a time: whole tiles of the CPU's
@@ -97,7 +97,7 @@ class LayerMatrices {
         backend.pack_matrix16(static_cast<const uint16_t*>(m.data), dst, n, k);
         L.data = dst;
         halves += stride;
-      } else if (const size_t packed = backend.quantized_bytes(m.type, n, k); packed > 0) {
+      } else {
         // In slices of whole tiles, each slice's file pages released once
         // copied, so the load holds one slice of the file beside the copy
         // (a 128,256-row classifier is a fifth of a Q4_0 1B model).
@@ -107,16 +107,12 @@ class LayerMatrices {
           const int rows = std::min(kPackSliceRows, n - r);
           const auto* src = static_cast<const uint8_t*>(m.data) + size_t(r) * row;
           backend.pack_quantized(m.type, src, dst + backend.quantized_bytes(m.type, r, k), rows, k);
-          checkpoint.release(src, size_t(rows) * row);
+          checkpoint.release(src, size_t(rows) * row);  // the slice's pages, once copied
         }
         L.data = dst;
-        bytes += packed;
-      } else {  // read in place: the file's pages stay
-        L.data = m.data;
-        layers_.push_back(L);
-        continue;
+        bytes += backend.quantized_bytes(m.type, n, k);
       }
-      checkpoint.release(m.data, size);
+      checkpoint.release(m.data, size);  // (quantized: the pages the slices' edges shared)
       layers_.push_back(L);
     }
   }
@@ -132,7 +128,7 @@ class LayerMatrices {
  private:
   struct Layer {
     WeightType type;
-    const void* data;  // in the backend's layout, or (read in place) the file's rows
+    const void* data;  // in the backend's layout
   };
   int n_, k_;
   DeviceArray<float> packed_;        // f32 layers

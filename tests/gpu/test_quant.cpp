@@ -748,6 +748,8 @@ size_t resident_bytes_of_mapping(const std::string& path) {
 // The quantized matrices are copied into the kernels' tiles and the file's
 // pages released as they go: after the load, the process holds (almost)
 // none of the file, so the model is resident once (not as file + tiles).
+// (That it holds one slice at a time while loading, not a whole matrix, is
+// measured by bench_compute --model: peak_rss_over_file.)
 TEST(QuantModelMemory, ALoadedModelKeepsNoneOfItsFilesPages) {
   const ModelConfig config{256, 1024, 4, 4, 4, 8192, 128, true};
   const std::string dir = test::make_temp_dir("quant-memory");
