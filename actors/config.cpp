@@ -52,7 +52,7 @@ std::string DisaggConfig::validate() const {
 void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
   caf::config_option_adder{options, "disagg"}
       .add(c.cluster, "cluster", "the cluster's name; the router refuses workers of another (default disagg)")
-      .add(c.model, "model", "llama2.c checkpoint path")
+      .add(c.model, "model", "model file: GGUF, llama2.c checkpoint or Hugging Face directory")
       .add(c.tokenizer, "tokenizer", "tokenizer path (text prompts and token text)")
       .add(c.backend, "backend", "compute backend: auto, cpu or cuda")
       .add(c.prefill_workers, "prefill-workers", "prefill workers of a local cluster")
