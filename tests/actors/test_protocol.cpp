@@ -3,10 +3,15 @@
 // choices (validation, worker picks, session affinity) are what they claim.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
+#include <sstream>
+
 #include "actors/config.h"
 #include "actors/router_policy.h"
 #include "caf/all.hpp"
 #include "messages/protocol.h"
+#include "support/test_paths.h"
 
 namespace disagg::test {
 namespace {
@@ -127,6 +132,61 @@ TEST(Config, OptionsAreReadFromTheCommandLine) {
   EXPECT_EQ(config.disagg.max_prompt_bytes, 4096);
   EXPECT_EQ(config.disagg.prefill_chunk, 0);
   EXPECT_EQ(config.disagg.max_batch, DisaggConfig{}.max_batch);
+}
+
+// The README's [disagg] table names every option with its type and default
+// as DisaggConfig declares them (the one owner of each default): a default
+// changed in one place and not the other, an option added without a row, or
+// a row left for an option that is gone fails here.
+TEST(Config, TheReadmesOptionTableIsTheConfigsDefaults) {
+  const std::string readme = read_text_file(std::string(DISAGG_SOURCE_DIR) + "/README.md");
+  const size_t begin = readme.find("#### `[disagg]`");
+  ASSERT_NE(begin, std::string::npos) << "no [disagg] table in README.md";
+  const std::string section = readme.substr(begin, readme.find("\n#### ", begin + 1) - begin);
+  struct Row { std::string type, value; };
+  std::map<std::string, Row> rows;
+  std::istringstream lines(section);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("| `", 0) != 0) continue;
+    std::vector<std::string> cells;  // name, type, default (the rest is prose)
+    size_t at = 1;
+    for (int c = 0; c < 3; ++c) {
+      const size_t bar = line.find(" | ", at);
+      std::string cell = line.substr(at, bar - at);
+      cell.erase(0, cell.find_first_not_of(' '));
+      cell.erase(std::remove(cell.begin(), cell.end(), '`'), cell.end());
+      cells.push_back(cell);
+      at = bar + 3;
+    }
+    rows[cells[0]] = Row{cells[1], cells[2]};
+  }
+  DisaggConfig defaults;
+  caf::config_option_set options;
+  add_disagg_options(options, defaults);
+  // CAF's type names as the README spells them.
+  const std::map<std::string, std::string> types = {{"string", "string"}, {"int32", "int32"}, {"int64", "int64"},
+                                                    {"boolean", "bool"}, {"real64", "double"}};
+  size_t seen = 0;
+  for (const auto& opt : options) {
+    const auto long_name = opt.long_name(), type_view = opt.type_name();
+    const std::string name(long_name.data(), long_name.size()), type_name(type_view.data(), type_view.size());
+    SCOPED_TRACE(name + " (" + type_name + ")");
+    auto row = rows.find(name);
+    ASSERT_NE(row, rows.end()) << "an option without a README row";
+    ++seen;
+    const auto value = opt.get();
+    ASSERT_TRUE(value);
+    std::string text = caf::to_string(*value);
+    if (caf::holds_alternative<double>(*value)) {
+      EXPECT_DOUBLE_EQ(std::stod(row->second.value), caf::get<double>(*value)) << row->second.value;
+    } else {
+      EXPECT_EQ(row->second.value, text);
+    }
+    const auto type = types.find(type_name);
+    EXPECT_TRUE(type != types.end() && type->second == row->second.type)
+        << "README says " << row->second.type << ", the option is " << type_name;
+  }
+  EXPECT_EQ(seen, rows.size()) << "a README row for an option that does not exist";
 }
 
 TEST(RouterPolicy, ValidationNamesTheProblem) {
