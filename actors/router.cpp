@@ -1,3 +1,29 @@
+// The router: admits requests, places them on a prefill and a decode
+// worker, relays their tokens, and gives each exactly one terminal reply.
+//
+// A request's lifecycle (Phase below; "finished" is its removal, after the
+// one reply):
+//
+//                  refused reservation: another decode worker (max-decode-retries)
+//              +----------------------------------------------+
+//              v                                              |
+//   submit --> queued --(dispatch: decode room and a    --> reserving --(blocks held: send_prefill_job;
+//              ^  ^      prefill slot, or local prefill)        |          the decode worker's own
+//              |  |                                             |          prefill when local)
+//              |  |                                             v
+//              |  +----- worker lost / silent, no token yet -- prefilling --(prefill report ok, or a
+//              |         (starts over: max-worker-retries)        |           first token of this attempt)
+//              |                                                  v
+//              +-------- decode worker lost after tokens ----- decoding --(done: eos, length, stop)--> finished
+//                        (migrates: prompt + streamed tokens,
+//                         sampling from step k; same retries)
+//
+//   any phase --(cancel, deadline, client gone, a worker's error, retries spent)--> finished
+//
+// Leaving a phase releases what the request held: the prefill slot it kept
+// while reserving (a job once sent holds its slot until the worker's
+// report), the decode blocks (reserving on); answers that name an earlier
+// attempt (Request::attempt) are ignored.
 #include "actors/router.h"
 
 #include <algorithm>
