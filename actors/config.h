@@ -6,6 +6,7 @@
 #include <string>
 
 #include "caf/actor_system_config.hpp"
+#include "caf/deep_to_string.hpp"
 #include "gpu/engine.h"
 
 namespace disagg {
@@ -114,6 +115,14 @@ struct DisaggConfig {
   // Empty when usable, else every problem found, separated by "; ".
   std::string validate() const;
 };
+
+// An option's help text with its default, the field's value when it is
+// registered (so the default is written once, in the struct): "help (default
+// 16)", strings quoted.
+template <class T>
+std::string help_with_default(const char* help, const T& value) {
+  return std::string(help) + " (default " + caf::deep_to_string(value) + ")";
+}
 
 // Registers the fields of `config` as options of group "disagg" in `options`
 // (CAF writes parsed values straight into the fields, so `config` must outlive
