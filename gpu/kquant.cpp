@@ -43,11 +43,6 @@ int nearest_int(float f) {
   return int(bits & 0x007fffff) - 0x00400000;
 }
 
-float load_half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return half_to_float(h);
-}
 void store_half(uint8_t* p, float f) {
   const uint16_t h = float_to_half(f);
   std::memcpy(p, &h, 2);
@@ -194,7 +189,7 @@ void quantize_superblock_q45(const float* x, uint8_t* y, bool five) {
   }
   store_half(y, max_scale / 63.0f);
   store_half(y + 2, max_min / 63.0f);
-  const float d = load_half(y), dmin = load_half(y + 2);
+  const float d = blocks::half_at(y), dmin = blocks::half_at(y + 2);
   for (int j = 0; j < 8; ++j) {
     int sc, m;
     blocks::scale_min(WeightType::q4_k, y, j, sc, m);  // (Q5_K's scales lie where Q4_K's do)
@@ -236,7 +231,7 @@ void quantize_superblock_q6(const float* x, uint8_t* y) {
   store_half(y + 208, 1.0f / iscale);
   auto* sc = reinterpret_cast<int8_t*>(y + 192);
   for (int ib = 0; ib < 16; ++ib) sc[ib] = int8_t(std::min(127, nearest_int(iscale * scales[ib])));
-  const float d = load_half(y + 208);
+  const float d = blocks::half_at(y + 208);
   for (int j = 0; j < 16; ++j) {
     const float dq = d * float(sc[j]);
     if (dq == 0) continue;  // L keeps the fit's values

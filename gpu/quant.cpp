@@ -28,30 +28,7 @@ const char* to_string(WeightType type) {
 }
 
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1f;
-  uint32_t mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;  // +-0
-  } else {
-    // Subnormal: normalize (the value is mantissa * 2^-24).
-    int e = -1;
-    do {
-      ++e;
-      mantissa <<= 1;
-    } while ((mantissa & 0x400) == 0);
-    bits = sign | uint32_t(127 - 15 - e) << 23 | ((mantissa & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+float half_to_float(uint16_t h) { return blocks::half_bits_to_float(h); }
 
 uint16_t float_to_half(float f) {
   uint32_t x;

@@ -9,6 +9,7 @@
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/fixed_math.h"
 #include "gpu/quant.h"
+#include "gpu/quant_blocks.h"
 #include "gpu/kv_layout.h"
 
 namespace disagg::gpu::cpu::avx2 {

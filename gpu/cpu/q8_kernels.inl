@@ -3,18 +3,6 @@
 // product"), and their helpers. Included by each gpu/cpu/isa_*.cpp inside its
 // namespace, before q8_tiles.inl (Q8_0, Q4_0) and kq_tiles.inl (K-quants).
 
-// A block's half-precision scale as a float (exact).
-inline float q8_scale(const uint8_t* block) {
-  uint16_t h;
-  std::memcpy(&h, block, 2);
-  const uint32_t exponent = (h >> 10) & 0x1f;
-  if (exponent == 0 || exponent == 0x1f) return half_to_float(h);  // zero, subnormal, inf, NaN
-  const uint32_t bits = uint32_t(h & 0x8000) << 16 | (exponent + 112) << 23 | uint32_t(h & 0x3ff) << 13;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 #if defined(__AVX2__)
 // The largest of m's 8 lanes (none NaN), and the sum of v's 8 int32 lanes.
 inline float q8_hmax(__m256 m) {

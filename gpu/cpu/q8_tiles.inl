@@ -189,7 +189,7 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
           isum += q * int32_t(a[j]);
         }
         acc = std::fma(float(isum),
-                       q8_scale(tile_scales + 32 * size_t(b) + 2 * size_t(cc)) * scale(grp + size_t(b) * kG + kScales + 4 * i),
+                       blocks::half_at(tile_scales + 32 * size_t(b) + 2 * size_t(cc)) * scale(grp + size_t(b) * kG + kScales + 4 * i),
                        acc);
       }
       c[size_t(r + i) * n + col + cc] = acc;
