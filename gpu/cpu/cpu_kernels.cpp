@@ -96,6 +96,18 @@ void tile_quantized(WeightType type, const uint8_t* rows, uint8_t* tiled, int n,
     }
 }
 
+void untile_block(WeightType type, const uint8_t* tile, int blocks, int b, int c, uint8_t* block) {
+  const TileSpec spec = tile_spec(type);
+  const size_t body = tile_body_bytes(type), tail = tile_tail_bytes(type);
+  const uint8_t* in = tile + size_t(b) * body;
+  const uint8_t* tails = tile + size_t(blocks) * body + size_t(b) * tail;
+  int word = 0;
+  for (const auto& range : spec.ranges)
+    for (int at = range[0]; at < range[1]; at += 4, ++word)
+      for (int i = 0; i < 4; ++i) block[at + i] = uint8_t(in[64 * word + 4 * c + i] ^ (spec.flip ? 0x80 : 0x00));
+  for (int h = 0; h < 2 && spec.halves[h] >= 0; ++h) std::memcpy(block + spec.halves[h], tails + 32 * h + 2 * c, 2);
+}
+
 size_t attention_scratch_floats(int rows, int n_heads, int n_kv_heads, int head_size) {
   const size_t group = size_t(n_heads / n_kv_heads);
   const size_t head_floats = size_t((head_size + 15) / 16) * 16;

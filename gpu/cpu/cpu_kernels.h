@@ -62,6 +62,10 @@ size_t tiled_bytes(WeightType type, int n, int k);
 // Tiles [tile_begin, tile_end) of W (rows as the file stores them) into
 // `tiled`; `type` quantized (not f32, f16, bf16).
 void tile_quantized(WeightType type, const uint8_t* rows, uint8_t* tiled, int n, int k, int tile_begin, int tile_end);
+// The inverse for one block: column c of block b of `tile` (k/block_values
+// = `blocks` blocks) as the file stores it, block_bytes(type) at `block` (the
+// portable kernels read the tiles through this).
+void untile_block(WeightType type, const uint8_t* tile, int blocks, int b, int c, uint8_t* block);
 
 struct AttentionArgs {
   const float* q;          // rows x (n_heads * head_size)

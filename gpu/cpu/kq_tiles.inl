@@ -319,8 +319,6 @@ constexpr int kKPanelRows = 4;
 template <WeightType T>
 inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
                        const int32_t* apairs, int k, float* c, int n, int r0, int r1, int col, int cols) {
-  constexpr size_t kBody = ktile_body_bytes<T>(), kTail = ktile_tail_bytes<T>();
-  const uint8_t* tails = tile + size_t(blocks) * kBody;
 #if defined(__AVX2__)
   using L = KLanes;
   for (int h = 0; h < L::kHalves && 8 * h < cols; ++h) {
@@ -345,31 +343,15 @@ inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const in
       ksource_rows_upto<T, kKRows - 1>(r1 - r, src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
     }
   }
-  (void)tails;
-  (void)kTail;
 #else
   // Each column's superblock put back as the file stores it, then the reference's sums.
   constexpr size_t kBytes = block_bytes(T);
-  const size_t word_ranges[3][2] = {
-      {T == WeightType::q6_k ? 0u : T == WeightType::q5_k ? 48u : 16u, T == WeightType::q6_k ? 128u : kBytes},
-      {T == WeightType::q6_k ? 128u : T == WeightType::q5_k ? 16u : 4u, T == WeightType::q6_k ? 192u : T == WeightType::q5_k ? 48u : 16u},
-      {T == WeightType::q6_k ? 192u : T == WeightType::q5_k ? 4u : 0u, T == WeightType::q6_k ? 208u : T == WeightType::q5_k ? 16u : 0u}};
   for (int cc = 0; cc < cols; ++cc) {
     for (int row = r0; row < r1; ++row) {
       float acc = 0.0f;
       for (int b = 0; b < blocks; ++b) {
         uint8_t block[kBytes];
-        const uint8_t* body = tile + size_t(b) * kBody;
-        size_t word = 0;
-        for (const auto& range : word_ranges)
-          for (size_t at = range[0]; at < range[1]; at += 4, ++word) std::memcpy(block + at, body + 64 * word + 4 * cc, 4);
-        const uint8_t* tb = tails + size_t(b) * kTail;
-        if constexpr (T == WeightType::q6_k) {
-          std::memcpy(block + 208, tb + 2 * cc, 2);
-        } else {
-          std::memcpy(block, tb + 2 * cc, 2);
-          std::memcpy(block + 2, tb + 32 + 2 * cc, 2);
-        }
+        untile_block(T, tile, blocks, b, cc, block);
         KQuantBlock kb;
         unpack_superblock(T, block, kb);
         const size_t at = size_t(row) * blocks + b;

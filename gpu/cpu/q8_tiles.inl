@@ -37,7 +37,7 @@ template <WeightType T>
 constexpr int32_t tile_bias() { return T == WeightType::q8_0 ? 128 : 8; }
 
 // Four bytes as one int32 (to broadcast to every lane).
-inline int32_t load_word(const int8_t* p) {
+inline int32_t load_word(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
@@ -72,11 +72,6 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
   constexpr size_t kQ = tile_quant_bytes<T>(), kG = group_block_bytes(R);
   [[maybe_unused]] constexpr size_t kScales = size_t(R) * kQ8Block, kStarts = kScales + 4 * size_t(R);
   const uint8_t* tile_scales = tile + size_t(blocks) * kQ;  // 16 halves a block
-  auto word = [](const uint8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  };
   auto scale = [](const uint8_t* p) {
     float v;
     std::memcpy(&v, p, 4);
@@ -91,12 +86,12 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
     const uint8_t* gb = grp + size_t(b) * kG;  // row i's values at 32 i
     tile_prefetch<T>(tb, tile_scales + 32 * size_t(b));
     __m512i is[R];
-    for (int i = 0; i < R; ++i) is[i] = _mm512_set1_epi32(word(gb + kStarts + 4 * i));
+    for (int i = 0; i < R; ++i) is[i] = _mm512_set1_epi32(load_word(gb + kStarts + 4 * i));
     if constexpr (T == WeightType::q8_0) {
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const __m512i wv = _mm512_loadu_si512(tb + 64 * g);
-        for (int i = 0; i < R; ++i) is[i] = _mm512_dpbusd_epi32(is[i], wv, _mm512_set1_epi32(word(gb + 32 * i + 4 * g)));
+        for (int i = 0; i < R; ++i) is[i] = _mm512_dpbusd_epi32(is[i], wv, _mm512_set1_epi32(load_word(gb + 32 * i + 4 * g)));
       }
     } else {
 #pragma GCC unroll 4
@@ -104,8 +99,8 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
         const __m512i x = _mm512_loadu_si512(tb + 64 * g);
         const __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
         for (int i = 0; i < R; ++i) {
-          is[i] = _mm512_dpbusd_epi32(is[i], lo, _mm512_set1_epi32(word(gb + 32 * i + 4 * g)));
-          is[i] = _mm512_dpbusd_epi32(is[i], hi, _mm512_set1_epi32(word(gb + 32 * i + 16 + 4 * g)));
+          is[i] = _mm512_dpbusd_epi32(is[i], lo, _mm512_set1_epi32(load_word(gb + 32 * i + 4 * g)));
+          is[i] = _mm512_dpbusd_epi32(is[i], hi, _mm512_set1_epi32(load_word(gb + 32 * i + 16 + 4 * g)));
         }
       }
     }
@@ -133,7 +128,7 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
           const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g)), flip);
           const __m256i wabs = _mm256_sign_epi8(w, w);
           for (int i = 0; i < R; ++i) {
-            const __m256i av = _mm256_set1_epi32(word(gb + 32 * i + 4 * g));
+            const __m256i av = _mm256_set1_epi32(load_word(gb + 32 * i + 4 * g));
             is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(av, w)), ones));
           }
         }
@@ -145,13 +140,13 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g));
           const __m256i lo = _mm256_and_si256(x, low4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
           for (int i = 0; i < R; ++i) {
-            const __m256i al = _mm256_set1_epi32(word(gb + 32 * i + 4 * g));
-            const __m256i ah = _mm256_set1_epi32(word(gb + 32 * i + 16 + 4 * g));
+            const __m256i al = _mm256_set1_epi32(load_word(gb + 32 * i + 4 * g));
+            const __m256i ah = _mm256_set1_epi32(load_word(gb + 32 * i + 16 + 4 * g));
             p16[i] = _mm256_add_epi16(p16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al), _mm256_maddubs_epi16(hi, ah)));
           }
         }
         for (int i = 0; i < R; ++i)
-          is[i] = _mm256_add_epi32(_mm256_madd_epi16(p16[i], ones), _mm256_set1_epi32(word(gb + kStarts + 4 * i)));
+          is[i] = _mm256_add_epi32(_mm256_madd_epi16(p16[i], ones), _mm256_set1_epi32(load_word(gb + kStarts + 4 * i)));
       }
       const __m256 dw =
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + 32 * size_t(b) + 16 * h)));
@@ -175,26 +170,16 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
     for (int cc = 0; cc < cols; ++cc) {
       float acc = 0.0f;
       for (int b = 0; b < blocks; ++b) {
-        const uint8_t* tb = tile + size_t(b) * kQ;
+        uint8_t block[block_bytes(T)];  // the file's block, put back from the tile
+        untile_block(T, tile, blocks, b, cc, block);
         const auto* a = reinterpret_cast<const int8_t*>(grp + size_t(b) * kG + 32 * size_t(i));
         int32_t isum = 0;
-        for (int j = 0; j < kQ8Block; ++j) {
-          int32_t q;
-          if constexpr (T == WeightType::q8_0) {
-            q = int32_t(int8_t(tb[64 * (j / 4) + 4 * cc + j % 4] ^ 0x80));
-          } else {
-            const uint8_t byte = tb[64 * ((j % 16) / 4) + 4 * cc + j % 4];
-            q = int32_t(j < 16 ? byte & 0x0f : byte >> 4) - 8;
-          }
-          isum += q * int32_t(a[j]);
-        }
-        acc = std::fma(float(isum),
-                       blocks::half_at(tile_scales + 32 * size_t(b) + 2 * size_t(cc)) * scale(grp + size_t(b) * kG + kScales + 4 * i),
-                       acc);
+        for (int j = 0; j < kQ8Block; ++j) isum += blocks::value(T, block, j) * int32_t(a[j]);
+        acc = std::fma(float(isum), blocks::d_of(T, block) * scale(grp + size_t(b) * kG + kScales + 4 * i), acc);
       }
       c[size_t(r + i) * n + col + cc] = acc;
     }
-  (void)word;
+  (void)tile_scales;
 #endif
 }
 
