@@ -63,6 +63,30 @@ void for_each_index(size_t work, long long n, const F& f) {
   for (long long i = 0; i < n; ++i) f(i);
 }
 
+// f(u0, u1) over [0, units) of a product's column units (panels, tiles):
+// on the calling thread when `work` is small, else each OpenMP thread its
+// own units. Every element is computed by one thread in the fixed order, so
+// the result does not depend on the thread count.
+template <class F>
+void for_each_unit_share(int units, size_t work, const F& f) {
+  if (work < kParallelWork) {
+    f(0, units);
+    return;
+  }
+#pragma omp parallel
+  {
+    const auto [u0, u1] = share(units, omp_get_thread_num(), omp_get_num_threads());
+    if (u0 < u1) f(u0, u1);
+  }
+}
+
+// The same over a quantized product's tiles, as column ranges [c0, c1).
+template <class F>
+void for_each_tile_share(int n, size_t work, const F& f) {
+  for_each_unit_share((n + cpu::kTileCols - 1) / cpu::kTileCols, work,
+                      [&](int t0, int t1) { f(t0 * cpu::kTileCols, std::min(n, t1 * cpu::kTileCols)); });
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(const cpu::KernelTable& kernels) : k_(kernels) {}
@@ -111,17 +135,7 @@ class CpuBackend final : public Backend {
   void matmul(const float* a, const float* w, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
     const int panels = (n + cpu::kPanel - 1) / cpu::kPanel;
-    if (size_t(m) * n * k < kParallelWork) {
-      k_.matmul(a, w, c, m, n, k, 0, panels);
-      return;
-    }
-    // Each thread its own columns: every element is computed by one thread in
-    // the fixed order, so the result does not depend on the thread count.
-#pragma omp parallel
-    {
-      const auto [p0, p1] = share(panels, omp_get_thread_num(), omp_get_num_threads());
-      if (p0 < p1) k_.matmul(a, w, c, m, n, k, p0, p1);
-    }
+    for_each_unit_share(panels, size_t(m) * n * k, [&](int p0, int p1) { k_.matmul(a, w, c, m, n, k, p0, p1); });
   }
   void pack_matrix16(const uint16_t* host_w, uint16_t* packed, int n, int k) override {
     cpu::pack_matrix16(host_w, packed, n, k);
@@ -130,15 +144,8 @@ class CpuBackend final : public Backend {
     if (m <= 0 || n <= 0) return;
     if (!is_float16(type)) throw Error(std::string("matmul16: ") + to_string(type) + " is not a 16-bit float type");
     const int panels = (n + cpu::kPanel - 1) / cpu::kPanel;
-    if (size_t(m) * n * k < kParallelWork) {
-      k_.matmul16(type, a, w, c, m, n, k, 0, panels);
-      return;
-    }
-#pragma omp parallel
-    {
-      const auto [p0, p1] = share(panels, omp_get_thread_num(), omp_get_num_threads());
-      if (p0 < p1) k_.matmul16(type, a, w, c, m, n, k, p0, p1);
-    }
+    for_each_unit_share(panels, size_t(m) * n * k,
+                        [&](int p0, int p1) { k_.matmul16(type, a, w, c, m, n, k, p0, p1); });
   }
   // Quantized weights in tiles (cpu_kernels.h).
   size_t quantized_bytes(WeightType type, int n, int k) const override { return cpu::tiled_bytes(type, n, k); }
@@ -166,18 +173,9 @@ class CpuBackend final : public Backend {
       k_.quantize_q8(a + size_t(r) * k, k, q8_scales_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k);
     });
     const auto* wb = static_cast<const uint8_t*>(w);
-    if (size_t(m) * n * k < kParallelWork) {
-      k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, 0, n);
-      return;
-    }
-    // Each thread its own tiles, as matmul its panels.
-    const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
-#pragma omp parallel
-    {
-      const auto [t0, t1] = share(tiles, omp_get_thread_num(), omp_get_num_threads());
-      const int c0 = t0 * cpu::kTileCols, c1 = std::min(n, t1 * cpu::kTileCols);
-      if (c0 < c1) k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, c0, c1);
-    }
+    for_each_tile_share(n, size_t(m) * n * k, [&](int c0, int c1) {
+      k_.matmul_quantized(type, q8_scales_.data(), q8_values_.data(), wb, c, m, n, k, c0, c1);
+    });
   }
   // The K-quant rule: activations per superblock (Q8_K), then the kernels.
   void matmul_kquant(WeightType type, const float* a, const uint8_t* w, float* c, int m, int n, int k) {
@@ -190,17 +188,9 @@ class CpuBackend final : public Backend {
       k_.quantize_q8k(a + size_t(r) * k, k, k_d_.data() + size_t(r) * blocks, q8_values_.data() + size_t(r) * k,
                       k_bsums_.data() + size_t(r) * k / 16);
     });
-    if (size_t(m) * n * k < kParallelWork) {
-      k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, 0, n);
-      return;
-    }
-    const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
-#pragma omp parallel
-    {
-      const auto [t0, t1] = share(tiles, omp_get_thread_num(), omp_get_num_threads());
-      const int c0 = t0 * cpu::kTileCols, c1 = std::min(n, t1 * cpu::kTileCols);
-      if (c0 < c1) k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, c0, c1);
-    }
+    for_each_tile_share(n, size_t(m) * n * k, [&](int c0, int c1) {
+      k_.matmul_kquant(type, k_d_.data(), q8_values_.data(), k_bsums_.data(), w, c, m, n, k, c0, c1);
+    });
   }
   void embedding_quantized(WeightType type, const void* table, const int* tokens, float* out, int rows,
                            int dim) override {
