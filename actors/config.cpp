@@ -50,71 +50,46 @@ std::string DisaggConfig::validate() const {
 }
 
 void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
-  caf::config_option_adder{options, "disagg"}
-      .add(c.cluster, "cluster",
-           help_with_default("the cluster's name; the router refuses workers of another", c.cluster))
-      .add(c.model, "model",
-           help_with_default("model file: GGUF, llama2.c checkpoint or Hugging Face directory", c.model))
-      .add(c.tokenizer, "tokenizer", help_with_default("tokenizer path (text prompts and token text)", c.tokenizer))
-      .add(c.backend, "backend", help_with_default("compute backend: auto, cpu or cuda", c.backend))
-      .add(c.prefill_workers, "prefill-workers",
-           help_with_default("prefill workers of a local cluster", c.prefill_workers))
-      .add(c.decode_workers, "decode-workers", help_with_default("decode workers of a local cluster", c.decode_workers))
-      .add(c.max_kv_transfer_bytes, "max-kv-transfer-bytes",
-           help_with_default("largest KV a prefill worker ships (larger: kv_too_large)", c.max_kv_transfer_bytes))
-      .add(c.ack_timeout_ms, "ack-timeout-ms",
-           help_with_default("how long a prefill worker waits for the KV ack", c.ack_timeout_ms))
+  OptionAdder{options, "disagg"}
+      .add(c.cluster, "cluster", "the cluster's name; the router refuses workers of another")
+      .add(c.model, "model", "model file: GGUF, llama2.c checkpoint or Hugging Face directory")
+      .add(c.tokenizer, "tokenizer", "tokenizer path (text prompts and token text)")
+      .add(c.backend, "backend", "compute backend: auto, cpu or cuda")
+      .add(c.prefill_workers, "prefill-workers", "prefill workers of a local cluster")
+      .add(c.decode_workers, "decode-workers", "decode workers of a local cluster")
+      .add(c.max_kv_transfer_bytes, "max-kv-transfer-bytes", "largest KV a prefill worker ships (larger: kv_too_large)")
+      .add(c.ack_timeout_ms, "ack-timeout-ms", "how long a prefill worker waits for the KV ack")
       .add(c.kv_transport, "kv-transport",
-           help_with_default(
-               "KV from prefill to decode: tcp (UCX stream), shm (UCX stream, shared memory on one host; see README), "
-               "message (one CAF message)",
-               c.kv_transport))
-      .add(c.kv_host, "kv-host", help_with_default("address a decode node's KV receivers listen on", c.kv_host))
-      .add(c.block_size, "block-size", help_with_default("positions per KV block of the decode pool", c.block_size))
-      .add(c.pool_blocks, "pool-blocks", help_with_default("KV blocks per decode worker", c.pool_blocks))
-      .add(c.max_batch, "max-batch", help_with_default("sequences per decode step", c.max_batch))
+           "KV from prefill to decode: tcp (UCX stream), shm (UCX stream, shared memory on one host; see README), "
+           "message (one CAF message)")
+      .add(c.kv_host, "kv-host", "address a decode node's KV receivers listen on")
+      .add(c.block_size, "block-size", "positions per KV block of the decode pool")
+      .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
+      .add(c.max_batch, "max-batch", "sequences per decode step")
       .add(c.prefix_caching, "prefix-caching",
-           help_with_default(
-               "decode workers keep finished sequences' KV blocks and share them with prompts that start alike; "
-               "prefill workers keep recent prompts' (prefill-cache-blocks)",
-               c.prefix_caching))
+           "decode workers keep finished sequences' KV blocks and share them with prompts that start alike; "
+           "prefill workers keep recent prompts' (prefill-cache-blocks)")
       .add(c.prefill_cache_blocks, "prefill-cache-blocks",
-           help_with_default("KV blocks (of block-size positions) of a prefill worker's prefix cache (0: none)",
-                             c.prefill_cache_blocks))
-      .add(
-          c.prefill_chunk, "prefill-chunk",
-          help_with_default("a colocated worker's prompt positions per turn between decode steps (0: the whole prompt)",
-                            c.prefill_chunk))
+           "KV blocks (of block-size positions) of a prefill worker's prefix cache (0: none)")
+      .add(c.prefill_chunk, "prefill-chunk",
+           "a colocated worker's prompt positions per turn between decode steps (0: the whole prompt)")
       .add(c.local_prefill_tokens, "local-prefill-tokens",
-           help_with_default(
-               "a decode worker prefills a prompt itself when at most this many positions are left after its "
-               "prefix cache's (0: never)",
-               c.local_prefill_tokens))
+           "a decode worker prefills a prompt itself when at most this many positions are left after its "
+           "prefix cache's (0: never)")
       .add(c.kv_routing_prefill_weight, "kv-routing-prefill-weight",
-           help_with_default(
-               "weight of the prompt blocks a decode worker's prefix cache lacks in the router's choice (0: ignore)",
-               c.kv_routing_prefill_weight))
-      .add(c.queue_capacity, "queue-capacity",
-           help_with_default("requests the router holds before dispatch (more: overloaded)", c.queue_capacity))
-      .add(c.max_prefill_inflight, "max-prefill-inflight",
-           help_with_default("jobs per prefill worker at once", c.max_prefill_inflight))
-      .add(c.default_deadline_ms, "default-deadline-ms",
-           help_with_default("deadline of a request that sets none", c.default_deadline_ms))
-      .add(c.max_prompt_bytes, "max-prompt-bytes",
-           help_with_default("longest text prompt the router encodes (longer: invalid_request)", c.max_prompt_bytes))
-      .add(c.session_affinity_size, "session-affinity-size",
-           help_with_default("sessions the router remembers", c.session_affinity_size))
-      .add(c.max_decode_retries, "max-decode-retries",
-           help_with_default("other decode workers tried after an overloaded reply", c.max_decode_retries))
+           "weight of the prompt blocks a decode worker's prefix cache lacks in the router's choice (0: ignore)")
+      .add(c.queue_capacity, "queue-capacity", "requests the router holds before dispatch (more: overloaded)")
+      .add(c.max_prefill_inflight, "max-prefill-inflight", "jobs per prefill worker at once")
+      .add(c.default_deadline_ms, "default-deadline-ms", "deadline of a request that sets none")
+      .add(c.max_prompt_bytes, "max-prompt-bytes", "longest text prompt the router encodes (longer: invalid_request)")
+      .add(c.session_affinity_size, "session-affinity-size", "sessions the router remembers")
+      .add(c.max_decode_retries, "max-decode-retries", "other decode workers tried after an overloaded reply")
       .add(c.max_worker_retries, "max-worker-retries",
-           help_with_default("restarts of a request that has no token yet when a worker is lost or stops answering",
-                             c.max_worker_retries))
-      .add(c.heartbeat_interval_ms, "heartbeat-interval-ms",
-           help_with_default("how often the router checks every worker (0: never)", c.heartbeat_interval_ms))
+           "restarts of a request that has no token yet when a worker is lost or stops answering")
+      .add(c.heartbeat_interval_ms, "heartbeat-interval-ms", "how often the router checks every worker (0: never)")
       .add(c.heartbeat_timeout_ms, "heartbeat-timeout-ms",
-           help_with_default("a worker silent this long gets no new work until it answers", c.heartbeat_timeout_ms))
-      .add(c.compute_timeout_ms, "compute-timeout-ms",
-           help_with_default("deadline of every call to a compute actor", c.compute_timeout_ms));
+           "a worker silent this long gets no new work until it answers")
+      .add(c.compute_timeout_ms, "compute-timeout-ms", "deadline of every call to a compute actor");
 }
 
 void prefer_sharing_scheduler(caf::actor_system_config& config) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "caf/actor_system_config.hpp"
+#include "caf/config_option_adder.hpp"
 #include "caf/deep_to_string.hpp"
 #include "gpu/engine.h"
 
@@ -116,13 +117,27 @@ struct DisaggConfig {
   std::string validate() const;
 };
 
-// An option's help text with its default, the field's value when it is
-// registered (so the default is written once, in the struct): "help (default
-// 16)", strings quoted.
-template <class T>
-std::string help_with_default(const char* help, const T& value) {
-  return std::string(help) + " (default " + caf::deep_to_string(value) + ")";
-}
+// caf::config_option_adder whose help texts end with each field's default,
+// its value when it is registered (so the default is written once, in the
+// struct): "help (default 16)", strings quoted. add_computed: a default the
+// code derives, which the help text itself describes.
+class OptionAdder {
+ public:
+  OptionAdder(caf::config_option_set& options, caf::string_view category) : adder_(options, category) {}
+  template <class T>
+  OptionAdder& add(T& field, caf::string_view name, const char* help) {
+    adder_.add(field, name, std::string(help) + " (default " + caf::deep_to_string(field) + ")");
+    return *this;
+  }
+  template <class T>
+  OptionAdder& add_computed(T& field, caf::string_view name, const char* help) {
+    adder_.add(field, name, help);
+    return *this;
+  }
+
+ private:
+  caf::config_option_adder adder_;
+};
 
 // Registers the fields of `config` as options of group "disagg" in `options`
 // (CAF writes parsed values straight into the fields, so `config` must outlive

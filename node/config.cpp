@@ -125,53 +125,37 @@ NodeRole NodeOptions::parsed_role() const {
 }
 
 void add_node_options(caf::config_option_set& options, NodeOptions& n) {
-  caf::config_option_adder{options, "node"}
-      .add(n.role, "role",
-           help_with_default("router, prefill, decode, worker (colocated prefill + decode) or frontend", n.role))
-      .add(n.name, "name", "worker name at the router (default: role@host/pid)")
-      .add(n.host, "host", help_with_default("address this node listens on", n.host))
-      .add(n.port, "port", help_with_default("router: client/worker port; decode: KV port (0: any free port)", n.port))
-      .add(n.advertise_host, "advertise-host", "decode: host prefill nodes dial (default: host)")
-      .add(n.router_host, "router-host", help_with_default("workers: the router's address", n.router_host))
-      .add(n.router_port, "router-port", help_with_default("workers: the router's port", n.router_port))
-      .add(n.connect_retry_ms, "connect-retry-ms",
-           help_with_default("first delay between tries to reach the router", n.connect_retry_ms))
-      .add(n.connect_backoff_max_ms, "connect-backoff-max-ms",
-           help_with_default("longest delay between tries", n.connect_backoff_max_ms))
-      .add(n.connect_timeout_ms, "connect-timeout-ms",
-           help_with_default("give up reaching the router after (0: never)", n.connect_timeout_ms))
-      .add(n.peer_refresh_ms, "peer-refresh-ms",
-           help_with_default("prefill: how often to look for new decode nodes", n.peer_refresh_ms))
-      .add(n.ready_file, "ready-file", help_with_default("file written once the node serves", n.ready_file))
-      .add(n.log_level, "log-level", help_with_default("error, warning or info", n.log_level))
-      .add(n.metrics_port, "metrics-port",
-           help_with_default("GET /metrics (Prometheus) on host:metrics-port (0: off)", n.metrics_port))
-      .add(n.port_guard, "port-guard",
-           help_with_default("router, decode: check every peer's messages in front of the CAF port", n.port_guard))
-      .add(n.max_message_bytes, "max-message-bytes",
-           help_with_default("largest message a peer may announce (port guard)", n.max_message_bytes))
-      .add(n.handshake_timeout_ms, "handshake-timeout-ms",
-           help_with_default("a peer's handshake must be complete by then (port guard)", n.handshake_timeout_ms))
-      .add(n.message_timeout_ms, "message-timeout-ms",
-           help_with_default("a message over 64 KiB must be complete by then (port guard)", n.message_timeout_ms))
-      .add(n.max_connections, "max-connections",
-           help_with_default("connections a port accepts at once (port guard)", n.max_connections))
+  OptionAdder{options, "node"}
+      .add(n.role, "role", "router, prefill, decode, worker (colocated prefill + decode) or frontend")
+      .add_computed(n.name, "name", "worker name at the router (default: role@host/pid)")
+      .add(n.host, "host", "address this node listens on")
+      .add(n.port, "port", "router: client/worker port; decode: KV port (0: any free port)")
+      .add_computed(n.advertise_host, "advertise-host", "decode: host prefill nodes dial (default: host)")
+      .add(n.router_host, "router-host", "workers: the router's address")
+      .add(n.router_port, "router-port", "workers: the router's port")
+      .add(n.connect_retry_ms, "connect-retry-ms", "first delay between tries to reach the router")
+      .add(n.connect_backoff_max_ms, "connect-backoff-max-ms", "longest delay between tries")
+      .add(n.connect_timeout_ms, "connect-timeout-ms", "give up reaching the router after (0: never)")
+      .add(n.peer_refresh_ms, "peer-refresh-ms", "prefill: how often to look for new decode nodes")
+      .add(n.ready_file, "ready-file", "file written once the node serves")
+      .add(n.log_level, "log-level", "error, warning or info")
+      .add(n.metrics_port, "metrics-port", "GET /metrics (Prometheus) on host:metrics-port (0: off)")
+      .add(n.port_guard, "port-guard", "router, decode: check every peer's messages in front of the CAF port")
+      .add(n.max_message_bytes, "max-message-bytes", "largest message a peer may announce (port guard)")
+      .add(n.handshake_timeout_ms, "handshake-timeout-ms", "a peer's handshake must be complete by then (port guard)")
+      .add(n.message_timeout_ms, "message-timeout-ms", "a message over 64 KiB must be complete by then (port guard)")
+      .add(n.max_connections, "max-connections", "connections a port accepts at once (port guard)")
       .add(n.max_pending_per_source, "max-pending-per-source",
-           help_with_default("connections in their handshake from one address at once (port guard)",
-                             n.max_pending_per_source))
-      .add(n.http_host, "http-host", help_with_default("frontend: address of the HTTP API", n.http_host))
-      .add(n.http_port, "http-port",
-           help_with_default("frontend: port of the HTTP API (0: any free port)", n.http_port))
-      .add(n.http_body_limit, "http-body-limit",
-           help_with_default("frontend: largest request body in bytes (more: 413)", n.http_body_limit))
+           "connections in their handshake from one address at once (port guard)")
+      .add(n.http_host, "http-host", "frontend: address of the HTTP API")
+      .add(n.http_port, "http-port", "frontend: port of the HTTP API (0: any free port)")
+      .add(n.http_body_limit, "http-body-limit", "frontend: largest request body in bytes (more: 413)")
       .add(n.http_stream_buffer_bytes, "http-stream-buffer-bytes",
-           help_with_default(
-               "frontend: bytes of a stream queued for a client that reads slowly; more: cancelled, closed",
-               n.http_stream_buffer_bytes))
-      .add(n.http_threads, "http-threads", help_with_default("frontend: HTTP I/O threads", n.http_threads))
-      .add(n.chat_template, "chat-template",
-           help_with_default("frontend: auto (the model file's) or a built-in (gpu/chat_template.h)", n.chat_template))
-      .add(n.served_model_name, "served-model-name", "frontend: the model's name in the API (default: file name)");
+           "frontend: bytes of a stream queued for a client that reads slowly; more: cancelled, closed")
+      .add(n.http_threads, "http-threads", "frontend: HTTP I/O threads")
+      .add(n.chat_template, "chat-template", "frontend: auto (the model file's) or a built-in (gpu/chat_template.h)")
+      .add_computed(n.served_model_name, "served-model-name",
+                    "frontend: the model's name in the API (default: file name)");
 }
 
 NodeSystemConfig::NodeSystemConfig() {
