@@ -49,6 +49,7 @@ struct KLanes {
   static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static I dot2(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
   static F halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static F fzero() { return _mm512_setzero_ps(); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -84,6 +85,7 @@ struct KLanes {
   }
   static I dot2(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
   static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static F fzero() { return _mm256_setzero_ps(); }
   static F fset1(float v) { return _mm256_set1_ps(v); }
   static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -213,15 +215,8 @@ struct KPanelSource {
   I values(int g) const { return at->r[g]; }
   I scale(int j) const { return at->r[kGroups + j]; }
   I min_pair(int p) const { return at->r[kGroups + kscales<T>() + p]; }
-  L::F d() const { return load_lanes(at->d); }
-  L::F dmin() const { return load_lanes(at->dmin); }
-  static L::F load_lanes(const float* p) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return _mm512_load_ps(p);
-#else
-    return _mm256_load_ps(p);
-#endif
-  }
+  L::F d() const { return L::fload(at->d); }
+  L::F dmin() const { return L::fload(at->dmin); }
   // Fills `blocks` panel blocks from a tile's half.
   static void fill(KTileSource<T>& src, Block* out) {
     for (int b = 0; b < src.blocks; ++b) {
