@@ -152,7 +152,13 @@ struct RouterState {
   std::shared_ptr<const gpu::Tokenizer> tokenizer;
   std::optional<ModelLimits> limits;
   std::optional<ModelInfo> model;  // the cluster's model (the router's own), when it has one
+  PrefixHolders holders;  // what every worker's prefix index holds (their Worker::prefix)
   std::map<WorkerKey, Worker> workers;
+  // The same workers by actor address (every message from a worker is
+  // looked up by its sender: O(1), not a walk over a thousand workers) and
+  // counted by role.
+  std::unordered_map<caf::actor_addr, WorkerKey> by_address;
+  int prefill_count = 0;
   WorkerKey next_worker_key = 1;
   std::unordered_map<RequestId, Request> requests;
   // Each request's client actor, monitored: a client that goes away (its
@@ -173,10 +179,8 @@ using Self = router_actor::stateful_pointer<RouterState>;
 struct BooksMetrics {
   const RouterState& st;
   ~BooksMetrics() {
-    int prefill = 0;
-    for (const auto& kv : st.workers) prefill += kv.second.prefill ? 1 : 0;
-    record_router_books(st.queue.size(), st.requests.size() - st.queue.size(), prefill,
-                        int(st.workers.size()) - prefill);
+    record_router_books(st.queue.size(), st.requests.size() - st.queue.size(), st.prefill_count,
+                        int(st.workers.size()) - st.prefill_count);
   }
 };
 
@@ -187,10 +191,9 @@ Worker* find_worker(Self self, WorkerKey key) {
 
 // The registered worker the current message comes from (0: none).
 WorkerKey sender_key(Self self) {
-  const auto sender = caf::actor_cast<caf::actor_addr>(self->current_sender());
-  for (auto& kv : self->state.workers)
-    if (kv.second.address == sender) return kv.first;
-  return 0;
+  const auto& index = self->state.by_address;
+  auto it = index.find(caf::actor_cast<caf::actor_addr>(self->current_sender()));
+  return it == index.end() ? 0 : it->second;
 }
 
 Worker* sender_worker(Self self) { return find_worker(self, sender_key(self)); }
@@ -373,14 +376,16 @@ const std::vector<uint64_t>& prompt_hashes(Self self, Request& r, int block_size
   return r.hashes;
 }
 
-// How many of the job prompt's positions worker `w`'s prefix cache holds,
-// as the router's index says (at most all but the last position: a worker
-// computes that one itself).
-int cached_positions(Self self, Request& r, const Worker* w, int block_size) {
-  if (!w || w->prefix.size() == 0 || block_size <= 0) return 0;  // (unsynced: its predictions alone)
-  const int tokens = int(job_prompt_len(r));
-  const int blocks = std::min(w->prefix.matched(prompt_hashes(self, r, block_size)), (tokens - 1) / block_size);
-  return blocks * block_size;
+// How many of the job prompt's positions each worker's prefix cache holds
+// for `block_size`, as the router's index says (PrefixHolders; a worker it
+// does not name holds none), at most all but the last position: a worker
+// computes that one itself.
+std::unordered_map<WorkerKey, int> cached_positions(Self self, Request& r, int block_size) {
+  if (block_size <= 0) return {};
+  auto cached = self->state.holders.matched(prompt_hashes(self, r, block_size));
+  const int most = (int(job_prompt_len(r)) - 1) / block_size;
+  for (auto& kv : cached) kv.second = std::min(kv.second, most) * block_size;
+  return cached;
 }
 
 // The request's prompt blocks, in the index of the worker it was just sent
@@ -400,14 +405,21 @@ void score_prefixes(Self self, Request& r, std::vector<DecodeCandidate>& decodes
   auto& st = self->state;
   if (!st.model || st.config.kv_routing_prefill_weight <= 0) return;
   const int tokens = int(job_prompt_len(r));
+  std::map<int, std::unordered_map<WorkerKey, int>> by_block_size;  // (one entry, unless pools differ)
+  auto positions_at = [&](WorkerKey key, int block_size) {
+    auto it = by_block_size.find(block_size);
+    if (it == by_block_size.end()) it = by_block_size.emplace(block_size, cached_positions(self, r, block_size)).first;
+    auto found = it->second.find(key);
+    return found == it->second.end() ? 0 : found->second;
+  };
   for (DecodeCandidate& c : decodes) {
     const int blocks = gpu::KvPool::blocks_for(tokens, c.block_size);
-    const int cached = cached_positions(self, r, find_worker(self, c.key), c.block_size) / c.block_size;
+    const int cached = positions_at(c.key, c.block_size) / c.block_size;
     c.compute_cost = st.config.kv_routing_prefill_weight * double(blocks - cached);
   }
   for (PrefillCandidate& c : prefills) {
     const Worker* w = find_worker(self, c.key);
-    c.compute_tokens = tokens - (w ? cached_positions(self, r, w, w->info.block_size) : 0);
+    c.compute_tokens = tokens - (w && w->info.block_size > 0 ? positions_at(c.key, w->info.block_size) : 0);
   }
 }
 
@@ -765,11 +777,10 @@ void request_snapshot(Self self, WorkerKey key) {
 void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor decode) {
   auto& st = self->state;
   const caf::actor_addr address = prefill ? prefill.address() : decode.address();
-  for (auto& kv : st.workers)
-    if (kv.second.address == address) {  // registered again: refresh what it says
-      kv.second.info = std::move(info);
-      return;
-    }
+  if (auto known = st.by_address.find(address); known != st.by_address.end()) {
+    st.workers.at(known->second).info = std::move(info);  // registered again: refresh what it says
+    return;
+  }
   if (!st.model) {  // a router without disagg.model: its first worker's model is the cluster's
     st.model = info.model;
     if (!st.limits) st.limits = ModelLimits{info.model.vocab_size, info.model.seq_len};
@@ -791,7 +802,9 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
            (w.info.endpoint.empty() ? "" : " (KV endpoint " + w.info.endpoint + ")"));
   const WorkerKey key = st.next_worker_key++;
   const bool is_decode = bool(w.decode);
-  st.workers.emplace(key, std::move(w));
+  st.by_address.emplace(address, key);
+  st.prefill_count += is_decode ? 0 : 1;
+  st.workers.emplace(key, std::move(w)).first->second.prefix.attach(&st.holders, key);
   if (is_decode) request_snapshot(self, key);  // (a worker that restarted starts from what it holds now)
   dispatch(self);
 }
@@ -878,11 +891,10 @@ struct RescueCount {
 
 void remove_worker(Self self, const caf::actor_addr& address) {
   auto& st = self->state;
-  auto wit = std::find_if(st.workers.begin(), st.workers.end(),
-                          [&](const auto& kv) { return kv.second.address == address; });
-  if (wit == st.workers.end()) return;
-  const WorkerKey key = wit->first;
-  const std::string name = wit->second.info.name;
+  auto known = st.by_address.find(address);
+  if (known == st.by_address.end()) return;
+  const WorkerKey key = known->second;
+  const std::string name = st.workers.at(key).info.name;
   const std::vector<RequestId> lost = requests_on(self, key);
   RescueCount count;
   count.handed_over = let_go_of_prefill_worker(self, key);
@@ -891,6 +903,9 @@ void remove_worker(Self self, const caf::actor_addr& address) {
   node_log(LogLevel::error, "lost worker " + name + " (" + std::to_string(lost.size()) +
                                 " requests needed it: " + count.describe() + ")");
   st.sessions.forget_worker(key);
+  st.prefill_count -= st.workers.at(key).prefill ? 1 : 0;
+  st.workers.at(key).prefix.detach();
+  st.by_address.erase(address);
   st.workers.erase(key);
   dispatch(self);
 }

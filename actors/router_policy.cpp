@@ -122,11 +122,70 @@ int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_l
   return int(std::max<int64_t>(0, most - prompt_len + 1));
 }
 
+void PrefixHolders::hold(uint64_t hash, WorkerKey worker) { holders_[hash].push_back(worker); }
+
+void PrefixHolders::drop(uint64_t hash, WorkerKey worker) {
+  auto it = holders_.find(hash);
+  if (it == holders_.end()) return;
+  auto& workers = it->second;
+  if (auto w = std::find(workers.begin(), workers.end(), worker); w != workers.end()) {
+    *w = workers.back();
+    workers.pop_back();
+  }
+  if (workers.empty()) holders_.erase(it);
+}
+
+std::unordered_map<WorkerKey, int> PrefixHolders::matched(const std::vector<uint64_t>& hashes) const {
+  std::unordered_map<WorkerKey, int> depth;
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    auto it = holders_.find(hashes[i]);
+    if (it == holders_.end()) break;
+    bool deeper = false;
+    for (WorkerKey w : it->second) {
+      if (i == 0) depth[w] = 1, deeper = true;
+      else if (auto d = depth.find(w); d != depth.end() && d->second == int(i)) d->second += 1, deeper = true;
+    }
+    if (!deeper) break;
+  }
+  return depth;
+}
+
+void PrefixIndex::attach(PrefixHolders* holders, WorkerKey key) {
+  detach();
+  holders_ = holders;
+  key_ = key;
+  for (uint64_t h : hashes_) tell(h, true);
+  for (uint64_t h : predicted_order_) tell(h, true);
+}
+
+void PrefixIndex::detach() {
+  for (uint64_t h : hashes_) tell(h, false);
+  for (uint64_t h : predicted_order_) tell(h, false);
+  holders_ = nullptr;
+}
+
+void PrefixIndex::insert_held(uint64_t hash) {
+  const bool was = holds(hash);
+  hashes_.insert(hash);
+  if (!was) tell(hash, true);
+}
+
+void PrefixIndex::erase_held(uint64_t hash) {
+  if (hashes_.erase(hash) && !holds(hash)) tell(hash, false);
+}
+
+void PrefixIndex::clear_held() {
+  for (uint64_t h : hashes_)
+    if (!predicted_.count(h)) tell(h, false);
+  hashes_.clear();
+}
+
 void PrefixIndex::unpredict(uint64_t hash) {
   auto it = predicted_.find(hash);
   if (it == predicted_.end()) return;
   predicted_order_.erase(it->second);
   predicted_.erase(it);
+  if (!hashes_.count(hash)) tell(hash, false);
 }
 
 void PrefixIndex::predict(const std::vector<uint64_t>& hashes) {
@@ -135,14 +194,16 @@ void PrefixIndex::predict(const std::vector<uint64_t>& hashes) {
     unpredict(h);  // (to the back: the newest)
     predicted_order_.push_back(h);
     predicted_[h] = std::prev(predicted_order_.end());
+    tell(h, true);
     if (predicted_.size() > capacity_) unpredict(predicted_order_.front());
   }
 }
 
 PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
   if (events.snapshot) {
-    hashes_.clear();
-    if (events.stored.size() <= capacity_) hashes_.insert(events.stored.begin(), events.stored.end());
+    clear_held();
+    if (events.stored.size() <= capacity_)
+      for (uint64_t h : events.stored) insert_held(h);
     for (uint64_t h : hashes_) unpredict(h);
     seq_ = events.seq;
     synced_ = true;
@@ -150,19 +211,19 @@ PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
   }
   if (!synced_ || events.seq <= seq_) return Applied::ignored;
   if (events.seq != seq_ + 1) {
-    hashes_.clear();
+    clear_held();
     synced_ = false;
     return Applied::resync;
   }
   for (uint64_t h : events.removed) {
-    hashes_.erase(h);
+    erase_held(h);
     unpredict(h);
   }
   for (uint64_t h : events.stored) {
-    hashes_.insert(h);
+    insert_held(h);
     unpredict(h);
     if (hashes_.size() > capacity_) {  // more blocks than the pool has: not what the worker holds
-      hashes_.clear();
+      clear_held();
       synced_ = false;
       return Applied::resync;
     }
@@ -173,7 +234,7 @@ PrefixIndex::Applied PrefixIndex::apply(const KvEvents& events) {
 
 int PrefixIndex::matched(const std::vector<uint64_t>& hashes) const {
   int n = 0;
-  while (size_t(n) < hashes.size() && (hashes_.count(hashes[size_t(n)]) || predicted_.count(hashes[size_t(n)]))) ++n;
+  while (size_t(n) < hashes.size() && holds(hashes[size_t(n)])) ++n;
   return n;
 }
 

@@ -100,6 +100,23 @@ bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int po
 int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_len);
 
 
+// Which workers' PrefixIndex holds each block hash: the router's one index
+// over all workers (Dynamo's KV router keeps one radix tree for all), so
+// scoring a prompt costs its blocks times the workers that hold them, not a
+// look-up in every worker's index. Kept by the PrefixIndexes attached to it.
+class PrefixHolders {
+ public:
+  void hold(uint64_t hash, WorkerKey worker);
+  void drop(uint64_t hash, WorkerKey worker);
+  // Each worker that holds hashes[0], with how many of `hashes`, from the
+  // first, it holds (the others hold none); as PrefixIndex::matched says.
+  std::unordered_map<WorkerKey, int> matched(const std::vector<uint64_t>& hashes) const;
+  size_t size() const { return holders_.size(); }  // distinct hashes held anywhere
+
+ private:
+  std::unordered_map<uint64_t, std::vector<WorkerKey>> holders_;
+};
+
 // The router's view of one worker's prefix cache (a decode pool, a prefill
 // worker's own cache), from the worker's KV events (messages/worker.h
 // KvEvents): bounded by the cache's blocks (it cannot hold more than it has),
@@ -125,12 +142,23 @@ class PrefixIndex {
   void predict(const std::vector<uint64_t>& hashes);
   // How many of `hashes`, from the first, the worker holds (or will).
   int matched(const std::vector<uint64_t>& hashes) const;
+  // Keeps `holders` told of what this index holds (and predicts), as worker
+  // `key`; detach() takes it all back (the worker left).
+  void attach(PrefixHolders* holders, WorkerKey key);
+  void detach();
   bool synced() const { return synced_; }
   size_t size() const { return hashes_.size() + predicted_.size(); }
   size_t held() const { return hashes_.size(); }  // what the worker's events say it holds
 
  private:
   void unpredict(uint64_t hash);
+  bool holds(uint64_t hash) const { return hashes_.count(hash) || predicted_.count(hash); }
+  void insert_held(uint64_t hash);
+  void erase_held(uint64_t hash);
+  void clear_held();
+  void tell(uint64_t hash, bool held) {
+    if (holders_) held ? holders_->hold(hash, key_) : holders_->drop(hash, key_);
+  }
 
   size_t capacity_;
   bool synced_ = false;  // a snapshot has been applied since the last resync
@@ -138,6 +166,8 @@ class PrefixIndex {
   std::unordered_set<uint64_t> hashes_;
   std::list<uint64_t> predicted_order_;  // oldest first
   std::unordered_map<uint64_t, std::list<uint64_t>::iterator> predicted_;
+  PrefixHolders* holders_ = nullptr;
+  WorkerKey key_ = 0;
 };
 
 // Session key -> decode worker, bounded; the least recently used entry goes

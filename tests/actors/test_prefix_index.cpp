@@ -2,6 +2,8 @@
 // PrefixIndex) and the KV-aware pick (pick_decode's compute_cost).
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include "actors/router_policy.h"
 
 namespace disagg {
@@ -76,6 +78,62 @@ TEST(PrefixIndex, PredictedBlocksCountUntilTheWorkersEventsSpeak) {
   EXPECT_EQ(index.matched({14}), 1) << "the requests in flight are not";
   ASSERT_EQ(index.apply(snapshot(9, {14})), PrefixIndex::Applied::applied);
   EXPECT_EQ(index.size(), 4u) << "14 held now, no longer predicted; 11-13 still on their way";
+}
+
+// The router's one index over all workers (PrefixHolders) against the
+// naive reference, each worker's own PrefixIndex::matched: random snapshots,
+// batches (in order, skipped, too large), predictions past capacity and
+// workers leaving, checked on random prompts after every step.
+TEST(PrefixHolders, AgreesWithEveryWorkersOwnIndex) {
+  std::mt19937_64 rng(7);
+  auto pick = [&](uint64_t n) { return uint64_t(rng() % n); };
+  PrefixHolders holders;
+  constexpr int kWorkers = 6;
+  std::vector<PrefixIndex> indexes;
+  std::vector<uint64_t> seqs(kWorkers, 0);
+  for (int w = 0; w < kWorkers; ++w) {
+    indexes.emplace_back(4 + size_t(w));
+    indexes.back().attach(&holders, WorkerKey(w + 1));
+  }
+  std::vector<bool> attached(kWorkers, true);
+  auto hashes = [&](size_t n) {
+    std::vector<uint64_t> out;
+    for (size_t i = 0; i < n; ++i) out.push_back(1 + pick(12));  // few values: prompts share prefixes
+    return out;
+  };
+  size_t compared = 0, nonzero = 0;
+  for (int step = 0; step < 3000; ++step) {
+    const int w = int(pick(kWorkers));
+    PrefixIndex& index = indexes[size_t(w)];
+    switch (pick(6)) {
+      case 0: index.apply(snapshot(seqs[size_t(w)], hashes(pick(8)))); break;
+      case 1: index.apply(batch(++seqs[size_t(w)], hashes(pick(3)), hashes(pick(3)))); break;
+      case 2: index.apply(batch(seqs[size_t(w)] += 2, hashes(1))); break;  // a gap: resync
+      case 3:
+      case 4: index.predict(hashes(1 + pick(4))); break;
+      case 5:
+        if (attached[size_t(w)]) index.detach();
+        else index.attach(&holders, WorkerKey(w + 1));
+        attached[size_t(w)] = !attached[size_t(w)];
+        break;
+    }
+    for (int probe = 0; probe < 4; ++probe) {
+      std::vector<uint64_t> prompt = hashes(1 + pick(5));
+      const auto depth = holders.matched(prompt);
+      for (int v = 0; v < kWorkers; ++v) {
+        const auto found = depth.find(WorkerKey(v + 1));
+        const int got = found == depth.end() ? 0 : found->second;
+        const int want = attached[size_t(v)] ? indexes[size_t(v)].matched(prompt) : 0;
+        ASSERT_EQ(got, want) << "worker " << v << " at step " << step;
+        ++compared;
+        nonzero += want > 0 ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_GT(nonzero, compared / 10) << "the prompts hit the indexes often enough to test them";
+  for (int w = 0; w < kWorkers; ++w)
+    if (attached[size_t(w)]) indexes[size_t(w)].detach();
+  EXPECT_EQ(holders.size(), 0u) << "every worker gone: nothing held anywhere";
 }
 
 TEST(PickDecode, PrefersTheWorkerThatHoldsThePromptUnlessItIsMuchFuller) {
