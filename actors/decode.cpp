@@ -112,6 +112,7 @@ struct DecodeState {
   std::unordered_set<RequestId> admitting;
   uint64_t next_serial = 1;
   uint64_t events_seq = 0;  // the last KvEvents batch sent to the router
+  TokenBatch tokens_out;    // tokens made and not yet sent to the router (flush_tokens)
   RecentIds cancelled{4096};
   bool step_in_flight = false;
   size_t cursor = 0;  // round robin over active sequences when more than max_batch
@@ -199,9 +200,20 @@ void release_sequence_blocks(Self self, RequestId id, const std::vector<int32_t>
     st.allocator->release(blocks);
 }
 
+// The tokens made since the last flush go to the router, one message: at
+// the end of each step, at an admission, and before any done (which must
+// come after its sequence's tokens).
+void flush_tokens(Self self) {
+  auto& st = self->state;
+  if (st.tokens_out.events.empty()) return;
+  self->send(st.router, token_atom::value, std::move(st.tokens_out));
+  st.tokens_out.events.clear();
+}
+
 void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, ErrorCode code,
                      std::string message, FinishReason finish) {
   auto& st = self->state;
+  flush_tokens(self);
   if (code == ErrorCode::none) publish_sequence(self, it->second);
   release_sequence_blocks(self, it->first, it->second.blocks);
   flush_events(self);  // before the done: the router's index knows the blocks when the client hears
@@ -228,7 +240,7 @@ bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t
   const int32_t index = seq.first_step + int32_t(seq.tokens.size());
   seq.tokens.push_back(token);
   record_decoded_token();
-  self->send(self->state.router, token_atom::value, TokenEvent{it->first, index, token, {}});
+  self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0});
   if (int32_t(seq.tokens.size()) >= seq.limit) {
     finish_sequence(self, it, ErrorCode::none, {}, FinishReason::length);
     return true;
@@ -299,6 +311,7 @@ void schedule_step(Self self) {
                 changed = true;
               }
             }
+            flush_tokens(self);
             if (changed) report_load(self);
             schedule_step(self);
           },
@@ -466,6 +479,7 @@ void activate(Self self, RequestId id, Sequence seq, int32_t first_token, caf::t
   publish_blocks(self, seq.hashes, seq.blocks);  // the prompt's KV is final
   auto it = self->state.active.emplace(id, std::move(seq)).first;
   accept_token(self, it, first_token);  // token 0, sampled by the prefill side
+  flush_tokens(self);  // at once: it is the request's time to first token
   promise.deliver(make_ack(self, id, ErrorCode::none, {}));
   report_load(self);
   schedule_step(self);

@@ -19,7 +19,8 @@ namespace disagg {
 // own disagg.model), makes the router the authority on vocabulary and
 // context from the start; without it (a router node with no disagg.model),
 // the first worker to register sets the cluster's model, and every later
-// worker must have the same (fingerprint, vocabulary, context).
+// worker must have the same (fingerprint, vocabulary, context). The router
+// runs detached, on a thread of its own.
 router_actor spawn_router(caf::actor_system& system, const DisaggConfig& config,
                           std::shared_ptr<const gpu::Tokenizer> tokenizer,
                           std::optional<ModelInfo> model = std::nullopt);

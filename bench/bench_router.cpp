@@ -21,6 +21,7 @@
 // time per delivered token (the router, the fakes and the clients share the
 // cores: the router is one actor, so it runs on at most one at a time).
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -28,7 +29,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
-#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -58,17 +60,22 @@ struct Options {
   int seconds = 5;
   int warmup = 2;
   double prefill_share = 0.5;  // of the workers, prefill; the rest decode
+  bool direct = false;  // tokens from the decode worker straight to the client
 };
 
 const char* kUsage =
     "usage: bench_router [--workers 16,256,1024] [--concurrency 4096] [--new-tokens 40] [--step-ms 16]\n"
-    "                    [--seconds 5] [--warmup 2] [--prefill-share 0.5]\n";
+    "                    [--seconds 5] [--warmup 2] [--prefill-share 0.5] [--direct]\n";
 
 Options parse_args(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") throw UsageError{};
+    if (flag == "--direct") {
+      o.direct = true;
+      continue;
+    }
     if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
     const std::string value = argv[++i];
     if (flag == "--workers") {
@@ -111,6 +118,28 @@ ModelInfo fake_model() {
 constexpr int32_t kBlockSize = 16;
 constexpr int32_t kPoolBlocks = 1 << 20;  // room is not what this measures
 
+// --direct: each request's client actor by id, for its decode worker to
+// stream to (the router is told only done). Looked up once per request.
+class ClientDirectory {
+ public:
+  void add(RequestId id, client_actor client) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    clients_.emplace(id, std::move(client));
+  }
+  client_actor take(RequestId id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return {};
+    client_actor out = std::move(it->second);
+    clients_.erase(it);
+    return out;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<RequestId, client_actor> clients_;
+};
+
 // ---- fake decode worker ------------------------------------------------------
 
 using fake_decode_actor = decode_actor::extend<caf::reacts_to<step_atom>>;
@@ -121,6 +150,7 @@ struct FakeSequence {
   int32_t first_step = 0;
   int32_t blocks = 0;
   std::vector<int32_t> tokens;
+  client_actor client;  // --direct: where its tokens go
 };
 
 struct FakeDecodeState {
@@ -131,6 +161,7 @@ struct FakeDecodeState {
   int32_t free_blocks = kPoolBlocks;
   bool ticking = false;
   uint64_t serial = 1;
+  ClientDirectory* direct = nullptr;  // --direct
 };
 
 DecodeLoad fake_load(const FakeDecodeState& st) {
@@ -138,9 +169,11 @@ DecodeLoad fake_load(const FakeDecodeState& st) {
 }
 
 fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer<FakeDecodeState> self,
-                                             router_actor router, std::chrono::milliseconds step) {
+                                             router_actor router, std::chrono::milliseconds step,
+                                             ClientDirectory* direct) {
   self->state.router = std::move(router);
   self->state.step = step;
+  self->state.direct = direct;
   auto release = [=](RequestId id) {
     auto& st = self->state;
     if (auto r = st.reserved.find(id); r != st.reserved.end()) {
@@ -167,6 +200,7 @@ fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer
         seq.next_index = kv.first_step;
         seq.first_step = kv.first_step;
         seq.limit = kv.first_step + kv.max_new_tokens;
+        if (st.direct) seq.client = st.direct->take(kv.id);
         st.active.emplace(kv.id, std::move(seq));
         if (!st.ticking) {
           st.ticking = true;
@@ -175,28 +209,32 @@ fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer
         return KvAck{kv.id, ErrorCode::none, {}, fake_load(st)};
       },
       [=](step_atom) {
-        // One decode step: a token for every sequence, then the finished ones' done.
+        // One decode step: a token for every sequence (one message, as a
+        // decode worker's step sends), then the finished ones' done and the load.
         auto& st = self->state;
-        bool finished = false;
-        for (auto it = st.active.begin(); it != st.active.end();) {
-          FakeSequence& seq = it->second;
+        TokenBatch batch;
+        batch.events.reserve(st.active.size());
+        std::vector<RequestId> finished;
+        for (auto& [id, seq] : st.active) {
           const int32_t token = stamp_now();
           seq.tokens.push_back(token);
-          self->send(st.router, token_atom::value, TokenEvent{it->first, seq.next_index++, token, {}, 0});
-          if (seq.next_index < seq.limit) {
-            ++it;
-            continue;
-          }
-          DecodeDone done;
-          done.id = it->first;
-          done.tokens = std::move(seq.tokens);
-          done.first_step = seq.first_step;
-          self->send(st.router, done_atom::value, std::move(done));
-          release(it->first);
-          it = st.active.erase(it);
-          finished = true;
+          TokenEvent event{id, seq.next_index++, token, {}, 0};
+          if (st.direct) self->send(seq.client, token_atom::value, std::move(event));
+          else batch.events.push_back(std::move(event));
+          if (seq.next_index >= seq.limit) finished.push_back(id);
         }
-        if (finished) self->send(st.router, load_atom::value, fake_load(st));
+        if (!st.direct) self->send(st.router, token_atom::value, std::move(batch));
+        for (RequestId id : finished) {
+          auto it = st.active.find(id);
+          DecodeDone done;
+          done.id = id;
+          done.tokens = std::move(it->second.tokens);
+          done.first_step = it->second.first_step;
+          self->send(st.router, done_atom::value, std::move(done));
+          release(id);
+          st.active.erase(it);
+        }
+        if (!finished.empty()) self->send(st.router, load_atom::value, fake_load(st));
         st.ticking = !st.active.empty();
         if (st.ticking) self->delayed_send(self, st.step, step_atom::value);
       },
@@ -306,14 +344,69 @@ double cpu_seconds() {
   return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
+// CPU seconds of the router's own thread: spawn_router runs it detached,
+// and it is the process's one detached actor, whose thread CAF names
+// "caf.actor" (/proc/self/task/*/comm; utime + stime of its stat).
+double router_cpu_seconds() {
+  double total = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name != "caf.actor") continue;
+    std::ifstream stat(task.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    std::istringstream fields(line.substr(line.rfind(')') + 2));  // after "pid (comm) "
+    std::string field;
+    unsigned long long utime = 0, stime = 0;
+    for (int i = 3; i <= 15 && fields >> field; ++i) {  // fields 14 and 15 (1-based), state is 3
+      if (i == 14) utime = std::stoull(field);
+      if (i == 15) stime = std::stoull(field);
+    }
+    total += double(utime + stime) / double(sysconf(_SC_CLK_TCK));
+  }
+  return total;
+}
+
+// A request's client actor, as actors/client.cpp's (tokens to a callback,
+// the router's reply, then quit); with --direct it is listed for its decode
+// worker first.
+client_actor::behavior_type bench_request(client_actor::pointer self, router_actor router, GenerateRequest request,
+                                          TokenCallback on_token, OutcomeCallback on_outcome,
+                                          ClientDirectory* direct) {
+  if (direct) direct->add(request.id, caf::actor_cast<client_actor>(self));
+  self->request(router, std::chrono::milliseconds(request.deadline_ms + 5000), generate_atom::value,
+                std::move(request), caf::actor_cast<client_actor>(self))
+      .then(
+          [=](RequestOutcome& outcome) {
+            on_outcome(std::move(outcome));
+            self->quit();
+          },
+          [=](caf::error& e) {
+            on_outcome(make_failure(0, ErrorCode::timeout, caf::to_string(e)));
+            self->quit();
+          });
+  return {[=](token_atom, TokenEvent& event) { on_token(event); }};
+}
+
+struct Driver {
+  caf::actor_system& system;
+  router_actor router;
+  ClientDirectory* direct;  // --direct, else null
+};
+
 // Keeps `load.outstanding` requests in flight until load.stopping: each
 // outcome submits the next request.
-void submit_one(Client& client, Load& load, const Options& opt, uint64_t n) {
+void submit_one(Driver& driver, Load& load, const Options& opt, uint64_t n) {
   GenerateRequest request;
+  request.id = n + 1;
   request.prompt_tokens.reserve(16);
   request.prompt_tokens.push_back(1);
   for (int i = 1; i < 16; ++i) request.prompt_tokens.push_back(int32_t(3 + (n * 7919 + uint64_t(i) * 104729) % 31000));
-  request.max_new_tokens = opt.new_tokens;
+  // Lengths from new_tokens/2 to 3 new_tokens/2 (mean new_tokens): requests
+  // that all had one length would finish in waves, every one at once.
+  request.max_new_tokens = std::max<int>(1, opt.new_tokens / 2 + int((n * 2654435761u) % uint64_t(opt.new_tokens + 1)));
   request.token_text = false;
   request.deadline_ms = 60000;
   auto on_token = [&load](const TokenEvent& event) {
@@ -326,7 +419,7 @@ void submit_one(Client& client, Load& load, const Options& opt, uint64_t n) {
     while (us > seen && !load.max_us.compare_exchange_weak(seen, us)) {
     }
   };
-  auto on_outcome = [&client, &load, &opt, n](RequestOutcome outcome) {
+  auto on_outcome = [&driver, &load, &opt, n](RequestOutcome outcome) {
     if (!outcome.ok()) {
       load.failed.fetch_add(1);
       std::lock_guard<std::mutex> lock(load.mutex);
@@ -335,18 +428,19 @@ void submit_one(Client& client, Load& load, const Options& opt, uint64_t n) {
       load.completed.fetch_add(1, std::memory_order_relaxed);
     }
     if (!load.stopping.load()) {
-      submit_one(client, load, opt, n + uint64_t(opt.concurrency));
+      submit_one(driver, load, opt, n + uint64_t(opt.concurrency));
       return;
     }
     std::lock_guard<std::mutex> lock(load.mutex);
     if (--load.outstanding == 0) load.drained.notify_all();
   };
-  client.submit_async(std::move(request), std::move(on_token), std::move(on_outcome));
+  driver.system.spawn(bench_request, driver.router, std::move(request), TokenCallback(std::move(on_token)),
+                      OutcomeCallback(std::move(on_outcome)), driver.direct);
 }
 
 void run_point(const Options& opt, int workers) {
+  ClientDirectory directory;  // (outlives the actors that use it)
   DisaggSystemConfig config;
-  if (const char* policy = std::getenv("BENCH_SCHEDULER")) config.set("scheduler.policy", std::string(policy) == "stealing" ? caf::atom("stealing") : caf::atom("sharing"));
   caf::actor_system system{config};
   DisaggConfig disagg;
   disagg.queue_capacity = opt.concurrency;
@@ -370,7 +464,8 @@ void run_point(const Options& opt, int workers) {
       join(std::move(info), p);
     }
     for (int i = 0; i < decodes; ++i) {
-      auto d = system.spawn(fake_decode, router, std::chrono::milliseconds(opt.step_ms));
+      auto d = system.spawn(fake_decode, router, std::chrono::milliseconds(opt.step_ms),
+                            opt.direct ? &directory : nullptr);
       spawned.push_back(caf::actor_cast<caf::actor>(d));
       WorkerInfo info{WorkerRole::decode, "decode-" + std::to_string(i), model, kBlockSize, kPoolBlocks, 0,
                       {}, {}, {}, {}};
@@ -378,18 +473,20 @@ void run_point(const Options& opt, int workers) {
     }
   }
 
-  Client client(system, router);
+  Driver driver{system, router, opt.direct ? &directory : nullptr};
   Load load;
   load.outstanding = opt.concurrency;
-  for (int i = 0; i < opt.concurrency; ++i) submit_one(client, load, opt, uint64_t(i));
+  for (int i = 0; i < opt.concurrency; ++i) submit_one(driver, load, opt, uint64_t(i));
   std::this_thread::sleep_for(std::chrono::seconds(opt.warmup));  // (the run's length, not a synchronisation)
   const double cpu_before = cpu_seconds();
+  const double router_before = router_cpu_seconds();
   const auto from = BenchClock::now();
   load.measuring = true;
   std::this_thread::sleep_for(std::chrono::seconds(opt.seconds));
   load.measuring = false;
   const double wall = std::chrono::duration<double>(BenchClock::now() - from).count();
   const double cpu = cpu_seconds() - cpu_before;
+  const double router_cpu = router_cpu_seconds() - router_before;
   load.stopping = true;
   {
     std::unique_lock<std::mutex> lock(load.mutex);  // every outcome comes by its deadline + the client's grace
@@ -398,13 +495,14 @@ void run_point(const Options& opt, int workers) {
   }
 
   const double tokens = double(load.tokens.load());
-  std::printf("%5d workers (%d prefill, %d decode): %8.0f requests/s, %9.0f tokens/s to clients; "
-              "added latency per token p50 %lld us, p99 %lld us, max %lld us; %llu failed; "
-              "%.2f us CPU per token (%.2f cores busy)\n",
-              workers, prefills, decodes, double(load.completed.load()) / wall, tokens / wall,
+  const double requests = double(load.completed.load());
+  std::printf("%5d workers (%d prefill, %d decode)%s: %6.0f requests/s, %7.0f tokens/s to clients; "
+              "latency per token p50 %lld us, p99 %lld us, max %lld us; %llu failed; "
+              "process %.2f cores busy; router thread %.2f cores busy, %.2f us per token, %.1f us per request\n",
+              workers, prefills, decodes, opt.direct ? " direct" : "", requests / wall, tokens / wall,
               (long long)load.latency.percentile(0.50), (long long)load.latency.percentile(0.99),
-              (long long)load.max_us.load(), (unsigned long long)load.failed.load(),
-              tokens > 0 ? 1e6 * cpu / tokens : 0.0, cpu / wall);
+              (long long)load.max_us.load(), (unsigned long long)load.failed.load(), cpu / wall, router_cpu / wall,
+              tokens > 0 ? 1e6 * router_cpu / tokens : 0.0, requests > 0 ? 1e6 * router_cpu / requests : 0.0);
   if (!load.first_failure.empty()) std::printf("  first failure: %s\n", load.first_failure.c_str());
   std::fflush(stdout);
 

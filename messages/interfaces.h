@@ -68,7 +68,7 @@ using router_actor = caf::typed_actor<
     // workers: membership (the router monitors them) and decode progress.
     caf::replies_to<register_atom, WorkerInfo, prefill_actor>::with<caf::ok_atom>,
     caf::replies_to<register_atom, WorkerInfo, decode_actor>::with<caf::ok_atom>,
-    caf::reacts_to<token_atom, TokenEvent>,
+    caf::reacts_to<token_atom, TokenBatch>,
     caf::reacts_to<done_atom, DecodeDone>,
     caf::reacts_to<load_atom, DecodeLoad>,
     caf::reacts_to<kv_events_atom, KvEvents>,

@@ -75,10 +75,11 @@
 //   6. decode  -> compute request(step_atom, DecodeStep) -> StepResult, looping:
 //      one step in flight, all active sequences (up to max_batch) per step;
 //      sequences admitted meanwhile join the next step.
-//   7. decode  -> router  (token_atom, TokenEvent) per token, the first token
-//      included; the router adds the text piece (unless the request set
+//   7. decode  -> router  (token_atom, TokenBatch) per decode step: a
+//      TokenEvent per sequence, the first token included (sent alone, at
+//      admission); the router adds each text piece (unless the request set
 //      token_text = false: the HTTP frontend decodes by itself) and forwards
-//      it to the client.
+//      each event to its client as (token_atom, TokenEvent).
 //      Token and done messages count only from the request's decode worker.
 //   8. decode  -> router  (done_atom, DecodeDone) after the last token; the
 //      decode worker frees the request's blocks (also on cancel or error).

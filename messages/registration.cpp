@@ -49,6 +49,7 @@ void register_messages(caf::actor_system_config& config) {
   config.add_message_type<Sampling>("disagg::Sampling");
   config.add_message_type<GenerateRequest>("disagg::GenerateRequest");
   config.add_message_type<TokenEvent>("disagg::TokenEvent");
+  config.add_message_type<TokenBatch>("disagg::TokenBatch");
   config.add_message_type<Timings>("disagg::Timings");
   config.add_message_type<RequestOutcome>("disagg::RequestOutcome");
   // Membership and load.

@@ -80,6 +80,15 @@ struct TokenEvent {
   int32_t cached_tokens = 0;
 };
 
+// Decode -> router: the tokens one decode step made (or the first token of
+// a sequence just admitted), one event per sequence, in the order the
+// worker made them. One message per step, not per token: at a thousand
+// decode workers the router's mailbox takes a message per worker step
+// (bench/bench_router.cpp). The router forwards each event to its client.
+struct TokenBatch {
+  std::vector<TokenEvent> events;
+};
+
 // Durations in microseconds, each measured on one machine's clock.
 struct Timings {
   int64_t queued_us = 0;       // router: accepted -> dispatched to prefill
@@ -124,6 +133,11 @@ typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, TokenEvent& x) {
   return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text, x.cached_tokens);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, TokenBatch& x) {
+  return f(caf::meta::type_name("TokenBatch"), x.events);
 }
 
 template <class Inspector>

@@ -347,8 +347,8 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         return take_registration(self, info, prefill_actor{}, std::move(worker));
       },
       // Delegated: the router attributes load reports to their sender.
-      [=](token_atom, TokenEvent& event) {
-        if (self->state.router) self->delegate(self->state.router, token_atom::value, std::move(event));
+      [=](token_atom, TokenBatch& batch) {
+        if (self->state.router) self->delegate(self->state.router, token_atom::value, std::move(batch));
       },
       [=](done_atom, DecodeDone& done) {
         if (self->state.router) self->delegate(self->state.router, done_atom::value, std::move(done));

@@ -217,7 +217,7 @@ caf::behavior decode_relay(caf::event_based_actor* self, router_actor router, st
       [=](register_atom a, WorkerInfo& info, decode_actor& worker) {
         return self->delegate(router, a, std::move(info), std::move(worker));
       },
-      [=](token_atom a, TokenEvent& e) { self->delegate(router, a, std::move(e)); },
+      [=](token_atom a, TokenBatch& b) { self->delegate(router, a, std::move(b)); },
       [=](done_atom a, DecodeDone& done) {
         if (log->drop_done.exchange(false)) {
           log->dropped.set_value();

@@ -101,7 +101,7 @@ TEST_F(ActorTest, UpToCapacityRequestsAreLoweredToTheLargestPool) {
 caf::behavior forger(caf::event_based_actor* self, router_actor router) {
   return {
       [=](RequestId id) {
-        self->send(router, token_atom::value, TokenEvent{id, 0, 7, {}});
+        self->send(router, token_atom::value, TokenBatch{{TokenEvent{id, 0, 7, {}}}});
         DecodeDone forged;
         forged.id = id;
         forged.code = ErrorCode::internal;
