@@ -3,9 +3,12 @@
 // (one KV message to the decode worker, its ack, the report); the fake decode
 // workers reserve at once and, every --step-ms, stream one token to the
 // router for each sequence they hold, as a continuously batching decode
-// worker does, then report done and their load. Clients are the real
-// Client::submit_async (one actor per request), keeping --concurrency
-// requests in flight (closed loop) for --seconds after a warm-up.
+// worker does (one message per step), then report done and their load.
+// Each request has a client actor of its own, as actors/client.cpp's, and
+// --concurrency requests stay in flight (closed loop) for --seconds after a
+// warm-up. --direct: the fake decode workers stream the tokens to the
+// client actors themselves and tell the router only the done (the router
+// keeps control, tokens leave its path).
 //
 // Each token carries the microsecond (since the run began) at which its fake
 // decode worker sent it, so the client's callback measures decode worker ->
@@ -13,13 +16,13 @@
 // direct stream would also make included.
 //
 //   bench_router [--workers 16,256,1024] [--concurrency 4096] [--new-tokens 40]
-//                [--step-ms 16] [--seconds 5] [--warmup 2] [--prefill-share 0.5]
+//                [--step-ms 16] [--seconds 5] [--warmup 2] [--prefill-share 0.5] [--direct]
 //
 // Prints, for each worker count: requests/s completed, tokens/s delivered to
-// the clients, the added latency per token (p50, p99, max), the requests
-// that failed (every accepted request must complete), and the process's CPU
-// time per delivered token (the router, the fakes and the clients share the
-// cores: the router is one actor, so it runs on at most one at a time).
+// the clients, the latency per token (p50, p99, max), the requests that
+// failed (every accepted request must complete), the cores the process kept
+// busy, and the router thread's own (spawn_router runs it detached): per
+// token and per request.
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -438,7 +441,8 @@ void submit_one(Driver& driver, Load& load, const Options& opt, uint64_t n) {
                       OutcomeCallback(std::move(on_outcome)), driver.direct);
 }
 
-void run_point(const Options& opt, int workers) {
+// True when every request completed.
+bool run_point(const Options& opt, int workers) {
   ClientDirectory directory;  // (outlives the actors that use it)
   DisaggSystemConfig config;
   caf::actor_system system{config};
@@ -488,9 +492,10 @@ void run_point(const Options& opt, int workers) {
   const double cpu = cpu_seconds() - cpu_before;
   const double router_cpu = router_cpu_seconds() - router_before;
   load.stopping = true;
+  bool drained = false;
   {
     std::unique_lock<std::mutex> lock(load.mutex);  // every outcome comes by its deadline + the client's grace
-    const bool drained = load.drained.wait_for(lock, std::chrono::seconds(70), [&] { return load.outstanding == 0; });
+    drained = load.drained.wait_for(lock, std::chrono::seconds(70), [&] { return load.outstanding == 0; });
     if (!drained) std::printf("  %d requests still outstanding after 70 s\n", load.outstanding);
   }
 
@@ -508,6 +513,7 @@ void run_point(const Options& opt, int workers) {
 
   caf::anon_send_exit(router, caf::exit_reason::user_shutdown);  // first: it would log each worker's exit
   for (auto& a : spawned) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+  return drained && load.failed.load() == 0;
 }
 
 int run(const Options& opt) {
@@ -518,8 +524,9 @@ int run(const Options& opt) {
               "(offered at most %.0f tokens/s, %.0f requests/s); %d s measured after %d s\n",
               opt.concurrency, opt.new_tokens, opt.step_ms, offered_tokens, offered_tokens / opt.new_tokens,
               opt.seconds, opt.warmup);
-  for (int workers : opt.workers) run_point(opt, workers);
-  return 0;
+  bool all = true;
+  for (int workers : opt.workers) all = run_point(opt, workers) && all;
+  return all ? 0 : 1;
 }
 
 }  // namespace
