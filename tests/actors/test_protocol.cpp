@@ -67,6 +67,12 @@ TEST(Protocol, MessagesSurviveSerialization) {
   EXPECT_EQ(o2.timings.decode_us, 77);
   EXPECT_EQ(caf::deep_to_string(o2), caf::deep_to_string(outcome));
 
+  TokenBatch batch{{TokenEvent{3, 0, 261, "", 16}, TokenEvent{4, 5, 7, "x", 0}}};
+  const TokenBatch b2 = round_trip(system, batch);
+  ASSERT_EQ(b2.events.size(), 2u);
+  EXPECT_EQ(b2.events[1].index, 5);
+  EXPECT_EQ(caf::deep_to_string(b2), caf::deep_to_string(batch));
+
   RouterStatus status;
   WorkerStatus worker;
   worker.name = "decode-0";
@@ -83,7 +89,7 @@ TEST(Protocol, EveryMessageTypeIsRegistered) {
   DisaggSystemConfig config;
   caf::actor_system system{config};
   for (const char* name :
-       {"disagg::Sampling", "disagg::GenerateRequest", "disagg::TokenEvent", "disagg::Timings",
+       {"disagg::Sampling", "disagg::GenerateRequest", "disagg::TokenEvent", "disagg::TokenBatch", "disagg::Timings",
         "disagg::RequestOutcome", "disagg::ModelInfo", "disagg::WorkerInfo", "disagg::DecodeLoad",
         "disagg::PrefillLoad", "disagg::WorkerStatus", "disagg::RouterStatus", "disagg::PrefillJob",
         "disagg::PrefillReport", "disagg::KvTransfer", "disagg::KvAck", "disagg::DecodeDone",
