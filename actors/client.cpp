@@ -4,6 +4,7 @@
 #include <random>
 
 #include "actors/errors.h"
+#include "actors/request_metrics.h"
 #include "caf/all.hpp"
 
 namespace disagg {
@@ -11,11 +12,26 @@ namespace disagg {
 namespace {
 
 // One short-lived actor per request: it receives the token events (it is the
-// request's client_actor) and the router's reply, then quits.
+// request's client_actor) and the router's reply, then quits. The events
+// come from the decode worker (direct-token-streams) or the router, the
+// reply from the router: each index is passed on once and in order (after a
+// migration the new decode worker streams again from where the router's
+// record ends, which may be before what arrived here), and a completed
+// outcome's tokens that no event brought (late, or lost with a worker) are
+// passed on before the outcome.
 client_actor::behavior_type request_behavior(client_actor::pointer self, router_actor router,
                                              GenerateRequest request, TokenCallback on_token,
                                              OutcomeCallback result, std::chrono::milliseconds wait) {
   const RequestId id = request.id;
+  auto next = std::make_shared<int32_t>(0);  // the index of the next token to pass on
+  auto deliver = [=](RequestOutcome outcome) {
+    if (outcome.ok() && size_t(*next) < outcome.tokens.size()) {
+      record_tokens_from_outcome(outcome.tokens.size() - size_t(*next));
+      for (; size_t(*next) < outcome.tokens.size(); ++*next)
+        if (on_token) on_token(TokenEvent{id, *next, outcome.tokens[size_t(*next)], {}, outcome.timings.cached_tokens});
+    }
+    result(std::move(outcome));
+  };
   // The router going away (its process killed, its node's connection lost)
   // ends the request at once: its reply can no longer come.
   self->monitor(router);
@@ -27,7 +43,7 @@ client_actor::behavior_type request_behavior(client_actor::pointer self, router_
                 caf::actor_cast<client_actor>(self))
       .then(
           [=](RequestOutcome& outcome) {
-            result(std::move(outcome));
+            deliver(std::move(outcome));
             self->quit();
           },
           [=](caf::error& e) {
@@ -36,6 +52,9 @@ client_actor::behavior_type request_behavior(client_actor::pointer self, router_
           });
   return {
       [=](token_atom, TokenEvent& event) {
+        // (an index past the next one: an earlier one was lost; the outcome brings them all)
+        if (event.id != id || event.index != *next) return;
+        ++*next;
         if (on_token) on_token(event);
       },
   };

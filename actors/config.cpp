@@ -78,6 +78,8 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
            "prefix cache's (0: never)")
       .add(c.kv_routing_prefill_weight, "kv-routing-prefill-weight",
            "weight of the prompt blocks a decode worker's prefix cache lacks in the router's choice (0: ignore)")
+      .add(c.direct_token_streams, "direct-token-streams",
+           "tokens go from the decode worker to the client (false: through the router)")
       .add(c.queue_capacity, "queue-capacity", "requests the router holds before dispatch (more: overloaded)")
       .add(c.max_prefill_inflight, "max-prefill-inflight", "jobs per prefill worker at once")
       .add(c.default_deadline_ms, "default-deadline-ms", "deadline of a request that sets none")

@@ -48,6 +48,7 @@ struct Reservation {
   bool local = false;                   // the compute writes the KV in (kv/local.h), no receiver
   std::optional<KvLanded> verdict;      // the stream is over
   std::optional<PendingCommit> commit;  // arrived before the verdict
+  client_actor client;                  // KvReservation::client: its tokens go there too
   bool streaming() const { return transfer_id != 0 && !verdict && !local; }
 };
 
@@ -62,7 +63,24 @@ struct Sequence {
   std::vector<int32_t> tokens;  // generated so far
   int32_t first_step = 0;       // the request's output index of tokens[0] (a migrated request: > 0)
   Clock::time_point admitted;
+  // Streaming straight to the request's client (KvReservation::client;
+  // invalid: the router forwards), with the prompt positions a prefix cache
+  // held, this pool's or the prefill worker's, of the request's own prompt.
+  client_actor client;
+  int32_t cached_tokens = 0;
 };
+
+// What a sequence takes from its commit and its reservation's answer.
+void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& client, int32_t pool_cached,
+                   int32_t seq_len) {
+  seq.prompt_len = t.prompt_len;
+  seq.limit = std::min(t.max_new_tokens, seq_len - t.prompt_len);
+  seq.sampling = t.sampling;
+  seq.first_step = t.first_step;
+  seq.client = client;
+  // (a migrated request's job prompt ends with the first_step tokens it streamed)
+  seq.cached_tokens = std::min(std::max(pool_cached, t.cached_tokens), t.prompt_len - t.first_step);
+}
 
 // Ids cancelled recently: a KV transfer that arrives after its cancel (the two
 // come from different senders) is refused instead of decoded for nobody.
@@ -240,6 +258,7 @@ bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t
   const int32_t index = seq.first_step + int32_t(seq.tokens.size());
   seq.tokens.push_back(token);
   record_decoded_token();
+  if (seq.client) self->send(seq.client, token_atom::value, TokenEvent{it->first, index, token, {}, seq.cached_tokens});
   self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0});
   if (int32_t(seq.tokens.size()) >= seq.limit) {
     finish_sequence(self, it, ErrorCode::none, {}, FinishReason::length);
@@ -427,6 +446,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   }
   held.blocks.insert(held.blocks.end(), fresh.begin(), fresh.end());
   held.positions = r.positions;
+  held.client = r.client;
   held.serial = st.next_serial++;
   const uint64_t serial = held.serial;
   ReserveReply answer = reply(ErrorCode::none, {});
@@ -509,10 +529,7 @@ void settle_stream(Self self, RequestId id) {
   seq.prompt = std::move(it->second.prompt);
   seq.hash_seed = it->second.hash_seed;
   seq.hashes = std::move(it->second.hashes);
-  seq.prompt_len = t.prompt_len;
-  seq.limit = std::min(t.max_new_tokens, st.seq_len - t.prompt_len);
-  seq.sampling = t.sampling;
-  seq.first_step = t.first_step;
+  continue_from(seq, t, it->second.client, it->second.cached, st.seq_len);
   st.reserved.erase(it);
   activate(self, id, std::move(seq), t.first_token, commit.promise);
 }
@@ -589,13 +606,10 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   }
   if (held->second.local) st.kv.local->cancel(held->second.transfer_id);
   std::vector<int32_t> blocks = std::move(held->second.blocks);
-  st.reserved.erase(held);
   Sequence seq;
   seq.blocks = blocks;
-  seq.prompt_len = transfer.prompt_len;
-  seq.limit = std::min(transfer.max_new_tokens, st.seq_len - transfer.prompt_len);
-  seq.sampling = transfer.sampling;
-  seq.first_step = transfer.first_step;
+  continue_from(seq, transfer, held->second.client, held->second.cached, st.seq_len);
+  st.reserved.erase(held);
   const int32_t first_token = transfer.first_token;
   st.admitting.insert(id);
   KvAdmit request{std::move(transfer), std::move(blocks)};

@@ -98,6 +98,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
   transfer.sampling = job.sampling;
   transfer.first_token = computed.first_token;
   transfer.first_step = job.first_step;
+  transfer.cached_tokens = computed.cached_tokens;
   transfer.bytes = std::move(computed.kv);
   if (computed.streamed) {
     transfer.transfer_id = job.target.transfer_id;

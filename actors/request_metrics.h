@@ -66,6 +66,9 @@ inline void record_prefill_report(const PrefillReport& report) {
 // request's: its prompt and the tokens its lost decode worker had streamed).
 inline void record_prefill_computed(size_t tokens) { metrics::disagg_metrics().prefill_tokens.inc(double(tokens)); }
 
+// Client: tokens of a completed request that no token event brought.
+inline void record_tokens_from_outcome(size_t n) { metrics::disagg_metrics().tokens_from_outcome.inc(double(n)); }
+
 // Decode worker: a token its sequences made (every one, cancelled or not).
 inline void record_decoded_token() { metrics::disagg_metrics().decode_tokens.inc(); }
 

@@ -127,6 +127,12 @@ struct Request {
   std::string text;
 };
 
+// Whether the request's decode worker streams its tokens to its client
+// itself (direct-token-streams): unless the router adds their text.
+bool streams_direct(const DisaggConfig& config, bool has_tokenizer, const Request& r) {
+  return config.direct_token_streams && r.client && !(has_tokenizer && r.request.token_text);
+}
+
 // What the request's next prefill runs: its prompt, then the tokens earlier
 // attempts streamed (Request::earlier), and how many tokens are left to make.
 int64_t job_prompt_len(const Request& r) { return int64_t(r.prompt.size() + r.earlier.size()); }
@@ -466,6 +472,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   reservation.prompt_tokens = job_prompt(r);
   reservation.cache_salt = r.request.cache_salt;
   reservation.local_prefill_tokens = st.config.local_prefill_tokens;
+  if (streams_direct(st.config, bool(st.tokenizer), r)) reservation.client = r.client;
   r.local_prefill = false;
   const uint64_t attempt = r.attempt;
   self->request(d.decode, std::chrono::milliseconds(st.config.ack_timeout_ms), reserve_atom::value, reservation)
@@ -983,8 +990,9 @@ RouterStatus status_of(Self self) {
   return s;
 }
 
-// A token from the request's decode worker: streamed to its client, once
-// per index, in order.
+// A token from the request's decode worker: recorded (what a migration
+// continues from, the text, metrics) and, unless that worker streams to the
+// client itself, forwarded to it; once per index, in order.
 void forward_token(Self self, TokenEvent& event) {
   Request* found = from_its_decode_worker(self, event.id);
   if (!found) return;
@@ -1006,7 +1014,8 @@ void forward_token(Self self, TokenEvent& event) {
   if (r.phase == Phase::prefilling) r.phase = Phase::decoding;  // the decode worker has the KV
   record_token(r.accepted, r.last_token);
   event.cached_tokens = r.cached_tokens;
-  if (r.client) self->send(r.client, token_atom::value, std::move(event));
+  if (r.client && !streams_direct(self->state.config, bool(self->state.tokenizer), r))
+    self->send(r.client, token_atom::value, std::move(event));
 }
 
 router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
@@ -1115,13 +1124,11 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
 }  // namespace
 
 router_actor spawn_router(caf::actor_system& system, const DisaggConfig& config,
-                          std::shared_ptr<const gpu::Tokenizer> tokenizer, std::optional<ModelInfo> model) {
-  // Detached: every request and every decode step's tokens pass through this
-  // one actor, so it gets a thread of its own rather than a turn in the
-  // scheduler's queue behind the node's other actors (bench/bench_router.cpp:
-  // at 16 and 256 simulated workers, token latency p50 712 and 853 us detached
-  // against 1,234 and 1,582 us scheduled, one run each, 2-core Zen 5 VM).
-  return system.spawn<caf::detached>(router_behavior, config, std::move(tokenizer), std::move(model));
+                          std::shared_ptr<const gpu::Tokenizer> tokenizer, std::optional<ModelInfo> model,
+                          RouterThread thread) {
+  if (thread == RouterThread::own)
+    return system.spawn<caf::detached>(router_behavior, config, std::move(tokenizer), std::move(model));
+  return system.spawn(router_behavior, config, std::move(tokenizer), std::move(model));
 }
 
 }  // namespace disagg

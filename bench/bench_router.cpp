@@ -1,27 +1,27 @@
 // The router at scale: one real router actor (actors/router.h) with N
 // simulated workers, no model. The fake prefill workers answer a job at once
 // (one KV message to the decode worker, its ack, the report); the fake decode
-// workers reserve at once and, every --step-ms, stream one token to the
-// router for each sequence they hold, as a continuously batching decode
-// worker does (one message per step), then report done and their load.
-// Each request has a client actor of its own, as actors/client.cpp's, and
-// --concurrency requests stay in flight (closed loop) for --seconds after a
-// warm-up. --direct: the fake decode workers stream the tokens to the
-// client actors themselves and tell the router only the done (the router
-// keeps control, tokens leave its path).
+// workers reserve at once and, every --step-ms, make one token for each
+// sequence they hold, as a continuously batching decode worker does: sent
+// to the request's client when the reservation names it (the router's
+// direct-token-streams, the default) and, as one message per step, to the
+// router, which records them (and forwards them with --through-router);
+// then they report done and their load. Clients are the client library's
+// (Client::submit_async, one actor per request); --concurrency requests
+// stay in flight (closed loop) for --seconds after a warm-up.
 //
 // Each token carries the microsecond (since the run began) at which its fake
-// decode worker sent it, so the client's callback measures decode worker ->
-// router -> client: the latency the router adds to each token, the one hop a
-// direct stream would also make included.
+// decode worker sent it, so the client's callback measures the latency of
+// each token from its decode worker: direct, one hop; through the router,
+// two, and its mailbox.
 //
 //   bench_router [--workers 16,256,1024] [--concurrency 4096] [--new-tokens 40]
-//                [--step-ms 16] [--seconds 5] [--warmup 2] [--prefill-share 0.5] [--direct]
+//                [--step-ms 16] [--seconds 5] [--warmup 2] [--prefill-share 0.5] [--through-router]
 //
 // Prints, for each worker count: requests/s completed, tokens/s delivered to
 // the clients, the latency per token (p50, p99, max), the requests that
 // failed (every accepted request must complete), the cores the process kept
-// busy, and the router thread's own (spawn_router runs it detached): per
+// busy, and the router thread's own (the bench runs it detached): per
 // token and per request.
 #include <sys/resource.h>
 #include <unistd.h>
@@ -46,6 +46,7 @@
 #include "actors/router.h"
 #include "apps/cli/cli.h"
 #include "caf/all.hpp"
+#include "metrics/disagg_metrics.h"
 #include "node/log.h"
 
 namespace {
@@ -63,20 +64,20 @@ struct Options {
   int seconds = 5;
   int warmup = 2;
   double prefill_share = 0.5;  // of the workers, prefill; the rest decode
-  bool direct = false;  // tokens from the decode worker straight to the client
+  bool through_router = false;  // direct-token-streams = false
 };
 
 const char* kUsage =
     "usage: bench_router [--workers 16,256,1024] [--concurrency 4096] [--new-tokens 40] [--step-ms 16]\n"
-    "                    [--seconds 5] [--warmup 2] [--prefill-share 0.5] [--direct]\n";
+    "                    [--seconds 5] [--warmup 2] [--prefill-share 0.5] [--through-router]\n";
 
 Options parse_args(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") throw UsageError{};
-    if (flag == "--direct") {
-      o.direct = true;
+    if (flag == "--through-router") {
+      o.through_router = true;
       continue;
     }
     if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
@@ -121,28 +122,6 @@ ModelInfo fake_model() {
 constexpr int32_t kBlockSize = 16;
 constexpr int32_t kPoolBlocks = 1 << 20;  // room is not what this measures
 
-// --direct: each request's client actor by id, for its decode worker to
-// stream to (the router is told only done). Looked up once per request.
-class ClientDirectory {
- public:
-  void add(RequestId id, client_actor client) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    clients_.emplace(id, std::move(client));
-  }
-  client_actor take(RequestId id) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = clients_.find(id);
-    if (it == clients_.end()) return {};
-    client_actor out = std::move(it->second);
-    clients_.erase(it);
-    return out;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<RequestId, client_actor> clients_;
-};
-
 // ---- fake decode worker ------------------------------------------------------
 
 using fake_decode_actor = decode_actor::extend<caf::reacts_to<step_atom>>;
@@ -153,18 +132,18 @@ struct FakeSequence {
   int32_t first_step = 0;
   int32_t blocks = 0;
   std::vector<int32_t> tokens;
-  client_actor client;  // --direct: where its tokens go
+  client_actor client;  // KvReservation::client: where its tokens go too
 };
 
 struct FakeDecodeState {
   router_actor router;
   std::chrono::milliseconds step{16};
   std::unordered_map<RequestId, int32_t> reserved;  // id -> blocks
+  std::unordered_map<RequestId, client_actor> clients;  // KvReservation::client of each reservation
   std::unordered_map<RequestId, FakeSequence> active;
   int32_t free_blocks = kPoolBlocks;
   bool ticking = false;
   uint64_t serial = 1;
-  ClientDirectory* direct = nullptr;  // --direct
 };
 
 DecodeLoad fake_load(const FakeDecodeState& st) {
@@ -172,23 +151,23 @@ DecodeLoad fake_load(const FakeDecodeState& st) {
 }
 
 fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer<FakeDecodeState> self,
-                                             router_actor router, std::chrono::milliseconds step,
-                                             ClientDirectory* direct) {
+                                             router_actor router, std::chrono::milliseconds step) {
   self->state.router = std::move(router);
   self->state.step = step;
-  self->state.direct = direct;
   auto release = [=](RequestId id) {
     auto& st = self->state;
     if (auto r = st.reserved.find(id); r != st.reserved.end()) {
       st.free_blocks += r->second;
       st.reserved.erase(r);
     }
+    st.clients.erase(id);
   };
   return {
       [=](reserve_atom, KvReservation& r) -> ReserveReply {
         auto& st = self->state;
         const int32_t blocks = (r.positions + kBlockSize - 1) / kBlockSize;
         st.reserved[r.id] = blocks;
+        st.clients[r.id] = r.client;
         st.free_blocks -= blocks;
         ReserveReply reply{r.id, ErrorCode::none, {}, fake_load(st), {}, 0};
         reply.target.transfer_id = st.serial++;
@@ -203,7 +182,7 @@ fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer
         seq.next_index = kv.first_step;
         seq.first_step = kv.first_step;
         seq.limit = kv.first_step + kv.max_new_tokens;
-        if (st.direct) seq.client = st.direct->take(kv.id);
+        seq.client = st.clients[kv.id];
         st.active.emplace(kv.id, std::move(seq));
         if (!st.ticking) {
           st.ticking = true;
@@ -222,11 +201,11 @@ fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer
           const int32_t token = stamp_now();
           seq.tokens.push_back(token);
           TokenEvent event{id, seq.next_index++, token, {}, 0};
-          if (st.direct) self->send(seq.client, token_atom::value, std::move(event));
-          else batch.events.push_back(std::move(event));
+          if (seq.client) self->send(seq.client, token_atom::value, event);  // the router's record still follows
+          batch.events.push_back(std::move(event));
           if (seq.next_index >= seq.limit) finished.push_back(id);
         }
-        if (!st.direct) self->send(st.router, token_atom::value, std::move(batch));
+        self->send(st.router, token_atom::value, std::move(batch));
         for (RequestId id : finished) {
           auto it = st.active.find(id);
           DecodeDone done;
@@ -347,7 +326,7 @@ double cpu_seconds() {
   return double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + 1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
-// CPU seconds of the router's own thread: spawn_router runs it detached,
+// CPU seconds of the router's own thread (RouterThread::own),
 // and it is the process's one detached actor, whose thread CAF names
 // "caf.actor" (/proc/self/task/*/comm; utime + stime of its stat).
 double router_cpu_seconds() {
@@ -372,38 +351,10 @@ double router_cpu_seconds() {
   return total;
 }
 
-// A request's client actor, as actors/client.cpp's (tokens to a callback,
-// the router's reply, then quit); with --direct it is listed for its decode
-// worker first.
-client_actor::behavior_type bench_request(client_actor::pointer self, router_actor router, GenerateRequest request,
-                                          TokenCallback on_token, OutcomeCallback on_outcome,
-                                          ClientDirectory* direct) {
-  if (direct) direct->add(request.id, caf::actor_cast<client_actor>(self));
-  self->request(router, std::chrono::milliseconds(request.deadline_ms + 5000), generate_atom::value,
-                std::move(request), caf::actor_cast<client_actor>(self))
-      .then(
-          [=](RequestOutcome& outcome) {
-            on_outcome(std::move(outcome));
-            self->quit();
-          },
-          [=](caf::error& e) {
-            on_outcome(make_failure(0, ErrorCode::timeout, caf::to_string(e)));
-            self->quit();
-          });
-  return {[=](token_atom, TokenEvent& event) { on_token(event); }};
-}
-
-struct Driver {
-  caf::actor_system& system;
-  router_actor router;
-  ClientDirectory* direct;  // --direct, else null
-};
-
 // Keeps `load.outstanding` requests in flight until load.stopping: each
 // outcome submits the next request.
-void submit_one(Driver& driver, Load& load, const Options& opt, uint64_t n) {
+void submit_one(Client& client, Load& load, const Options& opt, uint64_t n) {
   GenerateRequest request;
-  request.id = n + 1;
   request.prompt_tokens.reserve(16);
   request.prompt_tokens.push_back(1);
   for (int i = 1; i < 16; ++i) request.prompt_tokens.push_back(int32_t(3 + (n * 7919 + uint64_t(i) * 104729) % 31000));
@@ -422,7 +373,7 @@ void submit_one(Driver& driver, Load& load, const Options& opt, uint64_t n) {
     while (us > seen && !load.max_us.compare_exchange_weak(seen, us)) {
     }
   };
-  auto on_outcome = [&driver, &load, &opt, n](RequestOutcome outcome) {
+  auto on_outcome = [&client, &load, &opt, n](RequestOutcome outcome) {
     if (!outcome.ok()) {
       load.failed.fetch_add(1);
       std::lock_guard<std::mutex> lock(load.mutex);
@@ -431,25 +382,24 @@ void submit_one(Driver& driver, Load& load, const Options& opt, uint64_t n) {
       load.completed.fetch_add(1, std::memory_order_relaxed);
     }
     if (!load.stopping.load()) {
-      submit_one(driver, load, opt, n + uint64_t(opt.concurrency));
+      submit_one(client, load, opt, n + uint64_t(opt.concurrency));
       return;
     }
     std::lock_guard<std::mutex> lock(load.mutex);
     if (--load.outstanding == 0) load.drained.notify_all();
   };
-  driver.system.spawn(bench_request, driver.router, std::move(request), TokenCallback(std::move(on_token)),
-                      OutcomeCallback(std::move(on_outcome)), driver.direct);
+  client.submit_async(std::move(request), std::move(on_token), std::move(on_outcome));
 }
 
 // True when every request completed.
 bool run_point(const Options& opt, int workers) {
-  ClientDirectory directory;  // (outlives the actors that use it)
   DisaggSystemConfig config;
   caf::actor_system system{config};
   DisaggConfig disagg;
   disagg.queue_capacity = opt.concurrency;
+  disagg.direct_token_streams = !opt.through_router;
   const ModelInfo model = fake_model();
-  auto router = spawn_router(system, disagg, nullptr, model);
+  auto router = spawn_router(system, disagg, nullptr, model, RouterThread::own);  // (its CPU: router_cpu_seconds)
 
   const int prefills = std::clamp(int(double(workers) * opt.prefill_share + 0.5), 1, workers - 1);
   const int decodes = workers - prefills;
@@ -468,8 +418,7 @@ bool run_point(const Options& opt, int workers) {
       join(std::move(info), p);
     }
     for (int i = 0; i < decodes; ++i) {
-      auto d = system.spawn(fake_decode, router, std::chrono::milliseconds(opt.step_ms),
-                            opt.direct ? &directory : nullptr);
+      auto d = system.spawn(fake_decode, router, std::chrono::milliseconds(opt.step_ms));
       spawned.push_back(caf::actor_cast<caf::actor>(d));
       WorkerInfo info{WorkerRole::decode, "decode-" + std::to_string(i), model, kBlockSize, kPoolBlocks, 0,
                       {}, {}, {}, {}};
@@ -477,13 +426,14 @@ bool run_point(const Options& opt, int workers) {
     }
   }
 
-  Driver driver{system, router, opt.direct ? &directory : nullptr};
+  Client client(system, router);
   Load load;
   load.outstanding = opt.concurrency;
-  for (int i = 0; i < opt.concurrency; ++i) submit_one(driver, load, opt, uint64_t(i));
+  for (int i = 0; i < opt.concurrency; ++i) submit_one(client, load, opt, uint64_t(i));
   std::this_thread::sleep_for(std::chrono::seconds(opt.warmup));  // (the run's length, not a synchronisation)
   const double cpu_before = cpu_seconds();
   const double router_before = router_cpu_seconds();
+  const double late_before = metrics::disagg_metrics().tokens_from_outcome.value();
   const auto from = BenchClock::now();
   load.measuring = true;
   std::this_thread::sleep_for(std::chrono::seconds(opt.seconds));
@@ -504,16 +454,18 @@ bool run_point(const Options& opt, int workers) {
   std::printf("%5d workers (%d prefill, %d decode)%s: %6.0f requests/s, %7.0f tokens/s to clients; "
               "latency per token p50 %lld us, p99 %lld us, max %lld us; %llu failed; "
               "process %.2f cores busy; router thread %.2f cores busy, %.2f us per token, %.1f us per request\n",
-              workers, prefills, decodes, opt.direct ? " direct" : "", requests / wall, tokens / wall,
+              workers, prefills, decodes, opt.through_router ? " through the router" : " direct", requests / wall, tokens / wall,
               (long long)load.latency.percentile(0.50), (long long)load.latency.percentile(0.99),
               (long long)load.max_us.load(), (unsigned long long)load.failed.load(), cpu / wall, router_cpu / wall,
               tokens > 0 ? 1e6 * router_cpu / tokens : 0.0, requests > 0 ? 1e6 * router_cpu / requests : 0.0);
   if (!load.first_failure.empty()) std::printf("  first failure: %s\n", load.first_failure.c_str());
+  const double late = metrics::disagg_metrics().tokens_from_outcome.value() - late_before;
+  if (late > 0) std::printf("  %.0f tokens came with their outcome, not as events\n", late);
   std::fflush(stdout);
 
   caf::anon_send_exit(router, caf::exit_reason::user_shutdown);  // first: it would log each worker's exit
   for (auto& a : spawned) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-  return drained && load.failed.load() == 0;
+  return drained && load.failed.load() == 0 && late == 0;
 }
 
 int run(const Options& opt) {

@@ -14,9 +14,7 @@
 
 namespace disagg {
 
-// Whoever submitted a request: receives its token events as they are produced.
-// (The terminal RequestOutcome is the response to its generate request.)
-using client_actor = caf::typed_actor<caf::reacts_to<token_atom, TokenEvent>>;
+// client_actor, whoever submitted a request: messages/request.h.
 
 // Owns one gpu::Engine (and a decode worker's KV pool storage); detached, so
 // heavy compute never blocks the scheduler threads of the other actors.

@@ -75,11 +75,17 @@
 //   6. decode  -> compute request(step_atom, DecodeStep) -> StepResult, looping:
 //      one step in flight, all active sequences (up to max_batch) per step;
 //      sequences admitted meanwhile join the next step.
-//   7. decode  -> router  (token_atom, TokenBatch) per decode step: a
-//      TokenEvent per sequence, the first token included (sent alone, at
-//      admission); the router adds each text piece (unless the request set
-//      token_text = false: the HTTP frontend decodes by itself) and forwards
-//      each event to its client as (token_atom, TokenEvent).
+//   7. decode  -> client  (token_atom, TokenEvent) per token, the first token
+//      included, when the reservation named the client (KvReservation::client:
+//      the router's direct-token-streams, for a request whose text the
+//      router does not add; the HTTP frontend decodes by itself); and
+//      decode  -> router  (token_atom, TokenBatch) per decode step: a
+//      TokenEvent per sequence (the first token alone, at admission). The
+//      router records them (what a migration continues from, metrics) and,
+//      when the decode worker does not stream to the client, adds each
+//      text piece and forwards each event to the client. The client library
+//      passes each index on once, in order, and takes from a completed
+//      outcome any token no event brought (disagg_tokens_from_outcome_total).
 //      Token and done messages count only from the request's decode worker.
 //   8. decode  -> router  (done_atom, DecodeDone) after the last token; the
 //      decode worker frees the request's blocks (also on cancel or error).

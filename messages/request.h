@@ -6,6 +6,9 @@
 #include <vector>
 
 #include "caf/meta/type_name.hpp"
+#include "caf/replies_to.hpp"
+#include "caf/typed_actor.hpp"
+#include "messages/atoms.h"
 
 namespace disagg {
 
@@ -80,11 +83,20 @@ struct TokenEvent {
   int32_t cached_tokens = 0;
 };
 
+// Whoever submitted a request: receives its token events as they are
+// produced, from the request's decode worker (or, for a request whose text
+// the router adds, from the router), each index once and in order (the
+// client library drops repeats after a migration). The terminal
+// RequestOutcome is the response to its generate request.
+using client_actor = caf::typed_actor<caf::reacts_to<token_atom, TokenEvent>>;
+
 // Decode -> router: the tokens one decode step made (or the first token of
 // a sequence just admitted), one event per sequence, in the order the
 // worker made them. One message per step, not per token: at a thousand
 // decode workers the router's mailbox takes a message per worker step
-// (bench/bench_router.cpp). The router forwards each event to its client.
+// (bench/bench_router.cpp). The router records them (what a migration
+// continues from, metrics) and forwards each event to the client only when
+// the decode worker does not stream to it (GenerateRequest::token_text).
 struct TokenBatch {
   std::vector<TokenEvent> events;
 };

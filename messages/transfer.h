@@ -32,6 +32,9 @@ struct KvReservation {
   // the prompt and at most this many positions are left, the decode worker
   // computes them itself (a local target) instead of a prefill worker.
   int32_t local_prefill_tokens = 0;
+  // Where the decode worker streams the request's tokens itself (the router
+  // only records them); invalid: the router forwards them (it adds text).
+  client_actor client;
 };
 
 // Where a prefill worker streams a request's KV (kv/plane.h): the decode
@@ -124,6 +127,7 @@ struct KvTransfer {
   uint64_t transfer_id = 0;
   uint64_t fingerprint = 0;
   int32_t first_step = 0;  // PrefillJob::first_step: the index of first_token in the request's output
+  int32_t cached_tokens = 0;  // prompt positions the prefill worker's own prefix cache held
 };
 
 // The KV receiver's verdict on a stream, posted by its callback to the decode
@@ -161,7 +165,7 @@ struct DecodeDone {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
   return f(caf::meta::type_name("KvReservation"), x.id, x.positions, x.lease_ms, x.prompt_len, x.prefill_host,
-           x.prompt_tokens, x.cache_salt, x.local_prefill_tokens);
+           x.prompt_tokens, x.cache_salt, x.local_prefill_tokens, x.client);
 }
 
 template <class Inspector>
@@ -190,7 +194,8 @@ typename Inspector::result_type inspect(Inspector& f, PrefillReport& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
   return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
-           x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint, x.first_step);
+           x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint, x.first_step,
+           x.cached_tokens);
 }
 
 template <class Inspector>

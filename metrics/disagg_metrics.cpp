@@ -73,6 +73,10 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       kv_pieces_sent(r.counter("disagg_kv_pieces_sent_total",
                                "KV stream pieces a prefill worker handed to the data plane, layer by layer.")
                          .get()),
+      tokens_from_outcome(r.counter("disagg_tokens_from_outcome_total",
+                                    "Tokens a client took from the request's outcome because no token event "
+                                    "brought them (a stream's message lost or late).")
+                              .get()),
       prefix_cache_queries(r.counter("disagg_prefix_cache_queries_total",
                                      "Prompt tokens looked up in a worker's prefix cache, by role.", {"role"})),
       prefix_cache_hits(r.counter("disagg_prefix_cache_hits_total",

@@ -44,6 +44,7 @@ struct DisaggMetrics {
   Histogram& kv_transfer;           // seconds
   Counter& kv_transfer_bytes;
   Counter& kv_pieces_sent;          // prefill: stream pieces handed to the KV data plane (each layer's, as it is computed)
+  Counter& tokens_from_outcome;     // client: tokens no event brought, taken from the outcome (expected 0)
   // {role}: prompt tokens looked up in a prefix cache, and those found
   // (vLLM's prefix_cache_queries / prefix_cache_hits): role decode (its
   // pool) or prefill (its own cache, gpu/prefix_cache.h).

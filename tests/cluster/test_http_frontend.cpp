@@ -290,6 +290,11 @@ TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
   EXPECT_GT(sample(scraped["prefill-1"], "disagg_kv_transfer_bytes_total"), 0);
   EXPECT_EQ(sample(scraped["decode-1"], "disagg_kv_cache_usage_perc"), 0);  // all blocks free again
   EXPECT_EQ(sample(on_http_port, "disagg_prompt_tokens_total"), prompt_tokens);
+  // The decode node streamed every token to the frontend's client itself
+  // (direct-token-streams; the router forwards none of a request that
+  // decodes by itself), through the router's node: none had to be taken
+  // from an outcome.
+  EXPECT_EQ(sample(scraped["frontend"], "disagg_tokens_from_outcome_total"), 0);
   EXPECT_TRUE(cluster.stop_all());
 }
 

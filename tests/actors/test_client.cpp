@@ -1,0 +1,87 @@
+// The client library's side of a stream (actors/client.h): the token events
+// of a request come from its decode worker (direct-token-streams) and its
+// outcome from the router, so the client passes on each index once and in
+// order, and takes from a completed outcome the tokens no event brought,
+// before the outcome. A scripted router stands in for the cluster.
+#include <gtest/gtest.h>
+
+#include <future>
+#include <mutex>
+#include <vector>
+
+#include "actors/client.h"
+#include "actors/config.h"
+#include "caf/all.hpp"
+#include "metrics/disagg_metrics.h"
+
+namespace disagg::test {
+namespace {
+
+// Answers a generate with the events (index, token) of `script`, sent to the
+// client first, then with a completed outcome of `tokens`.
+caf::behavior scripted_router(caf::event_based_actor* self, std::vector<std::pair<int32_t, int32_t>> script,
+                              std::vector<int32_t> tokens) {
+  return {
+      [=](generate_atom, GenerateRequest& request, client_actor& client) {
+        for (const auto& [index, token] : script)
+          self->send(client, token_atom::value, TokenEvent{request.id, index, token, {}, 0});
+        RequestOutcome outcome;
+        outcome.id = request.id;
+        outcome.tokens = tokens;
+        outcome.timings.cached_tokens = 16;
+        return outcome;
+      },
+  };
+}
+
+struct Seen {
+  std::vector<int32_t> indices, tokens, cached;
+  RequestOutcome outcome;
+};
+
+Seen run(std::vector<std::pair<int32_t, int32_t>> script, std::vector<int32_t> tokens) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+  auto router = caf::actor_cast<router_actor>(system.spawn(scripted_router, std::move(script), std::move(tokens)));
+  Client client(system, router);
+  auto seen = std::make_shared<Seen>();
+  std::mutex mutex;
+  GenerateRequest request;
+  request.prompt_tokens = {1, 2};
+  request.max_new_tokens = 8;
+  auto future = client.submit(request, [&, seen](const TokenEvent& e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    seen->indices.push_back(e.index);
+    seen->tokens.push_back(e.token);
+    seen->cached.push_back(e.cached_tokens);
+  });
+  EXPECT_EQ(future.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  seen->outcome = future.get();
+  caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
+  return *seen;
+}
+
+TEST(ClientStream, RepeatsAfterAMigrationArePassedOnOnce) {
+  const double before = metrics::disagg_metrics().tokens_from_outcome.value();
+  // A migrated request: the new decode worker streams again from index 1.
+  const Seen s = run({{0, 50}, {1, 51}, {2, 52}, {1, 51}, {2, 52}, {3, 53}}, {50, 51, 52, 53});
+  EXPECT_TRUE(s.outcome.ok());
+  EXPECT_EQ(s.indices, (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(s.tokens, (std::vector<int32_t>{50, 51, 52, 53}));
+  EXPECT_EQ(metrics::disagg_metrics().tokens_from_outcome.value() - before, 0);
+}
+
+TEST(ClientStream, TokensNoEventBroughtComeFromTheOutcomeBeforeIt) {
+  const double before = metrics::disagg_metrics().tokens_from_outcome.value();
+  // Index 1 never came (lost with a worker), 2 and 3 are past the gap, 4 and
+  // 5 came after the outcome: all are taken from it, in order.
+  const Seen s = run({{0, 50}, {2, 52}, {3, 53}}, {50, 51, 52, 53, 54, 55});
+  EXPECT_TRUE(s.outcome.ok());
+  EXPECT_EQ(s.indices, (std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(s.tokens, (std::vector<int32_t>{50, 51, 52, 53, 54, 55}));
+  EXPECT_EQ(s.cached.back(), 16) << "the outcome's count of cached prompt tokens";
+  EXPECT_EQ(metrics::disagg_metrics().tokens_from_outcome.value() - before, 5);
+}
+
+}  // namespace
+}  // namespace disagg::test
