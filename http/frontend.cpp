@@ -447,12 +447,8 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     g->cached_tokens = outcome.timings.cached_tokens;
-    // Tokens the events did not carry (none are expected): add them now.
-    for (size_t i = size_t(g->text->tokens()); i < outcome.tokens.size(); ++i) {
-      const std::string piece = add_token(*g, outcome.tokens[i]);
-      if (g->request.stream && !piece.empty()) send_piece(*g, piece, "");
-      if (g->text->stopped()) break;
-    }
+    // (every token came as an event: the client library passes on, before
+    // the outcome, any that no event brought)
     if (!g->text->stopped()) {
       const std::string rest = g->text->flush();
       if (g->request.stream && !rest.empty()) send_piece(*g, rest, "");
