@@ -34,7 +34,7 @@
 #include <unordered_map>
 
 #include "actors/errors.h"
-#include "node/log.h"
+#include "actors/log.h"
 #include "actors/request_metrics.h"
 #include "actors/router_policy.h"
 #include "actors/timing.h"

@@ -47,7 +47,7 @@
 #include "apps/cli/cli.h"
 #include "caf/all.hpp"
 #include "metrics/disagg_metrics.h"
-#include "node/log.h"
+#include "actors/log.h"
 
 namespace {
 

@@ -18,7 +18,7 @@
 #include <sys/resource.h>
 
 #include "actors/client.h"
-#include "node/log.h"
+#include "actors/log.h"
 #include "node/relay.h"
 #include "node/runtime.h"
 #include "actors/timing.h"

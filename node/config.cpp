@@ -1,6 +1,6 @@
 #include "node/config.h"
 
-#include "node/log.h"
+#include "actors/log.h"
 
 #include <cctype>
 #include <fstream>

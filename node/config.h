@@ -34,7 +34,7 @@ struct NodeOptions {
   int64_t connect_timeout_ms = 0;         // give up after this long; 0 (the default): never
   int64_t peer_refresh_ms = 1000;         // prefill: how often it asks the router for decode endpoints
   std::string ready_file;  // written ("host:port" or the worker name) once the node serves
-  std::string log_level = "info";  // "error", "warning" or "info" (node/log.h)
+  std::string log_level = "info";  // "error", "warning" or "info" (actors/log.h)
   // Every role: GET /metrics (Prometheus text) on node.host:metrics-port; 0: none.
   uint16_t metrics_port = 0;
   // Router and decode: the port guard in front of the CAF port

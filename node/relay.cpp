@@ -8,7 +8,7 @@
 #include <set>
 #include <vector>
 
-#include "node/log.h"
+#include "actors/log.h"
 #include "node/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/middleman.hpp"

@@ -18,7 +18,7 @@
 #include "actors/compute.h"
 #include "actors/decode.h"
 #include "node/config.h"
-#include "node/log.h"
+#include "actors/log.h"
 #include "node/relay.h"
 #include "actors/prefill.h"
 #include "actors/router.h"

@@ -13,7 +13,7 @@
 #include <atomic>
 #include <memory>
 
-#include "node/log.h"
+#include "actors/log.h"
 #include "node/port_guard.h"
 
 #include "caf/config_option_adder.hpp"

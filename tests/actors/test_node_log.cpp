@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "node/log.h"
+#include "actors/log.h"
 
 namespace disagg {
 namespace {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <map>
 #include <sstream>
 
@@ -211,6 +212,37 @@ TEST(Config, TheReadmesOptionTablesAreTheCodesDefaults) {
   caf::config_option_set tls_options;
   add_tls_options(tls_options, tls);
   expect_readme_table_is("#### `[tls]`", tls_options);
+}
+
+// The layers, lowest first: gpu/, kv/ and metrics/ (CAF-free), messages/,
+// actors/, then node/, http/ and apps/. No source includes a layer above
+// its own, and the CAF-free ones include no CAF.
+TEST(Layers, NoSourceIncludesALayerAboveItsOwn) {
+  const std::map<std::string, std::vector<std::string>> forbidden = {
+      {"gpu", {"caf/", "messages/", "actors/", "node/", "http/", "apps/", "kv/", "metrics/"}},
+      {"kv", {"caf/", "messages/", "actors/", "node/", "http/", "apps/", "metrics/"}},
+      {"metrics", {"caf/", "messages/", "actors/", "node/", "http/", "apps/"}},
+      {"messages", {"actors/", "node/", "http/", "apps/"}},
+      {"actors", {"node/", "http/", "apps/"}},
+  };
+  size_t files = 0;
+  for (const auto& [layer, above] : forbidden) {
+    for (const auto& entry :
+         std::filesystem::recursive_directory_iterator(std::string(DISAGG_SOURCE_DIR) + "/" + layer)) {
+      const std::string ext = entry.path().extension().string();
+      if (ext != ".h" && ext != ".cpp" && ext != ".cu" && ext != ".inl" && ext != ".cuh") continue;
+      ++files;
+      std::istringstream lines(read_text_file(entry.path().string()));
+      for (std::string line; std::getline(lines, line);) {
+        if (line.rfind("#include", 0) != 0) continue;
+        for (const std::string& up : above)
+          EXPECT_EQ(line.find("\"" + up), std::string::npos) << entry.path().string() << ": " << line;
+        if (layer != "messages" && layer != "actors")
+          EXPECT_EQ(line.find("<caf/"), std::string::npos) << entry.path().string() << ": " << line;
+      }
+    }
+  }
+  EXPECT_GT(files, 50u) << "the layers' sources were found";
 }
 
 TEST(RouterPolicy, ValidationNamesTheProblem) {

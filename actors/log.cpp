@@ -1,4 +1,4 @@
-#include "node/log.h"
+#include "actors/log.h"
 
 #include <atomic>
 #include <chrono>
