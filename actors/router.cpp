@@ -56,10 +56,7 @@ struct Worker {
   // own bound, its deadline + ack-timeout-ms, so no slot is held forever)
   int in_flight = 0;
   int64_t outstanding_tokens = 0;
-  // decode: as last reported, lowered by the router's own reservations
-  DecodeLoad load;
-  int reserved_blocks = 0;  // blocks of unfinished requests the router sent here
-  int assigned = 0;
+  DecodeRoom room;  // decode: its free blocks as the router books them
   // Liveness: a worker that leaves a heartbeat unanswered for
   // heartbeat-timeout-ms gets no new work until it answers again.
   bool responsive = true;
@@ -215,11 +212,7 @@ std::string worker_name(Self self, WorkerKey key) {
 // next report corrects the estimate; this keeps it right if none comes.
 void release_reservations(Self self, Request& r) {
   if (r.reserved_blocks <= 0) return;
-  if (Worker* d = find_worker(self, r.decode_key)) {
-    d->reserved_blocks -= r.reserved_blocks;
-    d->load.free_blocks = std::min(d->info.total_blocks, d->load.free_blocks + r.reserved_blocks);
-    d->assigned -= 1;
-  }
+  if (Worker* d = find_worker(self, r.decode_key)) d->room.release(r.reserved_blocks);
   r.reserved_blocks = 0;
 }
 
@@ -355,11 +348,8 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
   for (const auto& kv : self->state.workers) {
     const Worker& w = kv.second;
     if (!w.decode || !w.responsive) continue;
-    // Room = what it reported, but never more than the router's own books
-    // allow (a report may predate requests already on their way to it).
-    const int by_books = w.info.total_blocks - w.reserved_blocks;
-    DecodeCandidate c{kv.first, std::max(1, w.info.block_size), w.info.total_blocks,
-                      std::min(w.load.free_blocks, by_books), w.load.active_sequences};
+    DecodeCandidate c{kv.first, std::max(1, w.info.block_size), w.info.total_blocks, w.room.free_blocks(),
+                      w.room.active_sequences()};
     if (!w.info.colocated.empty()) {
       c.colocated = true;
       c.partner = colocated_partner(self, w);
@@ -459,9 +449,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   r.reserved_blocks = gpu::KvPool::blocks_for(positions, std::max(1, d.info.block_size));
   p.in_flight += 1;
   p.outstanding_tokens += job_prompt_len(r);
-  d.reserved_blocks += r.reserved_blocks;
-  d.load.free_blocks -= r.reserved_blocks;  // until its next report says otherwise
-  d.assigned += 1;
+  d.room.reserve(r.reserved_blocks);
   st.sessions.remember(r.request.session, decode_key);
   predict_prefix(self, r, d);
 
@@ -558,7 +546,7 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
   }
   Request& r = it->second;
   if (Worker* d = find_worker(self, r.decode_key))
-    if (reply.load.total_blocks > 0) d->load = reply.load;
+    if (reply.load.total_blocks > 0) d->room.reported(reply.load);
   if (reply.code == ErrorCode::none) {
     r.kv_target = std::move(reply.target);
     r.cached_tokens = std::min<int32_t>(reply.cached_tokens, int32_t(r.prompt.size()));  // (of the prompt, not of earlier tokens)
@@ -662,7 +650,7 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
     // A decode worker that had reserved the blocks should never say this;
     // nothing is held there then, so try another one.
     if (Worker* d = find_worker(self, r.decode_key))
-      if (report.decode_load.total_blocks > 0) d->load = report.decode_load;
+      if (report.decode_load.total_blocks > 0) d->room.reported(report.decode_load);
     requeue_elsewhere(self, r);
   } else if (report.code == ErrorCode::worker_lost) {
     // The prefill worker lost its KV stream to the decode worker (that node
@@ -798,9 +786,7 @@ void add_worker(Self self, WorkerInfo info, prefill_actor prefill, decode_actor 
   w.address = address;
   w.prefill = std::move(prefill);
   w.decode = std::move(decode);
-  w.load.total_blocks = info.total_blocks;
-  w.load.free_blocks = info.total_blocks;
-  w.load.block_size = info.block_size;
+  w.room = DecodeRoom(info.total_blocks);
   w.prefix = PrefixIndex(size_t(std::max(0, w.decode ? info.total_blocks : info.cache_blocks)));
   w.info = std::move(info);
   if (w.prefill) self->monitor(w.prefill);
@@ -976,11 +962,11 @@ RouterStatus status_of(Self self) {
     ws.name = w.info.name;
     ws.role = w.info.role;
     ws.fingerprint = w.info.model.fingerprint;
-    ws.in_flight = w.prefill ? w.in_flight : w.assigned;
+    ws.in_flight = w.prefill ? w.in_flight : w.room.requests();
     ws.outstanding_tokens = w.outstanding_tokens;
-    ws.free_blocks = std::max(0, std::min(w.load.free_blocks, w.info.total_blocks - w.reserved_blocks));
+    ws.free_blocks = w.room.free_blocks();
     ws.total_blocks = w.info.total_blocks;
-    ws.active_sequences = w.load.active_sequences;
+    ws.active_sequences = w.room.active_sequences();
     ws.cached_blocks = int32_t(w.prefix.held());
     ws.endpoint = w.info.endpoint;
     s.workers.push_back(std::move(ws));
@@ -1093,7 +1079,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
       },
       [=](load_atom, DecodeLoad& load) {
         if (Worker* w = sender_worker(self)) {
-          w->load = load;
+          w->room.reported(load);
           dispatch(self);
         }
       },

@@ -2,6 +2,7 @@
 // prefill and decode worker take it, and which decode worker a session
 // returns to. Kept apart from the message plumbing in router.cpp.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <list>
@@ -99,6 +100,44 @@ bool any_decode_could_fit(const std::vector<DecodeCandidate>& candidates, int po
 // and every generated token but the last); 0 when none holds the prompt.
 int most_new_tokens(const std::vector<DecodeCandidate>& candidates, int prompt_len);
 
+
+// A decode worker's room as the router books it: the one answer to "how
+// many of its blocks are free" that dispatch (DecodeCandidate::free_blocks)
+// and status (WorkerStatus::free_blocks) both read. What the worker last
+// reported, lowered by the router's own reservations since (a report may
+// predate requests already on their way to it), and never more than its
+// pool less the blocks of the unfinished requests the router sent there.
+class DecodeRoom {
+ public:
+  explicit DecodeRoom(int total_blocks = 0) : total_(total_blocks), reported_free_(total_blocks) {}
+  // The worker's own report (a load message, a reservation's answer, an ack).
+  void reported(const DecodeLoad& load) {
+    reported_free_ = load.free_blocks;
+    active_ = load.active_sequences;
+  }
+  // A request of `blocks` sent there; released when it ends there.
+  void reserve(int blocks) {
+    reserved_ += blocks;
+    reported_free_ -= blocks;  // until its next report says otherwise
+    requests_ += 1;
+  }
+  void release(int blocks) {
+    reserved_ -= blocks;
+    reported_free_ = std::min(total_, reported_free_ + blocks);  // (a report may have counted them free already)
+    requests_ -= 1;
+  }
+  int free_blocks() const { return std::max(0, std::min(reported_free_, total_ - reserved_)); }
+  int total_blocks() const { return total_; }
+  int active_sequences() const { return active_; }  // as last reported
+  int requests() const { return requests_; }        // sent there, not finished
+
+ private:
+  int total_;
+  int reported_free_;
+  int reserved_ = 0;
+  int active_ = 0;
+  int requests_ = 0;
+};
 
 // Which workers' PrefixIndex holds each block hash: the router's one index
 // over all workers (Dynamo's KV router keeps one radix tree for all), so

@@ -245,6 +245,32 @@ TEST(Layers, NoSourceIncludesALayerAboveItsOwn) {
   EXPECT_GT(files, 50u) << "the layers' sources were found";
 }
 
+// The router's books of a decode worker's room: a report that predates
+// the router's own reservations never frees their blocks, a release never
+// makes more room than the pool, and what status and dispatch read is one
+// number.
+TEST(DecodeRoom, ReportsAreCappedByTheRoutersOwnReservations) {
+  DecodeRoom room(10);
+  EXPECT_EQ(room.free_blocks(), 10);
+  room.reserve(4);
+  EXPECT_EQ(room.free_blocks(), 6);
+  EXPECT_EQ(room.requests(), 1);
+  room.reported(DecodeLoad{10, 10, 16, 0});  // sent before the reservation arrived there
+  EXPECT_EQ(room.free_blocks(), 6);
+  room.reported(DecodeLoad{5, 10, 16, 1});  // the worker holds another block of its own (a cached prefix)
+  EXPECT_EQ(room.free_blocks(), 5);
+  EXPECT_EQ(room.active_sequences(), 1);
+  room.release(4);
+  EXPECT_EQ(room.free_blocks(), 9);
+  EXPECT_EQ(room.requests(), 0);
+  room.reserve(4);
+  room.reported(DecodeLoad{10, 10, 16, 0});  // the request ended there: its blocks counted free already
+  room.release(4);
+  EXPECT_EQ(room.free_blocks(), 10) << "never more than the pool";
+  room.reserve(12);
+  EXPECT_EQ(room.free_blocks(), 0) << "never below nothing";
+}
+
 TEST(RouterPolicy, ValidationNamesTheProblem) {
   const ModelLimits limits{512, 512};
   GenerateRequest r;
