@@ -14,7 +14,7 @@
 namespace disagg {
 
 struct ClientOptions {
-  int64_t default_deadline_ms = 60000;  // used when a request sets none
+  int64_t default_deadline_ms = kDefaultDeadlineMs;  // used when a request sets none
   int64_t grace_ms = 5000;              // beyond the deadline, for the router's reply to arrive
 };
 

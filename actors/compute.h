@@ -19,7 +19,7 @@ namespace disagg {
 struct ComputeSpec {
   std::shared_ptr<const gpu::Checkpoint> checkpoint;
   gpu::EngineOptions engine;
-  int pool_block_size = 16;
+  int pool_block_size = gpu::kDefaultBlockSize;
   int pool_blocks = 0;  // 0: no KV pool (a prefill worker's compute)
   // The process's KV data plane: a prefill compute streams KV through it
   // (PrefillWork::target). Null: it can only return KV serialized.

@@ -9,6 +9,7 @@
 #include "caf/config_option_adder.hpp"
 #include "caf/deep_to_string.hpp"
 #include "gpu/engine.h"
+#include "messages/request.h"
 
 namespace disagg {
 
@@ -48,7 +49,7 @@ struct DisaggConfig {
   std::string kv_host = "127.0.0.1";
 
   // Decode worker.
-  int block_size = 16;     // positions per KV block
+  int block_size = gpu::kDefaultBlockSize;  // positions per KV block
   int pool_blocks = 1024;  // KV pool capacity in blocks
   int max_batch = 64;      // sequences per decode step
   // Prefix caching: a decode worker keeps the KV of finished sequences' full
@@ -105,7 +106,7 @@ struct DisaggConfig {
   bool direct_token_streams = true;
   int queue_capacity = 256;          // accepted requests waiting for dispatch
   int max_prefill_inflight = 8;      // jobs per prefill worker at once
-  int64_t default_deadline_ms = 60000;  // at most kMaxDeadlineMs (messages/request.h)
+  int64_t default_deadline_ms = kDefaultDeadlineMs;  // at most kMaxDeadlineMs (messages/request.h)
   // Longest text prompt the router encodes; longer: invalid_request, before
   // any encoding. Encoding runs on the router's own thread and is linear in
   // the length (gpu/merge_queue.h): 64 KiB take 2-14 ms on the 2-core dev VM

@@ -13,7 +13,7 @@ namespace disagg::gpu {
 
 namespace {
 
-constexpr int kBlockSize = 16;
+constexpr int kBlockSize = kDefaultBlockSize;
 
 void check_request(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens) {
   if (prompt.empty()) throw Error("generate: empty prompt");

@@ -78,6 +78,10 @@ struct PoolSpan {
   size_t floats = 0;
 };
 
+// Positions per KV block unless configured otherwise (block-size): one key
+// tile (gpu/kv_layout.h); a pool's block size must be a multiple of it.
+constexpr int kDefaultBlockSize = 16;
+
 // Paged KV storage on the engine's backend: num_blocks blocks, each holding
 // block_size positions of K and V for every layer (layout: gpu/kv_layout.h).
 class KvPool {

@@ -47,6 +47,9 @@ struct Sampling {
 // The longest deadline a request may ask for: 24 hours. The router refuses
 // more (invalid_request), so no deadline arithmetic can overflow.
 constexpr int64_t kMaxDeadlineMs = int64_t{24} * 60 * 60 * 1000;
+// The deadline of a request that sets none: the router's default-deadline-ms
+// and the client library's ClientOptions start from this one figure.
+constexpr int64_t kDefaultDeadlineMs = 60000;
 
 struct GenerateRequest {
   RequestId id = 0;
