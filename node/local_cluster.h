@@ -3,6 +3,24 @@
 // optionally colocated workers (a prefill and a decode worker on one compute). For
 // tests, in-process demos and benchmarks; a multi-node cluster is the same
 // actors spawned on different nodes (they register with the router alike).
+//
+// What a multi-process cluster has and this one does not, and the tests
+// that cover each there (tests/cluster/ unless named):
+//   - no relay: the workers hold the router's handle itself, so nothing
+//     re-registers them with a restarted router and their registration
+//     names no cluster (the router accepts a worker of its own process as
+//     its own); relay: NodeRelay.* (tests/actors), ClusterMembership.*;
+//   - no prefill gate: no direct node connection is made before a job, and
+//     the KV never crosses a node; MultiProcessCluster.KvBytesGoFromPrefill*,
+//     ...OverDirectKvConnections;
+//   - no port guard, TLS or serialization: messages move between actors
+//     unencoded; PortGuard.*, ClusterTls.*, and Protocol.Messages*
+//     (tests/actors) round-trips every message type;
+//   - one scheduler for all the actors, where nodes have one each;
+//   - tokens streamed to a client (direct-token-streams) arrive in the
+//     client's mailbox at once; across nodes CAF routes them through the
+//     router's node: HttpFrontend.HealthThenCompletionsAndChatEqual* checks
+//     that none had to come with the outcome instead.
 #pragma once
 #include <chrono>
 #include <memory>
