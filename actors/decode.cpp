@@ -78,8 +78,7 @@ void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& clien
   seq.sampling = t.sampling;
   seq.first_step = t.first_step;
   seq.client = client;
-  // (a migrated request's job prompt ends with the first_step tokens it streamed)
-  seq.cached_tokens = std::min(std::max(pool_cached, t.cached_tokens), t.prompt_len - t.first_step);
+  seq.cached_tokens = cached_prompt_tokens(pool_cached, t.cached_tokens, t.prompt_len - t.first_step);
 }
 
 // Ids cancelled recently: a KV transfer that arrives after its cancel (the two

@@ -549,7 +549,7 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     if (reply.load.total_blocks > 0) d->room.reported(reply.load);
   if (reply.code == ErrorCode::none) {
     r.kv_target = std::move(reply.target);
-    r.cached_tokens = std::min<int32_t>(reply.cached_tokens, int32_t(r.prompt.size()));  // (of the prompt, not of earlier tokens)
+    r.cached_tokens = cached_prompt_tokens(reply.cached_tokens, 0, int32_t(r.prompt.size()));
     const Worker* d = find_worker(self, r.decode_key);
     if (r.kv_target.local() && d && d->info.colocated.empty()) {
       // Conditional disaggregation: the prefill worker booked at start() is
@@ -634,7 +634,7 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
     r.phase = Phase::decoding;
     // (a prompt its prefill worker's own cache held more of than the decode
     // worker's: that many positions were not computed)
-    r.cached_tokens = std::max(r.cached_tokens, std::min<int32_t>(report.cached_tokens, int32_t(r.prompt.size())));
+    r.cached_tokens = cached_prompt_tokens(r.cached_tokens, report.cached_tokens, int32_t(r.prompt.size()));
     r.prefill_report = std::move(report);
     complete_if_done(self, id);
   } else if (r.phase == Phase::decoding) {

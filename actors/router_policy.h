@@ -127,7 +127,6 @@ class DecodeRoom {
     requests_ -= 1;
   }
   int free_blocks() const { return std::max(0, std::min(reported_free_, total_ - reserved_)); }
-  int total_blocks() const { return total_; }
   int active_sequences() const { return active_; }  // as last reported
   int requests() const { return requests_; }        // sent there, not finished
 

@@ -2,6 +2,7 @@
 // prefill worker's report, the KV transfer from prefill to decode and its ack,
 // and the decode worker's final report. Each carries the request id.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -129,6 +130,15 @@ struct KvTransfer {
   int32_t first_step = 0;  // PrefillJob::first_step: the index of first_token in the request's output
   int32_t cached_tokens = 0;  // prompt positions the prefill worker's own prefix cache held
 };
+
+// The prompt positions a prefix cache held, as a request's outcome (the
+// router) and its token events (a streaming decode worker) both report
+// them: the more of what the decode pool and the prefill worker's own cache
+// held, at most the request's own prompt (a migrated request's job prompt
+// ends with the tokens it had streamed).
+inline int32_t cached_prompt_tokens(int32_t pool_cached, int32_t prefill_cached, int32_t prompt_len) {
+  return std::min(std::max(pool_cached, prefill_cached), prompt_len);
+}
 
 // The KV receiver's verdict on a stream, posted by its callback to the decode
 // actor (same process) as (landed_atom, request id, reservation serial, KvLanded).
