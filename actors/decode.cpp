@@ -58,7 +58,7 @@ struct Sequence {
   std::vector<int32_t> prompt;  // the prompt's tokens when its blocks go to the prefix cache, else empty
   uint64_t hash_seed = 0;       // gpu::block_hash_seed of the request
   std::vector<uint64_t> hashes;  // of its full blocks so far (the prompt's, at first)
-  int32_t limit = 0;  // tokens it may generate: max_new_tokens, capped by seq_len
+  int32_t limit = 0;  // tokens this attempt may make (gpu::token_limit)
   Sampling sampling;
   std::vector<int32_t> tokens;  // generated so far
   int32_t first_step = 0;       // the request's output index of tokens[0] (a migrated request: > 0)
@@ -74,7 +74,7 @@ struct Sequence {
 void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& client, int32_t pool_cached,
                    int32_t seq_len) {
   seq.prompt_len = t.prompt_len;
-  seq.limit = std::min(t.max_new_tokens, seq_len - t.prompt_len);
+  seq.limit = gpu::token_limit(t.prompt_len, t.max_new_tokens, seq_len);
   seq.sampling = t.sampling;
   seq.first_step = t.first_step;
   seq.client = client;
@@ -246,24 +246,21 @@ void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, Erro
   self->send(st.router, done_atom::value, std::move(done));
 }
 
-// Applies a sampled token with gpu::generate's stop rules; true when the
-// sequence finished.
+// Applies a sampled token with the stop rule (gpu/stop_rule.h, as
+// gpu::generate does); true when the sequence finished.
 bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t token) {
   Sequence& seq = it->second;
-  if (gpu::ends_generation(self->state.end_tokens, token)) {
-    finish_sequence(self, it, ErrorCode::none, {}, FinishReason::eos);
-    return true;
+  const auto stop = gpu::check_stop(self->state.end_tokens, token, int(seq.tokens.size()), seq.limit);
+  if (stop != FinishReason::eos) {
+    const int32_t index = seq.first_step + int32_t(seq.tokens.size());
+    seq.tokens.push_back(token);
+    record_decoded_token();
+    if (seq.client)
+      self->send(seq.client, token_atom::value, TokenEvent{it->first, index, token, {}, seq.cached_tokens});
+    self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0});
   }
-  const int32_t index = seq.first_step + int32_t(seq.tokens.size());
-  seq.tokens.push_back(token);
-  record_decoded_token();
-  if (seq.client) self->send(seq.client, token_atom::value, TokenEvent{it->first, index, token, {}, seq.cached_tokens});
-  self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0});
-  if (int32_t(seq.tokens.size()) >= seq.limit) {
-    finish_sequence(self, it, ErrorCode::none, {}, FinishReason::length);
-    return true;
-  }
-  return false;
+  if (stop) finish_sequence(self, it, ErrorCode::none, {}, *stop);
+  return stop.has_value();
 }
 
 // The step in flight has ended: what waited for it is released. True when

@@ -33,26 +33,22 @@ int positions_needed(const Engine& engine, const std::vector<int>& prompt, int m
 }
 
 // Samples token 0 from `logits` (after the prompt), then feeds each emitted
-// token at the next position until an end token, max_new_tokens or seq_len.
+// token at the next position until the stop rule says stop (limit >= 1).
 GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, int prompt_len,
                            std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling) {
   const ModelConfig& c = engine.config();
   GenerateResult result;
-  result.finish = FinishReason::length;
-  // The sequence (prompt + generated) never grows beyond seq_len.
-  const int limit = std::min(max_new_tokens, c.seq_len - prompt_len);
-  while (int(result.tokens.size()) < limit) {
-    const int step = int(result.tokens.size());
+  const int limit = token_limit(prompt_len, max_new_tokens, c.seq_len);
+  for (int step = 0;; ++step) {
     const int next = sample_token(logits.data(), c.vocab_size, sampling, uint64_t(step));
-    if (ends_generation(c.end_tokens, next)) {
-      result.finish = FinishReason::eos;
-      break;
+    const std::optional<FinishReason> stop = check_stop(c.end_tokens, next, step, limit);
+    if (stop != FinishReason::eos) result.tokens.push_back(next);
+    if (stop) {
+      result.finish = *stop;
+      return result;
     }
-    result.tokens.push_back(next);
-    if (int(result.tokens.size()) == limit) break;
     logits = engine.decode_step(pool, {DecodeSlot{next, prompt_len + step, &blocks}});
   }
-  return result;
 }
 
 std::vector<int> all_blocks(int n) {
@@ -70,7 +66,7 @@ int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                         const SamplingParams& sampling) {
   check_request(engine, prompt, max_new_tokens);
-  if (max_new_tokens == 0 || int(prompt.size()) >= engine.config().seq_len) return {};
+  if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
   PrefillOutput prefilled = engine.prefill(prompt);
   const int n_blocks = KvPool::blocks_for(positions_needed(engine, prompt, max_new_tokens), kBlockSize);
@@ -88,7 +84,7 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
 GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                                  const SamplingParams& sampling) {
   check_request(engine, prompt, max_new_tokens);
-  if (max_new_tokens == 0 || int(prompt.size()) >= engine.config().seq_len) return {};
+  if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
   const int n_blocks = KvPool::blocks_for(positions_needed(engine, prompt, max_new_tokens), kBlockSize);
   KvPool pool(engine, kBlockSize, n_blocks);

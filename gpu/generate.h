@@ -5,10 +5,9 @@
 
 #include "gpu/engine.h"
 #include "gpu/sampling.h"
+#include "gpu/stop_rule.h"
 
 namespace disagg::gpu {
-
-enum class FinishReason { eos, length };
 
 struct GenerateResult {
   std::vector<int> tokens;  // generated, prompt excluded, stopping before an end token (ModelConfig::end_tokens)
@@ -20,8 +19,8 @@ struct GenerateResult {
 // pool reserves this many for a request, colocated or disaggregated.
 int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len);
 
-// Stops before an end token (gpu::ends_generation), after max_new_tokens, or when the sequence
-// reaches the model's seq_len. Throws Error on an empty prompt or a bad token id.
+// Stops where the stop rule says (gpu/stop_rule.h: before an end token, after
+// max_new_tokens or at the model's seq_len). Throws Error on an empty prompt or a bad token id.
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                         const SamplingParams& sampling);
 

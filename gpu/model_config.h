@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "gpu/stop_rule.h"
+
 namespace disagg::gpu {
 
 constexpr int kBosToken = 1;  // llama2.c's <s>, which ends a llama2.c generation
@@ -48,12 +50,6 @@ struct ModelConfig {
   bool qk_norm() const { return arch == Architecture::qwen3; }
   bool qkv_bias() const { return arch == Architecture::qwen2; }
 };
-
-// The stop rule's token test, the one place every path (gpu::generate, the
-// decode worker, a migrated sequence) asks: does `token` end the generation?
-inline bool ends_generation(const std::vector<int>& end_tokens, int token) {
-  return std::find(end_tokens.begin(), end_tokens.end(), token) != end_tokens.end();
-}
 
 // Llama 3.1's RoPE frequency factors for `config`'s head size and theta, as
 // llama.cpp's converter computes them from rope_scaling {factor,

@@ -20,14 +20,6 @@ std::string to_string(ErrorCode code) {
   return "unknown(" + std::to_string(static_cast<int>(code)) + ")";
 }
 
-std::string to_string(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::eos: return "eos";
-    case FinishReason::length: return "length";
-  }
-  return "unknown(" + std::to_string(static_cast<int>(reason)) + ")";
-}
-
 std::string to_string(WorkerRole role) {
   switch (role) {
     case WorkerRole::prefill: return "prefill";

@@ -8,6 +8,7 @@
 #include "caf/meta/type_name.hpp"
 #include "caf/replies_to.hpp"
 #include "caf/typed_actor.hpp"
+#include "gpu/stop_rule.h"
 #include "messages/atoms.h"
 
 namespace disagg {
@@ -30,11 +31,8 @@ enum class ErrorCode : uint8_t {
 };
 std::string to_string(ErrorCode code);
 
-enum class FinishReason : uint8_t {
-  eos = 0,     // the model emitted BOS (not included in the tokens)
-  length = 1,  // max_new_tokens reached, or the model's seq_len
-};
-std::string to_string(FinishReason reason);
+// Why a request's tokens ended: the stop rule's own vocabulary (gpu/stop_rule.h).
+using gpu::FinishReason;
 
 // Mirrors gpu::SamplingParams: token i of a request is sampled with (seed, i),
 // so the same request gives the same tokens wherever each step runs.

@@ -1,4 +1,5 @@
-// Sampling: greedy, determinism, and agreement with a naive reference sampler.
+// Sampling: greedy, determinism, and agreement with a naive reference sampler;
+// the stop rule that decides what each sampled token does.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 
 #include "gpu/error.h"
 #include "gpu/sampling.h"
+#include "gpu/stop_rule.h"
 
 namespace disagg::gpu {
 namespace {
@@ -183,6 +185,26 @@ TEST(Sampling, FrequenciesMatchNucleus) {
 
 TEST(Sampling, HighTemperatureFlattens) {
   expect_frequencies({1.0f, 2.0f, 0.5f, 2.0f, -1.0f, 0.0f}, 10.0f, 1.0f);
+}
+
+// The stop rule every token-making path asks (gpu::generate, the decode
+// worker, a migrated sequence): an end token is never output, even as the
+// last allowed one; the allowance is max_new_tokens, cut so prompt + output
+// stay within seq_len.
+TEST(StopRule, EndTokensStopBeforeAndTheLimitAfter) {
+  const std::vector<int> ends{1, 7};
+  EXPECT_EQ(token_limit(10, 5, 100), 5);
+  EXPECT_EQ(token_limit(98, 5, 100), 2) << "the context caps it";
+  EXPECT_EQ(token_limit(100, 5, 100), 0);
+  EXPECT_EQ(token_limit(120, 5, 100), 0) << "never negative";
+  EXPECT_EQ(check_stop(ends, 3, 0, 5), std::nullopt);
+  EXPECT_EQ(check_stop(ends, 3, 3, 5), std::nullopt);
+  EXPECT_EQ(check_stop(ends, 3, 4, 5), FinishReason::length) << "the fifth of five is output, and the last";
+  EXPECT_EQ(check_stop(ends, 7, 0, 5), FinishReason::eos);
+  EXPECT_EQ(check_stop(ends, 1, 4, 5), FinishReason::eos) << "an end token at the limit is still not output";
+  EXPECT_EQ(check_stop({}, 1, 0, 1), FinishReason::length) << "no end tokens: only the limit";
+  EXPECT_EQ(to_string(FinishReason::eos), "eos");
+  EXPECT_EQ(to_string(FinishReason::length), "length");
 }
 
 }  // namespace
