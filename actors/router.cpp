@@ -1,29 +1,33 @@
 // The router: admits requests, places them on a prefill and a decode
 // worker, relays their tokens, and gives each exactly one terminal reply.
 //
-// A request's lifecycle (Phase below; "finished" is its removal, after the
-// one reply):
+// A request's lifecycle: Request::phase, one of the structs below, each
+// holding its own data ("finished" is its removal, after the one reply):
 //
 //                  refused reservation: another decode worker (max-decode-retries)
 //              +----------------------------------------------+
 //              v                                              |
-//   submit --> queued --(dispatch: decode room and a    --> reserving --(blocks held: send_prefill_job;
-//              ^  ^      prefill slot, or local prefill)        |          the decode worker's own
+//   submit --> Queued --(dispatch: decode room and a    --> Reserving --(blocks held: send_prefill_job;
+//              ^  ^      prefill slot, or local prefill)    {Attempt}     the decode worker's own
 //              |  |                                             |          prefill when local)
 //              |  |                                             v
-//              |  +----- worker lost / silent, no token yet -- prefilling --(prefill report ok, or a
-//              |         (starts over: max-worker-retries)        |           first token of this attempt)
+//              |  +----- worker lost / silent, no token yet -- Prefilling --(prefill report ok, or a
+//              |         (starts over: max-worker-retries)    {Attempt}      first token of this attempt)
 //              |                                                  v
-//              +-------- decode worker lost after tokens ----- decoding --(done: eos, length, stop)--> finished
-//                        (migrates: prompt + streamed tokens,
-//                         sampling from step k; same retries)
+//              +-------- decode worker lost after tokens ----- Decoding --(done: eos or length, the stop
+//                        (migrates: prompt + streamed tokens,  {Attempt,     rule; and the prefill report
+//                         sampling from step k; same retries)   report,      or none waited for)--> finished
+//                                                               done}
 //
 //   any phase --(cancel, deadline, client gone, a worker's error, retries spent)--> finished
 //
+// Attempt: the workers of this dispatch, its serial (answers that name
+// another are ignored), the blocks booked, the cached prompt positions.
 // Leaving a phase releases what the request held: the prefill slot it kept
-// while reserving (a job once sent holds its slot until the worker's
-// report), the decode blocks (reserving on); answers that name an earlier
-// attempt (Request::attempt) are ignored.
+// while Reserving (a job once sent holds its slot until the worker's
+// report), the decode blocks (Reserving on). What lives as long as the
+// request (its tokens streamed so far, retries, the decode workers that
+// refused it) is in Request itself.
 #include "actors/router.h"
 
 #include <algorithm>
@@ -31,7 +35,10 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
+#include <variant>
 
 #include "actors/errors.h"
 #include "actors/log.h"
@@ -66,28 +73,60 @@ struct Worker {
   bool snapshot_pending = false;
 };
 
-// A request's phases at the router:
-//   queued -> reserving (the decode worker reserves its blocks) ->
-//   prefilling (the prefill worker computes and ships the KV) ->
-//   decoding (the decode worker has this attempt's KV: the prefill worker
-//   reported, or a token or the done of this attempt came from the decode
-//   worker) -> finished (one terminal reply)
-// Only while reserving or prefilling does the request need its prefill
-// worker: from decoding on, that worker going down or silent, or answering
-// with an error, changes nothing for it (prefill_holds). A refused
-// reservation sends it back to queued (another decode worker, or later);
-// every other failure finishes it. finish() releases what each phase holds:
-// the prefill slot (reserving), the decode blocks (reserving on).
-enum class Phase { queued, reserving, prefilling, decoding };
+// A request's phases at the router (the diagram at the top of this file),
+// each holding its own data. What a phase holds is released when the
+// request leaves it: the prefill slot (Reserving: booked at start(); from
+// Prefilling on, the job's report frees it, whenever it comes), the decode
+// blocks (every phase but Queued).
+
+// One dispatch to a pair of workers: what every phase after Queued holds.
+struct Attempt {
+  uint64_t serial = 0;        // this dispatch: an answer that names another is stale
+  WorkerKey prefill_key = 0;  // 0: none (the decode worker prefills it itself)
+  WorkerKey decode_key = 0;
+  int reserved_blocks = 0;  // booked in the decode worker's DecodeRoom
+  bool local_prefill = false;  // the reservation's target is local: the decode worker prefills
+  // Of the prompt, in a prefix cache: the decode worker's (ReserveReply) or,
+  // if more, the prefill worker's (PrefillReport).
+  int32_t cached_tokens = 0;
+};
+
+// Waiting in RouterState::queue for workers with room (again, after a
+// refused reservation or a lost worker: nothing of the last attempt is held).
+struct Queued {};
+
+// The decode worker is asked to reserve the blocks; the prefill worker's slot
+// is booked for the job that follows.
+struct Reserving {
+  Attempt attempt;
+};
+
+// The job is out: the prefill worker (or the decode worker itself) computes
+// the prompt and ships the KV into the reserved blocks.
+struct Prefilling {
+  Attempt attempt;
+};
+
+// The decode worker has this attempt's KV (the prefill worker reported, or
+// a token or a done of this attempt came from the decode worker). The
+// prefill worker is not needed any more: it going down or silent, or
+// answering with an error, changes nothing for the request.
+struct Decoding {
+  Attempt attempt;
+  std::optional<PrefillReport> prefill_report;  // its timings, once reported
+  bool prefill_over = false;  // no report is waited for: the prefill worker went down, silent or answered an error
+  std::optional<DecodeDone> done;  // the decode worker's last word on it
+};
+
+using Phase = std::variant<Queued, Reserving, Prefilling, Decoding>;
 
 struct Request {
   GenerateRequest request;
   std::vector<int32_t> prompt;
   client_actor client;
   caf::typed_response_promise<RequestOutcome> promise;
-  uint64_t serial = 0;   // this admission (the deadline timer names it)
-  uint64_t attempt = 0;  // this dispatch (stale prefill reports name another)
-  Phase phase = Phase::queued;
+  uint64_t serial = 0;  // this admission (the deadline timer names it)
+  Phase phase;
   // The job prompt's block hashes for one block size (prompt_hashes), kept
   // across dispatch attempts.
   int hashed_block_size = 0;
@@ -95,24 +134,10 @@ struct Request {
   std::vector<uint64_t> hashes;
   bool validated = false;  // against the model limits (known once a prefill worker registered)
   Clock::time_point accepted;
-  std::optional<Clock::time_point> dispatched;
+  std::optional<Clock::time_point> dispatched;  // first
   int retries = 0;
   int worker_retries = 0;  // restarts after a lost or hung worker (max-worker-retries)
   std::vector<WorkerKey> excluded;  // decode workers that answered overloaded
-  // while dispatched:
-  WorkerKey prefill_key = 0;
-  WorkerKey decode_key = 0;
-  int reserved_blocks = 0;
-  KvTarget kv_target;  // where the decode worker takes the KV (its ReserveReply)
-  int32_t cached_tokens = 0;  // of the prompt, in a prefix cache: the decode worker's (ReserveReply) or, if more, the prefill worker's (PrefillReport)
-  // The decode worker prefills the rest itself (its reservation's target is
-  // local, and it is no colocated unit's): no prefill worker in this attempt.
-  bool local_prefill = false;
-  std::optional<PrefillReport> prefill_report;
-  // No report is waited for: the prefill worker went down, stopped answering
-  // or answered with an error once its part of this attempt was done.
-  bool prefill_over = false;
-  std::optional<DecodeDone> decode_done;
   // streaming:
   std::vector<int32_t> streamed;  // tokens forwarded to the client, every attempt's
   // Tokens earlier attempts streamed before their decode worker was lost: the
@@ -123,6 +148,39 @@ struct Request {
   std::optional<Clock::time_point> last_token;  // metrics: time between tokens
   std::string text;
 };
+
+// The current attempt of a dispatched request (nullptr: queued).
+const Attempt* attempt_of(const Request& r) {
+  return std::visit(
+      [](const auto& phase) -> const Attempt* {
+        if constexpr (std::is_same_v<std::decay_t<decltype(phase)>, Queued>) return nullptr;
+        else return &phase.attempt;
+      },
+      r.phase);
+}
+Attempt* attempt_of(Request& r) { return const_cast<Attempt*>(attempt_of(std::as_const(r))); }
+
+// The current attempt when it is the one an answer names (nullptr: stale).
+Attempt* current_attempt(Request& r, uint64_t serial) {
+  Attempt* a = attempt_of(r);
+  return a && a->serial == serial ? a : nullptr;
+}
+
+bool is_queued(const Request& r) { return std::holds_alternative<Queued>(r.phase); }
+
+// The decode worker's done, if it has said it.
+const DecodeDone* done_of(const Request& r) {
+  const auto* d = std::get_if<Decoding>(&r.phase);
+  return d && d->done ? &*d->done : nullptr;
+}
+
+// The decode worker has the KV: a Prefilling request moves on to Decoding
+// (from Decoding it stays). nullptr from the phases before (no KV can be
+// there yet).
+Decoding* to_decoding(Request& r) {
+  if (auto* p = std::get_if<Prefilling>(&r.phase)) r.phase = Decoding{p->attempt, std::nullopt, false, std::nullopt};
+  return std::get_if<Decoding>(&r.phase);
+}
 
 // Whether the request's decode worker streams its tokens to its client
 // itself (direct-token-streams): unless the router adds their text.
@@ -140,14 +198,9 @@ std::vector<int32_t> job_prompt(const Request& r) {
 }
 int job_new_tokens(const Request& r) { return r.request.max_new_tokens - int(r.earlier.size()); }
 
-// Whether the request still needs its prefill worker (see Phase).
-bool prefill_holds(const Request& r) { return r.phase == Phase::reserving || r.phase == Phase::prefilling; }
-
-// Whether the request's tokens are all there: its decode worker said done, or
-// its last token (max_new_tokens) has streamed. Such a request completes,
-// whatever fails afterwards.
-bool tokens_final(const Request& r) {
-  return r.decode_done.has_value() || int(r.streamed.size()) >= r.request.max_new_tokens;
+// Whether the request still needs its prefill worker (see Decoding).
+bool prefill_holds(const Request& r) {
+  return std::holds_alternative<Reserving>(r.phase) || std::holds_alternative<Prefilling>(r.phase);
 }
 
 struct RouterState {
@@ -176,6 +229,20 @@ struct RouterState {
 };
 
 using Self = router_actor::stateful_pointer<RouterState>;
+
+// The tokens the request may make (the stop rule's gpu::token_limit; 0 while
+// the model's limits are unknown: then nothing has been dispatched).
+int token_allowance(Self self, const Request& r) {
+  const auto& limits = self->state.limits;
+  return limits ? gpu::token_limit(int(r.prompt.size()), r.request.max_new_tokens, limits->seq_len) : 0;
+}
+
+// Whether the request's tokens are all there: its decode worker said done, or
+// its last allowed token has streamed. Such a request completes, whatever
+// fails afterwards.
+bool tokens_final(Self self, const Request& r) {
+  return done_of(r) || (self->state.limits && int(r.streamed.size()) >= token_allowance(self, r));
+}
 
 // The books' metrics (queue, in flight, workers) as dispatch() leaves them:
 // every change of them ends in a dispatch.
@@ -211,9 +278,10 @@ std::string worker_name(Self self, WorkerKey key) {
 // a load report may have counted them free already). The decode worker's
 // next report corrects the estimate; this keeps it right if none comes.
 void release_reservations(Self self, Request& r) {
-  if (r.reserved_blocks <= 0) return;
-  if (Worker* d = find_worker(self, r.decode_key)) d->room.release(r.reserved_blocks);
-  r.reserved_blocks = 0;
+  Attempt* a = attempt_of(r);
+  if (!a || a->reserved_blocks <= 0) return;
+  if (Worker* d = find_worker(self, a->decode_key)) d->room.release(a->reserved_blocks);
+  a->reserved_blocks = 0;
 }
 
 // A prefill job's slot is free once the worker has answered it (or the
@@ -233,8 +301,10 @@ Request* from_its_decode_worker(Self self, RequestId id) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end()) return nullptr;  // already finished (e.g. cancelled)
   Request& r = it->second;
-  if (r.phase == Phase::queued) return nullptr;  // waiting for (another) dispatch: no decode worker holds it
-  const Worker* d = find_worker(self, r.decode_key);
+  // Queued: no decode worker holds it. Reserving: the job that brings the
+  // KV is not out yet, so nothing of this attempt can come from there.
+  if (is_queued(r) || std::holds_alternative<Reserving>(r.phase)) return nullptr;
+  const Worker* d = find_worker(self, attempt_of(r)->decode_key);
   if (!d || d->address != caf::actor_cast<caf::actor_addr>(self->current_sender())) return nullptr;
   return &r;
 }
@@ -245,11 +315,13 @@ Request* from_its_decode_worker(Self self, RequestId id) {
 // the worker's report frees it).
 void end_attempt(Self self, Request& r, bool tell) {
   const RequestId id = r.request.id;
+  const Attempt* a = attempt_of(r);
+  if (!a) return;
   if (tell && prefill_holds(r))
-    if (Worker* p = find_worker(self, r.prefill_key)) self->send(p->prefill, cancel_atom::value, id);
-  if (tell && !r.decode_done)
-    if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
-  if (r.phase == Phase::reserving) release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
+    if (Worker* p = find_worker(self, a->prefill_key)) self->send(p->prefill, cancel_atom::value, id);
+  if (tell && !done_of(r))
+    if (Worker* d = find_worker(self, a->decode_key)) self->send(d->decode, cancel_atom::value, id);
+  if (std::holds_alternative<Reserving>(r.phase)) release_prefill_slot(self, a->prefill_key, job_prompt_len(r));
 }
 
 // THE exit of every accepted request: one terminal reply, everything it holds
@@ -261,13 +333,13 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
   Request& r = it->second;
   end_attempt(self, r, !outcome.ok() && r.dispatched);
   release_reservations(self, r);
-  if (r.phase == Phase::queued) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
+  if (is_queued(r)) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
   outcome.id = id;
-  if (r.dispatched) {
-    outcome.timings.queued_us = micros_between(r.accepted, *r.dispatched);
+  if (r.dispatched) outcome.timings.queued_us = micros_between(r.accepted, *r.dispatched);
+  if (const Attempt* a = attempt_of(r)) {
     if (outcome.prefill_worker.empty())
-      outcome.prefill_worker = worker_name(self, r.local_prefill ? r.decode_key : r.prefill_key);
-    if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, r.decode_key);
+      outcome.prefill_worker = worker_name(self, a->local_prefill ? a->decode_key : a->prefill_key);
+    if (outcome.decode_worker.empty()) outcome.decode_worker = worker_name(self, a->decode_key);
   }
   record_finished(outcome, r.accepted, r.dispatched.has_value());
   r.promise.deliver(std::move(outcome));
@@ -292,28 +364,32 @@ void fail(Self self, RequestId id, ErrorCode code, std::string message) {
 // said done is told to drop it). Timings a missing half would have given are 0.
 void complete(Self self, RequestId id) {
   Request& r = self->state.requests.at(id);
+  const Attempt* a = attempt_of(r);
+  const auto* decoding = std::get_if<Decoding>(&r.phase);
   RequestOutcome out;
   out.prompt_tokens = r.prompt;
-  if (r.decode_done) {
+  if (const DecodeDone* done = done_of(r)) {
     out.tokens = r.earlier;  // a migrated request: what its lost decode worker had streamed
-    out.tokens.insert(out.tokens.end(), r.decode_done->tokens.begin(), r.decode_done->tokens.end());
-    out.finish = r.decode_done->finish;
-    out.timings.decode_us = r.decode_done->decode_us;
+    out.tokens.insert(out.tokens.end(), done->tokens.begin(), done->tokens.end());
+    out.finish = done->finish;
+    out.timings.decode_us = done->decode_us;
   } else {
+    const ptrdiff_t allowed = token_allowance(self, r);
     out.tokens.assign(r.streamed.begin(),
-                      r.streamed.begin() + std::min<ptrdiff_t>(ptrdiff_t(r.streamed.size()), r.request.max_new_tokens));
+                      r.streamed.begin() + std::min<ptrdiff_t>(ptrdiff_t(r.streamed.size()), allowed));
     out.finish = FinishReason::length;
-    if (r.phase != Phase::queued)
-      if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
+    if (a)
+      if (Worker* d = find_worker(self, a->decode_key)) self->send(d->decode, cancel_atom::value, id);
   }
   out.text = std::move(r.text);
-  if (r.prefill_report) {
-    out.timings.prefill_us = r.prefill_report->prefill_us;
-    out.timings.kv_transfer_us = r.prefill_report->kv_transfer_us;
-    out.timings.kv_bytes = r.prefill_report->kv_bytes;
-    out.timings.kv_streamed = r.prefill_report->streamed;
+  if (decoding && decoding->prefill_report) {
+    const PrefillReport& report = *decoding->prefill_report;
+    out.timings.prefill_us = report.prefill_us;
+    out.timings.kv_transfer_us = report.kv_transfer_us;
+    out.timings.kv_bytes = report.kv_bytes;
+    out.timings.kv_streamed = report.streamed;
   }
-  out.timings.cached_tokens = r.cached_tokens;
+  out.timings.cached_tokens = a ? a->cached_tokens : 0;
   finish(self, id, std::move(out));
 }
 
@@ -322,8 +398,8 @@ void complete(Self self, RequestId id) {
 void complete_if_done(Self self, RequestId id) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end()) return;
-  Request& r = it->second;
-  if ((!r.prefill_report && !r.prefill_over) || !r.decode_done) return;
+  const auto* d = std::get_if<Decoding>(&it->second.phase);
+  if (!d || (!d->prefill_report && !d->prefill_over) || !d->done) return;
   complete(self, id);
 }
 
@@ -440,16 +516,16 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   Worker& p = st.workers.at(prefill_key);
   Worker& d = st.workers.at(decode_key);
   const int positions = gpu::kv_positions_needed(int(job_prompt_len(r)), job_new_tokens(r), st.limits->seq_len);
-  r.phase = Phase::reserving;
-  r.prefill_over = false;
   if (!r.dispatched) r.dispatched = Clock::now();
-  r.attempt = st.next_serial++;
-  r.prefill_key = prefill_key;
-  r.decode_key = decode_key;
-  r.reserved_blocks = gpu::KvPool::blocks_for(positions, std::max(1, d.info.block_size));
+  Attempt a;
+  a.serial = st.next_serial++;
+  a.prefill_key = prefill_key;
+  a.decode_key = decode_key;
+  a.reserved_blocks = gpu::KvPool::blocks_for(positions, std::max(1, d.info.block_size));
+  r.phase = Reserving{a};
   p.in_flight += 1;
   p.outstanding_tokens += job_prompt_len(r);
-  d.room.reserve(r.reserved_blocks);
+  d.room.reserve(a.reserved_blocks);
   st.sessions.remember(r.request.session, decode_key);
   predict_prefix(self, r, d);
 
@@ -461,8 +537,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   reservation.cache_salt = r.request.cache_salt;
   reservation.local_prefill_tokens = st.config.local_prefill_tokens;
   if (streams_direct(st.config, bool(st.tokenizer), r)) reservation.client = r.client;
-  r.local_prefill = false;
-  const uint64_t attempt = r.attempt;
+  const uint64_t attempt = a.serial;
   self->request(d.decode, std::chrono::milliseconds(st.config.ack_timeout_ms), reserve_atom::value, reservation)
       .then([=](ReserveReply& reply) { on_reservation(self, id, attempt, std::move(reply)); },
             [=](caf::error& e) {
@@ -471,17 +546,19 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
             });
 }
 
-// The blocks are reserved: the prefill worker runs the prompt and ships the KV.
-void send_prefill_job(Self self, RequestId id) {
+// The blocks are reserved (at `target`): the prefill worker runs the prompt
+// and ships the KV.
+void send_prefill_job(Self self, RequestId id, KvTarget target) {
   auto& st = self->state;
   Request& r = st.requests.at(id);
-  Worker* p = find_worker(self, r.prefill_key);
-  Worker* d = find_worker(self, r.decode_key);
-  if ((!p && !r.local_prefill) || !d) {  // gone meanwhile (remove_worker fails its requests; defensive)
+  const Attempt a = std::get<Reserving>(r.phase).attempt;
+  Worker* p = find_worker(self, a.prefill_key);
+  Worker* d = find_worker(self, a.decode_key);
+  if ((!p && !a.local_prefill) || !d) {  // gone meanwhile (remove_worker fails its requests; defensive)
     fail(self, id, ErrorCode::worker_lost, "a worker chosen for the request went down");
     return;
   }
-  r.phase = Phase::prefilling;
+  r.phase = Prefilling{a};
   PrefillJob job;
   job.id = id;
   job.prompt_tokens = job_prompt(r);
@@ -489,16 +566,16 @@ void send_prefill_job(Self self, RequestId id) {
   job.first_step = int32_t(r.earlier.size());
   job.sampling = r.request.sampling;
   job.deadline_ms = time_left_ms(r);
-  job.target = r.kv_target;
+  job.target = std::move(target);
   job.cache_salt = r.request.cache_salt;
-  if (p && !r.local_prefill && p->info.cache_blocks > 0) predict_prefix(self, r, *p);
-  const uint64_t attempt = r.attempt;
-  const WorkerKey prefill_key = r.prefill_key;
+  if (p && !a.local_prefill && p->info.cache_blocks > 0) predict_prefix(self, r, *p);
+  const uint64_t attempt = a.serial;
+  const WorkerKey prefill_key = a.prefill_key;
   const int64_t prompt_tokens = job_prompt_len(r);
   // The router's own deadline timer fires first; this bound only guarantees
   // that the response handler itself never waits forever.
   const auto bound = std::chrono::milliseconds(job.deadline_ms + st.config.ack_timeout_ms);
-  const bool local = r.local_prefill;
+  const bool local = a.local_prefill;
   auto on_report = [=](PrefillReport& report) {
     release_prefill_slot(self, prefill_key, prompt_tokens);  // (none booked for a local prefill)
     on_prefill_report(self, id, attempt, std::move(report));
@@ -521,14 +598,13 @@ void send_prefill_job(Self self, RequestId id) {
 // at the front of the queue.
 void back_to_queue(Self self, Request& r) {
   release_reservations(self, r);
-  r.attempt = self->state.next_serial++;  // answers about the previous dispatch are stale now
-  r.phase = Phase::queued;
+  r.phase = Queued{};  // answers about the previous dispatch are stale now
   self->state.queue.push_front(r.request.id);
 }
 
 // The same, for another decode worker than this one, within its retries.
 void requeue_elsewhere(Self self, Request& r) {
-  r.excluded.push_back(r.decode_key);
+  r.excluded.push_back(attempt_of(r)->decode_key);
   r.retries += 1;
   back_to_queue(self, r);
 }
@@ -537,7 +613,8 @@ void requeue_elsewhere(Self self, Request& r) {
 void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply reply) {
   auto& st = self->state;
   auto it = st.requests.find(id);
-  if (it == st.requests.end() || it->second.attempt != attempt || it->second.phase != Phase::reserving) {
+  auto* reserving = it == st.requests.end() ? nullptr : std::get_if<Reserving>(&it->second.phase);
+  if (!reserving || reserving->attempt.serial != attempt) {
     // Finished meanwhile: finish() released its books and told the decode
     // worker to drop it (a reservation made after that cancel is refused or
     // dropped there).
@@ -545,20 +622,20 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     return;
   }
   Request& r = it->second;
-  if (Worker* d = find_worker(self, r.decode_key))
+  Attempt& a = reserving->attempt;
+  if (Worker* d = find_worker(self, a.decode_key))
     if (reply.load.total_blocks > 0) d->room.reported(reply.load);
   if (reply.code == ErrorCode::none) {
-    r.kv_target = std::move(reply.target);
-    r.cached_tokens = cached_prompt_tokens(reply.cached_tokens, 0, int32_t(r.prompt.size()));
-    const Worker* d = find_worker(self, r.decode_key);
-    if (r.kv_target.local() && d && d->info.colocated.empty()) {
+    a.cached_tokens = cached_prompt_tokens(reply.cached_tokens, 0, int32_t(r.prompt.size()));
+    const Worker* d = find_worker(self, a.decode_key);
+    if (reply.target.local() && d && d->info.colocated.empty()) {
       // Conditional disaggregation: the prefill worker booked at start() is
       // not needed after all.
-      release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
-      r.prefill_key = 0;
-      r.local_prefill = true;
+      release_prefill_slot(self, a.prefill_key, job_prompt_len(r));
+      a.prefill_key = 0;
+      a.local_prefill = true;
     }
-    send_prefill_job(self, id);
+    send_prefill_job(self, id, std::move(reply.target));
     return;
   }
   // Refused or unanswered: no job went out.
@@ -566,13 +643,13 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     // No room there now. Its real load is in the router's books from this
     // answer, so the request waits at the front of the queue until some
     // decode worker has room (another one, or this one after a finish).
-    release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
+    release_prefill_slot(self, a.prefill_key, job_prompt_len(r));
     back_to_queue(self, r);
   } else if ((reply.code == ErrorCode::timeout || reply.code == ErrorCode::worker_lost) &&
              r.retries < st.config.max_decode_retries) {
     // Unanswered: it may hold the blocks after all; try another worker.
-    if (Worker* d = find_worker(self, r.decode_key)) self->send(d->decode, cancel_atom::value, id);
-    release_prefill_slot(self, r.prefill_key, job_prompt_len(r));
+    if (Worker* d = find_worker(self, a.decode_key)) self->send(d->decode, cancel_atom::value, id);
+    release_prefill_slot(self, a.prefill_key, job_prompt_len(r));
     requeue_elsewhere(self, r);
   } else {
     fail(self, id, reply.code, std::move(reply.message));  // finish() frees the slot and the blocks
@@ -625,31 +702,33 @@ void dispatch(Self self) {
 void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report) {
   auto& st = self->state;
   auto it = st.requests.find(id);
-  if (it == st.requests.end() || it->second.attempt != attempt) {
+  Attempt* a = it == st.requests.end() ? nullptr : current_attempt(it->second, attempt);
+  if (!a) {
     dispatch(self);  // finished or retried meanwhile; the freed slot may take another
     return;
   }
   Request& r = it->second;
   if (report.code == ErrorCode::none) {
-    r.phase = Phase::decoding;
     // (a prompt its prefill worker's own cache held more of than the decode
     // worker's: that many positions were not computed)
-    r.cached_tokens = cached_prompt_tokens(r.cached_tokens, report.cached_tokens, int32_t(r.prompt.size()));
-    r.prefill_report = std::move(report);
-    complete_if_done(self, id);
-  } else if (r.phase == Phase::decoding) {
+    a->cached_tokens = cached_prompt_tokens(a->cached_tokens, report.cached_tokens, int32_t(r.prompt.size()));
+    if (Decoding* d = to_decoding(r)) {
+      d->prefill_report = std::move(report);
+      complete_if_done(self, id);
+    }
+  } else if (auto* decoding = std::get_if<Decoding>(&r.phase)) {
     // The decode worker already has the KV (its tokens stream): whatever
     // went wrong at the prefill worker since (its ack wait, the worker going
     // down) is no failure of the request.
     node_log(LogLevel::warning, "request " + std::to_string(id) + ": its prefill worker answered " +
                                     to_string(report.code) + " (" + report.message +
                                     ") after its decode worker took the KV; it goes on there");
-    r.prefill_over = true;
+    decoding->prefill_over = true;
     complete_if_done(self, id);
   } else if (report.code == ErrorCode::overloaded && r.retries < st.config.max_decode_retries) {
     // A decode worker that had reserved the blocks should never say this;
     // nothing is held there then, so try another one.
-    if (Worker* d = find_worker(self, r.decode_key))
+    if (Worker* d = find_worker(self, a->decode_key))
       if (report.decode_load.total_blocks > 0) d->room.reported(report.decode_load);
     requeue_elsewhere(self, r);
   } else if (report.code == ErrorCode::worker_lost) {
@@ -709,7 +788,7 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   dispatch(self);
   // Still waiting, and the waiting room was already full: turn it away now.
   auto it = st.requests.find(id);
-  if (it != st.requests.end() && it->second.phase == Phase::queued &&
+  if (it != st.requests.end() && is_queued(it->second) &&
       st.queue.size() > size_t(st.config.queue_capacity)) {
     fail(self, id, ErrorCode::overloaded,
          "admission queue full (" + std::to_string(st.config.queue_capacity) + " waiting)");
@@ -809,8 +888,9 @@ std::vector<RequestId> requests_on(Self self, WorkerKey key) {
   std::vector<RequestId> out;
   for (const auto& kv : self->state.requests) {
     const Request& r = kv.second;
-    if (r.phase == Phase::queued) continue;
-    if ((r.prefill_key == key && prefill_holds(r)) || (r.decode_key == key && !r.decode_done))
+    const Attempt* a = attempt_of(r);
+    if (!a) continue;
+    if ((a->prefill_key == key && prefill_holds(r)) || (a->decode_key == key && !done_of(r)))
       out.push_back(kv.first);
   }
   return out;
@@ -822,9 +902,9 @@ std::vector<RequestId> requests_on(Self self, WorkerKey key) {
 size_t let_go_of_prefill_worker(Self self, WorkerKey key) {
   std::vector<RequestId> past;
   for (auto& kv : self->state.requests) {
-    Request& r = kv.second;
-    if (r.phase != Phase::decoding || r.prefill_key != key || r.prefill_report || r.prefill_over) continue;
-    r.prefill_over = true;
+    auto* d = std::get_if<Decoding>(&kv.second.phase);
+    if (!d || d->attempt.prefill_key != key || d->prefill_report || d->prefill_over) continue;
+    d->prefill_over = true;
     past.push_back(kv.first);
   }
   for (RequestId id : past) complete_if_done(self, id);
@@ -843,7 +923,7 @@ size_t let_go_of_prefill_worker(Self self, WorkerKey key) {
 Rescue retry_or_fail(Self self, RequestId id, const std::string& why) {
   auto& st = self->state;
   Request& r = st.requests.at(id);
-  if (tokens_final(r)) {
+  if (tokens_final(self, r)) {
     complete(self, id);
     return Rescue::completed;
   }
@@ -858,8 +938,6 @@ Rescue retry_or_fail(Self self, RequestId id, const std::string& why) {
   // Both workers drop what they hold of this attempt (a hung one when it
   // wakes); their late answers name an old attempt and are ignored.
   end_attempt(self, r, true);
-  r.prefill_report.reset();
-  r.decode_done.reset();
   node_log(LogLevel::warning, "request " + std::to_string(id) + " starts over on other workers (retry " +
                                   std::to_string(r.worker_retries) +
                                   (r.earlier.empty() ? "" : ", continuing after " + std::to_string(r.earlier.size()) +
@@ -997,9 +1075,9 @@ void forward_token(Self self, TokenEvent& event) {
   }
   r.previous_token = event.token;
   r.streamed.push_back(event.token);
-  if (r.phase == Phase::prefilling) r.phase = Phase::decoding;  // the decode worker has the KV
+  const Decoding* d = to_decoding(r);  // the decode worker has the KV (from_its_decode_worker: not before)
   record_token(r.accepted, r.last_token);
-  event.cached_tokens = r.cached_tokens;
+  event.cached_tokens = d->attempt.cached_tokens;
   if (r.client && !streams_direct(self->state.config, bool(self->state.tokenizer), r))
     self->send(r.client, token_atom::value, std::move(event));
 }
@@ -1063,16 +1141,15 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         if (!found) return;
         Request& r = *found;
         if (done.first_step != int32_t(r.earlier.size())) return;  // of an attempt before a migration
-        if (done.code != ErrorCode::none && tokens_final(r)) {
+        if (done.code != ErrorCode::none && tokens_final(self, r)) {
           release_reservations(self, r);  // freed at the decode worker
           complete(self, done.id);  // every token had streamed
         } else if (done.code != ErrorCode::none) {
-          r.decode_done = done;  // the decode worker already dropped it
+          to_decoding(r)->done = done;  // the decode worker already dropped it
           fail(self, done.id, done.code, std::move(done.message));
         } else {
           release_reservations(self, r);  // freed at the decode worker
-          if (r.phase == Phase::prefilling) r.phase = Phase::decoding;  // (a first token that ends it: no token event)
-          r.decode_done = std::move(done);
+          to_decoding(r)->done = std::move(done);  // (a first token that ends it: no token event before)
           complete_if_done(self, r.request.id);
         }
         dispatch(self);
@@ -1094,7 +1171,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
       [=](deadline_atom, RequestId id, uint64_t serial) {
         auto it = self->state.requests.find(id);
         if (it == self->state.requests.end() || it->second.serial != serial) return;
-        if (tokens_final(it->second)) {
+        if (tokens_final(self, it->second)) {
           complete(self, id);  // only a report was missing: the tokens are final
           dispatch(self);
           return;
