@@ -218,7 +218,7 @@ void release_sequence_blocks(Self self, RequestId id, const std::vector<int32_t>
 }
 
 // The tokens made since the last flush go to the router, one message: at
-// the end of each step, at an admission, and before any done (which must
+// the end of each step, with an attempt's first token, and before any done (which must
 // come after its sequence's tokens).
 void flush_tokens(Self self) {
   auto& st = self->state;
@@ -255,9 +255,13 @@ bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t
     const int32_t index = seq.first_step + int32_t(seq.tokens.size());
     seq.tokens.push_back(token);
     record_decoded_token();
+    self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0});
+    // The attempt's first token tells the router this worker has the KV (a
+    // late prefill error no longer fails the request): it goes there before
+    // the client can see it.
+    if (seq.tokens.size() == 1) flush_tokens(self);
     if (seq.client)
       self->send(seq.client, token_atom::value, TokenEvent{it->first, index, token, {}, seq.cached_tokens});
-    self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0});
   }
   if (stop) finish_sequence(self, it, ErrorCode::none, {}, *stop);
   return stop.has_value();
@@ -494,8 +498,7 @@ void activate(Self self, RequestId id, Sequence seq, int32_t first_token, caf::t
   seq.admitted = Clock::now();
   publish_blocks(self, seq.hashes, seq.blocks);  // the prompt's KV is final
   auto it = self->state.active.emplace(id, std::move(seq)).first;
-  accept_token(self, it, first_token);  // token 0, sampled by the prefill side
-  flush_tokens(self);  // at once: it is the request's time to first token
+  accept_token(self, it, first_token);  // token 0, sampled by the prefill side (sent at once)
   promise.deliver(make_ack(self, id, ErrorCode::none, {}));
   report_load(self);
   schedule_step(self);

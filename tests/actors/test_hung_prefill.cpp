@@ -210,6 +210,11 @@ caf::behavior compute_gate(caf::stateful_actor<ComputeGateState>* self, compute_
 struct RelayLog {
   std::atomic<bool> drop_done{false};
   std::promise<void> dropped;
+  // Set once the first token batch is on its way to the router: the router
+  // knows the decode worker has the KV before anything sent later reaches
+  // it (the client's own token, streamed directly, says nothing of that).
+  std::atomic<bool> batch_seen{false};
+  std::promise<void> first_batch;
 };
 
 caf::behavior decode_relay(caf::event_based_actor* self, router_actor router, std::shared_ptr<RelayLog> log) {
@@ -217,7 +222,10 @@ caf::behavior decode_relay(caf::event_based_actor* self, router_actor router, st
       [=](register_atom a, WorkerInfo& info, decode_actor& worker) {
         return self->delegate(router, a, std::move(info), std::move(worker));
       },
-      [=](token_atom a, TokenBatch& b) { self->delegate(router, a, std::move(b)); },
+      [=](token_atom a, TokenBatch& b) {
+        self->delegate(router, a, std::move(b));
+        if (!log->batch_seen.exchange(true)) log->first_batch.set_value();
+      },
       [=](done_atom a, DecodeDone& done) {
         if (log->drop_done.exchange(false)) {
           log->dropped.set_value();
@@ -466,6 +474,7 @@ class LostPrefillTest : public HungPrefillTest {
     auto future = submit(max_new, sampling, log, nullptr, &first_token);
     log_->committed.get_future().wait();
     first_token.get_future().wait();
+    relay_log_->first_batch.get_future().wait();  // the router saw it too
     caf::anon_send_exit(gate_, caf::exit_reason::kill);  // the real worker goes with it (linked)
     ASSERT_TRUE(wait_for([](const RouterStatus& s) { return s.count(WorkerRole::prefill) == 0; }));
     caf::anon_send(decode_compute_, resume_atom::value);
@@ -488,6 +497,7 @@ class LostPrefillTest : public HungPrefillTest {
     auto future = submit(max_new, sampling, log, nullptr, &first_token);
     log_->committed.get_future().wait();
     first_token.get_future().wait();
+    relay_log_->first_batch.get_future().wait();  // the router saw it too
     caf::anon_send(gate_, fail_atom::value);
     // The router has the error once it freed the job's slot.
     ASSERT_TRUE(wait_for([](const RouterStatus& s) {
