@@ -34,8 +34,10 @@ const char* kUsage =
     "prints one line {\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\", timings}.\n"
     "--tokenizer (default: $TOKENIZER) encodes a text prompt here; without it the router\n"
     "encodes it (prompt_tokens in the JSON are the router's). --status prints \"workers prefill=P decode=D queued=Q\n"
-    "in_flight=F\" and one line per worker. Exit codes: 0 ok, 1 the cluster answered an error,\n"
-    "2 bad usage, 3 the router is unreachable.\n"
+    "in_flight=F\" and one line per worker. Exit codes: 0 ok, 1 the request failed in the cluster\n"
+    "(worker_lost, incompatible_kv, internal, cancelled), 2 bad usage, 3 the router is unreachable,\n"
+    "4 the request was refused (invalid_request, kv_too_large), 5 overloaded (retry later),\n"
+    "6 timeout (its deadline passed).\n"
     "--tls-cert/--tls-key/--tls-ca (all three): mutual TLS with a router whose nodes set tls.*; the\n"
     "client's certificate must be signed by the cluster's CA (scripts/cluster certs makes one).\n";
 
@@ -89,6 +91,24 @@ Options parse_args(int argc, char** argv) {
   if (o.status) return o;
   o.gen.require_complete();
   return o;
+}
+
+// The process's exit code for a request's outcome: the CLI edge of the
+// system's error codes (as http/api.cpp error_for_outcome is the HTTP one).
+int exit_code_for(disagg::ErrorCode code) {
+  using disagg::ErrorCode;
+  switch (code) {
+    case ErrorCode::none: return 0;
+    case ErrorCode::invalid_request:
+    case ErrorCode::kv_too_large: return 4;
+    case ErrorCode::overloaded: return 5;
+    case ErrorCode::timeout: return 6;
+    case ErrorCode::incompatible_kv:
+    case ErrorCode::cancelled:
+    case ErrorCode::worker_lost:
+    case ErrorCode::internal: break;
+  }
+  return 1;
 }
 
 int print_status(disagg::Client& client, const std::string& where) {
@@ -172,7 +192,7 @@ int run(const Options& o) {
   if (stream) std::cout << std::endl;
   if (!outcome.ok()) {
     std::cerr << "disagg-client: error " << to_string(outcome.code) << ": " << outcome.message << "\n";
-    return 1;
+    return exit_code_for(outcome.code);
   }
 
   std::lock_guard<std::mutex> lock(mutex);

@@ -323,12 +323,20 @@ TEST(MultiProcessCluster, ClientBinaryPrintsWhatDisaggGenerateDoes) {
   while (!streamed.empty() && streamed.back() == '\n') streamed.pop_back();
   EXPECT_EQ(streamed, sampled.text);
 
-  // An error from the cluster: its code and message, exit 1.
+  // An error from the cluster: its code and message, and an exit code per
+  // kind (a refused request 4, a passed deadline 6).
   ASSERT_EQ(run_to_completion({client_binary(), "--router", cluster.router_address(), "--prompt-tokens", "1 99999",
                                "--max-new-tokens", "4"},
                               out, err, timeout),
-            1);
+            4);
   EXPECT_NE(err.find("invalid_request"), std::string::npos) << err;
+  // (200 tokens across three processes take far longer than 1 ms)
+  ASSERT_EQ(run_to_completion({client_binary(), "--router", cluster.router_address(), "--prompt-tokens", "1 403",
+                               "--max-new-tokens", "200", "--deadline-ms", "1"},
+                              out, err, timeout),
+            6)
+      << err;
+  EXPECT_NE(err.find("timeout"), std::string::npos) << err;
 
   // No router there: exit 3.
   EXPECT_EQ(run_to_completion({client_binary(), "--router", "127.0.0.1:" + std::to_string(free_loopback_port()),
