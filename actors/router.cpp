@@ -73,11 +73,7 @@ struct Worker {
   bool snapshot_pending = false;
 };
 
-// A request's phases at the router (the diagram at the top of this file),
-// each holding its own data. What a phase holds is released when the
-// request leaves it: the prefill slot (Reserving: booked at start(); from
-// Prefilling on, the job's report frees it, whenever it comes), the decode
-// blocks (every phase but Queued).
+// A request's phases at the router: the diagram at the top of this file.
 
 // One dispatch to a pair of workers: what every phase after Queued holds.
 struct Attempt {
@@ -134,7 +130,7 @@ struct Request {
   std::vector<uint64_t> hashes;
   bool validated = false;  // against the model limits (known once a prefill worker registered)
   Clock::time_point accepted;
-  std::optional<Clock::time_point> dispatched;  // first
+  std::optional<Clock::time_point> dispatched;  // its first dispatch (queued_us); kept across attempts
   int retries = 0;
   int worker_retries = 0;  // restarts after a lost or hung worker (max-worker-retries)
   std::vector<WorkerKey> excluded;  // decode workers that answered overloaded
