@@ -28,7 +28,10 @@ client_actor::behavior_type request_behavior(client_actor::pointer self, router_
     if (outcome.ok() && size_t(*next) < outcome.tokens.size()) {
       record_tokens_from_outcome(outcome.tokens.size() - size_t(*next));
       for (; size_t(*next) < outcome.tokens.size(); ++*next)
-        if (on_token) on_token(TokenEvent{id, *next, outcome.tokens[size_t(*next)], {}, outcome.timings.cached_tokens});
+        if (on_token)
+          on_token(TokenEvent{id, *next, outcome.tokens[size_t(*next)], {}, outcome.timings.cached_tokens,
+                              size_t(*next) < outcome.logprobs.size() ? outcome.logprobs[size_t(*next)]
+                                                                      : TokenLogprobs{}});
     }
     result(std::move(outcome));
   };

@@ -25,8 +25,6 @@ static_assert(std::is_same<int32_t, int>::value, "int32_t must be int");
 
 namespace {
 
-gpu::SamplingParams to_gpu(const Sampling& s) { return {s.temperature, s.top_p, s.seed}; }
-
 // prefill_counts(): process-wide, so every compute actor adds to the same counts.
 std::atomic<int64_t> prefills_computed{0};
 std::atomic<int64_t> prefills_skipped_cancelled{0};
@@ -56,6 +54,16 @@ struct ComputeState {
   std::deque<LocalPrefill> local_prefills;
   std::unique_ptr<gpu::PrefixCache> prefix_cache;  // a prefill worker's (ComputeSpec::prefix_cache_blocks)
 };
+
+// Token `first_step` of the request from the logits after its prompt
+// (work.tokens: the prompt, and a migrated request's earlier output).
+void sample_first(const ComputeState& st, const PrefillWork& work, const float* logits, PrefillResult& r) {
+  const gpu::ModelConfig& c = st.engine->config();
+  gpu::Sampled sampled = gpu::sample(logits, c.vocab_size, work.sampling, uint64_t(work.first_step), work.tokens,
+                                     c.end_tokens);
+  r.first_token = sampled.token;
+  r.first_logprobs = std::move(sampled.logprobs);
+}
 
 // A prefill worker's prompt with what its prefix cache holds of it: the
 // cached positions are copied, not computed (gpu/prefix_cache.h). Whatever
@@ -170,7 +178,7 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
   r.cached_tokens = cached.positions();
   try {
     gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks, cached.prefix());
-    r.first_token = gpu::sample_token(out.logits.data(), c.vocab_size, to_gpu(work.sampling), work.first_step);
+    sample_first(st, work, out.logits.data(), r);
     cached.keep();  // (reads the prompt's cache, as the pieces in flight do)
   } catch (const StreamStopped& s) {
     stopped = s;
@@ -270,8 +278,11 @@ std::optional<PrefillResult> local_chunk(ComputeState& st, LocalPrefill& p) {
   p.compute_us += micros_since(start);
   p.done += rows;
   if (p.done < n) return std::nullopt;
-  r.first_token = gpu::sample_token(logits.data(), st.engine->config().vocab_size, to_gpu(work.sampling),
-                                    work.first_step);
+  try {
+    sample_first(st, work, logits.data(), r);
+  } catch (const std::exception& e) {
+    return stopped(ErrorCode::internal, std::string("sampling: ") + e.what());
+  }
   r.streamed = true;
   r.kv_bytes = p.kv_bytes;
   r.compute_us = p.compute_us;
@@ -331,8 +342,7 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
       r.cached_tokens = cached.positions();
       gpu::PrefillOutput out = st.engine->prefill(work.tokens, {}, cached.prefix());
       cached.keep();
-      r.first_token = gpu::sample_token(out.logits.data(), st.engine->config().vocab_size,
-                                        to_gpu(work.sampling), work.first_step);
+      sample_first(st, work, out.logits.data(), r);
       r.kv = gpu::serialize_kv(st.engine->fingerprint(), out.shape, out.kv.data());
     } catch (const std::exception& e) {
       r.code = ErrorCode::internal;
@@ -383,15 +393,21 @@ StepResult run_step(ComputeState& st, DecodeStep& step) {
     for (const auto& s : step.slots) slots.push_back(gpu::DecodeSlot{s.token, s.pos, &s.blocks});
     const std::vector<float> logits = st.engine->decode_step(*st.pool, slots);
     const int vocab = st.engine->config().vocab_size;
+    const std::vector<int>& end_tokens = st.engine->config().end_tokens;
     r.next_tokens.reserve(slots.size());
-    for (size_t i = 0; i < step.slots.size(); ++i)
-      r.next_tokens.push_back(gpu::sample_token(logits.data() + i * size_t(vocab), vocab,
-                                                to_gpu(step.slots[i].sampling),
-                                                uint64_t(step.slots[i].step)));
+    r.logprobs.reserve(slots.size());
+    for (size_t i = 0; i < step.slots.size(); ++i) {
+      const StepSlot& s = step.slots[i];
+      gpu::Sampled sampled = gpu::sample(logits.data() + i * size_t(vocab), vocab, s.sampling, uint64_t(s.step),
+                                         s.history, end_tokens);
+      r.next_tokens.push_back(sampled.token);
+      r.logprobs.push_back(std::move(sampled.logprobs));
+    }
   } catch (const std::exception& e) {
     r.code = ErrorCode::internal;
     r.message = std::string("decode step: ") + e.what();
     r.next_tokens.clear();
+    r.logprobs.clear();
   }
   r.compute_us = micros_since(start);
   return r;

@@ -58,8 +58,9 @@ struct Sequence {
   std::vector<int32_t> prompt;  // the prompt's tokens when its blocks go to the prefix cache, else empty
   uint64_t hash_seed = 0;       // gpu::block_hash_seed of the request
   std::vector<uint64_t> hashes;  // of its full blocks so far (the prompt's, at first)
-  int32_t limit = 0;  // tokens this attempt may make (gpu::token_limit)
+  int32_t limit = 0;  // output tokens the request may have in all: first_step + this attempt's gpu::token_limit
   Sampling sampling;
+  std::vector<int32_t> context;  // KvTransfer::context: the tokens before tokens[0] when the sampling reads them
   std::vector<int32_t> tokens;  // generated so far
   int32_t first_step = 0;       // the request's output index of tokens[0] (a migrated request: > 0)
   Clock::time_point admitted;
@@ -74,8 +75,9 @@ struct Sequence {
 void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& client, int32_t pool_cached,
                    int32_t seq_len) {
   seq.prompt_len = t.prompt_len;
-  seq.limit = gpu::token_limit(t.prompt_len, t.max_new_tokens, seq_len);
+  seq.limit = t.first_step + gpu::token_limit(t.prompt_len, t.max_new_tokens, seq_len);
   seq.sampling = t.sampling;
+  seq.context = t.context;
   seq.first_step = t.first_step;
   seq.client = client;
   seq.cached_tokens = cached_prompt_tokens(pool_cached, t.cached_tokens, t.prompt_len - t.first_step);
@@ -248,20 +250,23 @@ void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, Erro
 
 // Applies a sampled token with the stop rule (gpu/stop_rule.h, as
 // gpu::generate does); true when the sequence finished.
-bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t token) {
+bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t token, TokenLogprobs logprobs) {
   Sequence& seq = it->second;
-  const auto stop = gpu::check_stop(self->state.end_tokens, token, int(seq.tokens.size()), seq.limit);
+  const int32_t index = seq.first_step + int32_t(seq.tokens.size());
+  const auto stop = gpu::check_stop(self->state.end_tokens, seq.sampling.stop, token, index, seq.limit);
   if (stop != FinishReason::eos) {
-    const int32_t index = seq.first_step + int32_t(seq.tokens.size());
     seq.tokens.push_back(token);
     record_decoded_token();
-    self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0});
+    // (with the log probabilities: the router's outcome carries them too,
+    // for tokens whose event a client missed)
+    self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0, logprobs});
     // The attempt's first token tells the router this worker has the KV (a
     // late prefill error no longer fails the request): it goes there before
     // the client can see it.
     if (seq.tokens.size() == 1) flush_tokens(self);
     if (seq.client)
-      self->send(seq.client, token_atom::value, TokenEvent{it->first, index, token, {}, seq.cached_tokens});
+      self->send(seq.client, token_atom::value,
+                 TokenEvent{it->first, index, token, {}, seq.cached_tokens, std::move(logprobs)});
   }
   if (stop) finish_sequence(self, it, ErrorCode::none, {}, *stop);
   return stop.has_value();
@@ -300,6 +305,11 @@ void schedule_step(Self self) {
     slot.step = seq.first_step + int32_t(seq.tokens.size());
     slot.sampling = seq.sampling;
     slot.blocks = seq.blocks;
+    if (seq.sampling.uses_history()) {
+      slot.history.reserve(seq.context.size() + seq.tokens.size());
+      slot.history = seq.context;
+      slot.history.insert(slot.history.end(), seq.tokens.begin(), seq.tokens.end());
+    }
     step.slots.push_back(std::move(slot));
     ids.push_back(id);
   }
@@ -314,7 +324,8 @@ void schedule_step(Self self) {
       .then(
           [=](StepResult& r) {
             const bool freed = step_over(self);
-            if (r.code == ErrorCode::none && r.next_tokens.size() != ids.size()) {
+            if (r.code == ErrorCode::none &&
+                (r.next_tokens.size() != ids.size() || r.logprobs.size() != ids.size())) {
               r.code = ErrorCode::internal;
               r.message = "decode step returned " + std::to_string(r.next_tokens.size()) +
                           " tokens for " + std::to_string(ids.size()) + " sequences";
@@ -326,7 +337,7 @@ void schedule_step(Self self) {
               if (r.code != ErrorCode::none) {
                 finish_sequence(self, it, r.code, r.message, FinishReason::length);
                 changed = true;
-              } else if (accept_token(self, it, r.next_tokens[i])) {
+              } else if (accept_token(self, it, r.next_tokens[i], std::move(r.logprobs[i]))) {
                 changed = true;
               }
             }
@@ -494,11 +505,12 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
 }
 
 // The KV is in the sequence's blocks: it joins the next decode step.
-void activate(Self self, RequestId id, Sequence seq, int32_t first_token, caf::typed_response_promise<KvAck> promise) {
+void activate(Self self, RequestId id, Sequence seq, int32_t first_token, TokenLogprobs first_logprobs,
+              caf::typed_response_promise<KvAck> promise) {
   seq.admitted = Clock::now();
   publish_blocks(self, seq.hashes, seq.blocks);  // the prompt's KV is final
   auto it = self->state.active.emplace(id, std::move(seq)).first;
-  accept_token(self, it, first_token);  // token 0, sampled by the prefill side (sent at once)
+  accept_token(self, it, first_token, std::move(first_logprobs));  // sampled by the prefill side (sent at once)
   promise.deliver(make_ack(self, id, ErrorCode::none, {}));
   report_load(self);
   schedule_step(self);
@@ -530,7 +542,7 @@ void settle_stream(Self self, RequestId id) {
   seq.hashes = std::move(it->second.hashes);
   continue_from(seq, t, it->second.client, it->second.cached, st.seq_len);
   st.reserved.erase(it);
-  activate(self, id, std::move(seq), t.first_token, commit.promise);
+  activate(self, id, std::move(seq), t.first_token, t.first_logprobs, commit.promise);
 }
 
 // The prefill worker's commit of a KV it streamed into `held`'s blocks.
@@ -585,6 +597,16 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
     return refuse(ErrorCode::invalid_request,
                   "first_token " + std::to_string(transfer.first_token) + " is outside the vocabulary [0, " +
                       std::to_string(st.vocab_size) + ")");
+  // Checked here too: a step samples this sequence with the rest of its batch.
+  if (const std::string why = gpu::check_sampling(transfer.sampling, st.vocab_size); !why.empty())
+    return refuse(ErrorCode::invalid_request, "sampling: " + why);
+  if (transfer.sampling.uses_history() && int64_t(transfer.context.size()) != transfer.prompt_len)
+    return refuse(ErrorCode::invalid_request, "the penalties need the prompt's " + std::to_string(transfer.prompt_len) +
+                                                  " tokens, the transfer carries " +
+                                                  std::to_string(transfer.context.size()));
+  for (int32_t t : transfer.context)
+    if (t < 0 || t >= st.vocab_size)
+      return refuse(ErrorCode::invalid_request, "context token " + std::to_string(t) + " is outside the vocabulary");
   auto held = st.reserved.find(id);
   if (held == st.reserved.end())
     return refuse(ErrorCode::timeout, "no KV blocks reserved for request " + std::to_string(id) +
@@ -610,6 +632,7 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   continue_from(seq, transfer, held->second.client, held->second.cached, st.seq_len);
   st.reserved.erase(held);
   const int32_t first_token = transfer.first_token;
+  TokenLogprobs first_logprobs = transfer.first_logprobs;
   st.admitting.insert(id);
   KvAdmit request{std::move(transfer), std::move(blocks)};
   self->request(st.compute, std::chrono::milliseconds(st.config.compute_timeout_ms),
@@ -628,7 +651,7 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
               report_load(self);
               return;
             }
-            activate(self, id, std::move(seq), first_token, promise);
+            activate(self, id, std::move(seq), first_token, std::move(first_logprobs), promise);
           },
           [=](caf::error& e) mutable {
             self->state.admitting.erase(id);

@@ -136,6 +136,7 @@ struct Request {
   std::vector<WorkerKey> excluded;  // decode workers that answered overloaded
   // streaming:
   std::vector<int32_t> streamed;  // tokens forwarded to the client, every attempt's
+  std::vector<TokenLogprobs> logprobs;  // theirs, when the request asks for them (Sampling::logprobs)
   // Tokens earlier attempts streamed before their decode worker was lost: the
   // current attempt prefills prompt + these and continues from there (its
   // PrefillJob::first_step is their count).
@@ -377,6 +378,9 @@ void complete(Self self, RequestId id) {
     if (a)
       if (Worker* d = find_worker(self, a->decode_key)) self->send(d->decode, cancel_atom::value, id);
   }
+  if (r.request.sampling.logprobs >= 0)
+    out.logprobs.assign(r.logprobs.begin(),
+                        r.logprobs.begin() + std::min(r.logprobs.size(), out.tokens.size()));
   out.text = std::move(r.text);
   if (decoding && decoding->prefill_report) {
     const PrefillReport& report = *decoding->prefill_report;
@@ -1071,6 +1075,7 @@ void forward_token(Self self, TokenEvent& event) {
   }
   r.previous_token = event.token;
   r.streamed.push_back(event.token);
+  if (r.request.sampling.logprobs >= 0) r.logprobs.push_back(event.logprobs);
   const Decoding* d = to_decoding(r);  // the decode worker has the KV (from_its_decode_worker: not before)
   record_token(r.accepted, r.last_token);
   event.cached_tokens = d->attempt.cached_tokens;

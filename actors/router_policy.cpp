@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <limits>
 
 namespace disagg {
 
@@ -11,11 +12,12 @@ std::string validate_request(const GenerateRequest& request, const std::vector<i
   if (prompt.empty()) return "empty prompt";
   if (request.max_new_tokens <= 0)
     return "max_new_tokens must be positive (got " + std::to_string(request.max_new_tokens) + ")";
-  const Sampling& s = request.sampling;
-  if (!std::isfinite(s.temperature) || s.temperature < 0.0f)
-    return "temperature must be >= 0 (got " + std::to_string(s.temperature) + ")";
-  if (!std::isfinite(s.top_p) || s.top_p <= 0.0f || s.top_p > 1.0f)
-    return "top_p must be in (0, 1] (got " + std::to_string(s.top_p) + ")";
+  // Token ids against the vocabulary once the model's limits are known (the
+  // router checks a queued request again then).
+  if (std::string why = gpu::check_sampling(request.sampling, limits ? limits->vocab_size
+                                                                     : std::numeric_limits<int32_t>::max());
+      !why.empty())
+    return why;
   if (request.deadline_ms < 0 || request.deadline_ms > kMaxDeadlineMs)
     return "deadline_ms must be in [0, " + std::to_string(kMaxDeadlineMs) + "] (24 h; got " +
            std::to_string(request.deadline_ms) + ")";

@@ -24,9 +24,9 @@ namespace {
 
 using namespace disagg::cli;
 
-const char* kUsage =
+const std::string kUsage = std::string(
     "usage: disagg-client --router HOST:PORT (--prompt TEXT | --prompt-tokens \"1 403 407\")\n"
-    "                     --max-new-tokens N [--temperature X] [--top-p P] [--seed S]\n"
+    "                     --max-new-tokens N [sampling flags]\n"
     "                     [--session KEY] [--deadline-ms MS] [--tokenizer T] [--json]\n"
     "       disagg-client --router HOST:PORT --status\n"
     "       (either form) [--tls-cert PEM --tls-key PEM --tls-ca PEM]\n"
@@ -39,7 +39,7 @@ const char* kUsage =
     "4 the request was refused (invalid_request, kv_too_large), 5 overloaded (retry later),\n"
     "6 timeout (its deadline passed).\n"
     "--tls-cert/--tls-key/--tls-ca (all three): mutual TLS with a router whose nodes set tls.*; the\n"
-    "client's certificate must be signed by the cluster's CA (scripts/cluster certs makes one).\n";
+    "client's certificate must be signed by the cluster's CA (scripts/cluster certs makes one).\n") + "Sampling flags:\n" + kSamplingUsage;
 
 struct Options {
   std::string router_host;
@@ -161,7 +161,7 @@ int run(const Options& o) {
     request.prompt_is_text = true;
   }
   request.max_new_tokens = o.gen.max_new_tokens;
-  request.sampling = disagg::Sampling{o.gen.temperature, o.gen.top_p, o.gen.seed};
+  request.sampling = o.gen.sampling;
   request.session = o.session;
   request.deadline_ms = o.deadline_ms;
   const bool stream = !o.json;
@@ -234,5 +234,5 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return disagg::cli::main_with_usage("disagg-client", kUsage, argc, argv, parse_args, run);
+  return disagg::cli::main_with_usage("disagg-client", kUsage.c_str(), argc, argv, parse_args, run);
 }

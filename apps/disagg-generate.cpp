@@ -22,13 +22,13 @@ namespace {
 
 using namespace disagg::cli;
 
-const char* kUsage =
+const std::string kUsage = std::string(
     "usage: disagg-generate --model M [--tokenizer T] (--prompt TEXT | --prompt-tokens \"1 403 407\")\n"
-    "                       --max-new-tokens N [--temperature X] [--top-p P] [--seed S]\n"
+    "                       --max-new-tokens N [sampling flags]\n"
     "                       [--backend auto|cpu|cuda] [--json]\n"
     "M: a llama2.c checkpoint (then --tokenizer is required) or a GGUF file (its own vocabulary\n"
     "unless --tokenizer names another). Prints the prompt and its continuation, or with --json one line\n"
-    "{\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\"} (text: the continuation).\n";
+    "{\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\"} (text: the continuation).\n") + "Sampling flags:\n" + kSamplingUsage;
 
 struct Options {
   std::string model, tokenizer, backend = "auto";
@@ -84,7 +84,7 @@ int run(const Options& o) {
 
   Engine engine(checkpoint, EngineOptions{o.backend});
   const auto start = std::chrono::steady_clock::now();
-  const GenerateResult result = generate(engine, prompt, o.gen.max_new_tokens, disagg::gpu::SamplingParams{o.gen.temperature, o.gen.top_p, o.gen.seed});
+  const GenerateResult result = generate(engine, prompt, o.gen.max_new_tokens, o.gen.sampling);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const std::string text = tokenizer.decode_all(prompt.back(), result.tokens);
 
@@ -107,5 +107,5 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return disagg::cli::main_with_usage("disagg-generate", kUsage, argc, argv, parse_args, run);
+  return disagg::cli::main_with_usage("disagg-generate", kUsage.c_str(), argc, argv, parse_args, run);
 }

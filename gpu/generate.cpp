@@ -15,7 +15,8 @@ namespace {
 
 constexpr int kBlockSize = kDefaultBlockSize;
 
-void check_request(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens) {
+void check_request(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
+                   const SamplingParams& sampling) {
   if (prompt.empty()) throw Error("generate: empty prompt");
   if (max_new_tokens < 0) throw Error("generate: negative max_new_tokens " + std::to_string(max_new_tokens));
   const ModelConfig& c = engine.config();
@@ -26,6 +27,7 @@ void check_request(const Engine& engine, const std::vector<int>& prompt, int max
     if (t < 0 || t >= c.vocab_size)
       throw Error("generate: prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " +
                   std::to_string(c.vocab_size) + ")");
+  if (const std::string why = check_sampling(sampling, c.vocab_size); !why.empty()) throw Error("generate: " + why);
 }
 
 int positions_needed(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens) {
@@ -34,20 +36,27 @@ int positions_needed(const Engine& engine, const std::vector<int>& prompt, int m
 
 // Samples token 0 from `logits` (after the prompt), then feeds each emitted
 // token at the next position until the stop rule says stop (limit >= 1).
-GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, int prompt_len,
+GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, const std::vector<int>& prompt,
                            std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling) {
   const ModelConfig& c = engine.config();
   GenerateResult result;
-  const int limit = token_limit(prompt_len, max_new_tokens, c.seq_len);
+  const int limit = token_limit(int(prompt.size()), max_new_tokens, c.seq_len);
+  // The prompt, then the output: what the penalties read (only when they do).
+  std::vector<int> history = sampling.uses_history() ? prompt : std::vector<int>{};
   for (int step = 0;; ++step) {
-    const int next = sample_token(logits.data(), c.vocab_size, sampling, uint64_t(step));
-    const std::optional<FinishReason> stop = check_stop(c.end_tokens, next, step, limit);
-    if (stop != FinishReason::eos) result.tokens.push_back(next);
+    Sampled sampled = sample(logits.data(), c.vocab_size, sampling, uint64_t(step), history, c.end_tokens);
+    const int next = sampled.token;
+    const std::optional<FinishReason> stop = check_stop(c.end_tokens, sampling.stop, next, step, limit);
+    if (stop != FinishReason::eos) {
+      result.tokens.push_back(next);
+      if (sampling.logprobs >= 0) result.logprobs.push_back(std::move(sampled.logprobs));
+    }
+    if (sampling.uses_history()) history.push_back(next);
     if (stop) {
       result.finish = *stop;
       return result;
     }
-    logits = engine.decode_step(pool, {DecodeSlot{next, prompt_len + step, &blocks}});
+    logits = engine.decode_step(pool, {DecodeSlot{next, int(prompt.size()) + step, &blocks}});
   }
 }
 
@@ -65,7 +74,7 @@ int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
 
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                         const SamplingParams& sampling) {
-  check_request(engine, prompt, max_new_tokens);
+  check_request(engine, prompt, max_new_tokens, sampling);
   if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
   PrefillOutput prefilled = engine.prefill(prompt);
@@ -77,13 +86,13 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
   view.header.shape = prefilled.shape;
   view.payload = prefilled.kv.data();
   pool.write(blocks, view);
-  return decode_loop(engine, pool, blocks, int(prompt.size()), std::move(prefilled.logits), max_new_tokens,
+  return decode_loop(engine, pool, blocks, prompt, std::move(prefilled.logits), max_new_tokens,
                      sampling);
 }
 
 GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                                  const SamplingParams& sampling) {
-  check_request(engine, prompt, max_new_tokens);
+  check_request(engine, prompt, max_new_tokens, sampling);
   if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
   const int n_blocks = KvPool::blocks_for(positions_needed(engine, prompt, max_new_tokens), kBlockSize);
@@ -92,7 +101,7 @@ GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt,
   std::vector<float> logits;
   for (size_t pos = 0; pos < prompt.size(); ++pos)
     logits = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks}});
-  return decode_loop(engine, pool, blocks, int(prompt.size()), std::move(logits), max_new_tokens, sampling);
+  return decode_loop(engine, pool, blocks, prompt, std::move(logits), max_new_tokens, sampling);
 }
 
 }  // namespace disagg::gpu

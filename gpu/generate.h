@@ -12,6 +12,7 @@ namespace disagg::gpu {
 struct GenerateResult {
   std::vector<int> tokens;  // generated, prompt excluded, stopping before an end token (ModelConfig::end_tokens)
   FinishReason finish = FinishReason::length;
+  std::vector<TokenLogprobs> logprobs;  // one per token when SamplingParams::logprobs >= 0
 };
 
 // KV positions a request can ever hold: the prompt plus every generated token

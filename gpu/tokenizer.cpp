@@ -304,7 +304,7 @@ std::vector<int> end_tokens_of(const Vocabulary& v, const std::vector<int>& name
                                            "<|end|>",    "<end_of_turn>"};
   std::vector<int> ends;
   auto add = [&](int id) {
-    if (id >= 0 && id < int(v.pieces.size()) && !ends_generation(ends, id)) ends.push_back(id);
+    if (id >= 0 && id < int(v.pieces.size()) && !is_end_token(ends, id)) ends.push_back(id);
   };
   for (int id : named) add(id);
   for (size_t i = 0; i < v.types.size(); ++i)

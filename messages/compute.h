@@ -48,6 +48,7 @@ struct PrefillResult {
   ErrorCode code = ErrorCode::none;  // none, timeout, cancelled (skipped) or internal
   std::string message;
   int32_t first_token = 0;
+  TokenLogprobs first_logprobs;  // Sampling::logprobs >= 0
   std::vector<uint8_t> kv;  // gpu::serialize_kv bytes (not streamed)
   int64_t compute_us = 0;   // the prompt's forward pass (streamed: sending overlapped it)
   // Streamed: every piece is in the decode worker's blocks, verified.
@@ -80,6 +81,9 @@ struct StepSlot {
   int32_t step = 0;
   Sampling sampling;
   std::vector<int32_t> blocks;
+  // The request's tokens so far (prompt, then output) when the sampling
+  // reads them (Sampling::uses_history: the penalties), else empty.
+  std::vector<int32_t> history;
 };
 
 struct DecodeStep {
@@ -90,6 +94,7 @@ struct StepResult {
   ErrorCode code = ErrorCode::none;
   std::string message;
   std::vector<int32_t> next_tokens;  // one per slot, in slot order
+  std::vector<TokenLogprobs> logprobs;  // one per slot (empty where its Sampling::logprobs < 0)
   int64_t compute_us = 0;
 };
 
@@ -101,7 +106,7 @@ typename Inspector::result_type inspect(Inspector& f, PrefillWork& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillResult& x) {
-  return f(caf::meta::type_name("PrefillResult"), x.id, x.code, x.message, x.first_token, x.kv,
+  return f(caf::meta::type_name("PrefillResult"), x.id, x.code, x.message, x.first_token, x.first_logprobs, x.kv,
            x.compute_us, x.streamed, x.kv_bytes, x.tail_us, x.cached_tokens,
            x.cache_events);
 }
@@ -118,7 +123,7 @@ typename Inspector::result_type inspect(Inspector& f, AdmitResult& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepSlot& x) {
-  return f(caf::meta::type_name("StepSlot"), x.id, x.token, x.pos, x.step, x.sampling, x.blocks);
+  return f(caf::meta::type_name("StepSlot"), x.id, x.token, x.pos, x.step, x.sampling, x.blocks, x.history);
 }
 
 template <class Inspector>
@@ -128,7 +133,7 @@ typename Inspector::result_type inspect(Inspector& f, DecodeStep& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepResult& x) {
-  return f(caf::meta::type_name("StepResult"), x.code, x.message, x.next_tokens, x.compute_us);
+  return f(caf::meta::type_name("StepResult"), x.code, x.message, x.next_tokens, x.logprobs, x.compute_us);
 }
 
 }  // namespace disagg

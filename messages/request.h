@@ -8,7 +8,7 @@
 #include "caf/meta/type_name.hpp"
 #include "caf/replies_to.hpp"
 #include "caf/typed_actor.hpp"
-#include "gpu/stop_rule.h"
+#include "gpu/sampling.h"
 #include "messages/atoms.h"
 
 namespace disagg {
@@ -34,13 +34,13 @@ std::string to_string(ErrorCode code);
 // Why a request's tokens ended: the stop rule's own vocabulary (gpu/stop_rule.h).
 using gpu::FinishReason;
 
-// Mirrors gpu::SamplingParams: token i of a request is sampled with (seed, i),
-// so the same request gives the same tokens wherever each step runs.
-struct Sampling {
-  float temperature = 0.0f;  // 0: greedy
-  float top_p = 1.0f;        // in (0, 1]
-  uint64_t seed = 0;
-};
+// How each token of a request is sampled (gpu/sampling.h, with the stop
+// rule's min_tokens, ignore_eos and stop_token_ids): token i is sampled with
+// (seed, i) from the request's own tokens, so the same request gives the
+// same tokens wherever each step runs. Checked by gpu::check_sampling.
+using Sampling = gpu::SamplingParams;
+using gpu::TokenBias;
+using gpu::TokenLogprobs;
 
 // The longest deadline a request may ask for: 24 hours. The router refuses
 // more (invalid_request), so no deadline arithmetic can overflow.
@@ -82,6 +82,8 @@ struct TokenEvent {
   // (as RequestOutcome's timings will say), so a client that stops early
   // (a stop string) can report them.
   int32_t cached_tokens = 0;
+  // Sampling::logprobs >= 0: the token's log probability and the top alternatives'.
+  TokenLogprobs logprobs;
 };
 
 // Whoever submitted a request: receives its token events as they are
@@ -120,6 +122,7 @@ struct RequestOutcome {
   std::string message;          // why, when code != none
   std::vector<int32_t> prompt_tokens;  // the prompt as run (a text prompt encoded by the router)
   std::vector<int32_t> tokens;  // generated tokens (prompt excluded)
+  std::vector<TokenLogprobs> logprobs;  // theirs, when Sampling::logprobs >= 0 (else empty)
   FinishReason finish = FinishReason::length;
   std::string text;             // decoded tokens when the router has a tokenizer
   Timings timings;
@@ -131,10 +134,35 @@ struct RequestOutcome {
 
 RequestOutcome make_failure(RequestId id, ErrorCode code, std::string message);
 
+}  // namespace disagg
+
+// Beside the types they describe (gpu/ knows no CAF): found by argument-dependent lookup.
+namespace disagg::gpu {
+
 template <class Inspector>
-typename Inspector::result_type inspect(Inspector& f, Sampling& x) {
-  return f(caf::meta::type_name("Sampling"), x.temperature, x.top_p, x.seed);
+typename Inspector::result_type inspect(Inspector& f, TokenBias& x) {
+  return f(caf::meta::type_name("TokenBias"), x.token, x.bias);
 }
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, StopParams& x) {
+  return f(caf::meta::type_name("StopParams"), x.min_tokens, x.ignore_eos, x.stop_token_ids);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, SamplingParams& x) {
+  return f(caf::meta::type_name("Sampling"), x.temperature, x.top_p, x.seed, x.top_k, x.min_p, x.presence_penalty,
+           x.frequency_penalty, x.repetition_penalty, x.logit_bias, x.stop, x.logprobs);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, TokenLogprobs& x) {
+  return f(caf::meta::type_name("TokenLogprobs"), x.logprob, x.top_tokens, x.top_logprobs);
+}
+
+}  // namespace disagg::gpu
+
+namespace disagg {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
@@ -145,7 +173,7 @@ typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, TokenEvent& x) {
-  return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text, x.cached_tokens);
+  return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text, x.cached_tokens, x.logprobs);
 }
 
 template <class Inspector>
@@ -161,7 +189,7 @@ typename Inspector::result_type inspect(Inspector& f, Timings& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RequestOutcome& x) {
-  return f(caf::meta::type_name("RequestOutcome"), x.id, x.code, x.message, x.prompt_tokens, x.tokens, x.finish,
+  return f(caf::meta::type_name("RequestOutcome"), x.id, x.code, x.message, x.prompt_tokens, x.tokens, x.logprobs, x.finish,
            x.text, x.timings, x.prefill_worker, x.decode_worker);
 }
 

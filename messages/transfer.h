@@ -129,6 +129,11 @@ struct KvTransfer {
   uint64_t fingerprint = 0;
   int32_t first_step = 0;  // PrefillJob::first_step: the index of first_token in the request's output
   int32_t cached_tokens = 0;  // prompt positions the prefill worker's own prefix cache held
+  TokenLogprobs first_logprobs;  // of first_token (Sampling::logprobs >= 0)
+  // The job's prompt (a migrated request's ends with its earlier output)
+  // when the sampling reads the request's tokens (Sampling::uses_history),
+  // else empty: prompt_len tokens, checked by the decode worker.
+  std::vector<int32_t> context;
 };
 
 // The prompt positions a prefix cache held, as a request's outcome (the
@@ -205,7 +210,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
   return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
            x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint, x.first_step,
-           x.cached_tokens);
+           x.cached_tokens, x.first_logprobs, x.context);
 }
 
 template <class Inspector>

@@ -48,11 +48,37 @@ bool GenerationFlags::take(const std::string& flag, const std::string& value) {
   } else if (flag == "--max-new-tokens") {
     max_new_tokens = int(parse_integer(flag, value, 0, INT_MAX));
   } else if (flag == "--temperature") {
-    temperature = parse_float(flag, value, 0.0f, 100.0f);
+    sampling.temperature = parse_float(flag, value, 0.0f, 100.0f);
   } else if (flag == "--top-p") {
-    top_p = parse_float(flag, value, 1e-6f, 1.0f);
+    sampling.top_p = parse_float(flag, value, 1e-6f, 1.0f);
   } else if (flag == "--seed") {
-    seed = uint64_t(parse_integer(flag, value, 0, LLONG_MAX));
+    sampling.seed = uint64_t(parse_integer(flag, value, 0, LLONG_MAX));
+  } else if (flag == "--top-k") {
+    sampling.top_k = int32_t(parse_integer(flag, value, 0, INT_MAX));
+  } else if (flag == "--min-p") {
+    sampling.min_p = parse_float(flag, value, 0.0f, 1.0f);
+  } else if (flag == "--presence-penalty") {
+    sampling.presence_penalty = parse_float(flag, value, -2.0f, 2.0f);
+  } else if (flag == "--frequency-penalty") {
+    sampling.frequency_penalty = parse_float(flag, value, -2.0f, 2.0f);
+  } else if (flag == "--repetition-penalty") {
+    sampling.repetition_penalty = parse_float(flag, value, 1e-6f, 2.0f);
+  } else if (flag == "--logit-bias") {
+    std::istringstream in(value);
+    std::string word;
+    while (in >> word) {
+      const size_t eq = word.find('=');
+      if (eq == std::string::npos) throw UsageError{flag + " expects ID=BIAS pairs, got '" + word + "'"};
+      sampling.logit_bias.push_back(gpu::TokenBias{int32_t(parse_integer(flag, word.substr(0, eq), 0, INT_MAX)),
+                                                   parse_float(flag, word.substr(eq + 1), -100.0f, 100.0f)});
+    }
+  } else if (flag == "--min-tokens") {
+    sampling.stop.min_tokens = int32_t(parse_integer(flag, value, 0, INT_MAX));
+  } else if (flag == "--ignore-eos") {
+    sampling.stop.ignore_eos = parse_integer(flag, value, 0, 1) == 1;
+  } else if (flag == "--stop-token-ids") {
+    const std::vector<int> ids = parse_token_list(flag, value);
+    sampling.stop.stop_token_ids.assign(ids.begin(), ids.end());
   } else {
     return false;
   }
@@ -62,6 +88,7 @@ bool GenerationFlags::take(const std::string& flag, const std::string& value) {
 void GenerationFlags::require_complete() const {
   if (has_prompt == has_prompt_tokens) throw UsageError{"give exactly one of --prompt and --prompt-tokens"};
   if (max_new_tokens < 0) throw UsageError{"--max-new-tokens N is required"};
+  if (const std::string why = gpu::check_sampling(sampling, INT_MAX); !why.empty()) throw UsageError{why};
 }
 
 std::string json_line(const nlohmann::ordered_json& value) {

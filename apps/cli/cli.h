@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gpu/sampling.h"
+
 namespace disagg::cli {
 
 // A bad command line; an empty message means --help was asked for.
@@ -24,21 +26,29 @@ std::vector<int> parse_token_list(const std::string& flag, const std::string& te
 
 // The request flags that disagg-generate and disagg-client share:
 // (--prompt TEXT | --prompt-tokens "1 403 407") --max-new-tokens N
-// [--temperature X] [--top-p P] [--seed S].
+// [--temperature X] [--top-p P] [--seed S] [--top-k K] [--min-p P]
+// [--presence-penalty X] [--frequency-penalty X] [--repetition-penalty X]
+// [--logit-bias "ID=BIAS ..."] [--min-tokens N] [--ignore-eos 0|1]
+// [--stop-token-ids "ID ..."] (gpu/sampling.h's order and ranges).
+inline constexpr const char* kSamplingUsage =
+    "  --temperature X --top-p P --seed S --top-k K --min-p P\n"
+    "  --presence-penalty X --frequency-penalty X --repetition-penalty X\n"
+    "  --logit-bias \"ID=BIAS ...\" --min-tokens N --ignore-eos 0|1 --stop-token-ids \"ID ...\"\n"
+    "  (gpu/sampling.h: vLLM's order and ranges; default greedy)\n";
+
 struct GenerationFlags {
   std::string prompt;
   std::vector<int> prompt_tokens;
   bool has_prompt = false;
   bool has_prompt_tokens = false;
   int max_new_tokens = -1;
-  float temperature = 0.0f;
-  float top_p = 1.0f;
-  uint64_t seed = 0;
+  gpu::SamplingParams sampling;  // greedy unless the flags say otherwise
 
   // Takes `flag value` when it is one of these flags (UsageError on a bad
   // value); false when the flag is not one of them.
   bool take(const std::string& flag, const std::string& value);
-  // UsageError unless exactly one prompt and --max-new-tokens were given.
+  // UsageError unless exactly one prompt and --max-new-tokens were given,
+  // and the sampling is in range (gpu::check_sampling).
   void require_complete() const;
 };
 

@@ -37,8 +37,7 @@ gpu::GenerateResult colocated(const std::vector<int32_t>& prompt, int max_new_to
     options.backend = "cpu";
     engine = std::make_unique<gpu::Engine>(gpu::Checkpoint::open(shared_model()), options);
   }
-  return gpu::generate(*engine, prompt, max_new_tokens,
-                       gpu::SamplingParams{sampling.temperature, sampling.top_p, sampling.seed});
+  return gpu::generate(*engine, prompt, max_new_tokens, sampling);
 }
 
 GenerateRequest make_request(std::vector<int32_t> prompt, int max_new_tokens, const Sampling& sampling) {

@@ -439,6 +439,19 @@ TEST_F(MigrationTest, ADecodeWorkerGoingDownMidGenerationMigratesItsRequestsExac
 
 TEST_F(MigrationTest, ASampledRequestMigratesExactlyToo) { expect_exact_migration(Sampling{0.9f, 0.9f, 77}, 200, 10); }
 
+// The penalties read the request's earlier output, which the new prefill
+// worker gets as the end of its prompt: the continuation is still exact.
+TEST_F(MigrationTest, ARequestWithPenaltiesAndBiasesMigratesExactlyToo) {
+  Sampling s{0.9f, 0.9f, 77};
+  s.presence_penalty = 0.5f;
+  s.frequency_penalty = 0.5f;
+  s.repetition_penalty = 1.3f;
+  s.logit_bias = {{400, 2.0f}};
+  s.top_k = 40;
+  s.stop.ignore_eos = true;  // (so it runs long enough to be migrated)
+  expect_exact_migration(s, 200, 10);
+}
+
 // Past max-worker-retries a lost decode worker fails its request with worker_lost.
 TEST_F(ActorTest, DecodeWorkerGoingDownPastTheRetriesFailsItsRequestsWithWorkerLost) {
   LocalClusterOptions options;

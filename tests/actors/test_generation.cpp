@@ -90,6 +90,78 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
   }
 }
 
+// Requests with every sampling control (penalties read the request's own
+// tokens, which travel with the KV) and log probabilities: the same tokens,
+// finish and log probabilities as colocated on every topology, each request
+// in batches with the others.
+std::vector<Sampling> processed_samplings() {
+  std::vector<Sampling> out;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    Sampling s;
+    s.temperature = seed == 1 ? 0.0f : 0.9f;
+    s.top_p = 0.95f;
+    s.seed = seed;
+    s.top_k = seed == 3 ? 20 : 0;
+    s.min_p = seed == 4 ? 0.05f : 0.0f;
+    s.presence_penalty = 0.4f;
+    s.frequency_penalty = 0.3f * float(seed);
+    s.repetition_penalty = seed % 2 ? 1.5f : 1.0f;
+    s.logit_bias = {{400, 1.5f}, {261, -3.0f}};
+    s.stop.min_tokens = 10;
+    s.stop.stop_token_ids = {int32_t(13 + seed)};
+    s.logprobs = int32_t(seed);
+    out.push_back(s);
+  }
+  return out;
+}
+
+TEST_P(ReferenceTopology, EverySamplingControlAndLogprobsAreIdenticalToColocated) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(GetParam().prefill, GetParam().decode);
+  options.config.kv_transport = GetParam().kv_transport;
+  options.colocated_workers = GetParam().colocated;
+  options.config.prefill_chunk = GetParam().prefill_chunk;
+  start(std::move(options));
+  // A prompt of the model's own words, which the penalties of the prompt's
+  // tokens (repetition) steer away from.
+  const auto cases = load_all_reference_cases();
+  std::vector<int32_t> prompt = cases[0].prompt_tokens;
+  const auto story = colocated(prompt, 40).tokens;
+  prompt.insert(prompt.end(), story.begin(), story.end());
+  const std::vector<Sampling> samplings = processed_samplings();
+  std::vector<std::unique_ptr<TokenLog>> logs;
+  std::vector<std::future<RequestOutcome>> futures;
+  for (const Sampling& s : samplings) {
+    logs.push_back(std::make_unique<TokenLog>());
+    futures.push_back(client_->submit(make_request(prompt, 60, s), logs.back()->callback()));
+  }
+  std::set<std::vector<int32_t>> distinct;
+  for (size_t k = 0; k < futures.size(); ++k) {
+    SCOPED_TRACE("sampling " + std::to_string(k));
+    const RequestOutcome out = futures[k].get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    const gpu::GenerateResult local = colocated(prompt, 60, samplings[k]);
+    Sampling without_prompt_penalty = samplings[k];
+    without_prompt_penalty.repetition_penalty = 1.0f;
+    if (k == 0)  // (greedy: the one whose tokens show the penalty for sure)
+      EXPECT_NE(local.tokens, colocated(prompt, 60, without_prompt_penalty).tokens) << "precondition: the prompt's tokens matter";
+    EXPECT_EQ(out.tokens, local.tokens);
+    EXPECT_EQ(out.finish == FinishReason::eos, local.finish == gpu::FinishReason::eos);
+    EXPECT_GE(out.tokens.size(), 10u) << "min_tokens";
+    std::lock_guard<std::mutex> lock(logs[k]->mutex);
+    const auto& events = logs[k]->events;
+    ASSERT_EQ(events.size(), local.logprobs.size());
+    for (size_t i = 0; i < events.size(); ++i) {
+      EXPECT_EQ(events[i].logprobs.logprob, local.logprobs[i].logprob) << "token " << i;
+      EXPECT_EQ(events[i].logprobs.top_tokens, local.logprobs[i].top_tokens) << "token " << i;
+      EXPECT_EQ(events[i].logprobs.top_logprobs, local.logprobs[i].top_logprobs) << "token " << i;
+      EXPECT_EQ(events[i].logprobs.top_tokens.size(), size_t(samplings[k].logprobs));
+    }
+    distinct.insert(out.tokens);
+  }
+  EXPECT_EQ(distinct.size(), samplings.size());
+}
+
 INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
                          ::testing::Values(Topology{1, 1}, Topology{2, 2}, Topology{1, 3},
                                            Topology{2, 2, "shm"}, Topology{2, 2, "message"},

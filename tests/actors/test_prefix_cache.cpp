@@ -93,6 +93,17 @@ TEST_F(ActorTest, ASecondTurnSampledGivesTheSameTokensFromTheCache) {
   expect_second_turn_cached(*client_, Sampling{0.9f, 0.95f, 1234}, Rest::decode_worker);
 }
 
+// The decode worker's own prefill of the rest samples with the penalties
+// of the whole prompt, cached part included.
+TEST_F(ActorTest, ASecondTurnWithPenaltiesGivesTheSameTokensFromTheCache) {
+  start(with_local_prefill());
+  Sampling s{0.9f, 0.95f, 99};
+  s.frequency_penalty = 0.8f;
+  s.repetition_penalty = 1.2f;
+  s.stop.ignore_eos = true;  // (the test wants turns that end by length)
+  expect_second_turn_cached(*client_, s, Rest::decode_worker);
+}
+
 // Conditional disaggregation of a prompt with nothing cached: at most
 // local-prefill-tokens positions and the decode worker chosen for it
 // prefills it itself (no prefill worker, no KV sent); one position more and

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -187,6 +188,204 @@ TEST(Sampling, HighTemperatureFlattens) {
   expect_frequencies({1.0f, 2.0f, 0.5f, 2.0f, -1.0f, 0.0f}, 10.0f, 1.0f);
 }
 
+// ---- the processors (gpu/sampling.h's order), against a reference written
+// the obvious way: a count per token, every token of the vocabulary visited.
+
+struct Reference {
+  std::vector<float> logits;
+  SamplingParams p;
+  uint64_t step = 0;
+  std::vector<int> history;  // prompt, then `step` output tokens
+  std::vector<int> ends;
+
+  std::vector<float> processed() const {
+    std::vector<float> l = logits;
+    const int vocab = int(l.size());
+    for (const TokenBias& b : p.logit_bias) l[size_t(b.token)] += b.bias;
+    for (int t = 0; t < vocab; ++t) {
+      const bool ends_it = (!p.stop.ignore_eos && std::count(ends.begin(), ends.end(), t) > 0) ||
+                           std::count(p.stop.stop_token_ids.begin(), p.stop.stop_token_ids.end(), t) > 0;
+      if (ends_it && step < uint64_t(p.stop.min_tokens)) l[size_t(t)] = -INFINITY;
+    }
+    const size_t prompt_len = history.size() - step;
+    for (int t = 0; t < vocab; ++t) {
+      const auto in_prompt = std::count(history.begin(), history.begin() + long(prompt_len), t);
+      const auto in_output = std::count(history.begin() + long(prompt_len), history.end(), t);
+      float& x = l[size_t(t)];
+      if ((in_prompt + in_output > 0) && p.repetition_penalty != 1.0f)
+        x = x > 0.0f ? x / p.repetition_penalty : x * p.repetition_penalty;
+      if (in_output > 0) x -= p.frequency_penalty * float(in_output) + p.presence_penalty;
+    }
+    return l;
+  }
+
+  // The draw: softmax / temperature, min_p, top_k, top_p, then the walk of
+  // reference_sample (token order for the whole distribution, else by
+  // probability).
+  int draw(float r) const {
+    const std::vector<float> l = processed();
+    if (!(p.temperature > 0.0f)) return argmax(l.data(), int(l.size()));
+    const double max_logit = *std::max_element(l.begin(), l.end());
+    std::vector<double> w(l.size());
+    for (size_t i = 0; i < w.size(); ++i) w[i] = std::exp((l[i] - max_logit) / p.temperature);
+    const double top = *std::max_element(w.begin(), w.end());
+    for (double& x : w)
+      if (x < p.min_p * top) x = 0.0;
+    std::vector<size_t> order(w.size());
+    std::iota(order.begin(), order.end(), 0);
+    const bool sorted = (p.top_k > 0 && p.top_k < int(w.size())) || p.top_p < 1.0f;
+    if (sorted) std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return w[a] > w[b]; });
+    if (p.top_k > 0 && p.top_k < int(w.size()))
+      for (size_t k = size_t(p.top_k); k < order.size(); ++k) w[order[k]] = 0.0;
+    double total = std::accumulate(w.begin(), w.end(), 0.0);
+    if (p.top_p < 1.0f) {
+      double mass = 0.0;
+      bool full = false;
+      for (size_t i : order) {
+        if (full) w[i] = 0.0;
+        mass += w[i];
+        if (mass >= p.top_p * total) full = true;
+      }
+      total = std::accumulate(w.begin(), w.end(), 0.0);
+    }
+    double cumulative = 0.0;
+    int last = -1;
+    for (size_t i : order) {
+      if (w[i] == 0.0) continue;
+      cumulative += w[i] / total;
+      last = int(i);
+      if (r < cumulative) return int(i);
+    }
+    return last;
+  }
+};
+
+TEST(Sampling, EveryProcessorMatchesTheReferenceDrawForDraw) {
+  std::mt19937 gen(2026);
+  int cases = 0;
+  for (uint32_t c = 0; c < 400; ++c) {
+    Reference ref;
+    const int vocab = 40 + int(gen() % 160);
+    ref.logits = random_logits(vocab, c, 1.0f + float(gen() % 3));
+    ref.ends = {int(gen() % vocab), int(gen() % vocab)};
+    SamplingParams& p = ref.p;
+    p.seed = c;
+    p.temperature = std::array<float, 4>{0.0f, 0.5f, 1.0f, 1.7f}[gen() % 4];
+    p.top_p = std::array<float, 3>{1.0f, 0.9f, 0.4f}[gen() % 3];
+    p.top_k = std::array<int, 4>{0, 1, 5, 30}[gen() % 4];
+    p.min_p = std::array<float, 3>{0.0f, 0.05f, 0.3f}[gen() % 3];
+    p.presence_penalty = std::array<float, 3>{0.0f, 0.5f, -1.0f}[gen() % 3];
+    p.frequency_penalty = std::array<float, 3>{0.0f, 0.7f, 2.0f}[gen() % 3];
+    p.repetition_penalty = std::array<float, 3>{1.0f, 1.3f, 0.8f}[gen() % 3];
+    for (int k = int(gen() % 4); k-- > 0;) {
+      const int t = int(gen() % vocab);
+      bool seen = false;
+      for (const auto& b : p.logit_bias) seen |= b.token == t;
+      if (!seen) p.logit_bias.push_back({t, float(int(gen() % 21) - 10)});
+    }
+    p.stop.min_tokens = int(gen() % 6);
+    p.stop.ignore_eos = gen() % 2;
+    if (gen() % 2) p.stop.stop_token_ids = {int(gen() % vocab)};
+    ASSERT_EQ(check_sampling(p, vocab), "");
+    const size_t prompt_len = 1 + gen() % 12;
+    for (size_t i = 0; i < prompt_len; ++i) ref.history.push_back(int(gen() % vocab));
+    for (uint64_t step = 0; step < 12; ++step) {
+      ref.step = step;
+      const int got = disagg::gpu::sample(ref.logits.data(), vocab, p, step, ref.history, ref.ends).token;
+      ASSERT_EQ(got, ref.draw(sampling_uniform(p.seed, step))) << "case " << c << " step " << step;
+      ref.history.push_back(got);  // the next step's history, as a sequence grows
+      ++cases;
+    }
+  }
+  EXPECT_EQ(cases, 400 * 12);
+}
+
+TEST(Sampling, MinTokensMasksEveryTokenThatWouldStop) {
+  // Greedy, with the end token (9) the most likely, a stop token (4) next.
+  std::vector<float> logits(12, 0.0f);
+  logits[9] = 5.0f;
+  logits[4] = 4.0f;
+  logits[2] = 3.0f;
+  SamplingParams p;
+  p.stop.min_tokens = 3;
+  p.stop.stop_token_ids = {4};
+  const std::vector<int> ends{9};
+  for (uint64_t step = 0; step < 3; ++step)
+    EXPECT_EQ(disagg::gpu::sample(logits.data(), 12, p, step, {}, ends).token, 2) << "step " << step;
+  EXPECT_EQ(disagg::gpu::sample(logits.data(), 12, p, 3, {}, ends).token, 9) << "from min_tokens on, unmasked";
+  p.stop.ignore_eos = true;  // the end token is ordinary then: not masked, as it would not stop
+  EXPECT_EQ(disagg::gpu::sample(logits.data(), 12, p, 0, {}, ends).token, 9);
+}
+
+TEST(Sampling, PenaltiesFollowTheOutputAndThePrompt) {
+  std::vector<float> logits{1.0f, 3.0f, 2.9f, -0.5f, 2.0f};
+  const std::vector<int> history{4, 1, 1};  // prompt {4}, output {1, 1} (step 2)
+  SamplingParams p;
+  p.frequency_penalty = 0.1f;  // 3.0 - 0.2 = 2.8 < 2.9
+  EXPECT_EQ(disagg::gpu::sample(logits.data(), 5, p, 2, history, {}).token, 2);
+  p = {};
+  p.presence_penalty = 0.05f;  // 3.0 - 0.05 = 2.95: still first
+  EXPECT_EQ(disagg::gpu::sample(logits.data(), 5, p, 2, history, {}).token, 1);
+  p = {};
+  p.repetition_penalty = 1.5f;  // 3.0 / 1.5 = 2; prompt token 4: 2.0 / 1.5
+  EXPECT_EQ(disagg::gpu::sample(logits.data(), 5, p, 2, history, {}).token, 2);
+  p.logit_bias = {{3, 4.0f}};  // -0.5 + 4 = 3.5 (not a repeat: no penalty)
+  EXPECT_EQ(disagg::gpu::sample(logits.data(), 5, p, 2, history, {}).token, 3);
+  EXPECT_THROW(disagg::gpu::sample(logits.data(), 5, p, 4, history, {}), Error) << "a history shorter than the step";
+  EXPECT_THROW(sample_token(logits.data(), 5, p, 2), Error) << "penalties need the history";
+}
+
+TEST(Sampling, LogprobsAreTheRawLogSoftmaxWithTheTopAlternatives) {
+  const auto logits = random_logits(300, 5);
+  double z = 0.0;
+  for (float l : logits) z += std::exp(double(l));
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.seed = 3;
+  p.logprobs = 5;
+  p.logit_bias = {{7, 50.0f}};  // moves the draw, not the model's distribution
+  p.repetition_penalty = 1.2f;
+  const std::vector<int> history{1, 2, 3};
+  const Sampled s = disagg::gpu::sample(logits.data(), 300, p, 0, history, {});
+  EXPECT_EQ(s.token, 7);
+  EXPECT_NEAR(s.logprobs.logprob, std::log(std::exp(double(logits[7])) / z), 1e-5);
+  std::vector<int> order(300);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  ASSERT_EQ(s.logprobs.top_tokens.size(), 5u);
+  ASSERT_EQ(s.logprobs.top_logprobs.size(), 5u);
+  for (size_t k = 0; k < 5; ++k) {
+    EXPECT_EQ(s.logprobs.top_tokens[k], order[k]);
+    EXPECT_NEAR(s.logprobs.top_logprobs[k], double(logits[size_t(order[k])]) - std::log(z), 1e-5);
+  }
+  p.logprobs = 0;
+  EXPECT_TRUE(disagg::gpu::sample(logits.data(), 300, p, 0, history, {}).logprobs.top_tokens.empty());
+  p.logprobs = -1;
+  EXPECT_EQ(disagg::gpu::sample(logits.data(), 300, p, 0, history, {}).logprobs.logprob, 0.0f) << "none asked";
+}
+
+TEST(Sampling, CheckSamplingNamesWhatIsOutOfRange) {
+  auto why = [](auto edit) {
+    SamplingParams p;
+    edit(p);
+    return check_sampling(p, 100);
+  };
+  EXPECT_EQ(why([](SamplingParams&) {}), "");
+  EXPECT_NE(why([](SamplingParams& p) { p.temperature = -1; }).find("temperature"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.top_p = 0; }).find("top_p"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.top_k = -1; }).find("top_k"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.min_p = 1.5f; }).find("min_p"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.presence_penalty = 2.5f; }).find("presence_penalty"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.frequency_penalty = NAN; }).find("frequency_penalty"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.repetition_penalty = 0; }).find("repetition_penalty"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.logit_bias = {{100, 1}}; }).find("vocabulary"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.logit_bias = {{3, 101}}; }).find("logit_bias"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.logit_bias = {{3, 1}, {3, 2}}; }).find("twice"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.stop.min_tokens = -1; }).find("min_tokens"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.stop.stop_token_ids = {-2}; }).find("stop token"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) { p.logprobs = 21; }).find("logprobs"), std::string::npos);
+}
+
 // The stop rule every token-making path asks (gpu::generate, the decode
 // worker, a migrated sequence): an end token is never output, even as the
 // last allowed one; the allowance is max_new_tokens, cut so prompt + output
@@ -197,12 +396,21 @@ TEST(StopRule, EndTokensStopBeforeAndTheLimitAfter) {
   EXPECT_EQ(token_limit(98, 5, 100), 2) << "the context caps it";
   EXPECT_EQ(token_limit(100, 5, 100), 0);
   EXPECT_EQ(token_limit(120, 5, 100), 0) << "never negative";
-  EXPECT_EQ(check_stop(ends, 3, 0, 5), std::nullopt);
-  EXPECT_EQ(check_stop(ends, 3, 3, 5), std::nullopt);
-  EXPECT_EQ(check_stop(ends, 3, 4, 5), FinishReason::length) << "the fifth of five is output, and the last";
-  EXPECT_EQ(check_stop(ends, 7, 0, 5), FinishReason::eos);
-  EXPECT_EQ(check_stop(ends, 1, 4, 5), FinishReason::eos) << "an end token at the limit is still not output";
-  EXPECT_EQ(check_stop({}, 1, 0, 1), FinishReason::length) << "no end tokens: only the limit";
+  EXPECT_EQ(check_stop(ends, StopParams{}, 3, 0, 5), std::nullopt);
+  EXPECT_EQ(check_stop(ends, StopParams{}, 3, 3, 5), std::nullopt);
+  EXPECT_EQ(check_stop(ends, StopParams{}, 3, 4, 5), FinishReason::length) << "the fifth of five is output, and the last";
+  EXPECT_EQ(check_stop(ends, StopParams{}, 7, 0, 5), FinishReason::eos);
+  EXPECT_EQ(check_stop(ends, StopParams{}, 1, 4, 5), FinishReason::eos) << "an end token at the limit is still not output";
+  EXPECT_EQ(check_stop({}, StopParams{}, 1, 0, 1), FinishReason::length) << "no end tokens: only the limit";
+  StopParams stop;
+  stop.min_tokens = 2;
+  EXPECT_EQ(check_stop(ends, stop, 7, 1, 5), std::nullopt) << "before min_tokens an end token is output";
+  EXPECT_EQ(check_stop(ends, stop, 7, 2, 5), FinishReason::eos);
+  stop.ignore_eos = true;
+  EXPECT_EQ(check_stop(ends, stop, 7, 2, 5), std::nullopt) << "ignore_eos: an ordinary token";
+  stop.stop_token_ids = {3};
+  EXPECT_EQ(check_stop(ends, stop, 3, 2, 5), FinishReason::eos) << "a stop token id ends it as an end token does";
+  EXPECT_EQ(check_stop(ends, stop, 3, 4, 5), FinishReason::eos);
   EXPECT_EQ(to_string(FinishReason::eos), "eos");
   EXPECT_EQ(to_string(FinishReason::length), "length");
 }
