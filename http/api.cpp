@@ -62,6 +62,96 @@ double number_in(const json& body, const char* name, double def, double lo, doub
   return x;
 }
 
+int64_t integer_in(const json& body, const char* name, int64_t def, int64_t lo, int64_t hi) {
+  const json* v = field(body, name);
+  if (!v) return def;
+  expect_type(v->is_number_integer(), name, "an integer", *v);
+  // Beyond int64 (unsigned) is beyond every range here.
+  const bool huge = v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(hi);
+  const int64_t x = huge ? hi : v->get<int64_t>();
+  if (huge || x < lo || x > hi)
+    throw bad_request(name, std::string("'") + name + "' must be in [" + std::to_string(lo) + ", " +
+                                std::to_string(hi) + "], got " + quote(*v));
+  return x;
+}
+
+bool boolean(const json& body, const char* name, bool def) {
+  const json* v = field(body, name);
+  if (!v) return def;
+  expect_type(v->is_boolean(), name, "a boolean", *v);
+  return v->get<bool>();
+}
+
+// A token id of the vocabulary: an integer, or (a logit_bias key) its decimal digits.
+int32_t token_id(const json& v, const std::string& text, const ServedModel& model, const char* param) {
+  int64_t id = -1;
+  if (v.is_number_integer()) {
+    id = v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(model.vocab_size) ? model.vocab_size : v.get<int64_t>();
+  } else if (!text.empty() && text.size() <= 10 && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    id = std::stoll(text);
+  } else {
+    throw bad_request(param, std::string("'") + param + "' names tokens by their ids, got " + quote(json(text)),
+                      "invalid_type");
+  }
+  if (id < 0 || id >= model.vocab_size)
+    throw bad_request(param, std::string("'") + param + "': token id " + std::to_string(id) +
+                                 " is outside the vocabulary [0, " + std::to_string(model.vocab_size) + ")");
+  return int32_t(id);
+}
+
+// The sampling controls (gpu/sampling.h's order; vLLM's names and ranges).
+void parse_sampling(const json& body, Endpoint endpoint, const ServedModel& model, int32_t max_tokens, Sampling& s) {
+  s.top_k = int32_t(integer_in(body, "top_k", 0, -1, model.vocab_size));
+  if (s.top_k < 0) s.top_k = 0;  // vLLM's -1: every token
+  s.min_p = float(number_in(body, "min_p", 0.0, 0.0, 1.0, false));
+  s.presence_penalty = float(number_in(body, "presence_penalty", 0.0, -gpu::kMaxPresencePenalty, gpu::kMaxPresencePenalty, false));
+  s.frequency_penalty = float(number_in(body, "frequency_penalty", 0.0, -gpu::kMaxPresencePenalty, gpu::kMaxPresencePenalty, false));
+  s.repetition_penalty = float(number_in(body, "repetition_penalty", 1.0, 0.0, gpu::kMaxRepetitionPenalty, true));
+  if (const json* bias = field(body, "logit_bias")) {
+    expect_type(bias->is_object(), "logit_bias", "an object of token ids to numbers", *bias);
+    if (bias->size() > gpu::kMaxLogitBiasEntries)
+      throw bad_request("logit_bias", "at most " + std::to_string(gpu::kMaxLogitBiasEntries) + " logit_bias entries, got " +
+                                          std::to_string(bias->size()));
+    for (auto it = bias->begin(); it != bias->end(); ++it) {
+      const int32_t token = token_id(json(nullptr), it.key(), model, "logit_bias");
+      expect_type(it.value().is_number(), "logit_bias", "an object of token ids to numbers", it.value());
+      const double b = it.value().get<double>();
+      if (!(b >= -gpu::kMaxLogitBias && b <= gpu::kMaxLogitBias))
+        throw bad_request("logit_bias", "a logit_bias must be in [-100, 100], got " + quote(it.value()) + " for token " +
+                                            std::to_string(token));
+      s.logit_bias.push_back({token, float(b)});
+    }
+    // "7" and "07" are one token: named twice.
+    std::vector<int32_t> ids;
+    for (const auto& b : s.logit_bias) ids.push_back(b.token);
+    std::sort(ids.begin(), ids.end());
+    if (std::adjacent_find(ids.begin(), ids.end()) != ids.end())
+      throw bad_request("logit_bias", "'logit_bias' names a token twice");
+  }
+  s.stop.min_tokens = int32_t(integer_in(body, "min_tokens", 0, 0, max_tokens));
+  s.stop.ignore_eos = boolean(body, "ignore_eos", false);
+  if (const json* ids = field(body, "stop_token_ids")) {
+    expect_type(ids->is_array(), "stop_token_ids", "an array of token ids", *ids);
+    if (ids->size() > gpu::kMaxStopTokenIds)
+      throw bad_request("stop_token_ids", "at most " + std::to_string(gpu::kMaxStopTokenIds) + " stop_token_ids, got " +
+                                              std::to_string(ids->size()));
+    for (const json& id : *ids) {
+      expect_type(id.is_number_integer(), "stop_token_ids", "an array of token ids", id);
+      s.stop.stop_token_ids.push_back(token_id(id, {}, model, "stop_token_ids"));
+    }
+  }
+  // Log probabilities: completions' logprobs N; chat's logprobs true with top_logprobs N.
+  if (endpoint == Endpoint::completions) {
+    s.logprobs = int32_t(integer_in(body, "logprobs", -1, 0, gpu::kMaxLogprobs));
+  } else if (boolean(body, "logprobs", false)) {
+    s.logprobs = int32_t(integer_in(body, "top_logprobs", 0, 0, gpu::kMaxLogprobs));
+  } else if (field(body, "top_logprobs")) {
+    throw bad_request("top_logprobs", "'top_logprobs' needs \"logprobs\": true");
+  }
+  // The router checks the same (one rule); a request that passes here passes there.
+  if (const std::string why = gpu::check_sampling(s, model.vocab_size); !why.empty()) throw bad_request("", why);
+}
+
 // An option we do not support: absent, null or its neutral value passes.
 void refuse_unless(const json& body, const char* name, const std::function<bool(const json&)>& neutral) {
   const json* v = field(body, name);
@@ -92,11 +182,11 @@ std::string message_text(const json& content, size_t index) {
 std::vector<int32_t> as_tokens(const std::vector<int>& v) { return std::vector<int32_t>(v.begin(), v.end()); }
 
 std::vector<int32_t> encode_checked(const std::string& text, const ServedModel& model, const gpu::Tokenizer& tokenizer,
-                                    const char* param) {
+                                    const char* param, bool add_bos = true) {
   if (int64_t(text.size()) > model.max_prompt_bytes)
     throw bad_request(param, std::string(param) + " of " + std::to_string(text.size()) + " bytes is longer than " +
                                  std::to_string(model.max_prompt_bytes) + " bytes (disagg.max-prompt-bytes)");
-  return as_tokens(tokenizer.encode(text));
+  return as_tokens(tokenizer.encode(text, add_bos));
 }
 
 // `prompt`: a string, an array of token ids, or a batch of one of them
@@ -121,6 +211,41 @@ std::vector<int32_t> parse_prompt(const json& p, const ServedModel& model, const
     tokens.push_back(int32_t(id));
   }
   return tokens;
+}
+
+// A request body: a JSON object (nesting bounded while it is parsed) whose
+// "model", if any, is the one served (else 404).
+json parse_body(const std::string& text, const ServedModel& model) {
+  json body;
+  try {
+    // The callback sees each container open at the depth of its parent (the
+    // body's object: 0) before anything in it is parsed; nlohmann's parser
+    // and destructor are iterative, so nothing here recurses on the input.
+    body = json::parse(text, [](int depth, json::parse_event_t event, json&) {
+      if (depth >= kMaxJsonDepth && (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))
+        throw TooDeep{};
+      return true;
+    });
+  } catch (const TooDeep&) {
+    throw bad_request("", "malformed JSON: nested deeper than " + std::to_string(kMaxJsonDepth) + " levels",
+                      "invalid_json");
+  } catch (const json::exception& e) {  // parse_error, and out_of_range 406: a number beyond a double
+    throw bad_request("", "malformed JSON: " + clip(e.what(), kMaxParseMessageBytes), "invalid_json");
+  }
+  if (!body.is_object()) throw bad_request("", "the request body must be a JSON object", "invalid_json");
+
+  if (const json* m = field(body, "model")) {
+    expect_type(m->is_string(), "model", "a string", *m);
+    if (m->get_ref<const std::string&>() != model.name) {
+      ApiError e;
+      e.status = 404;
+      e.message = "The model " + quote(*m) + " does not exist (this server serves `" + model.name + "`).";
+      e.param = "model";
+      e.code = "model_not_found";
+      throw e;
+    }
+  }
+  return body;
 }
 
 }  // namespace
@@ -190,47 +315,37 @@ std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const 
   return tokens;
 }
 
+// The prompt of a chat request's `messages`: checked (shape, roles, bytes),
+// then rendered in the chat template.
+std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model, const gpu::Tokenizer& tokenizer,
+                                 ChatTemplate tmpl) {
+  expect_type(messages.is_array(), "messages", "an array of messages", messages);
+  if (messages.empty()) throw bad_request("messages", "'messages' must not be empty");
+  size_t bytes = 0;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      throw bad_request("messages", where + " must be an object with a string 'role'", "invalid_type");
+    const std::string& role = m["role"].get_ref<const std::string&>();
+    if (role != "system" && role != "user" && role != "assistant")
+      throw bad_request("messages", where + ".role must be system, user or assistant, got " + quote(m["role"]));
+    bytes += message_text(m.contains("content") ? m["content"] : json(nullptr), i).size();
+  }
+  if (int64_t(bytes) > model.max_prompt_bytes)
+    throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
+                                      std::to_string(model.max_prompt_bytes) + " (disagg.max-prompt-bytes)");
+  return render_chat(tmpl, messages, tokenizer);
+}
+
 ApiRequest parse_request(Endpoint endpoint, const std::string& text, const ServedModel& model,
                          const gpu::Tokenizer& tokenizer, ChatTemplate tmpl,
                          const std::function<uint64_t()>& random_seed) {
-  json body;
-  try {
-    // The callback sees each container open at the depth of its parent (the
-    // body's object: 0) before anything in it is parsed; nlohmann's parser
-    // and destructor are iterative, so nothing here recurses on the input.
-    body = json::parse(text, [](int depth, json::parse_event_t event, json&) {
-      if (depth >= kMaxJsonDepth && (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))
-        throw TooDeep{};
-      return true;
-    });
-  } catch (const TooDeep&) {
-    throw bad_request("", "malformed JSON: nested deeper than " + std::to_string(kMaxJsonDepth) + " levels",
-                      "invalid_json");
-  } catch (const json::exception& e) {  // parse_error, and out_of_range 406: a number beyond a double
-    throw bad_request("", "malformed JSON: " + clip(e.what(), kMaxParseMessageBytes), "invalid_json");
-  }
-  if (!body.is_object()) throw bad_request("", "the request body must be a JSON object", "invalid_json");
-
-  if (const json* m = field(body, "model")) {
-    expect_type(m->is_string(), "model", "a string", *m);
-    if (m->get_ref<const std::string&>() != model.name) {
-      ApiError e;
-      e.status = 404;
-      e.message = "The model " + quote(*m) + " does not exist (this server serves `" + model.name + "`).";
-      e.param = "model";
-      e.code = "model_not_found";
-      throw e;
-    }
-  }
+  const json body = parse_body(text, model);
   // Unsupported options: only their neutral values pass.
   refuse_unless(body, "n", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 1; });
   refuse_unless(body, "best_of", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 1; });
-  refuse_unless(body, "logprobs", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
-  refuse_unless(body, "top_logprobs", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 0; });
   refuse_unless(body, "echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
-  refuse_unless(body, "presence_penalty", [](const json& v) { return v.is_number() && v.get<double>() == 0.0; });
-  refuse_unless(body, "frequency_penalty", [](const json& v) { return v.is_number() && v.get<double>() == 0.0; });
-  refuse_unless(body, "logit_bias", [](const json& v) { return v.is_object() && v.empty(); });
   refuse_unless(body, "response_format", [](const json& v) {
     return v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text";
   });
@@ -244,23 +359,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   } else {
     const json* messages = field(body, "messages");
     if (!messages) throw bad_request("messages", "'messages' is required", "missing");
-    expect_type(messages->is_array(), "messages", "an array of messages", *messages);
-    if (messages->empty()) throw bad_request("messages", "'messages' must not be empty");
-    size_t bytes = 0;
-    for (size_t i = 0; i < messages->size(); ++i) {
-      const json& m = (*messages)[i];
-      const std::string where = "messages[" + std::to_string(i) + "]";
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-        throw bad_request("messages", where + " must be an object with a string 'role'", "invalid_type");
-      const std::string& role = m["role"].get_ref<const std::string&>();
-      if (role != "system" && role != "user" && role != "assistant")
-        throw bad_request("messages", where + ".role must be system, user or assistant, got " + quote(m["role"]));
-      bytes += message_text(m.contains("content") ? m["content"] : json(nullptr), i).size();
-    }
-    if (int64_t(bytes) > model.max_prompt_bytes)
-      throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
-                                        std::to_string(model.max_prompt_bytes) + " (disagg.max-prompt-bytes)");
-    r.prompt_tokens = render_chat(tmpl, *messages, tokenizer);
+    r.prompt_tokens = chat_prompt(*messages, model, tokenizer, tmpl);
   }
   const int64_t prompt_len = int64_t(r.prompt_tokens.size());
   if (prompt_len >= model.seq_len)
@@ -300,6 +399,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   } else {
     r.sampling.seed = random_seed();
   }
+  parse_sampling(body, endpoint, model, r.max_tokens, r.sampling);
   if (const json* stop = field(body, "stop")) {
     if (stop->is_string()) {
       r.stop.push_back(stop->get<std::string>());
@@ -472,6 +572,98 @@ json models_response(const ServedModel& model) {
                                  {"owned_by", "disagg"},
                                  {"root", model.name},
                                  {"max_model_len", model.seq_len}}})}};
+}
+
+namespace {
+std::string piece_after(const gpu::Tokenizer& tokenizer, int32_t previous, int32_t token) {
+  try {
+    return tokenizer.decode(previous, token);
+  } catch (const std::exception&) {
+    return {};  // an id the tokenizer lacks (the router checked the vocabulary)
+  }
+}
+json bytes_of(const std::string& text) {
+  json out = json::array();
+  for (unsigned char c : text) out.push_back(int(c));
+  return out;
+}
+}  // namespace
+
+json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids,
+                   const std::vector<TokenLogprobs>& logprobs, size_t from, int64_t& text_offset) {
+  if (from > 0 && from <= ids.size()) previous = ids[from - 1];
+  json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array(),
+       content = json::array();
+  for (size_t i = from; i < ids.size() && i < logprobs.size(); ++i) {
+    const TokenLogprobs& lp = logprobs[i];
+    const std::string text = piece_after(tokenizer, previous, ids[i]);
+    if (endpoint == Endpoint::completions) {
+      json alternatives = json::object();
+      for (size_t k = 0; k < lp.top_tokens.size() && k < lp.top_logprobs.size(); ++k)
+        alternatives[piece_after(tokenizer, previous, lp.top_tokens[k])] = lp.top_logprobs[k];
+      alternatives[text] = lp.logprob;
+      tokens.push_back(text);
+      token_logprobs.push_back(lp.logprob);
+      top.push_back(std::move(alternatives));
+      offsets.push_back(text_offset);
+    } else {
+      json alternatives = json::array();
+      for (size_t k = 0; k < lp.top_tokens.size() && k < lp.top_logprobs.size(); ++k) {
+        const std::string alt = piece_after(tokenizer, previous, lp.top_tokens[k]);
+        alternatives.push_back({{"token", alt}, {"logprob", lp.top_logprobs[k]}, {"bytes", bytes_of(alt)}});
+      }
+      content.push_back({{"token", text}, {"logprob", lp.logprob}, {"bytes", bytes_of(text)}, {"top_logprobs", alternatives}});
+    }
+    text_offset += int64_t(text.size());
+    previous = ids[i];
+  }
+  if (endpoint == Endpoint::chat) return {{"content", content}};
+  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+json tokenize_response(const std::string& text, const ServedModel& model, const gpu::Tokenizer& tokenizer,
+                       ChatTemplate tmpl) {
+  const json body = parse_body(text, model);
+  std::vector<int32_t> tokens;
+  const json* prompt = field(body, "prompt");
+  const json* messages = field(body, "messages");
+  if ((prompt != nullptr) == (messages != nullptr))
+    throw bad_request(prompt ? "messages" : "prompt", "give exactly one of 'prompt' and 'messages'", "missing");
+  if (prompt) {
+    expect_type(prompt->is_string(), "prompt", "a string", *prompt);
+    tokens = encode_checked(prompt->get_ref<const std::string&>(), model, tokenizer, "prompt",
+                            boolean(body, "add_special_tokens", true));
+  } else {
+    tokens = chat_prompt(*messages, model, tokenizer, tmpl);
+  }
+  json out = {{"count", tokens.size()}, {"max_model_len", model.seq_len}, {"tokens", tokens}, {"token_strs", nullptr}};
+  if (boolean(body, "return_token_strs", false)) {
+    json strs = json::array();
+    for (int32_t t : tokens) strs.push_back(tokenizer.vocabulary().pieces[size_t(t)]);
+    out["token_strs"] = std::move(strs);
+  }
+  return out;
+}
+
+json detokenize_response(const std::string& text, const ServedModel& model, const gpu::Tokenizer& tokenizer) {
+  const json body = parse_body(text, model);
+  const json* tokens = field(body, "tokens");
+  if (!tokens) throw bad_request("tokens", "'tokens' is required", "missing");
+  expect_type(tokens->is_array(), "tokens", "an array of token ids", *tokens);
+  std::vector<int> ids;
+  for (const json& t : *tokens) {
+    if (!t.is_number_integer()) throw bad_request("tokens", "'tokens' must be an array of token ids", "invalid_type");
+    if (t.is_number_unsigned() ? t.get<uint64_t>() >= uint64_t(model.vocab_size)
+                               : t.get<int64_t>() < 0 || t.get<int64_t>() >= model.vocab_size)
+      throw bad_request("tokens", "token id " + quote(t) + " is outside the vocabulary [0, " +
+                                      std::to_string(model.vocab_size) + ")");
+    ids.push_back(int(t.get<int64_t>()));
+  }
+  // BOS and EOS have no text (a llama2.c vocabulary spells them, untyped);
+  // as after BOS, SentencePiece's first word loses the space it was encoded with.
+  const gpu::Vocabulary& v = tokenizer.vocabulary();
+  ids.erase(std::remove_if(ids.begin(), ids.end(), [&](int id) { return id == v.bos || id == v.eos; }), ids.end());
+  return {{"prompt", tokenizer.decode_all(v.bos, ids)}};
 }
 
 std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }

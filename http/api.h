@@ -92,8 +92,9 @@ struct ApiRequest {
 // Parses and validates a request body; throws ApiError and nothing else:
 // malformed JSON (also numbers beyond a double, nesting beyond kMaxJsonDepth,
 // invalid UTF-8), a known field of the wrong type, shape or range,
-// unsupported options (n > 1, logprobs, best_of, echo, penalties, logit_bias,
-// response_format other than text), prompt + max_tokens beyond the
+// unsupported options (n > 1, best_of, echo, response_format other than
+// text), sampling controls out of range (gpu::check_sampling's rules, named
+// by their parameter), prompt + max_tokens beyond the
 // context (400, naming the parameter), an unknown model (404). Unknown fields
 // are ignored. `random_seed` gives the seed of a request that sets none.
 ApiRequest parse_request(Endpoint endpoint, const std::string& body, const ServedModel& model,
@@ -143,6 +144,27 @@ json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, con
 json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
                  int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
 json models_response(const ServedModel& model);
+
+// POST /tokenize (vLLM's shapes): {"prompt": text, "add_special_tokens":
+// true (BOS)} or {"messages": [...]} (the chat template, as a chat request
+// renders them), optional "return_token_strs"; answers {count,
+// max_model_len, tokens, token_strs (the vocabulary's pieces, or null)}.
+// POST /detokenize: {"tokens": [ids]} answers {"prompt": text}, BOS and EOS
+// skipped (skip_special_tokens). Both throw
+// ApiError as parse_request does (a bad field 400, another model 404).
+json tokenize_response(const std::string& body, const ServedModel& model, const gpu::Tokenizer& tokenizer,
+                       ChatTemplate tmpl);
+json detokenize_response(const std::string& body, const ServedModel& model, const gpu::Tokenizer& tokenizer);
+
+// The "logprobs" of a choice for tokens ids[from..] with their log
+// probabilities (`logprobs`, parallel to ids), each decoded after its
+// predecessor (`previous`: the token before ids[0]).
+//   completions: {tokens, token_logprobs, top_logprobs: [{text: logprob}]
+//     (the top N and the sampled token, as OpenAI's), text_offset: from
+//     `text_offset` on, which advances past these tokens' text};
+//   chat: {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}.
+json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids,
+                   const std::vector<TokenLogprobs>& logprobs, size_t from, int64_t& text_offset);
 
 // "data: {json}\n\n" (invalid UTF-8 replaced by U+FFFD) and the final "data: [DONE]\n\n".
 std::string sse_event(const json& payload);

@@ -172,21 +172,31 @@ class Session : public std::enable_shared_from_this<Session> {
     Clock::time_point accepted;
     std::optional<Clock::time_point> last_token;
     int64_t cached_tokens = 0;  // prompt tokens the prefix cache held (the router's token events say)
-    std::vector<int32_t> ids;   // the completion's tokens so far (return_token_ids)
+    std::vector<int32_t> ids;   // the completion's tokens so far (return_token_ids, logprobs)
+    std::vector<TokenLogprobs> logprobs;  // theirs (Sampling::logprobs >= 0)
     size_t ids_streamed = 0;    // of them, those a streamed chunk carried
+    int64_t text_offset = 0;    // completions' logprobs: where the next streamed token's text begins
   };
 
   // The next token's text (held back, maybe: TextAssembler).
-  static std::string add_token(Generation& g, int32_t token) {
+  static std::string add_token(Generation& g, int32_t token, TokenLogprobs logprobs) {
     g.ids.push_back(token);
+    g.logprobs.push_back(std::move(logprobs));
     return g.text->add(token);
   }
-  // A choice of this generation with its tokens' ids, when asked for: all of
-  // them, or (streaming) those no chunk carried yet.
-  static json with_token_ids(Generation& g, json body, bool streamed) {
-    if (!g.request.return_token_ids || body["choices"].empty()) return body;
+  // A choice of this generation with its tokens' ids and log probabilities,
+  // when asked for: all of them, or (streaming) those no chunk carried yet.
+  json with_token_data(Generation& g, json body, bool streamed) {
+    const bool ids = g.request.return_token_ids, logprobs = g.request.sampling.logprobs >= 0;
+    if ((!ids && !logprobs) || body["choices"].empty()) return body;
     const size_t from = streamed ? g.ids_streamed : 0;
-    body["choices"][0]["token_ids"] = std::vector<int32_t>(g.ids.begin() + long(from), g.ids.end());
+    if (ids) body["choices"][0]["token_ids"] = std::vector<int32_t>(g.ids.begin() + long(from), g.ids.end());
+    if (logprobs) {
+      int64_t offset = streamed ? g.text_offset : 0;
+      body["choices"][0]["logprobs"] = logprobs_json(g.request.endpoint, fe_.tokenizer, g.request.prompt_tokens.back(),
+                                                     g.ids, g.logprobs, from, offset);
+      if (streamed) g.text_offset = offset;
+    }
     if (streamed) g.ids_streamed = g.ids.size();
     return body;
   }
@@ -259,6 +269,15 @@ class Session : public std::enable_shared_from_this<Session> {
     if (path == "/v1/completions" || path == "/v1/chat/completions") {
       if (only(bhttp::verb::post))
         start_generation(path == "/v1/completions" ? Endpoint::completions : Endpoint::chat, req.body());
+    } else if (path == "/tokenize" || path == "/detokenize") {  // vLLM's: at the root
+      if (only(bhttp::verb::post)) {
+        try {
+          send_json(200, path == "/tokenize" ? tokenize_response(req.body(), fe_.model, fe_.tokenizer, fe_.tmpl)
+                                             : detokenize_response(req.body(), fe_.model, fe_.tokenizer));
+        } catch (const ApiError& e) {
+          send_error(e);
+        }
+      }
     } else if (path == "/v1/models") {
       if (only(bhttp::verb::get)) send_json(200, models_response(fe_.model));
     } else if (path == "/health") {
@@ -401,9 +420,7 @@ class Session : public std::enable_shared_from_this<Session> {
     client->submit_async(
         std::move(r),
         [self, id](const TokenEvent& event) {
-          net::post(self->stream_.get_executor(), [self, id, token = event.token, cached = event.cached_tokens] {
-            self->on_token(id, token, cached);
-          });
+          net::post(self->stream_.get_executor(), [self, id, event] { self->on_token(id, event); });
         },
         [self, id, fe = &fe_](RequestOutcome outcome) {
           fe->untrack(id);
@@ -415,15 +432,15 @@ class Session : public std::enable_shared_from_this<Session> {
 
   Generation* current(RequestId id) { return gen_ && gen_->id == id ? &*gen_ : nullptr; }
 
-  void on_token(RequestId id, int32_t token, int32_t cached_tokens) {
+  void on_token(RequestId id, const TokenEvent& event) {
     Generation* g = current(id);
     if (!g || g->done) return;
-    g->cached_tokens = cached_tokens;
+    g->cached_tokens = event.cached_tokens;
     const auto now = Clock::now();
     if (!g->last_token) fe_.metrics.time_to_first_token.observe(seconds_between(g->accepted, now));
     else fe_.metrics.inter_token_latency.observe(seconds_between(*g->last_token, now));
     g->last_token = now;
-    const std::string piece = add_token(*g, token);
+    const std::string piece = add_token(*g, event.token, event.logprobs);
     if (g->request.stream && !piece.empty()) send_piece(*g, piece, "");
     if (g->text->stopped()) {
       g->client->cancel(g->id);  // the rest is not wanted; the cancelled outcome is ignored
@@ -496,7 +513,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void send_piece(Generation& g, const std::string& piece, const std::string& finish_reason) {
     send_header_once(g);
-    enqueue(Out{Out::chunk, sse_event(with_token_ids(g,
+    enqueue(Out{Out::chunk, sse_event(with_token_data(g,
                                                      stream_chunk(g.request.endpoint, g.response_id, g.created,
                                                                   fe_.model.name, piece, finish_reason, false,
                                                                   g.request.include_usage),
@@ -523,7 +540,7 @@ class Session : public std::enable_shared_from_this<Session> {
                                                 prompt, completion, g.cached_tokens)
                           : chat_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
                                           prompt, completion, g.cached_tokens);
-    send_json(200, with_token_ids(g, body, false));
+    send_json(200, with_token_data(g, body, false));
   }
 
   void fail(Generation& g, const ApiError& e) {

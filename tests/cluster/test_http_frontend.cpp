@@ -503,7 +503,7 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","temperature":"warm"})"), 400, "invalid_type", "temperature");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":510})"), 400, "context_length_exceeded", "max_tokens");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","n":3})"), 400, "unsupported", "n");
-  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","logprobs":2})"), 400, "unsupported", "logprobs");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","logprobs":21})"), 400, "invalid_value", "logprobs");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","best_of":2})"), 400, "unsupported", "best_of");
   expect_error(curl(port, "/v1/chat/completions", R"({"messages":[]})"), 400, "invalid_value", "messages");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","model":"gpt-4"})"), 404, "model_not_found", "model");
@@ -865,6 +865,97 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
   EXPECT_EQ(got["streamed_chat_role"], "assistant");
   EXPECT_EQ(got["not_found"]["status"], 404);
   EXPECT_EQ(got["not_found"]["code"], "model_not_found");
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The options beyond the basics through the official client
+// (tests/openai/sampling_test.mjs): log probabilities, streamed and not, that
+// agree with each other and with the greedy tokens; the sampling controls
+// equal to disagg-generate with the same flags; /tokenize and /detokenize.
+TEST(HttpFrontend, OfficialOpenAiNodeClientSamplingAndLogprobs) {
+  std::string node = run_command("command -v node").first;
+  while (!node.empty() && node.back() == '\n') node.pop_back();
+  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
+  if (node.empty()) GTEST_SKIP() << "node not installed (scripts/install-deps installs nodejs)";
+  if (run_command("test -f " + shell_quoted(dir + "/node_modules/openai/package.json")).second != 0)
+    GTEST_SKIP() << "the openai npm package is not installed in tests/openai (scripts/install-deps runs npm ci there)";
+  TestCluster cluster("http-openai-sampling");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+
+  const std::string prompt = "Once upon a time";
+  const int max_tokens = 24;
+  const json controls = {{"temperature", 0.8},      {"seed", 7},          {"top_p", 0.95},
+                         {"top_k", 40},             {"min_p", 0.02},      {"presence_penalty", 0.5},
+                         {"frequency_penalty", 0.5}, {"repetition_penalty", 1.2}, {"logit_bias", {{"400", 3}}},
+                         {"min_tokens", 5},         {"stop_token_ids", {13}}};
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({node, dir + "/sampling_test.mjs", "http://127.0.0.1:" + std::to_string(port), prompt,
+                               std::to_string(max_tokens), controls.dump()},
+                              out, err, kReplyTimeout),
+            0)
+      << out << err << cluster.logs();
+  const json got = json::parse(out);
+
+  // completions' logprobs: one entry per token, the text in pieces, the
+  // greedy token the most probable of its alternatives, streamed the same.
+  const ReferenceCase want = generate_reference({"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens)});
+  const json& c = got["completion"];
+  EXPECT_EQ(c["text"], want.text);
+  const json& lp = c["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), c["usage"]["completion_tokens"].get<size_t>()) << lp.dump();
+  std::string joined;
+  for (size_t i = 0; i < lp["tokens"].size(); ++i) {
+    EXPECT_EQ(lp["text_offset"][i], joined.size());
+    joined += lp["tokens"][i].get<std::string>();
+    double best = -1e30;
+    for (const auto& [text, value] : lp["top_logprobs"][i].items()) best = std::max(best, value.get<double>());
+    EXPECT_LE(lp["top_logprobs"][i].size(), 4u) << "the top 3 and the sampled token";
+    EXPECT_EQ(lp["token_logprobs"][i].get<double>(), best) << "greedy: the sampled token is the most probable";
+    EXPECT_LE(lp["token_logprobs"][i].get<double>(), 0.0);
+  }
+  EXPECT_EQ(joined, want.text);
+  const json& sc = got["streamed_completion"];
+  EXPECT_EQ(sc["text"], want.text);
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) EXPECT_EQ(sc[key], lp[key]) << key;
+
+  // chat: content entries with bytes and 5 alternatives, streamed the same.
+  const json& content = got["chat"]["content"];
+  ASSERT_TRUE(content.is_array()) << got["chat"].dump();
+  std::string chat_text;
+  for (const json& entry : content) {
+    const std::string token = entry["token"];
+    chat_text += token;
+    ASSERT_EQ(entry["bytes"].size(), token.size());
+    for (size_t b = 0; b < token.size(); ++b) EXPECT_EQ(entry["bytes"][b], int(static_cast<unsigned char>(token[b])));
+    ASSERT_EQ(entry["top_logprobs"].size(), 5u);
+    EXPECT_EQ(entry["logprob"], entry["top_logprobs"][0]["logprob"]) << "greedy";
+    EXPECT_EQ(entry["token"], entry["top_logprobs"][0]["token"]);
+  }
+  EXPECT_EQ(chat_text, got["chat"]["text"]);
+  EXPECT_EQ(got["streamed_chat"]["content"], content);
+  EXPECT_EQ(got["streamed_chat"]["text"], got["chat"]["text"]);
+
+  // The sampling controls: what disagg-generate samples with the same flags.
+  const ReferenceCase sampled = generate_reference(
+      {"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens), "--temperature", "0.8", "--seed", "7",
+       "--top-p", "0.95", "--top-k", "40", "--min-p", "0.02", "--presence-penalty", "0.5", "--frequency-penalty",
+       "0.5", "--repetition-penalty", "1.2", "--logit-bias", "400=3", "--min-tokens", "5", "--stop-token-ids", "13"});
+  EXPECT_EQ(got["sampled"], sampled.text);
+  EXPECT_EQ(got["sampled_stream"], sampled.text);
+  const ReferenceCase plain = generate_reference({"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens),
+                                                  "--temperature", "0.8", "--seed", "7", "--top-p", "0.95"});
+  EXPECT_NE(plain.text, sampled.text) << "precondition: the controls change what is sampled";
+  EXPECT_EQ(got["out_of_range"]["status"], 400);
+  EXPECT_EQ(got["out_of_range"]["param"], "presence_penalty");
+
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), 512);
+  EXPECT_EQ(got["tokenized"]["status"], 200);
+  EXPECT_EQ(got["tokenized"]["body"]["tokens"].get<std::vector<int>>(), tokenizer.encode(prompt));
+  EXPECT_EQ(got["tokenized"]["body"]["count"], tokenizer.encode(prompt).size());
+  EXPECT_EQ(got["detokenized"]["body"]["prompt"], prompt);
   EXPECT_TRUE(cluster.stop_all());
 }
 

@@ -90,9 +90,25 @@ TEST(HttpApi, EveryBadFieldIsA400NamingIt) {
       {R"({"prompt":"x","user":5})", "user"},
       {R"({"prompt":"x","n":2})", "n"},
       {R"({"prompt":"x","best_of":3})", "best_of"},
-      {R"({"prompt":"x","logprobs":1})", "logprobs"},
+      {R"({"prompt":"x","logprobs":21})", "logprobs"},
+      {R"({"prompt":"x","logprobs":true})", "logprobs"},
       {R"({"prompt":"x","echo":true})", "echo"},
-      {R"({"prompt":"x","presence_penalty":0.5})", "presence_penalty"},
+      {R"({"prompt":"x","presence_penalty":2.5})", "presence_penalty"},
+      {R"({"prompt":"x","frequency_penalty":-3})", "frequency_penalty"},
+      {R"({"prompt":"x","repetition_penalty":0})", "repetition_penalty"},
+      {R"({"prompt":"x","top_k":-2})", "top_k"},
+      {R"({"prompt":"x","top_k":1.5})", "top_k"},
+      {R"({"prompt":"x","min_p":1.1})", "min_p"},
+      {R"({"prompt":"x","min_tokens":17})", "min_tokens"},
+      {R"({"prompt":"x","ignore_eos":1})", "ignore_eos"},
+      {R"({"prompt":"x","stop_token_ids":[512]})", "stop_token_ids"},
+      {R"({"prompt":"x","stop_token_ids":"2"})", "stop_token_ids"},
+      {R"({"prompt":"x","logit_bias":{"512":1}})", "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"a":1}})", "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"5":101}})", "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"5":"1"}})", "logit_bias"},
+      {R"({"prompt":"x","logit_bias":{"5":1,"05":2}})", "logit_bias"},
+      {R"({"prompt":"x","logit_bias":[1]})", "logit_bias"},
       {R"({"prompt":"x","model":7})", "model"},
       {R"({})", "prompt"},
       {R"({"prompt":[]})", "prompt"},
@@ -122,6 +138,102 @@ TEST(HttpApi, EveryBadFieldIsA400NamingIt) {
   EXPECT_EQ(body["error"]["param"], "model");
   EXPECT_TRUE(body["error"].contains("type"));
   EXPECT_TRUE(body["error"]["message"].is_string());
+}
+
+TEST(HttpApi, SamplingControlsAndLogprobs) {
+  const ApiRequest r = parse(Endpoint::completions, R"({"prompt":"x","max_tokens":20,"top_k":-1,"min_p":0.1,
+      "presence_penalty":0.5,"frequency_penalty":-0.25,"repetition_penalty":1.1,"logit_bias":{"7":-100,"400":2.5},
+      "min_tokens":3,"ignore_eos":true,"stop_token_ids":[2,13],"logprobs":5})");
+  const Sampling& s = r.sampling;
+  EXPECT_EQ(s.top_k, 0) << "-1: every token";
+  EXPECT_FLOAT_EQ(s.min_p, 0.1f);
+  EXPECT_FLOAT_EQ(s.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(s.frequency_penalty, -0.25f);
+  EXPECT_FLOAT_EQ(s.repetition_penalty, 1.1f);
+  ASSERT_EQ(s.logit_bias.size(), 2u);
+  EXPECT_EQ(s.logit_bias[0].token, 400);  // (nlohmann orders an object's keys)
+  EXPECT_FLOAT_EQ(s.logit_bias[0].bias, 2.5f);
+  EXPECT_EQ(s.logit_bias[1].token, 7);
+  EXPECT_EQ(s.stop.min_tokens, 3);
+  EXPECT_TRUE(s.stop.ignore_eos);
+  EXPECT_EQ(s.stop.stop_token_ids, (std::vector<int32_t>{2, 13}));
+  EXPECT_EQ(s.logprobs, 5);
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x"})").sampling.logprobs, -1) << "none asked";
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","logprobs":0})").sampling.logprobs, 0);
+  // chat: logprobs true, top_logprobs N
+  EXPECT_EQ(parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":3})")
+                .sampling.logprobs, 3);
+  EXPECT_EQ(parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],"logprobs":true})").sampling.logprobs, 0);
+  EXPECT_EQ(parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],"logprobs":false})").sampling.logprobs, -1);
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],"top_logprobs":2})").param,
+            "top_logprobs");
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],"logprobs":3})").param, "logprobs");
+}
+
+TEST(HttpApi, LogprobsShapes) {
+  const std::vector<int32_t> ids = encode("Once upon");  // BOS, then the words
+  const std::vector<int32_t> tokens(ids.begin() + 1, ids.end());
+  std::vector<TokenLogprobs> lp;
+  for (size_t i = 0; i < tokens.size(); ++i) lp.push_back({-0.5f * float(i + 1), {tokens[i], 3}, {-0.5f * float(i + 1), -4.0f}});
+  int64_t offset = 0;
+  const json c = logprobs_json(Endpoint::completions, tokenizer(), ids[0], tokens, lp, 0, offset);
+  std::string text;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    EXPECT_EQ(c["text_offset"][i], int64_t(text.size()));
+    const std::string piece = tokenizer().decode(i ? tokens[i - 1] : ids[0], tokens[i]);
+    EXPECT_EQ(c["tokens"][i], piece);
+    EXPECT_FLOAT_EQ(c["token_logprobs"][i].get<float>(), lp[i].logprob);
+    EXPECT_EQ(c["top_logprobs"][i].size(), 2u) << "the alternative and the sampled token (one of the top here)";
+    text += piece;
+  }
+  EXPECT_EQ(text, "Once upon");
+  EXPECT_EQ(offset, int64_t(text.size())) << "the offset advances past the tokens";
+  int64_t unused = 0;
+  const json tail = logprobs_json(Endpoint::chat, tokenizer(), ids[0], tokens, lp, 1, unused);
+  ASSERT_EQ(tail["content"].size(), tokens.size() - 1) << "from: the tokens no chunk carried";
+  const json& first = tail["content"][0];
+  const std::string piece = tokenizer().decode(tokens[0], tokens[1]);
+  EXPECT_EQ(first["token"], piece);
+  EXPECT_EQ(first["bytes"].size(), piece.size());
+  EXPECT_EQ(first["top_logprobs"].size(), 2u);
+  EXPECT_EQ(first["top_logprobs"][1]["logprob"], -4.0f);
+}
+
+TEST(HttpApi, TokenizeAndDetokenizeRoundTrip) {
+  const json t = json::parse(dump(tokenize_response(R"({"prompt":"Once upon a time","return_token_strs":true})", model(),
+                                                    tokenizer(), ChatTemplate::llama2)));
+  EXPECT_EQ(t["tokens"].get<std::vector<int32_t>>(), encode("Once upon a time"));
+  EXPECT_EQ(t["count"], t["tokens"].size());
+  EXPECT_EQ(t["max_model_len"], 512);
+  ASSERT_EQ(t["token_strs"].size(), t["tokens"].size());
+  EXPECT_EQ(t["token_strs"][1], tokenizer().vocabulary().pieces[size_t(t["tokens"][1].get<int>())]);
+  const json plain = tokenize_response(R"({"prompt":"Once","add_special_tokens":false})", model(), tokenizer(),
+                                       ChatTemplate::llama2);
+  EXPECT_EQ(plain["tokens"].get<std::vector<int>>(), tokenizer().encode("Once", false)) << "no BOS";
+  EXPECT_TRUE(plain["token_strs"].is_null());
+  const json chat = tokenize_response(R"({"messages":[{"role":"user","content":"hi"}]})", model(), tokenizer(),
+                                      ChatTemplate::llama2);
+  EXPECT_EQ(chat["tokens"].get<std::vector<int32_t>>(),
+            parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}]})").prompt_tokens)
+      << "as a chat request renders its messages";
+  const json d = detokenize_response(dump(json{{"tokens", t["tokens"]}}), model(), tokenizer());
+  EXPECT_EQ(d["prompt"], "Once upon a time");
+  auto status_of = [](auto call) {
+    try {
+      call();
+    } catch (const ApiError& e) {
+      return e.param + " " + std::to_string(e.status);
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(status_of([] { detokenize_response(R"({"tokens":[1,512]})", model(), tokenizer()); }), "tokens 400");
+  EXPECT_EQ(status_of([] { detokenize_response(R"({"tokens":"1"})", model(), tokenizer()); }), "tokens 400");
+  EXPECT_EQ(status_of([] { detokenize_response(R"({})", model(), tokenizer()); }), "tokens 400");
+  EXPECT_EQ(status_of([] { tokenize_response(R"({})", model(), tokenizer(), ChatTemplate::llama2); }), "prompt 400");
+  EXPECT_EQ(status_of([] { tokenize_response(R"({"prompt":"x","model":"other"})", model(), tokenizer(), ChatTemplate::llama2); }),
+            "model 404");
+  EXPECT_EQ(status_of([] { tokenize_response(R"({"prompt":5})", model(), tokenizer(), ChatTemplate::llama2); }),
+            "prompt 400");
 }
 
 // The probes of issue 18: each ended the frontend (an exception other than
