@@ -40,6 +40,7 @@ struct LocalPrefill {
   uint64_t kv_bytes = 0;    // the prompt's K and V, as a stream would carry them
   int done = 0;             // positions computed so far
   int64_t compute_us = 0;   // its chunks' time, not the decode steps between them
+  std::vector<TokenLogprobs> prompt_logprobs;  // Sampling::prompt_logprobs, as its chunks compute them
   caf::typed_response_promise<PrefillResult> promise;
 };
 
@@ -65,13 +66,32 @@ void sample_first(const ComputeState& st, const PrefillWork& work, const float* 
   r.first_logprobs = std::move(sampled.logprobs);
 }
 
+// What collects a prompt's log probabilities from the logits of each of its
+// positions (PrefillHooks::on_logits) into `out` (token i's at i - 1); empty
+// when the request asks for none.
+std::function<void(int, int, const float*)> prompt_logprobs_of(const PrefillWork& work, int vocab,
+                                                                std::vector<TokenLogprobs>& out) {
+  if (work.sampling.prompt_logprobs < 0) return {};
+  if (out.size() != work.tokens.size() - 1) out.assign(work.tokens.size() - 1, {});  // (a chunked prompt: once)
+  return [&work, vocab, &out](int first, int count, const float* logits) {
+    for (int i = 0; i < count; ++i) {
+      const size_t next = size_t(first + i) + 1;
+      if (next < work.tokens.size())
+        out[next - 1] = gpu::token_logprobs(logits + size_t(i) * size_t(vocab), vocab, work.tokens[next],
+                                            work.sampling.prompt_logprobs);
+    }
+  };
+}
+
 // A prefill worker's prompt with what its prefix cache holds of it: the
 // cached positions are copied, not computed (gpu/prefix_cache.h). Whatever
 // ends the prefill, the held blocks are released; the prompt's own blocks
 // are kept only when it was computed.
 class CachedPrefix {
  public:
-  CachedPrefix(ComputeState& st, const PrefillWork& work) : cache_(st.prefix_cache.get()) {
+  // (A request for prompt log probabilities computes every position: no lookup.)
+  CachedPrefix(ComputeState& st, const PrefillWork& work)
+      : cache_(work.sampling.prompt_logprobs < 0 ? st.prefix_cache.get() : nullptr) {
     if (cache_) lookup_ = cache_->lookup(work.tokens, work.cache_salt);
   }
   ~CachedPrefix() {
@@ -149,6 +169,7 @@ void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r)
       work.deadline_ns > 0 ? kv::Deadline(std::chrono::nanoseconds(work.deadline_ns)) : kv::Deadline::max();
   gpu::PrefillHooks hooks;
   hooks.wire_kv = false;
+  hooks.on_logits = prompt_logprobs_of(work, c.vocab_size, r.prompt_logprobs);
   hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
     if (was_cancelled(work)) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
     const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
@@ -271,7 +292,7 @@ std::optional<PrefillResult> local_chunk(ComputeState& st, LocalPrefill& p) {
   try {
     logits = st.engine->prefill_chunk(
         *st.pool, std::vector<int>(work.tokens.begin() + p.done, work.tokens.begin() + p.done + rows), p.done,
-        p.blocks);
+        p.blocks, prompt_logprobs_of(work, st.engine->config().vocab_size, p.prompt_logprobs));
   } catch (const std::exception& e) {
     return stopped(ErrorCode::internal, std::string("prefill: ") + e.what());
   }
@@ -286,6 +307,7 @@ std::optional<PrefillResult> local_chunk(ComputeState& st, LocalPrefill& p) {
   r.streamed = true;
   r.kv_bytes = p.kv_bytes;
   r.compute_us = p.compute_us;
+  r.prompt_logprobs = std::move(p.prompt_logprobs);
   return r;
 }
 
@@ -340,7 +362,9 @@ PrefillResult run_prefill(ComputeState& st, PrefillWork& work) {
     try {
       CachedPrefix cached(st, work);
       r.cached_tokens = cached.positions();
-      gpu::PrefillOutput out = st.engine->prefill(work.tokens, {}, cached.prefix());
+      gpu::PrefillHooks hooks;
+      hooks.on_logits = prompt_logprobs_of(work, st.engine->config().vocab_size, r.prompt_logprobs);
+      gpu::PrefillOutput out = st.engine->prefill(work.tokens, hooks, cached.prefix());
       cached.keep();
       sample_first(st, work, out.logits.data(), r);
       r.kv = gpu::serialize_kv(st.engine->fingerprint(), out.shape, out.kv.data());

@@ -61,6 +61,7 @@ struct Sequence {
   int32_t limit = 0;  // output tokens the request may have in all: first_step + this attempt's gpu::token_limit
   Sampling sampling;
   std::vector<int32_t> context;  // KvTransfer::context: the tokens before tokens[0] when the sampling reads them
+  std::vector<TokenLogprobs> prompt_logprobs;  // KvTransfer::prompt_logprobs, passed on in DecodeDone
   std::vector<int32_t> tokens;  // generated so far
   int32_t first_step = 0;       // the request's output index of tokens[0] (a migrated request: > 0)
   Clock::time_point admitted;
@@ -78,6 +79,7 @@ void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& clien
   seq.limit = t.first_step + gpu::token_limit(t.prompt_len, t.max_new_tokens, seq_len);
   seq.sampling = t.sampling;
   seq.context = t.context;
+  seq.prompt_logprobs = t.prompt_logprobs;
   seq.first_step = t.first_step;
   seq.client = client;
   seq.cached_tokens = cached_prompt_tokens(pool_cached, t.cached_tokens, t.prompt_len - t.first_step);
@@ -244,6 +246,7 @@ void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, Erro
   done.finish = finish;
   done.decode_us = micros_since(it->second.admitted);
   done.first_step = it->second.first_step;
+  done.prompt_logprobs = std::move(it->second.prompt_logprobs);
   st.active.erase(it);
   self->send(st.router, done_atom::value, std::move(done));
 }

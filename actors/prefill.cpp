@@ -98,6 +98,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
   transfer.sampling = job.sampling;
   transfer.first_token = computed.first_token;
   transfer.first_logprobs = std::move(computed.first_logprobs);
+  transfer.prompt_logprobs = std::move(computed.prompt_logprobs);
   transfer.first_step = job.first_step;
   if (job.sampling.uses_history()) transfer.context = job.prompt_tokens;
   transfer.cached_tokens = computed.cached_tokens;

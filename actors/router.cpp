@@ -370,6 +370,10 @@ void complete(Self self, RequestId id) {
     out.tokens.insert(out.tokens.end(), done->tokens.begin(), done->tokens.end());
     out.finish = done->finish;
     out.timings.decode_us = done->decode_us;
+    // (a migrated attempt's cover the earlier output too: the prompt's come first)
+    out.prompt_logprobs.assign(done->prompt_logprobs.begin(),
+                               done->prompt_logprobs.begin() +
+                                   std::min(done->prompt_logprobs.size(), r.prompt.empty() ? 0 : r.prompt.size() - 1));
   } else {
     const ptrdiff_t allowed = token_allowance(self, r);
     out.tokens.assign(r.streamed.begin(),
@@ -533,7 +537,9 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   // still alive never loses its blocks, a lost one frees them by itself.
   KvReservation reservation{id, positions, time_left_ms(r) + st.config.ack_timeout_ms, int32_t(job_prompt_len(r)),
                             p.info.host_id};
-  reservation.prompt_tokens = job_prompt(r);
+  // (A request for prompt log probabilities computes every position: it
+  // neither shares cached blocks nor leaves its own.)
+  if (r.request.sampling.prompt_logprobs < 0) reservation.prompt_tokens = job_prompt(r);
   reservation.cache_salt = r.request.cache_salt;
   reservation.local_prefill_tokens = st.config.local_prefill_tokens;
   if (streams_direct(st.config, bool(st.tokenizer), r)) reservation.client = r.client;

@@ -276,16 +276,27 @@ struct Engine::Impl {
   // `kv` (one table), in forwards of at most kPrefillRows positions, each
   // attending to the cache written so far; only the last position's logits
   // are computed.
+  // Leaves the last position's logits in `logits` (row 0), or with
+  // `on_logits` hands out every row's and leaves the last one's in its row.
   void forward_prompt(const std::vector<int>& prompt, int first_pos, const PagedKv& kv,
-                      const PrefillHooks* hooks = nullptr) {
+                      const PrefillHooks* hooks = nullptr,
+                      const std::function<void(int, int, const float*)>* on_logits = nullptr) {
     const int n = int(prompt.size());
+    const bool all = on_logits && *on_logits;
+    std::vector<float> host;
     for (int c0 = 0; c0 < n; c0 += kPrefillRows) {
       const int rows = std::min(kPrefillRows, n - c0);
       const std::vector<int> chunk(prompt.begin() + c0, prompt.begin() + c0 + rows);
       std::vector<int> positions(static_cast<size_t>(rows));
       for (int i = 0; i < rows; ++i) positions[size_t(i)] = first_pos + c0 + i;
-      forward(chunk, positions, kv, c0 + rows == n ? rows - 1 : rows, hooks);
+      forward(chunk, positions, kv, all ? 0 : c0 + rows == n ? rows - 1 : rows, hooks);
+      if (!all) continue;
+      host.resize(size_t(rows) * vocab);
+      logits.download(host.data(), host.size());
+      (*on_logits)(first_pos + c0, rows, host.data());
     }
+    // The last position's logits where the callers read them: the first row.
+    if (all && n > 0) logits.upload(host.data() + host.size() - vocab, vocab);
   }
 
   std::shared_ptr<const Checkpoint> checkpoint;
@@ -493,7 +504,7 @@ PrefillOutput Engine::prefill(const std::vector<int>& tokens, const PrefillHooks
     if (hooks.on_layer_cache)
       for (int l = 0; l < int(m.layers); ++l) m.hand_out_cache(hooks, l, 0, skip, kv);
   }
-  m.forward_prompt(std::vector<int>(tokens.begin() + skip, tokens.end()), skip, kv, &hooks);
+  m.forward_prompt(std::vector<int>(tokens.begin() + skip, tokens.end()), skip, kv, &hooks, &hooks.on_logits);
   m.last_prefill_positions = cache_positions;
 
   out.logits.resize(m.vocab);
@@ -568,7 +579,8 @@ std::vector<float> Engine::decode_step(KvPool& pool, const std::vector<DecodeSlo
 }
 
 std::vector<float> Engine::prefill_chunk(KvPool& pool, const std::vector<int>& tokens, int first_pos,
-                                         const std::vector<int>& blocks) {
+                                         const std::vector<int>& blocks,
+                                         const std::function<void(int, int, const float*)>& on_logits) {
   Impl& m = *impl_;
   const int rows = int(tokens.size());
   if (rows == 0) throw Error("prefill_chunk: no tokens");
@@ -578,7 +590,7 @@ std::vector<float> Engine::prefill_chunk(KvPool& pool, const std::vector<int>& t
   for (int t : tokens) m.validate_token(t, "prefill_chunk");
   m.validate_table(pool, blocks, first_pos + rows, "prefill_chunk");
   m.tables.upload(blocks.data(), size_t(KvPool::blocks_for(first_pos + rows, pool.block_size())));  // one table
-  m.forward_prompt(tokens, first_pos, m.pool_kv(pool, 0));
+  m.forward_prompt(tokens, first_pos, m.pool_kv(pool, 0), nullptr, &on_logits);
   std::vector<float> logits(m.vocab);
   m.logits.download(logits.data(), m.vocab);
   return logits;

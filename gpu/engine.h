@@ -44,6 +44,11 @@ struct PrefillHooks {
   std::function<void(int layer, int first, int count, const float* cache)> on_layer_cache;
   // false: PrefillOutput::kv stays empty (the hooks took the KV).
   bool wire_kv = true;
+  // Set: every computed position's logits, not only the last one's (prompt
+  // log probabilities): after each piece of positions [first, first + count)
+  // their count x vocab_size logits in host memory, valid during the call.
+  // The same values as the last position's alone (rows are independent).
+  std::function<void(int first, int count, const float* logits)> on_logits;
 };
 
 // A prompt's first positions whose KV a pool holds already (a prefill
@@ -111,8 +116,10 @@ class Engine {
   // fixed tiles), so a prompt in chunks of any size gives prefill()'s KV and
   // logits bit for bit: a colocated worker prefills this way between decode
   // steps.
+  // `on_logits` as PrefillHooks::on_logits.
   std::vector<float> prefill_chunk(KvPool& pool, const std::vector<int>& tokens, int first_pos,
-                                   const std::vector<int>& blocks);
+                                   const std::vector<int>& blocks,
+                                   const std::function<void(int, int, const float*)>& on_logits = {});
 
  private:
   struct Impl;

@@ -77,7 +77,19 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
   check_request(engine, prompt, max_new_tokens, sampling);
   if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
-  PrefillOutput prefilled = engine.prefill(prompt);
+  std::vector<TokenLogprobs> prompt_logprobs;
+  PrefillHooks hooks;
+  if (sampling.prompt_logprobs >= 0) {
+    prompt_logprobs.resize(prompt.size() - 1);
+    const int vocab = engine.config().vocab_size;
+    hooks.on_logits = [&, vocab](int first, int count, const float* logits) {
+      for (int i = 0; i < count; ++i)
+        if (size_t(first + i) + 1 < prompt.size())
+          prompt_logprobs[size_t(first + i)] = token_logprobs(logits + size_t(i) * size_t(vocab), vocab,
+                                                              prompt[size_t(first + i) + 1], sampling.prompt_logprobs);
+    };
+  }
+  PrefillOutput prefilled = engine.prefill(prompt, hooks);
   const int n_blocks = KvPool::blocks_for(positions_needed(engine, prompt, max_new_tokens), kBlockSize);
   KvPool pool(engine, kBlockSize, n_blocks);
   const std::vector<int> blocks = all_blocks(n_blocks);
@@ -86,8 +98,10 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
   view.header.shape = prefilled.shape;
   view.payload = prefilled.kv.data();
   pool.write(blocks, view);
-  return decode_loop(engine, pool, blocks, prompt, std::move(prefilled.logits), max_new_tokens,
-                     sampling);
+  GenerateResult result = decode_loop(engine, pool, blocks, prompt, std::move(prefilled.logits), max_new_tokens,
+                                      sampling);
+  result.prompt_logprobs = std::move(prompt_logprobs);
+  return result;
 }
 
 GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,

@@ -13,6 +13,8 @@ struct GenerateResult {
   std::vector<int> tokens;  // generated, prompt excluded, stopping before an end token (ModelConfig::end_tokens)
   FinishReason finish = FinishReason::length;
   std::vector<TokenLogprobs> logprobs;  // one per token when SamplingParams::logprobs >= 0
+  // SamplingParams::prompt_logprobs >= 0 (generate() only): prompt token i's (i >= 1) at i - 1.
+  std::vector<TokenLogprobs> prompt_logprobs;
 };
 
 // KV positions a request can ever hold: the prompt plus every generated token

@@ -41,6 +41,10 @@ int pick(const std::vector<double>& weights, Index order, size_t n, double mass,
 
 }  // namespace
 
+uint64_t sample_seed(uint64_t seed, int index) {
+  return index == 0 ? seed : splitmix64(seed ^ splitmix64(0x5eed0000ULL + uint64_t(index)));
+}
+
 float sampling_uniform(uint64_t seed, uint64_t step) {
   // Hashing the seed first decorrelates nearby seeds; the step is the counter.
   const uint64_t bits = splitmix64(splitmix64(seed) ^ step);
@@ -95,6 +99,9 @@ std::string check_sampling(const SamplingParams& p, int vocab) {
       return "stop token id " + std::to_string(t) + " is outside the vocabulary [0, " + std::to_string(vocab) + ")";
   if (p.logprobs < -1 || p.logprobs > kMaxLogprobs)
     return "logprobs must be in [0, " + std::to_string(kMaxLogprobs) + "] (got " + std::to_string(p.logprobs) + ")";
+  if (p.prompt_logprobs < -1 || p.prompt_logprobs > kMaxLogprobs)
+    return "prompt_logprobs must be in [0, " + std::to_string(kMaxLogprobs) + "] (got " +
+           std::to_string(p.prompt_logprobs) + ")";
   return {};
 }
 
@@ -194,7 +201,9 @@ int draw(const float* logits, int vocab, const SamplingParams& params, uint64_t 
 }
 
 // Log probabilities of the raw logits: the sampled token's and the top n.
-TokenLogprobs logprobs_of(const float* logits, int vocab, int token, int n) {
+}  // namespace
+
+TokenLogprobs token_logprobs(const float* logits, int vocab, int token, int n) {
   const float max_logit = logits[argmax(logits, vocab)];
   double sum = 0.0;
   for (int i = 0; i < vocab; ++i) sum += std::exp(double(logits[i]) - double(max_logit));
@@ -214,8 +223,6 @@ TokenLogprobs logprobs_of(const float* logits, int vocab, int token, int n) {
   return out;
 }
 
-}  // namespace
-
 Sampled sample(const float* logits, int vocab, const SamplingParams& params, uint64_t step,
                const std::vector<int>& history, const std::vector<int>& end_tokens) {
   if (vocab <= 0) throw Error("sample: empty logits");
@@ -228,7 +235,7 @@ Sampled sample(const float* logits, int vocab, const SamplingParams& params, uin
   } else {
     out.token = draw(logits, vocab, params, step);
   }
-  if (params.logprobs >= 0) out.logprobs = logprobs_of(logits, vocab, out.token, params.logprobs);
+  if (params.logprobs >= 0) out.logprobs = token_logprobs(logits, vocab, out.token, params.logprobs);
   return out;
 }
 

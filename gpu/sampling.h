@@ -55,6 +55,11 @@ struct SamplingParams {
   std::vector<TokenBias> logit_bias;  // distinct tokens
   StopParams stop;                  // min_tokens, ignore_eos, stop_token_ids
   int32_t logprobs = -1;            // -1: none; else the sampled token's and this many alternatives' (<= kMaxLogprobs)
+  // -1: none; else each prompt token's log probability after the tokens
+  // before it, with this many alternatives (vLLM's prompt_logprobs; OpenAI's
+  // echo with logprobs). Every prompt position is computed then: no prefix
+  // cache serves such a request.
+  int32_t prompt_logprobs = -1;
 
   // Whether sampling reads the request's earlier tokens (the penalties): then
   // every step needs them (the decode worker keeps them for the sequence).
@@ -76,10 +81,18 @@ struct TokenLogprobs {
   std::vector<float> top_logprobs;    // theirs
 };
 
+// The log probabilities of `token` and the top `n` tokens of raw `logits`.
+TokenLogprobs token_logprobs(const float* logits, int vocab, int token, int n);
+
 struct Sampled {
   int32_t token = 0;
   TokenLogprobs logprobs;  // filled when SamplingParams::logprobs >= 0
 };
+
+// The seed of sample `index` of a request with several (OpenAI's n, best_of):
+// sample 0 keeps the request's seed, the others get their own random numbers
+// sampling_uniform(sample_seed(seed, i), step).
+uint64_t sample_seed(uint64_t seed, int index);
 
 // Uniform in [0, 1) from (seed, step), by a counter-based mixer.
 float sampling_uniform(uint64_t seed, uint64_t step);

@@ -248,6 +248,31 @@ json parse_body(const std::string& text, const ServedModel& model) {
   return body;
 }
 
+// A token's text after `previous` ("" for an id the tokenizer lacks).
+std::string piece_after(const gpu::Tokenizer& tokenizer, int32_t previous, int32_t token) {
+  try {
+    return tokenizer.decode(previous, token);
+  } catch (const std::exception&) {
+    return {};  // an id the tokenizer lacks (the router checked the vocabulary)
+  }
+}
+// completions' top_logprobs entry: the alternatives' texts (after `previous`)
+// and the sampled token's (`text`) to their log probabilities.
+json alternatives_by_text(const gpu::Tokenizer& tokenizer, int32_t previous, const TokenLogprobs& lp,
+                          const std::string& text) {
+  json alternatives = json::object();
+  for (size_t k = 0; k < lp.top_tokens.size() && k < lp.top_logprobs.size(); ++k)
+    alternatives[piece_after(tokenizer, previous, lp.top_tokens[k])] = lp.top_logprobs[k];
+  alternatives[text] = lp.logprob;
+  return alternatives;
+}
+
+json bytes_of(const std::string& text) {
+  json out = json::array();
+  for (unsigned char c : text) out.push_back(int(c));
+  return out;
+}
+
 }  // namespace
 
 json error_body(const ApiError& e) {
@@ -315,6 +340,37 @@ std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const 
   return tokens;
 }
 
+std::string prompt_text(const gpu::Tokenizer& tokenizer, const std::vector<int32_t>& tokens) {
+  // BOS and EOS have no text (a llama2.c vocabulary spells them, untyped);
+  // as after BOS, SentencePiece's first word loses the space it was encoded with.
+  const gpu::Vocabulary& v = tokenizer.vocabulary();
+  std::vector<int> ids;
+  for (int32_t t : tokens)
+    if (t != v.bos && t != v.eos) ids.push_back(t);
+  return tokenizer.decode_all(v.bos, ids);
+}
+
+json prompt_logprobs_json(const gpu::Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+                          const std::vector<TokenLogprobs>& logprobs, int64_t& text_offset) {
+  json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array();
+  const gpu::Vocabulary& v = tokenizer.vocabulary();
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const bool special = prompt[i] == v.bos || prompt[i] == v.eos;
+    const std::string text = special ? std::string() : piece_after(tokenizer, i ? prompt[i - 1] : v.bos, prompt[i]);
+    tokens.push_back(text);
+    offsets.push_back(text_offset);
+    text_offset += int64_t(text.size());
+    if (i == 0 || i - 1 >= logprobs.size()) {  // the first token follows nothing
+      token_logprobs.push_back(nullptr);
+      top.push_back(nullptr);
+      continue;
+    }
+    token_logprobs.push_back(logprobs[i - 1].logprob);
+    top.push_back(alternatives_by_text(tokenizer, prompt[i - 1], logprobs[i - 1], text));
+  }
+  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
 // The prompt of a chat request's `messages`: checked (shape, roles, bytes),
 // then rendered in the chat template.
 std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model, const gpu::Tokenizer& tokenizer,
@@ -343,9 +399,8 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
                          const std::function<uint64_t()>& random_seed) {
   const json body = parse_body(text, model);
   // Unsupported options: only their neutral values pass.
-  refuse_unless(body, "n", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 1; });
-  refuse_unless(body, "best_of", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() == 1; });
-  refuse_unless(body, "echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
+  if (endpoint == Endpoint::chat)  // (a completions option)
+    refuse_unless(body, "echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
   refuse_unless(body, "response_format", [](const json& v) {
     return v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text";
   });
@@ -400,6 +455,9 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     r.sampling.seed = random_seed();
   }
   parse_sampling(body, endpoint, model, r.max_tokens, r.sampling);
+  r.logprobs = r.sampling.logprobs;
+  r.n = int32_t(integer_in(body, "n", 1, 1, kMaxChoices));
+  r.best_of = int32_t(integer_in(body, "best_of", r.n, r.n, kMaxChoices));
   if (const json* stop = field(body, "stop")) {
     if (stop->is_string()) {
       r.stop.push_back(stop->get<std::string>());
@@ -422,6 +480,20 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     expect_type(stream->is_boolean(), "stream", "a boolean", *stream);
     r.stream = stream->get<bool>();
   }
+  if (endpoint == Endpoint::completions && boolean(body, "echo", false)) {
+    r.echo = true;
+    const json* prompt = field(body, "prompt");
+    r.echo_text = prompt->is_string() ? prompt->get<std::string>() : prompt_text(tokenizer, r.prompt_tokens);
+    if (r.logprobs >= 0) {
+      if (r.stream)
+        throw bad_request("echo", "'echo' with 'logprobs' cannot be streamed (the prompt's come with the end)");
+      r.sampling.prompt_logprobs = r.logprobs;
+    }
+  }
+  if (r.stream && r.best_of > r.n)
+    throw bad_request("best_of", "'best_of' greater than 'n' cannot be streamed (the best are known at the end)");
+  // best_of ranks its samples by their log probabilities: computed, shown only when asked.
+  if (r.best_of > r.n) r.sampling.logprobs = std::max(r.sampling.logprobs, 0);
   if (const json* options = field(body, "stream_options")) {
     expect_type(options->is_object(), "stream_options", "an object", *options);
     if (!r.stream) throw bad_request("stream_options", "'stream_options' is only allowed with \"stream\": true");
@@ -508,35 +580,28 @@ json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached
           {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
 }
 
-json completion_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
-                         int64_t cached_tokens) {
+json choice_json(Endpoint endpoint, int index, const std::string& text, const std::string& finish_reason) {
+  json choice = {{"index", index}};
+  if (endpoint == Endpoint::completions) choice["text"] = text;
+  else choice["message"] = {{"role", "assistant"}, {"content", text}};
+  choice["logprobs"] = nullptr;
+  choice["finish_reason"] = nullable(finish_reason);
+  return choice;
+}
+
+json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,
+                   int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
   return {{"id", id},
-          {"object", kCompletionObject},
+          {"object", endpoint == Endpoint::completions ? kCompletionObject : kChatObject},
           {"created", created},
           {"model", model},
-          {"choices", json::array({{{"index", 0}, {"text", text}, {"logprobs", nullptr},
-                                    {"finish_reason", nullable(finish_reason)}}})},
+          {"choices", std::move(choices)},
           {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens)}};
 }
 
-json chat_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
-                   int64_t cached_tokens) {
-  return {{"id", id},
-          {"object", kChatObject},
-          {"created", created},
-          {"model", model},
-          {"choices", json::array({{{"index", 0},
-                                    {"message", {{"role", "assistant"}, {"content", text}}},
-                                    {"logprobs", nullptr},
-                                    {"finish_reason", nullable(finish_reason)}}})},
-          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens)}};
-}
-
-json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
+json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, int index,
                   const std::string& text, const std::string& finish_reason, bool first, bool include_usage) {
-  json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullable(finish_reason)}};
+  json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", nullable(finish_reason)}};
   if (endpoint == Endpoint::completions) {
     choice["text"] = text;
   } else {
@@ -574,20 +639,6 @@ json models_response(const ServedModel& model) {
                                  {"max_model_len", model.seq_len}}})}};
 }
 
-namespace {
-std::string piece_after(const gpu::Tokenizer& tokenizer, int32_t previous, int32_t token) {
-  try {
-    return tokenizer.decode(previous, token);
-  } catch (const std::exception&) {
-    return {};  // an id the tokenizer lacks (the router checked the vocabulary)
-  }
-}
-json bytes_of(const std::string& text) {
-  json out = json::array();
-  for (unsigned char c : text) out.push_back(int(c));
-  return out;
-}
-}  // namespace
 
 json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids,
                    const std::vector<TokenLogprobs>& logprobs, size_t from, int64_t& text_offset) {
@@ -598,13 +649,9 @@ json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t p
     const TokenLogprobs& lp = logprobs[i];
     const std::string text = piece_after(tokenizer, previous, ids[i]);
     if (endpoint == Endpoint::completions) {
-      json alternatives = json::object();
-      for (size_t k = 0; k < lp.top_tokens.size() && k < lp.top_logprobs.size(); ++k)
-        alternatives[piece_after(tokenizer, previous, lp.top_tokens[k])] = lp.top_logprobs[k];
-      alternatives[text] = lp.logprob;
       tokens.push_back(text);
       token_logprobs.push_back(lp.logprob);
-      top.push_back(std::move(alternatives));
+      top.push_back(alternatives_by_text(tokenizer, previous, lp, text));
       offsets.push_back(text_offset);
     } else {
       json alternatives = json::array();
@@ -659,11 +706,7 @@ json detokenize_response(const std::string& text, const ServedModel& model, cons
                                       std::to_string(model.vocab_size) + ")");
     ids.push_back(int(t.get<int64_t>()));
   }
-  // BOS and EOS have no text (a llama2.c vocabulary spells them, untyped);
-  // as after BOS, SentencePiece's first word loses the space it was encoded with.
-  const gpu::Vocabulary& v = tokenizer.vocabulary();
-  ids.erase(std::remove_if(ids.begin(), ids.end(), [&](int id) { return id == v.bos || id == v.eos; }), ids.end());
-  return {{"prompt", tokenizer.decode_all(v.bos, ids)}};
+  return {{"prompt", prompt_text(tokenizer, std::vector<int32_t>(ids.begin(), ids.end()))}};
 }
 
 std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }

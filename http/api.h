@@ -37,6 +37,10 @@ constexpr size_t kMaxQuotedBytes = 64;
 constexpr size_t kMaxStopStrings = 16;
 constexpr size_t kMaxStopBytes = 256;
 
+// The most choices a request may ask for (n, best_of): each is a request of
+// its own to the router, holding its own KV blocks.
+constexpr int kMaxChoices = 16;
+
 // An error reply: {"error": {"message", "type", "param", "code"}} with `status`.
 struct ApiError {
   int status = 400;
@@ -77,7 +81,17 @@ struct ApiRequest {
   std::vector<int32_t> prompt_tokens;
   int32_t max_tokens = 0;
   bool max_tokens_defaulted = false;  // chat without max_tokens: the rest of the context, as much as fits
-  Sampling sampling;
+  Sampling sampling;  // of choice 0; choice i samples with gpu::sample_seed(seed, i)
+  // n choices returned; best_of >= n sampled, the n of highest cumulative log
+  // probability returned (not streamed).
+  int32_t n = 1;
+  int32_t best_of = 1;
+  int32_t logprobs = -1;  // what the reply shows (Sampling::logprobs may be more: best_of computes them)
+  // completions' echo: the text starts with the prompt (echo_text: as sent,
+  // or its tokens' text), and with logprobs so do the log probabilities
+  // (Sampling::prompt_logprobs; not streamed).
+  bool echo = false;
+  std::string echo_text;
   std::vector<std::string> stop;
   bool stream = false;
   bool include_usage = false;
@@ -92,8 +106,7 @@ struct ApiRequest {
 // Parses and validates a request body; throws ApiError and nothing else:
 // malformed JSON (also numbers beyond a double, nesting beyond kMaxJsonDepth,
 // invalid UTF-8), a known field of the wrong type, shape or range,
-// unsupported options (n > 1, best_of, echo, response_format other than
-// text), sampling controls out of range (gpu::check_sampling's rules, named
+// unsupported options (chat's echo, response_format other than text), sampling controls out of range (gpu::check_sampling's rules, named
 // by their parameter), prompt + max_tokens beyond the
 // context (400, naming the parameter), an unknown model (404). Unknown fields
 // are ignored. `random_seed` gives the seed of a request that sets none.
@@ -131,19 +144,28 @@ class TextAssembler {
 // an empty string writes null.
 // cached_tokens: of the prompt, in the prefix cache (usage.prompt_tokens_details.cached_tokens, as vLLM).
 json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
-json completion_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                         const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
-                         int64_t cached_tokens = 0);
-json chat_response(const std::string& id, int64_t created, const std::string& model, const std::string& text,
-                   const std::string& finish_reason, int64_t prompt_tokens, int64_t completion_tokens,
-                   int64_t cached_tokens = 0);
-// One streamed chunk; for chat, `first` adds role "assistant" to the delta.
-// With include_usage every chunk carries "usage": null (the last one the counts).
-json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
+// One choice: completions {index, text, logprobs: null, finish_reason}; chat
+// {index, message: {role: "assistant", content}, logprobs: null, finish_reason}.
+json choice_json(Endpoint endpoint, int index, const std::string& text, const std::string& finish_reason);
+// A reply ("text_completion" or "chat.completion") with its choices (choice_json) and usage.
+json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,
+                   int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
+// One streamed chunk of choice `index`; for chat, `first` adds role
+// "assistant" to the delta. With include_usage every chunk carries "usage":
+// null (the last one the counts).
+json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, int index,
                   const std::string& text, const std::string& finish_reason, bool first, bool include_usage);
 json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
                  int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
 json models_response(const ServedModel& model);
+
+// The text of prompt tokens, BOS and EOS skipped (/detokenize, echo).
+std::string prompt_text(const gpu::Tokenizer& tokenizer, const std::vector<int32_t>& tokens);
+// echo's completions "logprobs" of the prompt (logprobs_json's shape): the
+// first token has null log probabilities (it follows nothing), token i
+// those of logprobs[i - 1]; text_offset from `text_offset` on, advanced.
+json prompt_logprobs_json(const gpu::Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+                          const std::vector<TokenLogprobs>& logprobs, int64_t& text_offset);
 
 // POST /tokenize (vLLM's shapes): {"prompt": text, "add_special_tokens":
 // true (BOS)} or {"messages": [...]} (the chat template, as a chat request

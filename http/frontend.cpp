@@ -158,47 +158,91 @@ class Session : public std::enable_shared_from_this<Session> {
     std::string data;
   };
 
-  // The generation a request started, while it runs.
-  struct Generation {
+  // One choice of a generation (n, best_of): a request of its own to the router.
+  struct Choice {
+    int index = 0;
     RequestId id = 0;
+    bool submitted = false;
+    bool outcome_in = false;    // the router's outcome came (after a cancel too)
+    std::string finish;         // "stop" / "length" once the choice has ended
+    std::optional<TextAssembler> text;
+    std::vector<int32_t> ids;   // its tokens so far (return_token_ids, logprobs)
+    std::vector<TokenLogprobs> logprobs;  // theirs (Sampling::logprobs >= 0)
+    std::vector<TokenLogprobs> prompt_logprobs;  // echo with logprobs: the outcome's (choice 0 computes them)
+    size_t ids_streamed = 0;    // of them, those a streamed chunk carried
+    int64_t text_offset = 0;    // completions' logprobs: where the next streamed token's text begins
+    std::optional<Clock::time_point> last_token;
+    double cumulative_logprob() const {
+      double sum = 0.0;
+      for (const TokenLogprobs& lp : logprobs) sum += double(lp.logprob);
+      return sum;
+    }
+  };
+
+  // The generation a request started, while it runs: its choices (choice 0
+  // first; the others once its prompt is in a decode worker's prefix cache).
+  struct Generation {
     std::shared_ptr<Client> client;
     ApiRequest request;
     std::string response_id;
     int64_t created = 0;
-    std::optional<TextAssembler> text;
+    std::vector<Choice> choices;  // best_of of them
+    bool others_submitted = false;  // choices 1..: after choice 0's first token (or its end)
     bool header_sent = false;  // streaming: the SSE header (and from then on, errors go in-band)
-    bool done = false;         // the HTTP reply is complete (the router's outcome may still come)
+    bool done = false;         // the HTTP reply is complete (outcomes may still come)
     bool counted = false;      // its metrics were recorded
     Clock::time_point accepted;
-    std::optional<Clock::time_point> last_token;
-    int64_t cached_tokens = 0;  // prompt tokens the prefix cache held (the router's token events say)
-    std::vector<int32_t> ids;   // the completion's tokens so far (return_token_ids, logprobs)
-    std::vector<TokenLogprobs> logprobs;  // theirs (Sampling::logprobs >= 0)
-    size_t ids_streamed = 0;    // of them, those a streamed chunk carried
-    int64_t text_offset = 0;    // completions' logprobs: where the next streamed token's text begins
+    std::optional<Clock::time_point> first_token;
+    int64_t cached_tokens = 0;  // prompt tokens the prefix cache held (choice 0's token events say)
+
+    Choice* choice(RequestId id) {
+      for (Choice& c : choices)
+        if (c.submitted && c.id == id) return &c;
+      return nullptr;
+    }
+    bool all_finished() const {
+      return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return !c.finish.empty(); });
+    }
+    bool all_outcomes_in() const {
+      return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return !c.submitted || c.outcome_in; });
+    }
+    int64_t completion_tokens() const {
+      int64_t n = 0;
+      for (const Choice& c : choices) n += c.text->tokens();
+      return n;
+    }
   };
 
   // The next token's text (held back, maybe: TextAssembler).
-  static std::string add_token(Generation& g, int32_t token, TokenLogprobs logprobs) {
-    g.ids.push_back(token);
-    g.logprobs.push_back(std::move(logprobs));
-    return g.text->add(token);
+  static std::string add_token(Choice& c, int32_t token, TokenLogprobs logprobs) {
+    c.ids.push_back(token);
+    c.logprobs.push_back(std::move(logprobs));
+    return c.text->add(token);
   }
-  // A choice of this generation with its tokens' ids and log probabilities,
-  // when asked for: all of them, or (streaming) those no chunk carried yet.
-  json with_token_data(Generation& g, json body, bool streamed) {
-    const bool ids = g.request.return_token_ids, logprobs = g.request.sampling.logprobs >= 0;
-    if ((!ids && !logprobs) || body["choices"].empty()) return body;
-    const size_t from = streamed ? g.ids_streamed : 0;
-    if (ids) body["choices"][0]["token_ids"] = std::vector<int32_t>(g.ids.begin() + long(from), g.ids.end());
+  // A choice object with its tokens' ids and log probabilities, when asked
+  // for: all of them, or (streaming) those no chunk carried yet.
+  json with_token_data(const Generation& g, Choice& c, json choice, bool streamed) {
+    const bool ids = g.request.return_token_ids, logprobs = g.request.logprobs >= 0;
+    if (!ids && !logprobs) return choice;
+    const size_t from = streamed ? c.ids_streamed : 0;
+    if (ids) choice["token_ids"] = std::vector<int32_t>(c.ids.begin() + long(from), c.ids.end());
     if (logprobs) {
-      int64_t offset = streamed ? g.text_offset : 0;
-      body["choices"][0]["logprobs"] = logprobs_json(g.request.endpoint, fe_.tokenizer, g.request.prompt_tokens.back(),
-                                                     g.ids, g.logprobs, from, offset);
-      if (streamed) g.text_offset = offset;
+      // echo: the text, and its log probabilities, begin with the prompt's
+      json prompt;
+      int64_t offset = streamed ? c.text_offset : 0;
+      if (g.request.echo && !streamed)
+        prompt = prompt_logprobs_json(fe_.tokenizer, g.request.prompt_tokens, g.choices[0].prompt_logprobs, offset);
+      choice["logprobs"] = logprobs_json(g.request.endpoint, fe_.tokenizer, g.request.prompt_tokens.back(), c.ids,
+                                         c.logprobs, from, offset);
+      if (streamed) c.text_offset = offset;
+      if (!prompt.is_null())
+        for (auto& [key, values] : prompt.items()) {
+          values.insert(values.end(), choice["logprobs"][key].begin(), choice["logprobs"][key].end());
+          choice["logprobs"][key] = std::move(values);
+        }
     }
-    if (streamed) g.ids_streamed = g.ids.size();
-    return body;
+    if (streamed) c.ids_streamed = c.ids.size();
+    return choice;
   }
 
   // ---- reading requests
@@ -396,28 +440,44 @@ class Session : public std::enable_shared_from_this<Session> {
     gen_.emplace();
     Generation& g = *gen_;
     g.client = client;
-    g.id = client->next_id();
     g.request = std::move(request);
-    g.response_id = fe_.new_id(endpoint == Endpoint::completions ? "cmpl-" : "chatcmpl-");
+    g.response_id = fe_.new_id(g.request.endpoint == Endpoint::completions ? "cmpl-" : "chatcmpl-");
     g.created = unix_now();
-    g.text.emplace(fe_.tokenizer, g.request.stop, g.request.prompt_tokens.back());
     g.accepted = Clock::now();
+    g.choices.resize(size_t(g.request.best_of));
+    for (size_t i = 0; i < g.choices.size(); ++i) {
+      g.choices[i].index = int(i);
+      g.choices[i].text.emplace(fe_.tokenizer, g.request.stop, g.request.prompt_tokens.back());
+    }
     busy_ = true;
+    fe_.metrics.num_requests_running.add(1);
+    if (g.request.stream && g.request.echo)  // the prompt first (echo is not streamed with logprobs)
+      for (Choice& c : g.choices) send_piece(g, c, g.request.echo_text, "");
+    submit(g, g.choices[0]);
+    watch();
+  }
 
+  // Choice c's request to the router: the sampling of choice 0 with the
+  // choice's own seed (gpu::sample_seed), and one session for all choices,
+  // so they share the decode worker that holds their prompt.
+  void submit(Generation& g, Choice& c) {
+    c.id = g.client->next_id();
+    c.submitted = true;
     GenerateRequest r;
-    r.id = g.id;
+    r.id = c.id;
     r.prompt_tokens = g.request.prompt_tokens;
     r.max_new_tokens = g.request.max_tokens;
     r.up_to_capacity = g.request.max_tokens_defaulted;
     r.sampling = g.request.sampling;
-    r.session = g.request.user;
+    r.sampling.seed = gpu::sample_seed(g.request.sampling.seed, c.index);
+    if (c.index > 0) r.sampling.prompt_logprobs = -1;  // choice 0's serve them all
+    r.session = !g.request.user.empty() || g.choices.size() == 1 ? g.request.user : g.response_id;
     r.cache_salt = g.request.cache_salt;
     r.token_text = false;  // decoded here
-    fe_.track(g.id, client);
-    fe_.metrics.num_requests_running.add(1);
+    fe_.track(c.id, g.client);
     auto self = shared_from_this();
-    const RequestId id = g.id;
-    client->submit_async(
+    const RequestId id = c.id;
+    g.client->submit_async(
         std::move(r),
         [self, id](const TokenEvent& event) {
           net::post(self->stream_.get_executor(), [self, id, event] { self->on_token(id, event); });
@@ -427,33 +487,52 @@ class Session : public std::enable_shared_from_this<Session> {
           net::post(self->stream_.get_executor(),
                     [self, id, outcome = std::move(outcome)]() mutable { self->on_outcome(id, std::move(outcome)); });
         });
-    watch();
   }
 
-  Generation* current(RequestId id) { return gen_ && gen_->id == id ? &*gen_ : nullptr; }
+  // Choices 1.. once choice 0's prompt KV is in its decode worker (its first
+  // token) or choice 0 has ended: they find the prompt in that worker's
+  // prefix cache (the full blocks; the rest is prefilled by the worker itself).
+  void submit_others(Generation& g) {
+    if (g.others_submitted) return;
+    g.others_submitted = true;
+    for (size_t i = 1; i < g.choices.size(); ++i) submit(g, g.choices[i]);
+  }
+
+  Generation* current(RequestId id) { return gen_ && gen_->choice(id) ? &*gen_ : nullptr; }
 
   void on_token(RequestId id, const TokenEvent& event) {
     Generation* g = current(id);
     if (!g || g->done) return;
-    g->cached_tokens = event.cached_tokens;
+    Choice& c = *g->choice(id);
+    if (!c.finish.empty()) return;
+    if (c.index == 0) g->cached_tokens = event.cached_tokens;
     const auto now = Clock::now();
-    if (!g->last_token) fe_.metrics.time_to_first_token.observe(seconds_between(g->accepted, now));
-    else fe_.metrics.inter_token_latency.observe(seconds_between(*g->last_token, now));
-    g->last_token = now;
-    const std::string piece = add_token(*g, event.token, event.logprobs);
-    if (g->request.stream && !piece.empty()) send_piece(*g, piece, "");
-    if (g->text->stopped()) {
-      g->client->cancel(g->id);  // the rest is not wanted; the cancelled outcome is ignored
-      complete(*g, "stop");
+    if (!g->first_token) {
+      g->first_token = now;
+      fe_.metrics.time_to_first_token.observe(seconds_between(g->accepted, now));
+    } else if (c.last_token) {
+      fe_.metrics.inter_token_latency.observe(seconds_between(*c.last_token, now));
+    }
+    c.last_token = now;
+    const std::string piece = add_token(c, event.token, event.logprobs);
+    if (g->request.stream && !piece.empty()) send_piece(*g, c, piece, "");
+    if (c.index == 0) submit_others(*g);
+    if (c.text->stopped()) {
+      g->client->cancel(c.id);  // the rest is not wanted; the cancelled outcome is ignored
+      finish_choice(*g, c, "stop");
     }
   }
 
   void on_outcome(RequestId id, RequestOutcome outcome) {
     Generation* g = current(id);
     if (!g) return;
-    if (g->done) {  // stopped by a stop string, or the client went away
-      record_end(*g, outcome.ok() || g->text->stopped() ? "" : to_string(outcome.code));
-      gen_.reset();
+    Choice& c = *g->choice(id);
+    c.outcome_in = true;
+    if (g->done || !c.finish.empty()) {  // stopped by a stop string, or the reply is over
+      if (g->done && g->all_outcomes_in()) {
+        record_end(*g, "");
+        if (!busy_) gen_.reset();
+      }
       return;
     }
     if (!outcome.ok()) {
@@ -463,16 +542,23 @@ class Session : public std::enable_shared_from_this<Session> {
       fail(*g, error_for_outcome(outcome.code, outcome.message));
       return;
     }
-    g->cached_tokens = outcome.timings.cached_tokens;
+    if (c.index == 0) {
+      g->cached_tokens = outcome.timings.cached_tokens;
+      c.prompt_logprobs = std::move(outcome.prompt_logprobs);
+      // (lost only with a decode worker that went down after its last token)
+      if (g->request.sampling.prompt_logprobs >= 0 && c.prompt_logprobs.size() + 1 != g->request.prompt_tokens.size()) {
+        record_end(*g, to_string(ErrorCode::worker_lost));
+        fail(*g, error_for_outcome(ErrorCode::worker_lost,
+                                   "the prompt's log probabilities were lost with a decode worker; try again"));
+        return;
+      }
+    }
     // (every token came as an event: the client library passes on, before
     // the outcome, any that no event brought)
-    if (!g->text->stopped()) {
-      const std::string rest = g->text->flush();
-      if (g->request.stream && !rest.empty()) send_piece(*g, rest, "");
-    }
-    complete(*g, g->text->stopped() || outcome.finish == FinishReason::eos ? "stop" : "length");
-    record_end(*g, "");
-    gen_.reset();
+    const std::string rest = c.text->flush();
+    if (g->request.stream && !rest.empty()) send_piece(*g, c, rest, "");
+    finish_choice(*g, c, outcome.finish == FinishReason::eos ? "stop" : "length");
+    if (c.index == 0) submit_others(*g);
   }
 
   // Its metrics, once: `error` empty for a success.
@@ -487,7 +573,7 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     m.prompt_tokens.inc(double(g.request.prompt_tokens.size()));
-    m.generation_tokens.inc(g.text->tokens());
+    m.generation_tokens.inc(double(g.completion_tokens()));
   }
 
   void send_header_once(Generation& g) {
@@ -506,27 +592,35 @@ class Session : public std::enable_shared_from_this<Session> {
     std::ostringstream out;
     out << res.base();  // Beast writes the header
     enqueue(Out{Out::raw, out.str()});
-    if (g.request.endpoint == Endpoint::chat)  // the first chunk carries the role
-      enqueue(Out{Out::chunk, sse_event(stream_chunk(Endpoint::chat, g.response_id, g.created, fe_.model.name, "", "",
-                                                     true, g.request.include_usage))});
+    if (g.request.endpoint == Endpoint::chat)  // each choice's first chunk carries the role
+      for (const Choice& c : g.choices)
+        enqueue(Out{Out::chunk, sse_event(stream_chunk(Endpoint::chat, g.response_id, g.created, fe_.model.name, c.index,
+                                                       "", "", true, g.request.include_usage))});
   }
 
-  void send_piece(Generation& g, const std::string& piece, const std::string& finish_reason) {
+  void send_piece(Generation& g, Choice& c, const std::string& piece, const std::string& finish_reason) {
     send_header_once(g);
-    enqueue(Out{Out::chunk, sse_event(with_token_data(g,
-                                                     stream_chunk(g.request.endpoint, g.response_id, g.created,
-                                                                  fe_.model.name, piece, finish_reason, false,
-                                                                  g.request.include_usage),
-                                                     true))});
+    json chunk = stream_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, c.index, piece,
+                              finish_reason, false, g.request.include_usage);
+    chunk["choices"][0] = with_token_data(g, c, chunk["choices"][0], true);
+    enqueue(Out{Out::chunk, sse_event(chunk)});
   }
 
-  // The reply of a request that completed (finish_reason "stop" or "length").
-  void complete(Generation& g, const std::string& finish_reason) {
-    g.done = true;
+  // Choice c has ended ("stop" or "length"); the reply completes with the last.
+  void finish_choice(Generation& g, Choice& c, const std::string& finish_reason) {
+    c.finish = finish_reason;
     fe_.metrics.success(finish_reason).inc();
-    const int64_t prompt = int64_t(g.request.prompt_tokens.size()), completion = g.text->tokens();
+    if (g.request.stream) send_piece(g, c, "", finish_reason);
+    if (g.all_finished()) complete(g);
+  }
+
+  // The reply of a request whose choices have all ended. best_of: the n of
+  // highest cumulative log probability (ties: the lower index), in that order.
+  void complete(Generation& g) {
+    g.done = true;
+    const int64_t prompt = int64_t(g.request.prompt_tokens.size()), completion = g.completion_tokens();
+    if (g.all_outcomes_in()) record_end(g, "");
     if (g.request.stream) {
-      send_piece(g, "", finish_reason);
       if (g.request.include_usage)
         enqueue(Out{Out::chunk,
                     sse_event(usage_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, prompt,
@@ -535,16 +629,26 @@ class Session : public std::enable_shared_from_this<Session> {
       finish_response(Out{Out::last, {}});
       return;
     }
-    const json body = g.request.endpoint == Endpoint::completions
-                          ? completion_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
-                                                prompt, completion, g.cached_tokens)
-                          : chat_response(g.response_id, g.created, fe_.model.name, g.text->text(), finish_reason,
-                                          prompt, completion, g.cached_tokens);
-    send_json(200, with_token_data(g, body, false));
+    std::vector<Choice*> order;
+    for (Choice& c : g.choices) order.push_back(&c);
+    if (g.request.best_of > g.request.n)
+      std::stable_sort(order.begin(), order.end(), [](const Choice* a, const Choice* b) {
+        return a->cumulative_logprob() > b->cumulative_logprob();
+      });
+    json choices = json::array();
+    for (int i = 0; i < g.request.n; ++i) {
+      Choice& c = *order[size_t(i)];
+      const std::string text = g.request.echo ? g.request.echo_text + c.text->text() : c.text->text();
+      choices.push_back(with_token_data(g, c, choice_json(g.request.endpoint, i, text, c.finish), false));
+    }
+    send_json(200, response_json(g.request.endpoint, g.response_id, g.created, fe_.model.name, std::move(choices),
+                                 prompt, completion, g.cached_tokens));
   }
 
+  // The reply is an error: every choice still running is cancelled.
   void fail(Generation& g, const ApiError& e) {
     g.done = true;
+    cancel_running(g);
     if (g.header_sent) {  // streaming began: the error goes in-band
       enqueue(Out{Out::chunk, sse_event(error_body(e))});
       enqueue(Out{Out::chunk, kSseDone});
@@ -552,7 +656,11 @@ class Session : public std::enable_shared_from_this<Session> {
     } else {
       send_error(e);
     }
-    gen_.reset();
+  }
+
+  void cancel_running(Generation& g) {
+    for (Choice& c : g.choices)
+      if (c.submitted && !c.outcome_in && c.finish.empty()) g.client->cancel(c.id);  // its blocks are freed at once
   }
 
   // ---- the client going away while its request runs
@@ -582,7 +690,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void client_gone() {
     if (gen_ && !gen_->done) {
       gen_->done = true;
-      gen_->client->cancel(gen_->id);  // its blocks are freed at once
+      cancel_running(*gen_);
       record_end(*gen_, "cancelled");
     }
     close();
@@ -640,7 +748,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void end_response() {
     response_complete_ = false;
     busy_ = false;
-    if (gen_ && gen_->done && gen_->counted) gen_.reset();
+    if (gen_ && gen_->done && gen_->all_outcomes_in()) {
+      record_end(*gen_, "");
+      gen_.reset();
+    }
     if (!keep_alive_) return linger_close();
     if (watching_) {
       // The watch read ends with operation_aborted (or data) and then reads.

@@ -49,6 +49,7 @@ struct PrefillResult {
   std::string message;
   int32_t first_token = 0;
   TokenLogprobs first_logprobs;  // Sampling::logprobs >= 0
+  std::vector<TokenLogprobs> prompt_logprobs;  // Sampling::prompt_logprobs >= 0: token i's (i >= 1) at i - 1
   std::vector<uint8_t> kv;  // gpu::serialize_kv bytes (not streamed)
   int64_t compute_us = 0;   // the prompt's forward pass (streamed: sending overlapped it)
   // Streamed: every piece is in the decode worker's blocks, verified.
@@ -106,7 +107,7 @@ typename Inspector::result_type inspect(Inspector& f, PrefillWork& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillResult& x) {
-  return f(caf::meta::type_name("PrefillResult"), x.id, x.code, x.message, x.first_token, x.first_logprobs, x.kv,
+  return f(caf::meta::type_name("PrefillResult"), x.id, x.code, x.message, x.first_token, x.first_logprobs, x.prompt_logprobs, x.kv,
            x.compute_us, x.streamed, x.kv_bytes, x.tail_us, x.cached_tokens,
            x.cache_events);
 }

@@ -123,6 +123,8 @@ struct RequestOutcome {
   std::vector<int32_t> prompt_tokens;  // the prompt as run (a text prompt encoded by the router)
   std::vector<int32_t> tokens;  // generated tokens (prompt excluded)
   std::vector<TokenLogprobs> logprobs;  // theirs, when Sampling::logprobs >= 0 (else empty)
+  // Sampling::prompt_logprobs >= 0: prompt token i's (i >= 1) at i - 1.
+  std::vector<TokenLogprobs> prompt_logprobs;
   FinishReason finish = FinishReason::length;
   std::string text;             // decoded tokens when the router has a tokenizer
   Timings timings;
@@ -152,7 +154,7 @@ typename Inspector::result_type inspect(Inspector& f, StopParams& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, SamplingParams& x) {
   return f(caf::meta::type_name("Sampling"), x.temperature, x.top_p, x.seed, x.top_k, x.min_p, x.presence_penalty,
-           x.frequency_penalty, x.repetition_penalty, x.logit_bias, x.stop, x.logprobs);
+           x.frequency_penalty, x.repetition_penalty, x.logit_bias, x.stop, x.logprobs, x.prompt_logprobs);
 }
 
 template <class Inspector>
@@ -189,7 +191,7 @@ typename Inspector::result_type inspect(Inspector& f, Timings& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RequestOutcome& x) {
-  return f(caf::meta::type_name("RequestOutcome"), x.id, x.code, x.message, x.prompt_tokens, x.tokens, x.logprobs, x.finish,
+  return f(caf::meta::type_name("RequestOutcome"), x.id, x.code, x.message, x.prompt_tokens, x.tokens, x.logprobs, x.prompt_logprobs, x.finish,
            x.text, x.timings, x.prefill_worker, x.decode_worker);
 }
 

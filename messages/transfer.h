@@ -130,6 +130,7 @@ struct KvTransfer {
   int32_t first_step = 0;  // PrefillJob::first_step: the index of first_token in the request's output
   int32_t cached_tokens = 0;  // prompt positions the prefill worker's own prefix cache held
   TokenLogprobs first_logprobs;  // of first_token (Sampling::logprobs >= 0)
+  std::vector<TokenLogprobs> prompt_logprobs;  // PrefillResult::prompt_logprobs, passed on in DecodeDone
   // The job's prompt (a migrated request's ends with its earlier output)
   // when the sampling reads the request's tokens (Sampling::uses_history),
   // else empty: prompt_len tokens, checked by the decode worker.
@@ -175,6 +176,7 @@ struct DecodeDone {
   FinishReason finish = FinishReason::length;
   int64_t decode_us = 0;
   int32_t first_step = 0;  // KvTransfer::first_step: tokens[0] is output token number first_step
+  std::vector<TokenLogprobs> prompt_logprobs;  // KvTransfer::prompt_logprobs
 };
 
 template <class Inspector>
@@ -210,7 +212,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
   return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
            x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint, x.first_step,
-           x.cached_tokens, x.first_logprobs, x.context);
+           x.cached_tokens, x.first_logprobs, x.context, x.prompt_logprobs);
 }
 
 template <class Inspector>
@@ -226,7 +228,7 @@ typename Inspector::result_type inspect(Inspector& f, KvAck& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, DecodeDone& x) {
   return f(caf::meta::type_name("DecodeDone"), x.id, x.code, x.message, x.tokens, x.finish,
-           x.decode_us, x.first_step);
+           x.decode_us, x.first_step, x.prompt_logprobs);
 }
 
 }  // namespace disagg

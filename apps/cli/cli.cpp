@@ -52,7 +52,13 @@ bool GenerationFlags::take(const std::string& flag, const std::string& value) {
   } else if (flag == "--top-p") {
     sampling.top_p = parse_float(flag, value, 1e-6f, 1.0f);
   } else if (flag == "--seed") {
-    sampling.seed = uint64_t(parse_integer(flag, value, 0, LLONG_MAX));
+    // Any 64-bit seed (the frontend's n > 1 choices use all of them: gpu::sample_seed).
+    errno = 0;
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
+    if (value.empty() || value[0] == '-' || *end != '\0' || errno == ERANGE)
+      throw UsageError{flag + " expects an integer in [0, 18446744073709551615], got '" + value + "'"};
+    sampling.seed = uint64_t(v);
   } else if (flag == "--top-k") {
     sampling.top_k = int32_t(parse_integer(flag, value, 0, INT_MAX));
   } else if (flag == "--min-p") {

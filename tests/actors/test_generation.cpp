@@ -45,15 +45,19 @@ std::string unit_of(const std::string& worker) {
   return slash == std::string::npos ? std::string() : worker.substr(0, slash);
 }
 
+LocalClusterOptions options_of(const Topology& t) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(t.prefill, t.decode);
+  options.config.kv_transport = t.kv_transport;
+  options.colocated_workers = t.colocated;
+  options.config.prefill_chunk = t.prefill_chunk;
+  return options;
+}
+
 class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface<Topology> {};
 
 TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
-  LocalClusterOptions options;
-  options.config = shared_model_config(GetParam().prefill, GetParam().decode);
-  options.config.kv_transport = GetParam().kv_transport;
-  options.colocated_workers = GetParam().colocated;
-  options.config.prefill_chunk = GetParam().prefill_chunk;
-  start(std::move(options));
+  start(options_of(GetParam()));
   const bool streamed = std::string(GetParam().kv_transport) != "message";
   const auto cases = load_all_reference_cases();
   ASSERT_FALSE(cases.empty());
@@ -110,18 +114,14 @@ std::vector<Sampling> processed_samplings() {
     s.stop.min_tokens = 10;
     s.stop.stop_token_ids = {int32_t(13 + seed)};
     s.logprobs = int32_t(seed);
+    if (seed == 2) s.prompt_logprobs = 3;  // every prompt position computed, none cached
     out.push_back(s);
   }
   return out;
 }
 
 TEST_P(ReferenceTopology, EverySamplingControlAndLogprobsAreIdenticalToColocated) {
-  LocalClusterOptions options;
-  options.config = shared_model_config(GetParam().prefill, GetParam().decode);
-  options.config.kv_transport = GetParam().kv_transport;
-  options.colocated_workers = GetParam().colocated;
-  options.config.prefill_chunk = GetParam().prefill_chunk;
-  start(std::move(options));
+  start(options_of(GetParam()));
   // A prompt of the model's own words, which the penalties of the prompt's
   // tokens (repetition) steer away from.
   const auto cases = load_all_reference_cases();
@@ -156,6 +156,13 @@ TEST_P(ReferenceTopology, EverySamplingControlAndLogprobsAreIdenticalToColocated
       EXPECT_EQ(events[i].logprobs.top_tokens, local.logprobs[i].top_tokens) << "token " << i;
       EXPECT_EQ(events[i].logprobs.top_logprobs, local.logprobs[i].top_logprobs) << "token " << i;
       EXPECT_EQ(events[i].logprobs.top_tokens.size(), size_t(samplings[k].logprobs));
+    }
+    ASSERT_EQ(out.prompt_logprobs.size(), local.prompt_logprobs.size());
+    EXPECT_EQ(out.prompt_logprobs.size(), samplings[k].prompt_logprobs >= 0 ? prompt.size() - 1 : 0u);
+    for (size_t i = 0; i < out.prompt_logprobs.size(); ++i) {
+      EXPECT_EQ(out.prompt_logprobs[i].logprob, local.prompt_logprobs[i].logprob) << "prompt token " << i + 1;
+      EXPECT_EQ(out.prompt_logprobs[i].top_tokens, local.prompt_logprobs[i].top_tokens) << "prompt token " << i + 1;
+      EXPECT_EQ(out.prompt_logprobs[i].top_logprobs.size(), 3u);
     }
     distinct.insert(out.tokens);
   }

@@ -104,6 +104,38 @@ TEST_F(ActorTest, ASecondTurnWithPenaltiesGivesTheSameTokensFromTheCache) {
   expect_second_turn_cached(*client_, s, Rest::decode_worker);
 }
 
+// Prompt log probabilities need every position computed: such a request
+// takes nothing from a prefix cache that holds its prompt (on the decode
+// worker's own prefill, and on a prefill worker's).
+void expect_prompt_logprobs_uncached(Client& client) {
+  const std::vector<int32_t> prompt = prompt_of(70, 3);
+  ASSERT_TRUE(generate(client, prompt, 8).ok());
+  const RequestOutcome cached = generate(client, prompt, 8);
+  ASSERT_GT(cached.timings.cached_tokens, 0) << "precondition: the prompt is cached";
+  Sampling s;
+  s.prompt_logprobs = 1;
+  const RequestOutcome out = generate(client, prompt, 8, s);
+  ASSERT_TRUE(out.ok()) << out.message;
+  EXPECT_EQ(out.timings.cached_tokens, 0);
+  const gpu::GenerateResult local = colocated(prompt, 8, s);
+  ASSERT_EQ(out.prompt_logprobs.size(), prompt.size() - 1);
+  for (size_t i = 0; i < out.prompt_logprobs.size(); ++i) {
+    EXPECT_EQ(out.prompt_logprobs[i].logprob, local.prompt_logprobs[i].logprob) << "prompt token " << i + 1;
+    EXPECT_EQ(out.prompt_logprobs[i].top_tokens, local.prompt_logprobs[i].top_tokens);
+  }
+  EXPECT_EQ(out.tokens, local.tokens);
+}
+
+TEST_F(ActorTest, PromptLogprobsComputeEveryPositionOnTheDecodeWorkerWhateverIsCached) {
+  start(with_local_prefill());
+  expect_prompt_logprobs_uncached(*client_);
+}
+
+TEST_F(ActorTest, PromptLogprobsComputeEveryPositionOnAPrefillWorkerWhateverIsCached) {
+  start(with_local_prefill(0));
+  expect_prompt_logprobs_uncached(*client_);
+}
+
 // Conditional disaggregation of a prompt with nothing cached: at most
 // local-prefill-tokens positions and the decode worker chosen for it
 // prefills it itself (no prefill worker, no KV sent); one position more and

@@ -16,12 +16,15 @@
 #include <boost/beast/http.hpp>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <thread>
 #include <tuple>
 
 #include "cluster/cluster_fixture.h"
 #include "gpu/chat_template.h"
 #include "gpu/hf_tokenizer.h"
+#include "gpu/kv_cache.h"
+#include "gpu/sampling.h"
 #include "gpu/model_writer.h"
 #include "gpu/tokenizer.h"
 #include "support/http_client.h"
@@ -502,9 +505,11 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":-1})"), 400, "invalid_value", "max_tokens");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","temperature":"warm"})"), 400, "invalid_type", "temperature");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","max_tokens":510})"), 400, "context_length_exceeded", "max_tokens");
-  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","n":3})"), 400, "unsupported", "n");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","n":17})"), 400, "invalid_value", "n");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","logprobs":21})"), 400, "invalid_value", "logprobs");
-  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","best_of":2})"), 400, "unsupported", "best_of");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","n":3,"best_of":2})"), 400, "invalid_value", "best_of");
+  expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","best_of":2,"stream":true})"), 400, "invalid_value",
+               "best_of");
   expect_error(curl(port, "/v1/chat/completions", R"({"messages":[]})"), 400, "invalid_value", "messages");
   expect_error(curl(port, "/v1/completions", R"({"prompt":"Hi","model":"gpt-4"})"), 404, "model_not_found", "model");
   const std::string big_dir = make_temp_dir("big");
@@ -822,15 +827,23 @@ TEST(HttpFrontend, ManyStreamsASlowReaderAndIdleKeepAliveConnections) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// Why the official openai client in `dir` cannot run here (empty: it can;
+// `node` is then the node executable).
+std::string openai_client_missing(const std::string& dir, std::string& node) {
+  node = run_command("command -v node").first;
+  while (!node.empty() && node.back() == '\n') node.pop_back();
+  if (node.empty()) return "node not installed (scripts/install-deps installs nodejs)";
+  if (run_command("test -f " + shell_quoted(dir + "/node_modules/openai/package.json")).second != 0)
+    return "the openai npm package is not installed in tests/openai (scripts/install-deps runs npm ci there)";
+  return {};
+}
+
 // The official `openai` Node.js package (tests/openai, pinned by its
 // package-lock.json, installed by scripts/install-deps) as the client.
 TEST(HttpFrontend, OfficialOpenAiNodeClient) {
-  std::string node = run_command("command -v node").first;
-  while (!node.empty() && node.back() == '\n') node.pop_back();
   const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
-  if (node.empty()) GTEST_SKIP() << "node not installed (scripts/install-deps installs nodejs)";
-  if (run_command("test -f " + shell_quoted(dir + "/node_modules/openai/package.json")).second != 0)
-    GTEST_SKIP() << "the openai npm package is not installed in tests/openai (scripts/install-deps runs npm ci there)";
+  std::string node;
+  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
   cluster.start_node("frontend", "frontend");
@@ -868,17 +881,46 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// n choices share their prompt: choice 0 runs it, the others start after
+// its first token and find its full blocks in the decode worker's prefix
+// cache (computed and kept once).
+TEST(HttpFrontend, NChoicesComputeTheirPromptOnce) {
+  TestCluster cluster("http-n");
+  const uint16_t decode_metrics = free_loopback_port();
+  cluster.start_node("router", "router");
+  cluster.start_node("frontend", "frontend");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1", metrics_port_line(decode_metrics));
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  const std::string prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.";
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), 512);
+  const int prompt_len = int(tokenizer.encode(prompt).size());
+  const int shared = (prompt_len - 1) / gpu::kDefaultBlockSize * gpu::kDefaultBlockSize;
+  ASSERT_GE(shared, gpu::kDefaultBlockSize) << "precondition: a prompt of full blocks";
+  const std::string hits = "disagg_prefix_cache_hits_total{role=\"decode\"}";
+  const double before = sample(scrape(decode_metrics), hits);
+  const Reply r = post(port, "/v1/completions",
+                       {{"prompt", prompt}, {"max_tokens", 12}, {"temperature", 0.9}, {"seed", 5}, {"n", 4}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  const json body = json::parse(r.body);
+  ASSERT_EQ(body["choices"].size(), 4u);
+  EXPECT_EQ(body["usage"]["prompt_tokens"], prompt_len);
+  EXPECT_GT(body["usage"]["completion_tokens"].get<int64_t>(), 12) << "the sum over the choices";
+  EXPECT_EQ(sample(scrape(decode_metrics), hits) - before, 3.0 * shared)
+      << "choices 1-3 each found the prompt's full blocks";
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // The options beyond the basics through the official client
 // (tests/openai/sampling_test.mjs): log probabilities, streamed and not, that
 // agree with each other and with the greedy tokens; the sampling controls
 // equal to disagg-generate with the same flags; /tokenize and /detokenize.
 TEST(HttpFrontend, OfficialOpenAiNodeClientSamplingAndLogprobs) {
-  std::string node = run_command("command -v node").first;
-  while (!node.empty() && node.back() == '\n') node.pop_back();
   const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
-  if (node.empty()) GTEST_SKIP() << "node not installed (scripts/install-deps installs nodejs)";
-  if (run_command("test -f " + shell_quoted(dir + "/node_modules/openai/package.json")).second != 0)
-    GTEST_SKIP() << "the openai npm package is not installed in tests/openai (scripts/install-deps runs npm ci there)";
+  std::string node;
+  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai-sampling");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
   cluster.start_node("frontend", "frontend");
@@ -951,7 +993,61 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientSamplingAndLogprobs) {
   EXPECT_EQ(got["out_of_range"]["status"], 400);
   EXPECT_EQ(got["out_of_range"]["param"], "presence_penalty");
 
+  // n: choice i samples with seed sample_seed(11, i), streamed the same;
+  // best_of 3: the one of highest cumulative log probability, unshown.
+  std::vector<std::string> texts;
+  for (int i = 0; i < 3; ++i)
+    texts.push_back(generate_reference({"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens),
+                                        "--temperature", "0.9", "--seed", std::to_string(gpu::sample_seed(11, i))})
+                        .text);
+  EXPECT_EQ(texts[0], generate_reference({"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens),
+                                          "--temperature", "0.9", "--seed", "11"})
+                          .text)
+      << "choice 0 is the request's own seed";
+  EXPECT_EQ(std::set<std::string>(texts.begin(), texts.end()).size(), 3u) << "precondition: the seeds differ";
+  ASSERT_EQ(got["n_choices"].size(), 3u);
+  size_t best = 0;
+  std::vector<double> sums;
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(got["n_choices"][i]["index"], i);
+    EXPECT_EQ(got["n_choices"][i]["text"], texts[i]) << i;
+    EXPECT_EQ(got["streamed_choices"][i], texts[i]) << i;
+    double sum = 0.0;
+    for (const json& v : got["n_choices"][i]["logprobs"]) sum += v.get<double>();
+    sums.push_back(sum);
+    if (sum > sums[best]) best = i;
+  }
+  ASSERT_EQ(got["best_of"].size(), 1u);
+  EXPECT_EQ(got["best_of"][0]["index"], 0);
+  EXPECT_EQ(got["best_of"][0]["text"], texts[best]) << "sums " << sums[0] << " " << sums[1] << " " << sums[2];
+  EXPECT_TRUE(got["best_of"][0]["logprobs"].is_null()) << "computed to rank, not asked for";
+  ASSERT_EQ(got["chat_n"].size(), 2u);
+  EXPECT_NE(got["chat_n"][0]["text"], got["chat_n"][1]["text"]);
+
+  // echo: the prompt, then the completion; the prompt's tokens first in the
+  // log probabilities (the first follows nothing: null).
   const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), 512);
+  const std::vector<int> prompt_ids = tokenizer.encode(prompt);
+  const json& echoed = got["echoed"];
+  const ReferenceCase one = generate_reference({"--prompt", prompt, "--max-new-tokens", "1"});
+  EXPECT_EQ(echoed["text"], prompt + one.text);
+  const json& elp = echoed["logprobs"];
+  ASSERT_EQ(elp["tokens"].size(), prompt_ids.size() + 1) << elp.dump();
+  EXPECT_TRUE(elp["token_logprobs"][0].is_null());
+  EXPECT_TRUE(elp["top_logprobs"][0].is_null());
+  std::string echoed_text;
+  for (size_t i = 0; i < elp["tokens"].size(); ++i) {
+    EXPECT_EQ(elp["text_offset"][i], echoed_text.size()) << i;
+    echoed_text += elp["tokens"][i].get<std::string>();
+    if (i == 0) continue;
+    EXPECT_LT(elp["token_logprobs"][i].get<double>(), 0.0) << i;
+    EXPECT_GE(elp["top_logprobs"][i].size(), 1u) << i;
+  }
+  EXPECT_EQ(echoed_text, prompt + one.text);
+  EXPECT_EQ(elp["token_logprobs"][prompt_ids.size()], c["logprobs"]["token_logprobs"][0])
+      << "the completion's token as in the request without echo";
+  EXPECT_EQ(got["echo_stream"], prompt + want.text);
+
   EXPECT_EQ(got["tokenized"]["status"], 200);
   EXPECT_EQ(got["tokenized"]["body"]["tokens"].get<std::vector<int>>(), tokenizer.encode(prompt));
   EXPECT_EQ(got["tokenized"]["body"]["count"], tokenizer.encode(prompt).size());

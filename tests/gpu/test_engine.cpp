@@ -100,6 +100,56 @@ TEST(Engine, PrefillMatchesStepwiseDecodeOnTheSharedModel) {
   expect_prefill_matches_stepwise(engine, {kBosToken}, 16, {0});
 }
 
+// Prompt log probabilities read every position's logits: the same bits as a
+// decode step at that position, whole or in chunks, and the last one is the
+// logits a prefill returns anyway.
+TEST(Engine, EveryPositionsLogitsAreThoseOfADecodeStepThere) {
+  Engine engine(shared_checkpoint());
+  const std::vector<int> prompt = long_prompt();
+  const size_t vocab = size_t(engine.config().vocab_size);
+  std::vector<float> rows(prompt.size() * vocab, NAN);
+  PrefillHooks hooks;
+  hooks.on_logits = [&](int first, int count, const float* logits) {
+    std::copy(logits, logits + size_t(count) * vocab, rows.begin() + long(size_t(first) * vocab));
+  };
+  const PrefillOutput with = engine.prefill(prompt, hooks);
+  const PrefillOutput without = engine.prefill(prompt);
+  EXPECT_EQ(with.logits, without.logits);
+  EXPECT_EQ(with.kv, without.kv);
+  EXPECT_TRUE(std::equal(with.logits.begin(), with.logits.end(), rows.end() - long(vocab)));
+
+  const int n_blocks = KvPool::blocks_for(int(prompt.size()), 16);
+  std::vector<int> blocks(static_cast<size_t>(n_blocks));
+  std::iota(blocks.begin(), blocks.end(), 0);
+  KvPool stepwise(engine, 16, n_blocks);
+  KvPool chunked(engine, 16, n_blocks);
+  std::vector<float> chunk_rows(rows.size(), NAN);
+  for (size_t first = 0; first < prompt.size(); first += 7) {
+    const size_t count = std::min<size_t>(7, prompt.size() - first);
+    const std::vector<float> last = engine.prefill_chunk(
+        chunked, std::vector<int>(prompt.begin() + long(first), prompt.begin() + long(first + count)), int(first),
+        blocks, [&](int at, int k, const float* logits) {
+          std::copy(logits, logits + size_t(k) * vocab, chunk_rows.begin() + long(size_t(at) * vocab));
+        });
+    EXPECT_TRUE(std::equal(last.begin(), last.end(), chunk_rows.begin() + long((first + count - 1) * vocab)));
+  }
+  for (size_t pos = 0; pos < prompt.size(); ++pos) {
+    const std::vector<float> step = engine.decode_step(stepwise, {DecodeSlot{prompt[pos], int(pos), &blocks}});
+    ASSERT_TRUE(std::equal(step.begin(), step.end(), rows.begin() + long(pos * vocab))) << "position " << pos;
+    ASSERT_TRUE(std::equal(step.begin(), step.end(), chunk_rows.begin() + long(pos * vocab))) << "chunked, position " << pos;
+  }
+  // What gpu::generate reports of them: token i's log probability after i - 1.
+  SamplingParams p;
+  p.prompt_logprobs = 2;
+  const GenerateResult r = generate(engine, prompt, 4, p);
+  ASSERT_EQ(r.prompt_logprobs.size(), prompt.size() - 1);
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    const TokenLogprobs want = token_logprobs(rows.data() + (i - 1) * vocab, int(vocab), prompt[i], 2);
+    EXPECT_EQ(r.prompt_logprobs[i - 1].logprob, want.logprob) << i;
+    EXPECT_EQ(r.prompt_logprobs[i - 1].top_tokens, want.top_tokens) << i;
+  }
+}
+
 TEST(Engine, LongPrefillAttendedInChunksMatchesStepwiseDecode) {
   // 400 positions over 25 scattered blocks of the pool.
   std::vector<int> prompt = {kBosToken};

@@ -88,11 +88,15 @@ TEST(HttpApi, EveryBadFieldIsA400NamingIt) {
       {R"({"prompt":"x","stream":"yes"})", "stream"},
       {R"({"prompt":"x","stream_options":{"include_usage":true}})", "stream_options"},
       {R"({"prompt":"x","user":5})", "user"},
-      {R"({"prompt":"x","n":2})", "n"},
-      {R"({"prompt":"x","best_of":3})", "best_of"},
+      {R"({"prompt":"x","n":17})", "n"},
+      {R"({"prompt":"x","n":0})", "n"},
+      {R"({"prompt":"x","n":2,"best_of":1})", "best_of"},
+      {R"({"prompt":"x","best_of":17})", "best_of"},
+      {R"({"prompt":"x","best_of":2,"stream":true})", "best_of"},
       {R"({"prompt":"x","logprobs":21})", "logprobs"},
       {R"({"prompt":"x","logprobs":true})", "logprobs"},
-      {R"({"prompt":"x","echo":true})", "echo"},
+      {R"({"prompt":"x","echo":true,"logprobs":1,"stream":true})", "echo"},
+      {R"({"prompt":"x","echo":1})", "echo"},
       {R"({"prompt":"x","presence_penalty":2.5})", "presence_penalty"},
       {R"({"prompt":"x","frequency_penalty":-3})", "frequency_penalty"},
       {R"({"prompt":"x","repetition_penalty":0})", "repetition_penalty"},
@@ -420,20 +424,27 @@ TEST(HttpApi, OutcomeErrorsMapToStatuses) {
 }
 
 TEST(HttpApi, ResponseShapes) {
-  const json c = completion_response("cmpl-1", 5, "m", "hi", "length", 3, 2);
+  const json c = response_json(Endpoint::completions, "cmpl-1", 5, "m",
+                               {choice_json(Endpoint::completions, 0, "hi", "length")}, 3, 2);
   EXPECT_EQ(c["object"], "text_completion");
   EXPECT_EQ(c["choices"][0]["text"], "hi");
   EXPECT_EQ(c["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(c["usage"]["total_tokens"], 5);
-  const json chat = chat_response("chatcmpl-1", 5, "m", "hi", "stop", 3, 2);
+  const json chat = response_json(Endpoint::chat, "chatcmpl-1", 5, "m",
+                                  {choice_json(Endpoint::chat, 0, "hi", "stop"), choice_json(Endpoint::chat, 1, "ho", "length")},
+                                  3, 2);
+  EXPECT_EQ(chat["object"], "chat.completion");
   EXPECT_EQ(chat["choices"][0]["message"]["role"], "assistant");
   EXPECT_EQ(chat["choices"][0]["message"]["content"], "hi");
-  const json first = stream_chunk(Endpoint::chat, "x", 1, "m", "", "", true, true);
+  EXPECT_EQ(chat["choices"][1]["index"], 1);
+  EXPECT_EQ(chat["choices"][1]["finish_reason"], "length");
+  const json first = stream_chunk(Endpoint::chat, "x", 1, "m", 0, "", "", true, true);
   EXPECT_EQ(first["object"], "chat.completion.chunk");
   EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
   EXPECT_TRUE(first["usage"].is_null());
-  const json piece = stream_chunk(Endpoint::completions, "x", 1, "m", "a", "", false, false);
+  const json piece = stream_chunk(Endpoint::completions, "x", 1, "m", 2, "a", "", false, false);
   EXPECT_EQ(piece["choices"][0]["text"], "a");
+  EXPECT_EQ(piece["choices"][0]["index"], 2);
   EXPECT_TRUE(piece["choices"][0]["finish_reason"].is_null());
   EXPECT_FALSE(piece.contains("usage"));
   const json usage = usage_chunk(Endpoint::completions, "x", 1, "m", 4, 6);

@@ -1,7 +1,8 @@
 // The official `openai` Node.js client with the options beyond the basics:
 // log probabilities (completions' logprobs N, chat's logprobs/top_logprobs),
 // streamed and not; the sampling controls (penalties, logit_bias, top_k,
-// min_p, min_tokens, ignore_eos, stop_token_ids, seed) streamed and not; and
+// min_p, min_tokens, ignore_eos, stop_token_ids, seed) streamed and not; n
+// and best_of (streamed and not); echo with the prompt's log probabilities; and
 // /tokenize and /detokenize (vLLM's shapes, plain fetch: the client has no
 // method for them). Prints one JSON object; test_cluster
 // (HttpFrontend.OfficialOpenAiNodeClientSamplingAndLogprobs) checks it against
@@ -66,6 +67,23 @@ async function main() {
     outOfRange = { status: e.status, param: e.param ?? e.error?.param ?? null };
   }
 
+  // n and best_of: several samples, each with its own seed (gpu::sample_seed)
+  const several = { model, prompt, max_tokens, temperature: 0.9, seed: 11 };
+  const nChoices = (await client.completions.create({ ...several, n: 3, logprobs: 0 })).choices;
+  const streamedChoices = ["", "", ""];
+  for await (const chunk of await client.completions.create({ ...several, n: 3, stream: true }))
+    for (const choice of chunk.choices) streamedChoices[choice.index] += choice.text;
+  const best = (await client.completions.create({ ...several, n: 1, best_of: 3 })).choices;
+  const chatN = (await client.chat.completions.create({ model, messages, max_tokens, temperature: 0.9, seed: 11, n: 2 }))
+    .choices;
+
+  // echo: the prompt's log probabilities (as evaluation harnesses ask), and streamed without them
+  const echoed = (await client.completions.create({ model, prompt, max_tokens: 1, temperature: 0, echo: true, logprobs: 1 }))
+    .choices[0];
+  let echoStream = "";
+  for await (const chunk of await client.completions.create({ ...greedy, prompt, echo: true, stream: true }))
+    for (const choice of chunk.choices) echoStream += choice.text;
+
   const tokenized = await post("/tokenize", { model, prompt });
   const detokenized = await post("/detokenize", { model, tokens: tokenized.body.tokens });
 
@@ -78,6 +96,12 @@ async function main() {
     sampled_finish: sampled.choices[0].finish_reason,
     sampled_stream: sampledStream,
     out_of_range: outOfRange,
+    n_choices: nChoices.map((c) => ({ index: c.index, text: c.text, logprobs: c.logprobs.token_logprobs })),
+    streamed_choices: streamedChoices,
+    best_of: best.map((c) => ({ index: c.index, text: c.text, logprobs: c.logprobs })),
+    echoed: { text: echoed.text, logprobs: echoed.logprobs },
+    echo_stream: echoStream,
+    chat_n: chatN.map((c) => ({ index: c.index, text: c.message.content })),
     tokenized,
     detokenized,
   }));
