@@ -2,6 +2,7 @@
 // CAF node), streams the generated text to stdout as tokens arrive and prints
 // the time to first token and the token rate to stderr; or, with --status,
 // prints the router's view of the cluster.
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -27,7 +28,7 @@ using namespace disagg::cli;
 const std::string kUsage = std::string(
     "usage: disagg-client --router HOST:PORT (--prompt TEXT | --prompt-tokens \"1 403 407\")\n"
     "                     --max-new-tokens N [sampling flags]\n"
-    "                     [--session KEY] [--deadline-ms MS] [--tokenizer T] [--json]\n"
+    "                     [--session KEY] [--deadline-ms MS] [--connect-timeout-ms MS] [--tokenizer T] [--json]\n"
     "       disagg-client --router HOST:PORT --status\n"
     "       (either form) [--tls-cert PEM --tls-key PEM --tls-ca PEM]\n"
     "Streams the continuation to stdout and prints TTFT and tokens/s to stderr; with --json\n"
@@ -38,6 +39,8 @@ const std::string kUsage = std::string(
     "(worker_lost, incompatible_kv, internal, cancelled), 2 bad usage, 3 the router is unreachable,\n"
     "4 the request was refused (invalid_request, kv_too_large), 5 overloaded (retry later),\n"
     "6 timeout (its deadline passed).\n"
+    "--connect-timeout-ms (default 5000, at most --deadline-ms): how long a refused or reset\n"
+    "connection to the router is retried, with backoff, before exit 3.\n"
     "--tls-cert/--tls-key/--tls-ca (all three): mutual TLS with a router whose nodes set tls.*; the\n"
     "client's certificate must be signed by the cluster's CA (scripts/cluster certs makes one).\n") + "Sampling flags:\n" + kSamplingUsage;
 
@@ -48,6 +51,7 @@ struct Options {
   GenerationFlags gen;
   bool json = false, status = false;
   int64_t deadline_ms = 0;
+  int64_t connect_timeout_ms = disagg::kDefaultConnectWait.count();
   disagg::TlsOptions tls;
 };
 
@@ -73,6 +77,8 @@ Options parse_args(int argc, char** argv) {
       o.session = value;
     } else if (flag == "--deadline-ms") {
       o.deadline_ms = parse_integer(flag, value, 1, disagg::kMaxDeadlineMs);
+    } else if (flag == "--connect-timeout-ms") {
+      o.connect_timeout_ms = parse_integer(flag, value, 0, disagg::kMaxDeadlineMs);
     } else if (flag == "--tokenizer") {
       o.tokenizer = value;
     } else if (flag == "--tls-cert") {
@@ -142,7 +148,8 @@ int run(const Options& o) {
   const std::string where = o.router_host + ":" + std::to_string(o.router_port);
   std::unique_ptr<disagg::RemoteClient> remote;
   try {
-    remote = std::make_unique<disagg::RemoteClient>(where, std::chrono::milliseconds(0), disagg::ClientOptions{},
+    const int64_t wait = o.deadline_ms > 0 ? std::min(o.connect_timeout_ms, o.deadline_ms) : o.connect_timeout_ms;
+    remote = std::make_unique<disagg::RemoteClient>(where, std::chrono::milliseconds(wait), disagg::ClientOptions{},
                                                     o.tls);
   } catch (const disagg::gpu::Error& e) {
     std::cerr << "disagg-client: " << e.what() << "\n";

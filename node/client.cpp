@@ -1,5 +1,6 @@
 #include "node/client.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <thread>
 
@@ -29,16 +30,28 @@ RemoteClient::RemoteClient(const std::string& router_address, std::chrono::milli
   if (const std::string problems = tls.validate(); !problems.empty()) throw gpu::Error(problems);
   use_tls(*config_, tls);
   system_ = std::make_unique<caf::actor_system>(*config_);
-  const auto deadline = std::chrono::steady_clock::now() + wait;
+  // A refused or reset connection is tried again with backoff until `wait`
+  // has passed: a guard closes a pending connection to make room for
+  // newer ones from the same address (node/port_guard.h), and a router
+  // restarting refuses for a moment. Errors that another try cannot change
+  // (another actor, or none, at the port) end at once.
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + wait;
+  auto backoff = kConnectBackoffFirst;
   for (;;) {
-    auto router = remote_actor_at<router_actor>(*system_, host, uint16_t(port), std::chrono::seconds(10));
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto handshake = std::clamp(left, kConnectHandshakeMin, kConnectHandshakeMax);
+    auto router = remote_actor_at<router_actor>(*system_, host, uint16_t(port), handshake);
     if (router) {
       client_ = std::make_unique<Client>(*system_, *router, options);
       return;
     }
-    if (std::chrono::steady_clock::now() >= deadline)
+    const bool final = router.error() == caf::sec::unexpected_actor_messaging_interface ||
+                       router.error() == caf::sec::no_actor_published_at_port;
+    if (final || Clock::now() + backoff >= deadline)
       throw gpu::Error("cannot reach the router at " + router_address + ": " + system_->render(router.error()));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(2 * backoff, kConnectBackoffMax);
   }
 }
 

@@ -12,15 +12,26 @@
 
 namespace disagg {
 
+// Connecting: the first retry after kConnectBackoffFirst, each later one
+// after twice the one before, at most kConnectBackoffMax; each try waits
+// for the router's handshake what is left of the wait, within
+// [kConnectHandshakeMin, kConnectHandshakeMax].
+inline constexpr std::chrono::milliseconds kConnectBackoffFirst{25};
+inline constexpr std::chrono::milliseconds kConnectBackoffMax{500};
+inline constexpr std::chrono::milliseconds kConnectHandshakeMin{500};
+inline constexpr std::chrono::milliseconds kConnectHandshakeMax{10000};
+// disagg-client's wait for the router by default (--connect-timeout-ms).
+inline constexpr std::chrono::milliseconds kDefaultConnectWait{5000};
+
 class RemoteClient {
  public:
-  // Connects to the router, retrying until `wait` has passed (0: one try).
+  // Connects to the router, retrying with backoff until `wait` has passed
+  // (0: one try).
   // Throws gpu::Error("cannot reach the router at HOST:PORT: ...") on failure
   // and for a malformed address.
   // With `tls` enabled (node/tls.h) the connection is mutual TLS: the
   // router must present a certificate of tls.ca_file's CA, and this client
   // presents tls.certificate; a problem with the files throws gpu::Error.
-  // Each attempt waits at most 10 s for the router's handshake.
   explicit RemoteClient(const std::string& router_address,
                         std::chrono::milliseconds wait = std::chrono::milliseconds(0),
                         ClientOptions options = {}, TlsOptions tls = {});

@@ -1,5 +1,6 @@
 #include "node/port_guard.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <map>
@@ -26,6 +27,7 @@ namespace {
 constexpr size_t kRelayBuffer = size_t(64) << 10;  // bytes per read, each direction
 // A refusal is logged the first time and then every kLogEvery-th time of its kind.
 constexpr uint64_t kLogEvery = 1000;
+using Clock = std::chrono::steady_clock;
 
 std::string address_of(const tcp::socket& s) {
   boost::system::error_code ec;
@@ -62,7 +64,8 @@ struct PortGuard::Impl {
   std::atomic<int> active{0};
   std::array<std::atomic<uint64_t>, kGuardRefusals> refusals{};
   int pending = 0;                            // sessions in their handshake
-  std::map<std::string, int> pending_by_source;  // of them per address
+  std::map<std::string, std::vector<Session*>> pending_by_source;  // of them per address
+  std::set<Session*> collecting;              // sessions holding a buffered message
   int64_t buffered = 0;                       // bytes announced by the messages being collected
   std::map<uint16_t, std::weak_ptr<Session>> by_caf_port;  // local port of each connection to CAF
   net::io_context io;
@@ -79,6 +82,13 @@ struct PortGuard::Impl {
 
   void accept();
   void tls_accepted(uint16_t caf_port);
+  // Room for one more pending connection from `source`, whose share is full:
+  // its pending connection that has been silent longest is closed.
+  void evict_pending(const std::string& source, const std::string& who);
+  // Room for a buffered message of `bytes`: collecting connections silent
+  // for at least kStalledCollector are closed, the longest silent first,
+  // until it fits (false: it does not, even so).
+  bool make_buffer_room(int64_t bytes);
 };
 
 namespace {
@@ -93,17 +103,17 @@ class Session : public std::enable_shared_from_this<Session> {
  public:
   Session(PortGuard::Impl* guard, tcp::socket peer, std::string source)
       : guard_(guard), peer_(std::move(peer)), caf_(guard_->io), timer_(guard_->io), source_(std::move(source)),
-        up_(kRelayBuffer), down_(kRelayBuffer) {
+        up_(kRelayBuffer), down_(kRelayBuffer), heard_(Clock::now()) {
     boost::system::error_code ec;
     const auto remote = peer_.remote_endpoint(ec);
     who_ = ec ? "?" : source_ + ":" + std::to_string(remote.port());
     guard_->pending++;
-    guard_->pending_by_source[source_]++;
+    guard_->pending_by_source[source_].push_back(this);
   }
 
   ~Session() {
-    if (!handshaken_) leave_pending();
-    guard_->buffered -= collecting_;
+    leave_pending();
+    drop_buffer();
     // (A newer session may hold the same loopback port already: only this one's entry goes.)
     if (auto it = guard_->by_caf_port.find(caf_port_); caf_port_ && it != guard_->by_caf_port.end() && it->second.expired())
       guard_->by_caf_port.erase(it);
@@ -144,11 +154,43 @@ class Session : public std::enable_shared_from_this<Session> {
   // TLS: CAF completed the handshake of this connection.
   void tls_accepted() { end_handshake(); }
 
+  // When the peer last sent bytes (or connected).
+  Clock::time_point heard() const { return heard_; }
+  const std::string& who() const { return who_; }
+
+  // Closes the connection now and gives back its pending slot and buffered
+  // bytes at once (not when its handlers have run out), so that the
+  // connection this makes room for can take them.
+  void close() {
+    closed_ = true;
+    leave_pending();
+    drop_buffer();
+    boost::system::error_code ignored;
+    timer_.cancel();
+    peer_.shutdown(tcp::socket::shutdown_both, ignored);
+    peer_.close(ignored);
+    caf_.shutdown(tcp::socket::shutdown_both, ignored);
+    caf_.close(ignored);
+  }
+
  private:
+  // Leaves the pending connections (once: at the end of the handshake or at close).
   void leave_pending() {
+    if (!pending_) return;
+    pending_ = false;
     guard_->pending--;
     auto it = guard_->pending_by_source.find(source_);
-    if (it != guard_->pending_by_source.end() && --it->second == 0) guard_->pending_by_source.erase(it);
+    if (it == guard_->pending_by_source.end()) return;
+    auto& list = it->second;
+    list.erase(std::remove(list.begin(), list.end(), this), list.end());
+    if (list.empty()) guard_->pending_by_source.erase(it);
+  }
+
+  // Gives back the buffered message's bytes (its announced length) to the guard's budget.
+  void drop_buffer() {
+    guard_->buffered -= collecting_;
+    collecting_ = 0;
+    guard_->collecting.erase(this);
   }
 
   void end_handshake() {
@@ -173,6 +215,7 @@ class Session : public std::enable_shared_from_this<Session> {
     auto self = shared_from_this();
     net::async_read(peer_, net::buffer(header_), [self](const boost::system::error_code& ec, size_t) {
       if (ec) return self->close();
+      self->heard_ = Clock::now();
       caf::io::basp::header hdr;
       caf::binary_deserializer source{nullptr, self->header_.data(), self->header_.size()};
       if (auto err = source(hdr); err || !caf::io::basp::valid(hdr)) {
@@ -208,6 +251,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const size_t want = size_t(std::min<uint64_t>(left, up_.size()));
     peer_.async_read_some(net::buffer(up_.data(), want), [self, left](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
+      self->heard_ = Clock::now();
       net::async_write(self->caf_, net::buffer(self->up_.data(), n),
                        [self, left, n](const boost::system::error_code& wec, size_t) {
                          if (wec) return self->close();
@@ -219,8 +263,8 @@ class Session : public std::enable_shared_from_this<Session> {
   // A payload beyond kStreamedMessageBytes (only after the handshake):
   // collected here as it arrives, then header and payload to CAF at once.
   void collect(uint32_t payload_len) {
-    const int64_t left = guard_->options.max_buffered_bytes - guard_->buffered;
-    if (int64_t(payload_len) > left) {
+    if (!guard_->make_buffer_room(payload_len)) {
+      const int64_t left = guard_->options.max_buffered_bytes - guard_->buffered;
       guard_->refuse(GuardRefusal::buffer_budget, who_,
                      "announced a message of " + std::to_string(payload_len) + " bytes; " + std::to_string(left) +
                          " of the " + std::to_string(guard_->options.max_buffered_bytes) +
@@ -229,6 +273,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     collecting_ = payload_len;
     guard_->buffered += collecting_;
+    guard_->collecting.insert(this);
     message_.clear();
     auto self = shared_from_this();
     arm(guard_->options.message_timeout, [self] {
@@ -248,8 +293,7 @@ class Session : public std::enable_shared_from_this<Session> {
       const std::array<net::const_buffer, 2> both{net::buffer(header_), net::buffer(message_)};
       return net::async_write(caf_, both, [self](const boost::system::error_code& wec, size_t) {
         if (wec) return self->close();
-        self->guard_->buffered -= self->collecting_;
-        self->collecting_ = 0;
+        self->drop_buffer();
         std::vector<char>().swap(self->message_);
         self->read_header();
       });
@@ -257,6 +301,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const size_t want = std::min(up_.size(), size_t(collecting_) - message_.size());
     peer_.async_read_some(net::buffer(up_.data(), want), [self](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
+      self->heard_ = Clock::now();
       self->message_.insert(self->message_.end(), self->up_.data(), self->up_.data() + n);
       self->collect_more();
     });
@@ -267,6 +312,7 @@ class Session : public std::enable_shared_from_this<Session> {
     auto self = shared_from_this();
     peer_.async_read_some(net::buffer(up_), [self](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
+      self->heard_ = Clock::now();
       net::async_write(self->caf_, net::buffer(self->up_.data(), n), [self](const boost::system::error_code& wec, size_t) {
         if (wec) return self->close();
         self->pump_up();
@@ -287,16 +333,6 @@ class Session : public std::enable_shared_from_this<Session> {
     });
   }
 
-  void close() {
-    closed_ = true;
-    boost::system::error_code ignored;
-    timer_.cancel();
-    peer_.shutdown(tcp::socket::shutdown_both, ignored);
-    peer_.close(ignored);
-    caf_.shutdown(tcp::socket::shutdown_both, ignored);
-    caf_.close(ignored);
-  }
-
   PortGuard::Impl* guard_;  // outlives every session (see Impl)
   tcp::socket peer_, caf_;
   net::steady_timer timer_;
@@ -306,6 +342,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::vector<char> message_;  // a buffered message's payload so far
   uint32_t collecting_ = 0;    // its announced length (counted in guard_->buffered)
   uint16_t caf_port_ = 0;      // local port of the connection to CAF
+  Clock::time_point heard_;    // the peer's last bytes (or its connect)
+  bool pending_ = true;        // counted in the guard's pending connections
   bool handshaken_ = false;
   bool closed_ = false;
   std::string who_;
@@ -332,10 +370,13 @@ void PortGuard::Impl::accept() {
       } else if (self->pending >= o.max_pending) {
         refusal = GuardRefusal::pending_cap;
         detail = std::to_string(o.max_pending) + " connections in their handshake (the share of the slots peers that have not completed one may hold)";
-      } else if (from_source != self->pending_by_source.end() && from_source->second >= o.max_pending_per_source) {
-        refusal = GuardRefusal::source_cap;
-        detail = std::to_string(o.max_pending_per_source) + " connections from " + source +
-                 " in their handshake (max-pending-per-source)";
+      } else if (from_source != self->pending_by_source.end() &&
+                 int(from_source->second.size()) >= o.max_pending_per_source) {
+        // Every client behind one NAT or on one host shares an address:
+        // refusing the newcomer would let stalled connections lock real
+        // peers out. A real handshake takes milliseconds and a staller
+        // sends nothing, so the one silent longest makes room.
+        self->evict_pending(source, who);
       }
       if (refusal) {
         self->refuse(*refusal, who, detail);
@@ -348,6 +389,33 @@ void PortGuard::Impl::accept() {
     }
     self->accept();
   });
+}
+
+void PortGuard::Impl::evict_pending(const std::string& source, const std::string& who) {
+  auto& list = pending_by_source.at(source);
+  Session* quietest = *std::min_element(list.begin(), list.end(), [](const Session* a, const Session* b) {
+    return a->heard() < b->heard();
+  });
+  refuse(GuardRefusal::source_cap, quietest->who(),
+         std::to_string(options.max_pending_per_source) + " connections from " + source +
+             " in their handshake (max-pending-per-source): the one silent longest is closed for " + who);
+  quietest->close();
+}
+
+bool PortGuard::Impl::make_buffer_room(int64_t bytes) {
+  while (bytes > options.max_buffered_bytes - buffered) {
+    const auto now = Clock::now();
+    Session* quietest = nullptr;
+    for (Session* s : collecting)
+      if (now - s->heard() >= kStalledCollector && (!quietest || s->heard() < quietest->heard())) quietest = s;
+    if (!quietest) return false;
+    refuse(GuardRefusal::buffer_budget, quietest->who(),
+           "a buffered message silent for " +
+               std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(now - quietest->heard()).count()) +
+               " ms is closed to make room for another one");
+    quietest->close();
+  }
+  return true;
 }
 
 void PortGuard::Impl::tls_accepted(uint16_t caf_port) {

@@ -12,10 +12,12 @@
 //     ▼           ▼                             ▼ large messages buffered, with a deadline
 //   refused     closed                        closed
 //
-// - accept: refused beyond max_connections in all, beyond max_pending (the
+// - accept: refused beyond max_connections in all or beyond max_pending (the
 //   connections still in their handshake, so that strangers can hold at
-//   most that share of the slots) or beyond max_pending_per_source from one
-//   address.
+//   most that share of the slots). Beyond max_pending_per_source from one
+//   address, that address's pending connection silent longest is closed to
+//   make room: clients behind one NAT or on one host share an address, and
+//   a real handshake (milliseconds) must win over any number of stallers.
 // - pending: plain: the peer's first message must be a BASP client handshake
 //   of at most kMaxHandshakeBytes, complete by handshake_timeout. TLS: the
 //   TLS handshake (with a certificate of the cluster's CA) must be complete
@@ -26,9 +28,11 @@
 //   max_message_bytes closes the connection. A payload up to
 //   kStreamedMessageBytes streams through; a larger one is collected here as
 //   its bytes arrive (memory follows the bytes received, not the length
-//   announced), within max_buffered_bytes for all connections together, and
-//   passed to CAF only once complete; it must be complete by
-//   message_timeout. So CAF never allocates more than kStreamedMessageBytes
+//   announced), one message per connection at a time (so at most
+//   max_message_bytes each), within max_buffered_bytes for all connections
+//   together, and passed to CAF only once complete; it must be complete by
+//   message_timeout. When the port's budget is full, collectors silent for
+//   kStalledCollector are closed to make room for a new message. So CAF never allocates more than kStreamedMessageBytes
 //   for bytes that have not arrived. TLS: the bytes are opaque; the peer has
 //   proven a certificate of the cluster's CA.
 // Each refusal is logged (the first and every 1000th of its kind) and
@@ -52,6 +56,12 @@ constexpr uint32_t kMaxHandshakeBytes = 64u << 10;
 // collected by the guard first.
 constexpr uint32_t kStreamedMessageBytes = 64u << 10;
 
+// A connection collecting a buffered message that has sent nothing for this
+// long is closed when another message needs its share of max_buffered_bytes
+// (a real peer writes a message as fast as its link allows; a few stalled
+// announcements must not hold the whole budget until message_timeout).
+constexpr std::chrono::milliseconds kStalledCollector{1000};
+
 // The defaults are NodeOptions' (node/config.h), which sets every field.
 struct PortGuardOptions {
   std::string listen_host = "127.0.0.1";  // the public side
@@ -71,12 +81,12 @@ struct PortGuardOptions {
 enum class GuardRefusal {
   connection_cap,     // max_connections open
   pending_cap,        // max_pending in their handshake
-  source_cap,         // max_pending_per_source from this address in their handshake
+  source_cap,         // closed to make room: max_pending_per_source from its address in their handshake
   bad_header,         // not a valid BASP header (or a first message that is no client handshake)
   message_too_large,  // beyond max_message_bytes (or kMaxHandshakeBytes before the handshake)
   handshake_timeout,  // no complete handshake within handshake_timeout
   message_timeout,    // a buffered message incomplete after message_timeout
-  buffer_budget,      // a buffered message beyond what max_buffered_bytes has left
+  buffer_budget,      // a buffered message beyond what max_buffered_bytes has left, or a stalled one closed for room
 };
 inline constexpr int kGuardRefusals = 8;
 const char* to_string(GuardRefusal reason);

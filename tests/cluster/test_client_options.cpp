@@ -1,6 +1,12 @@
 // disagg-client refuses options the router would refuse anyway, before it
 // connects: a deadline beyond the protocol's maximum (kMaxDeadlineMs).
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 
 #include <string>
 
@@ -29,6 +35,33 @@ TEST(ClientOptions, DeadlineBeyondTheMaximumIsAUsageError) {
   err.clear();
   EXPECT_NE(run_client_with_deadline(std::to_string(kMaxDeadlineMs), err), 2) << err;
   EXPECT_NE(err.find("cannot reach the router"), std::string::npos) << err;
+}
+
+// A port that accepts connections (the kernel's backlog) and never speaks:
+// the client waits for the router's handshake no longer than its connect
+// timeout, then exits 3 naming the wait, rather than hanging on the
+// middleman.
+TEST(ClientOptions, APortThatNeverHandshakesEndsAtTheConnectTimeout) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof at;
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(::listen(listener, 16), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &len), 0);
+  const std::string where = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  std::string out, err;
+  const auto start = std::chrono::steady_clock::now();
+  const int code = run_to_completion({client_binary(), "--router", where, "--status", "--connect-timeout-ms", "1000"},
+                                     out, err, std::chrono::seconds(20));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ::close(listener);
+  EXPECT_EQ(code, 3) << err;
+  EXPECT_NE(err.find("no CAF handshake from " + where + " within"), std::string::npos) << err;
+  EXPECT_GE(seconds, 1.0);
+  EXPECT_LT(seconds, 5.0) << "the handshake wait outlived the connect timeout";
 }
 
 }  // namespace
