@@ -200,6 +200,31 @@ bool prefill_holds(const Request& r) {
   return std::holds_alternative<Reserving>(r.phase) || std::holds_alternative<Prefilling>(r.phase);
 }
 
+// Accepted requests waiting for dispatch, oldest first (a request back from
+// a failed attempt goes to the front of its line). Further choices of a
+// client request (GenerateRequest::first_choice: OpenAI's n and best_of)
+// wait in a line of their own, behind every request of its own: they count
+// with their first choice against queue-capacity (which counts `requests`
+// only), and one client's n = 16 cannot fill the queue nor make a single
+// request wait for its 15 extra choices.
+struct AdmissionQueue {
+  std::deque<RequestId> requests;  // requests of their own (and first choices)
+  std::deque<RequestId> choices;   // further choices
+
+  static bool further_choice(const Request& r) { return r.request.first_choice != 0; }
+  size_t size() const { return requests.size() + choices.size(); }
+  size_t counted() const { return requests.size(); }  // against queue-capacity
+  bool empty() const { return requests.empty() && choices.empty(); }
+  RequestId front() const { return requests.empty() ? choices.front() : requests.front(); }
+  void pop_front() { requests.empty() ? choices.pop_front() : requests.pop_front(); }
+  void push_back(const Request& r) { (further_choice(r) ? choices : requests).push_back(r.request.id); }
+  void push_front(const Request& r) { (further_choice(r) ? choices : requests).push_front(r.request.id); }
+  void erase(const Request& r) {
+    auto& line = further_choice(r) ? choices : requests;
+    line.erase(std::find(line.begin(), line.end(), r.request.id));
+  }
+};
+
 struct RouterState {
   DisaggConfig config;
   std::shared_ptr<const gpu::Tokenizer> tokenizer;
@@ -217,7 +242,7 @@ struct RouterState {
   // Each request's client actor, monitored: a client that goes away (its
   // process killed, Ctrl-C) cancels what it asked for.
   std::unordered_multimap<caf::actor_addr, RequestId> clients;
-  std::deque<RequestId> queue;  // accepted, not dispatched, in arrival order
+  AdmissionQueue queue;  // accepted, not dispatched
   uint64_t next_serial = 1;
   SessionAffinity sessions{0};
   size_t prefill_cursor = 0;
@@ -330,7 +355,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
   Request& r = it->second;
   end_attempt(self, r, !outcome.ok() && r.dispatched);
   release_reservations(self, r);
-  if (is_queued(r)) st.queue.erase(std::find(st.queue.begin(), st.queue.end(), id));
+  if (is_queued(r)) st.queue.erase(r);
   outcome.id = id;
   if (r.dispatched) outcome.timings.queued_us = micros_between(r.accepted, *r.dispatched);
   if (const Attempt* a = attempt_of(r)) {
@@ -605,7 +630,7 @@ void send_prefill_job(Self self, RequestId id, KvTarget target) {
 void back_to_queue(Self self, Request& r) {
   release_reservations(self, r);
   r.phase = Queued{};  // answers about the previous dispatch are stale now
-  self->state.queue.push_front(r.request.id);
+  self->state.queue.push_front(r);
 }
 
 // The same, for another decode worker than this one, within its retries.
@@ -789,13 +814,12 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
     self->monitor(r.client);
     st.clients.emplace(r.client.address(), id);
   }
-  st.requests.emplace(id, std::move(r));
-  st.queue.push_back(id);
+  st.queue.push_back(st.requests.emplace(id, std::move(r)).first->second);
   dispatch(self);
   // Still waiting, and the waiting room was already full: turn it away now.
   auto it = st.requests.find(id);
-  if (it != st.requests.end() && is_queued(it->second) &&
-      st.queue.size() > size_t(st.config.queue_capacity)) {
+  if (it != st.requests.end() && is_queued(it->second) && !AdmissionQueue::further_choice(it->second) &&
+      st.queue.counted() > size_t(st.config.queue_capacity)) {
     fail(self, id, ErrorCode::overloaded,
          "admission queue full (" + std::to_string(st.config.queue_capacity) + " waiting)");
   } else if (it != st.requests.end()) {
@@ -1053,6 +1077,7 @@ RouterStatus status_of(Self self) {
     ws.active_sequences = w.room.active_sequences();
     ws.cached_blocks = int32_t(w.prefix.held());
     ws.endpoint = w.info.endpoint;
+    ws.responsive = w.responsive;
     s.workers.push_back(std::move(ws));
   }
   s.queued = int32_t(st.queue.size());

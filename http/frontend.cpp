@@ -473,6 +473,7 @@ class Session : public std::enable_shared_from_this<Session> {
     if (c.index > 0) r.sampling.prompt_logprobs = -1;  // choice 0's serve them all
     r.session = !g.request.user.empty() || g.choices.size() == 1 ? g.request.user : g.response_id;
     r.cache_salt = g.request.cache_salt;
+    if (c.index > 0) r.first_choice = g.choices[0].id;
     r.token_text = false;  // decoded here
     fe_.track(c.id, g.client);
     auto self = shared_from_this();

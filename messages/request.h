@@ -70,6 +70,12 @@ struct GenerateRequest {
   // Keeps this request's prompt out of the prefix cache entries of requests
   // with another salt (a tenant's own cache, vLLM's cache_salt); "" shares.
   std::string cache_salt;
+  // A further choice (OpenAI's n, best_of) of the client request whose first
+  // choice has this id; 0: a request of its own. Further choices count with
+  // their first against the router's queue-capacity and wait for dispatch
+  // behind every request of its own (actors/router.cpp, AdmissionQueue), so
+  // one client's n cannot fill the queue or hold others back.
+  RequestId first_choice = 0;
 };
 
 // One generated token, streamed as soon as the decode step produced it.
@@ -170,7 +176,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
   return f(caf::meta::type_name("GenerateRequest"), x.id, x.prompt_tokens, x.prompt_text,
            x.prompt_is_text, x.max_new_tokens, x.sampling, x.session, x.deadline_ms, x.token_text,
-           x.up_to_capacity, x.cache_salt);
+           x.up_to_capacity, x.cache_salt, x.first_choice);
 }
 
 template <class Inspector>

@@ -92,6 +92,8 @@ struct WorkerStatus {
   // worker's own KV events (not counting predictions: PrefixIndex::held)
   int32_t cached_blocks = 0;
   std::string endpoint;             // WorkerInfo::endpoint
+  // false while it leaves a heartbeat unanswered (no new work meanwhile)
+  bool responsive = true;
 };
 
 // Answer of the router to (status_atom).
@@ -139,7 +141,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerStatus& x) {
   return f(caf::meta::type_name("WorkerStatus"), x.name, x.role, x.fingerprint, x.in_flight,
            x.outstanding_tokens, x.free_blocks, x.total_blocks, x.active_sequences, x.cached_blocks,
-           x.endpoint);
+           x.endpoint, x.responsive);
 }
 
 template <class Inspector>

@@ -446,6 +446,28 @@ class HungPrefillTest : public ActorTest {
 // The case: every token streamed (400 sampled, 300 greedy: that
 // prompt reaches BOS at 341), then the stopped prefill worker's silence. The
 // client must get its outcome, not worker_lost.
+// The router notices a silent worker at heartbeat-timeout-ms after the
+// heartbeat it leaves unanswered: not before, and not at twice the bound
+// (the scheduling of this machine's threads is the margin).
+TEST_F(HungPrefillTest, ASilentWorkerIsNoticedAtTheHeartbeatTimeout) {
+  TokenLog log;
+  auto future = submit(16, {}, log);
+  log_->committed.get_future().wait();  // the gate answers nothing from now on
+  const auto sent = std::chrono::steady_clock::now();
+  heartbeat_round();
+  ASSERT_TRUE(wait_for([](const RouterStatus& s) {
+    const WorkerStatus* w = prefill_status(s);
+    return w && !w->responsive;
+  })) << "the silent worker was never noticed";
+  const auto noticed_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - sent).count();
+  EXPECT_GE(noticed_ms, kHeartbeatTimeoutMs) << "noticed before its heartbeat timed out";
+  EXPECT_LT(noticed_ms, 2 * kHeartbeatTimeoutMs) << "noticed " << noticed_ms << " ms after the heartbeat, over "
+                                                 << kHeartbeatTimeoutMs << " ms";
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_TRUE(future.get().ok());
+}
+
 TEST_F(HungPrefillTest, AGreedyRequestWhoseTokensAllStreamedCompletesPastAStoppedPrefillWorker) {
   expect_completes_past_a_stopped_prefill(Sampling{}, 300, Silence::after_the_last_token);
 }

@@ -913,6 +913,54 @@ TEST(HttpFrontend, NChoicesComputeTheirPromptOnce) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// One client's n filled everyone's queue: 20 requests of n = 16 became 320
+// admissions, over queue-capacity, and single requests meanwhile were
+// answered 503 or waited behind all of them. Now a request's further
+// choices count with its first against queue-capacity and wait behind
+// every request of its own. Here: queue-capacity 4 and a decode pool of
+// room for about 3 sequences; 3 requests of n = 8 (24 admissions) are all
+// served, and a single-choice canary sent after them is served within the
+// stated bound: it waits for one running sequence to end, not for the
+// others' queued choices (under arrival order it would wait for about 7 of
+// the 8 rounds, and before, it was refused).
+TEST(HttpFrontend, OneRequestsChoicesNeitherFillTheQueueNorHoldOthersBack) {
+  TestCluster cluster("http-n-fair");
+  const uint16_t router_metrics = free_loopback_port();
+  cluster.start_node("router", "router", metrics_port_line(router_metrics), "queue-capacity = 4\n");
+  cluster.start_node("frontend", "frontend");
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1", "", "pool-blocks = 48\nprefix-caching = false\n");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  const json many = {{"prompt", "Once upon a time"}, {"n", 8}, {"max_tokens", 200}, {"ignore_eos", true},
+                     {"temperature", 0.9}, {"seed", 3}};
+  std::vector<Reply> replies(3);
+  std::vector<double> seconds(3);
+  std::vector<std::thread> senders;
+  const auto start = Clock::now();
+  for (size_t i = 0; i < replies.size(); ++i)
+    senders.emplace_back([&, i] {
+      replies[i] = post(port, "/v1/completions", many);
+      seconds[i] = std::chrono::duration<double>(Clock::now() - start).count();
+    });
+  // The canary, once the others' further choices wait (their first choices
+  // stream, so the frontend has submitted the rest).
+  const auto waiting = [&] { return sample(scrape(router_metrics), "disagg_num_requests_waiting") >= 12; };
+  for (const auto until = Clock::now() + std::chrono::seconds(30); !waiting() && Clock::now() < until;)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const auto canary_start = Clock::now();
+  const Reply canary = post(port, "/v1/completions", {{"prompt", "Once upon a time"}, {"max_tokens", 8}});
+  const double canary_seconds = std::chrono::duration<double>(Clock::now() - canary_start).count();
+  for (auto& t : senders) t.join();
+  ASSERT_EQ(canary.status, 200) << canary.body;
+  for (const Reply& r : replies) EXPECT_EQ(r.status, 200) << r.body;
+  const double slowest = *std::max_element(seconds.begin(), seconds.end());
+  EXPECT_LT(canary_seconds, 0.5 * slowest) << "the canary waited behind the queued choices (it took "
+                                           << canary_seconds << " s, the n = 8 requests up to " << slowest << " s)";
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // The options beyond the basics through the official client
 // (tests/openai/sampling_test.mjs): log probabilities, streamed and not, that
 // agree with each other and with the greedy tokens; the sampling controls
