@@ -171,6 +171,9 @@ void flush_events(Self self) {
   auto& st = self->state;
   const std::vector<gpu::BlockEvent> events = st.allocator->take_events();
   if (events.empty()) return;
+  // (a block's hash is forgotten only when it is evicted: gpu/kv_cache.h)
+  record_prefix_evictions(WorkerRole::decode, size_t(std::count_if(events.begin(), events.end(),
+                                                                   [](const gpu::BlockEvent& e) { return !e.stored; })));
   std::unordered_map<uint64_t, bool> last;  // hash -> stored at the end of the batch
   std::vector<uint64_t> order;
   for (const auto& e : events) {

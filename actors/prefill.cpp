@@ -141,6 +141,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
 void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode_actor& decode,
                  PrefillResult& computed) {
   auto& st = self->state;
+  record_prefix_evictions(WorkerRole::prefill, computed.cache_events.removed.size());
   if (st.joined && (!computed.cache_events.stored.empty() || !computed.cache_events.removed.empty())) {
     // (in the compute's order: its answers come in the order it computed them)
     computed.cache_events.seq = ++st.events_seq;

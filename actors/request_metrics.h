@@ -91,6 +91,15 @@ inline void record_prefill_prefix_lookup(int prompt, int cached) {
   m.prefill_prefix_cache_hits.inc(double(cached));
 }
 
+// A worker's prefix cache evicted `blocks` blocks (decode: its pool's;
+// prefill: its own cache's).
+inline void record_prefix_evictions(WorkerRole role, size_t blocks) {
+  if (blocks == 0) return;
+  auto& m = metrics::disagg_metrics();
+  (role == WorkerRole::decode ? m.decode_prefix_cache_evictions : m.prefill_prefix_cache_evictions)
+      .inc(double(blocks));
+}
+
 // Decode worker: its load whenever it changes.
 inline void record_decode_load(const DecodeLoad& load) {
   auto& m = metrics::disagg_metrics();

@@ -82,6 +82,8 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       prefix_cache_hits(r.counter("disagg_prefix_cache_hits_total",
                                   "Prompt tokens found in a worker's prefix cache (their KV reused), by role.",
                                   {"role"})),
+      prefix_cache_evictions(r.counter("disagg_prefix_cache_evictions_total",
+                                       "KV blocks a worker's prefix cache evicted to make room, by role.", {"role"})),
       kv_bytes_not_sent(r.counter("disagg_kv_transfer_bytes_saved_total",
                                   "KV bytes no prefill worker sent: positions a decode worker's prefix cache held, "
                                   "and prompts it prefilled itself.")
@@ -96,7 +98,9 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       decode_prefix_cache_queries(prefix_cache_queries.with({"decode"})),
       decode_prefix_cache_hits(prefix_cache_hits.with({"decode"})),
       prefill_prefix_cache_queries(prefix_cache_queries.with({"prefill"})),
-      prefill_prefix_cache_hits(prefix_cache_hits.with({"prefill"})) {
+      prefill_prefix_cache_hits(prefix_cache_hits.with({"prefill"})),
+      decode_prefix_cache_evictions(prefix_cache_evictions.with({"decode"})),
+      prefill_prefix_cache_evictions(prefix_cache_evictions.with({"prefill"})) {
   for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
   // (node/port_guard.h GuardRefusal's names: every reason exists at zero)
   for (const char* reason : {"connection_cap", "pending_cap", "source_cap", "bad_header", "message_too_large",

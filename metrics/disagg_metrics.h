@@ -50,6 +50,9 @@ struct DisaggMetrics {
   // pool) or prefill (its own cache, gpu/prefix_cache.h).
   Family<Counter>& prefix_cache_queries;
   Family<Counter>& prefix_cache_hits;
+  // {role}: KV blocks a prefix cache gave up to make room (the least
+  // recently used first): a pool too small for the prefixes it is offered.
+  Family<Counter>& prefix_cache_evictions;
   Counter& kv_bytes_not_sent;       // decode: KV a stream would have carried without the cache (or local prefill)
   Family<Gauge>& workers;           // {role}: prefill | decode registered at the router
   // {reason}: connections a node's port guard refused or closed (node/port_guard.h)
@@ -65,6 +68,8 @@ struct DisaggMetrics {
   Counter& decode_prefix_cache_hits;
   Counter& prefill_prefix_cache_queries;
   Counter& prefill_prefix_cache_hits;
+  Counter& decode_prefix_cache_evictions;
+  Counter& prefill_prefix_cache_evictions;
 
   // finished_reason "stop" or "length"; code one of kErrorCodes (else the
   // family's child for it is created, under its lock).

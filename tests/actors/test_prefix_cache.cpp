@@ -221,6 +221,7 @@ TEST_F(ActorTest, EvictionUnderAFullPoolNeverGivesARequestWrongKv) {
   start(std::move(options));
   std::vector<std::vector<int32_t>> prompts;
   for (int k = 0; k < 4; ++k) prompts.push_back(prompt_of(150, 10 + k));
+  const double evicted_before = metrics::disagg_metrics().decode_prefix_cache_evictions.value();
   int misses = 0;
   for (int round = 0; round < 3; ++round)
     for (size_t k = 0; k < prompts.size(); ++k) {
@@ -236,6 +237,10 @@ TEST_F(ActorTest, EvictionUnderAFullPoolNeverGivesARequestWrongKv) {
   // all (misses after the first round), and the one just used is still there
   // for the next request of the same prompt.
   EXPECT_GT(misses, 4) << "nothing was evicted";
+  // ... and the pool says so (disagg_prefix_cache_evictions_total{role="decode"}):
+  // at least the first block of each prompt that missed after the first round.
+  EXPECT_GE(metrics::disagg_metrics().decode_prefix_cache_evictions.value() - evicted_before, misses - 4)
+      << "evictions not counted";
   const RequestOutcome again = generate(*client_, prompts[3], 12);
   ASSERT_TRUE(again.ok());
   EXPECT_GT(again.timings.cached_tokens, 0) << "the most recent prompt was evicted first";
