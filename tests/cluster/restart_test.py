@@ -226,6 +226,20 @@ def restart_phase(c):
     r = c.cluster("up", c.config)
     check(r.returncode == 1 and "already running" in r.stderr, "a second up of a whole cluster did not refuse")
 
+    # `down` returns once every node has exited, so that `down; up` never
+    # races the old nodes: a stopped node (it cannot act on SIGTERM) is
+    # killed after STOP_TIMEOUT, and waited for.
+    stopped = c.pid("decode-2")
+    os.kill(stopped, signal.SIGSTOP)
+    start = time.monotonic()
+    r = c.cluster("down", env={"STOP_TIMEOUT": "2"}, timeout=60)
+    took = time.monotonic() - start
+    left = [p for p in c.seen if alive(p)]
+    check(r.returncode == 0, "down failed")
+    check(not left, f"down returned while {left} still ran")
+    check("did not end within 2 s of SIGTERM; killing it" in r.stderr, "down did not say it killed the stopped node")
+    check(1 <= took < 15, f"down took {took:.1f} s with STOP_TIMEOUT=2 (whole seconds of bash: 1-2 s) and one stopped node")
+
 
 def supervise_phase(c):
     c.up()
