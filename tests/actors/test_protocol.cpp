@@ -3,6 +3,8 @@
 // choices (validation, worker picks, session affinity) are what they claim.
 #include <gtest/gtest.h>
 
+#include <regex>
+
 #include <algorithm>
 #include <filesystem>
 #include <map>
@@ -197,6 +199,40 @@ void expect_readme_table_is(const std::string& heading, const caf::config_option
       EXPECT_EQ(stated, caf::to_string(*value));
   }
   EXPECT_EQ(seen, rows.size()) << "a README row for an option that does not exist";
+}
+
+// The README's Security table ("Every bound a stranger meets") gives each
+// option's default in parentheses after its name (`node.NAME` (16 MiB ...)):
+// each such figure is the code's default.
+TEST(Config, TheReadmesSecurityTableStatesTheCodesDefaults) {
+  DisaggConfig disagg;
+  NodeOptions node;
+  caf::config_option_set options[2];
+  add_disagg_options(options[0], disagg);
+  add_node_options(options[1], node);
+  const char* const prefixes[2] = {"disagg.", "node."};
+  const std::string readme = read_text_file(std::string(DISAGG_SOURCE_DIR) + "/README.md");
+  const size_t begin = readme.find("**Every bound a stranger meets**");
+  ASSERT_NE(begin, std::string::npos) << "no Security table in README.md";
+  const std::string table = readme.substr(begin, readme.find("\n\n", readme.find("| --- |", begin)) - begin);
+  const std::regex stated("`(disagg|node)\\.([a-z0-9-]+)` \\(([0-9]+)( KiB| MiB| GiB)?");
+  int checked = 0;
+  for (auto it = std::sregex_iterator(table.begin(), table.end(), stated); it != std::sregex_iterator(); ++it) {
+    const std::smatch& m = *it;
+    SCOPED_TRACE(m.str());
+    const int set = m[1] == "disagg" ? 0 : 1;
+    const caf::config_option* opt = nullptr;
+    for (const auto& o : options[set])
+      if (std::string(o.long_name().data(), o.long_name().size()) == m[2].str()) opt = &o;
+    ASSERT_NE(opt, nullptr) << "no option " << prefixes[set] << m[2];
+    const std::string unit = m[4];
+    const int shift = unit == " KiB" ? 10 : unit == " MiB" ? 20 : unit == " GiB" ? 30 : 0;
+    const auto value = opt->get();
+    ASSERT_TRUE(value);
+    EXPECT_EQ(std::to_string(std::stoll(m[3]) << shift), caf::to_string(*value));
+    ++checked;
+  }
+  EXPECT_GE(checked, 8) << "the table's options were not found\n" << table;
 }
 
 TEST(Config, TheReadmesOptionTablesAreTheCodesDefaults) {

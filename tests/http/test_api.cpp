@@ -277,6 +277,13 @@ TEST(HttpApi, ExtremeIntegersAndWrongShapesAre400sThatQuoteABoundedPrefix) {
     EXPECT_EQ(e.param, "max_tokens") << m;
     EXPECT_EQ(e.code, "context_length_exceeded") << m << ": " << e.message;
   }
+  // Beyond int64 into a field whose lower bound is negative: read as int64,
+  // 2^64 - 1 would be -1 (top_k's "every token"), so it must be refused first.
+  for (const char* k : {"18446744073709551615", "9223372036854775808"}) {
+    const ApiError e = error_of(Endpoint::completions, std::string(R"({"prompt":"x","top_k":)") + k + "}");
+    EXPECT_EQ(e.status, 400) << k;
+    EXPECT_EQ(e.param, "top_k") << k;
+  }
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":[18446744073709551615]})").param, "prompt");
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":[9223372036854775807]})").param, "prompt");
   // A content part whose type is no string threw json::type_error out of the parser.
