@@ -5,6 +5,7 @@
 #include <atomic>
 #include <filesystem>
 #include <future>
+#include <memory>
 #include <optional>
 #include <thread>
 
@@ -395,14 +396,30 @@ class MigrationTest : public ActorTest {
   void expect_exact_migration(const Sampling& sampling, int max_new, int kill_after_tokens) {
     start(1, 2);
     expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
-    std::promise<void> some_tokens;
-    TokenLog log;
-    std::atomic<int> seen{0};
-    auto future = client_->submit(make_request(kOnceUponATime, max_new, sampling), [&](const TokenEvent& e) {
-      log.callback()(e);
-      if (++seen == kill_after_tokens) some_tokens.set_value();
+    // (shared with the token callback, which may outlive a failed test)
+    struct Seen {
+      std::promise<void> some_tokens;
+      TokenLog log;
+      std::atomic<int> count{0};
+    };
+    auto seen = std::make_shared<Seen>();
+    TokenLog& log = seen->log;
+    auto some_tokens = seen->some_tokens.get_future();
+    auto future = client_->submit(make_request(kOnceUponATime, max_new, sampling), [seen, kill_after_tokens](const TokenEvent& e) {
+      seen->log.callback()(e);
+      if (++seen->count == kill_after_tokens) seen->some_tokens.set_value();
     });
-    some_tokens.get_future().wait();
+    // Until the tokens came, or the request ended first (then the test fails
+    // on its outcome rather than waiting forever), within a bound.
+    for (const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+         some_tokens.wait_for(std::chrono::milliseconds(5)) != std::future_status::ready;) {
+      if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        const RequestOutcome early = future.get();
+        FAIL() << "the request ended before " << kill_after_tokens << " tokens: " << to_string(early.code) << ": "
+               << early.message;
+      }
+      ASSERT_LT(std::chrono::steady_clock::now(), until) << "no " << kill_after_tokens << " tokens within 60 s";
+    }
     // (Prefills of this process's workers: the first ran the prompt.)
     const double prefilled_before = metrics::disagg_metrics().prefill_tokens.value();
     ASSERT_EQ(kill_busy_decode_workers(*system_, *cluster_), 1);
