@@ -73,7 +73,7 @@ std::string check_sampling(const SamplingParams& p, int vocab) {
   if (!in(p.min_p, 0.0f, 1.0f)) return "min_p must be in [0, 1] (got " + num(p.min_p) + ")";
   if (!in(p.presence_penalty, -kMaxPresencePenalty, kMaxPresencePenalty))
     return "presence_penalty must be in [-2, 2] (got " + num(p.presence_penalty) + ")";
-  if (!in(p.frequency_penalty, -kMaxPresencePenalty, kMaxPresencePenalty))
+  if (!in(p.frequency_penalty, -kMaxFrequencyPenalty, kMaxFrequencyPenalty))
     return "frequency_penalty must be in [-2, 2] (got " + num(p.frequency_penalty) + ")";
   if (!in(p.repetition_penalty, 0.0f, kMaxRepetitionPenalty) || p.repetition_penalty == 0.0f)
     return "repetition_penalty must be in (0, 2] (got " + num(p.repetition_penalty) + ")";

@@ -33,6 +33,7 @@ constexpr float kMaxLogitBias = 100.0f;
 // The penalties' ranges: presence and frequency in [-2, 2] (OpenAI's),
 // repetition in (0, kMaxRepetitionPenalty] (1: off).
 constexpr float kMaxPresencePenalty = 2.0f;
+constexpr float kMaxFrequencyPenalty = 2.0f;
 constexpr float kMaxRepetitionPenalty = 2.0f;
 // The most logit_bias entries and stop_token_ids a request may carry.
 constexpr size_t kMaxLogitBiasEntries = 1024;

@@ -82,10 +82,19 @@ bool boolean(const json& body, const char* name, bool def) {
   return v->get<bool>();
 }
 
-// A token id of the vocabulary: an integer, or (a logit_bias key) its decimal digits.
+std::string string_of(const json& body, const char* name, std::string def = {}) {
+  const json* v = field(body, name);
+  if (!v) return def;
+  expect_type(v->is_string(), name, "a string", *v);
+  return v->get<std::string>();
+}
+
+// A token id of the vocabulary: an integer, or (a logit_bias key) its
+// decimal digits. The one vocabulary check of every field that names tokens.
 int32_t token_id(const json& v, const std::string& text, const ServedModel& model, const char* param) {
   int64_t id = -1;
   if (v.is_number_integer()) {
+    // (beyond int64: outside any vocabulary)
     id = v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(model.vocab_size) ? model.vocab_size : v.get<int64_t>();
   } else if (!text.empty() && text.size() <= 10 && std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
     id = std::stoll(text);
@@ -94,7 +103,7 @@ int32_t token_id(const json& v, const std::string& text, const ServedModel& mode
                       "invalid_type");
   }
   if (id < 0 || id >= model.vocab_size)
-    throw bad_request(param, std::string("'") + param + "': token id " + std::to_string(id) +
+    throw bad_request(param, std::string("'") + param + "': token id " + (v.is_null() ? text : quote(v)) +
                                  " is outside the vocabulary [0, " + std::to_string(model.vocab_size) + ")");
   return int32_t(id);
 }
@@ -105,7 +114,7 @@ void parse_sampling(const json& body, Endpoint endpoint, const ServedModel& mode
   if (s.top_k < 0) s.top_k = 0;  // vLLM's -1: every token
   s.min_p = float(number_in(body, "min_p", 0.0, 0.0, 1.0, false));
   s.presence_penalty = float(number_in(body, "presence_penalty", 0.0, -gpu::kMaxPresencePenalty, gpu::kMaxPresencePenalty, false));
-  s.frequency_penalty = float(number_in(body, "frequency_penalty", 0.0, -gpu::kMaxPresencePenalty, gpu::kMaxPresencePenalty, false));
+  s.frequency_penalty = float(number_in(body, "frequency_penalty", 0.0, -gpu::kMaxFrequencyPenalty, gpu::kMaxFrequencyPenalty, false));
   s.repetition_penalty = float(number_in(body, "repetition_penalty", 1.0, 0.0, gpu::kMaxRepetitionPenalty, true));
   if (const json* bias = field(body, "logit_bias")) {
     expect_type(bias->is_object(), "logit_bias", "an object of token ids to numbers", *bias);
@@ -203,12 +212,7 @@ std::vector<int32_t> parse_prompt(const json& p, const ServedModel& model, const
     if (!t.is_number_integer())
       throw bad_request("prompt", "'prompt' must be one string or one array of token ids (batched prompts are not supported)",
                         t.is_string() || t.is_array() ? "unsupported" : "invalid_type");
-    if (t.is_number_unsigned() ? t.get<uint64_t>() >= uint64_t(model.vocab_size)
-                               : t.get<int64_t>() < 0 || t.get<int64_t>() >= model.vocab_size)
-      throw bad_request("prompt", "token id " + quote(t) + " is outside the vocabulary [0, " +
-                                      std::to_string(model.vocab_size) + ")");
-    const int64_t id = t.get<int64_t>();
-    tokens.push_back(int32_t(id));
+    tokens.push_back(token_id(t, {}, model, "prompt"));
   }
   return tokens;
 }
@@ -476,10 +480,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
         throw bad_request("stop", "a stop string may be at most " + std::to_string(kMaxStopBytes) + " bytes, got " +
                                       std::to_string(s.size()) + " (" + quote(json(s)) + ")");
   }
-  if (const json* stream = field(body, "stream")) {
-    expect_type(stream->is_boolean(), "stream", "a boolean", *stream);
-    r.stream = stream->get<bool>();
-  }
+  r.stream = boolean(body, "stream", false);
   if (endpoint == Endpoint::completions && boolean(body, "echo", false)) {
     r.echo = true;
     const json* prompt = field(body, "prompt");
@@ -502,18 +503,9 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
       r.include_usage = usage->get<bool>();
     }
   }
-  if (const json* user = field(body, "user")) {
-    expect_type(user->is_string(), "user", "a string", *user);
-    r.user = user->get<std::string>();
-  }
-  if (const json* ids = field(body, "return_token_ids")) {
-    expect_type(ids->is_boolean(), "return_token_ids", "a boolean", *ids);
-    r.return_token_ids = ids->get<bool>();
-  }
-  if (const json* salt = field(body, "cache_salt")) {
-    expect_type(salt->is_string(), "cache_salt", "a string", *salt);
-    r.cache_salt = salt->get<std::string>();
-  }
+  r.user = string_of(body, "user");
+  r.return_token_ids = boolean(body, "return_token_ids", false);
+  r.cache_salt = string_of(body, "cache_salt");
   return r;
 }
 
@@ -700,11 +692,7 @@ json detokenize_response(const std::string& text, const ServedModel& model, cons
   std::vector<int> ids;
   for (const json& t : *tokens) {
     if (!t.is_number_integer()) throw bad_request("tokens", "'tokens' must be an array of token ids", "invalid_type");
-    if (t.is_number_unsigned() ? t.get<uint64_t>() >= uint64_t(model.vocab_size)
-                               : t.get<int64_t>() < 0 || t.get<int64_t>() >= model.vocab_size)
-      throw bad_request("tokens", "token id " + quote(t) + " is outside the vocabulary [0, " +
-                                      std::to_string(model.vocab_size) + ")");
-    ids.push_back(int(t.get<int64_t>()));
+    ids.push_back(token_id(t, {}, model, "tokens"));
   }
   return {{"prompt", prompt_text(tokenizer, std::vector<int32_t>(ids.begin(), ids.end()))}};
 }
