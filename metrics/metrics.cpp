@@ -160,33 +160,32 @@ void Registry::claim(const std::string& name, Type type, const std::vector<std::
   }
 }
 
+template <class Metric, class... Extra>
+Family<Metric>& Registry::add(std::deque<std::unique_ptr<Family<Metric>>>& families, Type type,
+                              const std::string& name, const std::string& help, std::vector<std::string> label_names,
+                              Extra&&... extra) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  claim(name, type, label_names);
+  families.push_back(
+      std::make_unique<Family<Metric>>(name, help, std::move(label_names), std::forward<Extra>(extra)...));
+  entries_.push_back({type, families.back().get()});
+  return *families.back();
+}
+
 Family<Counter>& Registry::counter(const std::string& name, const std::string& help,
                                    std::vector<std::string> label_names) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  claim(name, Type::counter, label_names);
-  counters_.push_back(std::make_unique<Family<Counter>>(name, help, std::move(label_names)));
-  entries_.push_back({Type::counter, counters_.back().get()});
-  return *counters_.back();
+  return add(counters_, Type::counter, name, help, std::move(label_names));
 }
 
 Family<Gauge>& Registry::gauge(const std::string& name, const std::string& help,
                                std::vector<std::string> label_names) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  claim(name, Type::gauge, label_names);
-  gauges_.push_back(std::make_unique<Family<Gauge>>(name, help, std::move(label_names)));
-  entries_.push_back({Type::gauge, gauges_.back().get()});
-  return *gauges_.back();
+  return add(gauges_, Type::gauge, name, help, std::move(label_names));
 }
 
 Family<Histogram>& Registry::histogram(const std::string& name, const std::string& help, std::vector<double> bounds,
                                        std::vector<std::string> label_names) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  claim(name, Type::histogram, label_names);
   Histogram check(bounds);  // throws on bad bounds now, not at the first child
-  histograms_.push_back(
-      std::make_unique<Family<Histogram>>(name, help, std::move(label_names), std::move(bounds)));
-  entries_.push_back({Type::histogram, histograms_.back().get()});
-  return *histograms_.back();
+  return add(histograms_, Type::histogram, name, help, std::move(label_names), std::move(bounds));
 }
 
 std::string Registry::render() const {

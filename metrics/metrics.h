@@ -109,6 +109,10 @@ class Registry {
 
  private:
   void claim(const std::string& name, Type type, const std::vector<std::string>& label_names);
+  // Claims the name and keeps a new family of `Metric` in `families`.
+  template <class Metric, class... Extra>
+  Family<Metric>& add(std::deque<std::unique_ptr<Family<Metric>>>& families, Type type, const std::string& name,
+                      const std::string& help, std::vector<std::string> label_names, Extra&&... extra);
   mutable std::mutex mutex_;
   struct Entry {
     Type type;
