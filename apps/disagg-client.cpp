@@ -58,15 +58,13 @@ struct Options {
 Options parse_args(int argc, char** argv) {
   Options o;
   if (const char* env = std::getenv("TOKENIZER"); env && *env) o.tokenizer = env;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") throw UsageError{};
+  for (Flags flags(argc, argv, {"--json", "--status"}); flags.next();) {
+    const std::string& flag = flags.flag();
+    const std::string& value = flags.value();
     if (flag == "--json" || flag == "--status") {
       (flag == "--json" ? o.json : o.status) = true;
       continue;
     }
-    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
-    const std::string value = argv[++i];
     if (o.gen.take(flag, value)) continue;
     if (flag == "--router") {
       const auto colon = value.rfind(':');

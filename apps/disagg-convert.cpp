@@ -36,11 +36,9 @@ disagg::gpu::FileType parse_type(const std::string& value) {
 
 Options parse_args(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") throw UsageError{};
-    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
-    const std::string value = argv[++i];
+  for (Flags flags(argc, argv); flags.next();) {
+    const std::string& flag = flags.flag();
+    const std::string& value = flags.value();
     if (flag == "--model") o.model = value;
     else if (flag == "--tokenizer") o.tokenizer = value;
     else if (flag == "--out") o.out = value;

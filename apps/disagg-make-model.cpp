@@ -57,11 +57,9 @@ Options parse_args(int argc, char** argv) {
       {"--dim", &o.config.dim},           {"--hidden", &o.config.hidden_dim}, {"--layers", &o.config.n_layers},
       {"--heads", &o.config.n_heads},     {"--kv-heads", &o.config.n_kv_heads}, {"--vocab", &o.config.vocab_size},
       {"--seq-len", &o.config.seq_len}};
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") throw UsageError{};
-    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
-    const std::string value = argv[++i];
+  for (Flags flags(argc, argv); flags.next();) {
+    const std::string& flag = flags.flag();
+    const std::string& value = flags.value();
     if (flag == "--out") {
       o.out_dir = value;
     } else if (flag == "--format") {

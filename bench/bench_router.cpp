@@ -73,15 +73,13 @@ const char* kUsage =
 
 Options parse_args(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") throw UsageError{};
+  for (disagg::cli::Flags flags(argc, argv, {"--through-router"}); flags.next();) {
+    const std::string& flag = flags.flag();
+    const std::string& value = flags.value();
     if (flag == "--through-router") {
       o.through_router = true;
       continue;
     }
-    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
-    const std::string value = argv[++i];
     if (flag == "--workers") {
       o.workers.clear();
       std::stringstream list(value);

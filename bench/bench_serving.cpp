@@ -53,11 +53,9 @@ const char* kUsage =
 
 Options parse_args(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || flag == "-h") throw UsageError{};
-    if (i + 1 >= argc) throw UsageError{flag + " needs a value"};
-    const std::string value = argv[++i];
+  for (disagg::cli::Flags flags(argc, argv); flags.next();) {
+    const std::string& flag = flags.flag();
+    const std::string& value = flags.value();
     if (flag == "--model") o.model = value;
     else if (flag == "--requests") o.requests = int(parse_integer(flag, value, 1, 4096));
     else if (flag == "--new-tokens") o.new_tokens = int(parse_integer(flag, value, 1, 100000));

@@ -1,5 +1,6 @@
 #include "apps/cli/cli.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
@@ -99,6 +100,17 @@ void GenerationFlags::require_complete() const {
 
 std::string json_line(const nlohmann::ordered_json& value) {
   return value.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
+bool Flags::next() {
+  if (at_ >= argc_) return false;
+  flag_ = argv_[at_++];
+  value_.clear();
+  if (flag_ == "--help" || flag_ == "-h") throw UsageError{};
+  if (std::find(switches_.begin(), switches_.end(), flag_) != switches_.end()) return true;
+  if (at_ >= argc_) throw UsageError{flag_ + " needs a value"};
+  value_ = argv_[at_++];
+  return true;
 }
 
 }  // namespace disagg::cli

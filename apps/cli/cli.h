@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <exception>
+#include <initializer_list>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -56,6 +57,26 @@ struct GenerationFlags {
 // not valid UTF-8 (a token may be one byte of a multi-byte character) become
 // U+FFFD, so the output stays valid JSON.
 std::string json_line(const nlohmann::ordered_json& value);
+
+// argv's flags one at a time, for a loop `for (Flags f(argc, argv); f.next();)`:
+// --help or -h throws UsageError{} (the usage); a flag of `switches` stands
+// alone (value ""); every other flag takes the next argument as its value,
+// or throws UsageError "FLAG needs a value".
+class Flags {
+ public:
+  Flags(int argc, char** argv, std::initializer_list<const char*> switches = {})
+      : argc_(argc), argv_(argv), switches_(switches.begin(), switches.end()) {}
+  bool next();
+  const std::string& flag() const { return flag_; }
+  const std::string& value() const { return value_; }
+
+ private:
+  int argc_;
+  char** argv_;
+  std::vector<std::string> switches_;
+  int at_ = 1;
+  std::string flag_, value_;
+};
 
 // main() of every executable: parse (UsageError: the message and the usage on
 // stderr, exit 2; --help: the usage on stdout, exit 0), then run (any
