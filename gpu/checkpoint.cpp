@@ -28,8 +28,10 @@
 #include "gpu/hf_tokenizer.h"
 #include "gpu/safetensors.h"
 #include "gpu/error.h"
+#include "gpu/file_check.h"
 #include "gpu/fixed_math.h"
 #include "gpu/gguf.h"
+#include "gpu/json_fields.h"
 #include "gpu/llama_tensors.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -71,13 +73,6 @@ uint64_t fingerprint_bytes(const std::vector<std::pair<const void*, size_t>>& bu
   return hash;
 }
 uint64_t fingerprint_bytes(void* mapping, size_t size) { return fingerprint_bytes({{mapping, size}}); }
-
-struct FileCloser {
-  int fd;
-  ~FileCloser() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -278,20 +273,16 @@ void Checkpoint::load_gguf(size_t file_size) {
 }
 
 std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(path + ": cannot open: " + errno_text());
-  FileCloser closer{fd};
-
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) throw Error(path + ": cannot stat: " + errno_text());
-  if (S_ISDIR(st.st_mode)) {
+  // A FIFO, socket or device is refused before anything blocks (gpu/file_check.h).
+  const InputFile file = InputFile::open(path, Accept::regular_file_or_directory);
+  const int fd = file.fd();
+  if (file.is_directory()) {
     std::shared_ptr<Checkpoint> cp(new Checkpoint());
     cp->path_ = path;
     cp->load_hf(path);
     return cp;
   }
-  if (!S_ISREG(st.st_mode)) throw Error(path + ": not a regular file");
-  const size_t file_size = size_t(st.st_size);
+  const size_t file_size = file.size();
   if (file_size < kHeaderBytes)
     throw Error(path + ": truncated header: expected at least " + std::to_string(kHeaderBytes) +
                 " bytes, found " + std::to_string(file_size));
@@ -363,27 +354,24 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
 
 namespace {
 
-// A whole file mapped read-only.
+// A whole regular file mapped read-only (a FIFO or device refused before
+// anything blocks: gpu/file_check.h).
 std::pair<void*, size_t> map_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(path + ": cannot open: " + errno_text());
-  FileCloser closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) throw Error(path + ": not a regular file");
-  if (st.st_size == 0) throw Error(path + ": empty");
-  void* m = ::mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+  const InputFile file = InputFile::open(path);
+  if (file.size() == 0) throw Error(path + ": empty");
+  void* m = ::mmap(nullptr, file.size(), PROT_READ, MAP_PRIVATE, file.fd(), 0);
   if (m == MAP_FAILED) throw Error(path + ": cannot mmap: " + errno_text());
-  return {m, size_t(st.st_size)};
+  return {m, file.size()};
 }
 
-// The ids of an eos_token_id (an id or a list of them) in a config, if any.
-void add_ids(const nlohmann::json& config, const char* key, std::vector<int>& ids) {
-  if (!config.contains(key)) return;
-  const nlohmann::json& v = config[key];
-  if (v.is_number_integer()) ids.push_back(v.get<int>());
-  else if (v.is_array())
-    for (const auto& x : v)
-      if (x.is_number_integer()) ids.push_back(x.get<int>());
+// The token ids a config names (eos_token_id, an id or a list of them;
+// bos_token_id, pad_token_id), each checked against the vocabulary as the
+// GGUF path checks tokenizer.ggml.*_token_id: an id beyond it would index
+// past the classifier's rows. Returns the end-of-generation ones.
+std::vector<int> named_token_ids(const JsonFields& config, int vocab_size) {
+  config.token_ids("bos_token_id", vocab_size);
+  config.token_ids("pad_token_id", vocab_size);
+  return config.token_ids("eos_token_id", vocab_size);
 }
 
 }  // namespace
@@ -397,54 +385,67 @@ void Checkpoint::load_hf(const std::string& dir) {
   namespace fs = std::filesystem;
   const std::string config_path = (fs::path(dir) / "config.json").string();
   const nlohmann::json j = read_json_file(config_path);
+  const JsonFields cfg(j, config_path);  // every value type- and range-checked (gpu/json_fields.h)
   ModelConfig& c = config_;
-  try {
-    const std::string arch = j.at("architectures").at(0).get<std::string>();
-    if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM") c.arch = Architecture::llama, c.rotate_half = true;
-    else if (arch == "Qwen2ForCausalLM") c.arch = Architecture::qwen2;
-    else if (arch == "Qwen3ForCausalLM") c.arch = Architecture::qwen3;
-    else throw Error(config_path + ": architectures[0] " + arch +
-                     " is not supported (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM are)");
-    auto positive = [&](const char* key) {
-      const int64_t v = j.at(key).get<int64_t>();
-      if (v <= 0 || v > std::numeric_limits<int32_t>::max())
-        throw Error(config_path + ": " + key + " = " + std::to_string(v) + " is out of range");
-      return int(v);
+  const nlohmann::json& architectures = cfg.array("architectures");
+  if (architectures.empty() || !architectures[0].is_string())
+    wrong_json_value(config_path, "architectures", architectures, "a list of architecture names");
+  const std::string arch = architectures[0].get<std::string>();
+  if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM") c.arch = Architecture::llama, c.rotate_half = true;
+  else if (arch == "Qwen2ForCausalLM") c.arch = Architecture::qwen2;
+  else if (arch == "Qwen3ForCausalLM") c.arch = Architecture::qwen3;
+  else throw Error(config_path + ": architectures[0] " + arch +
+                   " is not supported (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM are)");
+  constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
+  auto positive = [&](const char* key) { return int(cfg.integer(key, 1, kMaxDimension)); };
+  c.dim = positive("hidden_size");
+  c.hidden_dim = positive("intermediate_size");
+  c.n_layers = positive("num_hidden_layers");
+  c.n_heads = positive("num_attention_heads");
+  c.n_kv_heads = cfg.has("num_key_value_heads") ? positive("num_key_value_heads") : c.n_heads;
+  c.vocab_size = positive("vocab_size");
+  c.seq_len = positive("max_position_embeddings");
+  // Sliding-window attention (Mistral 7B v0.1; Qwen with use_sliding_window)
+  // equals full attention up to the window: the context stops there.
+  const bool windowed = arch == "MistralForCausalLM" || cfg.boolean("use_sliding_window", false);
+  if (windowed && cfg.has("sliding_window")) c.seq_len = std::min(c.seq_len, positive("sliding_window"));
+  if (cfg.has("head_dim")) {
+    const int head_dim = positive("head_dim");
+    if (int64_t(head_dim) * c.n_heads != c.dim) c.head_dim = head_dim;
+  }
+  // Range-checked as doubles: a float conversion of 1e300 is undefined.
+  const double rope_theta = cfg.number("rope_theta", 10000.0), rms_epsilon = cfg.number("rms_norm_eps", 1e-5);
+  if (!(rope_theta > 1.0 && rope_theta <= double(std::numeric_limits<float>::max())))
+    cfg.wrong("rope_theta", "a number above 1 that fits a float");
+  if (!(rms_epsilon > 0.0 && rms_epsilon <= 1e-2)) cfg.wrong("rms_norm_eps", "a number above 0 and at most 0.01");
+  c.rope_theta = float(rope_theta);
+  c.rms_epsilon = float(rms_epsilon);
+  c.shared_classifier = cfg.boolean("tie_word_embeddings", false);
+  if (cfg.has("rope_scaling")) {
+    const JsonFields r = cfg.object("rope_scaling");
+    const std::string type = r.has("rope_type") ? r.string("rope_type") : r.string("type", "");
+    if (type != "llama3")
+      throw Error(config_path + ": rope_scaling type \"" + type + "\" is not supported (llama3 is)");
+    if (std::string problem = validate(c); !problem.empty()) throw Error(config_path + ": " + problem);
+    auto factor = [&](const char* key) {
+      const double v = r.number(key);
+      if (!(v > 0.0 && v <= 1e6)) r.wrong(key, "a number above 0 and at most 1e6");
+      return float(v);
     };
-    c.dim = positive("hidden_size");
-    c.hidden_dim = positive("intermediate_size");
-    c.n_layers = positive("num_hidden_layers");
-    c.n_heads = positive("num_attention_heads");
-    c.n_kv_heads = j.contains("num_key_value_heads") && !j["num_key_value_heads"].is_null() ? positive("num_key_value_heads")
-                                                                                          : c.n_heads;
-    c.vocab_size = positive("vocab_size");
-    c.seq_len = positive("max_position_embeddings");
-    // Sliding-window attention (Mistral 7B v0.1; Qwen with use_sliding_window)
-    // equals full attention up to the window: the context stops there.
-    const bool windowed = arch == "MistralForCausalLM" || j.value("use_sliding_window", false);
-    if (windowed && j.contains("sliding_window") && j["sliding_window"].is_number_integer())
-      c.seq_len = std::min(c.seq_len, positive("sliding_window"));
-    if (j.contains("head_dim") && !j["head_dim"].is_null() && j["head_dim"].get<int64_t>() * c.n_heads != c.dim)
-      c.head_dim = positive("head_dim");
-    c.rope_theta = j.value("rope_theta", 10000.0f);
-    c.rms_epsilon = j.value("rms_norm_eps", 1e-5f);
-    c.shared_classifier = j.value("tie_word_embeddings", false);
-    if (!(c.rope_theta > 1.0f) || !(c.rms_epsilon > 0.0f && c.rms_epsilon <= 1e-2f))
-      throw Error(config_path + ": rope_theta or rms_norm_eps is out of range");
-    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-      const nlohmann::json& r = j["rope_scaling"];
-      const std::string type = r.value("rope_type", r.value("type", ""));
-      if (type != "llama3")
-        throw Error(config_path + ": rope_scaling type \"" + type + "\" is not supported (llama3 is)");
-      if (std::string problem = validate(c); !problem.empty()) throw Error(config_path + ": " + problem);
-      c.rope_factors = llama3_rope_factors(c, r.at("factor").get<float>(), r.at("low_freq_factor").get<float>(),
-                                           r.at("high_freq_factor").get<float>(),
-                                           r.at("original_max_position_embeddings").get<int>());
-    }
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(config_path + ": " + e.what());
+    const float scale = factor("factor"), low = factor("low_freq_factor"), high = factor("high_freq_factor");
+    if (!(high > low)) r.wrong("high_freq_factor", "a number above low_freq_factor");
+    c.rope_factors = llama3_rope_factors(c, scale, low, high,
+                                         int(r.integer("original_max_position_embeddings", 1, kMaxDimension)));
   }
   if (std::string problem = validate(c); !problem.empty()) throw Error(config_path + ": " + problem);
+  // The ids config.json and generation_config.json name, checked whether or
+  // not the directory has a tokenizer (their eos ids end generation with one).
+  std::vector<int> end_ids = named_token_ids(cfg, c.vocab_size);
+  const std::string generation = (fs::path(dir) / "generation_config.json").string();
+  if (fs::exists(generation)) {
+    const nlohmann::json g = read_json_file(generation);
+    for (int id : named_token_ids(JsonFields(g, generation), c.vocab_size)) end_ids.push_back(id);
+  }
 
   // The weight files: one, or the shards an index names (each mapped once).
   std::vector<std::string> files;
@@ -511,10 +512,7 @@ void Checkpoint::load_hf(const std::string& dir) {
   const std::string tokenizer_config = (fs::path(dir) / "tokenizer_config.json").string();
   if (fs::exists(tokenizer)) {
     vocabulary_ = read_hf_tokenizer(tokenizer, fs::exists(tokenizer_config) ? tokenizer_config : "", c.vocab_size);
-    std::vector<int> named;
-    add_ids(j, "eos_token_id", named);
-    const std::string generation = (fs::path(dir) / "generation_config.json").string();
-    if (fs::exists(generation)) add_ids(read_json_file(generation), "eos_token_id", named);
+    std::vector<int> named = end_ids;
     if (vocabulary_->eos >= 0) named.push_back(vocabulary_->eos);
     c.end_tokens = end_tokens_of(*vocabulary_, named);
   }

@@ -1,5 +1,6 @@
 #include "gpu/gguf.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -179,12 +180,14 @@ std::optional<TypeTraits> traits_of(uint32_t ggml_type) {
 
 std::string ggml_type_name(uint32_t ggml_type) {
   if (auto t = traits_of(ggml_type)) return t->name;
-  static const char* const names[] = {"f32",  "f16",  "q4_0", "q4_1", "type 4", "type 5", "q5_0", "q5_1",
+  // Its number alone where ggml has no name (4 and 5 were removed types):
+  // errors say "type 99", not "type type 99".
+  static const char* const names[] = {"f32",  "f16",  "q4_0", "q4_1", "4",      "5",      "q5_0", "q5_1",
                                       "q8_0", "q8_1", "q2_k", "q3_k", "q4_k",   "q5_k",   "q6_k", "q8_k",
                                       "iq2_xxs", "iq2_xs", "iq3_xxs", "iq1_s", "iq4_nl", "iq3_s", "iq2_s", "iq4_xs",
                                       "i8", "i16", "i32", "i64", "f64", "iq1_m", "bf16"};
   if (ggml_type < sizeof names / sizeof names[0]) return names[ggml_type];
-  return "type " + std::to_string(ggml_type);
+  return std::to_string(ggml_type);
 }
 
 bool Value::is_integer() const {
@@ -272,6 +275,23 @@ File File::parse(const uint8_t* data, size_t size, const std::string& path) {
       throw Error(path + ": tensor " + t.name + ": its " + std::to_string(t.bytes) + " bytes at offset " +
                   std::to_string(t.offset) + " end past the file's " + std::to_string(size) + " bytes (truncated?)");
     t.offset += f.data_offset_;
+  }
+  // No two tensors share bytes: a tensor whose type or shape was changed to
+  // run into the next one would be read as both (each of its bytes is then
+  // one tensor's weight and another's). Sorted by offset, each tensor must
+  // end where or before the next begins; zero-byte tensors cannot exist here.
+  std::vector<const TensorInfo*> by_offset;
+  by_offset.reserve(f.tensors_.size());
+  for (const auto& t : f.tensors_) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
+  for (size_t k = 1; k < by_offset.size(); ++k) {
+    const TensorInfo& a = *by_offset[k - 1];
+    const TensorInfo& b = *by_offset[k];
+    if (b.offset - a.offset < a.bytes)
+      throw Error(path + ": tensors " + a.name + " and " + b.name + " overlap: " + a.name + "'s " +
+                  std::to_string(a.bytes) + " bytes at offset " + std::to_string(a.offset - f.data_offset_) +
+                  " run into " + b.name + " at offset " + std::to_string(b.offset - f.data_offset_));
   }
   return f;
 }

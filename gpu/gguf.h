@@ -12,7 +12,7 @@
 //
 // Every length and count the file announces is checked against the bytes
 // that are left before anything is allocated for it; every tensor against
-// its type's block size and the file's end. Errors name the file and the key
+// its type's block size, the file's end and the other tensors (no overlap). Errors name the file and the key
 // or tensor: "model.gguf: tensor blk.0.attn_q.weight: ...".
 #pragma once
 #include <cstddef>
@@ -52,7 +52,8 @@ struct TypeTraits {
 };
 // Nullopt for a type number this project does not read.
 std::optional<TypeTraits> traits_of(uint32_t ggml_type);
-// The name ggml gives a type number ("q5_1", ...), or "type N".
+// The name ggml gives a type number ("q5_1", ...), or the number ("99") for
+// one it does not name; errors put "type " before either.
 std::string ggml_type_name(uint32_t ggml_type);
 
 struct Value {
@@ -81,7 +82,8 @@ class File {
  public:
   // Parses `size` bytes at `data` (the whole file). Throws gpu::Error
   // "<path>: <problem>" for anything that is not a valid GGUF v2/v3 file
-  // whose tensors all lie inside it and have a type traits_of knows.
+  // whose tensors all lie inside its data section, overlap no other tensor
+  // and have a type traits_of knows.
   static File parse(const uint8_t* data, size_t size, const std::string& path);
 
   uint32_t version() const { return version_; }

@@ -1,12 +1,14 @@
 #include "gpu/hf_tokenizer.h"
 
-#include <fstream>
+#include <limits>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "gpu/byte_bpe.h"
 #include "gpu/error.h"
+#include "gpu/file_check.h"
+#include "gpu/json_fields.h"
 
 namespace disagg::gpu {
 namespace {
@@ -35,10 +37,9 @@ bool has_byte_level(const json& pre) {
 }  // namespace
 
 json read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open");
+  const std::string text = read_regular_file(path);  // a FIFO or device refused before anything blocks
   try {
-    return json::parse(in);
+    return json::parse(text);
   } catch (const json::exception& e) {
     throw Error(path + ": not JSON: " + e.what());
   }
@@ -47,20 +48,30 @@ json read_json_file(const std::string& path) {
 Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_path, int vocab_size) {
   const json t = read_json_file(path);
   try {
-    const json& model = t.at("model");
-    if (model.value("type", "") != "BPE" || !has_byte_level(t.value("pre_tokenizer", json())))
-      throw Error(path + ": model.type " + model.value("type", "?") +
+    // Every value type- and range-checked before it is converted (gpu/json_fields.h).
+    const JsonFields top(t, path);
+    const JsonFields model = top.object("model");
+    const json pre_tokenizer = top.has("pre_tokenizer") ? *top.find("pre_tokenizer") : json();
+    if (model.string("type", "") != "BPE" || !has_byte_level(pre_tokenizer))
+      throw Error(path + ": model.type " + model.string("type", "?") +
                   ": only byte-level BPE tokenizers (a ByteLevel pre-tokenizer) are read");
-    const std::string pattern = split_pattern(t.at("pre_tokenizer"));
+    const std::string pattern = split_pattern(pre_tokenizer);
     const PreTokenizer* pre = pre_tokenizer_with_pattern(pattern);
     if (!pre) throw Error(path + ": pre_tokenizer: the split regex " + json(pattern).dump() + " is not one this reader knows");
 
+    const int64_t max_id = std::numeric_limits<int32_t>::max() - 1;
     std::map<int, std::pair<std::string, TokenType>> by_id;
-    for (const auto& [piece, id] : model.at("vocab").items()) by_id[id.get<int>()] = {piece, TokenType::normal};
-    for (const json& added : t.value("added_tokens", json::array()))
-      by_id[added.at("id").get<int>()] = {added.at("content").get<std::string>(),
-                                          added.value("special", false) ? TokenType::control : TokenType::user_defined};
-    if (by_id.empty() || by_id.begin()->first < 0) throw Error(path + ": model.vocab holds a negative id or nothing");
+    const JsonFields vocab = model.object("vocab");
+    for (const auto& [piece, id] : vocab.value().items()) by_id[int(vocab.integer(piece, 0, max_id))] = {piece, TokenType::normal};
+    if (top.has("added_tokens")) {
+      const json& added_tokens = top.array("added_tokens");
+      for (size_t k = 0; k < added_tokens.size(); ++k) {
+        const JsonFields added(added_tokens[k], path, "added_tokens[" + std::to_string(k) + "].");
+        by_id[int(added.integer("id", 0, max_id))] = {
+            added.string("content"), added.boolean("special", false) ? TokenType::control : TokenType::user_defined};
+      }
+    }
+    if (by_id.empty()) throw Error(path + ": model.vocab holds nothing");
     const int rows = vocab_size > 0 ? vocab_size : by_id.rbegin()->first + 1;
     if (by_id.rbegin()->first >= rows)
       throw Error(path + ": token id " + std::to_string(by_id.rbegin()->first) + " does not fit a vocabulary of " +
@@ -76,14 +87,23 @@ Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_
       v.pieces[size_t(id)] = piece.first;
       v.types[size_t(id)] = piece.second;
     }
-    for (const json& m : model.at("merges"))
-      v.merges.push_back(m.is_string() ? m.get<std::string>() : m.at(0).get<std::string>() + " " + m.at(1).get<std::string>());
+    const json& merges = model.array("merges");
+    for (size_t k = 0; k < merges.size(); ++k) {
+      const json& m = merges[k];
+      if (m.is_string()) v.merges.push_back(m.get<std::string>());
+      else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string())
+        v.merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+      else wrong_json_value(path, "model.merges[" + std::to_string(k) + "]", m, "a string \"a b\" or a pair of strings");
+    }
 
-    const json config = config_path.empty() ? json::object() : read_json_file(config_path);
+    const json config_json = config_path.empty() ? json::object() : read_json_file(config_path);
+    const JsonFields config(config_json, config_path);
     auto id_of = [&](const char* key) {
-      const json& value = config.contains(key) ? config[key] : json();
-      const std::string text = value.is_string() ? value.get<std::string>()
-                               : value.is_object() ? value.value("content", "") : "";
+      const json* value = config.find(key);
+      std::string text;
+      if (value && value->is_string()) text = value->get<std::string>();
+      else if (value && value->is_object()) text = JsonFields(*value, config_path, std::string(key) + ".").string("content", "");
+      else if (value) config.wrong(key, "a string or an object with a content string");
       if (text.empty()) return -1;
       for (const auto& [id, piece] : by_id)
         if (piece.first == text) return id;
@@ -91,12 +111,13 @@ Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_
     };
     v.bos = id_of("bos_token");
     v.eos = id_of("eos_token");
-    v.add_bos = config.value("add_bos_token", v.bos >= 0) && v.bos >= 0;
-    if (config.contains("chat_template") && config["chat_template"].is_string())
-      v.chat_template = config["chat_template"].get<std::string>();
+    v.add_bos = config.boolean("add_bos_token", v.bos >= 0) && v.bos >= 0;
+    if (const json* chat_template = config.find("chat_template"); chat_template && chat_template->is_string())
+      v.chat_template = chat_template->get<std::string>();
     return v;
   } catch (const json::exception& e) {
-    throw Error(path + ": " + e.what());
+    // A shape the readers above do not check (inside pre_tokenizer, say).
+    throw Error(path + ": unexpected JSON: " + e.what());
   }
 }
 

@@ -16,8 +16,9 @@ namespace disagg::gpu {
 // has). Throws Error naming the file and the key: not JSON, not a BPE model
 // with a ByteLevel pre-tokenizer, an unknown split regex, an id at or beyond
 // `vocab_size`, a bos/eos token that is not in the vocabulary.
-// A Hugging Face JSON file (config.json, tokenizer.json, ...); throws Error
-// "<path>: cannot open" or "<path>: not JSON: ...".
+// A Hugging Face JSON file (config.json, tokenizer.json, ...), opened without
+// blocking (gpu/file_check.h); throws Error "<path>: cannot open: ...",
+// "<path>: not a regular file (a FIFO)" or "<path>: not JSON: ...".
 nlohmann::json read_json_file(const std::string& path);
 
 Vocabulary read_hf_tokenizer(const std::string& tokenizer_json, const std::string& config_json, int vocab_size);

@@ -1,7 +1,10 @@
 #include "gpu/safetensors.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -64,6 +67,23 @@ std::map<std::string, Tensor> parse(const uint8_t* data, size_t size, const std:
       throw Error(where + ": " + std::to_string(x.bytes) + " bytes for " + std::to_string(count) + " " + x.dtype +
                   " values");
     out.emplace(name, std::move(x));
+  }
+  // No two tensors share bytes (lm_head's offsets equal to embed_tokens'
+  // would make one tensor read as both): sorted by offset, each tensor ends
+  // where or before the next begins. Empty tensors hold no bytes to share.
+  std::vector<std::pair<const std::string*, const Tensor*>> by_offset;
+  for (const auto& [name, t] : out)
+    if (t.bytes > 0) by_offset.emplace_back(&name, &t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const auto& a, const auto& b) { return a.second->offset < b.second->offset; });
+  for (size_t k = 1; k < by_offset.size(); ++k) {
+    const auto& [a_name, a] = by_offset[k - 1];
+    const auto& [b_name, b] = by_offset[k];
+    if (b->offset - a->offset < a->bytes)
+      throw Error(path + ": tensors " + *a_name + " and " + *b_name + " overlap: " + *a_name + "'s data_offsets [" +
+                  std::to_string(a->offset - data_start) + ", " + std::to_string(a->offset - data_start + a->bytes) +
+                  "] run into " + *b_name + "'s [" + std::to_string(b->offset - data_start) + ", " +
+                  std::to_string(b->offset - data_start + b->bytes) + "]");
   }
   return out;
 }

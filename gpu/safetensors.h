@@ -24,9 +24,9 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // Every tensor of the file `data` (`size` bytes) maps. Throws Error("<path>:
 // ...") for a header length beyond the file or kMaxHeaderBytes, a header that
 // is not a JSON object of tensors, a negative or overflowing shape, offsets
-// out of order or outside the data, or a byte count that disagrees with the
-// dtype and shape (for F32, F16, BF16; other dtypes are listed with their
-// bytes for the caller to refuse by name).
+// out of order or outside the data, two tensors whose bytes overlap, or a
+// byte count that disagrees with the dtype and shape (for F32, F16, BF16;
+// other dtypes are listed with their bytes for the caller to refuse by name).
 std::map<std::string, Tensor> parse(const uint8_t* data, size_t size, const std::string& path);
 
 // Bytes per value of a dtype, or 0 for one this library does not compute with.

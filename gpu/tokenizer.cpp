@@ -12,6 +12,7 @@
 
 #include "gpu/byte_bpe.h"
 #include "gpu/error.h"
+#include "gpu/file_check.h"
 #include "gpu/merge_queue.h"
 
 namespace disagg::gpu {
@@ -85,10 +86,7 @@ bool is_utf8_continuation(unsigned char c) { return (c & 0xC0) == 0x80; }
 }  // namespace
 
 Tokenizer Tokenizer::load(const std::string& path, int expected_vocab) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open tokenizer");
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw Error(path + ": read error");
+  const std::string bytes = read_regular_file(path);  // a FIFO or device refused before anything blocks
 
   Reader r(path, bytes);
   const int32_t max_token_length = r.read<int32_t>("max_token_length");

@@ -3,7 +3,6 @@
 #include "actors/log.h"
 
 #include <cctype>
-#include <fstream>
 #include <sstream>
 #include <sys/stat.h>
 
@@ -11,6 +10,8 @@
 #include "caf/io/middleman.hpp"
 #include "caf/settings.hpp"
 #include "gpu/chat_template.h"
+#include "gpu/error.h"
+#include "gpu/file_check.h"
 
 namespace disagg {
 
@@ -50,11 +51,15 @@ bool is_regular_file(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
-// A model file, or a Hugging Face model directory (its config.json).
-bool is_model(const std::string& path) {
+// Why `path` is no model file (nor a Hugging Face model directory with its
+// config.json), or "": opened as the loader opens it, without blocking
+// (gpu/file_check.h), so a FIFO is named here instead of hanging the node.
+std::string model_problem(const std::string& path) {
+  if (std::string why = gpu::file_problem(path, gpu::Accept::regular_file_or_directory); !why.empty()) return why;
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return false;
-  return S_ISREG(st.st_mode) || (S_ISDIR(st.st_mode) && is_regular_file(path + "/config.json"));
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+    if (std::string why = gpu::file_problem(path + "/config.json"); !why.empty()) return "config.json: " + why;
+  return {};
 }
 
 // One "key = value" line of the file, as the scanner saw it.
@@ -168,8 +173,15 @@ std::vector<std::string> check_config_file(const std::string& path,
                                            const caf::config_option_set& options) {
   std::vector<std::string> problems;
   const std::string where = "config " + path;
-  std::ifstream in(path);
-  if (!in) return {where + ": cannot open"};
+  // Read once, without blocking on a FIFO (gpu/file_check.h); both passes
+  // below read these bytes.
+  std::string text;
+  try {
+    text = gpu::read_regular_file(path);
+  } catch (const gpu::Error& e) {
+    return {std::string("config ") + e.what()};  // "config <path>: not a regular file (a FIFO)"
+  }
+  std::istringstream in(text);
   auto report = [&](int line, const std::string& what) {
     problems.push_back(where + " line " + std::to_string(line) + ": " + what);
   };
@@ -239,7 +251,7 @@ std::vector<std::string> check_config_file(const std::string& path,
 
   // CAF keeps only values it could convert to the option's type: whatever
   // the scanner accepted but CAF dropped had the wrong type or range.
-  std::ifstream again(path);
+  std::istringstream again(text);
   auto parsed = caf::actor_system_config::parse_config(again, options);
   if (!parsed) {
     const int line = error_line(parsed.error());
@@ -305,10 +317,12 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
   const bool worker = node.role != "router";  // frontends too: the model sets the context
   if (worker && disagg.model.empty())
     errors.push_back("disagg.model is required for a " + node.role + " node");
-  if (!disagg.model.empty() && !is_model(disagg.model))
-    errors.push_back("disagg.model: " + disagg.model + " is not a readable file (or a directory with a config.json)");
-  if (!disagg.tokenizer.empty() && !is_regular_file(disagg.tokenizer))
-    errors.push_back("disagg.tokenizer: " + disagg.tokenizer + " is not a readable file");
+  if (!disagg.model.empty())
+    if (const std::string why = model_problem(disagg.model); !why.empty())
+      errors.push_back("disagg.model: " + disagg.model + " is not a readable file (or a directory with a config.json): " + why);
+  if (!disagg.tokenizer.empty())
+    if (const std::string why = gpu::file_problem(disagg.tokenizer); !why.empty())
+      errors.push_back("disagg.tokenizer: " + disagg.tokenizer + " is not a readable file: " + why);
   return result;
 }
 

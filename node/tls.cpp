@@ -8,12 +8,12 @@
 #include <openssl/x509.h>
 #include <openssl/x509_vfy.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 
 #include <atomic>
 #include <memory>
 
 #include "actors/log.h"
+#include "gpu/file_check.h"
 #include "node/port_guard.h"
 
 #include "caf/config_option_adder.hpp"
@@ -26,11 +26,6 @@ namespace {
 void add_problem(std::string& problems, const std::string& what) {
   if (!problems.empty()) problems += "; ";
   problems += what;
-}
-
-bool is_regular_file(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 // OpenSSL's error queue as one line (emptied).
@@ -213,8 +208,10 @@ std::string TlsOptions::validate() const {
     if (f.path.empty())
       add_problem(problems, std::string(f.name) +
                                 " is required with TLS (set tls.certificate, tls.key and tls.ca-file together)");
-    else if (!is_regular_file(f.path))
-      add_problem(problems, std::string(f.name) + ": " + f.path + " is not a readable file");
+    // Opened (without blocking) and fstat()ed here, before OpenSSL and CAF
+    // open it by name: a FIFO there would block the node in open() for good.
+    else if (const std::string why = gpu::file_problem(f.path); !why.empty())
+      add_problem(problems, std::string(f.name) + ": " + f.path + " is not a readable file: " + why);
   }
   if (!problems.empty()) return problems;
 

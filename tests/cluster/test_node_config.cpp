@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -14,6 +15,8 @@
 #include "node/config.h"
 #include "cluster/child_process.h"
 #include "cluster/cluster_fixture.h"
+#include "gpu/model_writer.h"
+#include "gpu/open_error.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -124,6 +127,49 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
   write_text_file(dir + "/model.bin", "not a checkpoint");
   expect_fails_fast({"corrupt model", "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\nmodel = \"" +
                                           dir + "/model.bin\"\n", {}, 1, "cannot load the model"});
+  std::filesystem::remove_all(dir);
+}
+
+// A FIFO where a node reads a file (the model, a Hugging Face directory's
+// files, the tokenizer, a TLS file, the config file) is named at once, not
+// waited on (issue 44: every node of `MODEL=dir scripts/cluster up`, dir's
+// model.safetensors a FIFO, hung silently in open()).
+TEST(NodeStartup, AFifoWhereAFileBelongsIsNamedNotWaitedOn) {
+  const std::string dir = make_temp_dir("node-fifo");
+  auto fifo = [&](const std::string& name) {
+    const std::string path = dir + "/" + name;
+    make_fifo(path);
+    return path;
+  };
+  const std::string worker = "[node]\nrole = \"prefill\"\nrouter-port = 4000\n[disagg]\n";
+  const std::string model = fifo("m.gguf");
+  expect_fails_fast({"model", worker + "model = \"" + model + "\"\n", {}, 2,
+                     "disagg.model: " + model + " is not a readable file (or a directory with a config.json): "
+                     "not a regular file or a directory (a FIFO)"});
+  const auto weights = gpu::random_weights(gpu::ModelConfig{64, 96, 2, 4, 2, 300, 128, false}, 4);
+  gpu::write_hf_directory(*weights, dir + "/hf-config", gpu::FileType::f32);
+  fifo("hf-config/config.json");
+  expect_fails_fast({"config.json", worker + "model = \"" + dir + "/hf-config\"\n", {}, 2,
+                     "disagg.model: " + dir + "/hf-config is not a readable file (or a directory with a config.json): "
+                     "config.json: not a regular file (a FIFO)"});
+  gpu::write_hf_directory(*weights, dir + "/hf-weights", gpu::FileType::f32);
+  fifo("hf-weights/model.safetensors");
+  expect_fails_fast({"model.safetensors", worker + "model = \"" + dir + "/hf-weights\"\n", {}, 1,
+                     "cannot load the model: " + dir + "/hf-weights/model.safetensors: not a regular file (a FIFO)"});
+  const std::string tokenizer = fifo("tokenizer.bin");
+  expect_fails_fast({"tokenizer", worker + "model = \"" + shared_model() + "\"\ntokenizer = \"" + tokenizer + "\"\n", {}, 2,
+                     "disagg.tokenizer: " + tokenizer + " is not a readable file: not a regular file (a FIFO)"});
+  const std::string certificate = fifo("node.pem");
+  expect_fails_fast({"TLS certificate", "[node]\nrole = \"router\"\n",
+                     {"--tls.certificate=" + certificate, "--tls.key=" + certificate, "--tls.ca-file=" + certificate}, 2,
+                     "tls.certificate: " + certificate + " is not a readable file: not a regular file (a FIFO)"});
+  const std::string ini = fifo("node.ini");
+  NodeSystemConfig config;
+  EXPECT_EQ(error_beside_fifo(ini, [&] {
+              const auto problems = check_config_file(ini, config.options());
+              if (!problems.empty()) throw std::runtime_error(problems.front());
+            }),
+            "config " + ini + ": not a regular file (a FIFO)");
   std::filesystem::remove_all(dir);
 }
 

@@ -1,6 +1,10 @@
 // Checkpoint loading, validation, fingerprinting and random-checkpoint writing.
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +15,7 @@
 #include "gpu/checkpoint.h"
 #include "gpu/model_writer.h"
 #include "gpu/error.h"
+#include "gpu/open_error.h"
 #include "support/test_paths.h"
 
 namespace disagg::gpu {
@@ -260,6 +265,28 @@ TEST_F(CheckpointFiles, WriteRejectsInvalidConfig) {
 }
 
 TEST_F(CheckpointFiles, MissingFile) { expect_open_error(path("absent.bin"), "cannot open"); }
+
+// A FIFO, a socket or a device named as the model is refused at once, naming
+// it (issue 44: open() of a FIFO blocked until the process was killed).
+TEST_F(CheckpointFiles, AFifoSocketOrDeviceIsRefusedWithoutBlocking) {
+  const std::string fifo = path("model.bin");
+  test::make_fifo(fifo);
+  const std::string e = test::error_beside_fifo(fifo, [&] { Checkpoint::open(fifo); });
+  EXPECT_EQ(e, fifo + ": not a regular file or a directory (a FIFO)");
+
+  const std::string socket_path = path("model.sock");
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  ASSERT_LT(socket_path.size(), sizeof address.sun_path);
+  std::memcpy(address.sun_path, socket_path.c_str(), socket_path.size() + 1);
+  const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(s, 0);
+  ASSERT_EQ(::bind(s, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
+  expect_open_error(socket_path, "not a regular file or a directory (a socket)");
+  ::close(s);
+
+  expect_open_error("/dev/null", "not a regular file or a directory (a character device)");
+}
 
 TEST_F(CheckpointFiles, TruncatedHeader) {
   write_bytes(path("short.bin"), std::vector<char>(10, 1));

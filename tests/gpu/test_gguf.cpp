@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <random>
@@ -205,7 +206,7 @@ TEST(Gguf, BadFilesGetAnErrorNamingTheProblem) {
        "makes the tensor too large"},
       {"q5_1", Bytes().header(1, 0).tensor("blk.0.attn_q.weight", {32, 2}, 7, 0).zeros(64).b,
        "tensor blk.0.attn_q.weight: type q5_1 is not supported"},
-      {"unknown type", Bytes().header(1, 0).tensor("w", {32}, 99, 0).zeros(64).b, "tensor w: type type 99 is not supported"},
+      {"unknown type", Bytes().header(1, 0).tensor("w", {32}, 99, 0).zeros(64).b, "tensor w: type 99 is not supported"},
       {"partial block", Bytes().header(1, 0).tensor("w", {48, 2}, 8, 0).zeros(64).b,
        "tensor w: rows of 48 values are not whole q8_0 blocks of 32"},
       {"unaligned offset", Bytes().header(1, 0).tensor("w", {4}, 0, 8).zeros(64).b,
@@ -222,6 +223,34 @@ TEST(Gguf, BadFilesGetAnErrorNamingTheProblem) {
     EXPECT_EQ(e.rfind("bad.gguf: ", 0), 0u) << c.what << ": " << e;
     EXPECT_NE(e.find(c.expected), std::string::npos) << c.what << ": " << e;
   }
+}
+
+// No two tensors' bytes overlap (issue 44: token_embd's type changed so that
+// its bytes ran into the next tensor was accepted, each byte then read as
+// two tensors' weights); the error names both. Adjacent tensors are fine.
+TEST(Gguf, OverlappingTensorsAreRefusedNamingBoth) {
+  const struct {
+    const char* what;
+    std::vector<uint8_t> bytes;
+    const char* expected;
+  } cases[] = {
+      {"runs into the next", Bytes().header(2, 0).tensor("a", {32}, 0, 0).tensor("b", {8}, 0, 64).pad_to(32).zeros(256).b,
+       "bad.gguf: tensors a and b overlap: a's 128 bytes at offset 0 run into b at offset 64"},
+      {"listed in another order", Bytes().header(2, 0).tensor("b", {8}, 0, 64).tensor("a", {32}, 0, 0).pad_to(32).zeros(256).b,
+       "bad.gguf: tensors a and b overlap: a's 128 bytes at offset 0 run into b at offset 64"},
+      {"a type with more bytes", Bytes().header(2, 0).tensor("a", {32}, 0 /* f32: 128 bytes */, 0).tensor("b", {32}, 8, 96)
+                                     .pad_to(32).zeros(256).b,
+       "bad.gguf: tensors a and b overlap: a's 128 bytes at offset 0 run into b at offset 96"},
+      {"one inside another", Bytes().header(3, 0).tensor("a", {64}, 0, 0).tensor("b", {8}, 0, 256).tensor("c", {8}, 0, 32)
+                                 .pad_to(32).zeros(512).b,
+       "bad.gguf: tensors a and c overlap: a's 256 bytes at offset 0 run into c at offset 32"},
+  };
+  for (const auto& c : cases) EXPECT_EQ(error_of(c.bytes), c.expected) << c.what;
+  const std::string e = error_of(Bytes().header(2, 0).tensor("a", {8}, 0, 32).tensor("b", {8}, 0, 32).pad_to(32).zeros(128).b);
+  EXPECT_TRUE(e == "bad.gguf: tensors a and b overlap: a's 32 bytes at offset 32 run into b at offset 32" ||
+              e == "bad.gguf: tensors b and a overlap: b's 32 bytes at offset 32 run into a at offset 32")
+      << "the same offset: " << e;
+  EXPECT_EQ(error_of(Bytes().header(2, 0).tensor("a", {8}, 0, 0).tensor("b", {8}, 0, 32).pad_to(32).zeros(64).b), "(parsed)");
 }
 
 // Every prefix of a valid file and thousands of copies with damaged bytes:
@@ -386,6 +415,44 @@ TEST(GgufModel, ASmallModelLoadsWithItsShapeFromTheMetadata) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("the model file has no vocabulary"), std::string::npos) << e.what();
   }
+}
+
+// A model whose tensors overlap: blk.0.attn_q.weight's offset made
+// token_embd.weight's (both aligned, both inside the file).
+TEST(GgufModel, AModelWithOverlappingTensorsIsRefused) {
+  const std::string dir = test::make_temp_dir("gguf-overlap");
+  const std::string path = ModelFile().write(dir + "/overlap.gguf");
+  std::vector<uint8_t> bytes = gguf::read_all(path);
+  // The u64 offset that ends a tensor's info: after its name, n_dims, dims and type.
+  auto offset_at = [&](const std::string& name) {
+    const std::vector<uint8_t> key = gguf::Bytes().str(name).b;
+    const auto it = std::search(bytes.begin(), bytes.end(), key.begin(), key.end());
+    if (it == bytes.end()) throw std::runtime_error("no tensor info " + name);
+    size_t at = size_t(it - bytes.begin()) + key.size();
+    uint32_t n_dims = 0;
+    std::memcpy(&n_dims, &bytes[at], 4);
+    return at + 4 + 8 * n_dims + 4;
+  };
+  const size_t embedding = offset_at("token_embd.weight"), wq = offset_at("blk.0.attn_q.weight");
+  std::memcpy(&bytes[wq], &bytes[embedding], 8);
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  const std::string e = open_error(path);
+  EXPECT_EQ(e.rfind(path + ": tensors ", 0), 0u) << e;
+  EXPECT_NE(e.find(" overlap: "), std::string::npos) << e;
+  EXPECT_NE(e.find("token_embd.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("blk.0.attn_q.weight"), std::string::npos) << e;
+  std::filesystem::remove_all(dir);
+}
+
+// A FIFO named as the model is refused at once, naming it (issue 44:
+// `mkfifo m.gguf; disagg-generate --model m.gguf` blocked in open()).
+TEST(GgufModel, AFifoIsRefusedWithoutBlocking) {
+  const std::string dir = test::make_temp_dir("gguf-fifo");
+  const std::string fifo = dir + "/m.gguf";
+  test::make_fifo(fifo);
+  EXPECT_EQ(test::error_beside_fifo(fifo, [&] { Checkpoint::open(fifo); }),
+            fifo + ": not a regular file or a directory (a FIFO)");
+  std::filesystem::remove_all(dir);
 }
 
 TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "gpu/byte_bpe.h"
 #include "gpu/checkpoint.h"
 #include "gpu/open_error.h"
 #include "gpu/engine.h"
@@ -195,6 +196,249 @@ TEST(HfModel, BadDirectoriesGetAnErrorNamingTheFileAndKey) {
     c.change(dir);
     const std::string e = open_error(dir);
     EXPECT_NE(e.find(c.expected), std::string::npos) << c.what << ": " << e;
+  }
+  fs::remove_all(root);
+}
+
+// ---------------------------------------------------------------- files that lie (issue 44)
+
+// Rewrites a JSON file of a directory.
+void edit_json(const std::string& path, const std::function<void(json&)>& change) {
+  json j;
+  {
+    std::ifstream in(path);
+    j = json::parse(in);
+  }
+  change(j);
+  std::ofstream(path, std::ios::trunc) << j.dump();
+}
+
+// The smallest tokenizer.json the reader takes: byte-level BPE, the
+// llama-bpe split regex, three pieces, one merge and one special token.
+json tiny_tokenizer() {
+  json split{{"type", "Split"}, {"pattern", {{"Regex", pre_tokenizer("llama-bpe").pattern}}}};
+  json pre{{"type", "Sequence"}, {"pretokenizers", json::array({split, json{{"type", "ByteLevel"}}})}};
+  json model{{"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 1}, {"ab", 2}}}, {"merges", json::array({"a b"})}};
+  json added = json::array({json{{"id", 3}, {"content", "<|end|>"}, {"special", true}}});
+  return json{{"model", model}, {"pre_tokenizer", pre}, {"added_tokens", added}};
+}
+
+// A FIFO as any file of a model directory is refused at once, naming it
+// (issue 44: a directory whose model.safetensors was a FIFO hung every node
+// that loaded it). Without the fix, error_beside_fifo fails the test after
+// 5 s instead of hanging it.
+TEST(HfModel, AFifoInTheDirectoryIsRefusedWithoutBlocking) {
+  const std::string root = test::make_temp_dir("hf-fifo");
+  const auto weights = random_weights(configs()[0], 4);
+  int k = 0;
+  for (const char* file : {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                           "generation_config.json", "model.safetensors.index.json", "model-2-of-3.safetensors"}) {
+    SCOPED_TRACE(file);
+    const std::string dir = root + "/m" + std::to_string(k++);
+    const bool sharded = std::string(file).find("index") != std::string::npos || std::string(file).find("-of-") != std::string::npos;
+    write_hf_directory(*weights, dir, FileType::f32, sharded ? 3 : 1);
+    std::ofstream(dir + "/tokenizer.json") << tiny_tokenizer().dump();
+    std::ofstream(dir + "/tokenizer_config.json") << R"({"eos_token": "<|end|>"})";
+    const std::string fifo = dir + "/" + file;
+    test::make_fifo(fifo);
+    EXPECT_EQ(test::error_beside_fifo(fifo, [&] { Checkpoint::open(dir); }), fifo + ": not a regular file (a FIFO)");
+  }
+  // The same directory with regular files opens (the FIFOs were the problem).
+  const std::string dir = root + "/fine";
+  write_hf_directory(*weights, dir, FileType::f32);
+  std::ofstream(dir + "/tokenizer.json") << tiny_tokenizer().dump();
+  std::ofstream(dir + "/tokenizer_config.json") << R"({"eos_token": "<|end|>"})";
+  EXPECT_EQ(open_error(dir), "(opened)");
+  EXPECT_EQ(Checkpoint::open(dir)->config().end_tokens, std::vector<int>{3});
+  fs::remove_all(root);
+}
+
+// Tensors whose bytes overlap are refused, naming both (issue 44: lm_head's
+// data_offsets equal to embed_tokens' were accepted).
+TEST(HfModel, OverlappingSafetensorsAreRefused) {
+  const std::string dir = test::make_temp_dir("hf-overlap") + "/m";
+  write_hf_directory(*random_weights(configs()[0], 4), dir, FileType::f32);  // untied: lm_head.weight is stored
+  const std::string file = dir + "/model.safetensors";
+  std::string bytes = test::read_text_file(file);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  json header = json::parse(bytes.substr(8, n));
+  ASSERT_TRUE(header.contains("lm_head.weight"));
+  header["lm_head.weight"]["data_offsets"] = header["model.embed_tokens.weight"]["data_offsets"];
+  const std::string text = header.dump();
+  std::string out(8, '\0');
+  const uint64_t length = text.size();
+  std::memcpy(out.data(), &length, 8);
+  test::write_text_file(file, out + text + bytes.substr(8 + n));
+  const std::string e = open_error(dir);
+  EXPECT_EQ(e.rfind(file + ": tensors ", 0), 0u) << e;
+  EXPECT_NE(e.find(" overlap: "), std::string::npos) << e;
+  EXPECT_NE(e.find("lm_head.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.embed_tokens.weight"), std::string::npos) << e;
+  fs::remove_all(fs::path(dir).parent_path());
+
+  // Partly overlapping, in any order of the header; adjacent and empty tensors are fine.
+  auto parse_error = [](const json& h, size_t data_bytes) {
+    const std::string t = h.dump();
+    std::string b(8, '\0');
+    const uint64_t l = t.size();
+    std::memcpy(b.data(), &l, 8);
+    b += t + std::string(data_bytes, '\0');
+    try {
+      safetensors::parse(reinterpret_cast<const uint8_t*>(b.data()), b.size(), "x.safetensors");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(parsed)");
+  };
+  auto tensor = [](std::vector<int64_t> shape, uint64_t begin, uint64_t end) {
+    return json{{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {begin, end}}};
+  };
+  EXPECT_EQ(parse_error({{"z", tensor({4}, 0, 16)}, {"a", tensor({2}, 8, 16)}}, 16),
+            "x.safetensors: tensors z and a overlap: z's data_offsets [0, 16] run into a's [8, 16]");
+  EXPECT_EQ(parse_error({{"a", tensor({4}, 0, 16)}, {"b", tensor({4}, 16, 32)}, {"e", tensor({0}, 8, 8)}}, 32),
+            "(parsed)");
+}
+
+// Every id a config names lies inside the vocabulary (issue 44:
+// eos_token_id 99999 was accepted; the GGUF path refuses the same).
+TEST(HfModel, ConfigTokenIdsOutsideTheVocabularyAreRefused) {
+  const std::string root = test::make_temp_dir("hf-ids");
+  const auto weights = random_weights(configs()[0], 4);  // a vocabulary of 300
+  const struct {
+    const char* file;
+    json change;
+    std::string expected;  // after "<dir>/"
+  } cases[] = {
+      {"config.json", {{"eos_token_id", 99999}},
+       "config.json: eos_token_id = 99999: expected a token id from 0 to 299 (the vocabulary has 300)"},
+      {"config.json", {{"eos_token_id", {2, 300}}},
+       "config.json: eos_token_id[1] = 300: expected a token id from 0 to 299 (the vocabulary has 300)"},
+      {"config.json", {{"eos_token_id", "2"}},
+       "config.json: eos_token_id = \"2\": expected a token id from 0 to 299 (the vocabulary has 300) or a list of them"},
+      {"config.json", {{"bos_token_id", -1}},
+       "config.json: bos_token_id = -1: expected a token id from 0 to 299 (the vocabulary has 300)"},
+      {"config.json", {{"pad_token_id", 1e300}},
+       "config.json: pad_token_id = 1e+300: expected a token id from 0 to 299 (the vocabulary has 300)"},
+      {"generation_config.json", {{"eos_token_id", {1, 18446744073709551615ull}}},
+       "generation_config.json: eos_token_id[1] = 18446744073709551615: expected a token id from 0 to 299 (the vocabulary has 300)"},
+  };
+  int k = 0;
+  for (const auto& c : cases) {
+    const std::string dir = root + "/m" + std::to_string(k++);
+    write_hf_directory(*weights, dir, FileType::f32);
+    if (!fs::exists(dir + "/" + c.file)) std::ofstream(dir + "/" + c.file) << "{}";
+    edit_json(dir + "/" + c.file, [&](json& j) { j.update(c.change); });
+    EXPECT_EQ(open_error(dir), dir + "/" + c.expected);
+  }
+  // Ids inside it, and null ones, are fine; the eos ones end generation.
+  const std::string dir = root + "/fine";
+  write_hf_directory(*weights, dir, FileType::f32);
+  std::ofstream(dir + "/tokenizer.json") << tiny_tokenizer().dump();
+  edit_json(dir + "/config.json", [](json& j) { j.update({{"eos_token_id", {0, 299}}, {"bos_token_id", 1}, {"pad_token_id", nullptr}}); });
+  EXPECT_EQ(Checkpoint::open(dir)->config().end_tokens, (std::vector<int>{0, 3, 299}));  // 3: <|end|>, a control token
+  fs::remove_all(root);
+}
+
+// Every integer read from config.json is range-checked before it is
+// converted (issue 44: hidden_size 1e300 became INT64_MIN, undefined
+// behaviour); a float with no fraction is the integer it stands for.
+TEST(HfModel, ConfigIntegersAreRangeCheckedBeforeConversion) {
+  const std::string root = test::make_temp_dir("hf-integers");
+  const auto weights = random_weights(configs()[0], 4);
+  const std::string dimension = "expected an integer from 1 to 2147483647";
+  const json llama3_scaling{{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                            {"original_max_position_embeddings", 64}};
+  json huge_context = llama3_scaling;
+  huge_context["original_max_position_embeddings"] = 1e300;
+  const struct {
+    json change;
+    std::string expected;  // after "<dir>/config.json: "
+  } cases[] = {
+      {{{"hidden_size", 1e300}}, "hidden_size = 1e+300: " + dimension},
+      {{{"hidden_size", -1e300}}, "hidden_size = -1e+300: " + dimension},
+      {{{"hidden_size", 18446744073709551615ull}}, "hidden_size = 18446744073709551615: " + dimension},
+      {{{"hidden_size", 9223372036854775807ll}}, "hidden_size = 9223372036854775807: " + dimension},
+      {{{"hidden_size", 2147483648ll}}, "hidden_size = 2147483648: " + dimension},
+      {{{"hidden_size", 64.5}}, "hidden_size = 64.5: " + dimension},
+      {{{"intermediate_size", 9.3e18}}, "intermediate_size = 9.3e+18: " + dimension},
+      {{{"num_key_value_heads", 0}}, "num_key_value_heads = 0: " + dimension},
+      {{{"max_position_embeddings", -128}}, "max_position_embeddings = -128: " + dimension},
+      {{{"head_dim", 1e19}}, "head_dim = 1e+19: " + dimension},
+      {{{"architectures", {"MistralForCausalLM"}}, {"sliding_window", 1e300}}, "sliding_window = 1e+300: " + dimension},
+      {{{"rope_theta", 1e300}}, "rope_theta = 1e+300: expected a number above 1 that fits a float"},
+      {{{"rms_norm_eps", 1e300}}, "rms_norm_eps = 1e+300: expected a number above 0 and at most 0.01"},
+      {{{"rope_scaling", huge_context}}, "rope_scaling.original_max_position_embeddings = 1e+300: " + dimension},
+  };
+  int k = 0;
+  for (const auto& c : cases) {
+    const std::string dir = root + "/m" + std::to_string(k++);
+    write_hf_directory(*weights, dir, FileType::f32);
+    edit_json(dir + "/config.json", [&](json& j) { j.update(c.change); });
+    EXPECT_EQ(open_error(dir), dir + "/config.json: " + c.expected);
+  }
+  // 64.0 is 64; a huge integer in a key that is not read is no concern.
+  const std::string dir = root + "/fine";
+  write_hf_directory(*weights, dir, FileType::f32);
+  edit_json(dir + "/config.json", [](json& j) { j.update({{"hidden_size", 64.0}, {"num_hidden_layers", 2.0}, {"unused", 1e300}}); });
+  EXPECT_EQ(open_error(dir), "(opened)");
+  EXPECT_EQ(Checkpoint::open(dir)->config().dim, 64);
+  fs::remove_all(root);
+}
+
+// A value of the wrong type gets an error naming the file, the key and the
+// type expected, in the project's words (issue 44: "cannot use at() with
+// string", "type must be number, but is string").
+TEST(HfModel, TypeErrorsNameTheFileKeyAndExpectedType) {
+  const std::string root = test::make_temp_dir("hf-types");
+  const auto weights = random_weights(configs()[0], 4);
+  const struct {
+    const char* file;
+    std::function<void(json&)> change;
+    std::string expected;  // after "<dir>/"
+  } cases[] = {
+      {"config.json", [](json& j) { j["hidden_size"] = "64"; },
+       "config.json: hidden_size = \"64\": expected an integer from 1 to 2147483647"},
+      {"config.json", [](json& j) { j["num_attention_heads"] = json::array({4}); },
+       "config.json: num_attention_heads = [4]: expected an integer from 1 to 2147483647"},
+      {"config.json", [](json& j) { j.erase("num_hidden_layers"); },
+       "config.json: num_hidden_layers is missing (expected an integer from 1 to 2147483647)"},
+      {"config.json", [](json& j) { j["architectures"] = "LlamaForCausalLM"; },
+       "config.json: architectures = \"LlamaForCausalLM\": expected an array"},
+      {"config.json", [](json& j) { j["architectures"] = json::array(); },
+       "config.json: architectures = []: expected a list of architecture names"},
+      {"config.json", [](json& j) { j["tie_word_embeddings"] = "yes"; },
+       "config.json: tie_word_embeddings = \"yes\": expected true or false"},
+      {"config.json", [](json& j) { j["rope_theta"] = "10000"; }, "config.json: rope_theta = \"10000\": expected a number"},
+      {"config.json", [](json& j) { j["rope_scaling"] = "llama3"; },
+       "config.json: rope_scaling = \"llama3\": expected an object"},
+      {"config.json", [](json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", "8"}, {"low_freq_factor", 1}, {"high_freq_factor", 4},
+                              {"original_max_position_embeddings", 64}};
+       }, "config.json: rope_scaling.factor = \"8\": expected a number"},
+      {"config.json", [](json& j) { j = json::array({j}); }, "config.json: not a JSON object: [{\"architectures\":[\"LlamaForCausalLM\"],\"head_dim\":16,\"hid..."},
+      {"tokenizer.json", [](json& j) { j["model"]["vocab"]["b"] = "1"; },
+       "tokenizer.json: model.vocab.b = \"1\": expected an integer from 0 to 2147483646"},
+      {"tokenizer.json", [](json& j) { j["model"]["vocab"]["b"] = 1e300; },
+       "tokenizer.json: model.vocab.b = 1e+300: expected an integer from 0 to 2147483646"},
+      {"tokenizer.json", [](json& j) { j["model"] = "BPE"; }, "tokenizer.json: model = \"BPE\": expected an object"},
+      {"tokenizer.json", [](json& j) { j["added_tokens"][0]["content"] = 3; },
+       "tokenizer.json: added_tokens[0].content = 3: expected a string"},
+      {"tokenizer.json", [](json& j) { j["model"]["merges"] = json::array({json::array({"a", 1})}); },
+       "tokenizer.json: model.merges[0] = [\"a\",1]: expected a string \"a b\" or a pair of strings"},
+      {"tokenizer_config.json", [](json& j) { j["add_bos_token"] = "yes"; },
+       "tokenizer_config.json: add_bos_token = \"yes\": expected true or false"},
+      {"tokenizer_config.json", [](json& j) { j["eos_token"] = 3; },
+       "tokenizer_config.json: eos_token = 3: expected a string or an object with a content string"},
+  };
+  int k = 0;
+  for (const auto& c : cases) {
+    const std::string dir = root + "/m" + std::to_string(k++);
+    write_hf_directory(*weights, dir, FileType::f32);
+    std::ofstream(dir + "/tokenizer.json") << tiny_tokenizer().dump();
+    std::ofstream(dir + "/tokenizer_config.json") << R"({"eos_token": "<|end|>"})";
+    edit_json(dir + "/" + c.file, c.change);
+    EXPECT_EQ(open_error(dir), dir + "/" + c.expected);
   }
   fs::remove_all(root);
 }

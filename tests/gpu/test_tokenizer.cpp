@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gpu/error.h"
+#include "gpu/open_error.h"
 #include "gpu/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/test_paths.h"
@@ -111,6 +112,16 @@ class TokenizerFiles : public ::testing::Test {
 };
 
 TEST_F(TokenizerFiles, Missing) { expect_load_error(path("absent.bin"), 512, "cannot open"); }
+
+// A FIFO (or a device) named as the tokenizer file is refused at once,
+// naming it: open(O_RDONLY) of a FIFO used to block until a writer came.
+TEST_F(TokenizerFiles, AFifoOrDeviceIsRefusedWithoutBlocking) {
+  const std::string fifo = path("tokenizer.bin");
+  test::make_fifo(fifo);
+  const std::string e = test::error_beside_fifo(fifo, [&] { Tokenizer::load(fifo, 512); });
+  EXPECT_EQ(e, fifo + ": not a regular file (a FIFO)");
+  expect_load_error("/dev/null", 512, "not a regular file (a character device)");
+}
 
 TEST_F(TokenizerFiles, Empty) { expect_load_error(write("empty.bin", ""), 512, "truncated"); }
 
