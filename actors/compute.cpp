@@ -10,11 +10,11 @@
 #include "actors/errors.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
-#include "gpu/kv_format.h"
-#include "gpu/kv_stream.h"
-#include "gpu/prefix_cache.h"
-#include "gpu/sampling.h"
-#include "gpu/tokenizer.h"
+#include "engine/kv_format.h"
+#include "engine/kv_stream.h"
+#include "engine/prefix_cache.h"
+#include "engine/sampling.h"
+#include "text/tokenizer.h"
 #include "metrics/disagg_metrics.h"
 
 namespace disagg {
@@ -84,7 +84,7 @@ std::function<void(int, int, const float*)> prompt_logprobs_of(const PrefillWork
 }
 
 // A prefill worker's prompt with what its prefix cache holds of it: the
-// cached positions are copied, not computed (gpu/prefix_cache.h). Whatever
+// cached positions are copied, not computed (engine/prefix_cache.h). Whatever
 // ends the prefill, the held blocks are released; the prompt's own blocks
 // are kept only when it was computed.
 class CachedPrefix {
@@ -142,7 +142,7 @@ constexpr auto kCancelPoll = std::chrono::milliseconds(50);
 
 // The prompt's KV streams to the decode worker's blocks while it is computed:
 // after each layer of each chunk, that layer's new positions go out as pieces
-// (gpu/kv_stream.h) straight from the engine's prefill cache, which stays
+// (engine/kv_stream.h) straight from the engine's prefill cache, which stays
 // unchanged until the next prefill, i.e. until this function has the
 // receiver's verdict (or has abandoned the stream).
 void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r) {
@@ -518,7 +518,9 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
   if (spec.prefix_cache_blocks > 0)
     st->prefix_cache = std::make_unique<gpu::PrefixCache>(*st->engine, spec.pool_block_size, spec.prefix_cache_blocks);
   if (spec.pool_blocks > 0) {
-    auto* pool = new gpu::KvPool(*st->engine, spec.pool_block_size, spec.pool_blocks);
+    // (the pool's memory is the engine's backend's: the engine outlives it)
+    auto* pool = new gpu::KvPool(st->engine->backend(), st->engine->kv_shape(st->engine->config().seq_len),
+                                 spec.pool_block_size, spec.pool_blocks);
     st->pool = std::shared_ptr<gpu::KvPool>(pool, [engine = st->engine](gpu::KvPool* p) { delete p; });
   }
   warm_up(*st);

@@ -7,9 +7,9 @@
 
 #include "actors/config.h"
 #include "caf/actor_system.hpp"
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/kv_cache.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/kv_cache.h"
 #include "kv/local.h"
 #include "kv/plane.h"
 #include "messages/interfaces.h"
@@ -31,7 +31,7 @@ struct ComputeSpec {
   // ... computed this many positions per turn, decode steps between turns
   // (DisaggConfig::prefill_chunk; 0: the whole prompt in one turn).
   int prefill_chunk = 0;
-  // A prefill worker's prefix cache (gpu/prefix_cache.h): blocks of
+  // A prefill worker's prefix cache (engine/prefix_cache.h): blocks of
   // pool_block_size positions; 0: none (DisaggConfig::prefill_cache_blocks_in_use).
   int prefix_cache_blocks = 0;
 };

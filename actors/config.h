@@ -8,7 +8,7 @@
 #include "caf/actor_system_config.hpp"
 #include "caf/config_option_adder.hpp"
 #include "caf/deep_to_string.hpp"
-#include "gpu/engine.h"
+#include "engine/engine.h"
 #include "messages/request.h"
 
 namespace disagg {
@@ -53,10 +53,10 @@ struct DisaggConfig {
   int pool_blocks = 1024;  // KV pool capacity in blocks
   int max_batch = 64;      // sequences per decode step
   // Prefix caching: a decode worker keeps the KV of finished sequences' full
-  // blocks (gpu/kv_cache.h BlockPool) and a prompt that starts with them
+  // blocks (engine/kv_cache.h BlockPool) and a prompt that starts with them
   // shares them instead of having them computed and sent again.
   bool prefix_caching = true;
-  // Prefill worker: its own prefix cache (gpu/prefix_cache.h), this many
+  // Prefill worker: its own prefix cache (engine/prefix_cache.h), this many
   // blocks of block-size positions: a prompt whose start it holds computes
   // only the rest. Used when prefix-caching is on.
   int prefill_cache_blocks = 1024;
@@ -109,7 +109,7 @@ struct DisaggConfig {
   int64_t default_deadline_ms = kDefaultDeadlineMs;  // at most kMaxDeadlineMs (messages/request.h)
   // Longest text prompt the router encodes; longer: invalid_request, before
   // any encoding. Encoding runs on the router's own thread and is linear in
-  // the length (gpu/merge_queue.h): 64 KiB take 2-14 ms on the 2-core dev VM
+  // the length (text/merge_queue.h): 64 KiB take 2-14 ms on the 2-core dev VM
   // (bench_tokenizer, either tokenizer model), so 256 KiB hold it at most
   // ~55 ms; 256 KiB is ~65K Llama 3 tokens.
   int64_t max_prompt_bytes = 256 * 1024;

@@ -13,11 +13,11 @@
 #include "actors/request_metrics.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
-#include "gpu/block_hash.h"
-#include "gpu/engine.h"
-#include "gpu/kv_stream.h"
-#include "gpu/generate.h"
-#include "gpu/tokenizer.h"
+#include "engine/block_hash.h"
+#include "engine/engine.h"
+#include "engine/kv_stream.h"
+#include "engine/generate.h"
+#include "text/tokenizer.h"
 
 namespace disagg {
 
@@ -42,7 +42,7 @@ struct Reservation {
   int32_t cached = 0;           // prompt positions those shared blocks hold
   std::vector<int32_t> prompt;  // KvReservation::prompt_tokens (empty: not cached)
   uint64_t hash_seed = 0;
-  std::vector<uint64_t> hashes;  // of the prompt's full blocks (gpu/block_hash.h)
+  std::vector<uint64_t> hashes;  // of the prompt's full blocks (engine/block_hash.h)
   uint64_t transfer_id = 0;
   kv::Transport transport = kv::Transport::tcp;
   bool local = false;                   // the compute writes the KV in (kv/local.h), no receiver
@@ -171,7 +171,7 @@ void flush_events(Self self) {
   auto& st = self->state;
   const std::vector<gpu::BlockEvent> events = st.allocator->take_events();
   if (events.empty()) return;
-  // (a block's hash is forgotten only when it is evicted: gpu/kv_cache.h)
+  // (a block's hash is forgotten only when it is evicted: engine/kv_cache.h)
   record_prefix_evictions(WorkerRole::decode, size_t(std::count_if(events.begin(), events.end(),
                                                                    [](const gpu::BlockEvent& e) { return !e.stored; })));
   std::unordered_map<uint64_t, bool> last;  // hash -> stored at the end of the batch
@@ -254,7 +254,7 @@ void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, Erro
   self->send(st.router, done_atom::value, std::move(done));
 }
 
-// Applies a sampled token with the stop rule (gpu/stop_rule.h, as
+// Applies a sampled token with the stop rule (engine/stop_rule.h, as
 // gpu::generate does); true when the sequence finished.
 bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t token, TokenLogprobs logprobs) {
   Sequence& seq = it->second;
@@ -368,7 +368,7 @@ bool can_stream(const DecodeState& st) {
 }
 
 // Registers the reserved blocks with the KV receiver for the prompt's
-// positions (gpu/kv_stream.h) under a new transfer id, before the router (and
+// positions (engine/kv_stream.h) under a new transfer id, before the router (and
 // through it the prefill worker) learns the id. The receiver's verdict comes
 // back as a landed_atom message to this actor.
 KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {

@@ -12,7 +12,7 @@
 
 #include "actors/config.h"
 #include "caf/actor_system.hpp"
-#include "gpu/kv_cache.h"
+#include "engine/kv_cache.h"
 #include "kv/local.h"
 #include "kv/plane.h"
 #include "messages/interfaces.h"

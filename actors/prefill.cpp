@@ -11,7 +11,7 @@
 #include "actors/request_metrics.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
-#include "gpu/kv_stream.h"
+#include "engine/kv_stream.h"
 #include "kv/plane.h"
 
 namespace disagg {

@@ -46,7 +46,7 @@
 #include "actors/router_policy.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
-#include "gpu/block_hash.h"
+#include "engine/block_hash.h"
 
 namespace disagg {
 
@@ -464,7 +464,7 @@ std::vector<DecodeCandidate> decode_candidates(Self self) {
   return out;
 }
 
-// The job prompt's block hashes for `block_size` (gpu/block_hash.h), as the
+// The job prompt's block hashes for `block_size` (engine/block_hash.h), as the
 // workers' caches name their blocks.
 const std::vector<uint64_t>& prompt_hashes(Self self, Request& r, int block_size) {
   const size_t tokens = r.prompt.size() + r.earlier.size();

@@ -9,7 +9,7 @@
 
 #include "actors/config.h"
 #include "caf/actor_system.hpp"
-#include "gpu/tokenizer.h"
+#include "text/tokenizer.h"
 #include "messages/interfaces.h"
 
 namespace disagg {

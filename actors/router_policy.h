@@ -12,8 +12,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "gpu/engine.h"
-#include "gpu/generate.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
 #include "messages/request.h"
 #include "messages/worker.h"
 

@@ -19,7 +19,7 @@
 #include "node/client.h"
 #include "apps/cli/cli.h"
 #include "gpu/error.h"
-#include "gpu/tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace {
 

@@ -6,9 +6,9 @@
 #include <string>
 
 #include "apps/cli/cli.h"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
-#include "gpu/tokenizer.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
+#include "text/tokenizer.h"
 
 namespace {
 

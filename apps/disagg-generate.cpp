@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "apps/cli/cli.h"
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
 #include "gpu/error.h"
-#include "gpu/generate.h"
-#include "gpu/tokenizer.h"
+#include "engine/generate.h"
+#include "text/tokenizer.h"
 
 namespace {
 

@@ -11,11 +11,11 @@
 #include <string>
 
 #include "apps/cli/cli.h"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
 #include "gpu/error.h"
-#include "gpu/hf_tokenizer.h"
-#include "gpu/tokenizer.h"
+#include "text/hf_tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace {
 

@@ -38,10 +38,10 @@ extern "C" void openblas_set_num_threads(int);
 #include <vector>
 
 #include "gpu/backend.h"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
-#include "gpu/engine.h"
-#include "gpu/kv_format.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
+#include "engine/engine.h"
+#include "engine/kv_format.h"
 #include "bench/model_report.h"
 
 namespace {
@@ -135,7 +135,7 @@ void BM_PrefillChunks(benchmark::State& state) {
   Engine& e = engine(which);
   const auto tokens = prompt_of(n, e.config().vocab_size);
   constexpr int kBlock = 16;
-  KvPool pool(e, kBlock, KvPool::blocks_for(n, kBlock));
+  KvPool pool = kv_pool_for(e, kBlock, KvPool::blocks_for(n, kBlock));
   std::vector<int> blocks(size_t(pool.num_blocks()));
   std::iota(blocks.begin(), blocks.end(), 0);
   auto chunked = [&] {
@@ -171,7 +171,7 @@ void BM_DecodeStep(benchmark::State& state) {
   const int block_size = 16;
   const int shared_blocks = context / block_size;  // full blocks of the common context
   const int own_blocks = KvPool::blocks_for(context + 1, block_size) - shared_blocks;
-  KvPool pool(e, block_size, shared_blocks + batch * own_blocks);
+  KvPool pool = kv_pool_for(e, block_size, shared_blocks + batch * own_blocks);
   const auto prefill = e.prefill(prompt_of(context, e.config().vocab_size));
   const auto bytes = serialize_kv(e.fingerprint(), prefill.shape, prefill.kv.data());
   const auto view = parse_kv(bytes.data(), bytes.size(), e.kv_expectation());

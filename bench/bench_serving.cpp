@@ -29,10 +29,10 @@
 #include "node/local_cluster.h"
 #include "apps/cli/cli.h"
 #include "caf/actor_system.hpp"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
-#include "gpu/engine.h"
-#include "gpu/generate.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
 
 namespace {
 

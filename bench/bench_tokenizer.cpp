@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "gpu/hf_tokenizer.h"
-#include "gpu/tokenizer.h"
+#include "text/hf_tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace {
 

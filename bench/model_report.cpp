@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/llama_tensors.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "model/llama_tensors.h"
 #include "gpu/quant.h"
 
 namespace disagg::bench {
@@ -206,7 +206,7 @@ int model_report(int argc, char** argv) {
 
   const int block = 16;
   const int positions = std::max(context + decode, prefill) + 1;
-  KvPool pool(engine, block, KvPool::blocks_for(positions, block) * (batch + 1));
+  KvPool pool = kv_pool_for(engine, block, KvPool::blocks_for(positions, block) * (batch + 1));
   const int per_seq = KvPool::blocks_for(positions, block);
   auto blocks_of = [&](int s) {
     std::vector<int> b(static_cast<size_t>(per_seq));

@@ -1,7 +1,7 @@
 // Where K and V of a position live in the KV cache (see PagedKv in
 // gpu/backend.h). One header for every reader and writer: the CPU and CUDA
 // kernels, the engine's conversion to the wire format, the streamed KV
-// transfer (gpu/kv_stream.h), the tests.
+// transfer (engine/kv_stream.h), the tests.
 //
 // A pool of N blocks of B positions (B a multiple of kTile) is 2 * n_layers
 // planes of N * B * kv_dim floats: plane 2l holds layer l's K of every block,

@@ -10,7 +10,7 @@
 // - Q5_K: the same with a fifth bit per value (32 more bytes): 176 (0.6875).
 // - Q6_K: 6-bit q - 32 in 128 + 64 bytes, 16 int8 scales (one per 16), a
 //   half d: value d*scale*q. 210 bytes (0.8203).
-// A "Q4_K_M" file mixes Q4_K, Q6_K and others per tensor (gpu/model_writer.h).
+// A "Q4_K_M" file mixes Q4_K, Q6_K and others per tensor (model/model_writer.h).
 //
 // 16-bit floats (f16: IEEE binary16; bf16: the top half of a binary32) are
 // exact in float, so a matrix of them is multiplied by the f32 rule on the

@@ -108,7 +108,7 @@ int32_t token_id(const json& v, const std::string& text, const ServedModel& mode
   return int32_t(id);
 }
 
-// The sampling controls (gpu/sampling.h's order; vLLM's names and ranges).
+// The sampling controls (engine/sampling.h's order; vLLM's names and ranges).
 void parse_sampling(const json& body, Endpoint endpoint, const ServedModel& model, int32_t max_tokens, Sampling& s) {
   s.top_k = int32_t(integer_in(body, "top_k", 0, -1, model.vocab_size));
   if (s.top_k < 0) s.top_k = 0;  // vLLM's -1: every token

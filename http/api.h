@@ -11,8 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "gpu/tokenizer.h"
-#include "gpu/chat_template.h"
+#include "text/tokenizer.h"
+#include "text/chat_template.h"
 #include "messages/request.h"
 
 namespace disagg::http {

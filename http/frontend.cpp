@@ -23,7 +23,7 @@
 #include "node/runtime.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
-#include "gpu/checkpoint.h"
+#include "model/checkpoint.h"
 #include "http/api.h"
 #include "metrics/disagg_metrics.h"
 

@@ -52,7 +52,7 @@
 //      The first token (sampled, step 0) and, streamed, the verdict on the
 //      KV it sent during the prefill: after each layer of each chunk, that
 //      layer's new positions as pieces over UCX from the engine's cache into
-//      the reserved blocks (gpu/kv_stream.h); else the KV bytes
+//      the reserved blocks (engine/kv_stream.h); else the KV bytes
 //      (gpu::serialize_kv). Work whose deadline passed or whose request was
 //      cancelled before the compute actor reached it is skipped (timeout /
 //      cancelled); a cancel during a streamed prefill stops it at the next

@@ -8,7 +8,7 @@
 #include "caf/meta/type_name.hpp"
 #include "caf/replies_to.hpp"
 #include "caf/typed_actor.hpp"
-#include "gpu/sampling.h"
+#include "engine/sampling.h"
 #include "messages/atoms.h"
 
 namespace disagg {
@@ -31,10 +31,10 @@ enum class ErrorCode : uint8_t {
 };
 std::string to_string(ErrorCode code);
 
-// Why a request's tokens ended: the stop rule's own vocabulary (gpu/stop_rule.h).
+// Why a request's tokens ended: the stop rule's own vocabulary (engine/stop_rule.h).
 using gpu::FinishReason;
 
-// How each token of a request is sampled (gpu/sampling.h, with the stop
+// How each token of a request is sampled (engine/sampling.h, with the stop
 // rule's min_tokens, ignore_eos and stop_token_ids): token i is sampled with
 // (seed, i) from the request's own tokens, so the same request gives the
 // same tokens wherever each step runs. Checked by gpu::check_sampling.

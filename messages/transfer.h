@@ -26,7 +26,7 @@ struct KvReservation {
   std::string prefill_host;  // the prefill worker's WorkerInfo::host_id (same host: shared memory)
   // The prompt itself (prompt_len tokens; empty: no prefix caching) and the
   // request's cache salt: the decode worker hashes its full blocks
-  // (gpu/block_hash.h) and shares the ones its prefix cache holds.
+  // (engine/block_hash.h) and shares the ones its prefix cache holds.
   std::vector<int32_t> prompt_tokens;
   std::string cache_salt;
   // The router's local-prefill-tokens: when the prefix cache holds part of
@@ -108,7 +108,7 @@ struct PrefillReport {
 };
 
 // Prefill -> decode, sent as request(kv_atom, KvTransfer): a request's KV in
-// the gpu/kv_format.h wire format (header, layer-major payload, checksum), and
+// the engine/kv_format.h wire format (header, layer-major payload, checksum), and
 // what the decode side needs to continue it. The first token was sampled by the
 // prefill side (step 0) and has not been streamed yet.
 // A transfer is one chunk today (chunk 0 of 1); the layer-major layout lets a

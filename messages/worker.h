@@ -68,7 +68,7 @@ struct DecodeLoad {
 struct KvEvents {
   uint64_t seq = 0;     // this batch (a snapshot: the last batch it includes)
   bool snapshot = false;
-  std::vector<uint64_t> stored;   // hashes (gpu/block_hash.h) a block now holds
+  std::vector<uint64_t> stored;   // hashes (engine/block_hash.h) a block now holds
   std::vector<uint64_t> removed;  // hashes no block holds any more
 };
 

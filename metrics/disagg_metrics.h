@@ -47,7 +47,7 @@ struct DisaggMetrics {
   Counter& tokens_from_outcome;     // client: tokens no event brought, taken from the outcome (expected 0)
   // {role}: prompt tokens looked up in a prefix cache, and those found
   // (vLLM's prefix_cache_queries / prefix_cache_hits): role decode (its
-  // pool) or prefill (its own cache, gpu/prefix_cache.h).
+  // pool) or prefill (its own cache, engine/prefix_cache.h).
   Family<Counter>& prefix_cache_queries;
   Family<Counter>& prefix_cache_hits;
   // {role}: KV blocks a prefix cache gave up to make room (the least

@@ -9,7 +9,7 @@
 #include "caf/config_option_adder.hpp"
 #include "caf/io/middleman.hpp"
 #include "caf/settings.hpp"
-#include "gpu/chat_template.h"
+#include "text/chat_template.h"
 #include "gpu/error.h"
 #include "gpu/file_check.h"
 
@@ -158,7 +158,7 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.http_stream_buffer_bytes, "http-stream-buffer-bytes",
            "frontend: bytes of a stream queued for a client that reads slowly; more: cancelled, closed")
       .add(n.http_threads, "http-threads", "frontend: HTTP I/O threads")
-      .add(n.chat_template, "chat-template", "frontend: auto (the model file's) or a built-in (gpu/chat_template.h)")
+      .add(n.chat_template, "chat-template", "frontend: auto (the model file's) or a built-in (text/chat_template.h)")
       .add_computed(n.served_model_name, "served-model-name",
                     "frontend: the model's name in the API (default: file name)");
 }

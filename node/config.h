@@ -52,7 +52,7 @@ struct NodeOptions {
   int64_t http_body_limit = 1 << 20;          // bytes of a request body; more: 413
   int64_t http_stream_buffer_bytes = 1 << 20;  // a stream's bytes queued for a slow reader; more: cut off
   int32_t http_threads = 1;                   // io_context threads
-  std::string chat_template = "auto";  // auto (the model file's) | a built-in's name (gpu/chat_template.h)
+  std::string chat_template = "auto";  // auto (the model file's) | a built-in's name (text/chat_template.h)
   std::string served_model_name;              // empty: the model file's name without its extension
 
   // Empty when usable, else every problem found, separated by "; ".

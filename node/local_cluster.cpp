@@ -8,9 +8,9 @@
 #include "actors/prefill.h"
 #include "actors/router.h"
 #include "caf/all.hpp"
-#include "gpu/checkpoint.h"
+#include "model/checkpoint.h"
 #include "gpu/error.h"
-#include "gpu/tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace disagg {
 

@@ -26,8 +26,8 @@
 #include "node/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/all.hpp"
-#include "gpu/checkpoint.h"
-#include "gpu/tokenizer.h"
+#include "model/checkpoint.h"
+#include "text/tokenizer.h"
 #include "metrics/disagg_metrics.h"
 #include "metrics/exposer.h"
 

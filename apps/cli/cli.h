@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "gpu/sampling.h"
+#include "engine/sampling.h"
 
 namespace disagg::cli {
 
@@ -30,12 +30,12 @@ std::vector<int> parse_token_list(const std::string& flag, const std::string& te
 // [--temperature X] [--top-p P] [--seed S] [--top-k K] [--min-p P]
 // [--presence-penalty X] [--frequency-penalty X] [--repetition-penalty X]
 // [--logit-bias "ID=BIAS ..."] [--min-tokens N] [--ignore-eos 0|1]
-// [--stop-token-ids "ID ..."] (gpu/sampling.h's order and ranges).
+// [--stop-token-ids "ID ..."] (engine/sampling.h's order and ranges).
 inline constexpr const char* kSamplingUsage =
     "  --temperature X --top-p P --seed S --top-k K --min-p P\n"
     "  --presence-penalty X --frequency-penalty X --repetition-penalty X\n"
     "  --logit-bias \"ID=BIAS ...\" --min-tokens N --ignore-eos 0|1 --stop-token-ids \"ID ...\"\n"
-    "  (gpu/sampling.h: vLLM's order and ranges; default greedy)\n";
+    "  (engine/sampling.h: vLLM's order and ranges; default greedy)\n";
 
 struct GenerationFlags {
   std::string prompt;

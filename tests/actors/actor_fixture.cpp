@@ -1,12 +1,12 @@
 #include "actors/actor_fixture.h"
 
-#include "gpu/kv_stream.h"
+#include "engine/kv_stream.h"
 
 #include <mutex>
 
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/kv_format.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/kv_format.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

@@ -14,7 +14,7 @@
 #include "actors/config.h"
 #include "node/local_cluster.h"
 #include "caf/actor_system.hpp"
-#include "gpu/generate.h"
+#include "engine/generate.h"
 
 namespace disagg::test {
 
@@ -35,7 +35,7 @@ extern const std::vector<int32_t> kTomHadARedBall;  // 29 tokens
 // Bytes of the serialized KV of `positions` positions of the shared model.
 size_t kv_bytes_for(int positions);
 // Bytes of the streamed KV of a `prompt_len`-token prompt of the shared model
-// (whole key tiles, gpu/kv_stream.h).
+// (whole key tiles, engine/kv_stream.h).
 size_t stream_bytes_for(int prompt_len, int block_size = 16);
 
 // Token events of one request, as the client saw them.

@@ -11,10 +11,10 @@
 
 #include "actors/actor_fixture.h"
 #include "caf/all.hpp"
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/kv_format.h"
-#include "gpu/tokenizer.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/kv_format.h"
+#include "text/tokenizer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

@@ -15,8 +15,8 @@
 #include "actors/actor_fixture.h"
 #include "actors/compute.h"
 #include "caf/all.hpp"
-#include "gpu/checkpoint.h"
-#include "gpu/kv_stream.h"
+#include "model/checkpoint.h"
+#include "engine/kv_stream.h"
 #include "gpu/pool_contents.h"
 #include "support/test_paths.h"
 
@@ -134,14 +134,14 @@ TEST_F(ActorTest, AChunkedPrefillLetsDecodeStepsPassAndStopsWhenItsBlocksAreGive
   gpu::EngineOptions cpu;
   cpu.backend = "cpu";
   gpu::Engine reference(gpu::Checkpoint::open(shared_model()), cpu);
-  EXPECT_EQ(test::gather_kv(pool.engine(), pool, block_ids, kPromptLen), reference.prefill(prompt).kv)
+  EXPECT_EQ(test::gather_kv(pool, block_ids, kPromptLen), reference.prefill(prompt).kv)
       << "the chunks' KV differs from one prefill's";
 
   // Again into the same blocks, zeroed first, with the registration
   // cancelled when the step is answered: no chunk after that writes, so the
   // last block stays zero.
-  const int kv_dim = pool.engine().config().kv_dim();
-  const int slabs = 2 * pool.engine().config().n_layers;  // [layer][K then V]
+  const int kv_dim = int(pool.model().kv_dim());
+  const int slabs = 2 * int(pool.model().n_layers);  // [layer][K then V]
   bool stopped_part_way = false;
   for (uint64_t id = 51; id < 56 && !stopped_part_way; ++id) {
     std::fill(pool.data(), pool.data() + pool.floats(), 0.0f);
@@ -150,7 +150,7 @@ TEST_F(ActorTest, AChunkedPrefillLetsDecodeStepsPassAndStopsWhenItsBlocksAreGive
     if (r.code == ErrorCode::none) continue;  // all chunks done before the cancel: try again
     EXPECT_EQ(r.code, ErrorCode::cancelled) << r.message;
     EXPECT_NE(r.message.find("given up"), std::string::npos) << r.message;
-    const std::vector<float> after = test::gather_kv(pool.engine(), pool, block_ids, kPromptLen);
+    const std::vector<float> after = test::gather_kv(pool, block_ids, kPromptLen);
     for (int slab = 0; slab < slabs; ++slab) {
       const auto end = after.begin() + ptrdiff_t(slab + 1) * kPromptLen * kv_dim;
       EXPECT_TRUE(std::all_of(end - 16 * kv_dim, end, [](float x) { return x == 0.0f; }))

@@ -14,8 +14,8 @@
 #include "actors/decode.h"
 #include "actors/router.h"
 #include "caf/all.hpp"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
 #include "metrics/disagg_metrics.h"
 #include "support/test_paths.h"
 

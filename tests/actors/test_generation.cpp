@@ -11,7 +11,7 @@
 
 #include "actors/actor_fixture.h"
 #include "support/reference_cases.h"
-#include "gpu/tokenizer.h"
+#include "text/tokenizer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

@@ -35,7 +35,7 @@
 #include "actors/prefill.h"
 #include "actors/router.h"
 #include "caf/all.hpp"
-#include "gpu/checkpoint.h"
+#include "model/checkpoint.h"
 
 namespace disagg::test {
 namespace {

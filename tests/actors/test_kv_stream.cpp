@@ -11,8 +11,8 @@
 
 #include "actors/actor_fixture.h"
 #include "caf/all.hpp"
-#include "gpu/checkpoint.h"
-#include "gpu/kv_stream.h"
+#include "model/checkpoint.h"
+#include "engine/kv_stream.h"
 #include "kv/plane.h"
 #include "support/test_paths.h"
 

@@ -1,4 +1,4 @@
-// Prefix caching through the cluster (gpu/kv_cache.h BlockPool on each
+// Prefix caching through the cluster (engine/kv_cache.h BlockPool on each
 // decode worker): a request whose prompt starts with full blocks a decode
 // worker holds (an earlier request's prompt, or its prompt and generated
 // tokens: a conversation's next turn) shares them; its rest is prefilled by
@@ -247,7 +247,7 @@ TEST_F(ActorTest, EvictionUnderAFullPoolNeverGivesARequestWrongKv) {
   EXPECT_EQ(again.tokens, colocated(prompts[3], 12).tokens);
 }
 
-// The prefill worker's own prefix cache (gpu/prefix_cache.h): a prompt
+// The prefill worker's own prefix cache (engine/prefix_cache.h): a prompt
 // that starts with one it computed before computes only the rest there, and
 // streams what the decode worker lacks, cached positions included.
 struct PrefillWorkerCounts {

@@ -10,7 +10,7 @@
 #include "actors/actor_fixture.h"
 #include "actors/compute.h"
 #include "actors/router.h"
-#include "gpu/checkpoint.h"
+#include "model/checkpoint.h"
 #include "caf/all.hpp"
 
 namespace disagg::test {

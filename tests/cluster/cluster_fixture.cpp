@@ -7,10 +7,10 @@
 #include <sstream>
 #include <thread>
 
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
 #include "gpu/error.h"
-#include "gpu/generate.h"
+#include "engine/generate.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

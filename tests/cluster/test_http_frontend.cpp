@@ -21,12 +21,12 @@
 #include <tuple>
 
 #include "cluster/cluster_fixture.h"
-#include "gpu/chat_template.h"
-#include "gpu/hf_tokenizer.h"
-#include "gpu/kv_cache.h"
-#include "gpu/sampling.h"
-#include "gpu/model_writer.h"
-#include "gpu/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/hf_tokenizer.h"
+#include "engine/kv_cache.h"
+#include "engine/sampling.h"
+#include "model/model_writer.h"
+#include "text/tokenizer.h"
 #include "support/http_client.h"
 #include "support/reference_cases.h"
 #include "support/run_command.h"

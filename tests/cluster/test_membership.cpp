@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "cluster/cluster_fixture.h"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

@@ -15,7 +15,7 @@
 #include "node/config.h"
 #include "cluster/child_process.h"
 #include "cluster/cluster_fixture.h"
-#include "gpu/model_writer.h"
+#include "model/model_writer.h"
 #include "gpu/open_error.h"
 #include "support/test_paths.h"
 

@@ -17,10 +17,10 @@
 
 #include "cluster/cluster_fixture.h"
 #include "cluster/raw_peer.h"
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/generate.h"
-#include "gpu/tokenizer.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
+#include "text/tokenizer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {

@@ -13,7 +13,7 @@
 #include <string>
 #include <thread>
 
-#include "gpu/checkpoint.h"
+#include "model/checkpoint.h"
 #include "gpu/error.h"
 
 namespace disagg::test {

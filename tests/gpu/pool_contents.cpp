@@ -4,14 +4,14 @@
 
 namespace disagg::test {
 
-std::vector<float> gather_kv(gpu::Engine& engine, gpu::KvPool& pool, const std::vector<int>& blocks, int n_positions) {
-  const gpu::ModelConfig& c = engine.config();
-  const size_t kv_dim = size_t(c.kv_dim());
+std::vector<float> gather_kv(gpu::KvPool& pool, const std::vector<int>& blocks, int n_positions) {
+  const int n_layers = int(pool.model().n_layers);
+  const size_t kv_dim = pool.model().kv_dim();
   std::vector<float> all(pool.floats());
-  engine.backend().download(all.data(), pool.data(), all.size() * sizeof(float));
-  std::vector<float> out(size_t(c.n_layers) * 2 * n_positions * kv_dim);
+  pool.backend().download(all.data(), pool.data(), all.size() * sizeof(float));
+  std::vector<float> out(size_t(n_layers) * 2 * n_positions * kv_dim);
   const size_t bs = size_t(pool.block_size());
-  for (int l = 0; l < c.n_layers; ++l)
+  for (int l = 0; l < n_layers; ++l)
     for (int kv = 0; kv < 2; ++kv)
       for (int p = 0; p < n_positions; ++p) {
         const size_t pb = size_t(p) % bs;

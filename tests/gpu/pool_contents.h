@@ -2,7 +2,7 @@
 #pragma once
 #include <vector>
 
-#include "gpu/engine.h"
+#include "engine/engine.h"
 
 namespace disagg::test {
 
@@ -11,6 +11,6 @@ namespace disagg::test {
 // layout is written out here on its own (a plane per layer and K or V, blocks
 // in order; K tiled by 16 positions, V rows), so the tests check
 // gpu/kv_layout.h rather than repeat it.
-std::vector<float> gather_kv(gpu::Engine& engine, gpu::KvPool& pool, const std::vector<int>& blocks, int n_positions);
+std::vector<float> gather_kv(gpu::KvPool& pool, const std::vector<int>& blocks, int n_positions);
 
 }  // namespace disagg::test

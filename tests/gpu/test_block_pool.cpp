@@ -1,5 +1,5 @@
-// The prefix cache's bookkeeping (gpu/kv_cache.h BlockPool) and its keys
-// (gpu/block_hash.h), checked against a naive model of what must hold.
+// The prefix cache's bookkeeping (engine/kv_cache.h BlockPool) and its keys
+// (engine/block_hash.h), checked against a naive model of what must hold.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,9 +8,9 @@
 #include <set>
 #include <stdexcept>
 
-#include "gpu/block_hash.h"
+#include "engine/block_hash.h"
 #include "gpu/error.h"
-#include "gpu/kv_cache.h"
+#include "engine/kv_cache.h"
 
 namespace disagg::gpu {
 namespace {

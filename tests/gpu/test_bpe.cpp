@@ -11,13 +11,13 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "gpu/byte_bpe.h"
-#include "gpu/checkpoint.h"
+#include "text/byte_bpe.h"
+#include "model/checkpoint.h"
 #include "gpu/error.h"
-#include "gpu/hf_tokenizer.h"
-#include "gpu/merge_queue.h"
-#include "gpu/model_writer.h"
-#include "gpu/tokenizer.h"
+#include "text/hf_tokenizer.h"
+#include "text/merge_queue.h"
+#include "model/model_writer.h"
+#include "text/tokenizer.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"
 

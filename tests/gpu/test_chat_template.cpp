@@ -14,7 +14,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 
-#include "gpu/chat_template.h"
+#include "text/chat_template.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"
 

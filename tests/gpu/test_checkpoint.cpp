@@ -12,8 +12,8 @@
 #include <fstream>
 #include <vector>
 
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
 #include "gpu/error.h"
 #include "gpu/open_error.h"
 #include "support/test_paths.h"

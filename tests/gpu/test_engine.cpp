@@ -13,14 +13,14 @@
 #include <vector>
 
 #include "gpu/backend.h"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
-#include "gpu/engine.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
+#include "engine/engine.h"
 #include "gpu/pool_contents.h"
 #include "gpu/error.h"
-#include "gpu/generate.h"
-#include "gpu/sampling.h"
-#include "gpu/tokenizer.h"
+#include "engine/generate.h"
+#include "engine/sampling.h"
+#include "text/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/test_paths.h"
 
@@ -84,12 +84,12 @@ void expect_prefill_matches_stepwise(Engine& engine, const std::vector<int>& pro
   ASSERT_EQ(prefilled.kv.size(), prefilled.shape.floats());
   ASSERT_EQ(prefilled.logits.size(), size_t(engine.config().vocab_size));
 
-  KvPool pool(engine, block_size, *std::max_element(blocks.begin(), blocks.end()) + 1);
+  KvPool pool = kv_pool_for(engine, block_size, *std::max_element(blocks.begin(), blocks.end()) + 1);
   std::vector<float> logits;
   for (size_t pos = 0; pos < prompt.size(); ++pos)
     logits = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks}});
   expect_same_bits(prefilled.logits, logits, "prefill vs stepwise logits");
-  expect_same_bits(prefilled.kv, gather_kv(engine, pool, blocks, int(prompt.size())), "prefill vs stepwise KV");
+  expect_same_bits(prefilled.kv, gather_kv(pool, blocks, int(prompt.size())), "prefill vs stepwise KV");
 }
 
 TEST(Engine, PrefillMatchesStepwiseDecodeOnTheSharedModel) {
@@ -121,8 +121,8 @@ TEST(Engine, EveryPositionsLogitsAreThoseOfADecodeStepThere) {
   const int n_blocks = KvPool::blocks_for(int(prompt.size()), 16);
   std::vector<int> blocks(static_cast<size_t>(n_blocks));
   std::iota(blocks.begin(), blocks.end(), 0);
-  KvPool stepwise(engine, 16, n_blocks);
-  KvPool chunked(engine, 16, n_blocks);
+  KvPool stepwise = kv_pool_for(engine, 16, n_blocks);
+  KvPool chunked = kv_pool_for(engine, 16, n_blocks);
   std::vector<float> chunk_rows(rows.size(), NAN);
   for (size_t first = 0; first < prompt.size(); first += 7) {
     const size_t count = std::min<size_t>(7, prompt.size() - first);
@@ -214,7 +214,7 @@ TEST(Engine, QwenAndRopeFactorModelsAreBatchAndChunkInvariant) {
     for (int i = 0; i < 40; ++i) prompt.push_back((i * 37 + 5) % config.vocab_size);
     expect_prefill_matches_stepwise(engine, prompt, 16, {3, 0, 1});
     // Three sequences decoded together, each against itself alone.
-    KvPool pool(engine, 16, 12);
+    KvPool pool = kv_pool_for(engine, 16, 12);
     std::vector<std::vector<int>> blocks{{0, 3, 6, 9}, {1, 4, 7, 10}, {2, 5, 8, 11}};
     std::vector<DecodeSlot> slots;
     for (int s = 0; s < 3; ++s) {
@@ -255,7 +255,7 @@ TEST(Engine, BatchedDecodeMatchesDecodingEachSequenceAlone) {
   for (int round = 0; round < *std::max_element(needed.begin(), needed.end()); ++round)
     for (size_t s = 0; s < prompts.size(); ++s)
       if (round < needed[s]) seqs[s].blocks.push_back(allocator.allocate(1).at(0));
-  KvPool pool(engine, block_size, allocator.num_blocks());
+  KvPool pool = kv_pool_for(engine, block_size, allocator.num_blocks());
 
   for (int step = 0; step < steps + joins_at.back(); ++step) {
     std::vector<DecodeSlot> slots;
@@ -318,7 +318,7 @@ TEST_P(BatchSize, EverySequenceDecodesAsItWouldAlone) {
   std::vector<std::vector<int>> blocks(static_cast<size_t>(batch)), tokens(static_cast<size_t>(batch));
   std::vector<int> pos(static_cast<size_t>(batch));
   const int per = KvPool::blocks_for(8 + steps, block_size);
-  KvPool pool(engine, block_size, batch * per);
+  KvPool pool = kv_pool_for(engine, block_size, batch * per);
   for (int s = 0; s < batch; ++s) {
     for (int b = 0; b < per; ++b) blocks[s].push_back(b * batch + s);  // interleaved with the others'
     const PrefillOutput prefilled = engine.prefill(prompts[s]);
@@ -360,15 +360,15 @@ TEST(Engine, KvPoolWriteScattersThePrefillCacheIntoItsBlocks) {
   Engine engine(shared_checkpoint());
   const std::vector<int> prompt = twenty_tokens();
   const PrefillOutput prefilled = engine.prefill(prompt);
-  KvPool pool(engine, 16, 8);
+  KvPool pool = kv_pool_for(engine, 16, 8);
   const std::vector<int> blocks = {5, 2};
   pool.write(blocks, view_of(engine, prefilled));
-  EXPECT_EQ(gather_kv(engine, pool, blocks, int(prompt.size())), prefilled.kv);  // a pure copy
+  EXPECT_EQ(gather_kv(pool, blocks, int(prompt.size())), prefilled.kv);  // a pure copy
 
   // Decoding on from the written cache equals decoding on from a stepwise one.
   const int next = argmax(prefilled.logits.data(), engine.config().vocab_size);
   const auto from_written = engine.decode_step(pool, {DecodeSlot{next, int(prompt.size()), &blocks}});
-  KvPool stepwise_pool(engine, 16, 2);
+  KvPool stepwise_pool = kv_pool_for(engine, 16, 2);
   const std::vector<int> stepwise_blocks = {1, 0};
   for (size_t pos = 0; pos < prompt.size(); ++pos)
     engine.decode_step(stepwise_pool, {DecodeSlot{prompt[pos], int(pos), &stepwise_blocks}});
@@ -380,14 +380,14 @@ TEST(Engine, KvPoolWriteScattersThePrefillCacheIntoItsBlocks) {
 TEST(Engine, KvPoolWriteRejectsMismatchedInput) {
   Engine engine(shared_checkpoint());
   const PrefillOutput prefilled = engine.prefill(twenty_tokens());
-  KvPool pool(engine, 16, 3);
+  KvPool pool = kv_pool_for(engine, 16, 3);
   KvView view = view_of(engine, prefilled);
   EXPECT_THROW(pool.write({0}, view), Error);      // 20 positions need 2 blocks
   EXPECT_THROW(pool.write({0, 3}, view), Error);   // block outside the pool
   view.header.shape.n_layers += 1;
   EXPECT_THROW(pool.write({0, 1}, view), Error);   // another model's shape
-  EXPECT_THROW(KvPool(engine, 0, 3), Error);
-  EXPECT_THROW(KvPool(engine, 8, 3), Error);  // not whole key tiles of 16
+  EXPECT_THROW(kv_pool_for(engine, 0, 3), Error);
+  EXPECT_THROW(kv_pool_for(engine, 8, 3), Error);  // not whole key tiles of 16
 }
 
 // The message of the Error thrown by f, or "" when none is thrown.
@@ -409,7 +409,7 @@ TEST(Engine, RejectsInvalidTokensPositionsAndBlocks) {
   EXPECT_NE(error_of([&] { engine.prefill({-1}); }).find("token id -1"), std::string::npos);
   EXPECT_NE(error_of([&] { engine.prefill(std::vector<int>(seq_len + 1, 5)); }).find("seq_len"), std::string::npos);
 
-  KvPool pool(engine, 16, 2);
+  KvPool pool = kv_pool_for(engine, 16, 2);
   const std::vector<int> blocks = {0, 1};
   EXPECT_NE(error_of([&] { engine.decode_step(pool, {{vocab, 0, &blocks}}); }).find("token id"), std::string::npos);
   EXPECT_NE(error_of([&] { engine.decode_step(pool, {{5, seq_len, &blocks}}); }).find("position 512"),

@@ -1,4 +1,4 @@
-// gpu/gguf.h: GGUF files written and read back (every metadata type, every
+// model/gguf.h: GGUF files written and read back (every metadata type, every
 // tensor type, alignment), and bad files: each gets gpu::Error naming the
 // file and the key or tensor, and nothing is allocated from a count or
 // length the file announces before it is checked (every prefix of a valid
@@ -12,11 +12,11 @@
 #include <functional>
 #include <random>
 
-#include "gpu/byte_bpe.h"
-#include "gpu/checkpoint.h"
+#include "text/byte_bpe.h"
+#include "model/checkpoint.h"
 #include "gpu/open_error.h"
 #include "gpu/error.h"
-#include "gpu/gguf.h"
+#include "model/gguf.h"
 #include "support/test_paths.h"
 
 namespace disagg::gpu::gguf {
@@ -285,7 +285,7 @@ TEST(Gguf, EveryPrefixAndDamagedCopiesParseOrFailCleanly) {
 }  // namespace
 }  // namespace disagg::gpu::gguf
 
-// ---------------------------------------------------------------- GGUF models (gpu/checkpoint.h)
+// ---------------------------------------------------------------- GGUF models (model/checkpoint.h)
 
 namespace disagg::gpu {
 namespace {

@@ -11,14 +11,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "gpu/byte_bpe.h"
-#include "gpu/checkpoint.h"
+#include "text/byte_bpe.h"
+#include "model/checkpoint.h"
 #include "gpu/open_error.h"
-#include "gpu/engine.h"
+#include "engine/engine.h"
 #include "gpu/error.h"
-#include "gpu/generate.h"
-#include "gpu/model_writer.h"
-#include "gpu/safetensors.h"
+#include "engine/generate.h"
+#include "model/model_writer.h"
+#include "model/safetensors.h"
 #include "support/test_paths.h"
 
 namespace disagg::gpu {

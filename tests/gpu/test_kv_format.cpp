@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "gpu/kv_format.h"
+#include "engine/kv_format.h"
 
 namespace disagg::gpu {
 namespace {

@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "gpu/backend.h"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
-#include "gpu/engine.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
+#include "engine/engine.h"
 #include "gpu/error.h"
-#include "gpu/kv_cache.h"
-#include "gpu/kv_stream.h"
+#include "engine/kv_cache.h"
+#include "engine/kv_stream.h"
 #include "gpu/pool_contents.h"
 
 namespace disagg::gpu {
@@ -64,7 +64,7 @@ TEST(LongContext, FullContextPromptPrefillsInChunksBitIdenticalToStepwiseDecode)
 
   // Path 1: one prefill (in chunks inside the engine), its KV into a pool, then greedy steps.
   const PrefillOutput pre = engine.prefill(prompt);
-  KvPool pool_a(engine, kBlock, n_blocks);
+  KvPool pool_a = kv_pool_for(engine, kBlock, n_blocks);
   KvView view;
   view.header.fingerprint = engine.fingerprint();
   view.header.shape = pre.shape;
@@ -77,11 +77,11 @@ TEST(LongContext, FullContextPromptPrefillsInChunksBitIdenticalToStepwiseDecode)
   }
 
   // Path 2: every prompt token through a decode step, then the same greedy steps.
-  KvPool pool_b(engine, kBlock, n_blocks);
+  KvPool pool_b = kv_pool_for(engine, kBlock, n_blocks);
   std::vector<float> logits;
   for (int p = 0; p < kPrompt; ++p) logits = engine.decode_step(pool_b, {DecodeSlot{prompt[p], p, &blocks}});
   EXPECT_TRUE(same_bits(logits, pre.logits)) << "last prompt position: prefill and stepwise logits differ";
-  EXPECT_TRUE(same_bits(test::gather_kv(engine, pool_b, blocks, kPrompt), pre.kv)) << "prefill and stepwise KV differ";
+  EXPECT_TRUE(same_bits(test::gather_kv(pool_b, blocks, kPrompt), pre.kv)) << "prefill and stepwise KV differ";
   std::vector<int> tokens_b = {argmax(logits.data(), vocab)};
   for (int i = 1; i < kNew; ++i) {
     logits = engine.decode_step(pool_b, {DecodeSlot{tokens_b.back(), kPrompt + i - 1, &blocks}});
@@ -140,7 +140,7 @@ void write_piece(const std::vector<PoolSpan>& spans, size_t offset, const void* 
   FAIL() << "byte " << offset << " is past the transfer's " << start << " bytes";
 }
 
-// The streamed KV transfer's arithmetic (gpu/kv_stream.h): the pieces a
+// The streamed KV transfer's arithmetic (engine/kv_stream.h): the pieces a
 // prefill hands out from its cache, each copied to its byte offset in the
 // spans of a decode pool's blocks (KvPool::stream_spans, what a receiver
 // registers, each piece copied as the receiver's transport does), give that pool exactly the KV a
@@ -169,7 +169,7 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
         std::vector<int> prompt(static_cast<size_t>(n));
         for (int i = 0; i < n; ++i) prompt[size_t(i)] = 3 + (i * 31) % (c.vocab_size - 3);
         const KvStreamPlan plan(c.n_layers, c.kv_dim(), n, block, KvStreamPlan::runs_of(blocks, nb));
-        KvPool streamed(engine, block, 4 * nb + 3);
+        KvPool streamed = kv_pool_for(engine, block, 4 * nb + 3);
         const std::vector<int> dest(blocks.begin(), blocks.end());
         const std::vector<PoolSpan> spans = streamed.stream_spans(plan, dest);  // what a receiver registers
         size_t region_bytes = 0;
@@ -189,7 +189,7 @@ TEST(LongContext, StreamedPiecesLandInPoolBlocksAsTheSourceKv) {
         const PrefillOutput out = engine.prefill(prompt, hooks);
         EXPECT_TRUE(std::all_of(written.begin(), written.end(), [](int w) { return w == 1; }))
             << "every byte of the transfer is written exactly once";
-        EXPECT_TRUE(same_bits(test::gather_kv(engine, streamed, std::vector<int>(blocks.begin(), blocks.end()), n),
+        EXPECT_TRUE(same_bits(test::gather_kv(streamed, std::vector<int>(blocks.begin(), blocks.end()), n),
                               out.kv))
             << "the streamed pool differs from the prefill's KV";
         if (o == 0)  // one run: a piece spans blocks (up to a prefill chunk of positions)
@@ -223,7 +223,7 @@ TEST(LongContext, StreamedPiecesAfterACachedPrefixGiveTheWholePromptsKv) {
         const int nb = KvPool::blocks_for(kvl::padded(n), block);
         std::vector<int32_t> blocks;
         for (int j = 0; j < nb; ++j) blocks.push_back(j % 2 == 0 ? 2 * nb - j : j);  // runs of one and of two
-        KvPool pool(engine, block, 2 * nb + 1);
+        KvPool pool = kv_pool_for(engine, block, 2 * nb + 1);
         const std::vector<int> dest(blocks.begin(), blocks.end());
         const PrefillOutput prefix = engine.prefill(std::vector<int>(prompt.begin(), prompt.begin() + skip));
         KvView view;
@@ -248,7 +248,7 @@ TEST(LongContext, StreamedPiecesAfterACachedPrefixGiveTheWholePromptsKv) {
         const PrefillOutput out = engine.prefill(prompt, hooks);
         EXPECT_TRUE(std::all_of(written.begin(), written.end(), [](int w) { return w == 1; }))
             << "every byte of the transfer is written exactly once";
-        EXPECT_TRUE(same_bits(test::gather_kv(engine, pool, dest, n), out.kv))
+        EXPECT_TRUE(same_bits(test::gather_kv(pool, dest, n), out.kv))
             << "cached prefix + streamed rest differ from the prompt's KV";
       }
     }
@@ -274,7 +274,7 @@ TEST(LongContext, ChunkedPrefillIntoAPoolEqualsPrefill) {
       if (chunk == 1 && n > 29) continue;  // (700 one-row steps: slow, and 29 covers it)
       SCOPED_TRACE("prompt " + std::to_string(n) + ", chunk " + std::to_string(chunk));
       const int nb = KvPool::blocks_for(n, 16);
-      KvPool pool(engine, 16, 2 * nb + 1);
+      KvPool pool = kv_pool_for(engine, 16, 2 * nb + 1);
       std::vector<int> blocks;
       for (int j = 0; j < nb; ++j) blocks.push_back(2 * (nb - j));  // reversed, with gaps
       std::vector<float> logits;
@@ -284,10 +284,10 @@ TEST(LongContext, ChunkedPrefillIntoAPoolEqualsPrefill) {
                                       blocks);
       }
       EXPECT_TRUE(same_bits(logits, whole.logits)) << "last logits differ";
-      EXPECT_TRUE(same_bits(test::gather_kv(engine, pool, blocks, n), whole.kv)) << "KV differs";
+      EXPECT_TRUE(same_bits(test::gather_kv(pool, blocks, n), whole.kv)) << "KV differs";
     }
   }
-  KvPool pool(engine, 16, 4);
+  KvPool pool = kv_pool_for(engine, 16, 4);
   EXPECT_THROW(engine.prefill_chunk(pool, {5, 6}, 63, {0, 1, 2, 3}), Error) << "past the blocks given";
   EXPECT_THROW(engine.prefill_chunk(pool, {5}, 0, {9}), Error) << "a block outside the pool";
   EXPECT_THROW(engine.prefill_chunk(pool, {}, 0, {0}), Error) << "no tokens";
@@ -298,7 +298,7 @@ TEST(LongContext, ChunkedPrefillIntoAPoolEqualsPrefill) {
 TEST(LongContext, StreamSpansRefuseBlocksThePlanCannotUse) {
   Engine engine(long_model());
   const ModelConfig& c = engine.config();
-  KvPool pool(engine, 16, 8);
+  KvPool pool = kv_pool_for(engine, 16, 8);
   const KvStreamPlan two_blocks(c.n_layers, c.kv_dim(), 20, 16, {2});
   EXPECT_NO_THROW(pool.stream_spans(two_blocks, {3, 4}));
   EXPECT_THROW(pool.stream_spans(KvStreamPlan(c.n_layers, c.kv_dim(), 20, 32), {3}), Error) << "another block size";

@@ -6,9 +6,9 @@
 #include <filesystem>
 #include <string>
 
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
-#include "gpu/tokenizer.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "text/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"

@@ -1,4 +1,4 @@
-// A prefill worker's prefix cache (gpu/prefix_cache.h) and the engine's
+// A prefill worker's prefix cache (engine/prefix_cache.h) and the engine's
 // prefill over a cached prefix (Engine::prefill with a PrefillPrefix): a
 // prompt whose start was cached gives the logits, the KV and the cache handed
 // to the stream hook of a prefill that computed everything, bit for bit;
@@ -11,12 +11,12 @@
 #include <string>
 #include <vector>
 
-#include "gpu/checkpoint.h"
-#include "gpu/engine.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
 #include "gpu/error.h"
 #include "gpu/kv_layout.h"
-#include "gpu/model_writer.h"
-#include "gpu/prefix_cache.h"
+#include "model/model_writer.h"
+#include "engine/prefix_cache.h"
 
 namespace disagg::gpu {
 namespace {
@@ -185,8 +185,8 @@ TEST(PrefixCache, EvictionAndHeldBlocksNeverGiveWrongKv) {
 TEST(PrefixCache, APrefixTheEngineCannotUseIsRefused) {
   Engine engine(small_model());
   Engine other(small_model());
-  KvPool pool(engine, kBlock, 4);
-  KvPool foreign(other, kBlock, 4);
+  KvPool pool = kv_pool_for(engine, kBlock, 4);
+  KvPool foreign = kv_pool_for(other, kBlock, 4);
   const std::vector<int> p = prompt_of(40, 3);
   EXPECT_THROW(engine.prefill(p, {}, PrefillPrefix{&pool, {0, 1, 2}}), Error) << "the whole prompt";
   EXPECT_THROW(engine.prefill(p, {}, PrefillPrefix{&foreign, {0}}), Error) << "another engine's pool";

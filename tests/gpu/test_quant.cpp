@@ -18,16 +18,16 @@
 #include <random>
 
 #include "gpu/backend.h"
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
 #include "gpu/cpu/cpu_kernels.h"
-#include "gpu/engine.h"
+#include "engine/engine.h"
 #include "gpu/fixed_math.h"
-#include "gpu/generate.h"
+#include "engine/generate.h"
 #include "gpu/error.h"
-#include "gpu/gguf.h"
+#include "model/gguf.h"
 #include "gpu/quant.h"
-#include "gpu/tokenizer.h"
+#include "text/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"
@@ -511,7 +511,7 @@ TEST_F(KQuantModel, PrefillEqualsStepwiseAndBatchedDecode) {
   Engine engine(q4km_);
   const std::vector<int> prompt = {1, 403, 407, 261, 378, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311};
   const PrefillOutput prefilled = engine.prefill(prompt);
-  KvPool pool(engine, 16, 8);
+  KvPool pool = kv_pool_for(engine, 16, 8);
   std::vector<int> blocks = {3, 1}, other = {5, 6};
   std::vector<float> logits;
   for (size_t pos = 0; pos < prompt.size(); ++pos) {
@@ -574,7 +574,7 @@ TEST_P(QuantModel, PrefillEqualsStepwiseDecode) {
   const std::vector<int> prompt = {1, 403, 407, 261, 378, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311, 312};
   const PrefillOutput prefilled = engine.prefill(prompt);
   const int block = 16;
-  KvPool pool(engine, block, 4);
+  KvPool pool = kv_pool_for(engine, block, 4);
   std::vector<int> blocks = {3, 1};
   std::vector<float> logits;
   for (size_t pos = 0; pos < prompt.size(); ++pos)

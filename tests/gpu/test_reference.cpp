@@ -16,11 +16,11 @@
 #include <string>
 #include <vector>
 
-#include "gpu/checkpoint.h"
-#include "gpu/model_writer.h"
-#include "gpu/engine.h"
-#include "gpu/generate.h"
-#include "gpu/tokenizer.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
+#include "text/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "gpu/error.h"
-#include "gpu/sampling.h"
-#include "gpu/stop_rule.h"
+#include "engine/sampling.h"
+#include "engine/stop_rule.h"
 
 namespace disagg::gpu {
 namespace {
@@ -188,7 +188,7 @@ TEST(Sampling, HighTemperatureFlattens) {
   expect_frequencies({1.0f, 2.0f, 0.5f, 2.0f, -1.0f, 0.0f}, 10.0f, 1.0f);
 }
 
-// ---- the processors (gpu/sampling.h's order), against a reference written
+// ---- the processors (engine/sampling.h's order), against a reference written
 // the obvious way: a count per token, every token of the vocabulary visited.
 
 struct Reference {

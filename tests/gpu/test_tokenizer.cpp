@@ -12,7 +12,7 @@
 
 #include "gpu/error.h"
 #include "gpu/open_error.h"
-#include "gpu/tokenizer.h"
+#include "text/tokenizer.h"
 #include "support/reference_cases.h"
 #include "support/test_paths.h"
 

@@ -1,0 +1,124 @@
+#include "text/hf_tokenizer.h"
+
+#include <limits>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "text/byte_bpe.h"
+#include "gpu/error.h"
+#include "gpu/file_check.h"
+#include "gpu/json_fields.h"
+
+namespace disagg::gpu {
+namespace {
+
+using json = nlohmann::json;
+
+// The Split regex of a pre_tokenizer (alone or in a Sequence), or "".
+std::string split_pattern(const json& pre) {
+  if (!pre.is_object()) return {};
+  if (pre.value("type", "") == "Split" && pre.contains("pattern") && pre["pattern"].contains("Regex"))
+    return pre["pattern"]["Regex"].get<std::string>();
+  if (pre.value("type", "") == "Sequence")
+    for (const json& p : pre.value("pretokenizers", json::array()))
+      if (std::string s = split_pattern(p); !s.empty()) return s;
+  return {};
+}
+
+bool has_byte_level(const json& pre) {
+  if (!pre.is_object()) return false;
+  if (pre.value("type", "") == "ByteLevel") return true;
+  for (const json& p : pre.value("pretokenizers", json::array()))
+    if (has_byte_level(p)) return true;
+  return false;
+}
+
+}  // namespace
+
+json read_json_file(const std::string& path) {
+  const std::string text = read_regular_file(path);  // a FIFO or device refused before anything blocks
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    throw Error(path + ": not JSON: " + e.what());
+  }
+}
+
+Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_path, int vocab_size) {
+  const json t = read_json_file(path);
+  try {
+    // Every value type- and range-checked before it is converted (gpu/json_fields.h).
+    const JsonFields top(t, path);
+    const JsonFields model = top.object("model");
+    const json pre_tokenizer = top.has("pre_tokenizer") ? *top.find("pre_tokenizer") : json();
+    if (model.string("type", "") != "BPE" || !has_byte_level(pre_tokenizer))
+      throw Error(path + ": model.type " + model.string("type", "?") +
+                  ": only byte-level BPE tokenizers (a ByteLevel pre-tokenizer) are read");
+    const std::string pattern = split_pattern(pre_tokenizer);
+    const PreTokenizer* pre = pre_tokenizer_with_pattern(pattern);
+    if (!pre) throw Error(path + ": pre_tokenizer: the split regex " + json(pattern).dump() + " is not one this reader knows");
+
+    const int64_t max_id = std::numeric_limits<int32_t>::max() - 1;
+    std::map<int, std::pair<std::string, TokenType>> by_id;
+    const JsonFields vocab = model.object("vocab");
+    for (const auto& [piece, id] : vocab.value().items()) by_id[int(vocab.integer(piece, 0, max_id))] = {piece, TokenType::normal};
+    if (top.has("added_tokens")) {
+      const json& added_tokens = top.array("added_tokens");
+      for (size_t k = 0; k < added_tokens.size(); ++k) {
+        const JsonFields added(added_tokens[k], path, "added_tokens[" + std::to_string(k) + "].");
+        by_id[int(added.integer("id", 0, max_id))] = {
+            added.string("content"), added.boolean("special", false) ? TokenType::control : TokenType::user_defined};
+      }
+    }
+    if (by_id.empty()) throw Error(path + ": model.vocab holds nothing");
+    const int rows = vocab_size > 0 ? vocab_size : by_id.rbegin()->first + 1;
+    if (by_id.rbegin()->first >= rows)
+      throw Error(path + ": token id " + std::to_string(by_id.rbegin()->first) + " does not fit a vocabulary of " +
+                  std::to_string(rows));
+
+    Vocabulary v;
+    v.model = TokenizerModel::byte_bpe;
+    v.pre = pre->name;
+    v.pieces.resize(size_t(rows));
+    v.types.assign(size_t(rows), TokenType::unused);
+    for (int i = 0; i < rows; ++i) v.pieces[size_t(i)] = "[PAD" + std::to_string(i) + "]";
+    for (const auto& [id, piece] : by_id) {
+      v.pieces[size_t(id)] = piece.first;
+      v.types[size_t(id)] = piece.second;
+    }
+    const json& merges = model.array("merges");
+    for (size_t k = 0; k < merges.size(); ++k) {
+      const json& m = merges[k];
+      if (m.is_string()) v.merges.push_back(m.get<std::string>());
+      else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string())
+        v.merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+      else wrong_json_value(path, "model.merges[" + std::to_string(k) + "]", m, "a string \"a b\" or a pair of strings");
+    }
+
+    const json config_json = config_path.empty() ? json::object() : read_json_file(config_path);
+    const JsonFields config(config_json, config_path);
+    auto id_of = [&](const char* key) {
+      const json* value = config.find(key);
+      std::string text;
+      if (value && value->is_string()) text = value->get<std::string>();
+      else if (value && value->is_object()) text = JsonFields(*value, config_path, std::string(key) + ".").string("content", "");
+      else if (value) config.wrong(key, "a string or an object with a content string");
+      if (text.empty()) return -1;
+      for (const auto& [id, piece] : by_id)
+        if (piece.first == text) return id;
+      throw Error(config_path + ": " + key + " \"" + text + "\" is not in the vocabulary");
+    };
+    v.bos = id_of("bos_token");
+    v.eos = id_of("eos_token");
+    v.add_bos = config.boolean("add_bos_token", v.bos >= 0) && v.bos >= 0;
+    if (const json* chat_template = config.find("chat_template"); chat_template && chat_template->is_string())
+      v.chat_template = chat_template->get<std::string>();
+    return v;
+  } catch (const json::exception& e) {
+    // A shape the readers above do not check (inside pre_tokenizer, say).
+    throw Error(path + ": unexpected JSON: " + e.what());
+  }
+}
+
+}  // namespace disagg::gpu
