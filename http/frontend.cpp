@@ -25,6 +25,7 @@
 #include "caf/all.hpp"
 #include "model/checkpoint.h"
 #include "http/api.h"
+#include "http/generation.h"
 #include "metrics/disagg_metrics.h"
 
 namespace disagg::http {
@@ -64,10 +65,6 @@ int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-double seconds_between(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double>(to - from).count();
-}
-
 // ---------------------------------------------------------------- shared state
 
 class Frontend {
@@ -76,6 +73,7 @@ class Frontend {
            gpu::Tokenizer tokenizer, ChatTemplate tmpl)
       : ioc(node.http_threads), acceptor(ioc), system(system), node(node), cfg(cfg), model(std::move(model)),
         tokenizer(std::move(tokenizer)), tmpl(tmpl), random_(std::random_device{}()) {}
+  Frontend(const Frontend&) = delete;
 
   net::io_context ioc;
   tcp::acceptor acceptor;
@@ -86,6 +84,7 @@ class Frontend {
   const gpu::Tokenizer tokenizer;
   const ChatTemplate tmpl;
   metrics::DisaggMetrics& metrics = metrics::disagg_metrics();
+  const GenerationContext generation{model, tokenizer, metrics};
 
   // The router, once reached (null while not).
   void set_router(std::optional<router_actor> router) {
@@ -141,7 +140,13 @@ class Frontend {
 
 // ---------------------------------------------------------------- one connection
 
-class Session : public std::enable_shared_from_this<Session> {
+// The HTTP transport of one connection: its requests read (limits,
+// timeouts, "100-continue"), routed, and their responses written in order
+// (whole, or as SSE events with a bound on what a slow reader holds); a
+// client that goes away while its request runs cancels it. The OpenAI
+// generation a request starts is http/generation.h's, writing through this
+// connection (ReplySink).
+class Session : public std::enable_shared_from_this<Session>, private ReplySink {
  public:
   Session(tcp::socket socket, Frontend& fe)
       : stream_(std::move(socket)), fe_(fe), write_timer_(stream_.get_executor()) {}
@@ -157,93 +162,6 @@ class Session : public std::enable_shared_from_this<Session> {
     enum Kind { raw, chunk, last } kind;
     std::string data;
   };
-
-  // One choice of a generation (n, best_of): a request of its own to the router.
-  struct Choice {
-    int index = 0;
-    RequestId id = 0;
-    bool submitted = false;
-    bool outcome_in = false;    // the router's outcome came (after a cancel too)
-    std::string finish;         // "stop" / "length" once the choice has ended
-    std::optional<TextAssembler> text;
-    std::vector<int32_t> ids;   // its tokens so far (return_token_ids, logprobs)
-    std::vector<TokenLogprobs> logprobs;  // theirs (Sampling::logprobs >= 0)
-    std::vector<TokenLogprobs> prompt_logprobs;  // echo with logprobs: the outcome's (choice 0 computes them)
-    size_t ids_streamed = 0;    // of them, those a streamed chunk carried
-    int64_t text_offset = 0;    // completions' logprobs: where the next streamed token's text begins
-    std::optional<Clock::time_point> last_token;
-    double cumulative_logprob() const {
-      double sum = 0.0;
-      for (const TokenLogprobs& lp : logprobs) sum += double(lp.logprob);
-      return sum;
-    }
-  };
-
-  // The generation a request started, while it runs: its choices (choice 0
-  // first; the others once its prompt is in a decode worker's prefix cache).
-  struct Generation {
-    std::shared_ptr<Client> client;
-    ApiRequest request;
-    std::string response_id;
-    int64_t created = 0;
-    std::vector<Choice> choices;  // best_of of them
-    bool others_submitted = false;  // choices 1..: after choice 0's first token (or its end)
-    bool header_sent = false;  // streaming: the SSE header (and from then on, errors go in-band)
-    bool done = false;         // the HTTP reply is complete (outcomes may still come)
-    bool counted = false;      // its metrics were recorded
-    Clock::time_point accepted;
-    std::optional<Clock::time_point> first_token;
-    int64_t cached_tokens = 0;  // prompt tokens the prefix cache held (choice 0's token events say)
-
-    Choice* choice(RequestId id) {
-      for (Choice& c : choices)
-        if (c.submitted && c.id == id) return &c;
-      return nullptr;
-    }
-    bool all_finished() const {
-      return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return !c.finish.empty(); });
-    }
-    bool all_outcomes_in() const {
-      return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return !c.submitted || c.outcome_in; });
-    }
-    int64_t completion_tokens() const {
-      int64_t n = 0;
-      for (const Choice& c : choices) n += c.text->tokens();
-      return n;
-    }
-  };
-
-  // The next token's text (held back, maybe: TextAssembler).
-  static std::string add_token(Choice& c, int32_t token, TokenLogprobs logprobs) {
-    c.ids.push_back(token);
-    c.logprobs.push_back(std::move(logprobs));
-    return c.text->add(token);
-  }
-  // A choice object with its tokens' ids and log probabilities, when asked
-  // for: all of them, or (streaming) those no chunk carried yet.
-  json with_token_data(const Generation& g, Choice& c, json choice, bool streamed) {
-    const bool ids = g.request.return_token_ids, logprobs = g.request.logprobs >= 0;
-    if (!ids && !logprobs) return choice;
-    const size_t from = streamed ? c.ids_streamed : 0;
-    if (ids) choice["token_ids"] = std::vector<int32_t>(c.ids.begin() + long(from), c.ids.end());
-    if (logprobs) {
-      // echo: the text, and its log probabilities, begin with the prompt's
-      json prompt;
-      int64_t offset = streamed ? c.text_offset : 0;
-      if (g.request.echo && !streamed)
-        prompt = prompt_logprobs_json(fe_.tokenizer, g.request.prompt_tokens, g.choices[0].prompt_logprobs, offset);
-      choice["logprobs"] = logprobs_json(g.request.endpoint, fe_.tokenizer, g.request.prompt_tokens.back(), c.ids,
-                                         c.logprobs, from, offset);
-      if (streamed) c.text_offset = offset;
-      if (!prompt.is_null())
-        for (auto& [key, values] : prompt.items()) {
-          values.insert(values.end(), choice["logprobs"][key].begin(), choice["logprobs"][key].end());
-          choice["logprobs"][key] = std::move(values);
-        }
-    }
-    if (streamed) c.ids_streamed = c.ids.size();
-    return choice;
-  }
 
   // ---- reading requests
   void read() {
@@ -413,7 +331,7 @@ class Session : public std::enable_shared_from_this<Session> {
     send_json(503, body);
   }
 
-  // ---- generation
+  // ---- generation (http/generation.h)
   void start_generation(Endpoint endpoint, const std::string& body) {
     ApiRequest request;
     try {
@@ -436,49 +354,22 @@ class Session : public std::enable_shared_from_this<Session> {
       send_error(e);
       return;
     }
-    if (gen_) record_end(*gen_, "");  // stopped by a stop string; its outcome never came
-    gen_.emplace();
-    Generation& g = *gen_;
-    g.client = client;
-    g.request = std::move(request);
-    g.response_id = fe_.new_id(g.request.endpoint == Endpoint::completions ? "cmpl-" : "chatcmpl-");
-    g.created = unix_now();
-    g.accepted = Clock::now();
-    g.choices.resize(size_t(g.request.best_of));
-    for (size_t i = 0; i < g.choices.size(); ++i) {
-      g.choices[i].index = int(i);
-      g.choices[i].text.emplace(fe_.tokenizer, g.request.stop, g.request.prompt_tokens.back());
-    }
+    if (gen_) gen_->record_end("");  // stopped by a stop string; its outcome never came
+    const std::string id = fe_.new_id(request.endpoint == Endpoint::completions ? "cmpl-" : "chatcmpl-");
     busy_ = true;
-    fe_.metrics.num_requests_running.add(1);
-    if (g.request.stream && g.request.echo)  // the prompt first (echo is not streamed with logprobs)
-      for (Choice& c : g.choices) send_piece(g, c, g.request.echo_text, "");
-    submit(g, g.choices[0]);
+    gen_ = std::make_unique<Generation>(fe_.generation, static_cast<ReplySink&>(*this), client, std::move(request), id,
+                                        [this, client](GenerateRequest r) { submit(client, std::move(r)); });
+    gen_->start();
     watch();
   }
 
-  // Choice c's request to the router: the sampling of choice 0 with the
-  // choice's own seed (gpu::sample_seed), and one session for all choices,
-  // so they share the decode worker that holds their prompt.
-  void submit(Generation& g, Choice& c) {
-    c.id = g.client->next_id();
-    c.submitted = true;
-    GenerateRequest r;
-    r.id = c.id;
-    r.prompt_tokens = g.request.prompt_tokens;
-    r.max_new_tokens = g.request.max_tokens;
-    r.up_to_capacity = g.request.max_tokens_defaulted;
-    r.sampling = g.request.sampling;
-    r.sampling.seed = gpu::sample_seed(g.request.sampling.seed, c.index);
-    if (c.index > 0) r.sampling.prompt_logprobs = -1;  // choice 0's serve them all
-    r.session = !g.request.user.empty() || g.choices.size() == 1 ? g.request.user : g.response_id;
-    r.cache_salt = g.request.cache_salt;
-    if (c.index > 0) r.first_choice = g.choices[0].id;
-    r.token_text = false;  // decoded here
-    fe_.track(c.id, g.client);
+  // A choice's request to the router, its events and outcome brought back
+  // to this connection's strand.
+  void submit(const std::shared_ptr<Client>& client, GenerateRequest r) {
+    const RequestId id = r.id;
+    fe_.track(id, client);
     auto self = shared_from_this();
-    const RequestId id = c.id;
-    g.client->submit_async(
+    client->submit_async(
         std::move(r),
         [self, id](const TokenEvent& event) {
           net::post(self->stream_.get_executor(), [self, id, event] { self->on_token(id, event); });
@@ -490,96 +381,20 @@ class Session : public std::enable_shared_from_this<Session> {
         });
   }
 
-  // Choices 1.. once choice 0's prompt KV is in its decode worker (its first
-  // token) or choice 0 has ended: they find the prompt in that worker's
-  // prefix cache (the full blocks; the rest is prefilled by the worker itself).
-  void submit_others(Generation& g) {
-    if (g.others_submitted) return;
-    g.others_submitted = true;
-    for (size_t i = 1; i < g.choices.size(); ++i) submit(g, g.choices[i]);
-  }
-
-  Generation* current(RequestId id) { return gen_ && gen_->choice(id) ? &*gen_ : nullptr; }
-
   void on_token(RequestId id, const TokenEvent& event) {
-    Generation* g = current(id);
-    if (!g || g->done) return;
-    Choice& c = *g->choice(id);
-    if (!c.finish.empty()) return;
-    if (c.index == 0) g->cached_tokens = event.cached_tokens;
-    const auto now = Clock::now();
-    if (!g->first_token) {
-      g->first_token = now;
-      fe_.metrics.time_to_first_token.observe(seconds_between(g->accepted, now));
-    } else if (c.last_token) {
-      fe_.metrics.inter_token_latency.observe(seconds_between(*c.last_token, now));
-    }
-    c.last_token = now;
-    const std::string piece = add_token(c, event.token, event.logprobs);
-    if (g->request.stream && !piece.empty()) send_piece(*g, c, piece, "");
-    if (c.index == 0) submit_others(*g);
-    if (c.text->stopped()) {
-      g->client->cancel(c.id);  // the rest is not wanted; the cancelled outcome is ignored
-      finish_choice(*g, c, "stop");
-    }
+    if (gen_ && gen_->owns(id)) gen_->on_token(id, event);
   }
 
   void on_outcome(RequestId id, RequestOutcome outcome) {
-    Generation* g = current(id);
-    if (!g) return;
-    Choice& c = *g->choice(id);
-    c.outcome_in = true;
-    if (g->done || !c.finish.empty()) {  // stopped by a stop string, or the reply is over
-      if (g->done && g->all_outcomes_in()) {
-        record_end(*g, "");
-        if (!busy_) gen_.reset();
-      }
-      return;
-    }
-    if (!outcome.ok()) {
-      node_log(LogLevel::warning, "request " + std::to_string(id) + " failed: " + to_string(outcome.code) + ": " +
-                                      outcome.message);
-      record_end(*g, to_string(outcome.code));
-      fail(*g, error_for_outcome(outcome.code, outcome.message));
-      return;
-    }
-    if (c.index == 0) {
-      g->cached_tokens = outcome.timings.cached_tokens;
-      c.prompt_logprobs = std::move(outcome.prompt_logprobs);
-      // (lost only with a decode worker that went down after its last token)
-      if (g->request.sampling.prompt_logprobs >= 0 && c.prompt_logprobs.size() + 1 != g->request.prompt_tokens.size()) {
-        record_end(*g, to_string(ErrorCode::worker_lost));
-        fail(*g, error_for_outcome(ErrorCode::worker_lost,
-                                   "the prompt's log probabilities were lost with a decode worker; try again"));
-        return;
-      }
-    }
-    // (every token came as an event: the client library passes on, before
-    // the outcome, any that no event brought)
-    const std::string rest = c.text->flush();
-    if (g->request.stream && !rest.empty()) send_piece(*g, c, rest, "");
-    finish_choice(*g, c, outcome.finish == FinishReason::eos ? "stop" : "length");
-    if (c.index == 0) submit_others(*g);
+    if (!gen_ || !gen_->owns(id)) return;
+    gen_->on_outcome(id, std::move(outcome));
+    if (gen_->done() && gen_->all_outcomes_in() && !busy_) gen_.reset();  // replied already
   }
 
-  // Its metrics, once: `error` empty for a success.
-  void record_end(Generation& g, const std::string& error) {
-    if (g.counted) return;
-    g.counted = true;
-    auto& m = fe_.metrics;
-    m.num_requests_running.add(-1);
-    m.e2e_request_latency.observe(seconds_between(g.accepted, Clock::now()));
-    if (!error.empty()) {
-      m.error(error).inc();
-      return;
-    }
-    m.prompt_tokens.inc(double(g.request.prompt_tokens.size()));
-    m.generation_tokens.inc(double(g.completion_tokens()));
-  }
-
-  void send_header_once(Generation& g) {
-    if (g.header_sent) return;
-    g.header_sent = true;
+  // ReplySink: the generation's reply.
+  void reply_json(int status, const json& body) override { send_json(status, body); }
+  void reply_error(const ApiError& e) override { send_error(e); }
+  void open_events() override {
     bhttp::response<bhttp::empty_body> res{bhttp::status::ok, version_};
     res.set(bhttp::field::server, "disagg");
     res.set(bhttp::field::content_type, "text/event-stream");
@@ -593,76 +408,9 @@ class Session : public std::enable_shared_from_this<Session> {
     std::ostringstream out;
     out << res.base();  // Beast writes the header
     enqueue(Out{Out::raw, out.str()});
-    if (g.request.endpoint == Endpoint::chat)  // each choice's first chunk carries the role
-      for (const Choice& c : g.choices)
-        enqueue(Out{Out::chunk, sse_event(stream_chunk(Endpoint::chat, g.response_id, g.created, fe_.model.name, c.index,
-                                                       "", "", true, g.request.include_usage))});
   }
-
-  void send_piece(Generation& g, Choice& c, const std::string& piece, const std::string& finish_reason) {
-    send_header_once(g);
-    json chunk = stream_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, c.index, piece,
-                              finish_reason, false, g.request.include_usage);
-    chunk["choices"][0] = with_token_data(g, c, chunk["choices"][0], true);
-    enqueue(Out{Out::chunk, sse_event(chunk)});
-  }
-
-  // Choice c has ended ("stop" or "length"); the reply completes with the last.
-  void finish_choice(Generation& g, Choice& c, const std::string& finish_reason) {
-    c.finish = finish_reason;
-    fe_.metrics.success(finish_reason).inc();
-    if (g.request.stream) send_piece(g, c, "", finish_reason);
-    if (g.all_finished()) complete(g);
-  }
-
-  // The reply of a request whose choices have all ended. best_of: the n of
-  // highest cumulative log probability (ties: the lower index), in that order.
-  void complete(Generation& g) {
-    g.done = true;
-    const int64_t prompt = int64_t(g.request.prompt_tokens.size()), completion = g.completion_tokens();
-    if (g.all_outcomes_in()) record_end(g, "");
-    if (g.request.stream) {
-      if (g.request.include_usage)
-        enqueue(Out{Out::chunk,
-                    sse_event(usage_chunk(g.request.endpoint, g.response_id, g.created, fe_.model.name, prompt,
-                                          completion, g.cached_tokens))});
-      enqueue(Out{Out::chunk, kSseDone});
-      finish_response(Out{Out::last, {}});
-      return;
-    }
-    std::vector<Choice*> order;
-    for (Choice& c : g.choices) order.push_back(&c);
-    if (g.request.best_of > g.request.n)
-      std::stable_sort(order.begin(), order.end(), [](const Choice* a, const Choice* b) {
-        return a->cumulative_logprob() > b->cumulative_logprob();
-      });
-    json choices = json::array();
-    for (int i = 0; i < g.request.n; ++i) {
-      Choice& c = *order[size_t(i)];
-      const std::string text = g.request.echo ? g.request.echo_text + c.text->text() : c.text->text();
-      choices.push_back(with_token_data(g, c, choice_json(g.request.endpoint, i, text, c.finish), false));
-    }
-    send_json(200, response_json(g.request.endpoint, g.response_id, g.created, fe_.model.name, std::move(choices),
-                                 prompt, completion, g.cached_tokens));
-  }
-
-  // The reply is an error: every choice still running is cancelled.
-  void fail(Generation& g, const ApiError& e) {
-    g.done = true;
-    cancel_running(g);
-    if (g.header_sent) {  // streaming began: the error goes in-band
-      enqueue(Out{Out::chunk, sse_event(error_body(e))});
-      enqueue(Out{Out::chunk, kSseDone});
-      finish_response(Out{Out::last, {}});
-    } else {
-      send_error(e);
-    }
-  }
-
-  void cancel_running(Generation& g) {
-    for (Choice& c : g.choices)
-      if (c.submitted && !c.outcome_in && c.finish.empty()) g.client->cancel(c.id);  // its blocks are freed at once
-  }
+  void event(std::string data) override { enqueue(Out{Out::chunk, std::move(data)}); }
+  void end_events() override { finish_response(Out{Out::last, {}}); }
 
   // ---- the client going away while its request runs
   // A read while a request runs: bytes the client pipelines are kept for the
@@ -689,11 +437,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void client_gone() {
-    if (gen_ && !gen_->done) {
-      gen_->done = true;
-      cancel_running(*gen_);
-      record_end(*gen_, "cancelled");
-    }
+    if (gen_) gen_->abandon();
     close();
   }
 
@@ -749,8 +493,8 @@ class Session : public std::enable_shared_from_this<Session> {
   void end_response() {
     response_complete_ = false;
     busy_ = false;
-    if (gen_ && gen_->done && gen_->all_outcomes_in()) {
-      record_end(*gen_, "");
+    if (gen_ && gen_->done() && gen_->all_outcomes_in()) {
+      gen_->record_end("");
       gen_.reset();
     }
     if (!keep_alive_) return linger_close();
@@ -806,7 +550,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool chunked_ = true;             // streaming body in chunks (HTTP/1.1)
   std::deque<Out> queue_;
   size_t queued_bytes_ = 0;
-  std::optional<Generation> gen_;
+  std::unique_ptr<Generation> gen_;
   net::steady_timer write_timer_;
 };
 
@@ -859,26 +603,13 @@ int run_frontend(caf::actor_system& system, const NodeOptions& node, const Disag
   }
   model.max_prompt_bytes = cfg.max_prompt_bytes;
   model.created = unix_now();
-  // node.chat-template: a built-in by name, or "auto": the one that renders
-  // the model file's template (an unrecognised one is an error here); without
-  // one in the file, llama2 for a SentencePiece vocabulary, plain otherwise.
-  ChatTemplate tmpl = ChatTemplate::plain;
-  std::string tmpl_source = "named by node.chat-template";
-  if (node.chat_template != "auto") {
-    tmpl = *gpu::parse_chat_template(node.chat_template);  // validated with the config
-  } else if (const std::string& jinja = tokenizer->vocabulary().chat_template; !jinja.empty()) {
-    const auto detected = gpu::detect_chat_template(jinja);
-    if (!detected) {
-      node_log(LogLevel::error, cfg.model + ": the model file's chat template is not one the built-ins render (" +
-                                    gpu::chat_template_names() + "): name one with node.chat-template");
-      return 1;
-    }
-    tmpl = *detected;
-    tmpl_source = "the model file's";
-  } else {
-    tmpl = tokenizer->vocabulary().model == gpu::TokenizerModel::sentencepiece ? ChatTemplate::llama2 : ChatTemplate::plain;
-    tmpl_source = "the model file has none";
+  const auto chosen = gpu::choose_chat_template(node.chat_template, tokenizer->vocabulary());
+  if (!chosen.error.empty()) {
+    node_log(LogLevel::error, cfg.model + ": " + chosen.error);
+    return 1;
   }
+  const ChatTemplate tmpl = chosen.chat_template;
+  const std::string& tmpl_source = chosen.source;
 
   auto fe = std::make_unique<Frontend>(system, node, cfg, model, std::move(*tokenizer), tmpl);
   beast::error_code ec;

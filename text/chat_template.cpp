@@ -293,4 +293,28 @@ std::string chat_text(const std::vector<ChatPiece>& pieces, const std::string& b
   return out;
 }
 
+ChosenTemplate choose_chat_template(const std::string& configured, const Vocabulary& vocabulary) {
+  ChosenTemplate out;
+  if (configured != "auto") {
+    if (const auto named = parse_chat_template(configured)) {
+      out.chat_template = *named;
+      out.source = "named by node.chat-template";
+    } else {
+      out.error = "no built-in chat template is called \"" + configured + "\" (" + chat_template_names() + ")";
+    }
+  } else if (!vocabulary.chat_template.empty()) {
+    if (const auto detected = detect_chat_template(vocabulary.chat_template)) {
+      out.chat_template = *detected;
+      out.source = "the model file's";
+    } else {
+      out.error = "the model file's chat template is not one the built-ins render (" + chat_template_names() +
+                  "): name one with node.chat-template";
+    }
+  } else {
+    out.chat_template = vocabulary.model == TokenizerModel::sentencepiece ? ChatTemplate::llama2 : ChatTemplate::plain;
+    out.source = "the model file has none";
+  }
+  return out;
+}
+
 }  // namespace disagg::gpu

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "text/tokenizer.h"
+
 namespace disagg::gpu {
 
 //   llama2:  Meta's Llama 2 chat: BOS "[INST] {user} [/INST]" per turn, an
@@ -50,6 +52,17 @@ std::string chat_template_names();
 
 // The built-in that renders a model file's Jinja template, or nullopt.
 std::optional<ChatTemplate> detect_chat_template(const std::string& jinja);
+
+// The template a frontend renders with, and why: `configured` is
+// node.chat-template, a built-in by name, or "auto": the one that renders
+// the vocabulary's own template (an unrecognised one is an `error`); without
+// one in the file, llama2 for a SentencePiece vocabulary, plain otherwise.
+struct ChosenTemplate {
+  ChatTemplate chat_template = ChatTemplate::plain;
+  std::string source;  // for the log: "named by node.chat-template", "the model file's", ...
+  std::string error;   // non-empty: none could be chosen
+};
+ChosenTemplate choose_chat_template(const std::string& configured, const Vocabulary& vocabulary);
 
 struct ChatMessage {
   std::string role, content;

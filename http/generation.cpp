@@ -1,0 +1,284 @@
+#include "http/generation.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "actors/log.h"
+#include "engine/sampling.h"
+
+namespace disagg::http {
+
+namespace {
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+}  // namespace
+
+double Generation::Choice::cumulative_logprob() const {
+  double sum = 0.0;
+  for (const TokenLogprobs& lp : logprobs) sum += double(lp.logprob);
+  return sum;
+}
+
+Generation::Generation(const GenerationContext& context, ReplySink& sink, std::shared_ptr<Client> client,
+                       ApiRequest request, std::string response_id, Submit submit)
+    : context_(context), sink_(sink), client_(std::move(client)), request_(std::move(request)),
+      response_id_(std::move(response_id)), submit_(std::move(submit)), created_(unix_now()),
+      accepted_(Clock::now()) {
+  choices_.resize(size_t(request_.best_of));
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    choices_[i].index = int(i);
+    choices_[i].text.emplace(context_.tokenizer, request_.stop, request_.prompt_tokens.back());
+  }
+}
+
+void Generation::start() {
+  context_.metrics.num_requests_running.add(1);
+  if (request_.stream && request_.echo)  // the prompt first (echo is not streamed with logprobs)
+    for (Choice& c : choices_) send_piece(c, request_.echo_text, "");
+  submit(choices_[0]);
+}
+
+Generation::Choice* Generation::choice(RequestId id) {
+  return const_cast<Choice*>(static_cast<const Generation*>(this)->choice(id));
+}
+const Generation::Choice* Generation::choice(RequestId id) const {
+  for (const Choice& c : choices_)
+    if (c.submitted && c.id == id) return &c;
+  return nullptr;
+}
+bool Generation::all_finished() const {
+  return std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) { return !c.finish.empty(); });
+}
+bool Generation::all_outcomes_in() const {
+  return std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) { return !c.submitted || c.outcome_in; });
+}
+int64_t Generation::completion_tokens() const {
+  int64_t n = 0;
+  for (const Choice& c : choices_) n += c.text->tokens();
+  return n;
+}
+
+// Choice c's request to the router: the sampling of choice 0 with the
+// choice's own seed (gpu::sample_seed), and one session for all choices,
+// so they share the decode worker that holds their prompt.
+void Generation::submit(Choice& c) {
+  c.id = client_->next_id();
+  c.submitted = true;
+  GenerateRequest r;
+  r.id = c.id;
+  r.prompt_tokens = request_.prompt_tokens;
+  r.max_new_tokens = request_.max_tokens;
+  r.up_to_capacity = request_.max_tokens_defaulted;
+  r.sampling = request_.sampling;
+  r.sampling.seed = gpu::sample_seed(request_.sampling.seed, c.index);
+  if (c.index > 0) r.sampling.prompt_logprobs = -1;  // choice 0's serve them all
+  r.session = !request_.user.empty() || choices_.size() == 1 ? request_.user : response_id_;
+  r.cache_salt = request_.cache_salt;
+  if (c.index > 0) r.first_choice = choices_[0].id;
+  r.token_text = false;  // decoded here
+  submit_(std::move(r));
+}
+
+// Choices 1.. once choice 0's prompt KV is in its decode worker (its first
+// token) or choice 0 has ended: they find the prompt in that worker's
+// prefix cache (the full blocks; the rest is prefilled by the worker itself).
+void Generation::submit_others() {
+  if (others_submitted_) return;
+  others_submitted_ = true;
+  for (size_t i = 1; i < choices_.size(); ++i) submit(choices_[i]);
+}
+
+void Generation::on_token(RequestId id, const TokenEvent& event) {
+  Choice* found = choice(id);
+  if (!found || done_) return;
+  Choice& c = *found;
+  if (!c.finish.empty()) return;
+  if (c.index == 0) cached_tokens_ = event.cached_tokens;
+  const auto now = Clock::now();
+  if (!first_token_) {
+    first_token_ = now;
+    context_.metrics.time_to_first_token.observe(seconds_between(accepted_, now));
+  } else if (c.last_token) {
+    context_.metrics.inter_token_latency.observe(seconds_between(*c.last_token, now));
+  }
+  c.last_token = now;
+  const std::string piece = add_token(c, event.token, event.logprobs);
+  if (request_.stream && !piece.empty()) send_piece(c, piece, "");
+  if (c.index == 0) submit_others();
+  if (c.text->stopped()) {
+    client_->cancel(c.id);  // the rest is not wanted; the cancelled outcome is ignored
+    finish_choice(c, "stop");
+  }
+}
+
+void Generation::on_outcome(RequestId id, RequestOutcome outcome) {
+  Choice* found = choice(id);
+  if (!found) return;
+  Choice& c = *found;
+  c.outcome_in = true;
+  if (done_ || !c.finish.empty()) {  // stopped by a stop string, or the reply is over
+    if (done_ && all_outcomes_in()) record_end("");
+    return;
+  }
+  if (!outcome.ok()) {
+    node_log(LogLevel::warning, "request " + std::to_string(id) + " failed: " + to_string(outcome.code) + ": " +
+                                    outcome.message);
+    record_end(to_string(outcome.code));
+    fail(error_for_outcome(outcome.code, outcome.message));
+    return;
+  }
+  if (c.index == 0) {
+    cached_tokens_ = outcome.timings.cached_tokens;
+    c.prompt_logprobs = std::move(outcome.prompt_logprobs);
+    // (lost only with a decode worker that went down after its last token)
+    if (request_.sampling.prompt_logprobs >= 0 && c.prompt_logprobs.size() + 1 != request_.prompt_tokens.size()) {
+      record_end(to_string(ErrorCode::worker_lost));
+      fail(error_for_outcome(ErrorCode::worker_lost,
+                             "the prompt's log probabilities were lost with a decode worker; try again"));
+      return;
+    }
+  }
+  // (every token came as an event: the client library passes on, before
+  // the outcome, any that no event brought)
+  const std::string rest = c.text->flush();
+  if (request_.stream && !rest.empty()) send_piece(c, rest, "");
+  finish_choice(c, outcome.finish == FinishReason::eos ? "stop" : "length");
+  if (c.index == 0) submit_others();
+}
+
+void Generation::abandon() {
+  if (done_) return;
+  done_ = true;
+  cancel_running();
+  record_end("cancelled");
+}
+
+void Generation::record_end(const std::string& error) {
+  if (counted_) return;
+  counted_ = true;
+  auto& m = context_.metrics;
+  m.num_requests_running.add(-1);
+  m.e2e_request_latency.observe(seconds_between(accepted_, Clock::now()));
+  if (!error.empty()) {
+    m.error(error).inc();
+    return;
+  }
+  m.prompt_tokens.inc(double(request_.prompt_tokens.size()));
+  m.generation_tokens.inc(double(completion_tokens()));
+}
+
+// The next token's text (held back, maybe: TextAssembler).
+std::string Generation::add_token(Choice& c, int32_t token, TokenLogprobs logprobs) {
+  c.ids.push_back(token);
+  c.logprobs.push_back(std::move(logprobs));
+  return c.text->add(token);
+}
+
+// A choice object with its tokens' ids and log probabilities, when asked
+// for: all of them, or (streaming) those no chunk carried yet.
+json Generation::with_token_data(Choice& c, json choice, bool streamed) {
+  const bool ids = request_.return_token_ids, logprobs = request_.logprobs >= 0;
+  if (!ids && !logprobs) return choice;
+  const size_t from = streamed ? c.ids_streamed : 0;
+  if (ids) choice["token_ids"] = std::vector<int32_t>(c.ids.begin() + long(from), c.ids.end());
+  if (logprobs) {
+    // echo: the text, and its log probabilities, begin with the prompt's
+    json prompt;
+    int64_t offset = streamed ? c.text_offset : 0;
+    if (request_.echo && !streamed)
+      prompt = prompt_logprobs_json(context_.tokenizer, request_.prompt_tokens, choices_[0].prompt_logprobs, offset);
+    choice["logprobs"] = logprobs_json(request_.endpoint, context_.tokenizer, request_.prompt_tokens.back(), c.ids,
+                                       c.logprobs, from, offset);
+    if (streamed) c.text_offset = offset;
+    if (!prompt.is_null())
+      for (auto& [key, values] : prompt.items()) {
+        values.insert(values.end(), choice["logprobs"][key].begin(), choice["logprobs"][key].end());
+        choice["logprobs"][key] = std::move(values);
+      }
+  }
+  if (streamed) c.ids_streamed = c.ids.size();
+  return choice;
+}
+
+void Generation::open_events_once() {
+  if (events_open_) return;
+  events_open_ = true;
+  sink_.open_events();
+  if (request_.endpoint == Endpoint::chat)  // each choice's first chunk carries the role
+    for (const Choice& c : choices_)
+      sink_.event(sse_event(stream_chunk(Endpoint::chat, response_id_, created_, context_.model.name, c.index, "", "",
+                                         true, request_.include_usage)));
+}
+
+void Generation::send_piece(Choice& c, const std::string& piece, const std::string& finish_reason) {
+  open_events_once();
+  json chunk = stream_chunk(request_.endpoint, response_id_, created_, context_.model.name, c.index, piece,
+                            finish_reason, false, request_.include_usage);
+  chunk["choices"][0] = with_token_data(c, chunk["choices"][0], true);
+  sink_.event(sse_event(chunk));
+}
+
+// Choice c has ended ("stop" or "length"); the reply completes with the last.
+void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
+  c.finish = finish_reason;
+  context_.metrics.success(finish_reason).inc();
+  if (request_.stream) send_piece(c, "", finish_reason);
+  if (all_finished()) complete();
+}
+
+// The reply of a request whose choices have all ended. best_of: the n of
+// highest cumulative log probability (ties: the lower index), in that order.
+void Generation::complete() {
+  done_ = true;
+  const int64_t prompt = int64_t(request_.prompt_tokens.size()), completion = completion_tokens();
+  if (all_outcomes_in()) record_end("");
+  if (request_.stream) {
+    if (request_.include_usage)
+      sink_.event(sse_event(usage_chunk(request_.endpoint, response_id_, created_, context_.model.name, prompt,
+                                        completion, cached_tokens_)));
+    sink_.event(kSseDone);
+    sink_.end_events();
+    return;
+  }
+  std::vector<Choice*> order;
+  for (Choice& c : choices_) order.push_back(&c);
+  if (request_.best_of > request_.n)
+    std::stable_sort(order.begin(), order.end(), [](const Choice* a, const Choice* b) {
+      return a->cumulative_logprob() > b->cumulative_logprob();
+    });
+  json choices = json::array();
+  for (int i = 0; i < request_.n; ++i) {
+    Choice& c = *order[size_t(i)];
+    const std::string text = request_.echo ? request_.echo_text + c.text->text() : c.text->text();
+    choices.push_back(with_token_data(c, choice_json(request_.endpoint, i, text, c.finish), false));
+  }
+  sink_.reply_json(200, response_json(request_.endpoint, response_id_, created_, context_.model.name,
+                                      std::move(choices), prompt, completion, cached_tokens_));
+}
+
+// The reply is an error: every choice still running is cancelled.
+void Generation::fail(const ApiError& e) {
+  done_ = true;
+  cancel_running();
+  if (events_open_) {  // streaming began: the error goes in-band
+    sink_.event(sse_event(error_body(e)));
+    sink_.event(kSseDone);
+    sink_.end_events();
+  } else {
+    sink_.reply_error(e);
+  }
+}
+
+void Generation::cancel_running() {
+  for (Choice& c : choices_)
+    if (c.submitted && !c.outcome_in && c.finish.empty()) client_->cancel(c.id);  // its blocks are freed at once
+}
+
+}  // namespace disagg::http
