@@ -76,33 +76,24 @@ struct DisaggConfig {
   // Conditional disaggregation: a prompt with at most this many positions
   // left to compute (after its decode worker's cached prefix, or all of it
   // when nothing is cached) is prefilled by that decode worker itself (no
-  // prefill worker, no KV transfer). 0: always a prefill worker. Measured
-  // (README "Prefix caching" figures): on 8 x 4-turn conversations (rests
-  // of ~70-150 positions) later turns' TTFT p50 was 13.8 s at 0 and 64 (the
-  // prefill workers recompute whole histories), 0.81, 0.74 and 0.73 s at
-  // 256, 512 and 1024, TPOT p50 68 ms at 0 and 86-107 ms with local
-  // prefills between the decode steps; on cold random prompts of 26-486
-  // tokens at 4 req/s, TTFT p50 526 / 353 / 275 / 168 ms at 0 / 64 / 256 /
-  // 1024, TPOT p90 26.6 / 27.1 / 22.7 / 27.2 ms. 256 takes a chat turn's
-  // rest and short prompts, and keeps longer prompts off the decode worker.
+  // prefill worker, no KV transfer). 0: always a prefill worker. 256 takes
+  // a chat turn's rest and short prompts, and keeps longer prompts off the
+  // decode worker (the measurements that chose it: README, "Prefix caching").
   int local_prefill_tokens = 256;
   // KV-aware routing: a decode worker's score is this x the prompt's blocks
   // its prefix cache lacks (the router's index of the workers' KV events),
   // minus its free blocks; the lowest wins (README "Prefix caching").
   // A prefill worker's score: its queued prompt tokens plus those of this
   // prompt its own cache lacks. 0: blocks are not looked at (the most free
-  // blocks and the fewest queued tokens win, nothing predicted). 2 from
-  // bench/prefix.sh's shared-prefix run (5 groups, 2 decode workers of 400
-  // blocks): 50 of 60 requests found their group's prefix at 2, 30 at 1,
-  // 48 at 4, 8 at 0 (README "Measured performance").
+  // blocks and the fewest queued tokens win, nothing predicted). 2: the
+  // best of bench/prefix.sh's shared-prefix run (README, "Prefix caching").
   double kv_routing_prefill_weight = 2.0;
   // Tokens from the decode worker straight to the request's client (the
   // router records them and keeps control: placement, cancel, deadline, the
   // outcome, migration), as Dynamo's frontends receive workers' streams.
   // false: the router forwards every token. A request whose text the router
   // adds (GenerateRequest::token_text, a router with a tokenizer) goes
-  // through the router either way. bench/bench_router.cpp, 1,024 simulated
-  // workers: p99 per token 0.54 ms direct, 36.9 ms through the router.
+  // through the router either way (measured: README, "The router at scale").
   bool direct_token_streams = true;
   int queue_capacity = 256;          // accepted requests waiting for dispatch
   int max_prefill_inflight = 8;      // jobs per prefill worker at once

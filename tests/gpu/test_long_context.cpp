@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/small_model.h"
 #include "gpu/backend.h"
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
@@ -28,20 +29,9 @@ constexpr int kPrompt = 2048;  // prompt tokens
 constexpr int kNew = 16;       // greedy tokens after it
 constexpr int kBlock = 16;     // positions per KV block
 
-// Small dimensions, long context: 2 layers, 4 query heads on 2 KV heads.
+// Small dimensions, long context.
 std::shared_ptr<const Checkpoint> long_model() {
-  ModelConfig c;
-  c.dim = 64;
-  c.hidden_dim = 160;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.vocab_size = 300;
-  c.seq_len = kPrompt + kNew;
-  c.shared_classifier = false;
-  const auto path = std::filesystem::temp_directory_path() / "disagg-test-long-context.bin";
-  write_random_checkpoint(path.string(), c, 2048);
-  return Checkpoint::open(path.string());
+  return test::small_random_model(kPrompt + kNew, 2048, "disagg-test-long-context.bin");
 }
 
 int argmax(const float* logits, int n) { return int(std::max_element(logits, logits + n) - logits); }

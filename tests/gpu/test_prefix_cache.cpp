@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/small_model.h"
 #include "model/checkpoint.h"
 #include "engine/engine.h"
 #include "gpu/error.h"
@@ -24,18 +25,7 @@ namespace {
 constexpr int kBlock = 16;
 
 std::shared_ptr<const Checkpoint> small_model() {
-  ModelConfig c;
-  c.dim = 64;
-  c.hidden_dim = 160;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.vocab_size = 300;
-  c.seq_len = 1024;
-  c.shared_classifier = false;
-  const auto path = std::filesystem::temp_directory_path() / "disagg-test-prefix-cache.bin";
-  write_random_checkpoint(path.string(), c, 1234);
-  return Checkpoint::open(path.string());
+  return test::small_random_model(1024, 1234, "disagg-test-prefix-cache.bin");
 }
 
 std::vector<int> prompt_of(int n, int salt) {
