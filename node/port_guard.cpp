@@ -154,8 +154,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // TLS: CAF completed the handshake of this connection.
   void tls_accepted() { end_handshake(); }
 
-  // When the peer last sent bytes (or connected).
+  // When the peer last sent bytes (or connected), and how many it sent.
   Clock::time_point heard() const { return heard_; }
+  uint64_t received() const { return received_; }
   const std::string& who() const { return who_; }
 
   // Closes the connection now and gives back its pending slot and buffered
@@ -174,6 +175,11 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  void heard_from_peer(size_t n) {
+    heard_ = Clock::now();
+    received_ += n;
+  }
+
   // Leaves the pending connections (once: at the end of the handshake or at close).
   void leave_pending() {
     if (!pending_) return;
@@ -213,9 +219,9 @@ class Session : public std::enable_shared_from_this<Session> {
   // Peer -> CAF, inspecting: one BASP header, checked, then its payload.
   void read_header() {
     auto self = shared_from_this();
-    net::async_read(peer_, net::buffer(header_), [self](const boost::system::error_code& ec, size_t) {
+    net::async_read(peer_, net::buffer(header_), [self](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
-      self->heard_ = Clock::now();
+      self->heard_from_peer(n);
       caf::io::basp::header hdr;
       caf::binary_deserializer source{nullptr, self->header_.data(), self->header_.size()};
       if (auto err = source(hdr); err || !caf::io::basp::valid(hdr)) {
@@ -251,7 +257,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const size_t want = size_t(std::min<uint64_t>(left, up_.size()));
     peer_.async_read_some(net::buffer(up_.data(), want), [self, left](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
-      self->heard_ = Clock::now();
+      self->heard_from_peer(n);
       net::async_write(self->caf_, net::buffer(self->up_.data(), n),
                        [self, left, n](const boost::system::error_code& wec, size_t) {
                          if (wec) return self->close();
@@ -301,7 +307,7 @@ class Session : public std::enable_shared_from_this<Session> {
     const size_t want = std::min(up_.size(), size_t(collecting_) - message_.size());
     peer_.async_read_some(net::buffer(up_.data(), want), [self](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
-      self->heard_ = Clock::now();
+      self->heard_from_peer(n);
       self->message_.insert(self->message_.end(), self->up_.data(), self->up_.data() + n);
       self->collect_more();
     });
@@ -312,7 +318,7 @@ class Session : public std::enable_shared_from_this<Session> {
     auto self = shared_from_this();
     peer_.async_read_some(net::buffer(up_), [self](const boost::system::error_code& ec, size_t n) {
       if (ec) return self->close();
-      self->heard_ = Clock::now();
+      self->heard_from_peer(n);
       net::async_write(self->caf_, net::buffer(self->up_.data(), n), [self](const boost::system::error_code& wec, size_t) {
         if (wec) return self->close();
         self->pump_up();
@@ -343,6 +349,7 @@ class Session : public std::enable_shared_from_this<Session> {
   uint32_t collecting_ = 0;    // its announced length (counted in guard_->buffered)
   uint16_t caf_port_ = 0;      // local port of the connection to CAF
   Clock::time_point heard_;    // the peer's last bytes (or its connect)
+  uint64_t received_ = 0;      // bytes from the peer
   bool pending_ = true;        // counted in the guard's pending connections
   bool handshaken_ = false;
   bool closed_ = false;
@@ -392,13 +399,17 @@ void PortGuard::Impl::accept() {
 }
 
 void PortGuard::Impl::evict_pending(const std::string& source, const std::string& who) {
+  // The one that has made the least progress (bytes sent: a real TLS or
+  // BASP handshake sends hundreds at once, a staller next to nothing), of
+  // those the one silent longest.
   auto& list = pending_by_source.at(source);
   Session* quietest = *std::min_element(list.begin(), list.end(), [](const Session* a, const Session* b) {
-    return a->heard() < b->heard();
+    return a->received() != b->received() ? a->received() < b->received() : a->heard() < b->heard();
   });
   refuse(GuardRefusal::source_cap, quietest->who(),
          std::to_string(options.max_pending_per_source) + " connections from " + source +
-             " in their handshake (max-pending-per-source): the one silent longest is closed for " + who);
+             " in their handshake (max-pending-per-source): the one with the least progress, silent longest, is "
+             "closed for " + who);
   quietest->close();
 }
 

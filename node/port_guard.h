@@ -15,9 +15,11 @@
 // - accept: refused beyond max_connections in all or beyond max_pending (the
 //   connections still in their handshake, so that strangers can hold at
 //   most that share of the slots). Beyond max_pending_per_source from one
-//   address, that address's pending connection silent longest is closed to
-//   make room: clients behind one NAT or on one host share an address, and
-//   a real handshake (milliseconds) must win over any number of stallers.
+//   address, that address's pending connection that has sent the fewest
+//   bytes (of those, the one silent longest) is closed to make room:
+//   clients behind one NAT or on one host share an address, and a real
+//   handshake (hundreds of bytes at once, milliseconds) must win over any
+//   number of stallers.
 // - pending: plain: the peer's first message must be a BASP client handshake
 //   of at most kMaxHandshakeBytes, complete by handshake_timeout. TLS: the
 //   TLS handshake (with a certificate of the cluster's CA) must be complete
