@@ -576,66 +576,79 @@ caf::typed_response_promise<KvAck> commit_stream(Self self, Reservation& held, K
   return promise;
 }
 
-// The answer to a KV transfer: checks, the request's reserved blocks, then
-// the compute actor validates and stores the KV; the ack waits for it.
-caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
-  auto& st = self->state;
-  auto promise = self->make_response_promise<KvAck>();
+// A refusal of a KV transfer: the ack's code and message.
+struct Refusal {
+  ErrorCode code;
+  std::string message;
+};
+
+// Why a KV transfer is refused whatever was reserved for it, if it is.
+std::optional<Refusal> check_transfer(const DecodeState& st, const KvTransfer& transfer) {
   const RequestId id = transfer.id;
-  auto refuse = [&](ErrorCode code, std::string message) {
-    promise.deliver(make_ack(self, id, code, std::move(message)));
-    return promise;
-  };
-  if (st.cancelled.contains(id)) return refuse(ErrorCode::cancelled, "request was cancelled");
+  if (st.cancelled.contains(id)) return Refusal{ErrorCode::cancelled, "request was cancelled"};
   if (st.active.count(id) || st.admitting.count(id))
-    return refuse(ErrorCode::invalid_request, "request " + std::to_string(id) + " is already held");
+    return Refusal{ErrorCode::invalid_request, "request " + std::to_string(id) + " is already held"};
   if (transfer.chunk != 0 || transfer.chunk_count != 1)
-    return refuse(ErrorCode::invalid_request, "chunked KV transfers are not supported yet");
+    return Refusal{ErrorCode::invalid_request, "chunked KV transfers are not supported yet"};
   if (transfer.prompt_len <= 0 || transfer.max_new_tokens <= 0 || transfer.first_step < 0 ||
       transfer.prompt_len >= st.seq_len)
-    return refuse(ErrorCode::invalid_request,
-                  "prompt_len " + std::to_string(transfer.prompt_len) + ", max_new_tokens " +
-                      std::to_string(transfer.max_new_tokens) + " do not fit seq_len " +
-                      std::to_string(st.seq_len));
+    return Refusal{ErrorCode::invalid_request, "prompt_len " + std::to_string(transfer.prompt_len) +
+                                                   ", max_new_tokens " + std::to_string(transfer.max_new_tokens) +
+                                                   " do not fit seq_len " + std::to_string(st.seq_len)};
   // Checked here: the token is fed to the next batched step, where an id the
   // model lacks would fail every sequence of that batch.
   if (transfer.first_token < 0 || transfer.first_token >= st.vocab_size)
-    return refuse(ErrorCode::invalid_request,
-                  "first_token " + std::to_string(transfer.first_token) + " is outside the vocabulary [0, " +
-                      std::to_string(st.vocab_size) + ")");
+    return Refusal{ErrorCode::invalid_request, "first_token " + std::to_string(transfer.first_token) +
+                                                   " is outside the vocabulary [0, " +
+                                                   std::to_string(st.vocab_size) + ")"};
   // Checked here too: a step samples this sequence with the rest of its batch.
   if (const std::string why = gpu::check_sampling(transfer.sampling, st.vocab_size); !why.empty())
-    return refuse(ErrorCode::invalid_request, "sampling: " + why);
+    return Refusal{ErrorCode::invalid_request, "sampling: " + why};
   if (transfer.sampling.uses_history() && int64_t(transfer.context.size()) != transfer.prompt_len)
-    return refuse(ErrorCode::invalid_request, "the penalties need the prompt's " + std::to_string(transfer.prompt_len) +
-                                                  " tokens, the transfer carries " +
-                                                  std::to_string(transfer.context.size()));
+    return Refusal{ErrorCode::invalid_request, "the penalties need the prompt's " +
+                                                   std::to_string(transfer.prompt_len) +
+                                                   " tokens, the transfer carries " +
+                                                   std::to_string(transfer.context.size())};
   for (int32_t t : transfer.context)
     if (t < 0 || t >= st.vocab_size)
-      return refuse(ErrorCode::invalid_request, "context token " + std::to_string(t) + " is outside the vocabulary");
-  auto held = st.reserved.find(id);
-  if (held == st.reserved.end())
-    return refuse(ErrorCode::timeout, "no KV blocks reserved for request " + std::to_string(id) +
-                                          " (its reservation's lease ended, or none was made)");
+      return Refusal{ErrorCode::invalid_request, "context token " + std::to_string(t) + " is outside the vocabulary"};
+  return std::nullopt;
+}
+
+// Why the request's reservation cannot take the transfer, if it cannot
+// (`held`: its reservation, or nullptr when none is held).
+std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer& transfer, const Reservation* held) {
+  if (!held)
+    return Refusal{ErrorCode::timeout, "no KV blocks reserved for request " + std::to_string(transfer.id) +
+                                           " (its reservation's lease ended, or none was made)"};
   const int positions = gpu::kv_positions_needed(transfer.prompt_len, transfer.max_new_tokens, st.seq_len);
-  if (positions > held->second.positions)
-    return refuse(ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
-                                                  std::to_string(held->second.positions) + " were reserved");
-  if (transfer.transfer_id != 0) return commit_stream(self, held->second, std::move(transfer), promise);
+  if (positions > held->positions)
+    return Refusal{ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
+                                                   std::to_string(held->positions) + " were reserved"};
   // A one-message KV writes every position, the shared blocks' too.
-  if (held->second.cached > 0)
-    return refuse(ErrorCode::invalid_request, "request " + std::to_string(id) +
-                                                  " shares cached KV blocks: its KV must be streamed into the rest");
-  // One message: a stream offered for this reservation is not used.
-  if (held->second.streaming()) {
-    st.kv.plane->receiver(held->second.transport).cancel(held->second.transfer_id);
-    held->second.verdict = KvLanded{held->second.transfer_id, uint8_t(kv::TransferStatus::cancelled), 0, {}};
+  if (transfer.transfer_id == 0 && held->cached > 0)
+    return Refusal{ErrorCode::invalid_request, "request " + std::to_string(transfer.id) +
+                                                   " shares cached KV blocks: its KV must be streamed into the rest"};
+  return std::nullopt;
+}
+
+// A one-message KV: the reservation's blocks become the sequence's, the
+// compute actor validates and stores the KV, and the ack waits for it.
+void admit_message(Self self, std::map<RequestId, Reservation>::iterator held, KvTransfer& transfer,
+                   caf::typed_response_promise<KvAck> promise) {
+  auto& st = self->state;
+  const RequestId id = transfer.id;
+  Reservation& r = held->second;
+  // A stream offered for this reservation is not used.
+  if (r.streaming()) {
+    st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
+    r.verdict = KvLanded{r.transfer_id, uint8_t(kv::TransferStatus::cancelled), 0, {}};
   }
-  if (held->second.local) st.kv.local->cancel(held->second.transfer_id);
-  std::vector<int32_t> blocks = std::move(held->second.blocks);
+  if (r.local) st.kv.local->cancel(r.transfer_id);
+  std::vector<int32_t> blocks = std::move(r.blocks);
   Sequence seq;
   seq.blocks = blocks;
-  continue_from(seq, transfer, held->second.client, held->second.cached, st.seq_len);
+  continue_from(seq, transfer, r.client, r.cached, st.seq_len);
   st.reserved.erase(held);
   const int32_t first_token = transfer.first_token;
   TokenLogprobs first_logprobs = transfer.first_logprobs;
@@ -644,16 +657,16 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   self->request(st.compute, std::chrono::milliseconds(st.config.compute_timeout_ms),
                 admit_atom::value, std::move(request))
       .then(
-          [=](AdmitResult& r) mutable {
+          [=](AdmitResult& result) mutable {
             auto& state = self->state;  // (not the outer `st`: lambdas must not copy it)
             state.admitting.erase(id);
-            if (r.code == ErrorCode::none && state.cancelled.contains(id)) {
-              r.code = ErrorCode::cancelled;
-              r.message = "request was cancelled";
+            if (result.code == ErrorCode::none && state.cancelled.contains(id)) {
+              result.code = ErrorCode::cancelled;
+              result.message = "request was cancelled";
             }
-            if (r.code != ErrorCode::none) {
+            if (result.code != ErrorCode::none) {
               state.allocator->release(seq.blocks);
-              promise.deliver(make_ack(self, id, r.code, std::move(r.message)));
+              promise.deliver(make_ack(self, id, result.code, std::move(result.message)));
               report_load(self);
               return;
             }
@@ -665,6 +678,22 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
             promise.deliver(make_ack(self, id, code_of(e), describe("KV admission", e)));
             report_load(self);
           });
+}
+
+// The answer to a KV transfer: its checks, then the request's reserved
+// blocks take it (a stream's commit, or one message).
+caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
+  auto& st = self->state;
+  auto promise = self->make_response_promise<KvAck>();
+  auto held = st.reserved.find(transfer.id);
+  auto refusal = check_transfer(st, transfer);
+  if (!refusal) refusal = check_reservation(st, transfer, held == st.reserved.end() ? nullptr : &held->second);
+  if (refusal) {
+    promise.deliver(make_ack(self, transfer.id, refusal->code, std::move(refusal->message)));
+    return promise;
+  }
+  if (transfer.transfer_id != 0) return commit_stream(self, held->second, std::move(transfer), promise);
+  admit_message(self, held, transfer, promise);
   return promise;
 }
 

@@ -169,18 +169,11 @@ void on_computed(Self self, uint64_t serial, const PrefillJob& job, const decode
   }
 }
 
-prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, compute_actor compute,
-                                              router_actor router, std::string name, std::string colocated,
-                                              bool join_router) {
-  self->state.config = std::move(config);
-  self->state.name = std::move(name);
-  self->state.colocated = std::move(colocated);
-  self->state.compute = compute;
-  self->state.router = router;
-  self->link_to(compute);
+// Membership: learn the model from compute, then (join_router) register
+// with the router; a failure of either ends the actor.
+void join(Self self, bool join_router) {
   const auto compute_timeout = std::chrono::milliseconds(self->state.config.compute_timeout_ms);
-  // Membership: learn the model from compute, then register with the router.
-  self->request(compute, compute_timeout, info_atom::value)
+  self->request(self->state.compute, compute_timeout, info_atom::value)
       .then(
           [=](ModelInfo& model) {
             self->state.model = model;
@@ -195,78 +188,92 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
             info.name = self->state.name;
             info.colocated = self->state.colocated;
             info.model = std::move(model);
-            self->request(router, compute_timeout, register_atom::value, std::move(info),
+            self->request(self->state.router, compute_timeout, register_atom::value, std::move(info),
                           caf::actor_cast<prefill_actor>(self))
                 .then([](caf::ok_atom) {}, [=](caf::error& e) { self->quit(e); });
           },
           [=](caf::error& e) { self->quit(e); });
+}
+
+// Whether the job's KV is streamed (else it goes as one message).
+bool streams(const PrefillState& st, const PrefillJob& job) {
+  return st.config.kv_transport != "message" && job.target.transfer_id != 0;
+}
+
+// Why a job is refused before any compute, if it is: already in prefill,
+// or a stream whose size (known before any compute) is over
+// max-kv-transfer-bytes, or a target no plan fits (a block size that is no
+// whole number of tiles, a first position past the prompt).
+std::optional<PrefillReport> refusal_of(const PrefillState& st, const PrefillJob& job) {
+  if (st.live.count(job.id))
+    return failure(job.id, ErrorCode::invalid_request, "request " + std::to_string(job.id) + " is already in prefill");
+  if (!streams(st, job) || job.target.block_size <= 0 || job.prompt_tokens.empty()) return std::nullopt;
+  uint64_t bytes = 0;
+  try {
+    bytes = gpu::KvStreamPlan(std::max(1, st.model.n_layers), std::max(1, st.model.n_kv_heads * st.model.head_dim),
+                              int(job.prompt_tokens.size()), job.target.block_size, {}, job.target.first_position)
+                .total_bytes();
+  } catch (const std::invalid_argument& e) {
+    return failure(job.id, ErrorCode::invalid_request, std::string("KV target: ") + e.what());
+  }
+  if (int64_t(bytes) <= st.config.max_kv_transfer_bytes) return std::nullopt;
+  auto r = failure(job.id, ErrorCode::kv_too_large,
+                   "KV of " + std::to_string(bytes) + " bytes exceeds max-kv-transfer-bytes " +
+                       std::to_string(st.config.max_kv_transfer_bytes));
+  r.kv_bytes = bytes;
+  return r;
+}
+
+// The job, booked, goes to the compute actor; its report answers `promise`.
+void start_job(Self self, PrefillJob& job, decode_actor& decode, caf::typed_response_promise<PrefillReport> promise) {
+  auto& st = self->state;
+  const uint64_t serial = st.next_serial++;
+  // (clamped: a job from elsewhere than the router may carry anything)
+  const auto time_left = std::chrono::milliseconds(std::clamp<int64_t>(job.deadline_ms, 1, kMaxDeadlineMs));
+  Job j;
+  j.id = job.id;
+  j.promise = promise;
+  j.prompt_tokens = int64_t(job.prompt_tokens.size());
+  j.local = job.target.local();
+  j.received = Clock::now();
+  j.deadline = j.received + time_left;
+  PrefillWork work;
+  work.id = job.id;
+  work.tokens = job.prompt_tokens;
+  work.sampling = job.sampling;
+  work.deadline_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(j.deadline.time_since_epoch()).count();
+  work.cancelled = j.cancelled;
+  if (streams(st, job)) work.target = job.target;  // else: send it as a message
+  work.kv_wait_ms = st.config.ack_timeout_ms;
+  work.first_step = job.first_step;
+  work.cache_salt = job.cache_salt;
+  st.queued_tokens += j.prompt_tokens;
+  st.live[job.id] = serial;
+  st.jobs.emplace(serial, std::move(j));
+  // The compute actor answers by the deadline by itself (it skips work
+  // it reaches later); the margin covers a prompt it had already begun.
+  const auto bound = time_left + std::chrono::milliseconds(st.config.compute_timeout_ms);
+  self->request(st.compute, bound, prefill_atom::value, std::move(work))
+      .then([=](PrefillResult& computed) { on_computed(self, serial, job, decode, computed); },
+            [=](caf::error& e) { finish(self, serial, failure(job.id, code_of(e), describe("prefill compute", e))); });
+}
+
+prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, compute_actor compute,
+                                              router_actor router, std::string name, std::string colocated,
+                                              bool join_router) {
+  self->state.config = std::move(config);
+  self->state.name = std::move(name);
+  self->state.colocated = std::move(colocated);
+  self->state.compute = compute;
+  self->state.router = router;
+  self->link_to(compute);
+  join(self, join_router);
   return {
       [=](prefill_atom, PrefillJob& job,
           decode_actor& decode) -> caf::typed_response_promise<PrefillReport> {
-        auto& st = self->state;
         auto promise = self->make_response_promise<PrefillReport>();
-        if (st.live.count(job.id)) {
-          promise.deliver(failure(job.id, ErrorCode::invalid_request,
-                                  "request " + std::to_string(job.id) + " is already in prefill"));
-          return promise;
-        }
-        const bool stream = st.config.kv_transport != "message" && job.target.transfer_id != 0;
-        if (stream && job.target.block_size > 0 && !job.prompt_tokens.empty()) {
-          // A stream's size is known before any compute: refuse it now
-          // (and a target no plan fits: a block size that is no whole
-          // number of tiles, a first position past the prompt).
-          uint64_t bytes = 0;
-          try {
-            bytes = gpu::KvStreamPlan(std::max(1, st.model.n_layers),
-                                      std::max(1, st.model.n_kv_heads * st.model.head_dim),
-                                      int(job.prompt_tokens.size()), job.target.block_size, {},
-                                      job.target.first_position)
-                        .total_bytes();
-          } catch (const std::invalid_argument& e) {
-            promise.deliver(failure(job.id, ErrorCode::invalid_request, std::string("KV target: ") + e.what()));
-            return promise;
-          }
-          if (int64_t(bytes) > st.config.max_kv_transfer_bytes) {
-            auto r = failure(job.id, ErrorCode::kv_too_large,
-                             "KV of " + std::to_string(bytes) + " bytes exceeds max-kv-transfer-bytes " +
-                                 std::to_string(st.config.max_kv_transfer_bytes));
-            r.kv_bytes = bytes;
-            promise.deliver(std::move(r));
-            return promise;
-          }
-        }
-        const uint64_t serial = st.next_serial++;
-        // (clamped: a job from elsewhere than the router may carry anything)
-        const auto time_left = std::chrono::milliseconds(std::clamp<int64_t>(job.deadline_ms, 1, kMaxDeadlineMs));
-        Job j;
-        j.id = job.id;
-        j.promise = promise;
-        j.prompt_tokens = int64_t(job.prompt_tokens.size());
-        j.local = job.target.local();
-        j.received = Clock::now();
-        j.deadline = j.received + time_left;
-        PrefillWork work;
-        work.id = job.id;
-        work.tokens = job.prompt_tokens;
-        work.sampling = job.sampling;
-        work.deadline_ns =
-            std::chrono::duration_cast<std::chrono::nanoseconds>(j.deadline.time_since_epoch()).count();
-        work.cancelled = j.cancelled;
-        if (stream) work.target = job.target;  // else: send it as a message
-        work.kv_wait_ms = st.config.ack_timeout_ms;
-        work.first_step = job.first_step;
-        work.cache_salt = job.cache_salt;
-        st.queued_tokens += j.prompt_tokens;
-        st.live[job.id] = serial;
-        st.jobs.emplace(serial, std::move(j));
-        // The compute actor answers by the deadline by itself (it skips work
-        // it reaches later); the margin covers a prompt it had already begun.
-        const auto bound = time_left + std::chrono::milliseconds(st.config.compute_timeout_ms);
-        self->request(st.compute, bound, prefill_atom::value, std::move(work))
-            .then([=](PrefillResult& computed) { on_computed(self, serial, job, decode, computed); },
-                  [=](caf::error& e) {
-                    finish(self, serial, failure(job.id, code_of(e), describe("prefill compute", e)));
-                  });
+        if (auto refused = refusal_of(self->state, job)) promise.deliver(std::move(*refused));
+        else start_job(self, job, decode, promise);
         return promise;
       },
       [=](cancel_atom, RequestId id) {

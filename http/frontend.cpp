@@ -587,77 +587,85 @@ void raise_open_files_limit() {
 
 }  // namespace
 
-int run_frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
-  raise_open_files_limit();
+namespace {
+
+// The model as the API serves it, its tokenizer and chat template (logged
+// and nullopt when they cannot be loaded).
+struct Served {
   ServedModel model;
   std::optional<gpu::Tokenizer> tokenizer;
+  ChatTemplate tmpl = ChatTemplate::plain;
+  std::string tmpl_source;
+};
+std::optional<Served> load_served(const NodeOptions& node, const DisaggConfig& cfg) {
+  Served s;
   try {
     auto checkpoint = gpu::Checkpoint::open(cfg.model);
-    model.vocab_size = checkpoint->config().vocab_size;
-    model.seq_len = checkpoint->config().seq_len;
-    model.name = node.served_model_name.empty() ? checkpoint->name() : node.served_model_name;
-    tokenizer.emplace(gpu::load_tokenizer(*checkpoint, cfg.tokenizer));
+    s.model.vocab_size = checkpoint->config().vocab_size;
+    s.model.seq_len = checkpoint->config().seq_len;
+    s.model.name = node.served_model_name.empty() ? checkpoint->name() : node.served_model_name;
+    s.tokenizer.emplace(gpu::load_tokenizer(*checkpoint, cfg.tokenizer));
   } catch (const std::exception& e) {
     node_log(LogLevel::error, std::string("cannot load the model or tokenizer: ") + e.what());
-    return 1;
+    return std::nullopt;
   }
-  model.max_prompt_bytes = cfg.max_prompt_bytes;
-  model.created = unix_now();
-  const auto chosen = gpu::choose_chat_template(node.chat_template, tokenizer->vocabulary());
+  s.model.max_prompt_bytes = cfg.max_prompt_bytes;
+  s.model.created = unix_now();
+  const auto chosen = gpu::choose_chat_template(node.chat_template, s.tokenizer->vocabulary());
   if (!chosen.error.empty()) {
     node_log(LogLevel::error, cfg.model + ": " + chosen.error);
-    return 1;
+    return std::nullopt;
   }
-  const ChatTemplate tmpl = chosen.chat_template;
-  const std::string& tmpl_source = chosen.source;
+  s.tmpl = chosen.chat_template;
+  s.tmpl_source = chosen.source;
+  return s;
+}
 
-  auto fe = std::make_unique<Frontend>(system, node, cfg, model, std::move(*tokenizer), tmpl);
+// Binds node.http-host:http-port; the address it listens on ("" and logged when it cannot).
+std::string listen(Frontend& fe, const NodeOptions& node) {
   beast::error_code ec;
   const auto address = net::ip::make_address(node.http_host, ec);
   const std::string wanted = node.http_host + ":" + std::to_string(node.http_port);
   if (ec) {
     node_log(LogLevel::error, "cannot listen on " + wanted + ": not an IP address");
-    return 1;
+    return {};
   }
   const tcp::endpoint endpoint(address, node.http_port);
-  fe->acceptor.open(endpoint.protocol(), ec);
-  if (!ec) fe->acceptor.set_option(net::socket_base::reuse_address(true), ec);
-  if (!ec) fe->acceptor.bind(endpoint, ec);
-  if (!ec) fe->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  fe.acceptor.open(endpoint.protocol(), ec);
+  if (!ec) fe.acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) fe.acceptor.bind(endpoint, ec);
+  if (!ec) fe.acceptor.listen(net::socket_base::max_listen_connections, ec);
   if (ec) {
     node_log(LogLevel::error, "cannot listen on " + wanted + ": " + ec.message());
-    return 1;
+    return {};
   }
-  const std::string where = node.http_host + ":" + std::to_string(fe->acceptor.local_endpoint().port());
-  accept(*fe);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < node.http_threads; ++i) threads.emplace_back([&ioc = fe->ioc] { ioc.run(); });
-  node_log("frontend serving http://" + where + " (model " + model.name + ", context " +
-           std::to_string(model.seq_len) + ", chat template " + gpu::to_string(tmpl) + ": " + tmpl_source + ")");
-  if (!node.ready_file.empty() && !write_ready_file(node.ready_file, where))
-    node_log(LogLevel::error, "cannot write ready file " + node.ready_file);
+  return node.http_host + ":" + std::to_string(fe.acceptor.local_endpoint().port());
+}
 
-  // Reach the router, and reach it again whenever it goes away; HTTP is
-  // served meanwhile (/health says 503, requests get 503).
+// Reaches the router, and reaches it again whenever it goes away, until the
+// node stops; HTTP is served meanwhile (/health says 503, requests get 503).
+// 1 when the router could not be reached within node.connect-timeout-ms.
+int follow_router(caf::actor_system& system, const NodeOptions& node, Frontend& fe) {
   caf::scoped_actor self{system};
-  int code = 0;
   while (!node_stopping()) {
     auto router = connect_to_router(system, node);
-    if (!router) {
-      if (!node_stopping()) code = 1;
-      break;
-    }
-    fe->set_router(*router);
+    if (!router) return node_stopping() ? 0 : 1;
+    fe.set_router(*router);
     self->monitor(*router);
     bool down = false;
     while (!down && !node_stopping())
       self->receive([&](caf::down_msg&) { down = true; }, caf::after(100ms) >> [] {});
     if (down) {
       node_log(LogLevel::warning, "lost the router; reaching it again");
-      fe->set_router(std::nullopt);
+      fe.set_router(std::nullopt);
     }
   }
-  node_log("stopping");
+  return 0;
+}
+
+// Stops accepting, cancels the requests in flight and gives them
+// kShutdownDrain to end, then stops the I/O threads.
+void drain_and_stop(std::unique_ptr<Frontend> fe, std::vector<std::thread>& threads) {
   net::post(fe->ioc, [&fe] {
     beast::error_code ignored;
     fe->acceptor.close(ignored);
@@ -674,6 +682,28 @@ int run_frontend(caf::actor_system& system, const NodeOptions& node, const Disag
     node_log(LogLevel::warning, "requests still in flight at exit");
     (void)fe.release();
   }
+}
+
+}  // namespace
+
+int run_frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
+  raise_open_files_limit();
+  auto served = load_served(node, cfg);
+  if (!served) return 1;
+  auto fe = std::make_unique<Frontend>(system, node, cfg, served->model, std::move(*served->tokenizer), served->tmpl);
+  const std::string where = listen(*fe, node);
+  if (where.empty()) return 1;
+  accept(*fe);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < node.http_threads; ++i) threads.emplace_back([&ioc = fe->ioc] { ioc.run(); });
+  node_log("frontend serving http://" + where + " (model " + served->model.name + ", context " +
+           std::to_string(served->model.seq_len) + ", chat template " + gpu::to_string(served->tmpl) + ": " +
+           served->tmpl_source + ")");
+  if (!node.ready_file.empty() && !write_ready_file(node.ready_file, where))
+    node_log(LogLevel::error, "cannot write ready file " + node.ready_file);
+  const int code = follow_router(system, node, *fe);
+  node_log("stopping");
+  drain_and_stop(std::move(fe), threads);
   return code;
 }
 

@@ -240,64 +240,64 @@ namespace {
 
 // ---------------------------------------------------------------- workers
 
-// A prefill, decode or colocated (`worker`) node. A colocated node runs a
-// prefill and a decode worker on one compute actor and pool, each
-// registered through a relay of its own as "<name>/prefill" and
-// "<name>/decode" of unit <name>; KV moves between them in-process
-// (kv/local.h), so it needs no KV data plane and no port of its own.
-int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
-  const bool colocated = node.parsed_role() == NodeRole::worker;
-  const bool is_decode = node.parsed_role() == NodeRole::decode;
-  caf::scoped_actor self{system};
-  std::optional<Published> decode_port;  // a decode node's KV port (and its guard) while the node runs
-
-  // The KV data plane: a decode node's receivers listen from here on.
-  std::shared_ptr<kv::KvPlane> plane;
-  if (!colocated && cfg.kv_transport != "message") {
-    try {
-      plane = make_kv_plane(cfg, is_decode);
-      if (is_decode)
-        node_log("KV receivers at tcp " + plane->address(kv::Transport::tcp) +
-                 (plane->address(kv::Transport::shm).empty() ? "" : ", shm " + plane->address(kv::Transport::shm)));
-    } catch (const std::exception& e) {
-      node_log(std::string("cannot start the KV data plane (kv-transport ") + cfg.kv_transport + "): " + e.what());
-      return 1;
-    }
+// The KV data plane of a prefill or decode node (a decode node's receivers
+// listen from here on); nullptr for none (colocated, kv-transport message).
+// False when it cannot start (logged).
+bool start_kv_plane(const DisaggConfig& cfg, bool colocated, bool is_decode, std::shared_ptr<kv::KvPlane>& plane) {
+  if (colocated || cfg.kv_transport == "message") return true;
+  try {
+    plane = make_kv_plane(cfg, is_decode);
+    if (is_decode)
+      node_log("KV receivers at tcp " + plane->address(kv::Transport::tcp) +
+               (plane->address(kv::Transport::shm).empty() ? "" : ", shm " + plane->address(kv::Transport::shm)));
+    return true;
+  } catch (const std::exception& e) {
+    node_log(std::string("cannot start the KV data plane (kv-transport ") + cfg.kv_transport + "): " + e.what());
+    return false;
   }
+}
 
-  // Model and engine first: a bad model fails the node before it joins.
-  ComputeUnit compute;
-  std::shared_ptr<kv::LocalKvTargets> local;
-  if (colocated) local = std::make_shared<kv::LocalKvTargets>();
+// Model and engine first: a bad model fails the node before it joins.
+std::optional<ComputeUnit> load_compute(caf::actor_system& system, const DisaggConfig& cfg, bool holds_pool,
+                                        std::shared_ptr<kv::KvPlane> plane,
+                                        std::shared_ptr<kv::LocalKvTargets> local) {
   try {
     ComputeSpec spec;
     spec.checkpoint = gpu::Checkpoint::open(cfg.model);
     spec.engine.backend = cfg.backend;
-    spec.kv_plane = plane;
-    spec.local_targets = local;
+    spec.kv_plane = std::move(plane);
+    spec.local_targets = std::move(local);
     spec.prefill_chunk = cfg.prefill_chunk;
     spec.pool_block_size = cfg.block_size;
-    if (is_decode || colocated) spec.pool_blocks = cfg.pool_blocks;
+    if (holds_pool) spec.pool_blocks = cfg.pool_blocks;
     else spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
-    compute = spawn_compute_unit(system, spec);
+    return spawn_compute_unit(system, spec);
   } catch (const std::exception& e) {
     node_log(std::string("cannot load the model: ") + e.what());
-    return 1;
+    return std::nullopt;
   }
+}
 
-  RelaySpec relay_spec;
-  relay_spec.cluster = cfg.cluster;
-  relay_spec.ready_file = node.ready_file;
-  relay_spec.register_timeout = std::chrono::milliseconds(cfg.compute_timeout_ms);
-  relay_spec.peer_refresh = std::chrono::milliseconds(node.peer_refresh_ms);
-  relay_spec.register_retry = std::chrono::milliseconds(node.connect_retry_ms);
-  relay_spec.register_retry_max = std::chrono::milliseconds(node.connect_backoff_max_ms);
-  if (colocated) relay_spec.ready_after = std::make_shared<std::atomic<int>>(2);
+RelaySpec relay_spec_of(const NodeOptions& node, const DisaggConfig& cfg, bool colocated) {
+  RelaySpec spec;
+  spec.cluster = cfg.cluster;
+  spec.ready_file = node.ready_file;
+  spec.register_timeout = std::chrono::milliseconds(cfg.compute_timeout_ms);
+  spec.peer_refresh = std::chrono::milliseconds(node.peer_refresh_ms);
+  spec.register_retry = std::chrono::milliseconds(node.connect_retry_ms);
+  spec.register_retry_max = std::chrono::milliseconds(node.connect_backoff_max_ms);
+  if (colocated) spec.ready_after = std::make_shared<std::atomic<int>>(2);
+  return spec;
+}
 
-  const std::string name =
-      !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
-  // The node's workers, each with the relay it registers through.
-  std::vector<std::pair<caf::actor, router_actor>> workers;
+// A node's workers, each with the relay it registers through.
+using NodeWorkers = std::vector<std::pair<caf::actor, router_actor>>;
+
+NodeWorkers spawn_workers(caf::actor_system& system, const DisaggConfig& cfg, const RelaySpec& relay_spec,
+                          const std::string& name, NodeRole role, const ComputeUnit& compute,
+                          const std::shared_ptr<kv::KvPlane>& plane,
+                          const std::shared_ptr<kv::LocalKvTargets>& local) {
+  NodeWorkers workers;
   auto add_worker = [&](auto spawn) {
     router_actor relay = spawn_router_relay(system, relay_spec);
     caf::actor worker = caf::actor_cast<caf::actor>(spawn(relay));
@@ -308,7 +308,7 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
     caf::actor_cast<caf::abstract_actor*>(relay)->add_link(caf::actor_cast<caf::abstract_actor*>(worker));
     workers.emplace_back(worker, relay);
   };
-  if (colocated) {
+  if (role == NodeRole::worker) {
     add_worker([&](router_actor relay) {
       return spawn_prefill(system, cfg, compute.actor, relay, name + "/prefill", name);
     });
@@ -316,58 +316,51 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
       return spawn_decode(system, cfg, compute.actor, relay, name + "/decode",
                           DecodeKv{compute.pool, nullptr, local, name});
     });
-  } else if (is_decode) {
+  } else if (role == NodeRole::decode) {
     add_worker([&](router_actor relay) {
       return spawn_decode(system, cfg, compute.actor, relay, name, DecodeKv{compute.pool, plane, compute.local});
     });
   } else {
     add_worker([&](router_actor relay) { return spawn_prefill(system, cfg, compute.actor, relay, name); });
   }
-  auto stop_workers = [&] {
-    for (auto& w : workers) stop_actor(self, w.first);
-  };
-  if (is_decode) {
-    const caf::actor& worker = workers.front().first;
-    // The KV port: prefill nodes connect here directly.
-    // A one-message KV (kv-transport message) must fit the guard's limit.
-    const int64_t max_message = cfg.kv_transport == "message"
-                                    ? std::max(node.max_message_bytes, cfg.max_kv_transfer_bytes + kMessageOverheadBytes)
-                                    : node.max_message_bytes;
-    decode_port = publish_on(system, caf::actor_cast<decode_actor>(worker), node, max_message);
-    if (!decode_port) {
-      stop_workers();
-      return 1;
-    }
-    const uint16_t* port = &decode_port->port;
-    const std::string endpoint =
-        endpoint_of(node.advertise_host.empty() ? node.host : node.advertise_host, *port);
-    node_log("decode worker listening for KV on " + endpoint_of(node.host, *port) +
-             (node.advertise_host.empty() ? "" : " (advertised as " + endpoint + ")"));
-    set_relay_endpoint(workers.front().second, endpoint);
-  }
-  if (colocated) node_log("colocated worker " + name + ": prefill and decode on one compute actor");
-  for (auto& w : workers) self->monitor(w.first);
+  return workers;
+}
 
-  // Join, and join again whenever the router goes away.
+// A decode node's KV port, which prefill nodes connect to directly, and the
+// endpoint its relay advertises; nullopt when it cannot listen (logged).
+std::optional<Published> publish_kv_port(caf::actor_system& system, const NodeOptions& node,
+                                         const DisaggConfig& cfg, const NodeWorkers& workers) {
+  const caf::actor& worker = workers.front().first;
+  // A one-message KV (kv-transport message) must fit the guard's limit.
+  const int64_t max_message = cfg.kv_transport == "message"
+                                  ? std::max(node.max_message_bytes, cfg.max_kv_transfer_bytes + kMessageOverheadBytes)
+                                  : node.max_message_bytes;
+  auto port = publish_on(system, caf::actor_cast<decode_actor>(worker), node, max_message);
+  if (!port) return std::nullopt;
+  const std::string endpoint = endpoint_of(node.advertise_host.empty() ? node.host : node.advertise_host, port->port);
+  node_log("decode worker listening for KV on " + endpoint_of(node.host, port->port) +
+           (node.advertise_host.empty() ? "" : " (advertised as " + endpoint + ")"));
+  set_relay_endpoint(workers.front().second, endpoint);
+  return port;
+}
+
+// Joins, and joins again whenever the router goes away, until the node is
+// told to stop (0) or a worker stops or the router cannot be reached (1).
+int serve_router(caf::actor_system& system, caf::scoped_actor& self, const NodeOptions& node,
+                 const NodeWorkers& workers) {
   for (;;) {
     auto router = connect_to_router(system, node);
-    if (!router) {
-      const bool told_to_stop = stopping();
-      stop_workers();
-      return told_to_stop ? 0 : 1;
-    }
+    if (!router) return stopping() ? 0 : 1;
     self->monitor(*router);
     for (auto& w : workers) set_relay_router(w.second, *router);
     const WaitResult r = wait_for_stop_or_down(self);
     if (r.stopped) {
       node_log("stopping");
-      stop_workers();
       return 0;
     }
     for (auto& w : workers)
       if (r.down == w.first.address()) {
         node_log("the worker stopped: " + system.render(r.reason));
-        stop_workers();
         return 1;
       }
     node_log("lost the router (" + system.render(r.reason) + "); joining again");
@@ -376,6 +369,41 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
     for (auto slept = 0ms; slept < std::chrono::milliseconds(node.connect_retry_ms) && !stopping(); slept += 10ms)
       std::this_thread::sleep_for(10ms);
   }
+}
+
+// A prefill, decode or colocated (`worker`) node. A colocated node runs a
+// prefill and a decode worker on one compute actor and pool, each
+// registered through a relay of its own as "<name>/prefill" and
+// "<name>/decode" of unit <name>; KV moves between them in-process
+// (kv/local.h), so it needs no KV data plane and no port of its own.
+int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
+  const NodeRole role = node.parsed_role();
+  const bool colocated = role == NodeRole::worker, is_decode = role == NodeRole::decode;
+  std::shared_ptr<kv::KvPlane> plane;
+  if (!start_kv_plane(cfg, colocated, is_decode, plane)) return 1;
+  std::shared_ptr<kv::LocalKvTargets> local;
+  if (colocated) local = std::make_shared<kv::LocalKvTargets>();
+  const auto compute = load_compute(system, cfg, is_decode || colocated, plane, local);
+  if (!compute) return 1;
+
+  const std::string name =
+      !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
+  caf::scoped_actor self{system};
+  const NodeWorkers workers =
+      spawn_workers(system, cfg, relay_spec_of(node, cfg, colocated), name, role, *compute, plane, local);
+  auto stop_workers = [&] {
+    for (auto& w : workers) stop_actor(self, w.first);
+  };
+  std::optional<Published> decode_port;  // a decode node's KV port (and its guard) while the node runs
+  if (is_decode && !(decode_port = publish_kv_port(system, node, cfg, workers))) {
+    stop_workers();
+    return 1;
+  }
+  if (colocated) node_log("colocated worker " + name + ": prefill and decode on one compute actor");
+  for (auto& w : workers) self->monitor(w.first);
+  const int code = serve_router(system, self, node, workers);
+  stop_workers();
+  return code;
 }
 
 }  // namespace
