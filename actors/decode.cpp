@@ -7,6 +7,7 @@
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
+#include <variant>
 
 #include "actors/errors.h"
 #include "actors/prefill.h"
@@ -72,6 +73,22 @@ struct Sequence {
   int32_t cached_tokens = 0;
 };
 
+// The KV arrived as one message and the compute actor is storing it in the
+// blocks (the Sequence-to-be waits in the admission's callback).
+struct Admitting {};
+
+// A request's phase at this worker, the one entry it has:
+//
+//   reserve --> Reservation --(a stream's commit and the receiver's verdict)--> Sequence --(done)--> gone
+//   (blocks held,  |                                                           (decoding)
+//    a lease)      +--(one message: the KV)--> Admitting --(stored)--------------^
+//                                              (the compute stores it)
+//   Reservation --(cancel, the lease's end, a failed stream)--> gone (blocks freed)
+//   Sequence --(cancel)--> gone (blocks freed after the step in flight)
+//   Admitting --(cancel)--> gone when the compute answers (refused then)
+using RequestPhase = std::variant<Reservation, Admitting, Sequence>;
+using Requests = std::map<RequestId, RequestPhase>;
+
 // What a sequence takes from its commit and its reservation's answer.
 void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& client, int32_t pool_cached,
                    int32_t seq_len) {
@@ -126,11 +143,7 @@ struct DecodeState {
   int32_t kv_dim = 0;
   uint64_t fingerprint = 0;
   std::vector<int32_t> end_tokens;  // from the compute actor's model: the stop rule's ids
-  // A request's phases here: reserved (blocks held, KV not yet arrived) ->
-  // admitting (compute writing the KV into them) -> active (decoding) -> gone.
-  std::map<RequestId, Reservation> reserved;
-  std::map<RequestId, Sequence> active;
-  std::unordered_set<RequestId> admitting;
+  Requests requests;  // each request held here, in its phase (RequestPhase)
   uint64_t next_serial = 1;
   uint64_t events_seq = 0;  // the last KvEvents batch sent to the router
   TokenBatch tokens_out;    // tokens made and not yet sent to the router (flush_tokens)
@@ -146,13 +159,26 @@ struct DecodeState {
 
 // An actor that ends with streams open gives their memory back first.
 DecodeState::~DecodeState() {
-  for (auto& [id, r] : reserved) {
-    if (r.streaming()) kv.plane->receiver(r.transport).cancel(r.transfer_id);
-    if (r.local) kv.local->cancel(r.transfer_id);
-  }
+  for (auto& [id, phase] : requests)
+    if (auto* r = std::get_if<Reservation>(&phase)) {
+      if (r->streaming()) kv.plane->receiver(r->transport).cancel(r->transfer_id);
+      if (r->local) kv.local->cancel(r->transfer_id);
+    }
 }
 
 using Self = decode_actor::stateful_pointer<DecodeState>;
+
+// The request's entry when it is in phase P, else requests.end().
+template <class P>
+Requests::iterator find_in(DecodeState& st, RequestId id) {
+  auto it = st.requests.find(id);
+  return it != st.requests.end() && std::holds_alternative<P>(it->second) ? it : st.requests.end();
+}
+
+int32_t active_sequences(const DecodeState& st) {
+  return int32_t(std::count_if(st.requests.begin(), st.requests.end(),
+                               [](const auto& entry) { return std::holds_alternative<Sequence>(entry.second); }));
+}
 
 DecodeLoad load_of(Self self) {
   const auto& st = self->state;
@@ -160,7 +186,7 @@ DecodeLoad load_of(Self self) {
   load.total_blocks = st.allocator->num_blocks();
   load.free_blocks = st.allocator->free_blocks();
   load.block_size = st.config.block_size;
-  load.active_sequences = int32_t(st.active.size());
+  load.active_sequences = active_sequences(st);
   return load;
 }
 
@@ -234,30 +260,30 @@ void flush_tokens(Self self) {
   st.tokens_out.events.clear();
 }
 
-void finish_sequence(Self self, std::map<RequestId, Sequence>::iterator it, ErrorCode code,
-                     std::string message, FinishReason finish) {
+void finish_sequence(Self self, Requests::iterator it, ErrorCode code, std::string message, FinishReason finish) {
   auto& st = self->state;
+  Sequence& seq = std::get<Sequence>(it->second);
   flush_tokens(self);
-  if (code == ErrorCode::none) publish_sequence(self, it->second);
-  release_sequence_blocks(self, it->first, it->second.blocks);
+  if (code == ErrorCode::none) publish_sequence(self, seq);
+  release_sequence_blocks(self, it->first, seq.blocks);
   flush_events(self);  // before the done: the router's index knows the blocks when the client hears
   DecodeDone done;
   done.id = it->first;
   done.code = code;
   done.message = std::move(message);
-  done.tokens = std::move(it->second.tokens);
+  done.tokens = std::move(seq.tokens);
   done.finish = finish;
-  done.decode_us = micros_since(it->second.admitted);
-  done.first_step = it->second.first_step;
-  done.prompt_logprobs = std::move(it->second.prompt_logprobs);
-  st.active.erase(it);
+  done.decode_us = micros_since(seq.admitted);
+  done.first_step = seq.first_step;
+  done.prompt_logprobs = std::move(seq.prompt_logprobs);
+  st.requests.erase(it);
   self->send(st.router, done_atom::value, std::move(done));
 }
 
 // Applies a sampled token with the stop rule (engine/stop_rule.h, as
 // gpu::generate does); true when the sequence finished.
-bool accept_token(Self self, std::map<RequestId, Sequence>::iterator it, int32_t token, TokenLogprobs logprobs) {
-  Sequence& seq = it->second;
+bool accept_token(Self self, Requests::iterator it, int32_t token, TokenLogprobs logprobs) {
+  Sequence& seq = std::get<Sequence>(it->second);
   const int32_t index = seq.first_step + int32_t(seq.tokens.size());
   const auto stop = gpu::check_stop(self->state.end_tokens, seq.sampling.stop, token, index, seq.limit);
   if (stop != FinishReason::eos) {
@@ -294,16 +320,17 @@ bool step_over(Self self) {
 // sequences (those admitted meanwhile included).
 void schedule_step(Self self) {
   auto& st = self->state;
-  if (st.step_in_flight || st.active.empty()) return;
+  if (st.step_in_flight) return;
   std::vector<RequestId> all;
-  all.reserve(st.active.size());
-  for (const auto& kv : st.active) all.push_back(kv.first);
+  for (const auto& [id, phase] : st.requests)
+    if (std::holds_alternative<Sequence>(phase)) all.push_back(id);
+  if (all.empty()) return;
   const size_t take = std::min(all.size(), size_t(st.config.max_batch));
   DecodeStep step;
   std::vector<RequestId> ids;
   for (size_t k = 0; k < take; ++k) {
     const RequestId id = all[(st.cursor + k) % all.size()];
-    const Sequence& seq = st.active.at(id);
+    const Sequence& seq = std::get<Sequence>(st.requests.at(id));
     StepSlot slot;
     slot.id = id;
     slot.token = seq.tokens.back();  // the last emitted token, fed at the next position
@@ -338,8 +365,8 @@ void schedule_step(Self self) {
             }
             bool changed = freed;
             for (size_t i = 0; i < ids.size(); ++i) {
-              auto it = self->state.active.find(ids[i]);
-              if (it == self->state.active.end()) continue;  // cancelled during the step
+              auto it = find_in<Sequence>(self->state, ids[i]);
+              if (it == self->state.requests.end()) continue;  // cancelled during the step
               if (r.code != ErrorCode::none) {
                 finish_sequence(self, it, r.code, r.message, FinishReason::length);
                 changed = true;
@@ -354,8 +381,8 @@ void schedule_step(Self self) {
           [=](caf::error& e) {
             step_over(self);
             for (RequestId id : ids) {
-              auto it = self->state.active.find(id);
-              if (it != self->state.active.end())
+              auto it = find_in<Sequence>(self->state, id);
+              if (it != self->state.requests.end())
                 finish_sequence(self, it, code_of(e), describe("decode step", e), FinishReason::length);
             }
             report_load(self);
@@ -431,7 +458,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   // router restarts requests whose worker was lost; its messages to this
   // worker arrive in order): what was cancelled is gone, this one counts.
   st.cancelled.erase(r.id);
-  if (st.reserved.count(r.id) || st.active.count(r.id) || st.admitting.count(r.id))
+  if (st.requests.count(r.id))
     return reply(ErrorCode::invalid_request, "request " + std::to_string(r.id) + " is already held");
   if (r.positions <= 0 || r.positions > st.seq_len || r.lease_ms <= 0)
     return reply(ErrorCode::invalid_request, "reservation of " + std::to_string(r.positions) +
@@ -485,7 +512,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
       record_prefix_lookup(r.prompt_len, held.cached, local && !colocated ? r.prompt_len : held.cached,
                            2 * uint64_t(st.n_layers) * uint64_t(st.kv_dim) * sizeof(float));
   }
-  st.reserved.emplace(r.id, std::move(held));
+  st.requests.emplace(r.id, std::move(held));
   self->delayed_send(self, std::chrono::milliseconds(r.lease_ms), lease_atom::value, r.id, serial);
   flush_events(self);  // (evictions)
   answer.load = load_of(self);
@@ -499,14 +526,14 @@ ReserveReply reserve(Self self, const KvReservation& r) {
 bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cancelled,
                       const std::string& message = "request was cancelled") {
   auto& st = self->state;
-  auto it = st.reserved.find(id);
-  if (it == st.reserved.end()) return false;
-  Reservation& r = it->second;
+  auto it = find_in<Reservation>(st, id);
+  if (it == st.requests.end()) return false;
+  Reservation& r = std::get<Reservation>(it->second);
   if (r.streaming()) st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
   if (r.local) st.kv.local->cancel(r.transfer_id);
   if (r.commit) r.commit->promise.deliver(make_ack(self, id, code, message));
   st.allocator->release(r.blocks);
-  st.reserved.erase(it);
+  st.requests.erase(it);
   return true;
 }
 
@@ -515,7 +542,7 @@ void activate(Self self, RequestId id, Sequence seq, int32_t first_token, TokenL
               caf::typed_response_promise<KvAck> promise) {
   seq.admitted = Clock::now();
   publish_blocks(self, seq.hashes, seq.blocks);  // the prompt's KV is final
-  auto it = self->state.active.emplace(id, std::move(seq)).first;
+  auto it = self->state.requests.insert_or_assign(id, std::move(seq)).first;
   accept_token(self, it, first_token, std::move(first_logprobs));  // sampled by the prefill side (sent at once)
   promise.deliver(make_ack(self, id, ErrorCode::none, {}));
   report_load(self);
@@ -526,11 +553,13 @@ void activate(Self self, RequestId id, Sequence seq, int32_t first_token, TokenL
 // sequence starts, or its reservation ends with the stream's failure.
 void settle_stream(Self self, RequestId id) {
   auto& st = self->state;
-  auto it = st.reserved.find(id);
-  if (it == st.reserved.end() || !it->second.verdict || !it->second.commit) return;
-  const KvLanded verdict = *it->second.verdict;
-  PendingCommit commit = std::move(*it->second.commit);
-  it->second.commit.reset();
+  auto it = find_in<Reservation>(st, id);
+  if (it == st.requests.end()) return;
+  Reservation& held = std::get<Reservation>(it->second);
+  if (!held.verdict || !held.commit) return;
+  const KvLanded verdict = *held.verdict;
+  PendingCommit commit = std::move(*held.commit);
+  held.commit.reset();
   const auto status = kv::TransferStatus(verdict.status);
   if (status != kv::TransferStatus::complete) {
     commit.promise.deliver(make_ack(self, id, code_of(status),
@@ -542,12 +571,11 @@ void settle_stream(Self self, RequestId id) {
   }
   const KvTransfer& t = commit.transfer;
   Sequence seq;
-  seq.blocks = std::move(it->second.blocks);
-  seq.prompt = std::move(it->second.prompt);
-  seq.hash_seed = it->second.hash_seed;
-  seq.hashes = std::move(it->second.hashes);
-  continue_from(seq, t, it->second.client, it->second.cached, st.seq_len);
-  st.reserved.erase(it);
+  seq.blocks = std::move(held.blocks);
+  seq.prompt = std::move(held.prompt);
+  seq.hash_seed = held.hash_seed;
+  seq.hashes = std::move(held.hashes);
+  continue_from(seq, t, held.client, held.cached, st.seq_len);
   activate(self, id, std::move(seq), t.first_token, t.first_logprobs, commit.promise);
 }
 
@@ -586,7 +614,7 @@ struct Refusal {
 std::optional<Refusal> check_transfer(const DecodeState& st, const KvTransfer& transfer) {
   const RequestId id = transfer.id;
   if (st.cancelled.contains(id)) return Refusal{ErrorCode::cancelled, "request was cancelled"};
-  if (st.active.count(id) || st.admitting.count(id))
+  if (auto it = st.requests.find(id); it != st.requests.end() && !std::holds_alternative<Reservation>(it->second))
     return Refusal{ErrorCode::invalid_request, "request " + std::to_string(id) + " is already held"};
   if (transfer.chunk != 0 || transfer.chunk_count != 1)
     return Refusal{ErrorCode::invalid_request, "chunked KV transfers are not supported yet"};
@@ -634,11 +662,11 @@ std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer
 
 // A one-message KV: the reservation's blocks become the sequence's, the
 // compute actor validates and stores the KV, and the ack waits for it.
-void admit_message(Self self, std::map<RequestId, Reservation>::iterator held, KvTransfer& transfer,
+void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
                    caf::typed_response_promise<KvAck> promise) {
   auto& st = self->state;
   const RequestId id = transfer.id;
-  Reservation& r = held->second;
+  Reservation& r = std::get<Reservation>(held->second);
   // A stream offered for this reservation is not used.
   if (r.streaming()) {
     st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
@@ -649,22 +677,21 @@ void admit_message(Self self, std::map<RequestId, Reservation>::iterator held, K
   Sequence seq;
   seq.blocks = blocks;
   continue_from(seq, transfer, r.client, r.cached, st.seq_len);
-  st.reserved.erase(held);
+  held->second = Admitting{};
   const int32_t first_token = transfer.first_token;
   TokenLogprobs first_logprobs = transfer.first_logprobs;
-  st.admitting.insert(id);
   KvAdmit request{std::move(transfer), std::move(blocks)};
   self->request(st.compute, std::chrono::milliseconds(st.config.compute_timeout_ms),
                 admit_atom::value, std::move(request))
       .then(
           [=](AdmitResult& result) mutable {
             auto& state = self->state;  // (not the outer `st`: lambdas must not copy it)
-            state.admitting.erase(id);
             if (result.code == ErrorCode::none && state.cancelled.contains(id)) {
               result.code = ErrorCode::cancelled;
               result.message = "request was cancelled";
             }
             if (result.code != ErrorCode::none) {
+              state.requests.erase(id);  // (Admitting)
               state.allocator->release(seq.blocks);
               promise.deliver(make_ack(self, id, result.code, std::move(result.message)));
               report_load(self);
@@ -673,7 +700,7 @@ void admit_message(Self self, std::map<RequestId, Reservation>::iterator held, K
             activate(self, id, std::move(seq), first_token, std::move(first_logprobs), promise);
           },
           [=](caf::error& e) mutable {
-            self->state.admitting.erase(id);
+            self->state.requests.erase(id);  // (Admitting)
             self->state.allocator->release(seq.blocks);
             promise.deliver(make_ack(self, id, code_of(e), describe("KV admission", e)));
             report_load(self);
@@ -685,14 +712,17 @@ void admit_message(Self self, std::map<RequestId, Reservation>::iterator held, K
 caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   auto& st = self->state;
   auto promise = self->make_response_promise<KvAck>();
-  auto held = st.reserved.find(transfer.id);
+  auto held = find_in<Reservation>(st, transfer.id);
   auto refusal = check_transfer(st, transfer);
-  if (!refusal) refusal = check_reservation(st, transfer, held == st.reserved.end() ? nullptr : &held->second);
+  if (!refusal)
+    refusal = check_reservation(st, transfer,
+                                held == st.requests.end() ? nullptr : &std::get<Reservation>(held->second));
   if (refusal) {
     promise.deliver(make_ack(self, transfer.id, refusal->code, std::move(refusal->message)));
     return promise;
   }
-  if (transfer.transfer_id != 0) return commit_stream(self, held->second, std::move(transfer), promise);
+  if (transfer.transfer_id != 0)
+    return commit_stream(self, std::get<Reservation>(held->second), std::move(transfer), promise);
   admit_message(self, held, transfer, promise);
   return promise;
 }
@@ -750,19 +780,20 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
                               caf::actor_cast<decode_actor>(self));
       },
       [=](lease_atom, RequestId id, uint64_t serial) {
-        auto it = self->state.reserved.find(id);
-        if (it == self->state.reserved.end() || it->second.serial != serial) return;  // filled or gone
+        auto it = find_in<Reservation>(self->state, id);
+        if (it == self->state.requests.end() || std::get<Reservation>(it->second).serial != serial)
+          return;  // filled or gone
         drop_reservation(self, id, ErrorCode::timeout, "the reservation's lease ended before its KV arrived");
         report_load(self);
       },
       [=](landed_atom, RequestId id, uint64_t serial, KvLanded& verdict) {
-        auto it = self->state.reserved.find(id);
-        if (it == self->state.reserved.end() || it->second.serial != serial ||
-            it->second.transfer_id != verdict.transfer_id || it->second.verdict)
-          return;  // the reservation ended meanwhile
+        auto it = find_in<Reservation>(self->state, id);
+        if (it == self->state.requests.end()) return;  // the reservation ended meanwhile
+        Reservation& held = std::get<Reservation>(it->second);
+        if (held.serial != serial || held.transfer_id != verdict.transfer_id || held.verdict) return;  // (another)
         const bool ok = kv::TransferStatus(verdict.status) == kv::TransferStatus::complete;
-        it->second.verdict = std::move(verdict);
-        if (it->second.commit) {
+        held.verdict = std::move(verdict);
+        if (held.commit) {
           settle_stream(self, id);
         } else if (!ok) {
           // No commit will come (the prefill worker hears the same verdict):
@@ -776,10 +807,10 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         state.cancelled.add(id);
         if (state.local_prefill) self->send(state.local_prefill, cancel_atom::value, id);
         drop_reservation(self, id);
-        auto it = state.active.find(id);
-        if (it != state.active.end()) {
-          release_sequence_blocks(self, id, it->second.blocks);
-          state.active.erase(it);
+        auto it = find_in<Sequence>(state, id);
+        if (it != state.requests.end()) {
+          release_sequence_blocks(self, id, std::get<Sequence>(it->second).blocks);
+          state.requests.erase(it);
         }
         // Also when it held nothing (never arrived, or admitting: refused when
         // compute answers): the router gives back what it had reserved here
