@@ -381,12 +381,21 @@ std::vector<int> named_token_ids(const JsonFields& config, int vocab_size) {
 // F16, BF16: mapped, not copied), tokenizer.json and tokenizer_config.json.
 // Hugging Face's Llama keeps q/k rows in rotate_half order, which the engine
 // rotates as it is (ModelConfig::rotate_half) instead of permuting a copy.
-void Checkpoint::load_hf(const std::string& dir) {
+namespace {
+
+// A Hugging Face directory's model: config.json (every value type- and
+// range-checked), and the end ids it and generation_config.json name.
+struct HfConfig {
+  ModelConfig config;
+  std::vector<int> end_ids;
+};
+HfConfig read_hf_config(const std::string& dir) {
   namespace fs = std::filesystem;
   const std::string config_path = (fs::path(dir) / "config.json").string();
   const nlohmann::json j = read_json_file(config_path);
   const JsonFields cfg(j, config_path);  // every value type- and range-checked (gpu/json_fields.h)
-  ModelConfig& c = config_;
+  HfConfig out;
+  ModelConfig& c = out.config;
   const nlohmann::json& architectures = cfg.array("architectures");
   if (architectures.empty() || !architectures[0].is_string())
     wrong_json_value(config_path, "architectures", architectures, "a list of architecture names");
@@ -440,14 +449,19 @@ void Checkpoint::load_hf(const std::string& dir) {
   if (std::string problem = validate(c); !problem.empty()) throw Error(config_path + ": " + problem);
   // The ids config.json and generation_config.json name, checked whether or
   // not the directory has a tokenizer (their eos ids end generation with one).
-  std::vector<int> end_ids = named_token_ids(cfg, c.vocab_size);
+  out.end_ids = named_token_ids(cfg, c.vocab_size);
   const std::string generation = (fs::path(dir) / "generation_config.json").string();
   if (fs::exists(generation)) {
     const nlohmann::json g = read_json_file(generation);
-    for (int id : named_token_ids(JsonFields(g, generation), c.vocab_size)) end_ids.push_back(id);
+    for (int id : named_token_ids(JsonFields(g, generation), c.vocab_size)) out.end_ids.push_back(id);
   }
+  return out;
+}
 
-  // The weight files: one, or the shards an index names (each mapped once).
+// The weight files of a Hugging Face directory: model.safetensors, or the
+// shards its index names (sorted, each once, each a file of the directory).
+std::vector<std::string> hf_weight_files(const std::string& dir) {
+  namespace fs = std::filesystem;
   std::vector<std::string> files;
   const std::string single = (fs::path(dir) / "model.safetensors").string();
   const std::string index = (fs::path(dir) / "model.safetensors.index.json").string();
@@ -467,6 +481,18 @@ void Checkpoint::load_hf(const std::string& dir) {
   } else {
     throw Error(dir + ": neither model.safetensors nor model.safetensors.index.json");
   }
+  return files;
+}
+
+}  // namespace
+
+void Checkpoint::load_hf(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const std::string config_path = (fs::path(dir) / "config.json").string();
+  HfConfig hf = read_hf_config(dir);
+  config_ = std::move(hf.config);
+  const ModelConfig& c = config_;
+  const std::vector<std::string> files = hf_weight_files(dir);
   std::map<std::string, std::pair<safetensors::Tensor, const uint8_t*>> tensors;  // name -> (info, file base)
   for (size_t i = 0; i < files.size(); ++i) {
     const auto mapped = map_file(files[i]);
@@ -512,9 +538,9 @@ void Checkpoint::load_hf(const std::string& dir) {
   const std::string tokenizer_config = (fs::path(dir) / "tokenizer_config.json").string();
   if (fs::exists(tokenizer)) {
     vocabulary_ = read_hf_tokenizer(tokenizer, fs::exists(tokenizer_config) ? tokenizer_config : "", c.vocab_size);
-    std::vector<int> named = end_ids;
+    std::vector<int> named = hf.end_ids;
     if (vocabulary_->eos >= 0) named.push_back(vocabulary_->eos);
-    c.end_tokens = end_tokens_of(*vocabulary_, named);
+    config_.end_tokens = end_tokens_of(*vocabulary_, named);
   }
   name_ = fs::path(dir).filename().string().empty() ? fs::path(dir).parent_path().filename().string()
                                                     : fs::path(dir).filename().string();
