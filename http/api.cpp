@@ -398,6 +398,86 @@ std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model,
   return render_chat(tmpl, messages, tokenizer);
 }
 
+namespace {
+
+// The prompt's tokens: completions' `prompt`, or chat's `messages` rendered;
+// shorter than the context.
+std::vector<int32_t> request_prompt(const json& body, Endpoint endpoint, const ServedModel& model,
+                                    const gpu::Tokenizer& tokenizer, ChatTemplate tmpl) {
+  std::vector<int32_t> tokens;
+  if (endpoint == Endpoint::completions) {
+    const json* prompt = field(body, "prompt");
+    if (!prompt) throw bad_request("prompt", "'prompt' is required", "missing");
+    tokens = parse_prompt(*prompt, model, tokenizer);
+  } else {
+    const json* messages = field(body, "messages");
+    if (!messages) throw bad_request("messages", "'messages' is required", "missing");
+    tokens = chat_prompt(*messages, model, tokenizer, tmpl);
+  }
+  if (int64_t(tokens.size()) >= model.seq_len)
+    throw bad_request(endpoint == Endpoint::chat ? "messages" : "prompt",
+                      "the prompt is " + std::to_string(tokens.size()) + " tokens; this model's context is " +
+                          std::to_string(model.seq_len) + " tokens", "context_length_exceeded");
+  return tokens;
+}
+
+// max_tokens (chat: or max_completion_tokens) within what the context leaves
+// after the prompt; without one, completions' default or (chat) as many as
+// the context holds (`defaulted`).
+int32_t request_max_tokens(const json& body, Endpoint endpoint, const ServedModel& model, int64_t prompt_len,
+                           bool& defaulted) {
+  const char* max_name = "max_tokens";
+  const json* max_tokens = field(body, "max_tokens");
+  if (!max_tokens && endpoint == Endpoint::chat && field(body, "max_completion_tokens")) {
+    max_name = "max_completion_tokens";
+    max_tokens = field(body, max_name);
+  }
+  defaulted = false;
+  if (!max_tokens) {
+    defaulted = endpoint == Endpoint::chat;
+    return endpoint == Endpoint::chat ? int32_t(model.seq_len - prompt_len)
+                                      : int32_t(std::min<int64_t>(kDefaultCompletionMaxTokens, model.seq_len - prompt_len));
+  }
+  expect_type(max_tokens->is_number_integer(), max_name, "an integer", *max_tokens);
+  // Beyond int64 (unsigned) is beyond any context; compared without overflowing.
+  const bool huge = max_tokens->is_number_unsigned() && max_tokens->get<uint64_t>() > uint64_t(model.seq_len);
+  const int64_t m = huge ? int64_t(model.seq_len) + 1 : max_tokens->get<int64_t>();
+  if (m < 1) throw bad_request(max_name, std::string("'") + max_name + "' must be at least 1, got " + std::to_string(m));
+  if (m > model.seq_len - prompt_len)
+    throw bad_request(max_name, "This model's maximum context length is " + std::to_string(model.seq_len) +
+                                    " tokens. However, you requested " + std::to_string(prompt_len) +
+                                    " tokens in the prompt and " + quote(*max_tokens) + " for the completion.",
+                      "context_length_exceeded");
+  return int32_t(m);
+}
+
+// `stop`: one string or at most kMaxStopStrings, each at most kMaxStopBytes
+// (empty ones dropped).
+std::vector<std::string> request_stop(const json& body) {
+  std::vector<std::string> out;
+  const json* stop = field(body, "stop");
+  if (!stop) return out;
+  if (stop->is_string()) {
+    out.push_back(stop->get<std::string>());
+  } else {
+    expect_type(stop->is_array(), "stop", "a string or an array of strings", *stop);
+    if (stop->size() > kMaxStopStrings)
+      throw bad_request("stop", "at most " + std::to_string(kMaxStopStrings) + " stop strings, got " + quote(*stop));
+    for (const auto& s : *stop) {
+      expect_type(s.is_string(), "stop", "a string or an array of strings", s);
+      out.push_back(s.get<std::string>());
+    }
+  }
+  out.erase(std::remove(out.begin(), out.end(), std::string()), out.end());
+  for (const auto& s : out)
+    if (s.size() > kMaxStopBytes)
+      throw bad_request("stop", "a stop string may be at most " + std::to_string(kMaxStopBytes) + " bytes, got " +
+                                    std::to_string(s.size()) + " (" + quote(json(s)) + ")");
+  return out;
+}
+
+}  // namespace
+
 ApiRequest parse_request(Endpoint endpoint, const std::string& text, const ServedModel& model,
                          const gpu::Tokenizer& tokenizer, ChatTemplate tmpl,
                          const std::function<uint64_t()>& random_seed) {
@@ -411,44 +491,8 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
 
   ApiRequest r;
   r.endpoint = endpoint;
-  if (endpoint == Endpoint::completions) {
-    const json* prompt = field(body, "prompt");
-    if (!prompt) throw bad_request("prompt", "'prompt' is required", "missing");
-    r.prompt_tokens = parse_prompt(*prompt, model, tokenizer);
-  } else {
-    const json* messages = field(body, "messages");
-    if (!messages) throw bad_request("messages", "'messages' is required", "missing");
-    r.prompt_tokens = chat_prompt(*messages, model, tokenizer, tmpl);
-  }
-  const int64_t prompt_len = int64_t(r.prompt_tokens.size());
-  if (prompt_len >= model.seq_len)
-    throw bad_request(endpoint == Endpoint::chat ? "messages" : "prompt",
-                      "the prompt is " + std::to_string(prompt_len) + " tokens; this model's context is " +
-                          std::to_string(model.seq_len) + " tokens", "context_length_exceeded");
-
-  const char* max_name = "max_tokens";
-  const json* max_tokens = field(body, "max_tokens");
-  if (!max_tokens && endpoint == Endpoint::chat && field(body, "max_completion_tokens")) {
-    max_name = "max_completion_tokens";
-    max_tokens = field(body, max_name);
-  }
-  if (max_tokens) {
-    expect_type(max_tokens->is_number_integer(), max_name, "an integer", *max_tokens);
-    // Beyond int64 (unsigned) is beyond any context; compared without overflowing.
-    const bool huge = max_tokens->is_number_unsigned() && max_tokens->get<uint64_t>() > uint64_t(model.seq_len);
-    const int64_t m = huge ? int64_t(model.seq_len) + 1 : max_tokens->get<int64_t>();
-    if (m < 1) throw bad_request(max_name, std::string("'") + max_name + "' must be at least 1, got " + std::to_string(m));
-    if (m > model.seq_len - prompt_len)
-      throw bad_request(max_name, "This model's maximum context length is " + std::to_string(model.seq_len) +
-                                      " tokens. However, you requested " + std::to_string(prompt_len) +
-                                      " tokens in the prompt and " + quote(*max_tokens) + " for the completion.",
-                        "context_length_exceeded");
-    r.max_tokens = int32_t(m);
-  } else {
-    r.max_tokens = endpoint == Endpoint::chat ? int32_t(model.seq_len - prompt_len)
-                                              : int32_t(std::min<int64_t>(kDefaultCompletionMaxTokens, model.seq_len - prompt_len));
-    r.max_tokens_defaulted = endpoint == Endpoint::chat;
-  }
+  r.prompt_tokens = request_prompt(body, endpoint, model, tokenizer, tmpl);
+  r.max_tokens = request_max_tokens(body, endpoint, model, int64_t(r.prompt_tokens.size()), r.max_tokens_defaulted);
 
   r.sampling.temperature = float(number_in(body, "temperature", 1.0, 0.0, kMaxTemperature, false));
   r.sampling.top_p = float(number_in(body, "top_p", 1.0, 0.0, 1.0, true));
@@ -462,24 +506,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   r.logprobs = r.sampling.logprobs;
   r.n = int32_t(integer_in(body, "n", 1, 1, kMaxChoices));
   r.best_of = int32_t(integer_in(body, "best_of", r.n, r.n, kMaxChoices));
-  if (const json* stop = field(body, "stop")) {
-    if (stop->is_string()) {
-      r.stop.push_back(stop->get<std::string>());
-    } else {
-      expect_type(stop->is_array(), "stop", "a string or an array of strings", *stop);
-      if (stop->size() > kMaxStopStrings)
-        throw bad_request("stop", "at most " + std::to_string(kMaxStopStrings) + " stop strings, got " + quote(*stop));
-      for (const auto& s : *stop) {
-        expect_type(s.is_string(), "stop", "a string or an array of strings", s);
-        r.stop.push_back(s.get<std::string>());
-      }
-    }
-    r.stop.erase(std::remove(r.stop.begin(), r.stop.end(), std::string()), r.stop.end());
-    for (const auto& s : r.stop)
-      if (s.size() > kMaxStopBytes)
-        throw bad_request("stop", "a stop string may be at most " + std::to_string(kMaxStopBytes) + " bytes, got " +
-                                      std::to_string(s.size()) + " (" + quote(json(s)) + ")");
-  }
+  r.stop = request_stop(body);
   r.stream = boolean(body, "stream", false);
   if (endpoint == Endpoint::completions && boolean(body, "echo", false)) {
     r.echo = true;
