@@ -15,6 +15,22 @@ namespace disagg::test {
 
 using Clock = std::chrono::steady_clock;
 
+int listen_on_loopback(uint16_t& port, int backlog) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof at;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 || ::listen(fd, backlog) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  port = ntohs(at.sin_port);
+  return fd;
+}
+
 int connect_to(uint16_t port, const std::string& from) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;

@@ -13,6 +13,10 @@ namespace disagg::test {
 // loopback address is another source to the node), or -1.
 int connect_to(uint16_t port, const std::string& from = "127.0.0.1");
 
+// A socket listening on a free port of 127.0.0.1 that accepts nothing (the
+// kernel completes connections into its backlog), or -1; `port` is set.
+int listen_on_loopback(uint16_t& port, int backlog = 16);
+
 // The 32-byte BASP header of CAF 0.17 (caf/io/basp/header.hpp: operation,
 // 2 padding bytes, flags, payload_len, operation_data, source and
 // destination actor; big-endian) announcing `payload` bytes; operation 0x01

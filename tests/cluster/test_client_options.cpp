@@ -12,6 +12,7 @@
 
 #include "cluster/child_process.h"
 #include "cluster/cluster_fixture.h"
+#include "cluster/raw_peer.h"
 #include "messages/request.h"
 
 namespace disagg::test {
@@ -42,16 +43,10 @@ TEST(ClientOptions, DeadlineBeyondTheMaximumIsAUsageError) {
 // timeout, then exits 3 naming the wait, rather than hanging on the
 // middleman.
 TEST(ClientOptions, APortThatNeverHandshakesEndsAtTheConnectTimeout) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  uint16_t port = 0;
+  const int listener = listen_on_loopback(port);
   ASSERT_GE(listener, 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof at;
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
-  ASSERT_EQ(::listen(listener, 16), 0);
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&at), &len), 0);
-  const std::string where = "127.0.0.1:" + std::to_string(ntohs(at.sin_port));
+  const std::string where = "127.0.0.1:" + std::to_string(port);
   std::string out, err;
   const auto start = std::chrono::steady_clock::now();
   const int code = run_to_completion({client_binary(), "--router", where, "--status", "--connect-timeout-ms", "1000"},

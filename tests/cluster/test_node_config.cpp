@@ -13,6 +13,7 @@
 #include <regex>
 
 #include "node/config.h"
+#include "cluster/raw_peer.h"
 #include "cluster/child_process.h"
 #include "cluster/cluster_fixture.h"
 #include "model/model_writer.h"
@@ -175,16 +176,10 @@ TEST(NodeStartup, AFifoWhereAFileBelongsIsNamedNotWaitedOn) {
 
 TEST(NodeStartup, APortInUseIsReported) {
   // Hold a listening socket on a loopback port.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  uint16_t held = 0;
+  const int fd = listen_on_loopback(held, 1);
   ASSERT_GE(fd, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::listen(fd, 1), 0);
-  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const std::string port = std::to_string(ntohs(addr.sin_port));
+  const std::string port = std::to_string(held);
   expect_fails_fast({"router port in use", "[node]\nrole = \"router\"\nport = " + port + "\n", {}, 1,
                      "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
   expect_fails_fast({"decode port in use",
