@@ -7,6 +7,7 @@
 #include <set>
 #include <thread>
 
+#include "actors/config.h"
 #include "cluster/cluster_fixture.h"
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
@@ -153,7 +154,11 @@ TEST(ClusterMembership, AWorkerOfAnotherClusterIsRefusedAndItsNodeExits) {
   write_text_file(cluster.dir() + "/neighbour.ini", ini);
   ChildProcess neighbour({node_binary(), "--config-file=" + cluster.dir() + "/neighbour.ini"},
                          cluster.dir() + "/neighbour.log");
-  const auto code = neighbour.wait_exit(std::chrono::seconds(30));
+  // Bounded by the configuration, not a guess: the node loads the model,
+  // reaches the router and waits up to compute-timeout-ms for the answer to
+  // its registration (a busy machine stretches each step).
+  const auto bound = std::chrono::milliseconds(DisaggConfig{}.compute_timeout_ms) + std::chrono::seconds(30);
+  const auto code = neighbour.wait_exit(bound);
   ASSERT_TRUE(code.has_value()) << "the refused worker is still running\n" << neighbour.log();
   EXPECT_EQ(*code, 1) << neighbour.log();
   const std::string why = "belongs to cluster \"other\", this router serves cluster \"disagg\"";
