@@ -168,20 +168,23 @@ Vocabulary read_vocabulary(const gguf::File& f, const std::string& path, int voc
 
 }  // namespace
 
-void Checkpoint::load_gguf(size_t file_size) {
-  const auto* bytes = static_cast<const uint8_t*>(mapping_);
-  const gguf::File f = gguf::File::parse(bytes, file_size, path_);
+namespace {
+
+// A GGUF file's model config: its architecture's metadata (every dimension
+// and factor range-checked), the vocabulary size from token_embd's shape,
+// Llama 3.1's rope_freqs tensor.
+ModelConfig read_gguf_config(const gguf::File& f, const uint8_t* bytes, const std::string& path) {
   const std::string& arch = f.string("general.architecture");
-  ModelConfig& c = config_;
+  ModelConfig c;
   if (arch == "llama") c.arch = Architecture::llama;
   else if (arch == "qwen2") c.arch = Architecture::qwen2;
   else if (arch == "qwen3") c.arch = Architecture::qwen3;
-  else throw Error(path_ + ": architecture " + arch + " is not supported (llama, qwen2 and qwen3 are)");
+  else throw Error(path + ": architecture " + arch + " is not supported (llama, qwen2 and qwen3 are)");
   const std::string p = arch + ".";  // the metadata keys' prefix
   auto dimension = [&](const std::string& key) {
     const uint64_t v = f.uint(key);
     if (v == 0 || v > uint64_t(std::numeric_limits<int32_t>::max()))
-      throw Error(path_ + ": metadata " + key + " = " + std::to_string(v) + " is out of range");
+      throw Error(path + ": metadata " + key + " = " + std::to_string(v) + " is out of range");
     return int(v);
   };
   c.dim = dimension(p + "embedding_length");
@@ -193,44 +196,54 @@ void Checkpoint::load_gguf(size_t file_size) {
   if (f.find(p + "attention.key_length")) {  // a head size other than dim / heads (Qwen3)
     c.head_dim = dimension(p + "attention.key_length");
     if (f.find(p + "attention.value_length") && dimension(p + "attention.value_length") != c.head_dim)
-      throw Error(path_ + ": metadata " + p + "attention.value_length differs from key_length (" +
+      throw Error(path + ": metadata " + p + "attention.value_length differs from key_length (" +
                   std::to_string(c.head_dim) + ")");
   }
   const gguf::TensorInfo& embedding = f.require_tensor("token_embd.weight");
   if (embedding.dims.size() != 2 || embedding.dims[1] > std::numeric_limits<int32_t>::max())
-    throw Error(path_ + ": tensor token_embd.weight: shape " + shape_text(embedding.dims) + " is no [dim, vocab] matrix");
+    throw Error(path + ": tensor token_embd.weight: shape " + shape_text(embedding.dims) + " is no [dim, vocab] matrix");
   c.vocab_size = int(embedding.dims[1]);
   c.shared_classifier = f.tensor("output.weight") == nullptr;
   c.rope_theta = float(f.number(p + "rope.freq_base", 10000.0));
   if (!(c.rope_theta > 1.0f) || !std::isfinite(c.rope_theta))
-    throw Error(path_ + ": metadata " + p + "rope.freq_base = " + std::to_string(c.rope_theta) + " is out of range");
-  if (std::string problem = validate(c); !problem.empty()) throw Error(path_ + ": " + problem);
+    throw Error(path + ": metadata " + p + "rope.freq_base = " + std::to_string(c.rope_theta) + " is out of range");
+  if (std::string problem = validate(c); !problem.empty()) throw Error(path + ": " + problem);
   if (f.find(p + "rope.scaling.type") && f.string(p + "rope.scaling.type") != "none")
-    throw Error(path_ + ": metadata " + p + "rope.scaling.type = " + f.string(p + "rope.scaling.type") +
+    throw Error(path + ": metadata " + p + "rope.scaling.type = " + f.string(p + "rope.scaling.type") +
                 " (only none is computed so far; Llama 3.1's scaling is the rope_freqs tensor)");
   if (const gguf::TensorInfo* factors = f.tensor("rope_freqs.weight")) {
     const std::vector<int64_t> want{c.head_size() / 2};
     if (factors->dims != want || factors->type != uint32_t(gguf::TensorType::f32))
-      throw Error(path_ + ": tensor rope_freqs.weight: shape " + shape_text(factors->dims) + " type " +
+      throw Error(path + ": tensor rope_freqs.weight: shape " + shape_text(factors->dims) + " type " +
                   gguf::ggml_type_name(factors->type) + ", an f32 " + shape_text(want) + " is expected");
     if (factors->offset % sizeof(float) != 0)
-      throw Error(path_ + ": tensor rope_freqs.weight: offset " + std::to_string(factors->offset) + " is not aligned");
+      throw Error(path + ": tensor rope_freqs.weight: offset " + std::to_string(factors->offset) + " is not aligned");
     const auto* values = reinterpret_cast<const float*>(bytes + factors->offset);
     c.rope_factors.assign(values, values + want[0]);
     for (size_t i = 0; i < c.rope_factors.size(); ++i)
       if (!(c.rope_factors[i] > 0.0f) || !std::isfinite(c.rope_factors[i]))
-        throw Error(path_ + ": tensor rope_freqs.weight: factor " + std::to_string(i) + " = " +
+        throw Error(path + ": tensor rope_freqs.weight: factor " + std::to_string(i) + " = " +
                     std::to_string(c.rope_factors[i]) + " is not a positive number");
   }
   const uint64_t rotary = f.uint(p + "rope.dimension_count", uint64_t(c.head_size()));
   if (rotary != uint64_t(c.head_size()))
-    throw Error(path_ + ": metadata " + p + "rope.dimension_count = " + std::to_string(rotary) +
+    throw Error(path + ": metadata " + p + "rope.dimension_count = " + std::to_string(rotary) +
                 ": only whole heads (" + std::to_string(c.head_size()) + ") are rotated so far");
   const double eps = f.number(p + "attention.layer_norm_rms_epsilon", double(c.rms_epsilon));
   if (!(eps > 0.0 && eps <= 1e-2))
-    throw Error(path_ + ": metadata " + p + "attention.layer_norm_rms_epsilon = " + std::to_string(eps) +
+    throw Error(path + ": metadata " + p + "attention.layer_norm_rms_epsilon = " + std::to_string(eps) +
                 " is out of range (0, 0.01]");
   c.rms_epsilon = float(eps);
+  return c;
+}
+
+}  // namespace
+
+void Checkpoint::load_gguf(size_t file_size) {
+  const auto* bytes = static_cast<const uint8_t*>(mapping_);
+  const gguf::File f = gguf::File::parse(bytes, file_size, path_);
+  config_ = read_gguf_config(f, bytes, path_);
+  ModelConfig& c = config_;
 
   // Each tensor by its name, with the shape the metadata gives it ({in, out}
   // as GGUF lists a matrix's dimensions, {n} a vector's): norms in f32,
