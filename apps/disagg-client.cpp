@@ -137,6 +137,54 @@ int print_status(disagg::Client& client, const std::string& where) {
   return 0;
 }
 
+// The request the flags describe: the prompt as token ids (encoded here when
+// there is a tokenizer) or as text for the router to encode.
+disagg::GenerateRequest request_of(const Options& o, const disagg::gpu::Tokenizer* tokenizer) {
+  disagg::GenerateRequest request;
+  if (o.gen.has_prompt_tokens) {
+    request.prompt_tokens = o.gen.prompt_tokens;
+  } else if (tokenizer) {
+    request.prompt_tokens = tokenizer->encode(o.gen.prompt);
+  } else {
+    request.prompt_text = o.gen.prompt;
+    request.prompt_is_text = true;
+  }
+  request.max_new_tokens = o.gen.max_new_tokens;
+  request.sampling = o.gen.sampling;
+  request.session = o.session;
+  request.deadline_ms = o.deadline_ms;
+  return request;
+}
+
+// The summary on stderr and, with --json, the one line on stdout.
+void report(const Options& o, const disagg::RequestOutcome& outcome, const std::string& text, double ttft_ms,
+            double total_ms) {
+  const size_t n = outcome.tokens.size();
+  const double tokens_per_s = total_ms > 0 ? 1000.0 * double(n) / total_ms : 0.0;
+  char summary[256];
+  std::snprintf(summary, sizeof summary, "ttft %.1f ms, %zu tokens in %.1f ms (%.1f tokens/s), finish %s", ttft_ms,
+                n, total_ms, tokens_per_s, to_string(outcome.finish).c_str());
+  std::cerr << summary << " [prefill " << outcome.prefill_worker << " " << outcome.timings.prefill_us / 1000.0
+            << " ms, kv transfer " << outcome.timings.kv_transfer_us / 1000.0 << " ms, decode "
+            << outcome.decode_worker << " " << outcome.timings.decode_us / 1000.0 << " ms]\n";
+  if (!o.json) return;
+  nlohmann::ordered_json line;
+  line["prompt_tokens"] = outcome.prompt_tokens;
+  line["output_tokens"] = outcome.tokens;
+  line["text"] = text;
+  line["finish"] = to_string(outcome.finish);
+  line["ttft_ms"] = ttft_ms;
+  line["total_ms"] = total_ms;
+  line["tokens_per_s"] = tokens_per_s;
+  line["timings"] = {{"queued_us", outcome.timings.queued_us},
+                     {"prefill_us", outcome.timings.prefill_us},
+                     {"kv_transfer_us", outcome.timings.kv_transfer_us},
+                     {"decode_us", outcome.timings.decode_us}};
+  line["prefill_worker"] = outcome.prefill_worker;
+  line["decode_worker"] = outcome.decode_worker;
+  std::cout << json_line(line) << std::endl;
+}
+
 int run(const Options& o) {
   using Clock = std::chrono::steady_clock;
   std::unique_ptr<disagg::gpu::Tokenizer> tokenizer;
@@ -156,19 +204,7 @@ int run(const Options& o) {
   disagg::Client& client = remote->client();
   if (o.status) return print_status(client, where);
 
-  disagg::GenerateRequest request;
-  if (o.gen.has_prompt_tokens) {
-    request.prompt_tokens = o.gen.prompt_tokens;
-  } else if (tokenizer) {
-    request.prompt_tokens = tokenizer->encode(o.gen.prompt);
-  } else {
-    request.prompt_text = o.gen.prompt;
-    request.prompt_is_text = true;
-  }
-  request.max_new_tokens = o.gen.max_new_tokens;
-  request.sampling = o.gen.sampling;
-  request.session = o.session;
-  request.deadline_ms = o.deadline_ms;
+  const disagg::GenerateRequest request = request_of(o, tokenizer.get());
   const bool stream = !o.json;
   if (stream && o.gen.has_prompt) std::cout << o.gen.prompt << std::flush;
 
@@ -204,35 +240,10 @@ int run(const Options& o) {
   const double total_ms = std::chrono::duration<double, std::milli>(end - start).count();
   const double ttft_ms =
       first_token_at ? std::chrono::duration<double, std::milli>(*first_token_at - start).count() : total_ms;
-  const size_t n = outcome.tokens.size();
-  const double tokens_per_s = total_ms > 0 ? 1000.0 * double(n) / total_ms : 0.0;
   std::string text = outcome.text;
   if (text.empty() && tokenizer && !outcome.prompt_tokens.empty())
     text = tokenizer->decode_all(outcome.prompt_tokens.back(), outcome.tokens);
-
-  char summary[256];
-  std::snprintf(summary, sizeof summary, "ttft %.1f ms, %zu tokens in %.1f ms (%.1f tokens/s), finish %s", ttft_ms,
-                n, total_ms, tokens_per_s, to_string(outcome.finish).c_str());
-  std::cerr << summary << " [prefill " << outcome.prefill_worker << " " << outcome.timings.prefill_us / 1000.0
-            << " ms, kv transfer " << outcome.timings.kv_transfer_us / 1000.0 << " ms, decode "
-            << outcome.decode_worker << " " << outcome.timings.decode_us / 1000.0 << " ms]\n";
-  if (o.json) {
-    nlohmann::ordered_json line;
-    line["prompt_tokens"] = outcome.prompt_tokens;
-    line["output_tokens"] = outcome.tokens;
-    line["text"] = text;
-    line["finish"] = to_string(outcome.finish);
-    line["ttft_ms"] = ttft_ms;
-    line["total_ms"] = total_ms;
-    line["tokens_per_s"] = tokens_per_s;
-    line["timings"] = {{"queued_us", outcome.timings.queued_us},
-                       {"prefill_us", outcome.timings.prefill_us},
-                       {"kv_transfer_us", outcome.timings.kv_transfer_us},
-                       {"decode_us", outcome.timings.decode_us}};
-    line["prefill_worker"] = outcome.prefill_worker;
-    line["decode_worker"] = outcome.decode_worker;
-    std::cout << json_line(line) << std::endl;
-  }
+  report(o, outcome, text, ttft_ms, total_ms);
   return 0;
 }
 

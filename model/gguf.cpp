@@ -204,6 +204,63 @@ int64_t TensorInfo::elements() const {
   return n;
 }
 
+namespace {
+
+// One tensor's entry of the header: its name, dimensions (1 to 4, their
+// product within int64), a supported type whose blocks tile its rows, its
+// size and its offset (a multiple of `alignment`), every figure checked.
+TensorInfo read_tensor_info(Reader& r, uint64_t alignment) {
+  TensorInfo t;
+  t.name = r.string("tensor name");
+  const std::string where = "tensor " + t.name + ": ";
+  const uint32_t n_dims = r.scalar<uint32_t>("tensor dimensions");
+  if (n_dims == 0 || n_dims > kMaxDims) r.fail(where + std::to_string(n_dims) + " dimensions (1 to 4 are allowed)");
+  int64_t elements = 1;
+  for (uint32_t d = 0; d < n_dims; ++d) {
+    const uint64_t dim = r.scalar<uint64_t>("tensor dimension");
+    const auto next = dim == 0 || dim > uint64_t(std::numeric_limits<int64_t>::max()) ? std::nullopt
+                                                                                        : product(elements, int64_t(dim));
+    if (!next) r.fail(where + "dimension " + std::to_string(dim) + " is zero or makes the tensor too large");
+    elements = *next;
+    t.dims.push_back(int64_t(dim));
+  }
+  t.type = r.scalar<uint32_t>("tensor type");
+  const auto traits = traits_of(t.type);
+  if (!traits) r.fail(where + "type " + ggml_type_name(t.type) + " is not supported (f32, f16, bf16, q4_0, q8_0, q4_k, q5_k, q6_k are)");
+  if (t.dims[0] % traits->block_elems != 0)
+    r.fail(where + "rows of " + std::to_string(t.dims[0]) + " values are not whole " + traits->name + " blocks of " +
+           std::to_string(traits->block_elems));
+  const auto bytes = product(elements / traits->block_elems, traits->block_bytes);
+  if (!bytes) r.fail(where + "too large");
+  t.bytes = uint64_t(*bytes);
+  t.offset = r.scalar<uint64_t>("tensor offset");
+  if (t.offset % alignment != 0)
+    r.fail(where + "offset " + std::to_string(t.offset) + " is not a multiple of the alignment " + std::to_string(alignment));
+  return t;
+}
+
+void check_no_overlap(const std::vector<TensorInfo>& tensors, uint64_t data_offset, const std::string& path) {
+  // No two tensors share bytes: a tensor whose type or shape was changed to
+  // run into the next one would be read as both (each of its bytes is then
+  // one tensor's weight and another's). Sorted by offset, each tensor must
+  // end where or before the next begins; zero-byte tensors cannot exist here.
+  std::vector<const TensorInfo*> by_offset;
+  by_offset.reserve(tensors.size());
+  for (const auto& t : tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
+  for (size_t k = 1; k < by_offset.size(); ++k) {
+    const TensorInfo& a = *by_offset[k - 1];
+    const TensorInfo& b = *by_offset[k];
+    if (b.offset - a.offset < a.bytes)
+      throw Error(path + ": tensors " + a.name + " and " + b.name + " overlap: " + a.name + "'s " +
+                  std::to_string(a.bytes) + " bytes at offset " + std::to_string(a.offset - data_offset) +
+                  " run into " + b.name + " at offset " + std::to_string(b.offset - data_offset));
+  }
+}
+
+}  // namespace
+
 File File::parse(const uint8_t* data, size_t size, const std::string& path) {
   File f;
   f.path_ = path;
@@ -239,32 +296,8 @@ File File::parse(const uint8_t* data, size_t size, const std::string& path) {
 
   f.tensors_.reserve(size_t(tensor_count));
   for (uint64_t k = 0; k < tensor_count; ++k) {
-    TensorInfo t;
-    t.name = r.string("tensor name");
+    TensorInfo t = read_tensor_info(r, f.alignment_);
     const std::string where = "tensor " + t.name + ": ";
-    const uint32_t n_dims = r.scalar<uint32_t>("tensor dimensions");
-    if (n_dims == 0 || n_dims > kMaxDims) r.fail(where + std::to_string(n_dims) + " dimensions (1 to 4 are allowed)");
-    int64_t elements = 1;
-    for (uint32_t d = 0; d < n_dims; ++d) {
-      const uint64_t dim = r.scalar<uint64_t>("tensor dimension");
-      const auto next = dim == 0 || dim > uint64_t(std::numeric_limits<int64_t>::max()) ? std::nullopt
-                                                                                          : product(elements, int64_t(dim));
-      if (!next) r.fail(where + "dimension " + std::to_string(dim) + " is zero or makes the tensor too large");
-      elements = *next;
-      t.dims.push_back(int64_t(dim));
-    }
-    t.type = r.scalar<uint32_t>("tensor type");
-    const auto traits = traits_of(t.type);
-    if (!traits) r.fail(where + "type " + ggml_type_name(t.type) + " is not supported (f32, f16, bf16, q4_0, q8_0, q4_k, q5_k, q6_k are)");
-    if (t.dims[0] % traits->block_elems != 0)
-      r.fail(where + "rows of " + std::to_string(t.dims[0]) + " values are not whole " + traits->name + " blocks of " +
-             std::to_string(traits->block_elems));
-    const auto bytes = product(elements / traits->block_elems, traits->block_bytes);
-    if (!bytes) r.fail(where + "too large");
-    t.bytes = uint64_t(*bytes);
-    t.offset = r.scalar<uint64_t>("tensor offset");
-    if (t.offset % f.alignment_ != 0)
-      r.fail(where + "offset " + std::to_string(t.offset) + " is not a multiple of the alignment " + std::to_string(f.alignment_));
     if (!f.by_name_.emplace(t.name, f.tensors_.size()).second) r.fail(where + "appears twice");
     f.tensors_.push_back(std::move(t));
   }
@@ -276,23 +309,7 @@ File File::parse(const uint8_t* data, size_t size, const std::string& path) {
                   std::to_string(t.offset) + " end past the file's " + std::to_string(size) + " bytes (truncated?)");
     t.offset += f.data_offset_;
   }
-  // No two tensors share bytes: a tensor whose type or shape was changed to
-  // run into the next one would be read as both (each of its bytes is then
-  // one tensor's weight and another's). Sorted by offset, each tensor must
-  // end where or before the next begins; zero-byte tensors cannot exist here.
-  std::vector<const TensorInfo*> by_offset;
-  by_offset.reserve(f.tensors_.size());
-  for (const auto& t : f.tensors_) by_offset.push_back(&t);
-  std::sort(by_offset.begin(), by_offset.end(),
-            [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
-  for (size_t k = 1; k < by_offset.size(); ++k) {
-    const TensorInfo& a = *by_offset[k - 1];
-    const TensorInfo& b = *by_offset[k];
-    if (b.offset - a.offset < a.bytes)
-      throw Error(path + ": tensors " + a.name + " and " + b.name + " overlap: " + a.name + "'s " +
-                  std::to_string(a.bytes) + " bytes at offset " + std::to_string(a.offset - f.data_offset_) +
-                  " run into " + b.name + " at offset " + std::to_string(b.offset - f.data_offset_));
-  }
+  check_no_overlap(f.tensors_, f.data_offset_, path);
   return f;
 }
 

@@ -169,6 +169,39 @@ NodeSystemConfig::NodeSystemConfig() {
   load<caf::io::middleman>();
 }
 
+// What is wrong with `value` for an option of CAF type `type`, before CAF
+// reads it ("": nothing the scanner sees).
+std::string value_problem(const std::string& name, const std::string& value, const std::string& type) {
+  if (value.empty()) return name + " has no value";
+  if (value[0] == '\'' && type != "atom")
+    return name + " = " + value + ": single-quoted values are atoms, which CAF ignores for a " + type +
+           " option; write \"" + value.substr(1, value.size() >= 2 ? value.size() - 2 : 0) + "\"";
+  if (std::isalpha(static_cast<unsigned char>(value[0])) && value != "true" && value != "false")
+    return name + " = " + value + ": strings must be double-quoted (\"" + value + "\")";
+  return {};
+}
+
+// CAF keeps only values it could convert to the option's type: whatever
+// the scanner accepted (`entries`) but CAF dropped had the wrong type or range.
+std::vector<std::string> check_with_caf(const std::string& text, const std::string& where,
+                                        const caf::config_option_set& options, const std::vector<Entry>& entries) {
+  std::vector<std::string> problems;
+  std::istringstream again(text);
+  auto parsed = caf::actor_system_config::parse_config(again, options);
+  if (!parsed) {
+    const int line = error_line(parsed.error());
+    problems.push_back(where + (line > 0 ? " line " + std::to_string(line) : std::string()) +
+                       ": CAF cannot parse it (strings must be double-quoted): " +
+                       caf::actor_system_config::render(parsed.error()));
+    return problems;
+  }
+  for (const auto& e : entries)
+    if (caf::get_if(&*parsed, e.name) == nullptr)
+      problems.push_back(where + " line " + std::to_string(e.line) + ": " + e.name + " = " + e.value + ": not a valid " +
+                         e.type + " (CAF would ignore it)");
+  return problems;
+}
+
 std::vector<std::string> check_config_file(const std::string& path,
                                            const caf::config_option_set& options) {
   std::vector<std::string> problems;
@@ -233,37 +266,13 @@ std::vector<std::string> check_config_file(const std::string& path,
     }
     const caf::string_view type_view = option->type_name();
     const std::string type(type_view.data(), type_view.size());
-    if (value.empty()) {
-      report(first_line, name + " has no value");
-    } else if (value[0] == '\'' && type != "atom") {
-      report(first_line, name + " = " + value +
-                             ": single-quoted values are atoms, which CAF ignores for a " + type +
-                             " option; write \"" + value.substr(1, value.size() >= 2 ? value.size() - 2 : 0) +
-                             "\"");
-    } else if (std::isalpha(static_cast<unsigned char>(value[0])) && value != "true" &&
-               value != "false") {
-      report(first_line, name + " = " + value + ": strings must be double-quoted (\"" + value + "\")");
-    } else {
+    if (const std::string problem = value_problem(name, value, type); !problem.empty())
+      report(first_line, problem);
+    else
       entries.push_back(Entry{name, value, first_line, type});
-    }
   }
   if (!problems.empty()) return problems;
-
-  // CAF keeps only values it could convert to the option's type: whatever
-  // the scanner accepted but CAF dropped had the wrong type or range.
-  std::istringstream again(text);
-  auto parsed = caf::actor_system_config::parse_config(again, options);
-  if (!parsed) {
-    const int line = error_line(parsed.error());
-    problems.push_back(where + (line > 0 ? " line " + std::to_string(line) : std::string()) +
-                       ": CAF cannot parse it (strings must be double-quoted): " +
-                       caf::actor_system_config::render(parsed.error()));
-    return problems;
-  }
-  for (const auto& e : entries)
-    if (caf::get_if(&*parsed, e.name) == nullptr)
-      report(e.line, e.name + " = " + e.value + ": not a valid " + e.type + " (CAF would ignore it)");
-  return problems;
+  return check_with_caf(text, where, options, entries);
 }
 
 NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** argv) {
