@@ -963,6 +963,9 @@ TEST(HttpFrontend, OneRequestsChoicesNeitherFillTheQueueNorHoldOthersBack) {
   const auto waiting = [&] {
     return answered > 0 || sample(scrape(router_metrics), "disagg_num_requests_waiting") >= 12;
   };
+  // (polls the router's counter, bounded; the pause between scrapes only
+  // delays the canary, which the checks below then judge: it cannot make
+  // the test pass wrongly)
   for (const auto until = Clock::now() + std::chrono::seconds(30); !waiting() && Clock::now() < until;)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   const auto canary_start = Clock::now();

@@ -253,6 +253,8 @@ class Stallers {
         ::close(fds_[i]);
         fds_[i] = open_one();
         reopened_++;
+        // The attack's pace, not a synchronisation: faster re-opening only
+        // makes it harder for the real clients, never easier.
         std::this_thread::sleep_for(5ms);
         break;
       }
@@ -333,7 +335,11 @@ TEST(PortGuard, StalledLargeMessagesGiveWayToANewOne) {
   ::close(early);
   EXPECT_EQ(closed_within(holders, 10ms), 0);
   // ... after that, the holder silent longest is closed for it, well before message-timeout-ms.
-  std::this_thread::sleep_for(kStalledCollector);  // (the bound under test: no event to wait on)
+  // The bound under test is a silence of kStalledCollector: time itself is
+  // the event. A longer wait (a busy machine) only makes the holders more
+  // silent; the check before (refused while not yet silent) is the one
+  // a slow machine could upset, never make pass wrongly.
+  std::this_thread::sleep_for(kStalledCollector);
   const int later = connect_to(cluster.router_port());
   send_all(later, handshake + basp_header(1u << 20));
   EXPECT_FALSE(closed_by_peer(later, 300ms)) << "a new message was refused while stalled ones held the budget";
