@@ -140,58 +140,92 @@ constexpr auto kAbandonWait = std::chrono::seconds(2);
 // How often a send waiting for room in flight looks at the cancel flag.
 constexpr auto kCancelPoll = std::chrono::milliseconds(50);
 
+// The sending side of one prompt's KV stream: each layer's new positions go
+// out as pieces (engine/kv_stream.h), each send waiting for room in flight
+// no longer than the request's deadline or the receiver's stall limit.
+class PieceSender {
+ public:
+  PieceSender(const PrefillWork& work, const gpu::KvStreamPlan& plan, std::shared_ptr<kv::KvSender> tx)
+      : work_(work),
+        plan_(plan),
+        tx_(std::move(tx)),
+        // A receiver that takes no piece for this long (a dead decode node over
+        // shared memory, which has no peer-failure detection) ends the stream.
+        stall_limit_(std::max<int64_t>(1, work.kv_wait_ms)),
+        request_deadline_(work.deadline_ns > 0 ? kv::Deadline(std::chrono::nanoseconds(work.deadline_ns))
+                                                : kv::Deadline::max()) {}
+
+  // The prefill hook: throws StreamStopped (cancelled, or the receiver failed
+  // the stream) or kv::KvError (the transport).
+  void send_layer(int layer, int first, int count, const float* cache) {
+    if (was_cancelled(work_)) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
+    const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
+    plan_.for_each_piece(layer, first, count, [&](size_t offset, size_t source, size_t bytes) {
+      send_piece(offset, bytes_of_cache + source, bytes);
+    });
+  }
+
+ private:
+  void send_piece(size_t offset, const uint8_t* data, size_t bytes) {
+    const kv::Deadline until = std::min(request_deadline_, kv::Clock::now() + stall_limit_);
+    // Waiting for room in flight, in slices: a cancel (the router's, e.g.
+    // after the decode node died) ends the wait within one.
+    for (;;) {
+      try {
+        if (!tx_->send(work_.target.transfer_id, piece_, offset, data, bytes,
+                       std::min(until, kv::Clock::now() + kCancelPoll)))
+          throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
+        break;
+      } catch (const kv::KvError& e) {
+        if (e.code() != kv::KvErrc::timed_out || kv::Clock::now() >= until) throw;
+        if (was_cancelled(work_)) throw StreamStopped{ErrorCode::cancelled, "cancelled while its KV was waiting to be sent"};
+      }
+    }
+    ++piece_;
+    metrics::disagg_metrics().kv_pieces_sent.inc();
+  }
+
+  const PrefillWork& work_;
+  const gpu::KvStreamPlan& plan_;
+  std::shared_ptr<kv::KvSender> tx_;
+  std::chrono::milliseconds stall_limit_;
+  kv::Deadline request_deadline_;
+  uint32_t piece_ = 0;
+};
+
+// The data plane's sender to the target's address; null (and `r` says why)
+// where this node has none or cannot reach it.
+std::shared_ptr<kv::KvSender> open_sender(ComputeState& st, const KvTarget& target, PrefillResult& r) {
+  const auto transport = target.transport == uint8_t(kv::Transport::shm) ? kv::Transport::shm : kv::Transport::tcp;
+  try {
+    if (!st.plane) throw kv::KvError(kv::KvErrc::invalid_argument, "this node has no KV data plane");
+    return st.plane->sender(transport, target.address);
+  } catch (const kv::KvError& e) {
+    r.code = ErrorCode::worker_lost;
+    r.message = std::string("KV stream to the decode worker (") + kv::to_string(transport) + " " + target.address +
+                "): " + e.what();
+    return nullptr;
+  }
+}
+
 // The prompt's KV streams to the decode worker's blocks while it is computed:
 // after each layer of each chunk, that layer's new positions go out as pieces
-// (engine/kv_stream.h) straight from the engine's prefill cache, which stays
-// unchanged until the next prefill, i.e. until this function has the
-// receiver's verdict (or has abandoned the stream).
+// straight from the engine's prefill cache, which stays unchanged until the
+// next prefill, i.e. until this function has the receiver's verdict (or has
+// abandoned the stream).
 void run_streamed_prefill(ComputeState& st, PrefillWork& work, PrefillResult& r) {
   const KvTarget& target = work.target;
   const gpu::ModelConfig& c = st.engine->config();
   const gpu::KvStreamPlan plan(c.n_layers, c.kv_dim(), int(work.tokens.size()), target.block_size, target.runs,
                                target.first_position);
-  const auto transport = target.transport == uint8_t(kv::Transport::shm) ? kv::Transport::shm : kv::Transport::tcp;
-  std::shared_ptr<kv::KvSender> tx;
-  try {
-    if (!st.plane) throw kv::KvError(kv::KvErrc::invalid_argument, "this node has no KV data plane");
-    tx = st.plane->sender(transport, target.address);
-  } catch (const kv::KvError& e) {
-    r.code = ErrorCode::worker_lost;
-    r.message = std::string("KV stream to the decode worker (") + kv::to_string(transport) + " " + target.address +
-                "): " + e.what();
-    return;
-  }
-  uint32_t piece = 0;
-  // A receiver that takes no piece for this long (a dead decode node over
-  // shared memory, which has no peer-failure detection) ends the stream.
-  const auto stall_limit = std::chrono::milliseconds(std::max<int64_t>(1, work.kv_wait_ms));
-  const kv::Deadline request_deadline =
-      work.deadline_ns > 0 ? kv::Deadline(std::chrono::nanoseconds(work.deadline_ns)) : kv::Deadline::max();
+  std::shared_ptr<kv::KvSender> tx = open_sender(st, target, r);
+  if (!tx) return;
+  PieceSender sender(work, plan, tx);
   gpu::PrefillHooks hooks;
   hooks.wire_kv = false;
   hooks.on_logits = prompt_logprobs_of(work, c.vocab_size, r.prompt_logprobs);
   hooks.on_layer_cache = [&](int layer, int first, int count, const float* cache) {
-    if (was_cancelled(work)) throw StreamStopped{ErrorCode::cancelled, "cancelled during its prefill"};
-    const auto* bytes_of_cache = reinterpret_cast<const uint8_t*>(cache);
-    plan.for_each_piece(layer, first, count, [&](size_t offset, size_t source, size_t bytes) {
-      const kv::Deadline until = std::min(request_deadline, kv::Clock::now() + stall_limit);
-      // Waiting for room in flight, in slices: a cancel (the router's, e.g.
-      // after the decode node died) ends the wait within one.
-      for (;;) {
-        try {
-          if (!tx->send(target.transfer_id, piece, offset, bytes_of_cache + source, bytes,
-                        std::min(until, kv::Clock::now() + kCancelPoll)))
-            throw StreamStopped{ErrorCode::none, {}};  // the receiver failed it: its verdict says why
-          break;
-        } catch (const kv::KvError& e) {
-          if (e.code() != kv::KvErrc::timed_out || kv::Clock::now() >= until) throw;
-          if (was_cancelled(work))
-            throw StreamStopped{ErrorCode::cancelled, "cancelled while its KV was waiting to be sent"};
-        }
-      }
-      ++piece;
-      metrics::disagg_metrics().kv_pieces_sent.inc();
-    });
+    sender.send_layer(layer, first, count, cache);
   };
   const auto start = Clock::now();
   std::optional<StreamStopped> stopped;

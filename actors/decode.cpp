@@ -727,6 +727,85 @@ caf::typed_response_promise<KvAck> admit(Self self, KvTransfer& transfer) {
   return promise;
 }
 
+// Membership: learn the model from compute, then register with the router;
+// either failing ends this actor (its node then exits).
+void join_cluster(Self self, const compute_actor& compute, const router_actor& router) {
+  const auto compute_timeout = std::chrono::milliseconds(self->state.config.compute_timeout_ms);
+  self->request(compute, compute_timeout, info_atom::value)
+      .then(
+          [=](ModelInfo& model) {
+            auto& st = self->state;
+            st.seq_len = model.seq_len;
+            st.vocab_size = model.vocab_size;
+            st.n_layers = model.n_layers;
+            st.kv_dim = model.n_kv_heads * model.head_dim;
+            st.fingerprint = model.fingerprint;
+            st.end_tokens = model.end_tokens;
+            WorkerInfo info;
+            info.role = WorkerRole::decode;
+            info.host_id = kv::host_identity();
+            info.name = st.name;
+            info.colocated = st.kv.colocated;
+            info.model = std::move(model);
+            info.block_size = st.config.block_size;
+            info.total_blocks = st.config.pool_blocks;
+            self->request(router, compute_timeout, register_atom::value, std::move(info),
+                          caf::actor_cast<decode_actor>(self))
+                .then([](caf::ok_atom) {}, [=](caf::error& e) { self->quit(e); });
+          },
+          [=](caf::error& e) { self->quit(e); });
+}
+
+// A prompt for this worker's own prefill actor (a local cluster's decode
+// worker that also prefills); any other decode worker refuses it.
+caf::result<PrefillReport> prefill_here(Self self, PrefillJob& job) {
+  if (!self->state.local_prefill) {
+    PrefillReport refused;
+    refused.id = job.id;
+    refused.code = ErrorCode::invalid_request;
+    refused.message = self->state.name + " prefills no prompt itself";
+    return refused;
+  }
+  return self->delegate(self->state.local_prefill, prefill_atom::value, std::move(job),
+                        caf::actor_cast<decode_actor>(self));
+}
+
+// The transport's verdict on a reservation's KV stream: with the commit
+// already here it settles the stream; a failed one frees the blocks now.
+void on_landed(Self self, RequestId id, uint64_t serial, KvLanded& verdict) {
+  auto it = find_in<Reservation>(self->state, id);
+  if (it == self->state.requests.end()) return;  // the reservation ended meanwhile
+  Reservation& held = std::get<Reservation>(it->second);
+  if (held.serial != serial || held.transfer_id != verdict.transfer_id || held.verdict) return;  // (another)
+  const bool ok = kv::TransferStatus(verdict.status) == kv::TransferStatus::complete;
+  held.verdict = std::move(verdict);
+  if (held.commit) {
+    settle_stream(self, id);
+  } else if (!ok) {
+    // No commit will come (the prefill worker hears the same verdict):
+    // the blocks are free now, not at the lease's end.
+    drop_reservation(self, id);
+    report_load(self);
+  }
+}
+
+// The router's cancel, in whatever phase the request is here.
+void cancel_request(Self self, RequestId id) {
+  auto& state = self->state;
+  state.cancelled.add(id);
+  if (state.local_prefill) self->send(state.local_prefill, cancel_atom::value, id);
+  drop_reservation(self, id);
+  auto it = find_in<Sequence>(state, id);
+  if (it != state.requests.end()) {
+    release_sequence_blocks(self, id, std::get<Sequence>(it->second).blocks);
+    state.requests.erase(it);
+  }
+  // Also when it held nothing (never arrived, or admitting: refused when
+  // compute answers): the router gives back what it had reserved here
+  // and needs the real load to count on again.
+  report_load(self);
+}
+
 decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, compute_actor compute,
                                             router_actor router, std::string name, DecodeKv kv) {
   auto& st = self->state;
@@ -741,44 +820,11 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
     st.local_prefill = spawn_prefill(self->system(), st.config, compute, router, st.name + "/prefill", {}, false);
     self->link_to(st.local_prefill);
   }
-  const auto compute_timeout = std::chrono::milliseconds(st.config.compute_timeout_ms);
-  // Membership: learn the model from compute, then register with the router.
-  self->request(compute, compute_timeout, info_atom::value)
-      .then(
-          [=](ModelInfo& model) {
-            self->state.seq_len = model.seq_len;
-            self->state.vocab_size = model.vocab_size;
-            self->state.n_layers = model.n_layers;
-            self->state.kv_dim = model.n_kv_heads * model.head_dim;
-            self->state.fingerprint = model.fingerprint;
-            self->state.end_tokens = model.end_tokens;
-            WorkerInfo info;
-            info.role = WorkerRole::decode;
-            info.host_id = kv::host_identity();
-            info.name = self->state.name;
-            info.colocated = self->state.kv.colocated;
-            info.model = std::move(model);
-            info.block_size = self->state.config.block_size;
-            info.total_blocks = self->state.config.pool_blocks;
-            self->request(router, compute_timeout, register_atom::value, std::move(info),
-                          caf::actor_cast<decode_actor>(self))
-                .then([](caf::ok_atom) {}, [=](caf::error& e) { self->quit(e); });
-          },
-          [=](caf::error& e) { self->quit(e); });
+  join_cluster(self, compute, router);
   return {
       [=](reserve_atom, const KvReservation& r) { return reserve(self, r); },
       [=](kv_atom, KvTransfer& transfer) { return admit(self, transfer); },
-      [=](prefill_atom, PrefillJob& job) -> caf::result<PrefillReport> {
-        if (!self->state.local_prefill) {
-          PrefillReport refused;
-          refused.id = job.id;
-          refused.code = ErrorCode::invalid_request;
-          refused.message = self->state.name + " prefills no prompt itself";
-          return refused;
-        }
-        return self->delegate(self->state.local_prefill, prefill_atom::value, std::move(job),
-                              caf::actor_cast<decode_actor>(self));
-      },
+      [=](prefill_atom, PrefillJob& job) { return prefill_here(self, job); },
       [=](lease_atom, RequestId id, uint64_t serial) {
         auto it = find_in<Reservation>(self->state, id);
         if (it == self->state.requests.end() || std::get<Reservation>(it->second).serial != serial)
@@ -787,36 +833,9 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         report_load(self);
       },
       [=](landed_atom, RequestId id, uint64_t serial, KvLanded& verdict) {
-        auto it = find_in<Reservation>(self->state, id);
-        if (it == self->state.requests.end()) return;  // the reservation ended meanwhile
-        Reservation& held = std::get<Reservation>(it->second);
-        if (held.serial != serial || held.transfer_id != verdict.transfer_id || held.verdict) return;  // (another)
-        const bool ok = kv::TransferStatus(verdict.status) == kv::TransferStatus::complete;
-        held.verdict = std::move(verdict);
-        if (held.commit) {
-          settle_stream(self, id);
-        } else if (!ok) {
-          // No commit will come (the prefill worker hears the same verdict):
-          // the blocks are free now, not at the lease's end.
-          drop_reservation(self, id);
-          report_load(self);
-        }
+        on_landed(self, id, serial, verdict);
       },
-      [=](cancel_atom, RequestId id) {
-        auto& state = self->state;
-        state.cancelled.add(id);
-        if (state.local_prefill) self->send(state.local_prefill, cancel_atom::value, id);
-        drop_reservation(self, id);
-        auto it = find_in<Sequence>(state, id);
-        if (it != state.requests.end()) {
-          release_sequence_blocks(self, id, std::get<Sequence>(it->second).blocks);
-          state.requests.erase(it);
-        }
-        // Also when it held nothing (never arrived, or admitting: refused when
-        // compute answers): the router gives back what it had reserved here
-        // and needs the real load to count on again.
-        report_load(self);
-      },
+      [=](cancel_atom, RequestId id) { cancel_request(self, id); },
       [=](status_atom) { return load_of(self); },
       [=](kv_events_atom) {
         flush_events(self);  // what the router has not heard yet comes first, numbered

@@ -1114,6 +1114,67 @@ void forward_token(Self self, TokenEvent& event) {
     self->send(r.client, token_atom::value, std::move(event));
 }
 
+// A client gone: its requests are cancelled, their blocks freed now, not at
+// their deadlines (a client that got its reply has quit normally: nothing of
+// it is left). Anything else that went down is a worker.
+void on_down(Self self, caf::down_msg& down) {
+  auto& clients = self->state.clients;
+  std::vector<RequestId> orphans;
+  auto [first, last] = clients.equal_range(down.source);
+  for (auto c = first; c != last; ++c) orphans.push_back(c->second);
+  if (!orphans.empty()) {
+    for (RequestId id : orphans) fail(self, id, ErrorCode::cancelled, "the client went away");
+    dispatch(self);
+    return;
+  }
+  remove_worker(self, down.source);
+}
+
+// A decode worker's last word on a request: the end of its tokens, or its
+// failure (which may come after every token had already streamed).
+void on_decode_done(Self self, DecodeDone& done) {
+  Request* found = from_its_decode_worker(self, done.id);
+  if (!found) return;
+  Request& r = *found;
+  if (done.first_step != int32_t(r.earlier.size())) return;  // of an attempt before a migration
+  if (done.code != ErrorCode::none && tokens_final(self, r)) {
+    release_reservations(self, r);  // freed at the decode worker
+    complete(self, done.id);  // every token had streamed
+  } else if (done.code != ErrorCode::none) {
+    to_decoding(r)->done = done;  // the decode worker already dropped it
+    fail(self, done.id, done.code, std::move(done.message));
+  } else {
+    release_reservations(self, r);  // freed at the decode worker
+    to_decoding(r)->done = std::move(done);  // (a first token that ends it: no token event before)
+    complete_if_done(self, r.request.id);
+  }
+  dispatch(self);
+}
+
+// A worker's prefix-cache changes: from a registered worker only; anybody
+// else's are ignored. A gap in their numbering asks for a snapshot.
+void on_kv_events(Self self, KvEvents& events) {
+  const WorkerKey key = sender_key(self);
+  Worker* w = find_worker(self, key);
+  if (!w) return;
+  if (w->prefix.apply(events) == PrefixIndex::Applied::resync || (!w->prefix.synced() && !w->snapshot_pending))
+    request_snapshot(self, key);
+}
+
+// A request's deadline: its attempt (serial) still running fails, unless
+// only a report was missing and its tokens are final.
+void on_deadline(Self self, RequestId id, uint64_t serial) {
+  auto it = self->state.requests.find(id);
+  if (it == self->state.requests.end() || it->second.serial != serial) return;
+  if (tokens_final(self, it->second)) {
+    complete(self, id);
+    dispatch(self);
+    return;
+  }
+  fail(self, id, ErrorCode::timeout, "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
+  dispatch(self);
+}
+
 router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
                                             std::shared_ptr<const gpu::Tokenizer> tokenizer,
                                             std::optional<ModelInfo> model) {
@@ -1125,21 +1186,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
   st.tokenizer = std::move(tokenizer);
   if (st.config.heartbeat_interval_ms > 0)
     self->delayed_send(self, std::chrono::milliseconds(st.config.heartbeat_interval_ms), heartbeat_atom::value);
-  self->set_down_handler([=](caf::down_msg& down) {
-    // A client gone: its requests are cancelled, their blocks freed now, not
-    // at their deadlines. (A client that got its reply has quit normally:
-    // nothing of it is left.)
-    auto& clients = self->state.clients;
-    std::vector<RequestId> orphans;
-    auto [first, last] = clients.equal_range(down.source);
-    for (auto c = first; c != last; ++c) orphans.push_back(c->second);
-    if (!orphans.empty()) {
-      for (RequestId id : orphans) fail(self, id, ErrorCode::cancelled, "the client went away");
-      dispatch(self);
-      return;
-    }
-    remove_worker(self, down.source);
-  });
+  self->set_down_handler([=](caf::down_msg& down) { on_down(self, down); });
   return {
       [=](generate_atom, GenerateRequest& request, client_actor& client) {
         return admit(self, request, client);
@@ -1168,50 +1215,15 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
       [=](token_atom, TokenBatch& batch) {
         for (TokenEvent& event : batch.events) forward_token(self, event);
       },
-      [=](done_atom, DecodeDone& done) {
-        Request* found = from_its_decode_worker(self, done.id);
-        if (!found) return;
-        Request& r = *found;
-        if (done.first_step != int32_t(r.earlier.size())) return;  // of an attempt before a migration
-        if (done.code != ErrorCode::none && tokens_final(self, r)) {
-          release_reservations(self, r);  // freed at the decode worker
-          complete(self, done.id);  // every token had streamed
-        } else if (done.code != ErrorCode::none) {
-          to_decoding(r)->done = done;  // the decode worker already dropped it
-          fail(self, done.id, done.code, std::move(done.message));
-        } else {
-          release_reservations(self, r);  // freed at the decode worker
-          to_decoding(r)->done = std::move(done);  // (a first token that ends it: no token event before)
-          complete_if_done(self, r.request.id);
-        }
-        dispatch(self);
-      },
+      [=](done_atom, DecodeDone& done) { on_decode_done(self, done); },
       [=](load_atom, DecodeLoad& load) {
         if (Worker* w = sender_worker(self)) {
           w->room.reported(load);
           dispatch(self);
         }
       },
-      [=](kv_events_atom, KvEvents& events) {
-        // From a registered worker only; anybody else's are ignored.
-        const WorkerKey key = sender_key(self);
-        Worker* w = find_worker(self, key);
-        if (!w) return;
-        if (w->prefix.apply(events) == PrefixIndex::Applied::resync || (!w->prefix.synced() && !w->snapshot_pending))
-          request_snapshot(self, key);
-      },
-      [=](deadline_atom, RequestId id, uint64_t serial) {
-        auto it = self->state.requests.find(id);
-        if (it == self->state.requests.end() || it->second.serial != serial) return;
-        if (tokens_final(self, it->second)) {
-          complete(self, id);  // only a report was missing: the tokens are final
-          dispatch(self);
-          return;
-        }
-        fail(self, id, ErrorCode::timeout,
-             "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
-        dispatch(self);
-      },
+      [=](kv_events_atom, KvEvents& events) { on_kv_events(self, events); },
+      [=](deadline_atom, RequestId id, uint64_t serial) { on_deadline(self, id, serial); },
       [=](status_atom) { return status_of(self); },
   };
 }

@@ -34,6 +34,54 @@ const std::string& model_for(const std::vector<std::string>& overrides, size_t i
   return i < overrides.size() && !overrides[i].empty() ? overrides[i] : fallback;
 }
 
+// Every worker's compute actor, spawned before any other actor: an engine
+// that cannot load throws, and the ones already spawned are stopped.
+struct Engines {
+  std::vector<compute_actor> prefill;
+  std::vector<ComputeUnit> decode;
+  std::vector<ComputeUnit> colocated;
+  std::vector<std::shared_ptr<kv::LocalKvTargets>> local_targets;  // a colocated worker's, by index
+
+  void stop() {
+    for (auto& c : prefill) caf::anon_send_exit(c, caf::exit_reason::user_shutdown);
+    for (auto& c : decode) caf::anon_send_exit(c.actor, caf::exit_reason::user_shutdown);
+    for (auto& c : colocated) caf::anon_send_exit(c.actor, caf::exit_reason::user_shutdown);
+  }
+};
+
+Engines spawn_engines(caf::actor_system& system, const LocalClusterOptions& options, CheckpointCache& checkpoints,
+                      const std::shared_ptr<kv::KvPlane>& plane) {
+  const DisaggConfig& cfg = options.config;
+  gpu::EngineOptions engine;
+  engine.backend = cfg.backend;
+  Engines e;
+  try {
+    for (int i = 0; i < cfg.prefill_workers; ++i) {
+      ComputeSpec spec{checkpoints.get(model_for(options.prefill_models, size_t(i), cfg.model)), engine,
+                       cfg.block_size, 0, plane};
+      spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
+      e.prefill.push_back(spawn_compute(system, spec));
+    }
+    for (int i = 0; i < cfg.decode_workers; ++i) {
+      ComputeSpec spec{checkpoints.get(model_for(options.decode_models, size_t(i), cfg.model)), engine,
+                       cfg.block_size, cfg.pool_blocks, plane};
+      spec.prefill_chunk = cfg.prefill_chunk;  // its own prefills of short uncached rests
+      e.decode.push_back(spawn_compute_unit(system, spec));
+    }
+    for (int i = 0; i < options.colocated_workers; ++i) {
+      e.local_targets.push_back(std::make_shared<kv::LocalKvTargets>());
+      ComputeSpec spec{checkpoints.get(cfg.model), engine, cfg.block_size, cfg.pool_blocks, nullptr};
+      spec.local_targets = e.local_targets.back();
+      spec.prefill_chunk = cfg.prefill_chunk;
+      e.colocated.push_back(spawn_compute_unit(system, spec));
+    }
+  } catch (...) {
+    e.stop();
+    throw;
+  }
+  return e;
+}
+
 }  // namespace
 
 LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions options)
@@ -49,8 +97,6 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   std::shared_ptr<const gpu::Tokenizer> tokenizer;
   if (!cfg.tokenizer.empty() || checkpoints.get(cfg.model)->vocabulary())
     tokenizer = std::make_shared<const gpu::Tokenizer>(gpu::load_tokenizer(*checkpoints.get(cfg.model), cfg.tokenizer));
-  gpu::EngineOptions engine;
-  engine.backend = cfg.backend;
 
   // The process's KV data plane: every decode worker's receivers, every
   // prefill worker's connections (in one process: the shared-memory path).
@@ -58,55 +104,29 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   const auto& plane = plane_;
 
   // Engines first (they throw on failure), then the actors.
-  std::vector<compute_actor> prefill_compute;
-  std::vector<ComputeUnit> decode_compute;
-  std::vector<ComputeUnit> colocated_compute;
-  std::vector<std::shared_ptr<kv::LocalKvTargets>> local_targets;
-  try {
-    for (int i = 0; i < cfg.prefill_workers; ++i) {
-      ComputeSpec spec{checkpoints.get(model_for(options_.prefill_models, size_t(i), cfg.model)), engine,
-                       cfg.block_size, 0, plane};
-      spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
-      prefill_compute.push_back(spawn_compute(system_, spec));
-    }
-    for (int i = 0; i < cfg.decode_workers; ++i) {
-      ComputeSpec spec{checkpoints.get(model_for(options_.decode_models, size_t(i), cfg.model)), engine,
-                       cfg.block_size, cfg.pool_blocks, plane};
-      spec.prefill_chunk = cfg.prefill_chunk;  // its own prefills of short uncached rests
-      decode_compute.push_back(spawn_compute_unit(system_, spec));
-    }
-    for (int i = 0; i < options_.colocated_workers; ++i) {
-      local_targets.push_back(std::make_shared<kv::LocalKvTargets>());
-      ComputeSpec spec{checkpoints.get(cfg.model), engine, cfg.block_size, cfg.pool_blocks, nullptr};
-      spec.local_targets = local_targets.back();
-      spec.prefill_chunk = cfg.prefill_chunk;
-      colocated_compute.push_back(spawn_compute_unit(system_, spec));
-    }
-  } catch (...) {
-    for (auto& c : prefill_compute) caf::anon_send_exit(c, caf::exit_reason::user_shutdown);
-    for (auto& c : decode_compute) caf::anon_send_exit(c.actor, caf::exit_reason::user_shutdown);
-    for (auto& c : colocated_compute) caf::anon_send_exit(c.actor, caf::exit_reason::user_shutdown);
-    throw;
-  }
-
+  Engines engines = spawn_engines(system_, options_, checkpoints, plane);
   router_ = spawn_router(system_, cfg, tokenizer, model_info(*checkpoints.get(cfg.model)));
   for (int i = 0; i < cfg.prefill_workers; ++i)
-    prefill_.push_back(spawn_prefill(system_, cfg, prefill_compute[size_t(i)], router_,
+    prefill_.push_back(spawn_prefill(system_, cfg, engines.prefill[size_t(i)], router_,
                                      "prefill-" + std::to_string(i)));
-  for (int i = 0; i < cfg.decode_workers; ++i)
-    decode_.push_back(spawn_decode(system_, cfg, decode_compute[size_t(i)].actor, router_,
-                                   "decode-" + std::to_string(i), DecodeKv{decode_compute[size_t(i)].pool, plane,
-                                                                      decode_compute[size_t(i)].local}));
-
+  for (int i = 0; i < cfg.decode_workers; ++i) {
+    const ComputeUnit& c = engines.decode[size_t(i)];
+    decode_.push_back(spawn_decode(system_, cfg, c.actor, router_, "decode-" + std::to_string(i),
+                                   DecodeKv{c.pool, plane, c.local}));
+  }
   for (int i = 0; i < options_.colocated_workers; ++i) {
     const std::string unit = "worker-" + std::to_string(i);
-    const ComputeUnit& c = colocated_compute[size_t(i)];
+    const ComputeUnit& c = engines.colocated[size_t(i)];
     prefill_.push_back(spawn_prefill(system_, cfg, c.actor, router_, unit + "/prefill", unit));
     decode_.push_back(spawn_decode(system_, cfg, c.actor, router_, unit + "/decode",
-                                   DecodeKv{c.pool, nullptr, local_targets[size_t(i)], unit}));
+                                   DecodeKv{c.pool, nullptr, engines.local_targets[size_t(i)], unit}));
   }
+  wait_until_registered();
+}
 
-  // Registration is asynchronous (worker -> compute -> router): wait for it.
+// Registration is asynchronous (worker -> compute -> router): the router's
+// status is polled until every worker counts, or the ready timeout stops all.
+void LocalCluster::wait_until_registered() {
   const auto deadline = std::chrono::steady_clock::now() + options_.ready_timeout;
   caf::scoped_actor self{system_};
   for (;;) {

@@ -75,6 +75,8 @@ class LocalCluster {
   void stop();
 
  private:
+  void wait_until_registered();
+
   caf::actor_system& system_;
   LocalClusterOptions options_;
   std::shared_ptr<kv::KvPlane> plane_;
