@@ -148,18 +148,52 @@ DecodeLoad fake_load(const FakeDecodeState& st) {
   return DecodeLoad{st.free_blocks, kPoolBlocks, kBlockSize, int32_t(st.active.size())};
 }
 
-fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer<FakeDecodeState> self,
+using FakeDecodeSelf = fake_decode_actor::stateful_pointer<FakeDecodeState>;
+
+// A reservation's blocks back to the pool, its client forgotten.
+void fake_release(FakeDecodeState& st, RequestId id) {
+  if (auto r = st.reserved.find(id); r != st.reserved.end()) {
+    st.free_blocks += r->second;
+    st.reserved.erase(r);
+  }
+  st.clients.erase(id);
+}
+
+// One decode step: a token for every sequence (one message, as a decode
+// worker's step sends), then the finished ones' done and the load.
+void fake_step(FakeDecodeSelf self) {
+  auto& st = self->state;
+  TokenBatch batch;
+  batch.events.reserve(st.active.size());
+  std::vector<RequestId> finished;
+  for (auto& [id, seq] : st.active) {
+    const int32_t token = stamp_now();
+    seq.tokens.push_back(token);
+    TokenEvent event{id, seq.next_index++, token, {}, 0};
+    if (seq.client) self->send(seq.client, token_atom::value, event);  // the router's record still follows
+    batch.events.push_back(std::move(event));
+    if (seq.next_index >= seq.limit) finished.push_back(id);
+  }
+  self->send(st.router, token_atom::value, std::move(batch));
+  for (RequestId id : finished) {
+    auto it = st.active.find(id);
+    DecodeDone done;
+    done.id = id;
+    done.tokens = std::move(it->second.tokens);
+    done.first_step = it->second.first_step;
+    self->send(st.router, done_atom::value, std::move(done));
+    fake_release(st, id);
+    st.active.erase(it);
+  }
+  if (!finished.empty()) self->send(st.router, load_atom::value, fake_load(st));
+  st.ticking = !st.active.empty();
+  if (st.ticking) self->delayed_send(self, st.step, step_atom::value);
+}
+
+fake_decode_actor::behavior_type fake_decode(FakeDecodeSelf self,
                                              router_actor router, std::chrono::milliseconds step) {
   self->state.router = std::move(router);
   self->state.step = step;
-  auto release = [=](RequestId id) {
-    auto& st = self->state;
-    if (auto r = st.reserved.find(id); r != st.reserved.end()) {
-      st.free_blocks += r->second;
-      st.reserved.erase(r);
-    }
-    st.clients.erase(id);
-  };
   return {
       [=](reserve_atom, KvReservation& r) -> ReserveReply {
         auto& st = self->state;
@@ -188,36 +222,7 @@ fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer
         }
         return KvAck{kv.id, ErrorCode::none, {}, fake_load(st)};
       },
-      [=](step_atom) {
-        // One decode step: a token for every sequence (one message, as a
-        // decode worker's step sends), then the finished ones' done and the load.
-        auto& st = self->state;
-        TokenBatch batch;
-        batch.events.reserve(st.active.size());
-        std::vector<RequestId> finished;
-        for (auto& [id, seq] : st.active) {
-          const int32_t token = stamp_now();
-          seq.tokens.push_back(token);
-          TokenEvent event{id, seq.next_index++, token, {}, 0};
-          if (seq.client) self->send(seq.client, token_atom::value, event);  // the router's record still follows
-          batch.events.push_back(std::move(event));
-          if (seq.next_index >= seq.limit) finished.push_back(id);
-        }
-        self->send(st.router, token_atom::value, std::move(batch));
-        for (RequestId id : finished) {
-          auto it = st.active.find(id);
-          DecodeDone done;
-          done.id = id;
-          done.tokens = std::move(it->second.tokens);
-          done.first_step = it->second.first_step;
-          self->send(st.router, done_atom::value, std::move(done));
-          release(id);
-          st.active.erase(it);
-        }
-        if (!finished.empty()) self->send(st.router, load_atom::value, fake_load(st));
-        st.ticking = !st.active.empty();
-        if (st.ticking) self->delayed_send(self, st.step, step_atom::value);
-      },
+      [=](step_atom) { fake_step(self); },
       [=](prefill_atom, PrefillJob& job) -> PrefillReport {
         PrefillReport report;
         report.id = job.id;
@@ -227,7 +232,7 @@ fake_decode_actor::behavior_type fake_decode(fake_decode_actor::stateful_pointer
       },
       [=](cancel_atom, RequestId id) {
         self->state.active.erase(id);
-        release(id);
+        fake_release(self->state, id);
       },
       [=](lease_atom, RequestId, uint64_t) {},
       [=](landed_atom, RequestId, uint64_t, KvLanded&) {},

@@ -89,6 +89,29 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
+// The baseline: sequential gpu::generate, one engine, requests one after another.
+struct Sequential {
+  std::vector<std::vector<int>> tokens;  // each request's
+  size_t count = 0;                      // all of them
+  double ms = 0;
+};
+
+Sequential run_sequential(const std::shared_ptr<const disagg::gpu::Checkpoint>& checkpoint, int requests,
+                          int new_tokens) {
+  Sequential out;
+  out.tokens.resize(size_t(requests));
+  const int vocab = checkpoint->config().vocab_size;
+  disagg::gpu::Engine engine(checkpoint);
+  const auto start = Clock::now();
+  for (int i = 0; i < requests; ++i) {
+    const disagg::gpu::SamplingParams sampling{0.8f, 0.9f, uint64_t(i)};
+    out.tokens[size_t(i)] = disagg::gpu::generate(engine, prompt_of(i, vocab), new_tokens, sampling).tokens;
+    out.count += out.tokens[size_t(i)].size();
+  }
+  out.ms = ms_between(start, Clock::now());
+  return out;
+}
+
 int run(const Options& opt) {
   const std::string model = opt.model.empty() ? default_model() : opt.model;
   auto checkpoint = disagg::gpu::Checkpoint::open(model);
@@ -99,20 +122,10 @@ int run(const Options& opt) {
   std::printf("baseline: sequential gpu::generate (one engine, no server; not colocated serving: for that see "
               "scripts/bench compare)\n");
 
-  // The baseline: sequential gpu::generate, one engine, requests one after another.
-  std::vector<std::vector<int>> expected(opt.requests);
-  size_t sequential_tokens = 0;
-  double sequential_ms = 0;
-  {
-    disagg::gpu::Engine engine(checkpoint);
-    const auto start = Clock::now();
-    for (int i = 0; i < opt.requests; ++i) {
-      const disagg::gpu::SamplingParams sampling{0.8f, 0.9f, uint64_t(i)};
-      expected[i] = disagg::gpu::generate(engine, prompt_of(i, vocab), new_tokens, sampling).tokens;
-      sequential_tokens += expected[i].size();
-    }
-    sequential_ms = ms_between(start, Clock::now());
-  }
+  const Sequential baseline = run_sequential(checkpoint, opt.requests, new_tokens);
+  const std::vector<std::vector<int>>& expected = baseline.tokens;
+  const size_t sequential_tokens = baseline.count;
+  const double sequential_ms = baseline.ms;
 
   // Disaggregated: all requests at once through the router.
   disagg::DisaggSystemConfig system_config;

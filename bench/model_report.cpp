@@ -16,6 +16,7 @@
 #include <iostream>
 #include <numeric>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,7 @@
 #include "engine/engine.h"
 #include "model/llama_tensors.h"
 #include "gpu/quant.h"
+#include "apps/cli/cli.h"
 
 namespace disagg::bench {
 namespace {
@@ -153,114 +155,120 @@ std::vector<int> parse_list(const std::string& s) {
   std::vector<int> out;
   std::stringstream in(s);
   std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
+  while (std::getline(in, item, ',')) out.push_back(int(cli::parse_integer("--threads", item, 1, 1024)));
+  return out;
+}
+
+struct Options {
+  std::string model;
+  std::vector<int> threads = {1, 2};
+  int prefill = 512, decode = 64, batch = 16, context = 16;
+};
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  for (cli::Flags f(argc, argv); f.next();) {
+    const std::string& flag = f.flag();
+    const std::string& value = f.value();
+    if (flag == "--model") o.model = value;
+    else if (flag == "--threads") o.threads = parse_list(value);
+    else if (flag == "--prefill") o.prefill = int(cli::parse_integer(flag, value, 1, 1 << 20));
+    else if (flag == "--decode") o.decode = int(cli::parse_integer(flag, value, 2, 1 << 20));
+    else if (flag == "--batch") o.batch = int(cli::parse_integer(flag, value, 1, 4096));
+    else if (flag == "--context") o.context = int(cli::parse_integer(flag, value, 1, 1 << 20));
+    else throw cli::UsageError{"unknown option " + flag};
+  }
+  if (o.model.empty() || o.threads.empty()) throw cli::UsageError{"--model and --threads are needed"};
+  return o;
+}
+
+// One thread count's figures: decode of one sequence (`decode` steps after a
+// `context` prompt), `batch` sequences in lock-step, prefill (best of 2).
+struct Speeds {
+  double decode_tps, batched_tps, prefill_tps;
+};
+
+Speeds measure(Engine& engine, KvPool& pool, const Options& o, int per_seq) {
+  const ModelConfig& c = engine.config();
+  auto blocks_of = [&](int s) {
+    std::vector<int> b(static_cast<size_t>(per_seq));
+    std::iota(b.begin(), b.end(), s * per_seq);
+    return b;
+  };
+  const auto prompt = prompt_of(o.context, c.vocab_size);
+  Speeds out{};
+  const std::vector<int> seq = blocks_of(0);
+  engine.prefill_chunk(pool, prompt, 0, seq);
+  auto d0 = Clock::now();
+  for (int s = 0; s < o.decode; ++s) engine.decode_step(pool, {DecodeSlot{3 + s % 50, o.context + s, &seq}});
+  out.decode_tps = o.decode / seconds_since(d0);
+  std::vector<std::vector<int>> tables;
+  for (int b = 0; b < o.batch; ++b) {
+    tables.push_back(blocks_of(b + 1));
+    engine.prefill_chunk(pool, prompt, 0, tables.back());
+  }
+  const int steps = std::max(4, o.decode / 4);
+  d0 = Clock::now();
+  for (int s = 0; s < steps; ++s) {
+    std::vector<DecodeSlot> slots;
+    for (int b = 0; b < o.batch; ++b) slots.push_back(DecodeSlot{3 + (s + b) % 50, o.context + s, &tables[size_t(b)]});
+    engine.decode_step(pool, slots);
+  }
+  out.batched_tps = double(o.batch) * steps / seconds_since(d0);
+  const auto tokens = prompt_of(o.prefill, c.vocab_size);
+  engine.prefill(tokens);  // warm-up
+  double best = 1e30;
+  for (int r = 0; r < 2; ++r) {
+    const auto p0 = Clock::now();
+    engine.prefill(tokens);
+    best = std::min(best, seconds_since(p0));
+  }
+  out.prefill_tps = o.prefill / best;
   return out;
 }
 
 }  // namespace
 
 int model_report(int argc, char** argv) {
-  std::string model;
-  std::vector<int> threads = {1, 2};
-  int prefill = 512, decode = 64, batch = 16, context = 16;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (i + 1 >= argc) {
-      std::cerr << kUsage;
-      return 2;
-    }
-    const std::string value = argv[++i];
-    if (flag == "--model") model = value;
-    else if (flag == "--threads") threads = parse_list(value);
-    else if (flag == "--prefill") prefill = std::atoi(value.c_str());
-    else if (flag == "--decode") decode = std::atoi(value.c_str());
-    else if (flag == "--batch") batch = std::atoi(value.c_str());
-    else if (flag == "--context") context = std::atoi(value.c_str());
-    else {
-      std::cerr << "unknown option " << flag << "\n" << kUsage;
-      return 2;
-    }
-  }
-  if (model.empty() || threads.empty() || prefill < 1 || decode < 2 || batch < 1 || context < 1) {
-    std::cerr << kUsage;
-    return 2;
-  }
-  struct stat st {};
-  if (::stat(model.c_str(), &st) != 0) {
-    std::cerr << model << ": cannot stat\n";
-    return 1;
-  }
-  const std::vector<double> bandwidths = read_bandwidths(threads);
-  const auto t0 = Clock::now();
-  auto cp = Checkpoint::open(model);
-  Engine engine(cp);
-  const double load_s = seconds_since(t0);
-  const ModelConfig& c = engine.config();
-  double bytes = 0, macs = 0;
-  weight_figures(*cp, bytes, macs);
-  std::printf("{\"model\":\"%s\",\"backend\":\"%s\",\"file_bytes\":%lld,\"load_s\":%.2f,"
-              "\"peak_rss_over_file\":%.3f,\"weight_bytes_per_token\":%.0f,\"gflop_per_token\":%.3f}\n",
-              model.c_str(), engine.backend().describe().c_str(), (long long)st.st_size, load_s,
-              double(peak_rss()) / double(st.st_size), bytes, 2 * macs / 1e9);
-  std::fflush(stdout);
-
-  const int block = 16;
-  const int positions = std::max(context + decode, prefill) + 1;
-  KvPool pool = kv_pool_for(engine, block, KvPool::blocks_for(positions, block) * (batch + 1));
-  const int per_seq = KvPool::blocks_for(positions, block);
-  auto blocks_of = [&](int s) {
-    std::vector<int> b(static_cast<size_t>(per_seq));
-    std::iota(b.begin(), b.end(), s * per_seq);
-    return b;
-  };
-  const double pool_bytes = double(pool.num_blocks()) * block * c.n_layers * 2.0 * c.kv_dim() * sizeof(float);
-  const auto prompt = prompt_of(context, c.vocab_size);
-  for (size_t ti = 0; ti < threads.size(); ++ti) {
-    const int t = threads[ti];
-    const double bw = bandwidths[ti];
-    omp_set_num_threads(t);
-    // One sequence: the prompt, then `decode` steps timed.
-    const std::vector<int> seq = blocks_of(0);
-    engine.prefill_chunk(pool, prompt, 0, seq);
-    auto d0 = Clock::now();
-    for (int s = 0; s < decode; ++s)
-      engine.decode_step(pool, {DecodeSlot{3 + s % 50, context + s, &seq}});
-    const double decode_tps = decode / seconds_since(d0);
-    // `batch` sequences in lock-step.
-    std::vector<std::vector<int>> tables;
-    for (int b = 0; b < batch; ++b) {
-      tables.push_back(blocks_of(b + 1));
-      engine.prefill_chunk(pool, prompt, 0, tables.back());
-    }
-    const int steps = std::max(4, decode / 4);
-    d0 = Clock::now();
-    for (int s = 0; s < steps; ++s) {
-      std::vector<DecodeSlot> slots;
-      for (int b = 0; b < batch; ++b) slots.push_back(DecodeSlot{3 + (s + b) % 50, context + s, &tables[size_t(b)]});
-      engine.decode_step(pool, slots);
-    }
-    const double batched_tps = double(batch) * steps / seconds_since(d0);
-    // Prefill: one warm-up, then the best of 2.
-    const auto tokens = prompt_of(prefill, c.vocab_size);
-    engine.prefill(tokens);
-    double best = 1e30;
-    for (int r = 0; r < 2; ++r) {
-      const auto p0 = Clock::now();
-      engine.prefill(tokens);
-      best = std::min(best, seconds_since(p0));
-    }
-    const double prefill_tps = prefill / best;
-    std::printf("{\"threads\":%d,\"read_gb_s\":%.2f,\"decode_tok_s\":%.2f,\"decode_gb_s\":%.2f,"
-                "\"decode_bw_fraction\":%.3f,\"batched\":%d,\"batched_tok_s\":%.2f,\"prefill_tokens\":%d,"
-                "\"prefill_tok_s\":%.2f,\"prefill_gflop_s\":%.1f}\n",
-                t, bw / 1e9, decode_tps, decode_tps * bytes / 1e9, decode_tps * bytes / bw, batch, batched_tps,
-                prefill, prefill_tps, prefill_tps * 2 * macs / 1e9);
+  return cli::main_with_usage("bench_compute", kUsage, argc, argv, parse_options, [](const Options& o) {
+    struct stat st {};
+    if (::stat(o.model.c_str(), &st) != 0) throw std::runtime_error(o.model + ": cannot stat");
+    const std::vector<double> bandwidths = read_bandwidths(o.threads);
+    const auto t0 = Clock::now();
+    auto cp = Checkpoint::open(o.model);
+    Engine engine(cp);
+    const double load_s = seconds_since(t0);
+    const ModelConfig& c = engine.config();
+    double bytes = 0, macs = 0;
+    weight_figures(*cp, bytes, macs);
+    std::printf("{\"model\":\"%s\",\"backend\":\"%s\",\"file_bytes\":%lld,\"load_s\":%.2f,"
+                "\"peak_rss_over_file\":%.3f,\"weight_bytes_per_token\":%.0f,\"gflop_per_token\":%.3f}\n",
+                o.model.c_str(), engine.backend().describe().c_str(), (long long)st.st_size, load_s,
+                double(peak_rss()) / double(st.st_size), bytes, 2 * macs / 1e9);
     std::fflush(stdout);
-  }
-  // The KV pool is the engine's, sized for this run: left out of the ratio.
-  std::printf("{\"peak_rss_bytes\":%zu,\"kv_pool_bytes\":%.0f,\"peak_rss_less_pool_over_file\":%.3f}\n", peak_rss(),
-              pool_bytes, (double(peak_rss()) - pool_bytes) / double(st.st_size));
-  return 0;
+
+    const int block = 16;
+    const int positions = std::max(o.context + o.decode, o.prefill) + 1;
+    const int per_seq = KvPool::blocks_for(positions, block);
+    KvPool pool = kv_pool_for(engine, block, per_seq * (o.batch + 1));
+    const double pool_bytes = double(pool.num_blocks()) * block * c.n_layers * 2.0 * c.kv_dim() * sizeof(float);
+    for (size_t ti = 0; ti < o.threads.size(); ++ti) {
+      const int t = o.threads[ti];
+      const double bw = bandwidths[ti];
+      omp_set_num_threads(t);
+      const Speeds v = measure(engine, pool, o, per_seq);
+      std::printf("{\"threads\":%d,\"read_gb_s\":%.2f,\"decode_tok_s\":%.2f,\"decode_gb_s\":%.2f,"
+                  "\"decode_bw_fraction\":%.3f,\"batched\":%d,\"batched_tok_s\":%.2f,\"prefill_tokens\":%d,"
+                  "\"prefill_tok_s\":%.2f,\"prefill_gflop_s\":%.1f}\n",
+                  t, bw / 1e9, v.decode_tps, v.decode_tps * bytes / 1e9, v.decode_tps * bytes / bw, o.batch,
+                  v.batched_tps, o.prefill, v.prefill_tps, v.prefill_tps * 2 * macs / 1e9);
+      std::fflush(stdout);
+    }
+    // The KV pool is the engine's, sized for this run: left out of the ratio.
+    std::printf("{\"peak_rss_bytes\":%zu,\"kv_pool_bytes\":%.0f,\"peak_rss_less_pool_over_file\":%.3f}\n",
+                peak_rss(), pool_bytes, (double(peak_rss()) - pool_bytes) / double(st.st_size));
+    return 0;
+  });
 }
 
 }  // namespace disagg::bench
