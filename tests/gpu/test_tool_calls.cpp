@@ -1,0 +1,72 @@
+// Each family's tool-call syntax parsed from fixed texts (a model with random
+// weights never writes one by itself): the calls, the content around them,
+// and text that only looks like a call staying content.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "text/tool_calls.h"
+
+namespace disagg::gpu {
+namespace {
+
+using json = nlohmann::json;
+
+void expect_calls(const ParsedOutput& out, const std::vector<std::pair<std::string, json>>& calls) {
+  ASSERT_EQ(out.calls.size(), calls.size()) << out.content;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    EXPECT_EQ(out.calls[i].name, calls[i].first);
+    EXPECT_EQ(json::parse(out.calls[i].arguments), calls[i].second);
+  }
+}
+
+TEST(ToolCalls, Llama3JsonCallsWithAndWithoutThePythonTag) {
+  expect_calls(parse_tool_calls(ToolSyntax::llama3, R"({"name": "get_weather", "parameters": {"city": "Paris"}})"),
+               {{"get_weather", {{"city", "Paris"}}}});
+  const ParsedOutput tagged = parse_tool_calls(
+      ToolSyntax::llama3, "Let me look.<|python_tag|>{\"name\": \"a\", \"arguments\": {\"x\": 1}}; {\"name\": \"b\", \"parameters\": {}}");
+  expect_calls(tagged, {{"a", {{"x", 1}}}, {"b", json::object()}});
+  EXPECT_EQ(tagged.content, "Let me look.");
+  // Braces inside strings do not end the object early.
+  expect_calls(parse_tool_calls(ToolSyntax::llama3, R"({"name": "echo", "parameters": {"text": "} {"}})"),
+               {{"echo", {{"text", "} {"}}}});
+  for (const char* content : {"The answer is {42}.", R"({"no_name": 1})", R"({"name": "x", "parameters": [1]})", "plain text"}) {
+    const ParsedOutput out = parse_tool_calls(ToolSyntax::llama3, content);
+    EXPECT_TRUE(out.calls.empty()) << content;
+    EXPECT_EQ(out.content, content);
+  }
+}
+
+TEST(ToolCalls, HermesAndQwenToolCallTags) {
+  const ParsedOutput out = parse_tool_calls(
+      ToolSyntax::hermes,
+      "I will call two tools.\n<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"disagg\"}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"fetch\", \"arguments\": \"{\\\"url\\\": \\\"u\\\"}\"}\n</tool_call>");
+  expect_calls(out, {{"search", {{"q", "disagg"}}}, {"fetch", {{"url", "u"}}}});
+  EXPECT_EQ(out.content, "I will call two tools.");
+  // An unclosed last call (cut by max_tokens) is still a call when its JSON is whole.
+  expect_calls(parse_tool_calls(ToolSyntax::hermes, "<tool_call>{\"name\": \"f\", \"arguments\": {}}"), {{"f", json::object()}});
+  const std::string broken = "<tool_call>{\"name\": \"f\", \"argu</tool_call>";
+  EXPECT_TRUE(parse_tool_calls(ToolSyntax::hermes, broken).calls.empty());
+  EXPECT_EQ(parse_tool_calls(ToolSyntax::hermes, broken).content, broken);
+}
+
+TEST(ToolCalls, MistralToolCallsArray) {
+  const ParsedOutput out =
+      parse_tool_calls(ToolSyntax::mistral, R"([TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "now", "arguments": {}}])");
+  expect_calls(out, {{"add", {{"a", 1}, {"b", 2}}}, {"now", json::object()}});
+  EXPECT_EQ(out.content, "");
+  EXPECT_TRUE(parse_tool_calls(ToolSyntax::mistral, "[TOOL_CALLS] not json").calls.empty());
+  EXPECT_TRUE(parse_tool_calls(ToolSyntax::none, R"({"name": "a", "parameters": {}})").calls.empty());
+}
+
+TEST(ToolCalls, TheSyntaxFollowsTheTemplatesFamily) {
+  EXPECT_EQ(tool_syntax_of("llama3.2"), ToolSyntax::llama3);
+  EXPECT_EQ(tool_syntax_of("qwen3"), ToolSyntax::hermes);
+  EXPECT_EQ(tool_syntax_of("chatml"), ToolSyntax::hermes);
+  EXPECT_EQ(tool_syntax_of("mistral"), ToolSyntax::mistral);
+  EXPECT_EQ(tool_syntax_of("llama2"), ToolSyntax::none);
+}
+
+}  // namespace
+}  // namespace disagg::gpu

@@ -1,0 +1,127 @@
+#include "text/tool_calls.h"
+
+#include <nlohmann/json.hpp>
+
+namespace disagg::gpu {
+
+namespace {
+
+using json = nlohmann::json;
+
+std::string trimmed(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r\n");
+  if (a == std::string::npos) return {};
+  const size_t b = s.find_last_not_of(" \t\r\n");
+  return s.substr(a, b - a + 1);
+}
+
+// {"name": string, "arguments"|"parameters": object} as a call.
+bool call_of(const json& j, ToolCall& out) {
+  if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
+  const json* args = nullptr;
+  if (j.contains("arguments")) args = &j["arguments"];
+  else if (j.contains("parameters")) args = &j["parameters"];
+  json parsed;
+  if (args && args->is_string()) {  // (some models write the arguments as a JSON string)
+    parsed = json::parse(args->get<std::string>(), nullptr, false);
+    if (parsed.is_discarded()) return false;
+    args = &parsed;
+  }
+  if (args && !args->is_object()) return false;
+  out.name = j["name"].get<std::string>();
+  out.arguments = args ? args->dump() : "{}";
+  return true;
+}
+
+ParsedOutput hermes(const std::string& text) {
+  static const std::string open = "<tool_call>", close = "</tool_call>";
+  ParsedOutput out;
+  size_t first = text.find(open);
+  if (first == std::string::npos) return {text, {}};
+  for (size_t at = first; at != std::string::npos; at = text.find(open, at)) {
+    const size_t body = at + open.size();
+    const size_t end = text.find(close, body);
+    const json j = json::parse(text.substr(body, end == std::string::npos ? std::string::npos : end - body), nullptr, false);
+    ToolCall call;
+    if (j.is_discarded() || !call_of(j, call)) return {text, {}};
+    out.calls.push_back(std::move(call));
+    if (end == std::string::npos) break;
+    at = end + close.size();
+  }
+  out.content = trimmed(text.substr(0, first));
+  return out;
+}
+
+ParsedOutput llama3(const std::string& text) {
+  static const std::string tag = "<|python_tag|>";
+  std::string body = text;
+  std::string before;
+  if (const size_t at = body.find(tag); at != std::string::npos) {
+    before = trimmed(body.substr(0, at));
+    body = body.substr(at + tag.size());
+  }
+  body = trimmed(body);
+  if (body.empty() || body[0] != '{') return {text, {}};
+  // One object, or several separated by ";" or newlines.
+  ParsedOutput out;
+  size_t at = 0;
+  while (at < body.size()) {
+    // The shortest prefix from `at` that parses as an object ending a piece.
+    size_t end = body.size();
+    json j;
+    bool found = false;
+    for (size_t k = body.find('}', at); k != std::string::npos; k = body.find('}', k + 1)) {
+      j = json::parse(body.substr(at, k + 1 - at), nullptr, false);
+      if (!j.is_discarded()) {
+        end = k + 1;
+        found = true;
+        break;
+      }
+    }
+    ToolCall call;
+    if (!found || !call_of(j, call)) return {text, {}};
+    out.calls.push_back(std::move(call));
+    at = body.find_first_not_of(" \t\r\n;", end);
+    if (at == std::string::npos) break;
+    if (body[at] != '{') return {text, {}};
+  }
+  out.content = before;
+  return out;
+}
+
+ParsedOutput mistral(const std::string& text) {
+  static const std::string tag = "[TOOL_CALLS]";
+  const size_t at = text.find(tag);
+  if (at == std::string::npos) return {text, {}};
+  const json j = json::parse(trimmed(text.substr(at + tag.size())), nullptr, false);
+  if (j.is_discarded()) return {text, {}};
+  ParsedOutput out;
+  for (const json& item : j.is_array() ? j : json::array({j})) {
+    ToolCall call;
+    if (!call_of(item, call)) return {text, {}};
+    out.calls.push_back(std::move(call));
+  }
+  out.content = trimmed(text.substr(0, at));
+  return out;
+}
+
+}  // namespace
+
+ParsedOutput parse_tool_calls(ToolSyntax syntax, const std::string& text) {
+  switch (syntax) {
+    case ToolSyntax::llama3: return llama3(text);
+    case ToolSyntax::hermes: return hermes(text);
+    case ToolSyntax::mistral: return mistral(text);
+    case ToolSyntax::none: break;
+  }
+  return {text, {}};
+}
+
+ToolSyntax tool_syntax_of(const std::string& name) {
+  if (name.rfind("llama3", 0) == 0) return ToolSyntax::llama3;
+  if (name.rfind("qwen", 0) == 0 || name == "chatml") return ToolSyntax::hermes;
+  if (name == "mistral") return ToolSyntax::mistral;
+  return ToolSyntax::none;
+}
+
+}  // namespace disagg::gpu
