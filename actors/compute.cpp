@@ -13,7 +13,9 @@
 #include "engine/kv_format.h"
 #include "engine/kv_stream.h"
 #include "engine/prefix_cache.h"
+#include "engine/constraint.h"
 #include "engine/sampling.h"
+#include "model/checkpoint.h"
 #include "text/tokenizer.h"
 #include "metrics/disagg_metrics.h"
 
@@ -54,14 +56,37 @@ struct ComputeState {
   // chunk_atom; while any is queued, exactly one chunk_atom is on its way.
   std::deque<LocalPrefill> local_prefills;
   std::unique_ptr<gpu::PrefixCache> prefix_cache;  // a prefill worker's (ComputeSpec::prefix_cache_blocks)
+  std::unique_ptr<gpu::Constraints> constraints;   // null: no vocabulary to constrain (ComputeSpec::tokenizer)
 };
+
+// The grammar's mask for token `step` of a request whose tokens so far are
+// `history`; null without a grammar. Throws grammar::GrammarError.
+std::shared_ptr<const grammar::TokenMask> mask_of(const ComputeState& st, const gpu::SamplingParams& sampling,
+                                                  const std::vector<int>& history, int64_t step) {
+  if (sampling.grammar.empty()) return nullptr;
+  if (!st.constraints) {
+    grammar::Grammar::from_json(sampling.grammar);  // (a bad grammar says what is wrong with it first)
+    throw grammar::GrammarError("this worker has no vocabulary to constrain its output with");
+  }
+  return st.constraints->mask(sampling.grammar, history, uint64_t(step));
+}
 
 // Token `first_step` of the request from the logits after its prompt
 // (work.tokens: the prompt, and a migrated request's earlier output).
+// A grammar that cannot go on is the request's fault: r says so
+// (invalid_request) and no token is sampled.
 void sample_first(const ComputeState& st, const PrefillWork& work, const float* logits, PrefillResult& r) {
   const gpu::ModelConfig& c = st.engine->config();
+  std::shared_ptr<const grammar::TokenMask> mask;
+  try {
+    mask = mask_of(st, work.sampling, work.tokens, work.first_step);
+  } catch (const grammar::GrammarError& e) {
+    r.code = ErrorCode::invalid_request;
+    r.message = e.what();
+    return;
+  }
   gpu::Sampled sampled = gpu::sample(logits, c.vocab_size, work.sampling, uint64_t(work.first_step), work.tokens,
-                                     c.end_tokens);
+                                     c.end_tokens, mask.get());
   r.first_token = sampled.token;
   r.first_logprobs = std::move(sampled.logprobs);
 }
@@ -456,8 +481,19 @@ StepResult run_step(ComputeState& st, DecodeStep& step) {
     r.logprobs.reserve(slots.size());
     for (size_t i = 0; i < step.slots.size(); ++i) {
       const StepSlot& s = step.slots[i];
+      std::shared_ptr<const grammar::TokenMask> mask;
+      try {
+        mask = mask_of(st, s.sampling, s.history, s.step);
+      } catch (const grammar::GrammarError& e) {
+        // This sequence alone ends; the others of the batch go on.
+        r.slot_errors.resize(step.slots.size());
+        r.slot_errors[i] = e.what();
+        r.next_tokens.push_back(0);
+        r.logprobs.emplace_back();
+        continue;
+      }
       gpu::Sampled sampled = gpu::sample(logits.data() + i * size_t(vocab), vocab, s.sampling, uint64_t(s.step),
-                                         s.history, end_tokens);
+                                         s.history, end_tokens, mask.get());
       r.next_tokens.push_back(sampled.token);
       r.logprobs.push_back(std::move(sampled.logprobs));
     }
@@ -551,6 +587,11 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
   st->prefill_chunk = spec.prefill_chunk;
   if (spec.prefix_cache_blocks > 0)
     st->prefix_cache = std::make_unique<gpu::PrefixCache>(*st->engine, spec.pool_block_size, spec.prefix_cache_blocks);
+  if (!spec.tokenizer.empty() || spec.checkpoint->vocabulary()) {
+    const gpu::Tokenizer tokenizer = gpu::load_tokenizer(*spec.checkpoint, spec.tokenizer);
+    st->constraints = std::make_unique<gpu::Constraints>(
+        gpu::grammar_vocabulary(tokenizer, st->engine->config().end_tokens));
+  }
   if (spec.pool_blocks > 0) {
     // (the pool's memory is the engine's backend's: the engine outlives it)
     auto* pool = new gpu::KvPool(st->engine->backend(), st->engine->kv_shape(st->engine->config().seq_len),

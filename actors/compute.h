@@ -34,6 +34,10 @@ struct ComputeSpec {
   // A prefill worker's prefix cache (engine/prefix_cache.h): blocks of
   // pool_block_size positions; 0: none (DisaggConfig::prefill_cache_blocks_in_use).
   int prefix_cache_blocks = 0;
+  // The tokenizer file constrained decoding reads the vocabulary's bytes
+  // from (DisaggConfig::tokenizer); empty: the model file's own vocabulary.
+  // Without either, a request with a grammar is refused (invalid_request).
+  std::string tokenizer;
 };
 
 // A compute actor and, on a decode worker, its pool: the decode actor lets

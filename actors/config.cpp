@@ -53,7 +53,7 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
   OptionAdder{options, "disagg"}
       .add(c.cluster, "cluster", "the cluster's name; the router refuses workers of another")
       .add(c.model, "model", "model file: GGUF, llama2.c checkpoint or Hugging Face directory")
-      .add(c.tokenizer, "tokenizer", "tokenizer path (text prompts and token text)")
+      .add(c.tokenizer, "tokenizer", "tokenizer path (text prompts and token text; workers: structured output)")
       .add(c.backend, "backend", "compute backend: auto, cpu or cuda")
       .add(c.prefill_workers, "prefill-workers", "prefill workers of a local cluster")
       .add(c.decode_workers, "decode-workers", "decode workers of a local cluster")

@@ -370,6 +370,9 @@ void schedule_step(Self self) {
               if (r.code != ErrorCode::none) {
                 finish_sequence(self, it, r.code, r.message, FinishReason::length);
                 changed = true;
+              } else if (i < r.slot_errors.size() && !r.slot_errors[i].empty()) {
+                finish_sequence(self, it, ErrorCode::invalid_request, r.slot_errors[i], FinishReason::length);
+                changed = true;
               } else if (accept_token(self, it, r.next_tokens[i], std::move(r.logprobs[i]))) {
                 changed = true;
               }

@@ -16,7 +16,7 @@ namespace {
 constexpr int kBlockSize = kDefaultBlockSize;
 
 void check_request(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
-                   const SamplingParams& sampling) {
+                   const SamplingParams& sampling, const Constraints* constraints) {
   if (prompt.empty()) throw Error("generate: empty prompt");
   if (max_new_tokens < 0) throw Error("generate: negative max_new_tokens " + std::to_string(max_new_tokens));
   const ModelConfig& c = engine.config();
@@ -28,6 +28,8 @@ void check_request(const Engine& engine, const std::vector<int>& prompt, int max
       throw Error("generate: prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " +
                   std::to_string(c.vocab_size) + ")");
   if (const std::string why = check_sampling(sampling, c.vocab_size); !why.empty()) throw Error("generate: " + why);
+  if (!sampling.grammar.empty() && (!constraints || int(constraints->vocabulary().size()) != c.vocab_size))
+    throw Error("generate: a grammar needs the constraints of the model's vocabulary");
 }
 
 int positions_needed(const Engine& engine, const std::vector<int>& prompt, int max_new_tokens) {
@@ -37,14 +39,17 @@ int positions_needed(const Engine& engine, const std::vector<int>& prompt, int m
 // Samples token 0 from `logits` (after the prompt), then feeds each emitted
 // token at the next position until the stop rule says stop (limit >= 1).
 GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, const std::vector<int>& prompt,
-                           std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling) {
+                           std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling,
+                           Constraints* constraints) {
   const ModelConfig& c = engine.config();
   GenerateResult result;
   const int limit = token_limit(int(prompt.size()), max_new_tokens, c.seq_len);
   // The prompt, then the output: what the penalties read (only when they do).
   std::vector<int> history = sampling.uses_history() ? prompt : std::vector<int>{};
   for (int step = 0;; ++step) {
-    Sampled sampled = sample(logits.data(), c.vocab_size, sampling, uint64_t(step), history, c.end_tokens);
+    std::shared_ptr<const grammar::TokenMask> mask;
+    if (!sampling.grammar.empty()) mask = constraints->mask(sampling.grammar, history, uint64_t(step));
+    Sampled sampled = sample(logits.data(), c.vocab_size, sampling, uint64_t(step), history, c.end_tokens, mask.get());
     const int next = sampled.token;
     const std::optional<FinishReason> stop = check_stop(c.end_tokens, sampling.stop, next, step, limit);
     if (stop != FinishReason::eos) {
@@ -73,8 +78,8 @@ int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
 }
 
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
-                        const SamplingParams& sampling) {
-  check_request(engine, prompt, max_new_tokens, sampling);
+                        const SamplingParams& sampling, Constraints* constraints) {
+  check_request(engine, prompt, max_new_tokens, sampling, constraints);
   if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
   std::vector<TokenLogprobs> prompt_logprobs;
@@ -99,14 +104,14 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
   view.payload = prefilled.kv.data();
   pool.write(blocks, view);
   GenerateResult result = decode_loop(engine, pool, blocks, prompt, std::move(prefilled.logits), max_new_tokens,
-                                      sampling);
+                                      sampling, constraints);
   result.prompt_logprobs = std::move(prompt_logprobs);
   return result;
 }
 
 GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
-                                 const SamplingParams& sampling) {
-  check_request(engine, prompt, max_new_tokens, sampling);
+                                 const SamplingParams& sampling, Constraints* constraints) {
+  check_request(engine, prompt, max_new_tokens, sampling, constraints);
   if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
   const int n_blocks = KvPool::blocks_for(positions_needed(engine, prompt, max_new_tokens), kBlockSize);
@@ -115,7 +120,7 @@ GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt,
   std::vector<float> logits;
   for (size_t pos = 0; pos < prompt.size(); ++pos)
     logits = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks}});
-  return decode_loop(engine, pool, blocks, prompt, std::move(logits), max_new_tokens, sampling);
+  return decode_loop(engine, pool, blocks, prompt, std::move(logits), max_new_tokens, sampling, constraints);
 }
 
 }  // namespace disagg::gpu

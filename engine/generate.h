@@ -3,6 +3,7 @@
 #pragma once
 #include <vector>
 
+#include "engine/constraint.h"
 #include "engine/engine.h"
 #include "engine/sampling.h"
 #include "engine/stop_rule.h"
@@ -24,12 +25,14 @@ int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len);
 
 // Stops where the stop rule says (engine/stop_rule.h: before an end token, after
 // max_new_tokens or at the model's seq_len). Throws Error on an empty prompt or a bad token id.
+// A request with a grammar (SamplingParams::grammar) needs `constraints`
+// for the engine's vocabulary; Error without.
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
-                        const SamplingParams& sampling);
+                        const SamplingParams& sampling, Constraints* constraints = nullptr);
 
 // Same tokens, with the prompt fed one token at a time through decode steps
 // (no prefill): a cross-check of the KV cache path.
 GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
-                                 const SamplingParams& sampling);
+                                 const SamplingParams& sampling, Constraints* constraints = nullptr);
 
 }  // namespace disagg::gpu

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "gpu/error.h"
+#include "grammar/grammar.h"
+#include "grammar/matcher.h"
 
 namespace disagg::gpu {
 namespace {
@@ -102,6 +104,11 @@ std::string check_sampling(const SamplingParams& p, int vocab) {
   if (p.prompt_logprobs < -1 || p.prompt_logprobs > kMaxLogprobs)
     return "prompt_logprobs must be in [0, " + std::to_string(kMaxLogprobs) + "] (got " +
            std::to_string(p.prompt_logprobs) + ")";
+  // (its size only: the worker that samples compiles it and refuses a bad
+  // one, invalid_request, so the router's thread never parses a grammar)
+  if (p.grammar.size() > grammar::kMaxGrammarBytes)
+    return "a grammar of " + std::to_string(p.grammar.size()) + " bytes (at most " +
+           std::to_string(grammar::kMaxGrammarBytes) + ")";
   return {};
 }
 
@@ -109,16 +116,17 @@ namespace {
 
 // Step 1 and 2 of the order (sampling.h) on `work`, a copy of the logits.
 void process_logits(std::vector<float>& work, const SamplingParams& p, uint64_t step, const std::vector<int>& history,
-                    const std::vector<int>& end_tokens) {
+                    const std::vector<int>& end_tokens, const grammar::TokenMask* mask) {
   const int vocab = int(work.size());
   auto checked = [&](int t) {
     if (t < 0 || t >= vocab) throw Error("sample: token id " + std::to_string(t) + " outside the vocabulary");
     return size_t(t);
   };
   for (const TokenBias& b : p.logit_bias) work[checked(b.token)] += b.bias;
-  if (step < uint64_t(p.stop.min_tokens))
+  if (mask) mask->apply(work.data(), vocab);
+  if (step < uint64_t(p.stop.min_tokens) && !(mask && mask->only_end))
     for (int t : stopping_tokens(end_tokens, p.stop)) work[checked(t)] = -std::numeric_limits<float>::infinity();
-  if (!p.uses_history()) return;
+  if (!p.penalized()) return;
   if (history.size() < step)
     throw Error("sample: the penalties need the request's tokens, " + std::to_string(history.size()) +
                 " were given for step " + std::to_string(step));
@@ -224,13 +232,18 @@ TokenLogprobs token_logprobs(const float* logits, int vocab, int token, int n) {
 }
 
 Sampled sample(const float* logits, int vocab, const SamplingParams& params, uint64_t step,
-               const std::vector<int>& history, const std::vector<int>& end_tokens) {
+               const std::vector<int>& history, const std::vector<int>& end_tokens,
+               const grammar::TokenMask* mask) {
   if (vocab <= 0) throw Error("sample: empty logits");
+  if (!params.grammar.empty() && !mask) throw Error("sample: a request with a grammar needs its mask");
+  if (mask && (mask->allowed == 0 || mask->bits.size() * 64 < size_t(vocab)))
+    throw Error("sample: the grammar allows no token here");
   Sampled out;
-  const bool processed = !params.logit_bias.empty() || params.uses_history() || step < uint64_t(params.stop.min_tokens);
+  const bool processed = !params.logit_bias.empty() || params.penalized() || mask ||
+                         step < uint64_t(params.stop.min_tokens);
   if (processed) {
     std::vector<float> work(logits, logits + vocab);
-    process_logits(work, params, step, history, end_tokens);
+    process_logits(work, params, step, history, end_tokens, mask);
     out.token = draw(work.data(), vocab, params, step);
   } else {
     out.token = draw(logits, vocab, params, step);
@@ -241,7 +254,7 @@ Sampled sample(const float* logits, int vocab, const SamplingParams& params, uin
 
 int sample_token(const float* logits, int vocab, const SamplingParams& params, uint64_t step) {
   if (params.uses_history() || params.stop.min_tokens > 0)
-    throw Error("sample_token: the penalties and min_tokens need the request's tokens (use sample)");
+    throw Error("sample_token: the penalties, a grammar and min_tokens need the request's tokens (use sample)");
   return sample(logits, vocab, params, step, {}, {}).token;
 }
 

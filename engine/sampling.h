@@ -24,6 +24,10 @@
 
 #include "engine/stop_rule.h"
 
+namespace disagg::grammar {
+struct TokenMask;
+}
+
 namespace disagg::gpu {
 
 // The most alternatives a token's log probabilities list (OpenAI's top_logprobs limit).
@@ -61,16 +65,26 @@ struct SamplingParams {
   // echo with logprobs). Every prompt position is computed then: no prefix
   // cache serves such a request.
   int32_t prompt_logprobs = -1;
+  // Constrained decoding: a grammar (grammar/grammar.h's JSON form) every
+  // output token must keep to; empty: none. Its mask (engine/constraint.h)
+  // applies with logit_bias (step 1), and an end token only where the
+  // grammar may end; while it allows only end tokens, min_tokens does not
+  // mask them.
+  std::string grammar;
 
-  // Whether sampling reads the request's earlier tokens (the penalties): then
-  // every step needs them (the decode worker keeps them for the sequence).
-  bool uses_history() const {
+  bool penalized() const {
     return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f;
   }
+  // Whether sampling reads the request's earlier tokens (the penalties, a
+  // grammar's place): then every step needs them (the decode worker keeps
+  // them for the sequence).
+  bool uses_history() const { return penalized() || !grammar.empty(); }
 };
 
 // Empty when `p` is valid for a vocabulary of `vocab` tokens, else why not
-// (a range, a token id outside the vocabulary, a repeated logit_bias token):
+// (a range, a token id outside the vocabulary, a repeated logit_bias token,
+// a grammar over grammar::kMaxGrammarBytes; its rules are checked where it is
+// compiled, engine/constraint.h):
 // the one check of a request's sampling, by the router and by a decode worker
 // of what a peer sent.
 std::string check_sampling(const SamplingParams& p, int vocab);
@@ -106,8 +120,11 @@ int argmax(const float* logits, int vocab);
 // or masks for min_tokens; may be empty otherwise). `end_tokens`: the
 // model's (ModelConfig::end_tokens). Throws Error on an empty vocabulary, a
 // history shorter than `step` that is needed, or a token id outside it.
+// `mask`: the grammar's for this step (Constraints::mask), required when
+// params.grammar is set; Error when it allows no token.
 Sampled sample(const float* logits, int vocab, const SamplingParams& params, uint64_t step,
-               const std::vector<int>& history, const std::vector<int>& end_tokens);
+               const std::vector<int>& history, const std::vector<int>& end_tokens,
+               const grammar::TokenMask* mask = nullptr);
 
 // The token alone, for a request that needs no history and no end tokens
 // (temperature, top_p, top_k, min_p, logit_bias).

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <limits>
 
+#include "grammar/json_grammar.h"
+#include "grammar/json_schema.h"
+
 namespace disagg::http {
 
 namespace {
@@ -168,6 +171,79 @@ void refuse_unless(const json& body, const char* name, const std::function<bool(
     throw bad_request(name, std::string("'") + name + "' is not supported (got " + quote(*v) + ")", "unsupported");
 }
 
+// The grammar of response_format: none for {"type": "text"} (or no
+// response_format), any JSON object for {"type": "json_object"}, the
+// schema's for {"type": "json_schema", "json_schema": {"name", "schema",
+// "strict"}} (a schema it cannot compile: 400 naming the keyword).
+std::string response_format_grammar(const json& body) {
+  const json* v = field(body, "response_format");
+  if (!v || v->is_null()) return {};
+  expect_type(v->is_object(), "response_format", "an object", *v);
+  const json* type = field(*v, "type");
+  if (!type || !type->is_string())
+    throw bad_request("response_format", "'response_format' needs a \"type\": \"text\", \"json_object\" or \"json_schema\"");
+  if (*type == "text") return {};
+  if (*type == "json_object") {
+    static const std::string object = grammar::json_object_grammar().to_json();
+    return object;
+  }
+  if (*type != "json_schema")
+    throw bad_request("response_format", "'response_format' of type " + quote(*type) + " is not supported", "unsupported");
+  const json* spec = field(*v, "json_schema");
+  if (!spec || !spec->is_object())
+    throw bad_request("response_format", "'response_format' of type json_schema needs a \"json_schema\" object");
+  const json* schema = field(*spec, "schema");
+  const json* strict = field(*spec, "strict");
+  if (strict && !strict->is_boolean() && !strict->is_null())
+    throw bad_request("response_format", "'response_format.json_schema.strict' must be a boolean");
+  try {
+    // No schema: any JSON value (OpenAI requires one; vLLM does not).
+    const grammar::Grammar g = grammar::json_schema_grammar(schema ? *schema : json(true),
+                                                            strict && strict->is_boolean() && strict->get<bool>());
+    return g.to_json();
+  } catch (const grammar::GrammarError& e) {
+    throw bad_request("response_format", std::string("response_format.json_schema: ") + e.what(), "unsupported");
+  }
+}
+
+// vLLM's guided decoding fields: guided_json (a schema), guided_choice
+// (one of these texts, written as they are); guided_regex and
+// guided_grammar are refused by name. One source of a grammar per request.
+std::string guided_grammar(const json& body) {
+  for (const char* refused : {"guided_regex", "guided_grammar"})
+    if (const json* v = field(body, refused); v && !v->is_null())
+      throw bad_request(refused, std::string("'") + refused + "' is not supported", "unsupported");
+  const json* schema = field(body, "guided_json");
+  const json* choice = field(body, "guided_choice");
+  if (schema && schema->is_null()) schema = nullptr;
+  if (choice && choice->is_null()) choice = nullptr;
+  if (schema && choice) throw bad_request("guided_choice", "'guided_json' and 'guided_choice' exclude each other");
+  if (schema) {
+    try {
+      // (vLLM takes the schema as an object or as its JSON text)
+      const json parsed = schema->is_string() ? json::parse(schema->get<std::string>()) : *schema;
+      return grammar::json_schema_grammar(parsed).to_json();
+    } catch (const grammar::GrammarError& e) {
+      throw bad_request("guided_json", std::string("guided_json: ") + e.what(), "unsupported");
+    } catch (const json::exception&) {
+      throw bad_request("guided_json", "'guided_json' is a string that is not JSON");
+    }
+  }
+  if (choice) {
+    expect_type(choice->is_array() && !choice->empty(), "guided_choice", "a non-empty array of strings", *choice);
+    std::vector<grammar::Expr> options;
+    for (const json& c : *choice) {
+      expect_type(c.is_string() && !c.get_ref<const std::string&>().empty(), "guided_choice",
+                  "a non-empty array of non-empty strings", c);
+      options.push_back(grammar::Grammar::literal(c.get_ref<const std::string&>()));
+    }
+    grammar::Grammar g;
+    g.define(0, grammar::Grammar::alt(options));
+    return g.to_json();
+  }
+  return {};
+}
+
 std::string message_text(const json& content, size_t index) {
   const std::string param = "messages";
   if (content.is_null()) return {};
@@ -186,6 +262,116 @@ std::string message_text(const json& content, size_t index) {
   }
   throw bad_request(param, "messages[" + std::to_string(index) + "].content must be a string or an array of text parts",
                     "invalid_type");
+}
+
+// An assistant message's tool_calls as its family writes them (what the
+// model would have generated), after its content; any other message's
+// content. A tool message's content is its result.
+std::string message_content(const json& m, size_t index, ChatTemplate tmpl) {
+  std::string text = message_text(m.contains("content") ? m["content"] : json(nullptr), index);
+  const json* calls = m.contains("tool_calls") ? &m["tool_calls"] : nullptr;
+  if (!calls || calls->is_null()) return text;
+  const std::string where = "messages[" + std::to_string(index) + "].tool_calls";
+  if (m["role"] != "assistant") throw bad_request("messages", where + ": only an assistant message has tool_calls");
+  expect_type(calls->is_array(), "messages", "an array of tool calls", *calls);
+  json written = json::array();
+  for (const json& call : *calls) {
+    const json* function = call.is_object() && call.contains("function") ? &call["function"] : nullptr;
+    if (!function || !function->is_object() || !function->contains("name") || !(*function)["name"].is_string())
+      throw bad_request("messages", where + ": each call needs function.name", "invalid_type");
+    json arguments = json::object();
+    if (function->contains("arguments")) {
+      const json& a = (*function)["arguments"];
+      arguments = a.is_string() ? json::parse(a.get<std::string>(), nullptr, false) : a;
+      if (arguments.is_discarded() || !arguments.is_object())
+        throw bad_request("messages", where + ": function.arguments must be a JSON object (or its text)");
+    }
+    written.push_back({{"name", (*function)["name"]}, {"arguments", arguments}});
+  }
+  const gpu::ToolSyntax syntax = gpu::tool_syntax_of(gpu::to_string(tmpl));
+  std::string out = text;
+  for (const json& call : written) {
+    if (syntax == gpu::ToolSyntax::hermes) {
+      out += (out.empty() ? "" : "\n") + std::string("<tool_call>\n") + dump(call) + "\n</tool_call>";
+    } else if (syntax == gpu::ToolSyntax::llama3) {
+      out += (out.empty() ? "" : "\n") + dump(json{{"name", call["name"]}, {"parameters", call["arguments"]}});
+    }
+  }
+  if (syntax == gpu::ToolSyntax::mistral) out += "[TOOL_CALLS]" + dump(written);
+  if (syntax == gpu::ToolSyntax::none) out += (out.empty() ? "" : "\n") + dump(written);
+  return out;
+}
+
+// tools, tool_choice and parallel_tool_calls; `grammar` gets the calls'
+// grammar when the choice is required or named.
+ToolUse parse_tools(const json& body, ChatTemplate tmpl, std::string& grammar) {
+  ToolUse use;
+  const json* tools = field(body, "tools");
+  const json* choice = field(body, "tool_choice");
+  if (tools && tools->is_null()) tools = nullptr;
+  if (!tools || tools->empty()) {
+    if (choice && !choice->is_null() && *choice != "none" && *choice != "auto")
+      throw bad_request("tool_choice", "'tool_choice' names a tool but 'tools' defines none");
+    if (tools) expect_type(tools->is_array(), "tools", "an array of tools", *tools);
+    return use;
+  }
+  expect_type(tools->is_array(), "tools", "an array of tools", *tools);
+  if (tools->size() > kMaxTools)
+    throw bad_request("tools", "at most " + std::to_string(kMaxTools) + " tools, got " + std::to_string(tools->size()));
+  std::vector<std::pair<std::string, json>> functions;  // name, parameters schema
+  for (size_t i = 0; i < tools->size(); ++i) {
+    const json& t = (*tools)[i];
+    const std::string where = "tools[" + std::to_string(i) + "]";
+    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object())
+      throw bad_request("tools", where + " must be {\"type\": \"function\", \"function\": {...}}");
+    const json& f = t["function"];
+    if (!f.contains("name") || !f["name"].is_string() || f["name"].get_ref<const std::string&>().empty() ||
+        f["name"].get_ref<const std::string&>().size() > 64)
+      throw bad_request("tools", where + ".function.name must be a string of 1 to 64 characters");
+    for (const auto& [name, unused] : functions)
+      if (name == f["name"]) throw bad_request("tools", where + ": a second tool named " + quote(f["name"]));
+    json parameters = f.contains("parameters") && !f["parameters"].is_null() ? f["parameters"]
+                                                                               : json{{"type", "object"}, {"properties", json::object()}};
+    functions.emplace_back(f["name"].get<std::string>(), std::move(parameters));
+  }
+  use.syntax = gpu::tool_syntax_of(gpu::to_string(tmpl));
+  use.choice = ToolUse::Choice::automatic;
+  if (choice && !choice->is_null()) {
+    if (*choice == "none") use.choice = ToolUse::Choice::none;
+    else if (*choice == "required") use.choice = ToolUse::Choice::required;
+    else if (*choice == "auto") use.choice = ToolUse::Choice::automatic;
+    else if (choice->is_object() && choice->value("type", "") == "function" && choice->contains("function") &&
+             (*choice)["function"].is_object() && (*choice)["function"].contains("name")) {
+      use.choice = ToolUse::Choice::named;
+      use.name = (*choice)["function"]["name"].is_string() ? (*choice)["function"]["name"].get<std::string>() : "";
+      if (std::none_of(functions.begin(), functions.end(), [&](const auto& f) { return f.first == use.name; }))
+        throw bad_request("tool_choice", "'tool_choice' names " + quote((*choice)["function"]["name"]) + ", which 'tools' does not define");
+    } else {
+      throw bad_request("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                       "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    }
+  }
+  const bool parallel = boolean(body, "parallel_tool_calls", true);
+  try {
+    if (use.choice == ToolUse::Choice::named) {
+      for (const auto& [name, parameters] : functions)
+        if (name == use.name) grammar = grammar::json_schema_grammar(parameters).to_json();
+    } else if (use.choice == ToolUse::Choice::required) {
+      // [{"name": one of them, "arguments": its parameters}, ...]
+      json branches = json::array();
+      for (const auto& [name, parameters] : functions)
+        branches.push_back({{"type", "object"},
+                            {"properties", {{"name", {{"const", name}}}, {"arguments", parameters}}},
+                            {"required", {"name", "arguments"}},
+                            {"additionalProperties", false}});
+      json calls = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", branches}}}};
+      if (!parallel) calls["maxItems"] = 1;
+      grammar = grammar::json_schema_grammar(calls).to_json();
+    }
+  } catch (const grammar::GrammarError& e) {
+    throw bad_request("tools", std::string("a tool's parameters: ") + e.what(), "unsupported");
+  }
+  return use;
 }
 
 std::vector<int32_t> as_tokens(const std::vector<int>& v) { return std::vector<int32_t>(v.begin(), v.end()); }
@@ -323,7 +509,7 @@ std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const 
   using gpu::ChatMessage, gpu::ChatPiece;
   std::vector<ChatMessage> list;
   for (size_t i = 0; i < messages.size(); ++i)
-    list.push_back({messages[i]["role"].get<std::string>(), message_text(messages[i]["content"], i)});
+    list.push_back({messages[i]["role"].get<std::string>(), message_content(messages[i], i, tmpl)});
   std::vector<ChatPiece> pieces;
   try {
     pieces = gpu::render_chat_pieces(tmpl, list);
@@ -388,9 +574,9 @@ std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model,
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       throw bad_request("messages", where + " must be an object with a string 'role'", "invalid_type");
     const std::string& role = m["role"].get_ref<const std::string&>();
-    if (role != "system" && role != "user" && role != "assistant")
-      throw bad_request("messages", where + ".role must be system, user or assistant, got " + quote(m["role"]));
-    bytes += message_text(m.contains("content") ? m["content"] : json(nullptr), i).size();
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      throw bad_request("messages", where + ".role must be system, user, assistant or tool, got " + quote(m["role"]));
+    bytes += message_content(m, i, tmpl).size();
   }
   if (int64_t(bytes) > model.max_prompt_bytes)
     throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
@@ -485,9 +671,6 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   // Unsupported options: only their neutral values pass.
   if (endpoint == Endpoint::chat)  // (a completions option)
     refuse_unless(body, "echo", [](const json& v) { return v.is_boolean() && !v.get<bool>(); });
-  refuse_unless(body, "response_format", [](const json& v) {
-    return v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text";
-  });
 
   ApiRequest r;
   r.endpoint = endpoint;
@@ -501,6 +684,24 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     r.sampling.seed = seed->is_number_unsigned() ? seed->get<uint64_t>() : uint64_t(seed->get<int64_t>());
   } else {
     r.sampling.seed = random_seed();
+  }
+  r.sampling.grammar = response_format_grammar(body);
+  if (std::string guided = guided_grammar(body); !guided.empty()) {
+    if (!r.sampling.grammar.empty())
+      throw bad_request("response_format", "'response_format' and vLLM's guided_* options exclude each other");
+    r.sampling.grammar = std::move(guided);
+  }
+  if (endpoint == Endpoint::chat) {
+    std::string calls;
+    r.tools = parse_tools(body, tmpl, calls);
+    if (!calls.empty()) {
+      if (!r.sampling.grammar.empty())
+        throw bad_request("tool_choice", "a required or named 'tool_choice' and a response_format (or guided_*) "
+                                         "exclude each other");
+      r.sampling.grammar = std::move(calls);
+    }
+    // (auto with a response_format: the format rules, the output is content)
+    if (r.tools.choice == ToolUse::Choice::automatic && !r.sampling.grammar.empty()) r.tools.choice = ToolUse::Choice::none;
   }
   parse_sampling(body, endpoint, model, r.max_tokens, r.sampling);
   r.logprobs = r.sampling.logprobs;
@@ -606,6 +807,69 @@ json choice_json(Endpoint endpoint, int index, const std::string& text, const st
   choice["logprobs"] = nullptr;
   choice["finish_reason"] = nullable(finish_reason);
   return choice;
+}
+
+ToolReply read_tool_calls(const ToolUse& tools, const std::string& text, const std::string& finish_reason) {
+  ToolReply reply{text, {}, finish_reason};
+  if (!tools.active() || finish_reason != "stop") return reply;
+  if (tools.choice == ToolUse::Choice::automatic) {
+    gpu::ParsedOutput parsed = gpu::parse_tool_calls(tools.syntax, text);
+    reply.content = std::move(parsed.content);
+    reply.calls = std::move(parsed.calls);
+  } else {
+    // The grammar's output: the named function's arguments, or the array of calls.
+    const json j = json::parse(text, nullptr, false);
+    if (j.is_discarded()) return reply;
+    if (tools.choice == ToolUse::Choice::named) {
+      reply.calls.push_back({tools.name, dump(j)});
+    } else {
+      for (const json& call : j) reply.calls.push_back({call["name"].get<std::string>(), dump(call["arguments"])});
+    }
+    reply.content.clear();
+  }
+  if (!reply.calls.empty()) reply.finish_reason = "tool_calls";
+  return reply;
+}
+
+namespace {
+
+json tool_calls_json(const ToolReply& reply, const std::string& id_prefix, bool streamed_names_only) {
+  json calls = json::array();
+  for (size_t k = 0; k < reply.calls.size(); ++k)
+    calls.push_back({{"index", k},
+                     {"id", id_prefix + std::to_string(k)},
+                     {"type", "function"},
+                     {"function", {{"name", reply.calls[k].name},
+                                   {"arguments", streamed_names_only ? std::string() : reply.calls[k].arguments}}}});
+  return calls;
+}
+
+}  // namespace
+
+json tool_choice_json(int index, const ToolReply& reply, const std::string& id_prefix) {
+  json message = {{"role", "assistant"}, {"content", nullable(reply.content)}};
+  if (!reply.calls.empty()) {
+    message["tool_calls"] = tool_calls_json(reply, id_prefix, false);
+    for (json& call : message["tool_calls"]) call.erase("index");
+  }
+  return {{"index", index}, {"message", message}, {"logprobs", nullptr}, {"finish_reason", nullable(reply.finish_reason)}};
+}
+
+std::vector<json> tool_call_chunks(const std::string& id, int64_t created, const std::string& model, int index,
+                                   const ToolReply& reply, const std::string& id_prefix, bool include_usage) {
+  std::vector<json> chunks;
+  auto chunk_of = [&](json delta) {
+    json chunk = stream_chunk(Endpoint::chat, id, created, model, index, "", "", false, include_usage);
+    chunk["choices"][0]["delta"] = std::move(delta);
+    return chunk;
+  };
+  if (!reply.content.empty()) chunks.push_back(chunk_of({{"content", reply.content}}));
+  const json heads = tool_calls_json(reply, id_prefix, true);
+  for (size_t k = 0; k < reply.calls.size(); ++k) {
+    chunks.push_back(chunk_of({{"tool_calls", json::array({heads[k]})}}));
+    chunks.push_back(chunk_of({{"tool_calls", json::array({{{"index", k}, {"function", {{"arguments", reply.calls[k].arguments}}}}})}}));
+  }
+  return chunks;
 }
 
 json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,

@@ -13,6 +13,7 @@
 
 #include "text/tokenizer.h"
 #include "text/chat_template.h"
+#include "text/tool_calls.h"
 #include "messages/request.h"
 
 namespace disagg::http {
@@ -76,8 +77,25 @@ struct ServedModel {
   int64_t created = 0;       // unix time the frontend started
 };
 
+// Tools on /v1/chat/completions (OpenAI's shapes): what the request allows
+// and how its reply is read. none: no tools (or tool_choice "none"); auto:
+// the output is parsed for the family's call syntax (text/tool_calls.h);
+// required: the output is generated as a JSON array of calls
+// [{"name", "arguments"}] under the tools' schemas; named: as the named
+// function's arguments under its schema.
+struct ToolUse {
+  enum class Choice { none, automatic, required, named } choice = Choice::none;
+  std::string name;  // named: the function
+  gpu::ToolSyntax syntax = gpu::ToolSyntax::none;
+  bool active() const { return choice != Choice::none; }
+};
+
+// The most tools a request may define (vLLM has no bound; OpenAI's is 128).
+constexpr size_t kMaxTools = 128;
+
 struct ApiRequest {
   Endpoint endpoint = Endpoint::completions;
+  ToolUse tools;
   std::vector<int32_t> prompt_tokens;
   int32_t max_tokens = 0;
   bool max_tokens_defaulted = false;  // chat without max_tokens: the rest of the context, as much as fits
@@ -147,6 +165,22 @@ json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached
 // One choice: completions {index, text, logprobs: null, finish_reason}; chat
 // {index, message: {role: "assistant", content}, logprobs: null, finish_reason}.
 json choice_json(Endpoint endpoint, int index, const std::string& text, const std::string& finish_reason);
+// What a choice's text says under its request's tools: calls (and the text
+// around them), or content alone. `finish_reason` becomes "tool_calls" when
+// there are calls; a choice cut by max_tokens ("length") is content.
+struct ToolReply {
+  std::string content;
+  std::vector<gpu::ToolCall> calls;
+  std::string finish_reason;
+};
+ToolReply read_tool_calls(const ToolUse& tools, const std::string& text, const std::string& finish_reason);
+// A chat choice's message with tool_calls [{id, type, function: {name,
+// arguments}}] (ids: id_prefix + index), content null when empty.
+json tool_choice_json(int index, const ToolReply& reply, const std::string& id_prefix);
+// The streamed form: per call, a chunk with its index, id, type and name
+// (arguments ""), then one with its arguments; then the content if any.
+std::vector<json> tool_call_chunks(const std::string& id, int64_t created, const std::string& model, int index,
+                                   const ToolReply& reply, const std::string& id_prefix, bool include_usage);
 // A reply ("text_completion" or "chat.completion") with its choices (choice_json) and usage.
 json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,
                    int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);

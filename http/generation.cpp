@@ -110,7 +110,8 @@ void Generation::on_token(RequestId id, const TokenEvent& event) {
   }
   c.last_token = now;
   const std::string piece = add_token(c, event.token, event.logprobs);
-  if (request_.stream && !piece.empty()) send_piece(c, piece, "");
+  // (with tools the text is read whole at the end: a call or content)
+  if (request_.stream && !piece.empty() && !request_.tools.active()) send_piece(c, piece, "");
   if (c.index == 0) submit_others();
   if (c.text->stopped()) {
     client_->cancel(c.id);  // the rest is not wanted; the cancelled outcome is ignored
@@ -148,7 +149,7 @@ void Generation::on_outcome(RequestId id, RequestOutcome outcome) {
   // (every token came as an event: the client library passes on, before
   // the outcome, any that no event brought)
   const std::string rest = c.text->flush();
-  if (request_.stream && !rest.empty()) send_piece(c, rest, "");
+  if (request_.stream && !rest.empty() && !request_.tools.active()) send_piece(c, rest, "");
   finish_choice(c, outcome.finish == FinishReason::eos ? "stop" : "length");
   if (c.index == 0) submit_others();
 }
@@ -228,10 +229,23 @@ void Generation::send_piece(Choice& c, const std::string& piece, const std::stri
 // Choice c has ended ("stop" or "length"); the reply completes with the last.
 void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
   c.finish = finish_reason;
-  context_.metrics.success(finish_reason).inc();
-  if (request_.stream) send_piece(c, "", finish_reason);
+  if (request_.tools.active()) {
+    c.tools = read_tool_calls(request_.tools, c.text->text(), finish_reason);
+    c.finish = c.tools->finish_reason;
+    if (request_.stream) {
+      open_events_once();
+      for (const json& chunk : tool_call_chunks(response_id_, created_, context_.model.name, c.index, *c.tools,
+                                                tool_call_id_prefix(c), request_.include_usage))
+        sink_.event(sse_event(chunk));
+    }
+  }
+  context_.metrics.success(c.finish).inc();
+  if (request_.stream) send_piece(c, "", c.finish);
   if (all_finished()) complete();
 }
+
+// A choice's tool call ids: "call_", its request id, the call's index.
+std::string Generation::tool_call_id_prefix(const Choice& c) const { return "call_" + std::to_string(c.id) + "_"; }
 
 // The reply of a request whose choices have all ended. best_of: the n of
 // highest cumulative log probability (ties: the lower index), in that order.
@@ -257,7 +271,10 @@ void Generation::complete() {
   for (int i = 0; i < request_.n; ++i) {
     Choice& c = *order[size_t(i)];
     const std::string text = request_.echo ? request_.echo_text + c.text->text() : c.text->text();
-    choices.push_back(with_token_data(c, choice_json(request_.endpoint, i, text, c.finish), false));
+    if (c.tools)
+      choices.push_back(with_token_data(c, tool_choice_json(i, *c.tools, tool_call_id_prefix(c)), false));
+    else
+      choices.push_back(with_token_data(c, choice_json(request_.endpoint, i, text, c.finish), false));
   }
   sink_.reply_json(200, response_json(request_.endpoint, response_id_, created_, context_.model.name,
                                       std::move(choices), prompt, completion, cached_tokens_));

@@ -75,7 +75,8 @@ class Generation {
     RequestId id = 0;
     bool submitted = false;
     bool outcome_in = false;    // the router's outcome came (after a cancel too)
-    std::string finish;         // "stop" / "length" once the choice has ended
+    std::string finish;         // "stop" / "length" ("tool_calls") once the choice has ended
+    std::optional<ToolReply> tools;  // with tools: what its text says (read when it ends)
     std::optional<TextAssembler> text;
     std::vector<int32_t> ids;   // its tokens so far (return_token_ids, logprobs)
     std::vector<TokenLogprobs> logprobs;  // theirs (Sampling::logprobs >= 0)
@@ -93,6 +94,7 @@ class Generation {
 
   void submit(Choice& c);
   void submit_others();
+  std::string tool_call_id_prefix(const Choice& c) const;
   std::string add_token(Choice& c, int32_t token, TokenLogprobs logprobs);
   json with_token_data(Choice& c, json choice, bool streamed);
   void open_events_once();

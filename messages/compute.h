@@ -96,6 +96,9 @@ struct StepResult {
   std::string message;
   std::vector<int32_t> next_tokens;  // one per slot, in slot order
   std::vector<TokenLogprobs> logprobs;  // one per slot (empty where its Sampling::logprobs < 0)
+  // Empty, or one per slot: why that slot's grammar could not go on (its
+  // sequence ends, invalid_request; its token means nothing); "" for the others.
+  std::vector<std::string> slot_errors;
   int64_t compute_us = 0;
 };
 
@@ -134,7 +137,8 @@ typename Inspector::result_type inspect(Inspector& f, DecodeStep& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepResult& x) {
-  return f(caf::meta::type_name("StepResult"), x.code, x.message, x.next_tokens, x.logprobs, x.compute_us);
+  return f(caf::meta::type_name("StepResult"), x.code, x.message, x.next_tokens, x.logprobs, x.slot_errors,
+           x.compute_us);
 }
 
 }  // namespace disagg

@@ -60,12 +60,14 @@ Engines spawn_engines(caf::actor_system& system, const LocalClusterOptions& opti
       ComputeSpec spec{checkpoints.get(model_for(options.prefill_models, size_t(i), cfg.model)), engine,
                        cfg.block_size, 0, plane};
       spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
+      spec.tokenizer = cfg.tokenizer;
       e.prefill.push_back(spawn_compute(system, spec));
     }
     for (int i = 0; i < cfg.decode_workers; ++i) {
       ComputeSpec spec{checkpoints.get(model_for(options.decode_models, size_t(i), cfg.model)), engine,
                        cfg.block_size, cfg.pool_blocks, plane};
       spec.prefill_chunk = cfg.prefill_chunk;  // its own prefills of short uncached rests
+      spec.tokenizer = cfg.tokenizer;
       e.decode.push_back(spawn_compute_unit(system, spec));
     }
     for (int i = 0; i < options.colocated_workers; ++i) {
@@ -73,6 +75,7 @@ Engines spawn_engines(caf::actor_system& system, const LocalClusterOptions& opti
       ComputeSpec spec{checkpoints.get(cfg.model), engine, cfg.block_size, cfg.pool_blocks, nullptr};
       spec.local_targets = e.local_targets.back();
       spec.prefill_chunk = cfg.prefill_chunk;
+      spec.tokenizer = cfg.tokenizer;
       e.colocated.push_back(spawn_compute_unit(system, spec));
     }
   } catch (...) {

@@ -269,6 +269,7 @@ std::optional<ComputeUnit> load_compute(caf::actor_system& system, const DisaggC
     spec.local_targets = std::move(local);
     spec.prefill_chunk = cfg.prefill_chunk;
     spec.pool_block_size = cfg.block_size;
+    spec.tokenizer = cfg.tokenizer;
     if (holds_pool) spec.pool_blocks = cfg.pool_blocks;
     else spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
     return spawn_compute_unit(system, spec);

@@ -274,6 +274,12 @@ std::vector<int> Tokenizer::encode(const std::string& text, bool add_bos) const 
   return tokens;
 }
 
+TokenType Tokenizer::type_of(int token) const {
+  if (token < 0 || token >= vocab_size())
+    throw Error("token id " + std::to_string(token) + " is out of range [0, " + std::to_string(vocab_size()) + ")");
+  return impl_->type(token);
+}
+
 std::string Tokenizer::decode(int previous, int token) const {
   if (token < 0 || token >= vocab_size())
     throw Error("token id " + std::to_string(token) + " is out of range [0, " + std::to_string(vocab_size()) + ")");

@@ -59,6 +59,8 @@ class Tokenizer {
 
   int vocab_size() const;
   const Vocabulary& vocabulary() const;
+  // The token's type (normal for every token of an untyped vocabulary).
+  TokenType type_of(int token) const;
 
   // BOS first when the vocabulary says so, then the text's ids: control and
   // added tokens written in the text are recognised whole (a vocabulary with

@@ -31,13 +31,17 @@ gpu::GenerateResult colocated(const std::vector<int32_t>& prompt, int max_new_to
                               const Sampling& sampling) {
   static std::mutex mutex;
   static std::unique_ptr<gpu::Engine> engine;
+  static std::unique_ptr<gpu::Constraints> constraints;
   std::lock_guard<std::mutex> lock(mutex);
   if (!engine) {
     gpu::EngineOptions options;
     options.backend = "cpu";
-    engine = std::make_unique<gpu::Engine>(gpu::Checkpoint::open(shared_model()), options);
+    const auto checkpoint = gpu::Checkpoint::open(shared_model());
+    engine = std::make_unique<gpu::Engine>(checkpoint, options);
+    constraints = std::make_unique<gpu::Constraints>(gpu::grammar_vocabulary(
+        gpu::load_tokenizer(*checkpoint, shared_tokenizer()), engine->config().end_tokens));
   }
-  return gpu::generate(*engine, prompt, max_new_tokens, sampling);
+  return gpu::generate(*engine, prompt, max_new_tokens, sampling, constraints.get());
 }
 
 GenerateRequest make_request(std::vector<int32_t> prompt, int max_new_tokens, const Sampling& sampling) {

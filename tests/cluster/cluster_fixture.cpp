@@ -86,8 +86,8 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";
   ini << "peer-refresh-ms = 200\n" << extra;
   ini << "\n[disagg]\nmodel = \"" << (model_.empty() ? shared_model() : model_) << "\"\nbackend = \"cpu\"\n";
-  if ((role == "router" || role == "frontend") && with_tokenizer_)
-    ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
+  // (the workers read the vocabulary's bytes from it for structured output)
+  if (with_tokenizer_) ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
   if (role == "decode" || role == "worker") ini << "pool-blocks = 512\n";
   if (local_prefill_tokens_) ini << "local-prefill-tokens = " << *local_prefill_tokens_ << "\n";
   ini << disagg_extra_ << "\n" << disagg_extra << "\n";

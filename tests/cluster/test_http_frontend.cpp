@@ -892,6 +892,65 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// Structured output and tools through the official client (tests/openai/
+// structured_test.mjs): every schema-constrained answer and every forced
+// call's arguments parse and keep to their schema.
+TEST(HttpFrontend, OfficialOpenAiNodeClientStructuredOutputAndTools) {
+  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
+  std::string node;
+  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
+  TestCluster cluster("http-structured");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({node, dir + "/structured_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1"}, out,
+                              err, kReplyTimeout),
+            0)
+      << out << err << cluster.logs();
+  const json got = json::parse(out);
+  // json_schema, parsed by the client
+  ASSERT_EQ(got["parsed_finish"], "stop") << out;
+  EXPECT_TRUE(got["parsed"]["name"].is_string() && got["parsed"]["name"].get<std::string>().size() <= 8) << out;
+  EXPECT_TRUE(got["parsed"]["age"].is_number_integer() && got["parsed"]["age"] >= 0 && got["parsed"]["age"] <= 120) << out;
+  // json_object, streamed: a prefix of an object, whole when it ended
+  const std::string object = got["json_object"];
+  ASSERT_FALSE(object.empty());
+  EXPECT_EQ(object[0], '{') << object;
+  // named: one call of get_weather whose arguments keep to its schema
+  auto expect_weather = [](const json& arguments_text) {
+    const json a = json::parse(arguments_text.get<std::string>());
+    EXPECT_EQ(a.size(), 2u) << a;
+    EXPECT_TRUE(a["city"].is_string() && a["city"].get<std::string>().size() <= 10) << a;
+    EXPECT_TRUE(a["unit"] == "celsius" || a["unit"] == "fahrenheit") << a;
+  };
+  ASSERT_EQ(got["named_finish"], "tool_calls") << out;
+  EXPECT_TRUE(got["named"]["content"].is_null()) << out;
+  ASSERT_EQ(got["named"]["tool_calls"].size(), 1u) << out;
+  EXPECT_EQ(got["named"]["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(got["named"]["tool_calls"][0]["function"]["name"], "get_weather");
+  expect_weather(got["named"]["tool_calls"][0]["function"]["arguments"]);
+  // the same, streamed: the same call assembled from its deltas
+  ASSERT_EQ(got["streamed_named_finish"], "tool_calls") << out;
+  ASSERT_EQ(got["streamed_named"].size(), 1u) << out;
+  EXPECT_EQ(got["streamed_named"][0]["name"], "get_weather");
+  EXPECT_FALSE(got["streamed_named"][0]["id"].get<std::string>().empty());
+  EXPECT_EQ(json::parse(got["streamed_named"][0]["arguments"].get<std::string>()),
+            json::parse(got["named"]["tool_calls"][0]["function"]["arguments"].get<std::string>()))
+      << "the same seed: the same call";
+  // required: at least one call, each of a defined tool
+  ASSERT_EQ(got["required_finish"], "tool_calls") << out;
+  ASSERT_GE(got["required"]["tool_calls"].size(), 1u) << out;
+  for (const json& call : got["required"]["tool_calls"]) {
+    const std::string name = call["function"]["name"];
+    EXPECT_TRUE(name == "get_weather" || name == "now") << out;
+    if (name == "get_weather") expect_weather(call["function"]["arguments"]);
+    else EXPECT_TRUE(json::parse(call["function"]["arguments"].get<std::string>()).is_object()) << out;
+  }
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // n choices share their prompt: choice 0 runs it, the others start after
 // its first token and find its full blocks in the decode worker's prefix
 // cache (computed and kept once).

@@ -4,6 +4,8 @@
 
 #include <chrono>
 
+#include "grammar/json_grammar.h"
+#include "grammar/json_schema.h"
 #include "http/api.h"
 #include "metrics/disagg_metrics.h"
 #include "support/adversarial_json.h"
@@ -294,11 +296,41 @@ TEST(HttpApi, ExtremeIntegersAndWrongShapesAre400sThatQuoteABoundedPrefix) {
     EXPECT_EQ(e.status, 400) << messages;
     EXPECT_EQ(e.param, "messages") << messages;
   }
-  // response_format: only text, the neutral value.
-  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","response_format":{"type":"text"}})").prompt_tokens, encode("x"));
-  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":{"type":"json_object"}})").code,
-            "unsupported");
+  // response_format: text (no grammar), json_object (JSON's object grammar),
+  // json_schema not yet (unsupported), anything else a bad request.
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","response_format":{"type":"text"}})").sampling.grammar, "");
+  EXPECT_EQ(parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})")
+                .sampling.grammar,
+            grammar::json_object_grammar().to_json());
+  EXPECT_EQ(parse(Endpoint::completions,
+                  R"({"prompt":"x","response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"integer"}}}})")
+                .sampling.grammar,
+            grammar::json_schema_grammar(json{{"type", "integer"}}).to_json());
+  const ApiError unknown = error_of(
+      Endpoint::completions,
+      R"({"prompt":"x","response_format":{"type":"json_schema","json_schema":{"schema":{"type":"string","contentMediaType":"x"}}}})");
+  EXPECT_EQ(unknown.code, "unsupported");
+  EXPECT_NE(unknown.message.find("contentMediaType"), std::string::npos) << unknown.message;
+  const ApiError loose = error_of(
+      Endpoint::completions,
+      R"({"prompt":"x","response_format":{"type":"json_schema","json_schema":{"strict":true,"schema":{"type":"object","properties":{"a":{"type":"string"}}}}}})");
+  EXPECT_NE(loose.message.find("strict"), std::string::npos) << loose.message;
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":{"type":"grammar"}})").code, "unsupported");
+  // vLLM's guided_json (an object or its text) and guided_choice.
+  const std::string schema_grammar = grammar::json_schema_grammar(json{{"type", "boolean"}}).to_json();
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","guided_json":{"type":"boolean"}})").sampling.grammar, schema_grammar);
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","guided_json":"{\"type\":\"boolean\"}"})").sampling.grammar,
+            schema_grammar);
+  const std::string choice = parse(Endpoint::completions, R"({"prompt":"x","guided_choice":["yes","no"]})").sampling.grammar;
+  EXPECT_NE(choice.find("\"79-79\""), std::string::npos) << choice;  // 'y'
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_choice":[]})").param, "guided_choice");
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_regex":"a+"})").code, "unsupported");
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_json":{"type":"boolean"},"guided_choice":["a"]})").status, 400);
+  EXPECT_EQ(error_of(Endpoint::completions,
+                     R"({"prompt":"x","guided_json":{"type":"boolean"},"response_format":{"type":"json_object"}})").status,
+            400);
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":"text"})").param, "response_format");
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":{"kind":"text"}})").param, "response_format");
   // Stop strings: how many and how long.
   const std::string long_stop(kMaxStopBytes + 1, 's');
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","stop":")" + long_stop + "\"}").param, "stop");
@@ -461,6 +493,108 @@ TEST(HttpApi, ResponseShapes) {
   const json models = models_response(model());
   EXPECT_EQ(models["data"][0]["id"], "stories260K");
   EXPECT_EQ(models["data"][0]["max_model_len"], 512);
+}
+
+}  // namespace
+}  // namespace disagg::http
+
+namespace disagg::http {
+namespace {
+
+const char* kWeatherTool =
+    R"({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                       "required": ["city"], "additionalProperties": false}}})";
+
+std::string chat_with_tools(const std::string& extra) {
+  return std::string(R"({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [)") + kWeatherTool +
+         R"(, {"type": "function", "function": {"name": "now"}}])" + extra + "}";
+}
+
+TEST(HttpTools, ToolChoiceSetsTheGrammarOfTheCall) {
+  const ApiRequest automatic = parse(Endpoint::chat, chat_with_tools(""));
+  EXPECT_EQ(automatic.tools.choice, ToolUse::Choice::automatic);
+  EXPECT_EQ(automatic.sampling.grammar, "") << "auto: the model decides, its text is parsed";
+  EXPECT_EQ(parse(Endpoint::chat, chat_with_tools(R"(, "tool_choice": "none")")).tools.choice, ToolUse::Choice::none);
+  const ApiRequest named =
+      parse(Endpoint::chat, chat_with_tools(R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}})"));
+  EXPECT_EQ(named.tools.choice, ToolUse::Choice::named);
+  EXPECT_EQ(named.tools.name, "get_weather");
+  EXPECT_EQ(named.sampling.grammar,
+            grammar::json_schema_grammar(json::parse(kWeatherTool)["function"]["parameters"]).to_json());
+  const ApiRequest required = parse(Endpoint::chat, chat_with_tools(R"(, "tool_choice": "required", "parallel_tool_calls": false)"));
+  EXPECT_EQ(required.tools.choice, ToolUse::Choice::required);
+  EXPECT_FALSE(required.sampling.grammar.empty());
+  // Refused: a name no tool has, a malformed tool, required with a response_format, two tools of one name.
+  EXPECT_EQ(error_of(Endpoint::chat, chat_with_tools(R"(, "tool_choice": {"type": "function", "function": {"name": "x"}})")).param,
+            "tool_choice");
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "f"}]})").param, "tools");
+  EXPECT_EQ(error_of(Endpoint::chat, chat_with_tools(R"(, "tool_choice": "required", "response_format": {"type": "json_object"})")).status,
+            400);
+  EXPECT_EQ(error_of(Endpoint::chat, std::string(R"({"messages": [{"role": "user", "content": "x"}], "tools": [)") + kWeatherTool +
+                                         "," + kWeatherTool + "]}").param,
+            "tools");
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})").param,
+            "tool_choice");
+}
+
+TEST(HttpTools, RepliesCarryTheCallsInOpenAisShape) {
+  ToolUse named{ToolUse::Choice::named, "get_weather", gpu::ToolSyntax::none};
+  ToolReply r = read_tool_calls(named, R"({"city": "Paris"})", "stop");
+  ASSERT_EQ(r.calls.size(), 1u);
+  EXPECT_EQ(r.finish_reason, "tool_calls");
+  const json choice = tool_choice_json(0, r, "call_7_");
+  EXPECT_TRUE(choice["message"]["content"].is_null());
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["id"], "call_7_0");
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(choice["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(json::parse(choice["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()), json({{"city", "Paris"}}));
+  EXPECT_EQ(choice["finish_reason"], "tool_calls");
+  // Cut by max_tokens: content, finish "length".
+  r = read_tool_calls(named, R"({"city": "Pa)", "length");
+  EXPECT_TRUE(r.calls.empty());
+  EXPECT_EQ(r.finish_reason, "length");
+  // required: an array of calls.
+  ToolUse required{ToolUse::Choice::required, "", gpu::ToolSyntax::none};
+  r = read_tool_calls(required, R"([{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}])", "stop");
+  ASSERT_EQ(r.calls.size(), 2u);
+  EXPECT_EQ(r.calls[1].name, "get_weather");
+  // auto: the family's syntax, content around it.
+  ToolUse automatic{ToolUse::Choice::automatic, "", gpu::ToolSyntax::hermes};
+  r = read_tool_calls(automatic, "Sure.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>", "stop");
+  ASSERT_EQ(r.calls.size(), 1u);
+  EXPECT_EQ(r.content, "Sure.");
+  EXPECT_EQ(read_tool_calls(automatic, "No tools needed.", "stop").finish_reason, "stop");
+  // Streamed: per call, its index, id, type and name first, then its arguments.
+  const auto chunks = tool_call_chunks("chatcmpl-1", 1, "m", 0, read_tool_calls(required, R"([{"name": "now", "arguments": {}}])", "stop"),
+                                       "call_1_", false);
+  ASSERT_EQ(chunks.size(), 2u);
+  const json head = chunks[0]["choices"][0]["delta"]["tool_calls"][0];
+  EXPECT_EQ(head["index"], 0);
+  EXPECT_EQ(head["id"], "call_1_0");
+  EXPECT_EQ(head["function"]["name"], "now");
+  EXPECT_EQ(head["function"]["arguments"], "");
+  const json args = chunks[1]["choices"][0]["delta"]["tool_calls"][0];
+  EXPECT_EQ(args["index"], 0);
+  EXPECT_EQ(args["function"]["arguments"], "{}");
+  EXPECT_FALSE(args.contains("id"));
+}
+
+// A conversation with a call and its result renders: the call as the
+// family writes it, the result as a tool message.
+TEST(HttpTools, HistoryWithToolCallsAndResultsRenders) {
+  const std::string body = R"({"messages": [
+      {"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+      {"role": "user", "content": "Thanks"}], "tools": [)" + std::string(kWeatherTool) + "]}";
+  const ApiRequest r = parse(Endpoint::chat, body, ChatTemplate::qwen25);
+  const std::string prompt = tokenizer().decode_all(1, std::vector<int>(r.prompt_tokens.begin(), r.prompt_tokens.end()));
+  EXPECT_NE(prompt.find("<tool_call>\n{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}\n</tool_call>"), std::string::npos)
+      << prompt;
+  EXPECT_NE(prompt.find("<tool_response>\n18 C, sunny\n</tool_response>"), std::string::npos) << prompt;
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})").param, "messages");
 }
 
 }  // namespace

