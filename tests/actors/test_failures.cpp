@@ -17,6 +17,7 @@
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
 #include "metrics/disagg_metrics.h"
+#include "grammar/json_grammar.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -394,7 +395,10 @@ int kill_busy_decode_workers(caf::actor_system& system, LocalCluster& cluster) {
 class MigrationTest : public ActorTest {
  protected:
   void expect_exact_migration(const Sampling& sampling, int max_new, int kill_after_tokens) {
-    start(1, 2);
+    LocalClusterOptions options;
+    options.config = shared_model_config(1, 2);
+    if (!sampling.grammar.empty()) options.config.tokenizer = shared_tokenizer();  // (the vocabulary it constrains with)
+    start(options);
     expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
     // (shared with the token callback, which may outlive a failed test)
     struct Seen {
@@ -466,6 +470,15 @@ TEST_F(MigrationTest, ARequestWithPenaltiesAndBiasesMigratesExactlyToo) {
   s.logit_bias = {{400, 2.0f}};
   s.top_k = 40;
   s.stop.ignore_eos = true;  // (so it runs long enough to be migrated)
+  expect_exact_migration(s, 200, 10);
+}
+
+// A grammar's place is found again from the output so far: the new prefill
+// worker and decode worker mask the continuation as the first ones would.
+TEST_F(MigrationTest, AConstrainedRequestMigratesExactlyToo) {
+  Sampling s{0.9f, 0.9f, 77};
+  s.grammar = grammar::json_object_grammar().to_json();
+  s.stop.ignore_eos = true;  // (a finished object goes on with end tokens: it runs long enough to be migrated)
   expect_exact_migration(s, 200, 10);
 }
 
