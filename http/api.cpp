@@ -505,14 +505,15 @@ ApiError error_for_outcome(ErrorCode code, const std::string& message) {
   return e;
 }
 
-std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer) {
+std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer,
+                                 bool enable_thinking) {
   using gpu::ChatMessage, gpu::ChatPiece;
   std::vector<ChatMessage> list;
   for (size_t i = 0; i < messages.size(); ++i)
     list.push_back({messages[i]["role"].get<std::string>(), message_content(messages[i], i, tmpl)});
   std::vector<ChatPiece> pieces;
   try {
-    pieces = gpu::render_chat_pieces(tmpl, list);
+    pieces = gpu::render_chat_pieces(tmpl, list, "", enable_thinking);
   } catch (const gpu::ChatTemplateError& e) {
     throw bad_request("messages", std::string("the ") + gpu::to_string(tmpl) + " chat template: " + e.message);
   }
@@ -564,7 +565,7 @@ json prompt_logprobs_json(const gpu::Tokenizer& tokenizer, const std::vector<int
 // The prompt of a chat request's `messages`: checked (shape, roles, bytes),
 // then rendered in the chat template.
 std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model, const gpu::Tokenizer& tokenizer,
-                                 ChatTemplate tmpl) {
+                                 ChatTemplate tmpl, bool enable_thinking = true) {
   expect_type(messages.is_array(), "messages", "an array of messages", messages);
   if (messages.empty()) throw bad_request("messages", "'messages' must not be empty");
   size_t bytes = 0;
@@ -581,10 +582,19 @@ std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model,
   if (int64_t(bytes) > model.max_prompt_bytes)
     throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
                                       std::to_string(model.max_prompt_bytes) + " (disagg.max-prompt-bytes)");
-  return render_chat(tmpl, messages, tokenizer);
+  return render_chat(tmpl, messages, tokenizer, enable_thinking);
 }
 
 namespace {
+
+// chat_template_kwargs' enable_thinking (default true); the other keys are
+// the templates' (none of the built-ins reads them).
+bool enable_thinking(const json& body) {
+  const json* kwargs = field(body, "chat_template_kwargs");
+  if (!kwargs || kwargs->is_null()) return true;
+  expect_type(kwargs->is_object(), "chat_template_kwargs", "an object", *kwargs);
+  return boolean(*kwargs, "enable_thinking", true);
+}
 
 // The prompt's tokens: completions' `prompt`, or chat's `messages` rendered;
 // shorter than the context.
@@ -598,7 +608,7 @@ std::vector<int32_t> request_prompt(const json& body, Endpoint endpoint, const S
   } else {
     const json* messages = field(body, "messages");
     if (!messages) throw bad_request("messages", "'messages' is required", "missing");
-    tokens = chat_prompt(*messages, model, tokenizer, tmpl);
+    tokens = chat_prompt(*messages, model, tokenizer, tmpl, enable_thinking(body));
   }
   if (int64_t(tokens.size()) >= model.seq_len)
     throw bad_request(endpoint == Endpoint::chat ? "messages" : "prompt",
@@ -692,6 +702,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     r.sampling.grammar = std::move(guided);
   }
   if (endpoint == Endpoint::chat) {
+    r.reasoning = gpu::reasoning_syntax_of(gpu::to_string(tmpl));
     std::string calls;
     r.tools = parse_tools(body, tmpl, calls);
     if (!calls.empty()) {
@@ -870,6 +881,19 @@ std::vector<json> tool_call_chunks(const std::string& id, int64_t created, const
     chunks.push_back(chunk_of({{"tool_calls", json::array({{{"index", k}, {"function", {{"arguments", reply.calls[k].arguments}}}}})}}));
   }
   return chunks;
+}
+
+json reasoned_choice_json(int index, const gpu::Reasoned& text, const std::string& finish_reason) {
+  json choice = choice_json(Endpoint::chat, index, text.content, finish_reason);
+  choice["message"]["reasoning_content"] = nullable(text.reasoning);
+  return choice;
+}
+
+json reasoned_chunk(const std::string& id, int64_t created, const std::string& model, int index,
+                    const gpu::Reasoned& piece, bool include_usage) {
+  json chunk = stream_chunk(Endpoint::chat, id, created, model, index, piece.content, "", false, include_usage);
+  if (!piece.reasoning.empty()) chunk["choices"][0]["delta"]["reasoning_content"] = piece.reasoning;
+  return chunk;
 }
 
 json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,

@@ -13,6 +13,7 @@
 
 #include "text/tokenizer.h"
 #include "text/chat_template.h"
+#include "text/reasoning.h"
 #include "text/tool_calls.h"
 #include "messages/request.h"
 
@@ -66,7 +67,9 @@ enum class Endpoint { completions, chat };
 // The prompt tokens of `messages` (a validated array of {role, content}) in
 // the chat template `tmpl` (http/chat_template.h); throws ApiError (param
 // "messages") when the roles break the template's rules.
-std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer);
+// `enable_thinking` false: chat_template_kwargs' (Qwen3's empty thought).
+std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer,
+                                 bool enable_thinking = true);
 
 // What the frontend serves.
 struct ServedModel {
@@ -96,6 +99,9 @@ constexpr size_t kMaxTools = 128;
 struct ApiRequest {
   Endpoint endpoint = Endpoint::completions;
   ToolUse tools;
+  // chat with a thinking family's template (qwen3): the reply's reasoning
+  // apart from its content (text/reasoning.h).
+  gpu::ReasoningSyntax reasoning = gpu::ReasoningSyntax::none;
   std::vector<int32_t> prompt_tokens;
   int32_t max_tokens = 0;
   bool max_tokens_defaulted = false;  // chat without max_tokens: the rest of the context, as much as fits
@@ -165,6 +171,12 @@ json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached
 // One choice: completions {index, text, logprobs: null, finish_reason}; chat
 // {index, message: {role: "assistant", content}, logprobs: null, finish_reason}.
 json choice_json(Endpoint endpoint, int index, const std::string& text, const std::string& finish_reason);
+// A chat choice's message with its reasoning apart ("reasoning_content",
+// null when there is none), as vLLM's reasoning parsers reply.
+json reasoned_choice_json(int index, const gpu::Reasoned& text, const std::string& finish_reason);
+// A streamed chat chunk whose delta carries reasoning_content and/or content.
+json reasoned_chunk(const std::string& id, int64_t created, const std::string& model, int index,
+                    const gpu::Reasoned& piece, bool include_usage);
 // What a choice's text says under its request's tools: calls (and the text
 // around them), or content alone. `finish_reason` becomes "tool_calls" when
 // there are calls; a choice cut by max_tokens ("length") is content.

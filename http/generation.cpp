@@ -35,6 +35,7 @@ Generation::Generation(const GenerationContext& context, ReplySink& sink, std::s
   for (size_t i = 0; i < choices_.size(); ++i) {
     choices_[i].index = int(i);
     choices_[i].text.emplace(context_.tokenizer, request_.stop, request_.prompt_tokens.back());
+    if (request_.stream && request_.reasoning != gpu::ReasoningSyntax::none) choices_[i].thinking.emplace(request_.reasoning);
   }
 }
 
@@ -111,7 +112,7 @@ void Generation::on_token(RequestId id, const TokenEvent& event) {
   c.last_token = now;
   const std::string piece = add_token(c, event.token, event.logprobs);
   // (with tools the text is read whole at the end: a call or content)
-  if (request_.stream && !piece.empty() && !request_.tools.active()) send_piece(c, piece, "");
+  if (request_.stream && !piece.empty() && !request_.tools.active()) send_text(c, piece);
   if (c.index == 0) submit_others();
   if (c.text->stopped()) {
     client_->cancel(c.id);  // the rest is not wanted; the cancelled outcome is ignored
@@ -149,7 +150,7 @@ void Generation::on_outcome(RequestId id, RequestOutcome outcome) {
   // (every token came as an event: the client library passes on, before
   // the outcome, any that no event brought)
   const std::string rest = c.text->flush();
-  if (request_.stream && !rest.empty() && !request_.tools.active()) send_piece(c, rest, "");
+  if (request_.stream && !rest.empty() && !request_.tools.active()) send_text(c, rest);
   finish_choice(c, outcome.finish == FinishReason::eos ? "stop" : "length");
   if (c.index == 0) submit_others();
 }
@@ -226,6 +227,22 @@ void Generation::send_piece(Choice& c, const std::string& piece, const std::stri
   sink_.event(sse_event(chunk));
 }
 
+void Generation::send_text(Choice& c, const std::string& piece) {
+  if (!c.thinking) {
+    send_piece(c, piece, "");
+    return;
+  }
+  send_reasoned(c, c.thinking->add(piece));
+}
+
+void Generation::send_reasoned(Choice& c, const gpu::Reasoned& piece) {
+  if (piece.reasoning.empty() && piece.content.empty()) return;
+  open_events_once();
+  json chunk = reasoned_chunk(response_id_, created_, context_.model.name, c.index, piece, request_.include_usage);
+  chunk["choices"][0] = with_token_data(c, chunk["choices"][0], true);
+  sink_.event(sse_event(chunk));
+}
+
 // Choice c has ended ("stop" or "length"); the reply completes with the last.
 void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
   c.finish = finish_reason;
@@ -240,6 +257,7 @@ void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
     }
   }
   context_.metrics.success(c.finish).inc();
+  if (c.thinking && !request_.tools.active()) send_reasoned(c, c.thinking->flush());  // (what it held back)
   if (request_.stream) send_piece(c, "", c.finish);
   if (all_finished()) complete();
 }
@@ -273,6 +291,8 @@ void Generation::complete() {
     const std::string text = request_.echo ? request_.echo_text + c.text->text() : c.text->text();
     if (c.tools)
       choices.push_back(with_token_data(c, tool_choice_json(i, *c.tools, tool_call_id_prefix(c)), false));
+    else if (request_.reasoning != gpu::ReasoningSyntax::none)
+      choices.push_back(with_token_data(c, reasoned_choice_json(i, gpu::split_reasoning(request_.reasoning, text), c.finish), false));
     else
       choices.push_back(with_token_data(c, choice_json(request_.endpoint, i, text, c.finish), false));
   }

@@ -77,6 +77,7 @@ class Generation {
     bool outcome_in = false;    // the router's outcome came (after a cancel too)
     std::string finish;         // "stop" / "length" ("tool_calls") once the choice has ended
     std::optional<ToolReply> tools;  // with tools: what its text says (read when it ends)
+    std::optional<gpu::ReasoningStream> thinking;  // streamed chat of a thinking family: its reasoning apart
     std::optional<TextAssembler> text;
     std::vector<int32_t> ids;   // its tokens so far (return_token_ids, logprobs)
     std::vector<TokenLogprobs> logprobs;  // theirs (Sampling::logprobs >= 0)
@@ -99,6 +100,10 @@ class Generation {
   json with_token_data(Choice& c, json choice, bool streamed);
   void open_events_once();
   void send_piece(Choice& c, const std::string& piece, const std::string& finish_reason);
+  // A piece of a choice's text as it streams: apart into reasoning and
+  // content for a thinking family (ReasoningStream), else as it is.
+  void send_text(Choice& c, const std::string& piece);
+  void send_reasoned(Choice& c, const gpu::Reasoned& piece);
   void finish_choice(Choice& c, const std::string& finish_reason);
   void complete();
   void fail(const ApiError& e);

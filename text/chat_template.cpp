@@ -218,7 +218,8 @@ std::optional<ChatTemplate> detect_chat_template(const std::string& j) {
   return std::nullopt;
 }
 
-std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& m, const std::string& today) {
+std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& m, const std::string& today,
+                                          bool enable_thinking) {
   Pieces out;
   switch (tmpl) {
     case ChatTemplate::llama31:
@@ -252,6 +253,7 @@ std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<C
       break;
     case ChatTemplate::qwen3:
       render_qwen3(m, out);
+      if (!enable_thinking) out.text("<think>\n\n</think>\n\n");
       break;
     case ChatTemplate::mistral:
       require_alternation(m, 0);

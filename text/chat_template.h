@@ -81,8 +81,10 @@ struct ChatTemplateError {
   std::string message;
 };
 // `today`: llama3.2's date ("02 Dec 2026"); empty: the local date now.
+// `enable_thinking` false: qwen3's generation prompt holds an empty thought
+// (its template's chat_template_kwargs).
 std::vector<ChatPiece> render_chat_pieces(ChatTemplate tmpl, const std::vector<ChatMessage>& messages,
-                                          const std::string& today = "");
+                                          const std::string& today = "", bool enable_thinking = true);
 
 // The rendered prompt as text, BOS and EOS written as `bos` and `eos`: what
 // jinja2 renders with bos_token / eos_token set to them.

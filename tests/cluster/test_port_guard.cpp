@@ -284,8 +284,13 @@ TEST_P(StalledSource, RealClientsOfTheSameAddressAreServed) {
   cluster.start_node("prefill", "prefill-1");
   cluster.start_node("decode", "decode-1");
   ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  // The client's connect timeout is the bound of its retries (each closed
+  // handshake is tried again with backoff): on a machine busy enough that a
+  // client's first bytes come after the stallers' (a connection that has
+  // sent nothing yet has the least progress), the default 5 s may see only
+  // two tries; 50 s stays under the wait for the client below.
   std::vector<std::string> client = {client_binary(), "--router", cluster.router_address(), "--prompt-tokens",
-                                     "1 403 407", "--max-new-tokens", "4", "--json"};
+                                     "1 403 407", "--max-new-tokens", "4", "--json", "--connect-timeout-ms", "50000"};
   if (tls) {
     const TlsOptions files = certificate_files(cluster.tls_dir(), "client");
     client.insert(client.end(), {"--tls-cert", files.certificate, "--tls-key", files.key, "--tls-ca", files.ca_file});

@@ -3,7 +3,8 @@
 as Hugging Face's apply_chat_template does (jinja2, trim_blocks and
 lstrip_blocks, raise_exception, add_generation_prompt=True).
     render_chat_template.py IN.json OUT.json
-IN: {"template": str, "bos_token": str, "eos_token": str, "today": str, "conversations": [[{role, content}...]...]}
+IN: {"template": str, "bos_token": str, "eos_token": str, "today": str, "enable_thinking": bool (optional,
+chat_template_kwargs' as Hugging Face passes them), "conversations": [[{role, content}...]...]}
 (strftime_now, which Hugging Face provides, returns "today": the date is the test's.)
 OUT: one {"text": str} or {"error": str} per conversation."""
 import json
@@ -33,8 +34,9 @@ def main():
     out = []
     for messages in spec["conversations"]:
         try:
+            kwargs = {"enable_thinking": spec["enable_thinking"]} if "enable_thinking" in spec else {}
             out.append({"text": template.render(messages=messages, bos_token=spec["bos_token"],
-                                                eos_token=spec["eos_token"], add_generation_prompt=True)})
+                                                eos_token=spec["eos_token"], add_generation_prompt=True, **kwargs)})
         except (TemplateError, jinja2.TemplateError) as e:
             out.append({"error": str(e)})
     json.dump(out, open(sys.argv[2], "w", encoding="utf-8"))

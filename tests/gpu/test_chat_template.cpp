@@ -74,29 +74,35 @@ TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
     for (const auto& msg : messages) m.push_back({{"role", msg.role}, {"content", msg.content}});
     spec["conversations"].push_back(m);
   }
-  std::ofstream(tmp + "/in.json") << spec.dump();
-  const auto [out, status] = test::run_command("/usr/bin/python3 " +
-                                               test::shell_quoted(std::string(DISAGG_SOURCE_DIR) + "/tests/gpu/render_chat_template.py") +
-                                               " " + test::shell_quoted(tmp + "/in.json") + " " +
-                                               test::shell_quoted(tmp + "/out.json") + " 2>&1");
-  ASSERT_EQ(status, 0) << out << " (python3-jinja2 is installed by scripts/install-deps)";
-  const json want = json::parse(test::read_text_file(tmp + "/out.json"));
-  ASSERT_EQ(want.size(), conversations().size());
-  for (size_t i = 0; i < conversations().size(); ++i) {
-    std::string got;
-    bool refused = false;
-    try {
-      got = chat_text(render_chat_pieces(c.kind, conversations()[i], today), c.bos, c.eos);
-    } catch (const ChatTemplateError& e) {
-      refused = true;
-      got = e.message;
-    }
-    if (want[i].contains("error")) {
-      EXPECT_TRUE(refused) << c.name << " conversation " << i << ": jinja2 raised " << want[i]["error"] << ", we rendered "
-                           << json(got).dump();
-    } else {
-      EXPECT_FALSE(refused) << c.name << " conversation " << i << ": " << got;
-      EXPECT_EQ(json(got).dump(), json(want[i]["text"].get<std::string>()).dump()) << c.name << " conversation " << i;
+  // Twice: as Hugging Face renders by default, and with chat_template_kwargs
+  // {"enable_thinking": false} (qwen3's empty thought; the others ignore it).
+  for (const bool thinking : {true, false}) {
+    SCOPED_TRACE(thinking ? "enable_thinking default" : "enable_thinking false");
+    if (!thinking) spec["enable_thinking"] = false;
+    std::ofstream(tmp + "/in.json") << spec.dump();
+    const auto [out, status] = test::run_command("/usr/bin/python3 " +
+                                                 test::shell_quoted(std::string(DISAGG_SOURCE_DIR) + "/tests/gpu/render_chat_template.py") +
+                                                 " " + test::shell_quoted(tmp + "/in.json") + " " +
+                                                 test::shell_quoted(tmp + "/out.json") + " 2>&1");
+    ASSERT_EQ(status, 0) << out << " (python3-jinja2 is installed by scripts/install-deps)";
+    const json want = json::parse(test::read_text_file(tmp + "/out.json"));
+    ASSERT_EQ(want.size(), conversations().size());
+    for (size_t i = 0; i < conversations().size(); ++i) {
+      std::string got;
+      bool refused = false;
+      try {
+        got = chat_text(render_chat_pieces(c.kind, conversations()[i], today, thinking), c.bos, c.eos);
+      } catch (const ChatTemplateError& e) {
+        refused = true;
+        got = e.message;
+      }
+      if (want[i].contains("error")) {
+        EXPECT_TRUE(refused) << c.name << " conversation " << i << ": jinja2 raised " << want[i]["error"] << ", we rendered "
+                             << json(got).dump();
+      } else {
+        EXPECT_FALSE(refused) << c.name << " conversation " << i << ": " << got;
+        EXPECT_EQ(json(got).dump(), json(want[i]["text"].get<std::string>()).dump()) << c.name << " conversation " << i;
+      }
     }
   }
 }

@@ -599,3 +599,36 @@ TEST(HttpTools, HistoryWithToolCallsAndResultsRenders) {
 
 }  // namespace
 }  // namespace disagg::http
+
+namespace disagg::http {
+namespace {
+
+// Qwen3's thinking: the reply's reasoning apart (reasoning_content), and
+// chat_template_kwargs' enable_thinking passed to the template.
+TEST(HttpReasoning, ThinkingFamiliesReplyWithReasoningApart) {
+  const std::string body = R"({"messages": [{"role": "user", "content": "2+2?"}]})";
+  const ApiRequest thinking = parse(Endpoint::chat, body, ChatTemplate::qwen3);
+  EXPECT_EQ(thinking.reasoning, gpu::ReasoningSyntax::qwen3);
+  EXPECT_EQ(parse(Endpoint::chat, body, ChatTemplate::qwen25).reasoning, gpu::ReasoningSyntax::none);
+  const ApiRequest quiet = parse(
+      Endpoint::chat, R"({"messages": [{"role": "user", "content": "2+2?"}], "chat_template_kwargs": {"enable_thinking": false}})",
+      ChatTemplate::qwen3);
+  auto text_of = [](const ApiRequest& r) {
+    return tokenizer().decode_all(1, std::vector<int>(r.prompt_tokens.begin(), r.prompt_tokens.end()));
+  };
+  EXPECT_NE(text_of(quiet).find("<|im_start|>assistant\n<think>\n\n</think>\n\n"), std::string::npos) << text_of(quiet);
+  EXPECT_EQ(text_of(thinking).find("</think>"), std::string::npos) << text_of(thinking);
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 3})").param,
+            "chat_template_kwargs");
+
+  const json choice = reasoned_choice_json(0, gpu::split_reasoning(gpu::ReasoningSyntax::qwen3, "<think>add</think>\n\n4"), "stop");
+  EXPECT_EQ(choice["message"]["reasoning_content"], "add");
+  EXPECT_EQ(choice["message"]["content"], "4");
+  EXPECT_TRUE(reasoned_choice_json(0, {"", "4"}, "stop")["message"]["reasoning_content"].is_null());
+  const json chunk = reasoned_chunk("c", 1, "m", 0, {"add", ""}, false);
+  EXPECT_EQ(chunk["choices"][0]["delta"]["reasoning_content"], "add");
+  EXPECT_FALSE(chunk["choices"][0]["delta"].contains("content"));
+}
+
+}  // namespace
+}  // namespace disagg::http
