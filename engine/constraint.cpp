@@ -32,12 +32,12 @@ std::shared_ptr<grammar::CompiledGrammar> Constraints::compiled(const std::strin
   std::lock_guard<std::mutex> lock(mutex_);
   const uint64_t h = XXH3_64bits(source.data(), source.size());
   auto it = by_hash_.find(h);
-  if (it != by_hash_.end() && it->second->first == source) {
+  if (it != by_hash_.end() && it->second->first == source && it->second->second->states() < kRecompileStates) {
     grammars_.splice(grammars_.begin(), grammars_, it->second);
     return it->second->second;
   }
   auto compiled = std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::from_json(source), vocab_);
-  if (it != by_hash_.end()) {  // (a hash collision: the newer one takes the slot)
+  if (it != by_hash_.end()) {  // (a hash collision, or one past kRecompileStates: the new one takes the slot)
     grammars_.erase(it->second);
     by_hash_.erase(it);
   }

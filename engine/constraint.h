@@ -28,9 +28,15 @@ class Tokenizer;
 std::shared_ptr<const grammar::TokenVocabulary> grammar_vocabulary(const Tokenizer& tokenizer,
                                                                    const std::vector<int>& end_tokens);
 
-// The most compiled grammars and cached parse states one Constraints keeps.
+// The most compiled grammars and cached parse states one Constraints keeps,
+// and the parse states a compiled grammar may hold before it is compiled
+// anew (its memo tables start again; requests under way replay their output
+// on the new one): a grammar such as json_object meets new states for as
+// long as a server runs, so its tables are bounded here, far below
+// grammar::kMaxStates.
 constexpr size_t kMaxCompiledGrammars = 64;
 constexpr size_t kMaxCachedParses = size_t(1) << 16;
+constexpr size_t kRecompileStates = size_t(1) << 16;
 
 class Constraints {
  public:
