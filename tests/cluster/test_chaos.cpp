@@ -24,7 +24,13 @@ namespace {
 using namespace std::chrono_literals;
 
 constexpr int kRequests = 200;
-constexpr int64_t kDeadlineMs = 60000;
+// Each request's deadline, and with it every wait below. An idle machine
+// serves all 200 in seconds; one busy enough (stress-ng on both cores and
+// another cluster test beside it) served 85 of them in 60 s, the last
+// worker of each role carrying the rest after the kills. What the test
+// checks (one terminal reply each, the colocated tokens, migration) does
+// not depend on the pace, so the bound is one a busy machine meets.
+constexpr int64_t kDeadlineMs = 300000;
 
 GenerateRequest chaos_request(int i) {
   GenerateRequest r;
