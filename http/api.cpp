@@ -832,11 +832,16 @@ ToolReply read_tool_calls(const ToolUse& tools, const std::string& text, const s
     const json j = json::parse(text, nullptr, false);
     if (j.is_discarded()) return reply;
     if (tools.choice == ToolUse::Choice::named) {
-      reply.calls.push_back({tools.name, dump(j)});
+      if (j.is_object()) reply.calls.push_back({tools.name, dump(j)});
     } else {
-      for (const json& call : j) reply.calls.push_back({call["name"].get<std::string>(), dump(call["arguments"])});
+      // (the grammar's shape, unless a stop string cut the text where it still parses)
+      for (const json& call : j.is_array() ? j : json::array()) {
+        if (!call.is_object() || !call.contains("name") || !call["name"].is_string() || !call.contains("arguments"))
+          return ToolReply{text, {}, finish_reason};
+        reply.calls.push_back({call["name"].get<std::string>(), dump(call["arguments"])});
+      }
     }
-    reply.content.clear();
+    if (!reply.calls.empty()) reply.content.clear();
   }
   if (!reply.calls.empty()) reply.finish_reason = "tool_calls";
   return reply;

@@ -559,6 +559,13 @@ TEST(HttpTools, RepliesCarryTheCallsInOpenAisShape) {
   r = read_tool_calls(required, R"([{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}])", "stop");
   ASSERT_EQ(r.calls.size(), 2u);
   EXPECT_EQ(r.calls[1].name, "get_weather");
+  // A text that parses but is not calls (a stop string cut it): content.
+  for (const char* text : {"[1, 2]", "{\"name\": \"now\"}", "[{\"name\": 5, \"arguments\": {}}]"}) {
+    r = read_tool_calls(required, text, "stop");
+    EXPECT_TRUE(r.calls.empty()) << text;
+    EXPECT_EQ(r.content, text);
+    EXPECT_EQ(r.finish_reason, "stop");
+  }
   // auto: the family's syntax, content around it.
   ToolUse automatic{ToolUse::Choice::automatic, "", gpu::ToolSyntax::hermes};
   r = read_tool_calls(automatic, "Sure.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>", "stop");
