@@ -1,5 +1,5 @@
 // Load with failures: 200 requests on a 2 prefill + 2 decode cluster while
-// one prefill and one decode node are killed (SIGKILL). Every request
+// one prefill and one busy decode node are killed (SIGKILL). Every request
 // completes, within its deadline, with exactly the colocated tokens, streamed
 // with every index once and in order (requests that lose their worker start
 // over, or migrate after their first tokens); the router sends exactly one
@@ -78,9 +78,22 @@ TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
           ++done;
         });
   }
-  // Kill one node of each role while the load runs.
+  // Kill one node of each role while the load runs: the decode node is one
+  // the router last heard running sequences (each has streamed its first
+  // token), so that some request must migrate, on an idle machine and on
+  // one so busy that the first fifth of the requests has ended before the
+  // other node's sequences began. (A bounded wait: the load is running.)
   while (done < kRequests / 5) std::this_thread::sleep_for(5ms);
-  cluster.kill_node("decode-1");
+  std::string busy_decode;
+  for (const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(kDeadlineMs);
+       busy_decode.empty() && done < kRequests && std::chrono::steady_clock::now() < until;) {
+    if (const auto status = cluster.client().status())
+      for (const auto& w : status->workers)
+        if (w.role == WorkerRole::decode && w.active_sequences >= 2) busy_decode = w.name;
+    if (busy_decode.empty()) std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_FALSE(busy_decode.empty()) << "no decode worker ran two sequences at once while the load ran";
+  cluster.kill_node(busy_decode);
   cluster.kill_node("prefill-1");
 
   std::map<std::string, int> codes;
