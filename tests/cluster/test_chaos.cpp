@@ -90,6 +90,9 @@ TEST(ClusterChaos, TwoHundredRequestsWhileAPrefillAndADecodeNodeAreKilled) {
     if (const auto status = cluster.client().status())
       for (const auto& w : status->workers)
         if (w.role == WorkerRole::decode && w.active_sequences >= 2) busy_decode = w.name;
+    // (the pace of the polls, not a synchronisation: the status is the event
+    // waited for, and a slower poll can only kill a node later, never make a
+    // request migrate that would not)
     if (busy_decode.empty()) std::this_thread::sleep_for(5ms);
   }
   ASSERT_FALSE(busy_decode.empty()) << "no decode worker ran two sequences at once while the load ran";

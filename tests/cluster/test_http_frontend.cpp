@@ -849,6 +849,15 @@ std::string openai_client_missing(const std::string& dir, std::string& node) {
   return {};
 }
 
+// A 1 prefill + 1 decode cluster with a frontend answering /health 200;
+// `port` is the frontend's.
+void start_with_frontend(TestCluster& cluster, uint16_t& port) {
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend");
+  port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+}
+
 // The official `openai` Node.js package (tests/openai, pinned by its
 // package-lock.json, installed by scripts/install-deps) as the client.
 TEST(HttpFrontend, OfficialOpenAiNodeClient) {
@@ -856,10 +865,8 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
   std::string node;
   if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai");
-  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
-  cluster.start_node("frontend", "frontend");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
 
   const std::string prompt = "Once upon a time";
   const int max_tokens = 40;
@@ -900,10 +907,8 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientStructuredOutputAndTools) {
   std::string node;
   if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-structured");
-  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
-  cluster.start_node("frontend", "frontend");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
   std::string out, err;
   ASSERT_EQ(run_to_completion({node, dir + "/structured_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1"}, out,
                               err, kReplyTimeout),
@@ -1048,10 +1053,8 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientSamplingAndLogprobs) {
   std::string node;
   if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai-sampling");
-  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
-  cluster.start_node("frontend", "frontend");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
 
   const std::string prompt = "Once upon a time";
   const int max_tokens = 24;
