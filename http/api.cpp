@@ -5,6 +5,7 @@
 
 #include "grammar/json_grammar.h"
 #include "grammar/json_schema.h"
+#include "text/jinja.h"
 
 namespace disagg::http {
 
@@ -267,8 +268,12 @@ std::string message_text(const json& content, size_t index) {
 // An assistant message's tool_calls as its family writes them (what the
 // model would have generated), after its content; any other message's
 // content. A tool message's content is its result.
-std::string message_content(const json& m, size_t index, ChatTemplate tmpl) {
-  std::string text = message_text(m.contains("content") ? m["content"] : json(nullptr), index);
+// `plain` (set): the tokenizer that defuses the text of control tokens in
+// the content and the arguments (Tokenizer::defused_text), not in the
+// calls' markup, which is the template's.
+std::string message_content(const json& m, size_t index, ChatTemplate family, const gpu::Tokenizer* plain = nullptr) {
+  auto as_plain = [&](const std::string& t) { return plain ? plain->defused_text(t) : t; };
+  std::string text = as_plain(message_text(m.contains("content") ? m["content"] : json(nullptr), index));
   const json* calls = m.contains("tool_calls") ? &m["tool_calls"] : nullptr;
   if (!calls || calls->is_null()) return text;
   const std::string where = "messages[" + std::to_string(index) + "].tool_calls";
@@ -288,23 +293,23 @@ std::string message_content(const json& m, size_t index, ChatTemplate tmpl) {
     }
     written.push_back({{"name", (*function)["name"]}, {"arguments", arguments}});
   }
-  const gpu::ToolSyntax syntax = gpu::tool_syntax_of(gpu::to_string(tmpl));
+  const gpu::ToolSyntax syntax = gpu::tool_syntax_of(gpu::to_string(family));
   std::string out = text;
   for (const json& call : written) {
     if (syntax == gpu::ToolSyntax::hermes) {
-      out += (out.empty() ? "" : "\n") + std::string("<tool_call>\n") + dump(call) + "\n</tool_call>";
+      out += (out.empty() ? "" : "\n") + std::string("<tool_call>\n") + as_plain(dump(call)) + "\n</tool_call>";
     } else if (syntax == gpu::ToolSyntax::llama3) {
-      out += (out.empty() ? "" : "\n") + dump(json{{"name", call["name"]}, {"parameters", call["arguments"]}});
+      out += (out.empty() ? "" : "\n") + as_plain(dump(json{{"name", call["name"]}, {"parameters", call["arguments"]}}));
     }
   }
-  if (syntax == gpu::ToolSyntax::mistral) out += "[TOOL_CALLS]" + dump(written);
-  if (syntax == gpu::ToolSyntax::none) out += (out.empty() ? "" : "\n") + dump(written);
+  if (syntax == gpu::ToolSyntax::mistral) out += "[TOOL_CALLS]" + as_plain(dump(written));
+  if (syntax == gpu::ToolSyntax::none) out += (out.empty() ? "" : "\n") + as_plain(dump(written));
   return out;
 }
 
 // tools, tool_choice and parallel_tool_calls; `grammar` gets the calls'
 // grammar when the choice is required or named.
-ToolUse parse_tools(const json& body, ChatTemplate tmpl, std::string& grammar) {
+ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar) {
   ToolUse use;
   const json* tools = field(body, "tools");
   const json* choice = field(body, "tool_choice");
@@ -334,7 +339,7 @@ ToolUse parse_tools(const json& body, ChatTemplate tmpl, std::string& grammar) {
                                                                                : json{{"type", "object"}, {"properties", json::object()}};
     functions.emplace_back(f["name"].get<std::string>(), std::move(parameters));
   }
-  use.syntax = gpu::tool_syntax_of(gpu::to_string(tmpl));
+  use.syntax = gpu::tool_syntax_of(gpu::to_string(family));
   use.choice = ToolUse::Choice::automatic;
   if (choice && !choice->is_null()) {
     if (*choice == "none") use.choice = ToolUse::Choice::none;
@@ -505,23 +510,103 @@ ApiError error_for_outcome(ErrorCode code, const std::string& message) {
   return e;
 }
 
-std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer,
-                                 bool enable_thinking) {
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+// Every string in `v` defused (Tokenizer::defused_text), keys aside.
+ordered_json defused(const ordered_json& v, const gpu::Tokenizer& tokenizer) {
+  if (v.is_string()) return tokenizer.defused_text(v.get_ref<const std::string&>());
+  if (!v.is_structured()) return v;
+  ordered_json out = v;
+  for (auto& item : out.items()) item.value() = defused(item.value(), tokenizer);
+  return out;
+}
+
+// A message as a template reads it (as vLLM hands it to transformers):
+// content as text (text parts joined; null kept), tool_calls' arguments as
+// objects, the other fields as sent (checked by message_content before).
+ordered_json template_message(const ordered_json& m) {
+  ordered_json out = m;
+  if (m.contains("content") && m["content"].is_array()) {
+    std::string text;
+    for (const auto& part : m["content"]) text += part["text"].get<std::string>();
+    out["content"] = text;
+  }
+  if (m.contains("tool_calls") && m["tool_calls"].is_array())
+    for (ordered_json& call : out["tool_calls"]) {
+      ordered_json& function = call["function"];
+      if (function.contains("arguments") && function["arguments"].is_string())
+        function["arguments"] = ordered_json::parse(function["arguments"].get<std::string>());
+    }
+  return out;
+}
+
+// The variables a Jinja chat template renders with, as transformers passes
+// them: messages, tools, documents, add_generation_prompt, the vocabulary's
+// bos_token and eos_token, then chat_template_kwargs' keys; all in the
+// client's key order (a template may write them with tojson).
+ordered_json template_context(const ordered_json& body, const gpu::Tokenizer& tokenizer, const ChatOptions& options) {
+  const gpu::Vocabulary& v = tokenizer.vocabulary();
+  auto piece = [&](int id) { return id >= 0 ? v.pieces[size_t(id)] : std::string(); };
+  auto plain = [&](const ordered_json& x) { return options.special_tokens_in_content ? x : defused(x, tokenizer); };
+  ordered_json messages = ordered_json::array();
+  for (const ordered_json& m : body["messages"]) messages.push_back(template_message(m));
+  const bool has_tools = body.contains("tools") && !body["tools"].is_null();
+  ordered_json context = {{"messages", plain(messages)}, {"tools", has_tools ? plain(body["tools"]) : ordered_json()},
+                          {"documents", nullptr}, {"add_generation_prompt", true},
+                          {"bos_token", piece(v.bos)}, {"eos_token", piece(v.eos)}};
+  if (body.contains("chat_template_kwargs") && body["chat_template_kwargs"].is_object())
+    for (const auto& [key, value] : body["chat_template_kwargs"].items()) {
+      if (key == "messages" || key == "tools" || key == "documents" || key == "add_generation_prompt")
+        throw bad_request("chat_template_kwargs", "'chat_template_kwargs' may not set " + quote(json(key)));
+      context[key] = plain(value);
+    }
+  return context;
+}
+
+}  // namespace
+
+ChatOptions chat_options(const json& body, const std::string& text) {
+  ChatOptions o;
+  if (const json* kwargs = field(body, "chat_template_kwargs")) {
+    expect_type(kwargs->is_object(), "chat_template_kwargs", "an object", *kwargs);
+    o.enable_thinking = boolean(*kwargs, "enable_thinking", true);
+  }
+  o.special_tokens_in_content = boolean(body, "special_tokens_in_content", false);
+  o.body_text = text;
+  return o;
+}
+
+std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, const gpu::Tokenizer& tokenizer,
+                                 const ChatOptions& options, size_t max_characters) {
   using gpu::ChatMessage, gpu::ChatPiece;
-  std::vector<ChatMessage> list;
-  for (size_t i = 0; i < messages.size(); ++i)
-    list.push_back({messages[i]["role"].get<std::string>(), message_content(messages[i], i, tmpl)});
+  const bool plain = !options.special_tokens_in_content;
   std::vector<ChatPiece> pieces;
   try {
-    pieces = gpu::render_chat_pieces(tmpl, list, "", enable_thinking);
+    if (chat.jinja) {
+      gpu::JinjaLimits limits;
+      limits.characters = max_characters;
+      // The body again, its objects' keys in the client's order (json's are sorted).
+      ordered_json body = options.body_text.empty() ? ordered_json{{"messages", ordered_json::parse(messages.dump())}}
+                                                    : ordered_json::parse(options.body_text);
+      pieces.push_back({ChatPiece::text, chat.jinja->render(template_context(body, tokenizer, options).dump(), limits)});
+    } else {
+      std::vector<ChatMessage> list;
+      for (size_t i = 0; i < messages.size(); ++i)
+        list.push_back({messages[i]["role"].get<std::string>(),
+                        message_content(messages[i], i, chat.family, plain ? &tokenizer : nullptr)});
+      pieces = gpu::render_chat_pieces(chat.family, list, "", options.enable_thinking);
+    }
   } catch (const gpu::ChatTemplateError& e) {
-    throw bad_request("messages", std::string("the ") + gpu::to_string(tmpl) + " chat template: " + e.message);
+    throw bad_request("messages", std::string("the ") + (chat.jinja ? "model's" : gpu::to_string(chat.family)) +
+                                      " chat template: " + e.message);
   }
   const gpu::Vocabulary& v = tokenizer.vocabulary();
   std::vector<int32_t> tokens;
   for (const ChatPiece& p : pieces) {
     if (p.kind == ChatPiece::text) {
-      const std::vector<int> ids = tokenizer.encode(p.value, /*add_bos=*/false);  // the template placed BOS
+      const std::vector<int> ids = tokenizer.encode(p.value, /*add_bos=*/false, /*marked=*/plain);  // the template placed BOS
       tokens.insert(tokens.end(), ids.begin(), ids.end());
     } else if (const int id = p.kind == ChatPiece::bos ? v.bos : v.eos; id >= 0) {
       tokens.push_back(id);
@@ -563,9 +648,12 @@ json prompt_logprobs_json(const gpu::Tokenizer& tokenizer, const std::vector<int
 }
 
 // The prompt of a chat request's `messages`: checked (shape, roles, bytes),
-// then rendered in the chat template.
-std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model, const gpu::Tokenizer& tokenizer,
-                                 ChatTemplate tmpl, bool enable_thinking = true) {
+// then rendered in the chat format with the body's options.
+std::vector<int32_t> chat_prompt(const json& body, const std::string& text, const ServedModel& model,
+                                 const gpu::Tokenizer& tokenizer, const ChatFormat& chat) {
+  const json* list = field(body, "messages");
+  if (!list) throw bad_request("messages", "'messages' is required", "missing");
+  const json& messages = *list;
   expect_type(messages.is_array(), "messages", "an array of messages", messages);
   if (messages.empty()) throw bad_request("messages", "'messages' must not be empty");
   size_t bytes = 0;
@@ -577,38 +665,28 @@ std::vector<int32_t> chat_prompt(const json& messages, const ServedModel& model,
     const std::string& role = m["role"].get_ref<const std::string&>();
     if (role != "system" && role != "user" && role != "assistant" && role != "tool")
       throw bad_request("messages", where + ".role must be system, user, assistant or tool, got " + quote(m["role"]));
-    bytes += message_content(m, i, tmpl).size();
+    bytes += message_content(m, i, chat.family).size();
   }
   if (int64_t(bytes) > model.max_prompt_bytes)
     throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
                                       std::to_string(model.max_prompt_bytes) + " (disagg.max-prompt-bytes)");
-  return render_chat(tmpl, messages, tokenizer, enable_thinking);
+  // A template adds its own text (turn markup, tool definitions): bounded at twice the messages' limit.
+  return render_chat(chat, messages, tokenizer, chat_options(body, text), size_t(2 * model.max_prompt_bytes));
 }
 
 namespace {
 
-// chat_template_kwargs' enable_thinking (default true); the other keys are
-// the templates' (none of the built-ins reads them).
-bool enable_thinking(const json& body) {
-  const json* kwargs = field(body, "chat_template_kwargs");
-  if (!kwargs || kwargs->is_null()) return true;
-  expect_type(kwargs->is_object(), "chat_template_kwargs", "an object", *kwargs);
-  return boolean(*kwargs, "enable_thinking", true);
-}
-
 // The prompt's tokens: completions' `prompt`, or chat's `messages` rendered;
 // shorter than the context.
-std::vector<int32_t> request_prompt(const json& body, Endpoint endpoint, const ServedModel& model,
-                                    const gpu::Tokenizer& tokenizer, ChatTemplate tmpl) {
+std::vector<int32_t> request_prompt(const json& body, const std::string& text, Endpoint endpoint, const ServedModel& model,
+                                    const gpu::Tokenizer& tokenizer, const ChatFormat& chat) {
   std::vector<int32_t> tokens;
   if (endpoint == Endpoint::completions) {
     const json* prompt = field(body, "prompt");
     if (!prompt) throw bad_request("prompt", "'prompt' is required", "missing");
     tokens = parse_prompt(*prompt, model, tokenizer);
   } else {
-    const json* messages = field(body, "messages");
-    if (!messages) throw bad_request("messages", "'messages' is required", "missing");
-    tokens = chat_prompt(*messages, model, tokenizer, tmpl, enable_thinking(body));
+    tokens = chat_prompt(body, text, model, tokenizer, chat);
   }
   if (int64_t(tokens.size()) >= model.seq_len)
     throw bad_request(endpoint == Endpoint::chat ? "messages" : "prompt",
@@ -675,7 +753,7 @@ std::vector<std::string> request_stop(const json& body) {
 }  // namespace
 
 ApiRequest parse_request(Endpoint endpoint, const std::string& text, const ServedModel& model,
-                         const gpu::Tokenizer& tokenizer, ChatTemplate tmpl,
+                         const gpu::Tokenizer& tokenizer, const ChatFormat& chat,
                          const std::function<uint64_t()>& random_seed) {
   const json body = parse_body(text, model);
   // Unsupported options: only their neutral values pass.
@@ -684,7 +762,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
 
   ApiRequest r;
   r.endpoint = endpoint;
-  r.prompt_tokens = request_prompt(body, endpoint, model, tokenizer, tmpl);
+  r.prompt_tokens = request_prompt(body, text, endpoint, model, tokenizer, chat);
   r.max_tokens = request_max_tokens(body, endpoint, model, int64_t(r.prompt_tokens.size()), r.max_tokens_defaulted);
 
   r.sampling.temperature = float(number_in(body, "temperature", 1.0, 0.0, kMaxTemperature, false));
@@ -702,9 +780,9 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     r.sampling.grammar = std::move(guided);
   }
   if (endpoint == Endpoint::chat) {
-    r.reasoning = gpu::reasoning_syntax_of(gpu::to_string(tmpl));
+    r.reasoning = gpu::reasoning_syntax_of(gpu::to_string(chat.family));
     std::string calls;
-    r.tools = parse_tools(body, tmpl, calls);
+    r.tools = parse_tools(body, chat.family, calls);
     if (!calls.empty()) {
       if (!r.sampling.grammar.empty())
         throw bad_request("tool_choice", "a required or named 'tool_choice' and a response_format (or guided_*) "
@@ -981,7 +1059,7 @@ json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t p
 }
 
 json tokenize_response(const std::string& text, const ServedModel& model, const gpu::Tokenizer& tokenizer,
-                       ChatTemplate tmpl) {
+                       const ChatFormat& chat) {
   const json body = parse_body(text, model);
   std::vector<int32_t> tokens;
   const json* prompt = field(body, "prompt");
@@ -993,7 +1071,7 @@ json tokenize_response(const std::string& text, const ServedModel& model, const 
     tokens = encode_checked(prompt->get_ref<const std::string&>(), model, tokenizer, "prompt",
                             boolean(body, "add_special_tokens", true));
   } else {
-    tokens = chat_prompt(*messages, model, tokenizer, tmpl);
+    tokens = chat_prompt(body, text, model, tokenizer, chat);
   }
   json out = {{"count", tokens.size()}, {"max_model_len", model.seq_len}, {"tokens", tokens}, {"token_strs", nullptr}};
   if (boolean(body, "return_token_strs", false)) {

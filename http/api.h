@@ -20,6 +20,7 @@
 namespace disagg::http {
 
 using json = nlohmann::json;
+using gpu::ChatFormat;
 using gpu::ChatTemplate;
 
 // max_tokens of a completion that sets none (OpenAI's legacy default; vLLM's too).
@@ -64,12 +65,27 @@ constexpr int kOverloadedRetryAfterS = 1;
 
 enum class Endpoint { completions, chat };
 
-// The prompt tokens of `messages` (a validated array of {role, content}) in
-// the chat template `tmpl` (http/chat_template.h); throws ApiError (param
-// "messages") when the roles break the template's rules.
-// `enable_thinking` false: chat_template_kwargs' (Qwen3's empty thought).
-std::vector<int32_t> render_chat(ChatTemplate tmpl, const json& messages, const gpu::Tokenizer& tokenizer,
-                                 bool enable_thinking = true);
+// What a chat template reads beside the messages (from the request body).
+struct ChatOptions {
+  bool enable_thinking = true;             // chat_template_kwargs' enable_thinking: the only one the built-ins read
+  bool special_tokens_in_content = false;  // true: control-token text in messages becomes those tokens
+  // The body's text: a Jinja template reads its messages, tools and
+  // chat_template_kwargs in the client's key order. Empty: `messages` alone.
+  std::string body_text;
+};
+// The body's chat_template_kwargs (an object) and special_tokens_in_content
+// (a boolean); `text` is the body's text. Throws ApiError.
+ChatOptions chat_options(const json& body, const std::string& text);
+
+// The prompt tokens of `messages` (a validated array of messages) in the
+// chat format (text/chat_template.h): the model's Jinja template rendered
+// by jinja2 (its output bounded at `max_characters`), or a built-in. The
+// text of control tokens in what the client wrote is encoded as plain text
+// (Tokenizer::defused_text) unless options.special_tokens_in_content.
+// Throws ApiError (param "messages") when the template refuses the messages
+// (raise_exception, a role order a built-in does not take) or fails.
+std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, const gpu::Tokenizer& tokenizer,
+                                 const ChatOptions& options = {}, size_t max_characters = size_t(1) << 20);
 
 // What the frontend serves.
 struct ServedModel {
@@ -135,7 +151,7 @@ struct ApiRequest {
 // context (400, naming the parameter), an unknown model (404). Unknown fields
 // are ignored. `random_seed` gives the seed of a request that sets none.
 ApiRequest parse_request(Endpoint endpoint, const std::string& body, const ServedModel& model,
-                         const gpu::Tokenizer& tokenizer, ChatTemplate tmpl,
+                         const gpu::Tokenizer& tokenizer, const ChatFormat& chat,
                          const std::function<uint64_t()>& random_seed);
 
 // Turns a request's token events into text: each token's piece after its
@@ -221,7 +237,7 @@ json prompt_logprobs_json(const gpu::Tokenizer& tokenizer, const std::vector<int
 // skipped (skip_special_tokens). Both throw
 // ApiError as parse_request does (a bad field 400, another model 404).
 json tokenize_response(const std::string& body, const ServedModel& model, const gpu::Tokenizer& tokenizer,
-                       ChatTemplate tmpl);
+                       const ChatFormat& chat);
 json detokenize_response(const std::string& body, const ServedModel& model, const gpu::Tokenizer& tokenizer);
 
 // The "logprobs" of a choice for tokens ids[from..] with their log

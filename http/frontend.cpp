@@ -70,9 +70,9 @@ int64_t unix_now() {
 class Frontend {
  public:
   Frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg, ServedModel model,
-           gpu::Tokenizer tokenizer, ChatTemplate tmpl)
+           gpu::Tokenizer tokenizer, ChatFormat chat)
       : ioc(node.http_threads), acceptor(ioc), system(system), node(node), cfg(cfg), model(std::move(model)),
-        tokenizer(std::move(tokenizer)), tmpl(tmpl), random_(std::random_device{}()) {}
+        tokenizer(std::move(tokenizer)), chat(std::move(chat)), random_(std::random_device{}()) {}
   Frontend(const Frontend&) = delete;
 
   net::io_context ioc;
@@ -82,7 +82,7 @@ class Frontend {
   const DisaggConfig& cfg;
   const ServedModel model;
   const gpu::Tokenizer tokenizer;
-  const ChatTemplate tmpl;
+  const ChatFormat chat;
   metrics::DisaggMetrics& metrics = metrics::disagg_metrics();
   const GenerationContext generation{model, tokenizer, metrics};
 
@@ -234,7 +234,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
     } else if (path == "/tokenize" || path == "/detokenize") {  // vLLM's: at the root
       if (only(bhttp::verb::post)) {
         try {
-          send_json(200, path == "/tokenize" ? tokenize_response(req.body(), fe_.model, fe_.tokenizer, fe_.tmpl)
+          send_json(200, path == "/tokenize" ? tokenize_response(req.body(), fe_.model, fe_.tokenizer, fe_.chat)
                                              : detokenize_response(req.body(), fe_.model, fe_.tokenizer));
         } catch (const ApiError& e) {
           send_error(e);
@@ -335,7 +335,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   void start_generation(Endpoint endpoint, const std::string& body) {
     ApiRequest request;
     try {
-      request = parse_request(endpoint, body, fe_.model, fe_.tokenizer, fe_.tmpl, [this] { return fe_.random_u64(); });
+      request = parse_request(endpoint, body, fe_.model, fe_.tokenizer, fe_.chat, [this] { return fe_.random_u64(); });
     } catch (const ApiError& e) {
       fe_.metrics.error("invalid_request").inc();
       send_error(e);
@@ -594,8 +594,8 @@ namespace {
 struct Served {
   ServedModel model;
   std::optional<gpu::Tokenizer> tokenizer;
-  ChatTemplate tmpl = ChatTemplate::plain;
-  std::string tmpl_source;
+  ChatFormat chat;
+  std::string chat_source;
 };
 std::optional<Served> load_served(const NodeOptions& node, const DisaggConfig& cfg) {
   Served s;
@@ -616,8 +616,8 @@ std::optional<Served> load_served(const NodeOptions& node, const DisaggConfig& c
     node_log(LogLevel::error, cfg.model + ": " + chosen.error);
     return std::nullopt;
   }
-  s.tmpl = chosen.chat_template;
-  s.tmpl_source = chosen.source;
+  s.chat = chosen.format;
+  s.chat_source = chosen.source;
   return s;
 }
 
@@ -690,15 +690,14 @@ int run_frontend(caf::actor_system& system, const NodeOptions& node, const Disag
   raise_open_files_limit();
   auto served = load_served(node, cfg);
   if (!served) return 1;
-  auto fe = std::make_unique<Frontend>(system, node, cfg, served->model, std::move(*served->tokenizer), served->tmpl);
+  auto fe = std::make_unique<Frontend>(system, node, cfg, served->model, std::move(*served->tokenizer), served->chat);
   const std::string where = listen(*fe, node);
   if (where.empty()) return 1;
   accept(*fe);
   std::vector<std::thread> threads;
   for (int i = 0; i < node.http_threads; ++i) threads.emplace_back([&ioc = fe->ioc] { ioc.run(); });
   node_log("frontend serving http://" + where + " (model " + served->model.name + ", context " +
-           std::to_string(served->model.seq_len) + ", chat template " + gpu::to_string(served->tmpl) + ": " +
-           served->tmpl_source + ")");
+           std::to_string(served->model.seq_len) + ", chat template: " + served->chat_source + ")");
   if (!node.ready_file.empty() && !write_ready_file(node.ready_file, where))
     node_log(LogLevel::error, "cannot write ready file " + node.ready_file);
   const int code = follow_router(system, node, *fe);

@@ -1,5 +1,7 @@
 #include "text/chat_template.h"
 
+#include "text/jinja.h"
+
 #include <array>
 #include <ctime>
 
@@ -295,26 +297,35 @@ std::string chat_text(const std::vector<ChatPiece>& pieces, const std::string& b
   return out;
 }
 
+ChatTemplate family_of_template(const std::string& jinja) {
+  if (const auto builtin = detect_chat_template(jinja)) return *builtin;
+  if (contains(jinja, "<|start_header_id|>")) return ChatTemplate::llama31;
+  if (contains(jinja, "<|im_start|>")) return contains(jinja, "<think>") ? ChatTemplate::qwen3 : ChatTemplate::chatml;
+  if (contains(jinja, "[INST]")) return contains(jinja, "[TOOL_CALLS]") ? ChatTemplate::mistral : ChatTemplate::llama2;
+  if (contains(jinja, "<start_of_turn>")) return ChatTemplate::gemma;
+  return ChatTemplate::plain;
+}
+
 ChosenTemplate choose_chat_template(const std::string& configured, const Vocabulary& vocabulary) {
   ChosenTemplate out;
   if (configured != "auto") {
     if (const auto named = parse_chat_template(configured)) {
-      out.chat_template = *named;
-      out.source = "named by node.chat-template";
+      out.format = ChatFormat(*named);
+      out.source = std::string("the built-in ") + to_string(*named) + " named by node.chat-template";
     } else {
       out.error = "no built-in chat template is called \"" + configured + "\" (" + chat_template_names() + ")";
     }
   } else if (!vocabulary.chat_template.empty()) {
-    if (const auto detected = detect_chat_template(vocabulary.chat_template)) {
-      out.chat_template = *detected;
-      out.source = "the model file's";
-    } else {
-      out.error = "the model file's chat template is not one the built-ins render (" + chat_template_names() +
-                  "): name one with node.chat-template";
+    try {
+      out.format = ChatFormat(family_of_template(vocabulary.chat_template));
+      out.format.jinja = std::make_shared<const JinjaTemplate>(vocabulary.chat_template);
+      out.source = std::string("the model file's, rendered by jinja2 (family ") + to_string(out.format.family) + ")";
+    } catch (const ChatTemplateError& e) {
+      out.error = "the model file's chat template: " + e.message + " (name a built-in with node.chat-template)";
     }
   } else {
-    out.chat_template = vocabulary.model == TokenizerModel::sentencepiece ? ChatTemplate::llama2 : ChatTemplate::plain;
-    out.source = "the model file has none";
+    out.format = ChatFormat(vocabulary.model == TokenizerModel::sentencepiece ? ChatTemplate::llama2 : ChatTemplate::plain);
+    out.source = std::string("the built-in ") + to_string(out.format.family) + ": the model file has none";
   }
   return out;
 }

@@ -1,12 +1,16 @@
-// Chat templates: a chat request's messages -> the prompt. Built-in renderers
-// of the families' templates, each byte for byte what jinja2 renders from the
-// Jinja template a model file carries (tokenizer.chat_template) for the same
-// messages with add_generation_prompt=True (tests/gpu/test_chat_template.cpp
-// checks that against python3-jinja2). A model file's template is recognised
-// by its content, as llama.cpp's llm_chat_detect_template does; none is
-// interpreted (no Jinja engine here).
+// Chat templates: a chat request's messages -> the prompt. A model file's
+// own Jinja template (tokenizer.chat_template) is rendered by jinja2 itself
+// (text/jinja.h); the built-in renderers below serve files that carry none
+// (llama2.c) and a template named in the configuration. Each built-in
+// renders byte for byte what jinja2 renders from its family's template for
+// the same messages with add_generation_prompt=True
+// (tests/gpu/test_chat_template.cpp checks that against python3-jinja2).
+// A file's template is also recognised by its content, as llama.cpp's
+// llm_chat_detect_template does, to name its family: the syntax of its
+// tool calls and reasoning.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -53,12 +57,30 @@ std::string chat_template_names();
 // The built-in that renders a model file's Jinja template, or nullopt.
 std::optional<ChatTemplate> detect_chat_template(const std::string& jinja);
 
-// The template a frontend renders with, and why: `configured` is
-// node.chat-template, a built-in by name, or "auto": the one that renders
-// the vocabulary's own template (an unrecognised one is an `error`); without
-// one in the file, llama2 for a SentencePiece vocabulary, plain otherwise.
+// The family of a template none of the built-ins renders, by the markup
+// it writes (<|start_header_id|>: llama3.1, <|im_start|>: chatml, or qwen3
+// with <think>, [INST]: mistral with [TOOL_CALLS] else llama2,
+// <start_of_turn>: gemma), else plain.
+ChatTemplate family_of_template(const std::string& jinja);
+
+class JinjaTemplate;  // text/jinja.h
+
+// How a frontend renders chat: the model file's template through jinja2,
+// or the built-in `family`; either way `family` names the syntax of the
+// model's tool calls and reasoning (text/tool_calls.h, text/reasoning.h).
+struct ChatFormat {
+  ChatFormat(ChatTemplate builtin = ChatTemplate::plain) : family(builtin) {}
+  ChatTemplate family;
+  std::shared_ptr<const JinjaTemplate> jinja;  // set: rendered by jinja2, not the built-in
+};
+
+// The format a frontend renders with, and why: `configured` is
+// node.chat-template, a built-in by name, or "auto": the vocabulary's own
+// template rendered by jinja2 (one jinja2 cannot compile is an `error`,
+// with jinja2's message); without one in the file, the built-in llama2 for
+// a SentencePiece vocabulary, plain otherwise.
 struct ChosenTemplate {
-  ChatTemplate chat_template = ChatTemplate::plain;
+  ChatFormat format;
   std::string source;  // for the log: "named by node.chat-template", "the model file's", ...
   std::string error;   // non-empty: none could be chosen
 };

@@ -246,13 +246,75 @@ void Tokenizer::Impl::encode_sentencepiece(const std::string& text, bool at_star
   tokens.insert(tokens.end(), ids.begin(), ids.end());
 }
 
-std::vector<int> Tokenizer::encode(const std::string& text, bool add_bos) const {
+namespace {
+
+constexpr char kMark[] = "\xEF\xB7\x90";  // U+FDD0 in UTF-8
+constexpr size_t kMarkBytes = 3;
+
+// Bytes in the UTF-8 character that starts with `lead` (1 for a stray byte).
+size_t utf8_length(unsigned char lead) {
+  return lead < 0xC0 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
+}
+
+}  // namespace
+
+std::string without_marks(const std::string& text) {
+  // A run of marks is either one (inside a defused token: dropped) or an
+  // even number (the text's own, doubled: half kept).
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    size_t run = 0;
+    while (text.compare(i + run * kMarkBytes, kMarkBytes, kMark) == 0) ++run;
+    if (run == 0) {
+      out += text[i++];
+      continue;
+    }
+    for (size_t k = 0; k < run / 2; ++k) out += kMark;
+    i += run * kMarkBytes;
+  }
+  return out;
+}
+
+std::string Tokenizer::defused_text(const std::string& text) const {
+  const Impl& m = *impl_;
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    if (text.compare(i, kMarkBytes, kMark) == 0) {
+      out.append(kMark).append(kMark);
+      i += kMarkBytes;
+      continue;
+    }
+    // As encode() reads text: the longest special token that starts here.
+    const auto [id, length] = m.special.empty() ? std::pair<int, size_t>{-1, 0} : m.special.longest_at(text, i);
+    if (id < 0) {
+      out += text[i++];
+      continue;
+    }
+    if (m.type(id) != TokenType::control) {
+      out.append(text, i, length);
+    } else {
+      for (size_t k = i; k < i + length;) {  // a mark between characters (never inside one)
+        const size_t n = std::min(utf8_length(static_cast<unsigned char>(text[k])), i + length - k);
+        if (k > i) out += kMark;
+        out.append(text, k, n);
+        k += n;
+      }
+    }
+    i += length;
+  }
+  return out;
+}
+
+std::vector<int> Tokenizer::encode(const std::string& text, bool add_bos, bool marked) const {
   const Impl& m = *impl_;
   std::vector<int> tokens;
   if (add_bos && m.v.add_bos) tokens.push_back(m.v.bos);
   auto plain = [&](size_t from, size_t to) {
     if (to <= from) return;
-    const std::string part = text.substr(from, to - from);
+    const std::string part = marked ? without_marks(text.substr(from, to - from)) : text.substr(from, to - from);
+    if (part.empty()) return;  // (marks only)
     if (m.bpe) m.bpe->encode(part, tokens);
     else m.encode_sentencepiece(part, from == 0, tokens);
   };

@@ -70,7 +70,20 @@ class Tokenizer {
   // byte-level BPE as text/byte_bpe.h says. Linear up to a log factor.
   // `add_bos` false: no BOS whatever the vocabulary says (a chat template
   // writes its own).
-  std::vector<int> encode(const std::string& text, bool add_bos = true) const;
+  // `marked`: `text` may hold defused_text() spans (a chat prompt): their
+  // control-token text is encoded as plain text, the marks dropped.
+  std::vector<int> encode(const std::string& text, bool add_bos = true, bool marked = false) const;
+
+  // No role spoofing through text: `text` (a message's content, a tool's
+  // result) with every control token written in it (<|eot_id|>,
+  // <|im_start|>, [INST] where the vocabulary makes it one) defused, so that
+  // encode(..., marked=true) of a prompt holding it reads that text as plain
+  // text while the template's own control tokens stay tokens. A defused
+  // token has U+FDD0 (a Unicode noncharacter) between its characters, and
+  // a U+FDD0 of the text itself is doubled; without_marks() undoes both.
+  // Added tokens that are not control tokens (<think>, <tool_call>) stay
+  // as they are: they are what the model itself writes.
+  std::string defused_text(const std::string& text) const;
 
   // Text of `token` when it follows `previous` (SentencePiece drops the
   // leading space of the first piece after BOS; <0xHH> pieces and byte-level
@@ -84,6 +97,9 @@ class Tokenizer {
   struct Impl;
   std::shared_ptr<const Impl> impl_;
 };
+
+// `text` less defused_text()'s marks: the text as written.
+std::string without_marks(const std::string& text);
 
 // A vocabulary of `vocab_size` pieces (>= 259): <unk>, <s>, </s>, the 256
 // byte pieces, then filler merges, so a synthetic model has text I/O; and

@@ -465,7 +465,7 @@ TEST(HttpFrontend, ServesALlama3ModelWithTheFilesChatTemplateAndEndToken) {
 
   uint16_t port = 0;
   ASSERT_NO_FATAL_FAILURE(serve_with_its_vocabulary(cluster, served, port));
-  EXPECT_NE(cluster.node("frontend").log().find("chat template llama3: the model file's"), std::string::npos)
+  EXPECT_NE(cluster.node("frontend").log().find("chat template: the model file's, rendered by jinja2 (family llama3)"), std::string::npos)
       << cluster.node("frontend").log();
   EXPECT_EQ(json::parse(http(port, bhttp::verb::get, "/v1/models").body)["data"][0]["id"], "tiny-llama3");
   const Reply r = post(port, "/v1/chat/completions",

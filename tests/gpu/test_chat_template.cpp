@@ -9,12 +9,14 @@
 // bytes, or is refused where jinja2 raises.
 #include <gtest/gtest.h>
 
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "text/chat_template.h"
+#include "text/jinja.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"
 
@@ -102,6 +104,102 @@ TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
       } else {
         EXPECT_FALSE(refused) << c.name << " conversation " << i << ": " << got;
         EXPECT_EQ(json(got).dump(), json(want[i]["text"].get<std::string>()).dump()) << c.name << " conversation " << i;
+      }
+    }
+  }
+}
+
+// Conversations with tools as agent frameworks send them: tool definitions,
+// an assistant's tool_calls (arguments as objects, as transformers takes
+// them) and the tools' results, multi-turn.
+json tool_conversations() {
+  const json weather = {{"type", "function"},
+                        {"function",
+                         {{"name", "get_weather"},
+                          {"description", "The weather in a city"},
+                          {"parameters",
+                           {{"type", "object"},
+                            {"properties", {{"city", {{"type", "string"}}}, {"unit", {{"enum", {"c", "f"}}}}}},
+                            {"required", {"city"}}}}}}};
+  const json time = {{"type", "function"},
+                     {"function", {{"name", "get_time"}, {"description", "Now"}, {"parameters", {{"type", "object"}}}}}};
+  const json call = {{"id", "call_1"},
+                     {"type", "function"},
+                     {"function", {{"name", "get_weather"}, {"arguments", {{"city", "Paris"}, {"unit", "c"}}}}}};
+  return json::array({
+      {{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}}, {"tools", {weather, time}}},
+      {{"messages", {{{"role", "system"}, {"content", "Use tools."}}, {{"role", "user"}, {"content", "Weather?"}}}},
+       {"tools", {weather}}},
+      {{"messages",
+        {{{"role", "user"}, {"content", "Weather in Paris?"}},
+         {{"role", "assistant"}, {"content", ""}, {"tool_calls", {call}}},
+         {{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "{\"temp\": 21}"}},
+         {{"role", "assistant"}, {"content", "21 degrees."}},
+         {{"role", "user"}, {"content", "And the time?"}}}},
+       {"tools", {weather, time}}},
+  });
+}
+
+// What python3-jinja2, set up as transformers sets it up, renders for
+// `conversations` (each a list of messages or {messages, tools}).
+json reference_render(const Case& c, const std::string& jinja, const json& conversations, const std::string& today,
+                      bool thinking) {
+  const std::string tmp = test::make_temp_dir(std::string("jinja-") + c.name);
+  json spec{{"template", jinja}, {"bos_token", c.bos}, {"eos_token", c.eos}, {"today", today},
+            {"conversations", conversations}};
+  if (!thinking) spec["enable_thinking"] = false;
+  std::ofstream(tmp + "/in.json") << spec.dump();
+  const auto [out, status] = test::run_command(
+      "/usr/bin/python3 " + test::shell_quoted(std::string(DISAGG_SOURCE_DIR) + "/tests/gpu/render_chat_template.py") +
+      " " + test::shell_quoted(tmp + "/in.json") + " " + test::shell_quoted(tmp + "/out.json") + " 2>&1");
+  EXPECT_EQ(status, 0) << out << " (python3-jinja2 is installed by scripts/install-deps)";
+  const json rendered = status == 0 ? json::parse(test::read_text_file(tmp + "/out.json")) : json::array();
+  std::filesystem::remove_all(tmp);
+  return rendered;
+}
+
+// The frontend's renderer (CPython embedded, text/jinja.h) against the
+// reference for every family's template: plain conversations and ones with
+// tools, enable_thinking on and off. strftime_now is the real clock here, so
+// the reference is given today's date as Llama 3.2's template writes it.
+TEST_P(Jinja, EmbeddedJinja2RendersWhatPython3Jinja2Renders) {
+  const Case& c = GetParam();
+  if (!std::filesystem::exists(c.source))
+    GTEST_SKIP() << c.source << " is not installed (scripts/install-deps runs npm ci in tests/tokenizers)";
+  const std::string jinja = c.source.size() > 5 && c.source.substr(c.source.size() - 5) == ".json"
+                                ? json::parse(test::read_text_file(c.source))["chat_template"].get<std::string>()
+                                : test::read_text_file(c.source);
+  const JinjaTemplate compiled(jinja);
+  char today[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(today, sizeof today, "%d %b %Y", std::localtime(&now));
+  json all = json::array();
+  for (const auto& messages : conversations()) {
+    json m = json::array();
+    for (const auto& msg : messages) m.push_back({{"role", msg.role}, {"content", msg.content}});
+    all.push_back(m);
+  }
+  for (const json& t : tool_conversations()) all.push_back(t);
+  for (const bool thinking : {true, false}) {
+    SCOPED_TRACE(thinking ? "enable_thinking default" : "enable_thinking false");
+    const json want = reference_render(c, jinja, all, today, thinking);
+    ASSERT_EQ(want.size(), all.size());
+    for (size_t i = 0; i < all.size(); ++i) {
+      const json& conv = all[i];
+      json context = {{"messages", conv.is_array() ? conv : conv["messages"]},
+                      {"tools", conv.is_array() ? json(nullptr) : conv["tools"]},
+                      {"documents", nullptr},
+                      {"add_generation_prompt", true},
+                      {"bos_token", c.bos},
+                      {"eos_token", c.eos}};
+      if (!thinking) context["enable_thinking"] = false;
+      try {
+        const std::string got = compiled.render(context.dump());
+        ASSERT_FALSE(want[i].contains("error")) << c.name << " conversation " << i << ": jinja2 raised " << want[i]["error"];
+        EXPECT_EQ(json(got).dump(), json(want[i]["text"].get<std::string>()).dump()) << c.name << " conversation " << i;
+      } catch (const ChatTemplateError& e) {
+        ASSERT_TRUE(want[i].contains("error")) << c.name << " conversation " << i << ": " << e.message;
+        EXPECT_EQ(e.message, want[i]["error"].get<std::string>()) << c.name << " conversation " << i;
       }
     }
   }

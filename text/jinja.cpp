@@ -1,0 +1,294 @@
+// jinja2 through CPython's C API (text/jinja.h). The Python side is the
+// module below; the C++ side starts the interpreter once, holds Python's
+// global lock only while it calls in, and bounds a render's time with a
+// watchdog thread that raises an exception in the rendering thread.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "text/jinja.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "text/chat_template.h"
+
+namespace disagg::gpu {
+namespace {
+
+// The environment as transformers' _compile_jinja_template builds it, plus
+// the bounds. Errors the template or its data cause are TemplateError
+// (raise_exception), LimitError (a bound) or jinja2's own.
+constexpr const char* kModule = R"PY(
+import datetime
+import json
+import threading
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(Exception):
+    pass
+
+
+class LimitError(Exception):
+    pass
+
+
+def raise_exception(message):
+    raise TemplateError(message)
+
+
+def strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class Generation(Extension):
+    """{% generation %}...{% endgeneration %}: marks the assistant's part for
+    training masks; a prompt renders the body as it is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+BOUND = threading.local()  # this thread's render's output bound (renders of threads interleave)
+
+
+class Bounded(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            characters = BOUND.characters
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > characters:
+                    raise LimitError("a repetition longer than the output bound of %d characters" % characters)
+        if operator == "**" and isinstance(right, int) and abs(right) > 4096:
+            raise LimitError("an exponent over 4096")
+        return super().call_binop(context, operator, left, right)
+
+
+ENV = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+ENV.globals["raise_exception"] = raise_exception
+ENV.globals["strftime_now"] = strftime_now
+ENV.filters["tojson"] = tojson
+
+
+def compile_template(source):
+    return ENV.from_string(source)
+
+
+def render(template, context_json, characters):
+    BOUND.characters = characters
+    out = []
+    size = 0
+    for chunk in template.generate(**json.loads(context_json)):
+        size += len(chunk)
+        if size > characters:
+            raise LimitError("the rendered prompt passed the output bound of %d characters" % characters)
+        out.append(chunk)
+    return "".join(out)
+
+
+def message(error):
+    if isinstance(error, jinja2.TemplateSyntaxError):
+        return "%s (line %d)" % (error.message, error.lineno)
+    return str(error)
+)PY";
+
+// The interpreter and the module's functions, made once per process.
+struct Python {
+  PyObject* compile = nullptr;  // compile_template(source)
+  PyObject* render = nullptr;   // render(template, context_json, characters)
+  PyObject* message = nullptr;  // message(error)
+  std::string error;            // non-empty: Python or jinja2 could not be loaded
+};
+
+// The current Python exception as text (and cleared); call with the lock held.
+std::string take_error(const Python& py) {
+  PyObject *type = nullptr, *value = nullptr, *trace = nullptr;
+  PyErr_Fetch(&type, &value, &trace);
+  PyErr_NormalizeException(&type, &value, &trace);
+  std::string text = "unknown Python error";
+  PyObject* said = value && py.message ? PyObject_CallOneArg(py.message, value) : nullptr;
+  if (!said) {
+    PyErr_Clear();
+    said = value ? PyObject_Str(value) : nullptr;
+  }
+  if (said) {
+    if (const char* utf8 = PyUnicode_AsUTF8(said)) text = utf8;
+    PyErr_Clear();
+    Py_DECREF(said);
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(trace);
+  return text;
+}
+
+const Python& python() {
+  static Python py;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const bool start = !Py_IsInitialized();
+    if (start) {
+      // Isolated: PYTHONPATH, PYTHONHOME and the user's site-packages are
+      // not read; no signal handlers are taken from the process.
+      PyConfig config;
+      PyConfig_InitIsolatedConfig(&config);
+      const PyStatus status = Py_InitializeFromConfig(&config);
+      PyConfig_Clear(&config);
+      if (PyStatus_Exception(status)) {
+        py.error = std::string("cannot start Python: ") + (status.err_msg ? status.err_msg : "unknown");
+        return;
+      }
+    }
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* globals = PyDict_New();
+    PyDict_SetItemString(globals, "__builtins__", PyEval_GetBuiltins());
+    PyObject* ran = PyRun_String(kModule, Py_file_input, globals, globals);
+    if (!ran) {
+      py.error = "cannot load jinja2 (Debian's python3-jinja2, scripts/install-deps): " + take_error(py);
+    } else {
+      Py_DECREF(ran);
+      py.compile = PyDict_GetItemString(globals, "compile_template");
+      py.render = PyDict_GetItemString(globals, "render");
+      py.message = PyDict_GetItemString(globals, "message");
+      Py_XINCREF(py.compile);
+      Py_XINCREF(py.render);
+      Py_XINCREF(py.message);
+    }
+    Py_DECREF(globals);
+    PyGILState_Release(gil);
+    // The thread that started Python holds its lock until it lets go.
+    if (start) PyEval_SaveThread();
+  });
+  return py;
+}
+
+// Holds Python's global lock for a scope.
+class Gil {
+ public:
+  Gil() : state_(PyGILState_Ensure()) {}
+  ~Gil() { PyGILState_Release(state_); }
+  Gil(const Gil&) = delete;
+  Gil& operator=(const Gil&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+// Interrupts a render that runs past its time: at the deadline it takes
+// the lock and, unless the render has returned, raises TimeoutError in the
+// rendering thread (Python checks for it between two of its steps).
+class Watchdog {
+ public:
+  Watchdog(unsigned long thread, std::chrono::milliseconds time)
+      : thread_(thread), deadline_(std::chrono::steady_clock::now() + time), runner_([this] { watch(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      finished_ = true;
+    }
+    cv_.notify_one();
+    runner_.join();
+  }
+  // With the lock held, once the render has returned.
+  void returned() { returned_ = true; }
+  bool fired() const { return fired_; }
+
+ private:
+  void watch() {
+    std::unique_lock<std::mutex> lock(m_);
+    if (cv_.wait_until(lock, deadline_, [this] { return finished_; })) return;
+    lock.unlock();
+    Gil gil;
+    if (returned_) return;  // (set under the lock: the render is past its last Python step)
+    fired_ = true;
+    PyThreadState_SetAsyncExc(thread_, PyExc_TimeoutError);
+  }
+
+  const unsigned long thread_;
+  const std::chrono::steady_clock::time_point deadline_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool finished_ = false;
+  std::atomic<bool> returned_{false}, fired_{false};
+  std::thread runner_;
+};
+
+}  // namespace
+
+JinjaTemplate::JinjaTemplate(const std::string& source) : compiled_(nullptr) {
+  const Python& py = python();
+  if (!py.error.empty()) throw ChatTemplateError{py.error};
+  Gil gil;
+  PyObject* text = PyUnicode_FromStringAndSize(source.data(), Py_ssize_t(source.size()));
+  PyObject* compiled = text ? PyObject_CallOneArg(py.compile, text) : nullptr;
+  Py_XDECREF(text);
+  if (!compiled) throw ChatTemplateError{take_error(py)};
+  compiled_ = compiled;
+}
+
+JinjaTemplate::~JinjaTemplate() {
+  if (!compiled_ || !Py_IsInitialized()) return;
+  Gil gil;
+  Py_DECREF(static_cast<PyObject*>(compiled_));
+}
+
+std::string JinjaTemplate::render(const std::string& context_json, const JinjaLimits& limits) const {
+  const Python& py = python();
+  Gil gil;
+  PyObject* context = PyUnicode_FromStringAndSize(context_json.data(), Py_ssize_t(context_json.size()));
+  if (!context) throw ChatTemplateError{"the template's context is not UTF-8: " + take_error(py)};
+  PyObject* characters = PyLong_FromSize_t(limits.characters);
+  PyObject* rendered = nullptr;
+  bool timed_out = false;
+  {
+    // The watchdog takes the lock at the deadline (Python lets go of it
+    // between steps); `returned` is set with the lock held, so it never
+    // fires at a render that has returned.
+    std::optional<Watchdog> watchdog;
+    watchdog.emplace(PyThread_get_thread_ident(), limits.time);
+    rendered = PyObject_CallFunctionObjArgs(py.render, static_cast<PyObject*>(compiled_), context, characters, nullptr);
+    watchdog->returned();
+    PyThreadState_SetAsyncExc(PyThread_get_thread_ident(), nullptr);  // one raised after the last step: dropped
+    timed_out = watchdog->fired();
+    // The watchdog may be waiting for the lock: let Python go while it ends.
+    Py_BEGIN_ALLOW_THREADS watchdog.reset();
+    Py_END_ALLOW_THREADS
+  }
+  Py_DECREF(context);
+  Py_DECREF(characters);
+  if (!rendered) {
+    std::string error = take_error(py);
+    if (timed_out) error = "the chat template ran past its " + std::to_string(limits.time.count()) + " ms";
+    throw ChatTemplateError{error};
+  }
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(rendered, &size);
+  if (!utf8) {
+    Py_DECREF(rendered);
+    throw ChatTemplateError{"the chat template rendered text that is not UTF-8: " + take_error(py)};
+  }
+  std::string out(utf8, size_t(size));
+  Py_DECREF(rendered);
+  return out;
+}
+
+}  // namespace disagg::gpu
