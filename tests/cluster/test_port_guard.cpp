@@ -276,6 +276,18 @@ class Stallers {
 // and on a TLS port.
 class StalledSource : public ::testing::TestWithParam<bool> {};
 
+// Whether `node`'s log comes to hold `text` within `bound`. The log is a
+// file with no event to wait on: it is read again every 20 ms, and the
+// bound only ends a run whose line never comes.
+bool log_shows(const ChildProcess& node, const std::string& text, std::chrono::milliseconds bound) {
+  const auto deadline = Clock::now() + bound;
+  while (node.log().find(text) == std::string::npos) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
 TEST_P(StalledSource, RealClientsOfTheSameAddressAreServed) {
   const bool tls = GetParam();
   TestCluster cluster(tls ? "guard-stall-tls" : "guard-stall");
@@ -300,6 +312,12 @@ TEST_P(StalledSource, RealClientsOfTheSameAddressAreServed) {
   {
     Stallers stallers(cluster.router_port(), 1100);
     EXPECT_EQ(stallers.open_at_start(), 1100);
+    // Room is made by closing the address's quietest pending connection,
+    // never by refusing the newest: the 17th staller shows it within
+    // milliseconds, and a guard that refuses newcomers fails here, not after
+    // the clients' long connect timeouts.
+    ASSERT_TRUE(log_shows(cluster.node("router"), "the one with the least progress, silent longest, is closed", 15s))
+        << cluster.node("router").log();
     // (the first failure ends the loop: each would wait out its connect timeout)
     for (int i = 0; i < 20 && failures.empty(); ++i) {
       std::string out, err;
