@@ -524,15 +524,16 @@ ordered_json defused(const ordered_json& v, const gpu::Tokenizer& tokenizer) {
 }
 
 // A message as a template reads it (as vLLM hands it to transformers):
-// content as text (text parts joined; null kept), tool_calls' arguments as
-// objects, the other fields as sent (checked by message_content before).
+// content as text (text parts joined; null or absent: "", as an assistant's
+// message with tool calls has it), tool_calls' arguments as objects, the
+// other fields as sent (checked by message_content before).
 ordered_json template_message(const ordered_json& m) {
   ordered_json out = m;
-  if (m.contains("content") && m["content"].is_array()) {
-    std::string text;
+  std::string text;
+  if (m.contains("content") && m["content"].is_string()) text = m["content"].get<std::string>();
+  if (m.contains("content") && m["content"].is_array())
     for (const auto& part : m["content"]) text += part["text"].get<std::string>();
-    out["content"] = text;
-  }
+  out["content"] = text;
   if (m.contains("tool_calls") && m["tool_calls"].is_array())
     for (ordered_json& call : out["tool_calls"]) {
       ordered_json& function = call["function"];
@@ -783,12 +784,10 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     r.reasoning = gpu::reasoning_syntax_of(gpu::to_string(chat.family));
     std::string calls;
     r.tools = parse_tools(body, chat.family, calls);
-    if (!calls.empty()) {
-      if (!r.sampling.grammar.empty())
-        throw bad_request("tool_choice", "a required or named 'tool_choice' and a response_format (or guided_*) "
-                                         "exclude each other");
-      r.sampling.grammar = std::move(calls);
-    }
+    // A required or named call is this turn's output: its grammar rules, and
+    // a response_format waits for a turn that answers in text (as OpenAI
+    // and vLLM take both, and the Agents SDK sends both).
+    if (!calls.empty()) r.sampling.grammar = std::move(calls);
     // (auto with a response_format: the format rules, the output is content)
     if (r.tools.choice == ToolUse::Choice::automatic && !r.sampling.grammar.empty()) r.tools.choice = ToolUse::Choice::none;
   }

