@@ -232,13 +232,18 @@ def restart_phase(c):
     stopped = c.pid("decode-2")
     os.kill(stopped, signal.SIGSTOP)
     start = time.monotonic()
-    r = c.cluster("down", env={"STOP_TIMEOUT": "2"}, timeout=60)
+    try:
+        # 12 s: STOP_TIMEOUT, the kill and the others' exits, on a busy machine.
+        r = c.cluster("down", env={"STOP_TIMEOUT": "2"}, timeout=12)
+    except subprocess.TimeoutExpired:
+        os.kill(stopped, signal.SIGKILL)  # (the node this test stopped), so that the cleanup's down ends
+        raise Failure("down did not return within 12 s with STOP_TIMEOUT=2 and one stopped node") from None
     took = time.monotonic() - start
     left = [p for p in c.seen if alive(p)]
     check(r.returncode == 0, "down failed")
     check(not left, f"down returned while {left} still ran")
     check("did not end within 2 s of SIGTERM; killing it" in r.stderr, "down did not say it killed the stopped node")
-    check(1 <= took < 15, f"down took {took:.1f} s with STOP_TIMEOUT=2 (whole seconds of bash: 1-2 s) and one stopped node")
+    check(1 <= took, f"down took {took:.1f} s with STOP_TIMEOUT=2 (whole seconds of bash: 1-2 s) and one stopped node")
 
 
 def supervise_phase(c):
