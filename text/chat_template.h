@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -99,7 +100,8 @@ struct ChatPiece {
 
 // Throws ChatTemplateError when the messages break the template's rules
 // (as the template's raise_exception would).
-struct ChatTemplateError {
+struct ChatTemplateError : std::runtime_error {
+  explicit ChatTemplateError(const std::string& what) : std::runtime_error(what), message(what) {}
   std::string message;
 };
 // `today`: llama3.2's date ("02 Dec 2026"); empty: the local date now.

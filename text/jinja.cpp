@@ -148,10 +148,13 @@ const Python& python() {
     const bool start = !Py_IsInitialized();
     if (start) {
       // Isolated: PYTHONPATH, PYTHONHOME and the user's site-packages are
-      // not read; no signal handlers are taken from the process.
+      // not read; no signal handlers are taken from the process. Its home
+      // is the prefix of the libpython it was built with (else Python
+      // would look for one beside the first python3 on PATH: a pyenv's).
       PyConfig config;
       PyConfig_InitIsolatedConfig(&config);
-      const PyStatus status = Py_InitializeFromConfig(&config);
+      PyStatus status = PyConfig_SetBytesString(&config, &config.home, DISAGG_PYTHON_HOME);
+      if (!PyStatus_Exception(status)) status = Py_InitializeFromConfig(&config);
       PyConfig_Clear(&config);
       if (PyStatus_Exception(status)) {
         py.error = std::string("cannot start Python: ") + (status.err_msg ? status.err_msg : "unknown");

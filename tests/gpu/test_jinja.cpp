@@ -4,7 +4,9 @@
 // plain text, the template's own control tokens as tokens.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -14,6 +16,8 @@
 #include "text/hf_tokenizer.h"
 #include "text/jinja.h"
 #include "text/tokenizer.h"
+#include "support/run_command.h"
+#include "support/test_paths.h"
 
 namespace disagg::gpu {
 namespace {
@@ -69,6 +73,27 @@ TEST(JinjaTemplate, ARenderPastItsTimeOrOutputBoundStopsWithAnError) {
   // Within the bounds, the same templates render (and the thread is usable again).
   EXPECT_EQ(JinjaTemplate("{% for i in range(100) %}0123456789{% endfor %}").render("{}", small).size(), 1000u);
   EXPECT_EQ(JinjaTemplate("{{ 'ab' * 3 }}").render("{}", small), "ababab");
+}
+
+// A python3 first on PATH with a library of its own beside it (a pyenv's,
+// a virtualenv's) is not the embedded interpreter's home: it still finds
+// Debian's standard library and jinja2. (The test binary again, in a child
+// whose PATH starts with such a python3.)
+TEST(JinjaTemplate, AnotherPython3FirstOnPathIsNotItsHome) {
+  if (std::getenv("DISAGG_JINJA_CHILD")) GTEST_SKIP() << "(the child's own run)";
+  const std::string dir = test::make_temp_dir("jinja-path");
+  std::filesystem::create_directories(dir + "/bin");
+  std::filesystem::create_directories(dir + "/lib/python3.11/encodings");
+  std::ofstream(dir + "/bin/python3") << "#!/bin/sh\nexit 1\n";
+  std::filesystem::permissions(dir + "/bin/python3", std::filesystem::perms::owner_all);
+  std::ofstream(dir + "/lib/python3.11/os.py") << "raise ImportError('the wrong standard library')\n";
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  const auto [out, status] = test::run_command("DISAGG_JINJA_CHILD=1 PATH=" + test::shell_quoted(dir + "/bin") + ":$PATH " +
+                                               test::shell_quoted(self) +
+                                               " --gtest_filter=JinjaTemplate.RendersWithTransformersGlobalsAndFilters 2>&1");
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("[  PASSED  ] 1 test"), std::string::npos) << out;
+  std::filesystem::remove_all(dir);
 }
 
 TEST(JinjaTemplate, RendersFromManyThreadsAtOnce) {
