@@ -57,13 +57,18 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class Jinja : public ::testing::TestWithParam<Case> {};
 
+// The case's Jinja text: the file, or a tokenizer_config.json's chat_template.
+std::string template_text(const Case& c) {
+  return c.source.size() > 5 && c.source.substr(c.source.size() - 5) == ".json"
+             ? json::parse(test::read_text_file(c.source))["chat_template"].get<std::string>()
+             : test::read_text_file(c.source);
+}
+
 TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
   const Case& c = GetParam();
   if (!std::filesystem::exists(c.source))
     GTEST_SKIP() << c.source << " is not installed (scripts/install-deps runs npm ci in tests/tokenizers)";
-  const std::string jinja = c.source.size() > 5 && c.source.substr(c.source.size() - 5) == ".json"
-                                ? json::parse(test::read_text_file(c.source))["chat_template"].get<std::string>()
-                                : test::read_text_file(c.source);
+  const std::string jinja = template_text(c);
   ASSERT_FALSE(jinja.empty());
   EXPECT_EQ(detect_chat_template(jinja), c.kind) << c.name;
 
@@ -166,9 +171,7 @@ TEST_P(Jinja, EmbeddedJinja2RendersWhatPython3Jinja2Renders) {
   const Case& c = GetParam();
   if (!std::filesystem::exists(c.source))
     GTEST_SKIP() << c.source << " is not installed (scripts/install-deps runs npm ci in tests/tokenizers)";
-  const std::string jinja = c.source.size() > 5 && c.source.substr(c.source.size() - 5) == ".json"
-                                ? json::parse(test::read_text_file(c.source))["chat_template"].get<std::string>()
-                                : test::read_text_file(c.source);
+  const std::string jinja = template_text(c);
   const JinjaTemplate compiled(jinja);
   char today[32];
   const std::time_t now = std::time(nullptr);
