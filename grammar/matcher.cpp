@@ -90,6 +90,12 @@ size_t CompiledGrammar::VectorHash::operator()(const std::vector<int32_t>& v) co
 CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocabulary> vocabulary)
     : vocab_(std::move(vocabulary)) {
   g.check();
+  auto end_only = std::make_shared<TokenMask>();
+  end_only->bits.assign((vocab_->size() + 63) / 64, 0);
+  for (int t : vocab_->end_tokens()) end_only->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  end_only->allowed = vocab_->end_tokens().size();
+  end_only->only_end = true;
+  end_only_ = std::move(end_only);
   std::vector<std::pair<ByteSet, int32_t>> seen;  // byte sets, deduplicated
   auto term = [&](const ByteSet& s) {
     for (auto& [set, id] : seen)
@@ -362,13 +368,7 @@ bool Matcher::accept(int token) {
 bool Matcher::accepting() { return ended_ || grammar_->accepting(state_); }
 
 std::shared_ptr<const TokenMask> Matcher::mask() {
-  if (!ended_) return grammar_->mask(state_);
-  auto m = std::make_shared<TokenMask>();
-  m->bits.assign((grammar_->vocabulary().size() + 63) / 64, 0);
-  for (int t : grammar_->vocabulary().end_tokens()) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
-  m->allowed = grammar_->vocabulary().end_tokens().size();
-  m->only_end = true;
-  return m;
+  return ended_ ? grammar_->end_only_mask() : grammar_->mask(state_);
 }
 
 }  // namespace disagg::grammar

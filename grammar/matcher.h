@@ -111,6 +111,8 @@ class CompiledGrammar {
   // Whether the text so far is a whole sentence of the grammar.
   bool accepting(int state);
   std::shared_ptr<const TokenMask> mask(int state);
+  // The end tokens alone: the mask once the grammar's text has ended.
+  const std::shared_ptr<const TokenMask>& end_only_mask() const { return end_only_; }
 
   size_t states() const;
 
@@ -167,6 +169,7 @@ class CompiledGrammar {
   std::unordered_map<int32_t, std::shared_ptr<const TokenMask>> masks_;
   std::unordered_map<int32_t, std::unique_ptr<Frame>> frames_;  // by frame state
   int32_t start_ = -1;
+  std::shared_ptr<const TokenMask> end_only_;
 };
 
 // One sequence's place in a grammar: the tokens so far taken one at a time.
