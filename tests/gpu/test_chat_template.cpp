@@ -64,56 +64,6 @@ std::string template_text(const Case& c) {
              : test::read_text_file(c.source);
 }
 
-TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
-  const Case& c = GetParam();
-  if (!std::filesystem::exists(c.source))
-    GTEST_SKIP() << c.source << " is not installed (scripts/install-deps runs npm ci in tests/tokenizers)";
-  const std::string jinja = template_text(c);
-  ASSERT_FALSE(jinja.empty());
-  EXPECT_EQ(detect_chat_template(jinja), c.kind) << c.name;
-
-  const std::string tmp = test::make_temp_dir(std::string("chat-") + c.name);
-  const std::string today = "02 Dec 2026";  // what strftime_now("%d %b %Y") says on both sides
-  json spec{{"template", jinja}, {"bos_token", c.bos}, {"eos_token", c.eos}, {"today", today},
-            {"conversations", json::array()}};
-  for (const auto& messages : conversations()) {
-    json m = json::array();
-    for (const auto& msg : messages) m.push_back({{"role", msg.role}, {"content", msg.content}});
-    spec["conversations"].push_back(m);
-  }
-  // Twice: as Hugging Face renders by default, and with chat_template_kwargs
-  // {"enable_thinking": false} (qwen3's empty thought; the others ignore it).
-  for (const bool thinking : {true, false}) {
-    SCOPED_TRACE(thinking ? "enable_thinking default" : "enable_thinking false");
-    if (!thinking) spec["enable_thinking"] = false;
-    std::ofstream(tmp + "/in.json") << spec.dump();
-    const auto [out, status] = test::run_command("/usr/bin/python3 " +
-                                                 test::shell_quoted(std::string(DISAGG_SOURCE_DIR) + "/tests/gpu/render_chat_template.py") +
-                                                 " " + test::shell_quoted(tmp + "/in.json") + " " +
-                                                 test::shell_quoted(tmp + "/out.json") + " 2>&1");
-    ASSERT_EQ(status, 0) << out << " (python3-jinja2 is installed by scripts/install-deps)";
-    const json want = json::parse(test::read_text_file(tmp + "/out.json"));
-    ASSERT_EQ(want.size(), conversations().size());
-    for (size_t i = 0; i < conversations().size(); ++i) {
-      std::string got;
-      bool refused = false;
-      try {
-        got = chat_text(render_chat_pieces(c.kind, conversations()[i], today, thinking), c.bos, c.eos);
-      } catch (const ChatTemplateError& e) {
-        refused = true;
-        got = e.message;
-      }
-      if (want[i].contains("error")) {
-        EXPECT_TRUE(refused) << c.name << " conversation " << i << ": jinja2 raised " << want[i]["error"] << ", we rendered "
-                             << json(got).dump();
-      } else {
-        EXPECT_FALSE(refused) << c.name << " conversation " << i << ": " << got;
-        EXPECT_EQ(json(got).dump(), json(want[i]["text"].get<std::string>()).dump()) << c.name << " conversation " << i;
-      }
-    }
-  }
-}
-
 // Conversations with tools as agent frameworks send them: tool definitions,
 // an assistant's tool_calls (arguments as objects, as transformers takes
 // them) and the tools' results, multi-turn.
@@ -161,6 +111,47 @@ json reference_render(const Case& c, const std::string& jinja, const json& conve
   const json rendered = status == 0 ? json::parse(test::read_text_file(tmp + "/out.json")) : json::array();
   std::filesystem::remove_all(tmp);
   return rendered;
+}
+
+TEST_P(Jinja, TheBuiltInRendersWhatJinja2Renders) {
+  const Case& c = GetParam();
+  if (!std::filesystem::exists(c.source))
+    GTEST_SKIP() << c.source << " is not installed (scripts/install-deps runs npm ci in tests/tokenizers)";
+  const std::string jinja = template_text(c);
+  ASSERT_FALSE(jinja.empty());
+  EXPECT_EQ(detect_chat_template(jinja), c.kind) << c.name;
+
+  const std::string today = "02 Dec 2026";  // what strftime_now("%d %b %Y") says on both sides
+  json all = json::array();
+  for (const auto& messages : conversations()) {
+    json m = json::array();
+    for (const auto& msg : messages) m.push_back({{"role", msg.role}, {"content", msg.content}});
+    all.push_back(m);
+  }
+  // Twice: as Hugging Face renders by default, and with chat_template_kwargs
+  // {"enable_thinking": false} (qwen3's empty thought; the others ignore it).
+  for (const bool thinking : {true, false}) {
+    SCOPED_TRACE(thinking ? "enable_thinking default" : "enable_thinking false");
+    const json want = reference_render(c, jinja, all, today, thinking);
+    ASSERT_EQ(want.size(), conversations().size());
+    for (size_t i = 0; i < conversations().size(); ++i) {
+      std::string got;
+      bool refused = false;
+      try {
+        got = chat_text(render_chat_pieces(c.kind, conversations()[i], today, thinking), c.bos, c.eos);
+      } catch (const ChatTemplateError& e) {
+        refused = true;
+        got = e.message;
+      }
+      if (want[i].contains("error")) {
+        EXPECT_TRUE(refused) << c.name << " conversation " << i << ": jinja2 raised " << want[i]["error"] << ", we rendered "
+                             << json(got).dump();
+      } else {
+        EXPECT_FALSE(refused) << c.name << " conversation " << i << ": " << got;
+        EXPECT_EQ(json(got).dump(), json(want[i]["text"].get<std::string>()).dump()) << c.name << " conversation " << i;
+      }
+    }
+  }
 }
 
 // The frontend's renderer (CPython embedded, text/jinja.h) against the
