@@ -65,28 +65,6 @@ constexpr int kOverloadedRetryAfterS = 1;
 
 enum class Endpoint { completions, chat };
 
-// What a chat template reads beside the messages (from the request body).
-struct ChatOptions {
-  bool enable_thinking = true;             // chat_template_kwargs' enable_thinking: the only one the built-ins read
-  bool special_tokens_in_content = false;  // true: control-token text in messages becomes those tokens
-  // The body's text: a Jinja template reads its messages, tools and
-  // chat_template_kwargs in the client's key order. Empty: `messages` alone.
-  std::string body_text;
-};
-// The body's chat_template_kwargs (an object) and special_tokens_in_content
-// (a boolean); `text` is the body's text. Throws ApiError.
-ChatOptions chat_options(const json& body, const std::string& text);
-
-// The prompt tokens of `messages` (a validated array of messages) in the
-// chat format (text/chat_template.h): the model's Jinja template rendered
-// by jinja2 (its output bounded at `max_characters`), or a built-in. The
-// text of control tokens in what the client wrote is encoded as plain text
-// (Tokenizer::defused_text) unless options.special_tokens_in_content.
-// Throws ApiError (param "messages") when the template refuses the messages
-// (raise_exception, a role order a built-in does not take) or fails.
-std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, const gpu::Tokenizer& tokenizer,
-                                 const ChatOptions& options = {}, size_t max_characters = size_t(1) << 20);
-
 // What the frontend serves.
 struct ServedModel {
   std::string name;          // the "model" of requests and /v1/models

@@ -1,0 +1,279 @@
+#include "http/chat.h"
+
+#include "grammar/json_schema.h"
+#include "http/fields.h"
+#include "text/jinja.h"
+
+namespace disagg::http {
+
+namespace {
+
+std::string message_text(const json& content, size_t index) {
+  const std::string param = "messages";
+  if (content.is_null()) return {};
+  if (content.is_string()) return content.get<std::string>();
+  if (content.is_array()) {  // [{"type": "text", "text": "..."}]
+    std::string out;
+    for (const auto& part : content) {
+      const json* type = part.is_object() ? field(part, "type") : nullptr;
+      const json* text = part.is_object() ? field(part, "text") : nullptr;
+      if (!type || *type != "text" || !text || !text->is_string())
+        throw bad_request(param, "messages[" + std::to_string(index) + "].content: only text parts are supported",
+                          "unsupported");
+      out += text->get_ref<const std::string&>();
+    }
+    return out;
+  }
+  throw bad_request(param, "messages[" + std::to_string(index) + "].content must be a string or an array of text parts",
+                    "invalid_type");
+}
+
+// An assistant message's tool_calls as its family writes them (what the
+// model would have generated), after its content; any other message's
+// content. A tool message's content is its result.
+// `plain` (set): the tokenizer that defuses the text of control tokens in
+// the content and the arguments (Tokenizer::defused_text), not in the
+// calls' markup, which is the template's.
+std::string message_content(const json& m, size_t index, ChatTemplate family, const gpu::Tokenizer* plain = nullptr) {
+  auto as_plain = [&](const std::string& t) { return plain ? plain->defused_text(t) : t; };
+  std::string text = as_plain(message_text(m.contains("content") ? m["content"] : json(nullptr), index));
+  const json* calls = m.contains("tool_calls") ? &m["tool_calls"] : nullptr;
+  if (!calls || calls->is_null()) return text;
+  const std::string where = "messages[" + std::to_string(index) + "].tool_calls";
+  if (m["role"] != "assistant") throw bad_request("messages", where + ": only an assistant message has tool_calls");
+  expect_type(calls->is_array(), "messages", "an array of tool calls", *calls);
+  json written = json::array();
+  for (const json& call : *calls) {
+    const json* function = call.is_object() && call.contains("function") ? &call["function"] : nullptr;
+    if (!function || !function->is_object() || !function->contains("name") || !(*function)["name"].is_string())
+      throw bad_request("messages", where + ": each call needs function.name", "invalid_type");
+    json arguments = json::object();
+    if (function->contains("arguments")) {
+      const json& a = (*function)["arguments"];
+      arguments = a.is_string() ? json::parse(a.get<std::string>(), nullptr, false) : a;
+      if (arguments.is_discarded() || !arguments.is_object())
+        throw bad_request("messages", where + ": function.arguments must be a JSON object (or its text)");
+    }
+    written.push_back({{"name", (*function)["name"]}, {"arguments", arguments}});
+  }
+  const gpu::ToolSyntax syntax = gpu::tool_syntax_of(gpu::to_string(family));
+  std::string out = text;
+  for (const json& call : written) {
+    if (syntax == gpu::ToolSyntax::hermes) {
+      out += (out.empty() ? "" : "\n") + std::string("<tool_call>\n") + as_plain(dump(call)) + "\n</tool_call>";
+    } else if (syntax == gpu::ToolSyntax::llama3) {
+      out += (out.empty() ? "" : "\n") + as_plain(dump(json{{"name", call["name"]}, {"parameters", call["arguments"]}}));
+    }
+  }
+  if (syntax == gpu::ToolSyntax::mistral) out += "[TOOL_CALLS]" + as_plain(dump(written));
+  if (syntax == gpu::ToolSyntax::none) out += (out.empty() ? "" : "\n") + as_plain(dump(written));
+  return out;
+}
+
+}  // namespace
+
+ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar) {
+  ToolUse use;
+  const json* tools = field(body, "tools");
+  const json* choice = field(body, "tool_choice");
+  if (tools && tools->is_null()) tools = nullptr;
+  if (!tools || tools->empty()) {
+    if (choice && !choice->is_null() && *choice != "none" && *choice != "auto")
+      throw bad_request("tool_choice", "'tool_choice' names a tool but 'tools' defines none");
+    if (tools) expect_type(tools->is_array(), "tools", "an array of tools", *tools);
+    return use;
+  }
+  expect_type(tools->is_array(), "tools", "an array of tools", *tools);
+  if (tools->size() > kMaxTools)
+    throw bad_request("tools", "at most " + std::to_string(kMaxTools) + " tools, got " + std::to_string(tools->size()));
+  std::vector<std::pair<std::string, json>> functions;  // name, parameters schema
+  for (size_t i = 0; i < tools->size(); ++i) {
+    const json& t = (*tools)[i];
+    const std::string where = "tools[" + std::to_string(i) + "]";
+    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object())
+      throw bad_request("tools", where + " must be {\"type\": \"function\", \"function\": {...}}");
+    const json& f = t["function"];
+    if (!f.contains("name") || !f["name"].is_string() || f["name"].get_ref<const std::string&>().empty() ||
+        f["name"].get_ref<const std::string&>().size() > 64)
+      throw bad_request("tools", where + ".function.name must be a string of 1 to 64 characters");
+    for (const auto& [name, unused] : functions)
+      if (name == f["name"]) throw bad_request("tools", where + ": a second tool named " + quote(f["name"]));
+    json parameters = f.contains("parameters") && !f["parameters"].is_null() ? f["parameters"]
+                                                                               : json{{"type", "object"}, {"properties", json::object()}};
+    functions.emplace_back(f["name"].get<std::string>(), std::move(parameters));
+  }
+  use.syntax = gpu::tool_syntax_of(gpu::to_string(family));
+  use.choice = ToolUse::Choice::automatic;
+  if (choice && !choice->is_null()) {
+    if (*choice == "none") use.choice = ToolUse::Choice::none;
+    else if (*choice == "required") use.choice = ToolUse::Choice::required;
+    else if (*choice == "auto") use.choice = ToolUse::Choice::automatic;
+    else if (choice->is_object() && choice->value("type", "") == "function" && choice->contains("function") &&
+             (*choice)["function"].is_object() && (*choice)["function"].contains("name")) {
+      use.choice = ToolUse::Choice::named;
+      use.name = (*choice)["function"]["name"].is_string() ? (*choice)["function"]["name"].get<std::string>() : "";
+      if (std::none_of(functions.begin(), functions.end(), [&](const auto& f) { return f.first == use.name; }))
+        throw bad_request("tool_choice", "'tool_choice' names " + quote((*choice)["function"]["name"]) + ", which 'tools' does not define");
+    } else {
+      throw bad_request("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                       "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    }
+  }
+  const bool parallel = boolean(body, "parallel_tool_calls", true);
+  try {
+    if (use.choice == ToolUse::Choice::named) {
+      for (const auto& [name, parameters] : functions)
+        if (name == use.name) grammar = grammar::json_schema_grammar(parameters).to_json();
+    } else if (use.choice == ToolUse::Choice::required) {
+      // [{"name": one of them, "arguments": its parameters}, ...]
+      json branches = json::array();
+      for (const auto& [name, parameters] : functions)
+        branches.push_back({{"type", "object"},
+                            {"properties", {{"name", {{"const", name}}}, {"arguments", parameters}}},
+                            {"required", {"name", "arguments"}},
+                            {"additionalProperties", false}});
+      json calls = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", branches}}}};
+      if (!parallel) calls["maxItems"] = 1;
+      grammar = grammar::json_schema_grammar(calls).to_json();
+    }
+  } catch (const grammar::GrammarError& e) {
+    throw bad_request("tools", std::string("a tool's parameters: ") + e.what(), "unsupported");
+  }
+  return use;
+}
+
+namespace {
+
+using ordered_json = nlohmann::ordered_json;
+
+// Every string in `v` defused (Tokenizer::defused_text), keys aside.
+ordered_json defused(const ordered_json& v, const gpu::Tokenizer& tokenizer) {
+  if (v.is_string()) return tokenizer.defused_text(v.get_ref<const std::string&>());
+  if (!v.is_structured()) return v;
+  ordered_json out = v;
+  for (auto& item : out.items()) item.value() = defused(item.value(), tokenizer);
+  return out;
+}
+
+// A message as a template reads it (as vLLM hands it to transformers):
+// content as text (text parts joined; null or absent: "", as an assistant's
+// message with tool calls has it), tool_calls' arguments as objects, the
+// other fields as sent (checked by message_content before).
+ordered_json template_message(const ordered_json& m) {
+  ordered_json out = m;
+  std::string text;
+  if (m.contains("content") && m["content"].is_string()) text = m["content"].get<std::string>();
+  if (m.contains("content") && m["content"].is_array())
+    for (const auto& part : m["content"]) text += part["text"].get<std::string>();
+  out["content"] = text;
+  if (m.contains("tool_calls") && m["tool_calls"].is_array())
+    for (ordered_json& call : out["tool_calls"]) {
+      ordered_json& function = call["function"];
+      if (function.contains("arguments") && function["arguments"].is_string())
+        function["arguments"] = ordered_json::parse(function["arguments"].get<std::string>());
+    }
+  return out;
+}
+
+// The variables a Jinja chat template renders with, as transformers passes
+// them: messages, tools, documents, add_generation_prompt, the vocabulary's
+// bos_token and eos_token, then chat_template_kwargs' keys; all in the
+// client's key order (a template may write them with tojson).
+ordered_json template_context(const ordered_json& body, const gpu::Tokenizer& tokenizer, const ChatOptions& options) {
+  const gpu::Vocabulary& v = tokenizer.vocabulary();
+  auto piece = [&](int id) { return id >= 0 ? v.pieces[size_t(id)] : std::string(); };
+  auto plain = [&](const ordered_json& x) { return options.special_tokens_in_content ? x : defused(x, tokenizer); };
+  ordered_json messages = ordered_json::array();
+  for (const ordered_json& m : body["messages"]) messages.push_back(template_message(m));
+  const bool has_tools = body.contains("tools") && !body["tools"].is_null();
+  ordered_json context = {{"messages", plain(messages)}, {"tools", has_tools ? plain(body["tools"]) : ordered_json()},
+                          {"documents", nullptr}, {"add_generation_prompt", true},
+                          {"bos_token", piece(v.bos)}, {"eos_token", piece(v.eos)}};
+  if (body.contains("chat_template_kwargs") && body["chat_template_kwargs"].is_object())
+    for (const auto& [key, value] : body["chat_template_kwargs"].items()) {
+      if (key == "messages" || key == "tools" || key == "documents" || key == "add_generation_prompt")
+        throw bad_request("chat_template_kwargs", "'chat_template_kwargs' may not set " + quote(json(key)));
+      context[key] = plain(value);
+    }
+  return context;
+}
+
+}  // namespace
+
+ChatOptions chat_options(const json& body, const std::string& text) {
+  ChatOptions o;
+  if (const json* kwargs = field(body, "chat_template_kwargs")) {
+    expect_type(kwargs->is_object(), "chat_template_kwargs", "an object", *kwargs);
+    o.enable_thinking = boolean(*kwargs, "enable_thinking", true);
+  }
+  o.special_tokens_in_content = boolean(body, "special_tokens_in_content", false);
+  o.body_text = text;
+  return o;
+}
+
+std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, const gpu::Tokenizer& tokenizer,
+                                 const ChatOptions& options, size_t max_characters) {
+  using gpu::ChatMessage, gpu::ChatPiece;
+  const bool plain = !options.special_tokens_in_content;
+  std::vector<ChatPiece> pieces;
+  try {
+    if (chat.jinja) {
+      gpu::JinjaLimits limits;
+      limits.characters = max_characters;
+      // The body again, its objects' keys in the client's order (json's are sorted).
+      ordered_json body = options.body_text.empty() ? ordered_json{{"messages", ordered_json::parse(messages.dump())}}
+                                                    : ordered_json::parse(options.body_text);
+      pieces.push_back({ChatPiece::text, chat.jinja->render(template_context(body, tokenizer, options).dump(), limits)});
+    } else {
+      std::vector<ChatMessage> list;
+      for (size_t i = 0; i < messages.size(); ++i)
+        list.push_back({messages[i]["role"].get<std::string>(),
+                        message_content(messages[i], i, chat.family, plain ? &tokenizer : nullptr)});
+      pieces = gpu::render_chat_pieces(chat.family, list, "", options.enable_thinking);
+    }
+  } catch (const gpu::ChatTemplateError& e) {
+    throw bad_request("messages", std::string("the ") + (chat.jinja ? "model's" : gpu::to_string(chat.family)) +
+                                      " chat template: " + e.message);
+  }
+  const gpu::Vocabulary& v = tokenizer.vocabulary();
+  std::vector<int32_t> tokens;
+  for (const ChatPiece& p : pieces) {
+    if (p.kind == ChatPiece::text) {
+      const std::vector<int> ids = tokenizer.encode(p.value, /*add_bos=*/false, /*marked=*/plain);  // the template placed BOS
+      tokens.insert(tokens.end(), ids.begin(), ids.end());
+    } else if (const int id = p.kind == ChatPiece::bos ? v.bos : v.eos; id >= 0) {
+      tokens.push_back(id);
+    }
+  }
+  if (tokens.empty()) throw bad_request("messages", "the messages render to an empty prompt");
+  return tokens;
+}
+
+// The prompt of a chat request's `messages`: checked (shape, roles, bytes),
+// then rendered in the chat format with the body's options.
+std::vector<int32_t> chat_prompt(const json& body, const std::string& text, const ServedModel& model,
+                                 const gpu::Tokenizer& tokenizer, const ChatFormat& chat) {
+  const json* list = field(body, "messages");
+  if (!list) throw bad_request("messages", "'messages' is required", "missing");
+  const json& messages = *list;
+  expect_type(messages.is_array(), "messages", "an array of messages", messages);
+  if (messages.empty()) throw bad_request("messages", "'messages' must not be empty");
+  size_t bytes = 0;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      throw bad_request("messages", where + " must be an object with a string 'role'", "invalid_type");
+    const std::string& role = m["role"].get_ref<const std::string&>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      throw bad_request("messages", where + ".role must be system, user, assistant or tool, got " + quote(m["role"]));
+    bytes += message_content(m, i, chat.family).size();
+  }
+  if (int64_t(bytes) > model.max_prompt_bytes)
+    throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
+                                      std::to_string(model.max_prompt_bytes) + " (disagg.max-prompt-bytes)");
+  // A template adds its own text (turn markup, tool definitions): bounded at twice the messages' limit.
+  return render_chat(chat, messages, tokenizer, chat_options(body, text), size_t(2 * model.max_prompt_bytes));
+}
+
+}  // namespace disagg::http
