@@ -251,11 +251,6 @@ namespace {
 constexpr char kMark[] = "\xEF\xB7\x90";  // U+FDD0 in UTF-8
 constexpr size_t kMarkBytes = 3;
 
-// Bytes in the UTF-8 character that starts with `lead` (1 for a stray byte).
-size_t utf8_length(unsigned char lead) {
-  return lead < 0xC0 ? 1 : lead < 0xE0 ? 2 : lead < 0xF0 ? 3 : 4;
-}
-
 }  // namespace
 
 std::string without_marks(const std::string& text) {
@@ -295,11 +290,9 @@ std::string Tokenizer::defused_text(const std::string& text) const {
     if (m.type(id) != TokenType::control) {
       out.append(text, i, length);
     } else {
-      for (size_t k = i; k < i + length;) {  // a mark between characters (never inside one)
-        const size_t n = std::min(utf8_length(static_cast<unsigned char>(text[k])), i + length - k);
-        if (k > i) out += kMark;
-        out.append(text, k, n);
-        k += n;
+      for (size_t k = i; k < i + length; ++k) {  // a mark between characters (never inside one)
+        if (k > i && !is_utf8_continuation(static_cast<unsigned char>(text[k]))) out += kMark;
+        out += text[k];
       }
     }
     i += length;
