@@ -222,7 +222,7 @@ std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, c
       limits.characters = max_characters;
       // The body again, its objects' keys in the client's order (json's are sorted).
       ordered_json body = options.body_text.empty() ? ordered_json{{"messages", ordered_json::parse(messages.dump())}}
-                                                    : ordered_json::parse(options.body_text);
+                                                    : ordered_json::parse(options.body_text.begin(), options.body_text.end());
       pieces.push_back({ChatPiece::text, chat.jinja->render(template_context(body, tokenizer, options).dump(), limits)});
     } else {
       std::vector<ChatMessage> list;

@@ -7,6 +7,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "http/api.h"
@@ -17,9 +18,10 @@ namespace disagg::http {
 struct ChatOptions {
   bool enable_thinking = true;             // chat_template_kwargs' enable_thinking: the only one the built-ins read
   bool special_tokens_in_content = false;  // true: control-token text in messages becomes those tokens
-  // The body's text: a Jinja template reads its messages, tools and
-  // chat_template_kwargs in the client's key order. Empty: `messages` alone.
-  std::string body_text;
+  // The body's text (the caller's, read while rendering): a Jinja template
+  // reads its messages, tools and chat_template_kwargs in the client's key
+  // order. Empty: `messages` alone.
+  std::string_view body_text;
 };
 // The body's chat_template_kwargs (an object) and special_tokens_in_content
 // (a boolean); `text` is the body's text. Throws ApiError.
