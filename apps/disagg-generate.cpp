@@ -25,13 +25,13 @@ using namespace disagg::cli;
 const std::string kUsage = std::string(
     "usage: disagg-generate --model M [--tokenizer T] (--prompt TEXT | --prompt-tokens \"1 403 407\")\n"
     "                       --max-new-tokens N [sampling flags]\n"
-    "                       [--backend auto|cpu|cuda] [--json]\n"
+    "                       [--backend auto|cpu|cuda] [--weight-cache off|model|FOLDER] [--json]\n"
     "M: a llama2.c checkpoint (then --tokenizer is required) or a GGUF file (its own vocabulary\n"
     "unless --tokenizer names another). Prints the prompt and its continuation, or with --json one line\n"
     "{\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\"} (text: the continuation).\n") + "Sampling flags:\n" + kSamplingUsage;
 
 struct Options {
-  std::string model, tokenizer, backend = "auto";
+  std::string model, tokenizer, backend = "auto", weight_cache;
   GenerationFlags gen;
   bool json = false;
 };
@@ -54,6 +54,8 @@ Options parse_args(int argc, char** argv) {
       if (value != "auto" && value != "cpu" && value != "cuda")
         throw UsageError{"--backend expects auto, cpu or cuda, got '" + value + "'"};
       o.backend = value;
+    } else if (flag == "--weight-cache") {
+      o.weight_cache = value;
     } else {
       throw UsageError{"unknown option " + flag};
     }
@@ -80,7 +82,10 @@ int run(const Options& o) {
   const Tokenizer tokenizer = load_tokenizer(*checkpoint, o.tokenizer);
   const std::vector<int> prompt = o.gen.has_prompt ? tokenizer.encode(o.gen.prompt) : o.gen.prompt_tokens;
 
-  Engine engine(checkpoint, EngineOptions{o.backend});
+  EngineOptions engine_options;
+  engine_options.backend = o.backend;
+  engine_options.weight_cache = o.weight_cache;
+  Engine engine(checkpoint, engine_options);
   const auto start = std::chrono::steady_clock::now();
   const GenerateResult result = generate(engine, prompt, o.gen.max_new_tokens, o.gen.sampling);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

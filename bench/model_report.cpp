@@ -36,7 +36,7 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 const char* kUsage =
     "usage: bench_compute --model FILE [--threads 1,2] [--prefill 512] [--decode 64] [--batch 16]\n"
-    "                     [--context 16]\n"
+    "                     [--context 16] [--weight-cache off|model|FOLDER]\n"
     "Loads FILE (llama2.c or GGUF, any weight type) and prints, as JSON lines: the load\n"
     "(seconds, peak RSS / file size), the measured read bandwidth per thread count, then per\n"
     "thread count decode (one sequence, --decode steps after a --context prompt), batched\n"
@@ -193,6 +193,7 @@ struct Options {
   std::string model;
   std::vector<int> threads = {1, 2};
   int prefill = 512, decode = 64, batch = 16, context = 16;
+  std::string weight_cache;  // EngineOptions::weight_cache
 };
 
 Options parse_options(int argc, char** argv) {
@@ -206,6 +207,7 @@ Options parse_options(int argc, char** argv) {
     else if (flag == "--decode") o.decode = int(cli::parse_integer(flag, value, 2, 1 << 20));
     else if (flag == "--batch") o.batch = int(cli::parse_integer(flag, value, 1, 4096));
     else if (flag == "--context") o.context = int(cli::parse_integer(flag, value, 1, 1 << 20));
+    else if (flag == "--weight-cache") o.weight_cache = value;
     else throw cli::UsageError{"unknown option " + flag};
   }
   if (o.model.empty() || o.threads.empty()) throw cli::UsageError{"--model and --threads are needed"};
@@ -266,7 +268,9 @@ int model_report(int argc, char** argv) {
     const std::vector<double> bandwidths = read_bandwidths(o.threads);
     const auto t0 = Clock::now();
     auto cp = Checkpoint::open(o.model);
-    Engine engine(cp);
+    EngineOptions engine_options;
+    engine_options.weight_cache = o.weight_cache;
+    Engine engine(cp, engine_options);
     const double load_s = seconds_since(t0);
     const ModelConfig& c = engine.config();
     double bytes = 0, macs = 0;

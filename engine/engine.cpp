@@ -3,9 +3,12 @@
 // batched decode step (rows = sequences, K/V in a paged pool).
 #include "engine/engine.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cstdio>
 #include <cmath>
 #include <string>
 
@@ -13,6 +16,7 @@
 #include "gpu/error.h"
 #include "gpu/host_memory.h"
 #include "gpu/kv_layout.h"
+#include "engine/weight_cache.h"
 
 namespace disagg::gpu {
 
@@ -59,6 +63,33 @@ const void* place_quantized(Backend& backend, const void* host, size_t bytes, De
   return storage.get() + offset;
 }
 
+// Where the weight matrices go: first each one's place in one arena of bytes
+// is planned (LayerMatrices' constructors, in load order), then the arena
+// is filled (each matrix packed in the backend's layout) in the backend's
+// memory or in a weight cache's mapping (engine/weight_cache.h), and bound.
+class WeightArena {
+ public:
+  static constexpr size_t kAlign = 64;  // a tile's body, a panel's row
+
+  size_t place(WeightType type, int n, int k, size_t bytes) {
+    const size_t at = (bytes_ + kAlign - 1) / kAlign * kAlign;
+    bytes_ = at + bytes;
+    plan_.push_back({uint64_t(type), uint64_t(n), uint64_t(k), at, bytes});
+    return at;
+  }
+  size_t bytes() const { return bytes_; }
+  // Of every matrix's (type, n, k, offset, bytes): a cache made by a build
+  // that places them otherwise is not read.
+  uint64_t digest() const { return XXH3_64bits(plan_.data(), plan_.size() * sizeof(plan_[0])); }
+
+ private:
+  struct Place {
+    uint64_t type, n, k, offset, bytes;
+  };
+  size_t bytes_ = 0;
+  std::vector<Place> plan_;
+};
+
 // One weight matrix per layer (n x k, "out x in"; each layer in its own
 // type, as a Q4_K_M file mixes them) on the backend: f32, f16 and bf16
 // packed in its matmul layout, quantized ones in the backend's layout
@@ -69,71 +100,69 @@ class LayerMatrices {
   // layout (16 rows), and of any backend's that keeps the file's rows.
   static constexpr int kPackSliceRows = 1024;
 
-  // The packed matrices' pages leave memory once packed (Checkpoint::release),
-  // so a model is resident once, in the engine's layout.
-  LayerMatrices(Backend& backend, const Checkpoint& checkpoint, const std::vector<Matrix>& per_layer, int n, int k)
-      : n_(n), k_(k), packed_(backend), packed16_(backend), blocks_(backend) {
-    const size_t stride = backend.packed_floats(n, k);
-    size_t floats = 0, halves = 0, bytes = 0;  // storage of each kind, all layers
+  LayerMatrices(Backend& backend, WeightArena& arena, const std::vector<Matrix>& per_layer, int n, int k)
+      : n_(n), k_(k) {
     for (const Matrix& m : per_layer) {
-      if (m.type == WeightType::f32) floats += stride;
-      else if (is_float16(m.type)) halves += stride;
-      else bytes += backend.quantized_bytes(m.type, n, k);
+      const size_t bytes = m.type == WeightType::f32  ? backend.packed_floats(n, k) * sizeof(float)
+                           : is_float16(m.type)       ? backend.packed_floats(n, k) * sizeof(uint16_t)
+                                                      : backend.quantized_bytes(m.type, n, k);
+      layers_.push_back(Layer{m, arena.place(m.type, n, k, bytes), nullptr});
     }
-    packed_.ensure(floats);
-    packed16_.ensure(halves);
-    blocks_.ensure(bytes);
-    floats = halves = bytes = 0;
-    for (const Matrix& m : per_layer) {
-      const size_t size = size_t(n) * row_bytes(m.type, k);
-      Layer L{m.type, nullptr};
+  }
+
+  // Packs every layer's matrix at its place in `arena` (backend memory). The
+  // file's pages leave memory once packed (Checkpoint::release), so a model
+  // is resident once, in the engine's layout.
+  void pack(Backend& backend, const Checkpoint& checkpoint, uint8_t* arena) const {
+    for (const Layer& L : layers_) {
+      const Matrix& m = L.source;
+      uint8_t* dst = arena + L.offset;
       if (m.type == WeightType::f32) {
-        float* dst = packed_.get() + floats;
-        backend.pack_matrix(m.f32(), dst, n, k);
-        L.data = dst;
-        floats += stride;
+        backend.pack_matrix(m.f32(), reinterpret_cast<float*>(dst), n_, k_);
       } else if (is_float16(m.type)) {
-        uint16_t* dst = packed16_.get() + halves;
-        backend.pack_matrix16(static_cast<const uint16_t*>(m.data), dst, n, k);
-        L.data = dst;
-        halves += stride;
+        backend.pack_matrix16(static_cast<const uint16_t*>(m.data), reinterpret_cast<uint16_t*>(dst), n_, k_);
       } else {
         // In slices of whole tiles, each slice's file pages released once
         // copied, so the load holds one slice of the file beside the copy
         // (a 128,256-row classifier is a fifth of a Q4_0 1B model).
-        uint8_t* dst = blocks_.get() + bytes;
-        const size_t row = row_bytes(m.type, k);
-        for (int r = 0; r < n; r += kPackSliceRows) {
-          const int rows = std::min(kPackSliceRows, n - r);
+        const size_t row = row_bytes(m.type, k_);
+        for (int r = 0; r < n_; r += kPackSliceRows) {
+          const int rows = std::min(kPackSliceRows, n_ - r);
           const auto* src = static_cast<const uint8_t*>(m.data) + size_t(r) * row;
-          backend.pack_quantized(m.type, src, dst + backend.quantized_bytes(m.type, r, k), rows, k);
+          backend.pack_quantized(m.type, src, dst + backend.quantized_bytes(m.type, r, k_), rows, k_);
           checkpoint.release(src, size_t(rows) * row);  // the slice's pages, once copied
         }
-        L.data = dst;
-        bytes += backend.quantized_bytes(m.type, n, k);
       }
-      checkpoint.release(m.data, size);  // (quantized: the pages the slices' edges shared)
-      layers_.push_back(L);
     }
+    release(checkpoint);  // (quantized: the pages the slices' edges shared)
+  }
+
+  // The file's pages of every layer leave memory (packed, or read from a cache).
+  void release(const Checkpoint& checkpoint) const {
+    for (const Layer& L : layers_) checkpoint.release(L.source.data, size_t(n_) * row_bytes(L.source.type, k_));
+  }
+
+  // The layers' data at their places in the filled arena.
+  void bind(const uint8_t* arena) {
+    for (Layer& L : layers_) L.data = arena + L.offset;
   }
 
   // c = a W_l^T for `rows` rows of a.
   void mul(Backend& b, size_t l, const float* a, float* c, int rows) const {
     const Layer& L = layers_[l];
-    if (L.type == WeightType::f32) b.matmul(a, static_cast<const float*>(L.data), c, rows, n_, k_);
-    else if (is_float16(L.type)) b.matmul16(L.type, a, static_cast<const uint16_t*>(L.data), c, rows, n_, k_);
-    else b.matmul_quantized(L.type, a, L.data, c, rows, n_, k_);
+    const WeightType type = L.source.type;
+    if (type == WeightType::f32) b.matmul(a, static_cast<const float*>(L.data), c, rows, n_, k_);
+    else if (is_float16(type)) b.matmul16(type, a, static_cast<const uint16_t*>(L.data), c, rows, n_, k_);
+    else b.matmul_quantized(type, a, L.data, c, rows, n_, k_);
   }
 
  private:
   struct Layer {
-    WeightType type;
-    const void* data;  // in the backend's layout
+    Matrix source;      // the file's matrix (its type and rows)
+    size_t offset;      // its place in the arena
+    const void* data;   // in the backend's layout (bind)
   };
   int n_, k_;
-  DeviceArray<float> packed_;        // f32 layers
-  DeviceArray<uint16_t> packed16_;   // f16, bf16 layers
-  DeviceArray<uint8_t> blocks_;      // quantized layers in the backend's layout
   std::vector<Layer> layers_;
 };
 
@@ -177,10 +206,10 @@ struct Engine::Impl {
         token_embedding(*backend),
         token_blocks(*backend),
         rms_att(upload_layers(*backend, weights().layers, &LayerWeights::rms_att, dim)),
-        wq(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wq), cfg.q_dim(), cfg.dim),
-        wk(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wk), cfg.kv_dim(), cfg.dim),
-        wv(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wv), cfg.kv_dim(), cfg.dim),
-        wo(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.q_dim()),
+        wq(*backend, arena, per_layer(weights().layers, &LayerWeights::wq), cfg.q_dim(), cfg.dim),
+        wk(*backend, arena, per_layer(weights().layers, &LayerWeights::wk), cfg.kv_dim(), cfg.dim),
+        wv(*backend, arena, per_layer(weights().layers, &LayerWeights::wv), cfg.kv_dim(), cfg.dim),
+        wo(*backend, arena, per_layer(weights().layers, &LayerWeights::wo), cfg.dim, cfg.q_dim()),
         bq(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bq, q_dim) : DeviceArray<float>(*backend)),
         bk(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bk, kv_dim) : DeviceArray<float>(*backend)),
         bv(cfg.qkv_bias() ? upload_layers(*backend, weights().layers, &LayerWeights::bv, kv_dim) : DeviceArray<float>(*backend)),
@@ -189,15 +218,16 @@ struct Engine::Impl {
         k_norm(cfg.qk_norm() ? upload_layers(*backend, weights().layers, &LayerWeights::k_norm, head)
                              : DeviceArray<float>(*backend)),
         rms_ffn(upload_layers(*backend, weights().layers, &LayerWeights::rms_ffn, dim)),
-        w1(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w1), cfg.hidden_dim, cfg.dim),
-        w2(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w2), cfg.dim, cfg.hidden_dim),
-        w3(*backend, *checkpoint, per_layer(weights().layers, &LayerWeights::w3), cfg.hidden_dim, cfg.dim),
+        w1(*backend, arena, per_layer(weights().layers, &LayerWeights::w1), cfg.hidden_dim, cfg.dim),
+        w2(*backend, arena, per_layer(weights().layers, &LayerWeights::w2), cfg.dim, cfg.hidden_dim),
+        w3(*backend, arena, per_layer(weights().layers, &LayerWeights::w3), cfg.hidden_dim, cfg.dim),
         rms_final(upload_tensor(*backend, weights().rms_final, dim)),
-        wcls(*backend, *checkpoint, {weights().wcls}, cfg.vocab_size, cfg.dim),
+        wcls(*backend, arena, {weights().wcls}, cfg.vocab_size, cfg.dim),
         rope(rope_table(*backend, cfg)),
         x(*backend), xb(*backend), xb2(*backend), q(*backend), k(*backend), v(*backend), hb(*backend),
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
-        tables(*backend) {
+        tables(*backend), weight_memory(*backend) {
+    place_matrices(options);
     // The embedding table: f32 rows copied; other types' rows placed as stored.
     const Matrix& table = weights().token_embedding;
     if (embedding_type == WeightType::f32) {
@@ -212,6 +242,36 @@ struct Engine::Impl {
   }
 
   const Weights& weights() const { return checkpoint->weights(); }
+
+  // Fills the planned arena of matrices (`arena`) and binds each to its
+  // place: read from a weight cache when options ask for one and it is valid
+  // (built first when not), else packed into memory of the backend's own.
+  void place_matrices(const EngineOptions& options) {
+    LayerMatrices* all[] = {&wq, &wk, &wv, &wo, &w1, &w2, &w3, &wcls};
+    auto fill = [&](uint8_t* data) {
+      for (const LayerMatrices* m : all) m->pack(*backend, *checkpoint, data);
+    };
+    auto log = options.log ? options.log : [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+    const uint8_t* base = nullptr;
+    if (!options.weight_cache.empty() && options.weight_cache != "off") {
+      if (backend->weight_layout().empty()) {
+        log("weight cache: the " + backend->name() + " backend keeps weights in memory of its own; not used");
+      } else {
+        const WeightCacheKey key{checkpoint->path(), checkpoint->fingerprint(), backend->weight_layout(),
+                                 arena.digest(), arena.bytes()};
+        weight_cache = WeightCache::open(options.weight_cache, key, fill, log);
+        if (weight_cache) {
+          base = weight_cache->data();
+          for (const LayerMatrices* m : all) m->release(*checkpoint);
+        }
+      }
+    }
+    if (!base) {
+      fill(weight_memory.ensure(arena.bytes()));
+      base = weight_memory.get();
+    }
+    for (LayerMatrices* m : all) m->bind(base);
+  }
 
   // Gives a hook this layer's K and V rows as host memory (a copy only when
   // the backend's memory is not the host's).
@@ -313,6 +373,7 @@ struct Engine::Impl {
   DeviceArray<uint8_t> token_blocks;    // quantized, on a device backend
   const void* token_rows = nullptr;     // quantized: the table's rows (device pointer)
   DeviceArray<float> rms_att;           // (layers, dim)
+  WeightArena arena;                    // where the matrices below go (place_matrices)
   LayerMatrices wq, wk, wv, wo;         // (q_dim, dim), (kv_dim, dim) x2, (dim, q_dim)
   DeviceArray<float> bq, bk, bv;        // qwen2 only: (layers, q_dim), (layers, kv_dim) x2
   DeviceArray<float> q_norm, k_norm;    // qwen3 only: (layers, head_size) each
@@ -325,6 +386,8 @@ struct Engine::Impl {
   // Scratch, grown on demand and reused across calls.
   DeviceArray<float> x, xb, xb2, q, k, v, hb, hb2, logits, prefill_kv;
   DeviceArray<int> tokens, positions, tables;
+  DeviceArray<uint8_t> weight_memory;         // the matrices' arena, when no weight cache holds it
+  std::unique_ptr<WeightCache> weight_cache;  // the matrices' arena, mapped from a file
   std::vector<float> host_k, host_v;  // hook staging when the backend's memory is not the host's
   std::vector<float> host_cache;      // on_layer_cache's mirror of the prefill cache, likewise
   int last_prefill_positions = 0;     // the last prefill's cache: one block of this many positions

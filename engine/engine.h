@@ -18,6 +18,14 @@ class Backend;
 // "auto": CUDA when built with it and a GPU is present, else CPU; "cpu"; "cuda".
 struct EngineOptions {
   std::string backend = "auto";
+  // Where the packed weight matrices are kept (engine/weight_cache.h): ""
+  // or "off": memory of this engine's own; "model": a cache file beside the
+  // model; else a cache file in that folder (created if missing). Only a
+  // host-memory backend (the CPU's) reads a cache.
+  std::string weight_cache;
+  // Where the weight cache's lines go (built, rebuilt and why, not usable);
+  // unset: stderr.
+  std::function<void(const std::string&)> log;
 };
 
 struct PrefillOutput {

@@ -44,6 +44,10 @@ class Backend {
   // True when device pointers are host pointers (the CPU backend): a caller
   // may then read and write them directly instead of copying.
   virtual bool host_memory() const { return false; }
+  // The name and version of the layout pack_matrix, pack_matrix16 and
+  // pack_quantized write, for a host-memory backend whose packed weights may
+  // be kept in a file (engine/weight_cache.h): e.g. "cpu-tiles-1". "": none.
+  virtual std::string weight_layout() const { return ""; }
 
   // ---- memory (bytes; throws Error when an allocation fails)
   virtual void* alloc_bytes(size_t bytes) = 0;

@@ -93,6 +93,7 @@ class CpuBackend final : public Backend {
 
   std::string name() const override { return "cpu"; }
   bool host_memory() const override { return true; }
+  std::string weight_layout() const override { return "cpu-tiles-" + std::to_string(cpu::kLayoutVersion); }
   std::string describe() const override {
     return std::string("cpu (") + k_.isa + " kernels, " + std::to_string(omp_get_max_threads()) + " threads)";
   }

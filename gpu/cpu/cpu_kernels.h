@@ -24,6 +24,11 @@ namespace disagg::gpu::cpu {
 // (zero-padded past n), so a product streams each panel front to back.
 constexpr int kPanel = 16;
 
+// The version of the layouts this header draws (panels, tiles): raised with
+// any change to them, so a weight cache of the old layout (engine/
+// weight_cache.h) is rebuilt rather than read.
+constexpr int kLayoutVersion = 1;
+
 // Query rows that share one block table (a prefill) are attended in groups of
 // this many, so each K/V tile is read from memory once for all of them.
 constexpr int kQueryRows = 128;
