@@ -55,6 +55,9 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.model, "model", "model file: GGUF, llama2.c checkpoint or Hugging Face directory")
       .add(c.tokenizer, "tokenizer", "tokenizer path (text prompts and token text; workers: structured output)")
       .add(c.backend, "backend", "compute backend: auto, cpu or cuda")
+      .add(c.weight_cache, "weight-cache",
+           "packed weights in a file every process of the host maps (one copy, no re-lay at restart): off, "
+           "model (beside the model file) or a folder")
       .add(c.prefill_workers, "prefill-workers", "prefill workers of a local cluster")
       .add(c.decode_workers, "decode-workers", "decode workers of a local cluster")
       .add(c.max_kv_transfer_bytes, "max-kv-transfer-bytes", "largest KV a prefill worker ships (larger: kv_too_large)")

@@ -23,6 +23,7 @@ struct DisaggConfig {
   std::string model;              // llama2.c checkpoint path
   std::string tokenizer;          // optional: text prompts and token text at the router
   std::string backend = "auto";   // auto | cpu | cuda
+  std::string weight_cache = "off";  // off | model | a folder (gpu::EngineOptions::weight_cache)
 
   // Topology of a local (in-process) cluster.
   int prefill_workers = 1;

@@ -54,6 +54,7 @@ Engines spawn_engines(caf::actor_system& system, const LocalClusterOptions& opti
   const DisaggConfig& cfg = options.config;
   gpu::EngineOptions engine;
   engine.backend = cfg.backend;
+  engine.weight_cache = cfg.weight_cache;
   Engines e;
   try {
     for (int i = 0; i < cfg.prefill_workers; ++i) {

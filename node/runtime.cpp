@@ -265,6 +265,8 @@ std::optional<ComputeUnit> load_compute(caf::actor_system& system, const DisaggC
     ComputeSpec spec;
     spec.checkpoint = gpu::Checkpoint::open(cfg.model);
     spec.engine.backend = cfg.backend;
+    spec.engine.weight_cache = cfg.weight_cache;
+    spec.engine.log = [](const std::string& line) { node_log(line); };
     spec.kv_plane = std::move(plane);
     spec.local_targets = std::move(local);
     spec.prefill_chunk = cfg.prefill_chunk;
