@@ -78,7 +78,7 @@ std::string prompt_text(const disagg::gpu::Tokenizer& tokenizer, const std::vect
 
 int run(const Options& o) {
   using namespace disagg::gpu;
-  auto checkpoint = Checkpoint::open(o.model);
+  auto checkpoint = Checkpoint::open(o.model, o.weight_cache);
   const Tokenizer tokenizer = load_tokenizer(*checkpoint, o.tokenizer);
   const std::vector<int> prompt = o.gen.has_prompt ? tokenizer.encode(o.gen.prompt) : o.gen.prompt_tokens;
 

@@ -2,7 +2,7 @@
 # One copy of the weights per host (issue 43, item 3): config/local (router,
 # 2 prefill, 2 decode, frontend) on MODEL with a weight cache (the config's
 # weight-cache = "model", or CACHE_DIR), started three times in a row:
-#   cold   no cache file yet: the first worker builds it, the others map it
+#   cold   no cache file (nor fingerprint memo) yet: the first worker builds it, the others map it
 #   warm   the cache there: every worker maps it (a restart)
 #   off    WITH_OFF=1 only: --disagg.weight-cache=off, each worker its own copy
 #          (4 copies of the weights: leave it out where they do not fit)
@@ -15,7 +15,7 @@
 #   MODEL=path/8b.gguf bench/weight_sharing.sh     (run by `scripts/bench weights`)
 #
 # Prints one line per start:
-#   weights START: serve_s=S rss_gb=R pss_gb=P file_gb=F pools_gb=K pss_over_file_plus_pools=X
+#   weights START: serve_s=S rss_gb=R pss_gb=P file_gb=F pools_gb=K pss_over_file=Y pss_over_file_plus_pools=X
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -46,7 +46,7 @@ import struct, sys
 # Layers and KV width from the GGUF header (block_count, head_count_kv, embedding_length, head_count).
 path, blocks, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 with open(path, "rb") as f:
-    data = f.read(1 << 20)
+    data = f.read(64 << 20)  # the header: metadata (a vocabulary of 128k: ~3 MB) comes first
 assert data[:4] == b"GGUF", "weight_sharing: MODEL must be a GGUF file"
 n_kv = struct.unpack_from("<Q", data, 16)[0]
 at, kv = 24, {}
@@ -82,7 +82,7 @@ start() {  # NAME [OPTIONS...]
   DISAGG_OPTIONS="$options" scripts/cluster up >"$RUN_DIR/up.out"
   ended=$(date +%s.%N)
   address=$(cat "$RUN_DIR/router.address")
-  "$BIN/disagg-client" --router "$address" --prompt-tokens "1 450 451 452" --max-new-tokens 8 --json >/dev/null
+  "$BIN/disagg-client" --router "$address" --prompt-tokens "1 450 451 452" --max-new-tokens 8 --json >/dev/null 2>&1
   for f in "$RUN_DIR"/*.pid; do
     pid=$(cat "$f")
     [ -r "/proc/$pid/smaps_rollup" ] || continue
@@ -94,7 +94,8 @@ import sys
 name, began, ended, rss, pss, file, pools = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), *map(int, sys.argv[4:])
 gb = 1e9
 print(f"weights {name}: serve_s={ended - began:.2f} rss_gb={rss * 1024 / gb:.2f} pss_gb={pss * 1024 / gb:.2f} "
-      f"file_gb={file / gb:.2f} pools_gb={pools / gb:.2f} pss_over_file_plus_pools={pss * 1024 / (file + pools):.3f}")
+      f"file_gb={file / gb:.2f} pools_gb={pools / gb:.2f} pss_over_file={pss * 1024 / file:.3f} "
+      f"pss_over_file_plus_pools={pss * 1024 / (file + pools):.3f}")
 EOF
   grep -h "weight cache" "$RUN_DIR"/*.log | sed 's/^/  /' || true
   scripts/cluster down >/dev/null
@@ -102,7 +103,7 @@ EOF
 
 POOLS=$(pools_bytes)
 echo "weights: model $MODEL, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(nproc) cores"
-if [ -n "${CACHE_DIR:-}" ]; then rm -rf "$CACHE_DIR"; else rm -f "$MODEL".*.wcache "$MODEL".*.wcache.lock; fi
+if [ -n "${CACHE_DIR:-}" ]; then rm -rf "$CACHE_DIR"; else rm -f "$MODEL".*.wcache "$MODEL".*.wcache.lock "$MODEL".fingerprint; fi
 start cold
 start warm
 if [ "${WITH_OFF:-0}" = 1 ]; then start off --disagg.weight-cache=off; fi

@@ -7,6 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>  // Debian's libxxhash picks AVX2/AVX-512 at run time
+#endif
 
 #include <cerrno>
 #include <chrono>

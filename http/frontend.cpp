@@ -600,7 +600,7 @@ struct Served {
 std::optional<Served> load_served(const NodeOptions& node, const DisaggConfig& cfg) {
   Served s;
   try {
-    auto checkpoint = gpu::Checkpoint::open(cfg.model);
+    auto checkpoint = gpu::Checkpoint::open(cfg.model, cfg.weight_cache);
     s.model.vocab_size = checkpoint->config().vocab_size;
     s.model.seq_len = checkpoint->config().seq_len;
     s.model.name = node.served_model_name.empty() ? checkpoint->name() : node.served_model_name;

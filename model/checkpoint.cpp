@@ -285,7 +285,72 @@ void Checkpoint::load_gguf(size_t file_size) {
   name_ = f.find("general.name") ? f.string("general.name") : stem_of(path_);
 }
 
-std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
+namespace {
+
+// The memo of a file model's fingerprint (Checkpoint::open): its path, or ""
+// for none.
+std::string memo_path(const std::string& path, const std::string& folder) {
+  if (folder.empty() || folder == "off") return "";
+  if (folder == "model") return path + ".fingerprint";
+  const size_t slash = path.find_last_of('/');
+  return folder + "/" + (slash == std::string::npos ? path : path.substr(slash + 1)) + ".fingerprint";
+}
+
+// What identifies the bytes of the open file `fd` without reading them.
+nlohmann::json file_identity(int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return nullptr;
+  auto ns = [](const timespec& t) { return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec; };
+  return {{"device", uint64_t(st.st_dev)}, {"inode", uint64_t(st.st_ino)}, {"size", int64_t(st.st_size)},
+          {"mtime_ns", ns(st.st_mtim)}, {"ctime_ns", ns(st.st_ctim)}};
+}
+
+// How old a file's last change must be before its fingerprint is remembered:
+// far more than the kernel's timestamp tick (a few milliseconds).
+constexpr int64_t kRacyNs = 1000000000;
+
+// The fingerprint of the file model at `path` (open as `fd`, mapped at
+// `mapping`): from its memo when the memo is of this file unchanged, else
+// hashed, and the memo written (a temporary file renamed; failures ignored:
+// the memo only saves time).
+uint64_t file_fingerprint(const std::string& path, int fd, void* mapping, size_t size, const std::string& folder) {
+  const std::string memo = memo_path(path, folder);
+  const nlohmann::json identity = file_identity(fd);
+  if (memo.empty() || identity.is_null()) return fingerprint_bytes(mapping, size);
+  constexpr size_t kMemoBytes = 4096;  // a memo is ~150 bytes; anything larger is not one
+  if (file_problem(memo).empty()) {
+    try {
+      const InputFile file = InputFile::open(memo);
+      if (file.size() <= kMemoBytes) {
+        const nlohmann::json j = nlohmann::json::parse(file.read_all());
+        if (j.at("file") == identity) return std::stoull(j.at("fingerprint").get<std::string>(), nullptr, 16);
+      }
+    } catch (const std::exception&) {  // not a memo of ours: hashed and rewritten
+    }
+  }
+  const uint64_t fingerprint = fingerprint_bytes(mapping, size);
+  // A file changed within the clock's tick of its last change keeps its
+  // times: no memo of one changed this recently (git's "racy" rule).
+  timespec now {};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  if (int64_t(now.tv_sec) * 1000000000 + now.tv_nsec - identity.at("ctime_ns").get<int64_t>() < kRacyNs)
+    return fingerprint;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fingerprint));
+  const std::string text = nlohmann::json{{"file", identity}, {"fingerprint", hex}}.dump() + "\n";
+  if (folder != "model") ::mkdir(folder.c_str(), 0755);  // (the weight cache's folder: perhaps not made yet)
+  const std::string tmp = memo + ".tmp." + std::to_string(::getpid());
+  if (FILE* f = std::fopen(tmp.c_str(), "wx")) {
+    const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    if (std::fclose(f) == 0 && written && ::rename(tmp.c_str(), memo.c_str()) == 0) return fingerprint;
+    ::unlink(tmp.c_str());
+  }
+  return fingerprint;
+}
+
+}  // namespace
+
+std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path, const std::string& fingerprint_memo) {
   // A FIFO, socket or device is refused before anything blocks (gpu/file_check.h).
   const InputFile file = InputFile::open(path, Accept::regular_file_or_directory);
   const int fd = file.fd();
@@ -316,7 +381,7 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
   if (uint32_t(header[0]) == kGgufMagic) {
     std::shared_ptr<Checkpoint> cp = mapped();
     cp->load_gguf(file_size);
-    cp->fingerprint_ = fingerprint_bytes(cp->mapping_, file_size);  // every byte of the file, as for llama2.c
+    cp->fingerprint_ = file_fingerprint(path, fd, cp->mapping_, file_size, fingerprint_memo);  // as for llama2.c
     return cp;
   }
 
@@ -359,7 +424,7 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path) {
 
   // Every byte of the file (header and all tensors, the unused RoPE tables
   // too): any changed, swapped or shuffled weight changes the fingerprint.
-  cp->fingerprint_ = fingerprint_bytes(mapping, file_size);
+  cp->fingerprint_ = file_fingerprint(path, fd, mapping, file_size, fingerprint_memo);
   return cp;
 }
 

@@ -67,7 +67,15 @@ class Checkpoint {
   // also a missing key or tensor, a shape that disagrees with the metadata, a
   // tensor type the engine does not compute with (matrices: F32, F16, BF16,
   // Q8_0, Q4_0; norms: F32).
-  static std::shared_ptr<const Checkpoint> open(const std::string& path);
+  //
+  // `fingerprint_memo` (a file model: GGUF or llama2.c): where the
+  // fingerprint is remembered, as the weight cache's folder is named (""
+  // or "off": nowhere; "model": `<path>.fingerprint` beside the file; else
+  // `<folder>/<file name>.fingerprint`). A memo is used only when it names
+  // this very file unchanged (device, inode, size, modification and status
+  // change times, the last of which no user can set): then the file is not
+  // read to hash it; otherwise it is hashed and the memo (re)written.
+  static std::shared_ptr<const Checkpoint> open(const std::string& path, const std::string& fingerprint_memo = "");
 
   ~Checkpoint();
   Checkpoint(const Checkpoint&) = delete;

@@ -166,7 +166,7 @@ int run_router(caf::actor_system& system, const NodeOptions& node, const DisaggC
   try {
     std::shared_ptr<const gpu::Checkpoint> checkpoint;
     if (!cfg.model.empty()) {
-      checkpoint = gpu::Checkpoint::open(cfg.model);
+      checkpoint = gpu::Checkpoint::open(cfg.model, cfg.weight_cache);
       model = model_info(*checkpoint);
     }
     if (checkpoint && (!cfg.tokenizer.empty() || checkpoint->vocabulary()))
@@ -263,7 +263,7 @@ std::optional<ComputeUnit> load_compute(caf::actor_system& system, const DisaggC
                                         std::shared_ptr<kv::LocalKvTargets> local) {
   try {
     ComputeSpec spec;
-    spec.checkpoint = gpu::Checkpoint::open(cfg.model);
+    spec.checkpoint = gpu::Checkpoint::open(cfg.model, cfg.weight_cache);
     spec.engine.backend = cfg.backend;
     spec.engine.weight_cache = cfg.weight_cache;
     spec.engine.log = [](const std::string& line) { node_log(line); };

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <vector>
 
 #include "model/checkpoint.h"
@@ -150,6 +151,54 @@ TEST(Checkpoint, FingerprintIsXxh3OfTheFile) {
   // XXH3-64 (seed 0) of stories260K.bin's bytes, pinned: the fingerprint
   // depends on the file's content only, in every build and every release.
   EXPECT_EQ(Checkpoint::open(test::shared_model())->fingerprint(), 0x0c9b5a18d38a945fULL);
+}
+
+// The fingerprint memo (Checkpoint::open's second argument) says the hash of
+// this very file only: a memo of another file, or of this one before it
+// changed, or not a memo at all, is not believed.
+TEST_F(CheckpointFiles, AFingerprintMemoIsBelievedOnlyForTheFileUnchanged) {
+  write_random_checkpoint(path("m.bin"), small_config(), 9);
+  const uint64_t real = Checkpoint::open(path("m.bin"))->fingerprint();
+  const std::string memo = path("m.bin") + ".fingerprint";
+  // A file changed a moment ago is not remembered (a change within the same
+  // clock tick would leave its times as they are)...
+  EXPECT_EQ(Checkpoint::open(path("m.bin"), "model")->fingerprint(), real);
+  EXPECT_FALSE(fs::exists(memo));
+  // ... one changed over a second ago is. (A wait for the clock, not for
+  // another thread: nothing else can make the file older.)
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  EXPECT_EQ(Checkpoint::open(path("m.bin"), "model")->fingerprint(), real);
+  ASSERT_TRUE(fs::exists(memo));
+  EXPECT_EQ(Checkpoint::open(path("m.bin"), dir_ + "/memos")->fingerprint(), real);
+  EXPECT_TRUE(fs::exists(dir_ + "/memos/m.bin.fingerprint"));
+
+  // A memo of this file is believed (the file is not read to hash it): one
+  // that says another value is taken at its word...
+  auto rewrite_memo = [&](const std::string& from, const std::string& to) {
+    std::ifstream in(memo);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    ASSERT_NE(text.find(from), std::string::npos) << text;
+    text.replace(text.find(from), from.size(), to);
+    std::ofstream(memo, std::ios::trunc) << text;
+  };
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(real));
+  rewrite_memo(hex, "00000000000000aa");
+  EXPECT_EQ(Checkpoint::open(path("m.bin"), "model")->fingerprint(), 0xaau);
+  EXPECT_EQ(Checkpoint::open(path("m.bin"), "off")->fingerprint(), real);  // no memo read
+  EXPECT_EQ(Checkpoint::open(path("m.bin"))->fingerprint(), real);
+  // ... until the file changes (same size, the times moved): hashed again.
+  {
+    std::fstream f(path("m.bin"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x42');
+  }
+  const uint64_t changed = Checkpoint::open(path("m.bin")).get()->fingerprint();
+  EXPECT_NE(changed, real);
+  EXPECT_EQ(Checkpoint::open(path("m.bin"), "model")->fingerprint(), changed);
+  // Not a memo: hashed.
+  std::ofstream(memo, std::ios::trunc) << "{\"file\": 1";
+  EXPECT_EQ(Checkpoint::open(path("m.bin"), "model")->fingerprint(), changed);
 }
 
 TEST_F(CheckpointFiles, RandomCheckpointRoundTrips) {
