@@ -84,6 +84,11 @@ struct KLanes {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
   static I dot2(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+  // The int16 steps of dot4, for sums kept in int16 (kdecode_rows).
+  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I sar16(I a, int n) { return _mm256_sra_epi16(a, _mm_cvtsi32_si128(n)); }
+  static I shl32(I a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
   static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static F fzero() { return _mm256_setzero_ps(); }
@@ -109,6 +114,11 @@ inline KLanes::I byte_lane(uint32_t j) { return KLanes::lanes_pattern(kZ << 24 |
 inline KLanes::I top_byte_lane(uint32_t j) { return KLanes::lanes_pattern(j << 24 | kZ << 16 | kZ << 8 | kZ, 1u << 24); }
 inline KLanes::I pair_lane(uint32_t x, uint32_t y) {
   return KLanes::lanes_pattern(kZ << 24 | y << 16 | kZ << 8 | x, 1u | 1u << 16);
+}
+// Bytes x and y in the high bytes of two int16 (then >> 8, signed: a pair
+// of int8 widened).
+inline KLanes::I high_pair_lane(uint32_t x, uint32_t y) {
+  return KLanes::lanes_pattern(y << 24 | kZ << 16 | x << 8 | kZ, 1u << 8 | 1u << 24);
 }
 #endif
 
@@ -149,8 +159,12 @@ struct KTileSource {
   void begin(int b) {
     body = tile + size_t(b) * ktile_body_bytes<T>() + half;
     tail = tile + size_t(blocks) * ktile_body_bytes<T>() + size_t(b) * ktile_tail_bytes<T>() + half / 2;
-    for (size_t at = 0; at < ktile_body_bytes<T>() + 64; at += 64)  // 4 superblocks ahead
-      _mm_prefetch(reinterpret_cast<const char*>(body + 4 * ktile_body_bytes<T>() + at), _MM_HINT_T0);
+    if (half == 0) {  // (AVX2's second half reads the lines the first one fetched)
+      constexpr int kLines = int(ktile_body_bytes<T>() / 64) + 1;
+      const char* ahead = reinterpret_cast<const char*>(body + 4 * ktile_body_bytes<T>());  // 4 superblocks ahead
+#pragma GCC unroll 64
+      for (int line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
     if constexpr (T == WeightType::q6_k) {
       for (int j = 0; j < 4; ++j) sc6[j] = word(48 + j);
     } else {
@@ -190,6 +204,14 @@ struct KTileSource {
     if constexpr (T == WeightType::q6_k) return L::sar32(L::shuffle(sc6[j / 4], top[j % 4]), 24);
     else return L::shuffle(j < 4 ? sc_lo : sc_hi, bytes[j % 4]);
   }
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  // Scales j and j2 as an int16 pair in each lane (Q6_K signed; j, j2 in one word).
+  I scale_pair(int j, int j2) const {
+    if constexpr (T == WeightType::q6_k)
+      return L::sar16(L::shuffle(sc6[j / 4], high_pair_lane(uint32_t(j % 4), uint32_t(j2 % 4))), 8);
+    else return L::shuffle(j < 4 ? sc_lo : sc_hi, pair_lane(uint32_t(j % 4), uint32_t(j2 % 4)));
+  }
+#endif
   // Mins 2p and 2p + 1 as an int16 pair (Q4_K, Q5_K).
   I min_pair(int p) const { return L::shuffle(p < 2 ? mn_lo : mn_hi, pairs[p % 2]); }
   L::F d() const { return L::halves(tail); }
@@ -307,6 +329,125 @@ void ksource_rows_upto(int rows, Source& src, int blocks, const float* d, const 
 }
 #endif
 
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// AVX2's decode: rows [r, r + R) (R < kKPanelRows) straight from the tile,
+// the same integers as ksource_rows with the loops laid out for AVX2, where
+// GCC does not unroll ksource_rows' scales loop (so each group's word, plane
+// and shift were picked at run time: 17 instructions a group, 1.2-1.6 per
+// weight byte under callgrind): each word is loaded once for both scales
+// whose values it holds (Q4_K, Q5_K: its low and high nibbles), the planes
+// and shifts are constants of the unrolled code, and a scale's products are
+// summed in int16 and scaled by one vpmaddwd (no vpmulld, no widening of
+// each group).
+template <WeightType T, int R>
+inline void kdecode_rows(KTileSource<T>& src, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
+                         const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
+  using L = KLanes;
+  using I = L::I;
+  using F = L::F;
+  const I low4 = L::set1(0x0f0f0f0f);
+  F acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = L::fzero();
+  for (int b = 0; b < blocks; ++b) {
+    src.begin(b);
+    const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQK;
+    auto act = [&](int i, int g) { return L::set1(load_word(a0 + size_t(i) * k + 4 * size_t(g))); };
+    I s1[R];
+    for (int i = 0; i < R; ++i) s1[i] = L::zero();
+    // A scale's products are summed in int16 (vpmaddubsw, vpaddw) as far as
+    // no sum can pass 32,767, then times the scale in one vpmaddwd against
+    // the scale as an int16 pair: the same integers as t x scale.
+    if constexpr (T == WeightType::q6_k) {
+      // Value 128 hh + 32 qq + 4 l (l < 8: group 32 hh + 8 qq + l) has scale
+      // 8 hh + 2 qq + l / 4: each (hh, qq) is two scales' 8 groups. |q + 32|
+      // <= 63, |a| <= 128: a pair's sum 16,128, two of them in an int16.
+      auto quarter = [&](auto qq_c, int hh) {
+        constexpr int qq = decltype(qq_c)::value;
+        I u[R][4];  // groups (0, 1), (2, 3) of scale j; (4, 5), (6, 7) of j + 1
+        for (int i = 0; i < R; ++i) u[i][0] = u[i][1] = u[i][2] = u[i][3] = L::zero();
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l) {
+          const I x = src.word(16 * hh + 8 * (qq % 2) + l), h = src.word(32 + 8 * hh + l);
+          const I nibble = qq < 2 ? L::band(x, low4) : L::band(L::shr16(x, 4), low4);
+          const I high = qq == 0 ? L::shl16(h, 4) : qq == 1 ? L::shl16(h, 2) : qq == 2 ? h : L::shr16(h, 2);
+          const I q = L::bor(nibble, L::band(high, L::set1(0x30303030)));
+          for (int i = 0; i < R; ++i) u[i][l / 2] = L::add16(u[i][l / 2], L::maddubs(q, act(i, 32 * hh + 8 * qq + l)));
+        }
+        const int j = 8 * hh + 2 * qq;
+        const I sc0 = src.scale_pair(j, j), sc1 = src.scale_pair(j + 1, j + 1), both = src.scale_pair(j, j + 1);
+        for (int i = 0; i < R; ++i) {
+          const int16_t* bs = bsums + (size_t(r + i) * blocks + b) * 16;
+          I t = L::dot2(L::dot2(L::zero(), u[i][0], sc0), u[i][1], sc0);
+          t = L::dot2(L::dot2(t, u[i][2], sc1), u[i][3], sc1);
+          // The values came as q + 32: less 32 x (bsum_j sc_j + bsum_j+1 sc_j+1).
+          const I bsums_pair = L::set1(int32_t(uint32_t(uint16_t(bs[j])) | uint32_t(uint16_t(bs[j + 1])) << 16));
+          s1[i] = L::add(s1[i], L::sub(t, L::shl32(L::dot2(L::zero(), both, bsums_pair), 5)));
+        }
+      };
+      for (int hh = 0; hh < 2; ++hh) {
+        quarter(std::integral_constant<int, 0>{}, hh);
+        quarter(std::integral_constant<int, 1>{}, hh);
+        quarter(std::integral_constant<int, 2>{}, hh);
+        quarter(std::integral_constant<int, 3>{}, hh);
+      }
+    } else {
+      // Word 8 c4 + l holds group 16 c4 + l (scale 2 c4) in its low nibbles
+      // and group 16 c4 + 8 + l (scale 2 c4 + 1) in its high ones; Q5_K's
+      // fifth bits are bits 2 c4 and 2 c4 + 1 of qh's word l. A pair's sum
+      // is at most 2 x 15 x 128 = 3,840 (Q4_K: 8 in an int16) or 7,936
+      // (Q5_K: 4).
+      constexpr int kParts = T == WeightType::q5_k ? 2 : 1;
+      for (int c4 = 0; c4 < 4; ++c4) {
+        I u0[R][kParts], u1[R][kParts];
+        for (int i = 0; i < R; ++i)
+          for (int p = 0; p < kParts; ++p) u0[i][p] = u1[i][p] = L::zero();
+#pragma GCC unroll 8
+        for (int l = 0; l < 8; ++l) {
+          const I x = src.word(8 * c4 + l);
+          I lo = L::band(x, low4), hi = L::band(L::shr16(x, 4), low4);
+          if constexpr (T == WeightType::q5_k) {
+            const I qh = L::shr16(src.word(32 + l), 2 * c4), bit4 = L::set1(0x10101010);
+            lo = L::bor(lo, L::band(L::shl16(qh, 4), bit4));
+            hi = L::bor(hi, L::band(L::shl16(qh, 3), bit4));
+          }
+          const int p = kParts == 2 ? l / 4 : 0;
+          for (int i = 0; i < R; ++i) {
+            u0[i][p] = L::add16(u0[i][p], L::maddubs(lo, act(i, 16 * c4 + l)));
+            u1[i][p] = L::add16(u1[i][p], L::maddubs(hi, act(i, 16 * c4 + 8 + l)));
+          }
+        }
+        const I sc0 = src.scale_pair(2 * c4, 2 * c4), sc1 = src.scale_pair(2 * c4 + 1, 2 * c4 + 1);
+        for (int i = 0; i < R; ++i)
+          for (int p = 0; p < kParts; ++p) s1[i] = L::dot2(L::dot2(s1[i], u0[i][p], sc0), u1[i][p], sc1);
+      }
+    }
+    const F dw = src.d();
+    for (int i = 0; i < R; ++i) {
+      const F da = L::fset1(d[size_t(r + i) * blocks + b]);
+      acc[i] = L::fma(s1[i], L::fmul(dw, da), acc[i]);
+    }
+    if constexpr (T != WeightType::q6_k) {
+      const F dmin = src.dmin();
+      for (int i = 0; i < R; ++i) {
+        I s2 = L::zero();
+        for (int p = 0; p < 4; ++p) s2 = L::dot2(s2, src.min_pair(p), L::set1(apairs[(size_t(r + i) * blocks + b) * 4 + p]));
+        acc[i] = L::fma(s2, L::fneg(L::fmul(dmin, L::fset1(d[size_t(r + i) * blocks + b]))), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) L::store(c + size_t(r + i) * n + col, acc[i], cols);
+}
+
+template <WeightType T, int R>
+void kdecode_rows_upto(int rows, KTileSource<T>& src, int blocks, const float* d, const int8_t* qa,
+                       const int16_t* bsums, const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return kdecode_rows<T, R>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+    kdecode_rows_upto<T, R - 1>(rows, src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+  }
+}
+#endif
+
 // Rows [r0, r1) of the columns [col, col + cols) of one tile (`tile`: its
 // superblock 0): from the tile itself for fewer than kKPanelRows rows, else
 // from a panel unpacked once for them all.
@@ -333,9 +474,14 @@ inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const in
         ksource_rows<T, kKRows>(psrc, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
       ksource_rows_upto<T, kKRows - 1>(r1 - r, psrc, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
     } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       for (; r + kKRows <= r1; r += kKRows)
         ksource_rows<T, kKRows>(src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
       ksource_rows_upto<T, kKRows - 1>(r1 - r, src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
+#else
+      static_assert(kKPanelRows - 1 <= kKRows, "fewer rows than a panel's are one call");
+      kdecode_rows_upto<T, kKPanelRows - 1>(r1 - r, src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
+#endif
     }
   }
 #else

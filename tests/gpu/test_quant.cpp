@@ -468,6 +468,50 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
     }
 }
 
+// The largest sums a K-quant kernel meets: every quant at its top (Q4_K 15,
+// Q5_K 31, Q6_K 63 before the - 32), the largest scales (Q6_K: 127 and -128),
+// against activations all at the largest magnitude (-127): the kernels that sum products
+// in int16 before scaling them (AVX2's decode) must neither saturate nor
+// wrap, on every kernel set and row count.
+TEST(KQuant, TheLargestQuantsAgainstTheLargestActivationsSumExactly) {
+  const int n = 16, k = 512;
+  for (const WeightType type : kKQuants) {
+    std::vector<uint8_t> w(size_t(n) * row_bytes(type, k), 0xff);
+    const size_t block = block_bytes(type);
+    for (size_t at = 0; at < w.size(); at += block) {
+      uint8_t* b = w.data() + at;
+      if (type == WeightType::q6_k) {
+        for (int j = 0; j < 16; ++j) b[192 + j] = j % 2 ? 0x80 : 0x7f;  // scales 127, -128
+        b[208] = 0x00, b[209] = 0x3c;                                  // d = 1.0
+      } else {
+        b[0] = 0x00, b[1] = 0x3c, b[2] = 0x00, b[3] = 0x00;  // d = 1.0, dmin = 0 (scales and mins 63)
+      }
+    }
+    for (const int m : {1, 2, 3, 5}) {
+      const std::vector<float> a(size_t(m) * k, 1.0f);  // all quantize to -127 (iscale = -127 / max)
+      std::vector<float> want(size_t(m) * n);
+      matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
+      const int blocks = k / kQK;
+      std::vector<float> d(size_t(m) * blocks);
+      std::vector<int8_t> q(size_t(m) * k);
+      std::vector<int16_t> bsums(size_t(m) * k / 16);
+      for (int r = 0; r < m; ++r)
+        quantize_activations_k(a.data() + size_t(r) * k, k, d.data() + size_t(r) * blocks, q.data() + size_t(r) * k,
+                               bsums.data() + size_t(r) * k / 16);
+      ASSERT_EQ(std::count(q.begin(), q.end(), int8_t(-127)), long(q.size()));
+      std::vector<uint8_t> tiled(cpu::tiled_bytes(type, n, k));
+      cpu::tile_quantized(type, w.data(), tiled.data(), n, k, 0, 1);
+      for (const std::string& isa : cpu::supported_isas()) {
+        SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m));
+        std::vector<float> got(size_t(m) * n, -1.0f);
+        cpu::kernels_for(isa).matmul_kquant(type, d.data(), q.data(), bsums.data(), tiled.data(), got.data(), m, n, k,
+                                            0, n);
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
+      }
+    }
+  }
+}
+
 TEST(KQuant, TheBackendsProductDoesNotDependOnTheBatch) {
   for (const WeightType type : kKQuants)
     expect_backend_product_is_batch_independent(type, kquant_matrix(type, 300, 1024, 21), 9, 300, 1024, 22);
