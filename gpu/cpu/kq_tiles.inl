@@ -205,11 +205,15 @@ struct KTileSource {
     else return L::shuffle(j < 4 ? sc_lo : sc_hi, bytes[j % 4]);
   }
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-  // Scales j and j2 as an int16 pair in each lane (Q6_K signed; j, j2 in one word).
-  I scale_pair(int j, int j2) const {
-    if constexpr (T == WeightType::q6_k)
-      return L::sar16(L::shuffle(sc6[j / 4], high_pair_lane(uint32_t(j % 4), uint32_t(j2 % 4))), 8);
-    else return L::shuffle(j < 4 ? sc_lo : sc_hi, pair_lane(uint32_t(j % 4), uint32_t(j2 % 4)));
+  // Patterns for scale_pair: (j, j) for j % 4, and (0, 1), (2, 3).
+  static I pair16(uint32_t x, uint32_t y) { return T == WeightType::q6_k ? high_pair_lane(x, y) : pair_lane(x, y); }
+  I same16[4] = {pair16(0, 0), pair16(1, 1), pair16(2, 2), pair16(3, 3)}, next16[2] = {pair16(0, 1), pair16(2, 3)};
+  // Scale j twice as an int16 pair in each lane, or (next) scales j and j +
+  // 1 for an even j (Q6_K signed).
+  I scale_pair(int j, bool next = false) const {
+    const I pattern = next ? next16[(j % 4) / 2] : same16[j % 4];
+    if constexpr (T == WeightType::q6_k) return L::sar16(L::shuffle(sc6[j / 4], pattern), 8);
+    else return L::shuffle(j < 4 ? sc_lo : sc_hi, pattern);
   }
 #endif
   // Mins 2p and 2p + 1 as an int16 pair (Q4_K, Q5_K).
@@ -339,21 +343,23 @@ void ksource_rows_upto(int rows, Source& src, int blocks, const float* d, const 
 // and shifts are constants of the unrolled code, and a scale's products are
 // summed in int16 and scaled by one vpmaddwd (no vpmulld, no widening of
 // each group).
-template <WeightType T, int R>
-inline void kdecode_rows(KTileSource<T>& src, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
+template <WeightType T, int R, int H>
+inline void kdecode_rows(KTileSource<T>* src, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
                          const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
   using L = KLanes;
   using I = L::I;
   using F = L::F;
   const I low4 = L::set1(0x0f0f0f0f);
-  F acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = L::fzero();
+  F acc[R][H];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) acc[i][h] = L::fzero();
   for (int b = 0; b < blocks; ++b) {
-    src.begin(b);
+    for (int h = 0; h < H; ++h) src[h].begin(b);
     const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQK;
     auto act = [&](int i, int g) { return L::set1(load_word(a0 + size_t(i) * k + 4 * size_t(g))); };
-    I s1[R];
-    for (int i = 0; i < R; ++i) s1[i] = L::zero();
+    I s1[R][H];
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h) s1[i][h] = L::zero();
     // A scale's products are summed in int16 (vpmaddubsw, vpaddw) as far as
     // no sum can pass 32,767, then times the scale in one vpmaddwd against
     // the scale as an int16 pair: the same integers as t x scale.
@@ -363,25 +369,39 @@ inline void kdecode_rows(KTileSource<T>& src, int blocks, const float* d, const 
       // <= 63, |a| <= 128: a pair's sum 16,128, two of them in an int16.
       auto quarter = [&](auto qq_c, int hh) {
         constexpr int qq = decltype(qq_c)::value;
-        I u[R][4];  // groups (0, 1), (2, 3) of scale j; (4, 5), (6, 7) of j + 1
-        for (int i = 0; i < R; ++i) u[i][0] = u[i][1] = u[i][2] = u[i][3] = L::zero();
+        const int j = 8 * hh + 2 * qq;
+        I sc0[H], sc1[H];
+        for (int h = 0; h < H; ++h) sc0[h] = src[h].scale_pair(j), sc1[h] = src[h].scale_pair(j + 1);
+        I t[R][H][2], first[R][H];  // t: scales j and j + 1; first: a pair's first group's products
+        for (int i = 0; i < R; ++i)
+          for (int h = 0; h < H; ++h) t[i][h][0] = t[i][h][1] = L::zero();
 #pragma GCC unroll 8
         for (int l = 0; l < 8; ++l) {
-          const I x = src.word(16 * hh + 8 * (qq % 2) + l), h = src.word(32 + 8 * hh + l);
-          const I nibble = qq < 2 ? L::band(x, low4) : L::band(L::shr16(x, 4), low4);
-          const I high = qq == 0 ? L::shl16(h, 4) : qq == 1 ? L::shl16(h, 2) : qq == 2 ? h : L::shr16(h, 2);
-          const I q = L::bor(nibble, L::band(high, L::set1(0x30303030)));
-          for (int i = 0; i < R; ++i) u[i][l / 2] = L::add16(u[i][l / 2], L::maddubs(q, act(i, 32 * hh + 8 * qq + l)));
+          I q[H];
+          for (int h = 0; h < H; ++h) {
+            const I x = src[h].word(16 * hh + 8 * (qq % 2) + l), hb = src[h].word(32 + 8 * hh + l);
+            const I nibble = qq < 2 ? L::band(x, low4) : L::band(L::shr16(x, 4), low4);
+            const I high = qq == 0 ? L::shl16(hb, 4) : qq == 1 ? L::shl16(hb, 2) : qq == 2 ? hb : L::shr16(hb, 2);
+            q[h] = L::bor(nibble, L::band(high, L::set1(0x30303030)));
+          }
+          for (int i = 0; i < R; ++i) {
+            const I a = act(i, 32 * hh + 8 * qq + l);  // one broadcast for both halves
+            for (int h = 0; h < H; ++h) {
+              const I products = L::maddubs(q[h], a);
+              if (l % 2 == 0) first[i][h] = products;
+              else t[i][h][l / 4] = L::dot2(t[i][h][l / 4], L::add16(first[i][h], products), l < 4 ? sc0[h] : sc1[h]);
+            }
+          }
         }
-        const int j = 8 * hh + 2 * qq;
-        const I sc0 = src.scale_pair(j, j), sc1 = src.scale_pair(j + 1, j + 1), both = src.scale_pair(j, j + 1);
-        for (int i = 0; i < R; ++i) {
-          const int16_t* bs = bsums + (size_t(r + i) * blocks + b) * 16;
-          I t = L::dot2(L::dot2(L::zero(), u[i][0], sc0), u[i][1], sc0);
-          t = L::dot2(L::dot2(t, u[i][2], sc1), u[i][3], sc1);
-          // The values came as q + 32: less 32 x (bsum_j sc_j + bsum_j+1 sc_j+1).
-          const I bsums_pair = L::set1(int32_t(uint32_t(uint16_t(bs[j])) | uint32_t(uint16_t(bs[j + 1])) << 16));
-          s1[i] = L::add(s1[i], L::sub(t, L::shl32(L::dot2(L::zero(), both, bsums_pair), 5)));
+        for (int h = 0; h < H; ++h) {
+          const I both = src[h].scale_pair(j, true);
+          for (int i = 0; i < R; ++i) {
+            const int16_t* bs = bsums + (size_t(r + i) * blocks + b) * 16;
+            // The values came as q + 32: less 32 x (bsum_j sc_j + bsum_j+1 sc_j+1).
+            const I bsums_pair = L::set1(int32_t(uint32_t(uint16_t(bs[j])) | uint32_t(uint16_t(bs[j + 1])) << 16));
+            const I t01 = L::add(t[i][h][0], t[i][h][1]);
+            s1[i][h] = L::add(s1[i][h], L::sub(t01, L::shl32(L::dot2(L::zero(), both, bsums_pair), 5)));
+          }
         }
       };
       for (int hh = 0; hh < 2; ++hh) {
@@ -398,51 +418,69 @@ inline void kdecode_rows(KTileSource<T>& src, int blocks, const float* d, const 
       // (Q5_K: 4).
       constexpr int kParts = T == WeightType::q5_k ? 2 : 1;
       for (int c4 = 0; c4 < 4; ++c4) {
-        I u0[R][kParts], u1[R][kParts];
+        I u0[R][H][kParts], u1[R][H][kParts];
         for (int i = 0; i < R; ++i)
-          for (int p = 0; p < kParts; ++p) u0[i][p] = u1[i][p] = L::zero();
+          for (int h = 0; h < H; ++h)
+            for (int p = 0; p < kParts; ++p) u0[i][h][p] = u1[i][h][p] = L::zero();
 #pragma GCC unroll 8
         for (int l = 0; l < 8; ++l) {
-          const I x = src.word(8 * c4 + l);
-          I lo = L::band(x, low4), hi = L::band(L::shr16(x, 4), low4);
-          if constexpr (T == WeightType::q5_k) {
-            const I qh = L::shr16(src.word(32 + l), 2 * c4), bit4 = L::set1(0x10101010);
-            lo = L::bor(lo, L::band(L::shl16(qh, 4), bit4));
-            hi = L::bor(hi, L::band(L::shl16(qh, 3), bit4));
+          I lo[H], hi[H];
+          for (int h = 0; h < H; ++h) {
+            const I x = src[h].word(8 * c4 + l);
+            lo[h] = L::band(x, low4), hi[h] = L::band(L::shr16(x, 4), low4);
+            if constexpr (T == WeightType::q5_k) {
+              const I qh = L::shr16(src[h].word(32 + l), 2 * c4), bit4 = L::set1(0x10101010);
+              lo[h] = L::bor(lo[h], L::band(L::shl16(qh, 4), bit4));
+              hi[h] = L::bor(hi[h], L::band(L::shl16(qh, 3), bit4));
+            }
           }
           const int p = kParts == 2 ? l / 4 : 0;
           for (int i = 0; i < R; ++i) {
-            u0[i][p] = L::add16(u0[i][p], L::maddubs(lo, act(i, 16 * c4 + l)));
-            u1[i][p] = L::add16(u1[i][p], L::maddubs(hi, act(i, 16 * c4 + 8 + l)));
+            const I a_lo = act(i, 16 * c4 + l), a_hi = act(i, 16 * c4 + 8 + l);  // one broadcast for both halves
+            for (int h = 0; h < H; ++h) {
+              u0[i][h][p] = L::add16(u0[i][h][p], L::maddubs(lo[h], a_lo));
+              u1[i][h][p] = L::add16(u1[i][h][p], L::maddubs(hi[h], a_hi));
+            }
           }
         }
-        const I sc0 = src.scale_pair(2 * c4, 2 * c4), sc1 = src.scale_pair(2 * c4 + 1, 2 * c4 + 1);
-        for (int i = 0; i < R; ++i)
-          for (int p = 0; p < kParts; ++p) s1[i] = L::dot2(L::dot2(s1[i], u0[i][p], sc0), u1[i][p], sc1);
+        for (int h = 0; h < H; ++h) {
+          const I sc0 = src[h].scale_pair(2 * c4), sc1 = src[h].scale_pair(2 * c4 + 1);
+          for (int i = 0; i < R; ++i)
+            for (int p = 0; p < kParts; ++p) s1[i][h] = L::dot2(L::dot2(s1[i][h], u0[i][h][p], sc0), u1[i][h][p], sc1);
+        }
       }
     }
-    const F dw = src.d();
-    for (int i = 0; i < R; ++i) {
-      const F da = L::fset1(d[size_t(r + i) * blocks + b]);
-      acc[i] = L::fma(s1[i], L::fmul(dw, da), acc[i]);
-    }
-    if constexpr (T != WeightType::q6_k) {
-      const F dmin = src.dmin();
+    for (int h = 0; h < H; ++h) {
+      const F dw = src[h].d();
       for (int i = 0; i < R; ++i) {
-        I s2 = L::zero();
-        for (int p = 0; p < 4; ++p) s2 = L::dot2(s2, src.min_pair(p), L::set1(apairs[(size_t(r + i) * blocks + b) * 4 + p]));
-        acc[i] = L::fma(s2, L::fneg(L::fmul(dmin, L::fset1(d[size_t(r + i) * blocks + b]))), acc[i]);
+        const F da = L::fset1(d[size_t(r + i) * blocks + b]);
+        acc[i][h] = L::fma(s1[i][h], L::fmul(dw, da), acc[i][h]);
+      }
+      if constexpr (T != WeightType::q6_k) {
+        const F dmin = src[h].dmin();
+        for (int i = 0; i < R; ++i) {
+          I s2 = L::zero();
+          for (int p = 0; p < 4; ++p)
+            s2 = L::dot2(s2, src[h].min_pair(p), L::set1(apairs[(size_t(r + i) * blocks + b) * 4 + p]));
+          acc[i][h] = L::fma(s2, L::fneg(L::fmul(dmin, L::fset1(d[size_t(r + i) * blocks + b]))), acc[i][h]);
+        }
       }
     }
   }
-  for (int i = 0; i < R; ++i) L::store(c + size_t(r + i) * n + col, acc[i], cols);
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) L::store(c + size_t(r + i) * n + col + 8 * h, acc[i][h], std::min(8, cols - 8 * h));
 }
 
+// Rows [r, r + rows) (rows < kKPanelRows) of the tile's columns [col, col +
+// cols): both halves in one pass over the tile when there are more than 8.
 template <WeightType T, int R>
-void kdecode_rows_upto(int rows, KTileSource<T>& src, int blocks, const float* d, const int8_t* qa,
+void kdecode_rows_upto(int rows, KTileSource<T>* src, int blocks, const float* d, const int8_t* qa,
                        const int16_t* bsums, const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
   if constexpr (R > 0) {
-    if (rows == R) return kdecode_rows<T, R>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+    if (rows == R) {
+      if (cols > 8) return kdecode_rows<T, R, 2>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+      return kdecode_rows<T, R, 1>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+    }
     kdecode_rows_upto<T, R - 1>(rows, src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
   }
 }
@@ -457,6 +495,13 @@ inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const in
                        const int32_t* apairs, int k, float* c, int n, int r0, int r1, int col, int cols) {
 #if defined(__AVX2__)
   using L = KLanes;
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+  if (r1 - r0 < kKPanelRows) {  // AVX2's decode: both halves at once
+    KTileSource<T> src[2];
+    for (int h = 0; h < 2; ++h) src[h].tile = tile, src[h].blocks = blocks, src[h].half = 32 * size_t(h);
+    return kdecode_rows_upto<T, kKPanelRows - 1>(r1 - r0, src, blocks, d, qa, bsums, apairs, k, c, n, r0, col, cols);
+  }
+#endif
   for (int h = 0; h < L::kHalves && 8 * h < cols; ++h) {
     KTileSource<T> src;
     src.tile = tile;
@@ -474,14 +519,9 @@ inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const in
         ksource_rows<T, kKRows>(psrc, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
       ksource_rows_upto<T, kKRows - 1>(r1 - r, psrc, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
     } else {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       for (; r + kKRows <= r1; r += kKRows)
         ksource_rows<T, kKRows>(src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
       ksource_rows_upto<T, kKRows - 1>(r1 - r, src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
-#else
-      static_assert(kKPanelRows - 1 <= kKRows, "fewer rows than a panel's are one call");
-      kdecode_rows_upto<T, kKPanelRows - 1>(r1 - r, src, blocks, d, qa, bsums, apairs, k, c, n, r, at, live);
-#endif
     }
   }
 #else
