@@ -159,12 +159,9 @@ struct KTileSource {
   void begin(int b) {
     body = tile + size_t(b) * ktile_body_bytes<T>() + half;
     tail = tile + size_t(blocks) * ktile_body_bytes<T>() + size_t(b) * ktile_tail_bytes<T>() + half / 2;
-    if (half == 0) {  // (AVX2's second half reads the lines the first one fetched)
-      constexpr int kLines = int(ktile_body_bytes<T>() / 64) + 1;
-      const char* ahead = reinterpret_cast<const char*>(body + 4 * ktile_body_bytes<T>());  // 4 superblocks ahead
-#pragma GCC unroll 64
-      for (int line = 0; line < kLines; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-    }
+    if (half == 0)  // (AVX2's second half reads the lines the first one fetched)
+      for (size_t at = 0; at < ktile_body_bytes<T>() + 64; at += 64)  // 4 superblocks ahead
+        _mm_prefetch(reinterpret_cast<const char*>(body + 4 * ktile_body_bytes<T>() + at), _MM_HINT_T0);
     if constexpr (T == WeightType::q6_k) {
       for (int j = 0; j < 4; ++j) sc6[j] = word(48 + j);
     } else {
