@@ -340,6 +340,20 @@ std::vector<uint8_t> kquant_matrix(WeightType type, int n, int k, uint32_t seed)
   return q;
 }
 
+// Rows of m x k activations quantized per superblock (quantize_activations_k),
+// as matmul_kquant reads them.
+struct KActivations {
+  std::vector<float> d;
+  std::vector<int8_t> q;
+  std::vector<int16_t> bsums;
+  KActivations(const std::vector<float>& a, int m, int k)
+      : d(size_t(m) * (k / kQK)), q(size_t(m) * k), bsums(size_t(m) * k / 16) {
+    for (int r = 0; r < m; ++r)
+      quantize_activations_k(a.data() + size_t(r) * k, k, d.data() + size_t(r) * (k / kQK), q.data() + size_t(r) * k,
+                             bsums.data() + size_t(r) * k / 16);
+  }
+};
+
 // The reference quantizers approximate: the error of the dequantized row
 // falls with the bits (Q4_K > Q5_K > Q6_K) and stays small. (Their bytes
 // equal ggml's quantize_row_q{4,5,6}_K_ref on 400 varied superblocks, in a
@@ -442,20 +456,14 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
           for (int j = 0; j < 256; ++j) a[size_t(2) * k + j] = 0.0f;  // row 2, superblock 0: all zero
         std::vector<float> want(size_t(m) * n), got(size_t(m) * n, -1.0f);
         matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
-        const int blocks = k / kQK;
-        std::vector<float> d(size_t(m) * blocks);
-        std::vector<int8_t> q(size_t(m) * k);
-        std::vector<int16_t> bsums(size_t(m) * k / 16);
-        for (int r = 0; r < m; ++r)
-          quantize_activations_k(a.data() + size_t(r) * k, k, d.data() + size_t(r) * blocks, q.data() + size_t(r) * k,
-                                 bsums.data() + size_t(r) * k / 16);
+        const KActivations qa(a, m, k);
         std::vector<uint8_t> tiled(cpu::tiled_bytes(type, n, k), 0xee);
         const int tiles = (n + cpu::kTileCols - 1) / cpu::kTileCols;
         cpu::tile_quantized(type, w.data(), tiled.data(), n, k, 0, tiles / 2);
         cpu::tile_quantized(type, w.data(), tiled.data(), n, k, tiles / 2, tiles);
         const int split = std::min(n, tiles / 2 * cpu::kTileCols);  // two column ranges, split at a tile
-        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), tiled.data(), got.data(), m, n, k, 0, split);
-        kt.matmul_kquant(type, d.data(), q.data(), bsums.data(), tiled.data(), got.data(), m, n, k, split, n);
+        kt.matmul_kquant(type, qa.d.data(), qa.q.data(), qa.bsums.data(), tiled.data(), got.data(), m, n, k, 0, split);
+        kt.matmul_kquant(type, qa.d.data(), qa.q.data(), qa.bsums.data(), tiled.data(), got.data(), m, n, k, split, n);
         ASSERT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
         // The reference is the product at all: close to the float product of the dequantized weights.
         std::vector<float> deq(static_cast<size_t>(k));
@@ -491,21 +499,15 @@ TEST(KQuant, TheLargestQuantsAgainstTheLargestActivationsSumExactly) {
       const std::vector<float> a(size_t(m) * k, 1.0f);  // all quantize to -127 (iscale = -127 / max)
       std::vector<float> want(size_t(m) * n);
       matmul_quantized_reference(type, a.data(), w.data(), want.data(), m, n, k);
-      const int blocks = k / kQK;
-      std::vector<float> d(size_t(m) * blocks);
-      std::vector<int8_t> q(size_t(m) * k);
-      std::vector<int16_t> bsums(size_t(m) * k / 16);
-      for (int r = 0; r < m; ++r)
-        quantize_activations_k(a.data() + size_t(r) * k, k, d.data() + size_t(r) * blocks, q.data() + size_t(r) * k,
-                               bsums.data() + size_t(r) * k / 16);
-      ASSERT_EQ(std::count(q.begin(), q.end(), int8_t(-127)), long(q.size()));
+      const KActivations qa(a, m, k);
+      ASSERT_EQ(std::count(qa.q.begin(), qa.q.end(), int8_t(-127)), long(qa.q.size()));
       std::vector<uint8_t> tiled(cpu::tiled_bytes(type, n, k));
       cpu::tile_quantized(type, w.data(), tiled.data(), n, k, 0, 1);
       for (const std::string& isa : cpu::supported_isas()) {
         SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m));
         std::vector<float> got(size_t(m) * n, -1.0f);
-        cpu::kernels_for(isa).matmul_kquant(type, d.data(), q.data(), bsums.data(), tiled.data(), got.data(), m, n, k,
-                                            0, n);
+        cpu::kernels_for(isa).matmul_kquant(type, qa.d.data(), qa.q.data(), qa.bsums.data(), tiled.data(), got.data(),
+                                            m, n, k, 0, n);
         EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
       }
     }
