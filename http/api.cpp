@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "grammar/json_grammar.h"
+#include "grammar/gbnf.h"
 #include "grammar/json_schema.h"
 #include "http/chat.h"
 #include "http/fields.h"
@@ -146,17 +147,29 @@ std::string response_format_grammar(const json& body) {
 }
 
 // vLLM's guided decoding fields: guided_json (a schema), guided_choice
-// (one of these texts, written as they are); guided_regex and
-// guided_grammar are refused by name. One source of a grammar per request.
+// (one of these texts, written as they are), guided_grammar (GBNF,
+// grammar/gbnf.h); guided_regex is refused by name. One source of a
+// grammar per request.
 std::string guided_grammar(const json& body) {
-  for (const char* refused : {"guided_regex", "guided_grammar"})
-    if (const json* v = field(body, refused); v && !v->is_null())
-      throw bad_request(refused, std::string("'") + refused + "' is not supported", "unsupported");
+  if (const json* v = field(body, "guided_regex"); v && !v->is_null())
+    throw bad_request("guided_regex", "'guided_regex' is not supported", "unsupported");
   const json* schema = field(body, "guided_json");
   const json* choice = field(body, "guided_choice");
+  const json* gbnf = field(body, "guided_grammar");
   if (schema && schema->is_null()) schema = nullptr;
   if (choice && choice->is_null()) choice = nullptr;
-  if (schema && choice) throw bad_request("guided_choice", "'guided_json' and 'guided_choice' exclude each other");
+  if (gbnf && gbnf->is_null()) gbnf = nullptr;
+  if (int(schema != nullptr) + int(choice != nullptr) + int(gbnf != nullptr) > 1)
+    throw bad_request(gbnf ? "guided_grammar" : "guided_choice",
+                      "'guided_json', 'guided_choice' and 'guided_grammar' exclude each other");
+  if (gbnf) {
+    expect_type(gbnf->is_string(), "guided_grammar", "a string (GBNF)", *gbnf);
+    try {
+      return grammar::gbnf_grammar(gbnf->get_ref<const std::string&>()).to_json();
+    } catch (const grammar::GrammarError& e) {
+      throw bad_request("guided_grammar", std::string("guided_grammar: ") + e.what());
+    }
+  }
   if (schema) {
     try {
       // (vLLM takes the schema as an object or as its JSON text)

@@ -325,6 +325,16 @@ TEST(HttpApi, ExtremeIntegersAndWrongShapesAre400sThatQuoteABoundedPrefix) {
   EXPECT_NE(choice.find("\"79-79\""), std::string::npos) << choice;  // 'y'
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_choice":[]})").param, "guided_choice");
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_regex":"a+"})").code, "unsupported");
+  // guided_grammar: GBNF (grammar/gbnf.h); its errors name the line and column.
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","guided_grammar":"root ::= \"yes\" | \"no\""})").sampling.grammar,
+            choice);
+  const ApiError gbnf = error_of(Endpoint::completions, R"({"prompt":"x","guided_grammar":"root ::= answer"})");
+  EXPECT_EQ(gbnf.param, "guided_grammar");
+  EXPECT_NE(gbnf.message.find("'answer' is used but never defined"), std::string::npos) << gbnf.message;
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_grammar":7})").param, "guided_grammar");
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_grammar":"root ::= \"a\"","guided_choice":["a"]})")
+                .status,
+            400);
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_json":{"type":"boolean"},"guided_choice":["a"]})").status, 400);
   EXPECT_EQ(error_of(Endpoint::completions,
                      R"({"prompt":"x","guided_json":{"type":"boolean"},"response_format":{"type":"json_object"}})").status,
