@@ -136,6 +136,12 @@ Expr Grammar::plus(const Expr& e) { return seq({e, star(e)}); }
 Expr Grammar::repeat(const Expr& e, int min, int max, const Expr* sep) {
   if (min < 0 || (max >= 0 && max < min)) throw GrammarError("grammar: repeat bounds " + std::to_string(min) + ".." + std::to_string(max));
   if (max == 0) return empty();
+  // Each copy is spelled out: refused before it is built when the copies
+  // alone would pass the size limit (nested repetitions multiply).
+  size_t symbols = 0;
+  for (const Alternative& a : e.alternatives) symbols += a.size();
+  if (std::max<size_t>(symbols, 1) * size_t(std::max(min, max)) > kMaxSymbols)
+    throw GrammarError("grammar: a repetition that would spell out more than " + std::to_string(kMaxSymbols) + " symbols");
   // The first copy, then (sep e) for the rest: min - 1 required, the others
   // optional and nested, so the grammar grows linearly with max.
   const Expr next = sep ? seq({*sep, e}) : e;

@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <limits>
+#include <tuple>
 
 #include "grammar/json_grammar.h"
 #include "grammar/gbnf.h"
 #include "grammar/json_schema.h"
+#include "grammar/regex.h"
 #include "http/chat.h"
 #include "http/fields.h"
 
@@ -148,26 +150,27 @@ std::string response_format_grammar(const json& body) {
 
 // vLLM's guided decoding fields: guided_json (a schema), guided_choice
 // (one of these texts, written as they are), guided_grammar (GBNF,
-// grammar/gbnf.h); guided_regex is refused by name. One source of a
-// grammar per request.
+// grammar/gbnf.h), guided_regex (the whole output matches it,
+// grammar/regex.h). One source of a grammar per request.
 std::string guided_grammar(const json& body) {
-  if (const json* v = field(body, "guided_regex"); v && !v->is_null())
-    throw bad_request("guided_regex", "'guided_regex' is not supported", "unsupported");
   const json* schema = field(body, "guided_json");
   const json* choice = field(body, "guided_choice");
   const json* gbnf = field(body, "guided_grammar");
-  if (schema && schema->is_null()) schema = nullptr;
-  if (choice && choice->is_null()) choice = nullptr;
-  if (gbnf && gbnf->is_null()) gbnf = nullptr;
-  if (int(schema != nullptr) + int(choice != nullptr) + int(gbnf != nullptr) > 1)
-    throw bad_request(gbnf ? "guided_grammar" : "guided_choice",
-                      "'guided_json', 'guided_choice' and 'guided_grammar' exclude each other");
-  if (gbnf) {
-    expect_type(gbnf->is_string(), "guided_grammar", "a string (GBNF)", *gbnf);
+  const json* regex = field(body, "guided_regex");
+  for (const json** f : {&schema, &choice, &gbnf, &regex})
+    if (*f && (*f)->is_null()) *f = nullptr;
+  if (int(schema != nullptr) + int(choice != nullptr) + int(gbnf != nullptr) + int(regex != nullptr) > 1)
+    throw bad_request(gbnf ? "guided_grammar" : regex ? "guided_regex" : "guided_choice",
+                      "'guided_json', 'guided_choice', 'guided_grammar' and 'guided_regex' exclude each other");
+  for (const auto& [value, name, what] : {std::tuple{gbnf, "guided_grammar", "a string (GBNF)"},
+                                          std::tuple{regex, "guided_regex", "a string (a regular expression)"}}) {
+    if (!value) continue;
+    expect_type(value->is_string(), name, what, *value);
     try {
-      return grammar::gbnf_grammar(gbnf->get_ref<const std::string&>()).to_json();
+      const std::string& text = value->get_ref<const std::string&>();
+      return (value == gbnf ? grammar::gbnf_grammar(text) : grammar::regex_grammar(text)).to_json();
     } catch (const grammar::GrammarError& e) {
-      throw bad_request("guided_grammar", std::string("guided_grammar: ") + e.what());
+      throw bad_request(name, std::string(name) + ": " + e.what());
     }
   }
   if (schema) {

@@ -11,7 +11,9 @@
 #include "engine/constraint.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
+#include "grammar/code_points.h"
 #include "grammar/gbnf.h"
+#include "grammar/grammar_texts.h"
 #include "grammar/matcher.h"
 #include "support/test_paths.h"
 #include "text/tokenizer.h"
@@ -19,42 +21,10 @@
 namespace disagg::grammar {
 namespace {
 
-std::shared_ptr<const TokenVocabulary> stories_vocabulary() {
-  static auto v = [] {
-    const gpu::Tokenizer t = gpu::Tokenizer::load(test::shared_tokenizer(), 512);
-    return gpu::grammar_vocabulary(t, {1, 2});
-  }();
-  return v;
-}
-
-bool takes(CompiledGrammar& c, const std::string& text) {
-  int s = c.start();
-  for (char ch : text) {
-    s = c.next(s, uint8_t(ch));
-    if (s < 0) return false;
-  }
-  return c.accepting(s);
-}
-
 void expect_texts(const std::string& gbnf, const std::vector<std::string>& good, const std::vector<std::string>& bad) {
   CompiledGrammar c(gbnf_grammar(gbnf), stories_vocabulary());
   for (const auto& t : good) EXPECT_TRUE(takes(c, t)) << gbnf << "\nshould take: " << t;
   for (const auto& t : bad) EXPECT_FALSE(takes(c, t)) << gbnf << "\nshould refuse: " << t;
-}
-
-std::string utf8(uint32_t cp) {
-  std::string out;
-  if (cp < 0x80) {
-    out += char(cp);
-  } else if (cp < 0x800) {
-    out += char(0xC0 | (cp >> 6)), out += char(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += char(0xE0 | (cp >> 12)), out += char(0x80 | ((cp >> 6) & 0x3F)), out += char(0x80 | (cp & 0x3F));
-  } else {
-    out += char(0xF0 | (cp >> 18)), out += char(0x80 | ((cp >> 12) & 0x3F));
-    out += char(0x80 | ((cp >> 6) & 0x3F)), out += char(0x80 | (cp & 0x3F));
-  }
-  return out;
 }
 
 TEST(Gbnf, RulesSequencesAlternativesAndRepetitions) {
@@ -103,7 +73,7 @@ TEST(Gbnf, ClassesTakeExactlyTheirCodePoints) {
     size_t wrong = 0;
     for (uint32_t cp = 0; cp <= 0x10FFFF; ++cp) {
       if (cp >= 0xD800 && cp <= 0xDFFF) continue;
-      if (takes(c, utf8(cp)) != k.in(cp) && ++wrong <= 5) ADD_FAILURE() << "code point " << std::hex << cp;
+      if (takes(c, utf8_bytes(cp)) != k.in(cp) && ++wrong <= 5) ADD_FAILURE() << "code point " << std::hex << cp;
     }
     EXPECT_EQ(wrong, 0u);
     for (const char* bad : {"\xED\xA0\x80", "\xED\xBF\xBF", "\xC0\x80", "\xC1\xBF", "\xE0\x80\x80", "\xF0\x80\x80\x80",

@@ -13,6 +13,7 @@
 #include "engine/constraint.h"
 #include "grammar/grammar.h"
 #include "grammar/json_grammar.h"
+#include "grammar/grammar_texts.h"
 #include "grammar/matcher.h"
 #include "support/test_paths.h"
 #include "text/hf_tokenizer.h"
@@ -75,14 +76,6 @@ Reference naive(const Grammar& g, const std::string& text) {
   r.live = !paths.empty();
   for (const Path& p : paths) r.whole |= p.empty();
   return r;
-}
-
-std::shared_ptr<const TokenVocabulary> stories_vocabulary() {
-  static auto v = [] {
-    const gpu::Tokenizer t = gpu::Tokenizer::load(test::shared_tokenizer(), 512);
-    return gpu::grammar_vocabulary(t, {1, 2});
-  }();
-  return v;
 }
 
 // A small grammar with recursion, a nullable rule and repetition:

@@ -16,6 +16,7 @@
 
 #include "engine/constraint.h"
 #include "grammar/json_schema.h"
+#include "grammar/grammar_texts.h"
 #include "grammar/matcher.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"
@@ -25,20 +26,6 @@ namespace disagg::grammar {
 namespace {
 
 using json = nlohmann::json;
-
-std::shared_ptr<const TokenVocabulary> stories_vocabulary() {
-  static auto v = [] {
-    const gpu::Tokenizer t = gpu::Tokenizer::load(test::shared_tokenizer(), 512);
-    return gpu::grammar_vocabulary(t, {1, 2});
-  }();
-  return v;
-}
-
-bool takes(CompiledGrammar& c, const std::string& text) {
-  int s = c.start();
-  for (char ch : text) s = c.next(s, uint8_t(ch));
-  return s >= 0 && c.accepting(s);
-}
 
 void expect_texts(const json& schema, const std::vector<std::string>& good, const std::vector<std::string>& bad) {
   CompiledGrammar c(json_schema_grammar(schema), stories_vocabulary());

@@ -324,7 +324,14 @@ TEST(HttpApi, ExtremeIntegersAndWrongShapesAre400sThatQuoteABoundedPrefix) {
   const std::string choice = parse(Endpoint::completions, R"({"prompt":"x","guided_choice":["yes","no"]})").sampling.grammar;
   EXPECT_NE(choice.find("\"79-79\""), std::string::npos) << choice;  // 'y'
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_choice":[]})").param, "guided_choice");
-  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_regex":"a+"})").code, "unsupported");
+  // guided_regex: the whole output matches (grammar/regex.h).
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","guided_regex":"yes|no"})").sampling.grammar, choice);
+  const ApiError regex = error_of(Endpoint::completions, R"({"prompt":"x","guided_regex":"(a)\\1"})");
+  EXPECT_EQ(regex.param, "guided_regex");
+  EXPECT_NE(regex.message.find("backreference"), std::string::npos) << regex.message;
+  EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","guided_regex":"a","guided_grammar":"root ::= \"a\""})")
+                .status,
+            400);
   // guided_grammar: GBNF (grammar/gbnf.h); its errors name the line and column.
   EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","guided_grammar":"root ::= \"yes\" | \"no\""})").sampling.grammar,
             choice);

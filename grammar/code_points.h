@@ -1,0 +1,38 @@
+// Unicode code points as the grammar's bytes: a character class (sets of
+// code point ranges, perhaps negated) spelled out as UTF-8 byte sequences,
+// for the notations that speak in characters (GBNF, regular expressions).
+// A class never admits a surrogate (U+D800-DFFF) or anything past
+// U+10FFFF, and each code point only in its shortest UTF-8 form.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "grammar/grammar.h"
+
+namespace disagg::grammar {
+
+constexpr uint32_t kMaxCodePoint = 0x10FFFF;
+constexpr uint32_t kSurrogateFirst = 0xD800, kSurrogateLast = 0xDFFF;
+
+using CodePointRanges = std::vector<std::pair<uint32_t, uint32_t>>;  // inclusive, any order, may overlap
+
+// `cp` (<= kMaxCodePoint) as UTF-8.
+std::string utf8_bytes(uint32_t cp);
+
+// The code point whose UTF-8 starts at text[pos], pos moved past it.
+// Throws GrammarError("not UTF-8").
+uint32_t next_code_point(std::string_view text, size_t& pos);
+
+// `digits` hex digits at text[pos] as a code point, pos moved past them.
+// Throws GrammarError: too few digits, a non-hex digit, a surrogate or
+// past U+10FFFF.
+uint32_t hex_code_point(std::string_view text, size_t& pos, int digits);
+
+// Any one code point of `ranges` (`negate`: of every other code point), as
+// UTF-8. Throws GrammarError when that is no code point at all.
+Expr code_point_class(const CodePointRanges& ranges, bool negate);
+
+}  // namespace disagg::grammar

@@ -1,0 +1,110 @@
+// Regular expressions -> grammar (grammar/regex.h): the grammar takes a
+// text exactly when std::regex (ECMAScript, an independent matcher) matches
+// it whole, over every text up to 5 characters of a small alphabet and a
+// set of patterns; the model sampling under a pattern writes only matches;
+// what is not regular is refused by name.
+#include <gtest/gtest.h>
+
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "engine/constraint.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
+#include "grammar/grammar_texts.h"
+#include "grammar/matcher.h"
+#include "grammar/regex.h"
+#include "support/test_paths.h"
+#include "text/tokenizer.h"
+
+namespace disagg::grammar {
+namespace {
+
+TEST(Regex, TakesWhatStdRegexMatchesWhole) {
+  // Patterns in the syntax Python's re and ECMAScript share (the alphabet
+  // has no \r: ECMAScript's '.' also refuses it, Python's takes it).
+  const std::vector<std::string> patterns = {
+      "a|b", "ab*", "(ab)+", "a?b{2}", "[ab]{1,3}", "[^a]*", "\\d+(\\.\\d{1,2})?", "\\w+", "\\s?\\S+", "(a|b0)*_",
+      "(?:a|)b", ".{2,}", "a.b", "[\\d_-]+", "^a+$", "[-a]b?", "a{2,}b*?", "(a|ab)(c|bcd)?", "[.]\\.", "0{0}a",
+  };
+  const std::string alphabet = "ab01_ -.\n";
+  std::vector<std::string> texts = {""};
+  for (size_t i = 0; i < texts.size(); ++i)
+    if (texts[i].size() < 5)
+      for (char ch : alphabet) texts.push_back(texts[i] + ch);
+  for (const std::string& pattern : patterns) {
+    SCOPED_TRACE(pattern);
+    CompiledGrammar c(regex_grammar(pattern), stories_vocabulary());
+    const std::regex reference(pattern, std::regex::ECMAScript);
+    size_t wrong = 0;
+    for (const std::string& t : texts)
+      if (takes(c, t) != std::regex_match(t, reference) && ++wrong <= 3)
+        ADD_FAILURE() << "text \"" << t << "\": grammar " << takes(c, t) << ", std::regex " << std::regex_match(t, reference);
+    EXPECT_EQ(wrong, 0u) << "of " << texts.size() << " texts";
+  }
+}
+
+TEST(Regex, ClassesAndEscapesOverUnicode) {
+  CompiledGrammar c(regex_grammar("[α-γ]\\u00e9[^\\x00-\\x7f]\\U0001F600(?P<n>x)(?<m>y)"), stories_vocabulary());
+  EXPECT_TRUE(takes(c, "β\xC3\xA9\xE2\x82\xAC\xF0\x9F\x98\x80xy"));
+  EXPECT_FALSE(takes(c, "δ\xC3\xA9\xE2\x82\xAC\xF0\x9F\x98\x80xy"));
+  EXPECT_FALSE(takes(c, "β\xC3\xA9" "a\xF0\x9F\x98\x80xy"));
+  EXPECT_FALSE(takes(c, "β\xC3\xA9\xED\xA0\x80\xF0\x9F\x98\x80xy"));  // a surrogate is no character
+}
+
+// The shared model sampling under a pattern writes only whole matches.
+TEST(Regex, TheModelWritesOnlyMatches) {
+  const auto checkpoint = gpu::Checkpoint::open(test::shared_model());
+  const gpu::Tokenizer tokenizer = gpu::Tokenizer::load(test::shared_tokenizer(), checkpoint->config().vocab_size);
+  gpu::Engine engine(checkpoint, gpu::EngineOptions{"cpu"});
+  gpu::Constraints constraints(stories_vocabulary());
+  const std::string pattern = "Once upon a time, (a|the) [a-z]+( [a-z]+){1,6}\\.";
+  const std::regex reference(pattern);
+  int ended = 0;
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    gpu::SamplingParams sampling;
+    sampling.temperature = 1.0f;
+    sampling.seed = seed;
+    sampling.grammar = regex_grammar(pattern).to_json();
+    const auto out = gpu::generate(engine, {1}, 120, sampling, &constraints);
+    if (out.finish != gpu::FinishReason::eos) continue;  // cut by the length: no verdict
+    ++ended;
+    const std::string text = tokenizer.decode_all(1, out.tokens);
+    EXPECT_TRUE(std::regex_match(text, reference)) << "seed " << seed << ": " << text;
+  }
+  EXPECT_GE(ended, 3);
+}
+
+TEST(Regex, WhatIsNotRegularOrNotSupportedIsRefusedByName) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"(a)\\1", "at offset 3: a backreference"},
+      {"a(?=b)", "lookaround"},
+      {"\\bword", "word boundary"},
+      {"a^b", "an anchor '^' inside the pattern"},
+      {"a$b", "an anchor '$' inside the pattern"},
+      {"a++", "possessive"},
+      {"*a", "nothing to repeat"},
+      {"(ab", "never closed"},
+      {"ab)", "an unmatched ')'"},
+      {"[ab", "never closed"},
+      {"[z-a]", "end comes before its start"},
+      {"a{3,1}", "n < m"},
+      {"a{1001}", "past 1000"},
+      {"((a{1000}){1000}){1000}", "more than"},
+      {"\\q", "unknown escape"},
+      {"(a*)*", "left-recursive"},
+  };
+  for (const auto& [pattern, why] : cases) {
+    SCOPED_TRACE(pattern);
+    try {
+      regex_grammar(pattern);
+      ADD_FAILURE() << "not refused";
+    } catch (const GrammarError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace disagg::grammar
