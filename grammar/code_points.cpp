@@ -129,4 +129,24 @@ Ranges normalize(Ranges r, bool negate) {
 
 Expr code_point_class(const CodePointRanges& ranges, bool negate) { return utf8_class(normalize(ranges, negate)); }
 
+CodePointRanges normalized(const CodePointRanges& ranges, bool negate) { return normalize(ranges, negate); }
+
+CodePointRanges intersection(const CodePointRanges& a, const CodePointRanges& b) {
+  CodePointRanges out;
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const uint32_t lo = std::max(a[i].first, b[j].first), hi = std::min(a[i].second, b[j].second);
+    if (lo <= hi) out.push_back({lo, hi});
+    if (a[i].second < b[j].second) ++i;
+    else ++j;
+  }
+  return out;
+}
+
+bool contains(const CodePointRanges& normalized_ranges, uint32_t cp) {
+  for (const auto& [lo, hi] : normalized_ranges)
+    if (cp >= lo && cp <= hi) return true;
+  return false;
+}
+
 }  // namespace disagg::grammar

@@ -31,6 +31,15 @@ uint32_t next_code_point(std::string_view text, size_t& pos);
 // past U+10FFFF.
 uint32_t hex_code_point(std::string_view text, size_t& pos, int digits);
 
+// `ranges` sorted, merged and without surrogates (`negate`: every other
+// code point instead).
+CodePointRanges normalized(const CodePointRanges& ranges, bool negate);
+
+// The code points in both (each normalized).
+CodePointRanges intersection(const CodePointRanges& a, const CodePointRanges& b);
+
+bool contains(const CodePointRanges& normalized_ranges, uint32_t cp);
+
 // Any one code point of `ranges` (`negate`: of every other code point), as
 // UTF-8. Throws GrammarError when that is no code point at all.
 Expr code_point_class(const CodePointRanges& ranges, bool negate);

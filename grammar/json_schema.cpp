@@ -1,5 +1,7 @@
 #include "grammar/json_schema.h"
 
+#include "grammar/regex.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +24,7 @@ const std::set<std::string> kKeywords = {
     "type",     "enum",     "const",     "anyOf",     "oneOf",     "allOf",      "$ref",    "$defs",
     "definitions", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
     "maxItems", "minLength", "maxLength", "format",    "minimum",   "maximum",    "exclusiveMinimum",
-    "exclusiveMaximum"};
+    "exclusiveMaximum", "pattern"};
 
 // The largest magnitude a bounded number is written with: JSON's grammar
 // writes at most 16 digits before the point (grammar/json_grammar.h).
@@ -233,7 +235,8 @@ class Compiler {
       if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) types = {"object"};
       else if (s.contains("items") || s.contains("prefixItems") || s.contains("minItems") || s.contains("maxItems"))
         types = {"array"};
-      else if (s.contains("minLength") || s.contains("maxLength") || s.contains("format")) types = {"string"};
+      else if (s.contains("minLength") || s.contains("maxLength") || s.contains("format") || s.contains("pattern"))
+        types = {"string"};
       else if (s.contains("minimum") || s.contains("maximum") || s.contains("exclusiveMinimum") ||
                s.contains("exclusiveMaximum"))
         types = {"number"};
@@ -471,6 +474,19 @@ class Compiler {
   // ---- strings
 
   Expr string(const json& s, const std::string& at) {
+    if (s.contains("pattern")) {
+      if (s.contains("minLength") || s.contains("maxLength") || s.contains("format"))
+        throw SchemaError("pattern beside minLength/maxLength/format at " + where(at) + " is not supported");
+      if (!s["pattern"].is_string()) throw SchemaError("pattern at " + where(at) + " must be a string");
+      try {
+        const Expr body = json_pattern_body(g_, s["pattern"].get<std::string>(), json_.string_char());
+        return g_.seq({Grammar::literal("\""), body, Grammar::literal("\"")});
+      } catch (const SchemaError&) {
+        throw;
+      } catch (const GrammarError& e) {
+        throw SchemaError("pattern at " + where(at) + ": " + e.what());
+      }
+    }
     if (s.contains("format")) {
       if (s.contains("minLength") || s.contains("maxLength"))
         throw SchemaError("minLength/maxLength beside format at " + where(at) + " is not supported");

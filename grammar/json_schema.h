@@ -16,7 +16,8 @@
 //     allows any members);
 //   arrays: items (a schema or false), prefixItems, minItems, maxItems;
 //   strings: minLength, maxLength (characters), format date, time,
-//     date-time, uuid, email;
+//     date-time, uuid, email; pattern (grammar/regex.h, ECMAScript's
+//     syntax where it is regular; not beside minLength, maxLength, format);
 //   numbers and integers: minimum, maximum, exclusiveMinimum,
 //     exclusiveMaximum (a bounded number is written as an integer, or with
 //     a fraction where every fraction stays in range);

@@ -1,5 +1,6 @@
 #include "grammar/regex.h"
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -10,21 +11,58 @@ namespace disagg::grammar {
 
 namespace {
 
+// The shorthand classes, ASCII: what Python's (Unicode) and ECMAScript's
+// classes agree on. Their negations (\D, \W, \S, and a negated [...]
+// that holds one) are ASCII too, so that every text written matches under
+// both engines: Python's \s takes \x1c-\x1f and Unicode spaces, so \S
+// takes neither.
 const CodePointRanges kDigit = {{'0', '9'}};
 const CodePointRanges kWord = {{'0', '9'}, {'A', 'Z'}, {'a', 'z'}, {'_', '_'}};
 const CodePointRanges kSpace = {{' ', ' '}, {'\t', '\r'}};  // \t \n \v \f \r
+const CodePointRanges kNotSpaceAnywhere = {{' ', ' '}, {'\t', '\r'}, {0x1C, 0x1F}};
+const CodePointRanges kAscii = {{0, 0x7F}};
+// A JSON string's body writes these unescaped (JSON: not '"', '\\' or a
+// control character).
+const CodePointRanges kJsonPlain = {{0x20, 0x21}, {0x23, 0x5B}, {0x5D, kMaxCodePoint}};
+
+// The JSON escape of a code point JSON does not write as itself.
+std::string json_escape(uint32_t cp) {
+  switch (cp) {
+    case '"': return "\\\"";
+    case '\\': return "\\\\";
+    case '\n': return "\\n";
+    case '\r': return "\\r";
+    case '\t': return "\\t";
+    case '\b': return "\\b";
+    case '\f': return "\\f";
+    default: {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(cp));
+      return buf;
+    }
+  }
+}
+
+enum class Dialect {
+  python_text,   // guided_regex: Python's re, the output as it is, '.' all but \n
+  ecma_json,     // a JSON Schema pattern: ECMAScript, the value inside a JSON string's body
+};
 
 class RegexParser {
  public:
-  explicit RegexParser(std::string_view p) : p_(p) {}
+  RegexParser(Grammar& g, std::string_view p, Dialect dialect) : g_(g), p_(p), dialect_(dialect) {}
 
-  Grammar parse() {
-    if (!p_.empty() && p_[0] == '^') ++pos_;
-    const Expr e = parse_alternates();
+  struct Result {
+    Expr e;
+    bool anchored_start = false, anchored_end = false;
+  };
+  Result parse() {
+    Result r;
+    if (!p_.empty() && p_[0] == '^') ++pos_, r.anchored_start = true;
+    r.e = parse_alternates();
     if (pos_ < p_.size()) fail(p_[pos_] == ')' ? "an unmatched ')'" : "unexpected '" + std::string(1, p_[pos_]) + "'");
-    g_.define(0, e);
-    g_.check();
-    return std::move(g_);
+    r.anchored_end = anchored_end_;
+    return r;
   }
 
  private:
@@ -48,6 +86,7 @@ class RegexParser {
     while (pos_ < p_.size() && p_[pos_] != '|' && p_[pos_] != ')') {
       if (at_end_anchor()) {
         ++pos_;
+        anchored_end_ = true;
         break;
       }
       Expr atom = parse_atom();
@@ -81,17 +120,38 @@ class RegexParser {
     if (c == '[') return parse_class();
     if (c == '.') {
       ++pos_;
-      return code_point_class({{'\n', '\n'}}, true);
+      // (ECMAScript's '.' takes no line terminator; Python's no \n)
+      if (dialect_ == Dialect::ecma_json) return class_of({{'\n', '\n'}, {'\r', '\r'}, {0x2028, 0x2029}}, true);
+      return class_of({{'\n', '\n'}}, true);
     }
     if (c == '^' || c == '$') fail(std::string("an anchor '") + c + "' inside the pattern: unsupported", at);
     if (c == '*' || c == '+' || c == '?') fail(std::string("nothing to repeat before '") + c + "'", at);
     if (c == '\\') {
       CodePointRanges set;
       const uint32_t cp = parse_escape(set, false);
-      if (!set.empty()) return code_point_class(set, cp == 1);
-      return Grammar::literal(utf8_bytes(cp));
+      if (!set.empty()) return cp == 1 ? class_of(intersection(normalized(set, true), kAscii), false) : class_of(set, false);
+      return literal_of(cp);
     }
-    return Grammar::literal(utf8_bytes(parse_utf8()));
+    return literal_of(parse_utf8());
+  }
+
+  // One code point as the target writes it.
+  Expr literal_of(uint32_t cp) const {
+    if (dialect_ == Dialect::ecma_json && !contains(kJsonPlain, cp)) return Grammar::literal(json_escape(cp));
+    return Grammar::literal(utf8_bytes(cp));
+  }
+
+  // Any one code point of a class, as the target writes it.
+  Expr class_of(const CodePointRanges& ranges, bool negate) const {
+    if (dialect_ != Dialect::ecma_json) return code_point_class(ranges, negate);
+    const CodePointRanges set = normalized(ranges, negate);
+    std::vector<Expr> options;
+    const CodePointRanges plain = intersection(set, kJsonPlain);
+    if (!plain.empty()) options.push_back(code_point_class(plain, false));
+    for (uint32_t cp = 0; cp <= '\\'; ++cp)
+      if (!contains(kJsonPlain, cp) && contains(set, cp)) options.push_back(Grammar::literal(json_escape(cp)));
+    if (options.empty()) throw GrammarError("a character class that admits no character");
+    return Grammar::alt(options);
   }
 
   // After a backslash: a code point (returned), or a class in `set` (then
@@ -106,7 +166,7 @@ class RegexParser {
       case 'w': set = kWord; return 0;
       case 'W': set = kWord; return 1;
       case 's': set = kSpace; return 0;
-      case 'S': set = kSpace; return 1;
+      case 'S': set = kNotSpaceAnywhere; return 1;
       case 'n': return '\n';
       case 't': return '\t';
       case 'r': return '\r';
@@ -153,7 +213,7 @@ class RegexParser {
     const bool negate = pos_ < p_.size() && p_[pos_] == '^';
     if (negate) ++pos_;
     CodePointRanges ranges;
-    bool first = true;
+    bool first = true, shorthand = false;
     while (true) {
       if (pos_ >= p_.size()) fail("a '[' that is never closed", at);
       if (p_[pos_] == ']' && !first) break;
@@ -165,6 +225,7 @@ class RegexParser {
         if (!set.empty()) {
           if (lo == 1) fail("a negated class escape (\\D, \\W, \\S) inside a class: unsupported", at);
           ranges.insert(ranges.end(), set.begin(), set.end());
+          shorthand = true;
           continue;
         }
       } else {
@@ -182,7 +243,9 @@ class RegexParser {
     }
     ++pos_;
     try {
-      return code_point_class(ranges, negate);
+      // (negated with a shorthand inside: ASCII, as \D, \W and \S)
+      if (negate && shorthand) return class_of(intersection(normalized(ranges, true), kAscii), false);
+      return class_of(ranges, negate);
     } catch (const GrammarError& e) {
       fail(e.what(), at);
     }
@@ -241,13 +304,29 @@ class RegexParser {
     return true;
   }
 
+  Grammar& g_;
   std::string_view p_;
+  Dialect dialect_;
   size_t pos_ = 0;
-  Grammar g_;
+  bool anchored_end_ = false;
 };
 
 }  // namespace
 
-Grammar regex_grammar(std::string_view pattern) { return RegexParser(pattern).parse(); }
+Grammar regex_grammar(std::string_view pattern) {
+  Grammar g;
+  g.define(0, RegexParser(g, pattern, Dialect::python_text).parse().e);
+  g.check();
+  return g;
+}
+
+Expr json_pattern_body(Grammar& g, std::string_view pattern, const Expr& any_char) {
+  const RegexParser::Result r = RegexParser(g, pattern, Dialect::ecma_json).parse();
+  std::vector<Expr> parts;
+  if (!r.anchored_start) parts.push_back(g.star(any_char));  // a search: anywhere in the value
+  parts.push_back(r.e);
+  if (!r.anchored_end) parts.push_back(g.star(any_char));
+  return g.seq(parts);
+}
 
 }  // namespace disagg::grammar

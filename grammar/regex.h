@@ -23,4 +23,12 @@ namespace disagg::grammar {
 
 Grammar regex_grammar(std::string_view pattern);
 
+// The body of a JSON string (between its quotes, escaped as JSON) whose
+// value a JSON Schema `pattern` matches: ECMAScript's syntax (the same
+// subset; '.' takes no line terminator), a search (the match may lie
+// anywhere in the value unless ^ / $ anchor it; `any_char`, one character of
+// a string's body, fills the rest). Each code point the value holds is
+// written as itself, or escaped where JSON must ('"', '\\', controls).
+Expr json_pattern_body(Grammar& g, std::string_view pattern, const Expr& any_char);
+
 }  // namespace disagg::grammar

@@ -209,6 +209,31 @@ TEST(JsonSchema, EveryTextGeneratedUnderARealToolSchemaValidates) {
   expect_ajv_validates(cases, 150 * tools.size());
 }
 
+// pattern (ECMAScript, a search unless anchored) over strings JSON must
+// escape, Unicode, the shorthand classes and their negations: every text
+// written validates with Ajv.
+TEST(JsonSchema, EveryTextGeneratedUnderAPatternValidates) {
+  if (!validator_installed()) GTEST_SKIP() << "node or tests/schema's npm packages missing (scripts/install-deps)";
+  const char* patterns[] = {
+      R"(^[a-z]+\d{2}$)", "ab", R"(^"\\$)", R"(^\S+$)", R"(^[^a]\D\W.$)", R"(^\n\t[\x00-\x1f"\\]+$)",
+      "^\u00e9+\u00fc$", R"(^(?:[A-Z]{2}-)?\d{3,5}$)", R"([^\s]{3})", R"(^.{2,4}$)", R"(\w\s\w)",
+  };
+  std::mt19937 rng(11);
+  json cases = json::array();
+  for (const char* pattern : patterns) {
+    const json schema = {{"type", "string"}, {"pattern", pattern}};
+    const std::vector<std::string> texts = generate(schema, 60, rng);
+    EXPECT_GE(texts.size(), 50u) << pattern;
+    cases.push_back({{"schema", schema}, {"outputs", texts}});
+  }
+  expect_ajv_validates(cases, 500);
+  // A value JSON must escape is written escaped.
+  expect_texts(json{{"pattern", R"(^"\\\n$)"}}, {R"("\"\\\n")"}, {"\"\"\\\n\""});
+  // Not beside the length bounds or a format; not what is not regular.
+  EXPECT_THROW(json_schema_grammar(json{{"type", "string"}, {"pattern", "a"}, {"maxLength", 3}}), SchemaError);
+  EXPECT_THROW(json_schema_grammar(json{{"type", "string"}, {"pattern", "(a)\\1"}}), SchemaError);
+}
+
 TEST(JsonSchema, EveryTextGeneratedUnderTheTestSuitesSupportedSchemasValidates) {
   if (!validator_installed()) GTEST_SKIP() << "node or tests/schema's npm packages missing (scripts/install-deps)";
   const std::string suite = std::string(DISAGG_SOURCE_DIR) + "/tests/schema/node_modules/json-schema-test-suite/tests/draft4";
