@@ -175,6 +175,21 @@ ordered_json template_message(const ordered_json& m) {
   return out;
 }
 
+// continue_final_message (as vLLM does it): the rendered text cut right
+// after the last message's content, so the output continues that message.
+std::string up_to_the_last_message(const std::string& rendered, const json& messages, const gpu::Tokenizer& tokenizer,
+                                   bool plain) {
+  const json& last = messages.back();
+  if (last.value("role", "") != "assistant")
+    throw bad_request("continue_final_message", "'continue_final_message' needs the last message to be an assistant's");
+  std::string content = template_message(ordered_json::parse(last.dump()))["content"].get<std::string>();
+  if (plain) content = tokenizer.defused_text(content);
+  const size_t at = rendered.rfind(content);
+  if (content.empty() || at == std::string::npos)
+    throw bad_request("continue_final_message", "the chat template does not write the last message's content as it is");
+  return rendered.substr(0, at + content.size());
+}
+
 // The variables a Jinja chat template renders with, as transformers passes
 // them: messages, tools, documents, add_generation_prompt, the vocabulary's
 // bos_token and eos_token, then chat_template_kwargs' keys; all in the
@@ -187,7 +202,7 @@ ordered_json template_context(const ordered_json& body, const gpu::Tokenizer& to
   for (const ordered_json& m : body["messages"]) messages.push_back(template_message(m));
   const bool has_tools = body.contains("tools") && !body["tools"].is_null();
   ordered_json context = {{"messages", plain(messages)}, {"tools", has_tools ? plain(body["tools"]) : ordered_json()},
-                          {"documents", nullptr}, {"add_generation_prompt", true},
+                          {"documents", nullptr}, {"add_generation_prompt", options.add_generation_prompt},
                           {"bos_token", piece(v.bos)}, {"eos_token", piece(v.eos)}};
   if (body.contains("chat_template_kwargs") && body["chat_template_kwargs"].is_object())
     for (const auto& [key, value] : body["chat_template_kwargs"].items()) {
@@ -207,6 +222,12 @@ ChatOptions chat_options(const json& body, const std::string& text) {
     o.enable_thinking = boolean(*kwargs, "enable_thinking", true);
   }
   o.special_tokens_in_content = boolean(body, "special_tokens_in_content", false);
+  o.add_generation_prompt = boolean(body, "add_generation_prompt", true);
+  o.continue_final_message = boolean(body, "continue_final_message", false);
+  if (o.add_generation_prompt && o.continue_final_message)
+    throw bad_request("continue_final_message",
+                      "'continue_final_message' needs 'add_generation_prompt': false (the prompt ends inside the last "
+                      "message, not after it)");
   o.body_text = text;
   return o;
 }
@@ -223,8 +244,15 @@ std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, c
       // The body again, its objects' keys in the client's order (json's are sorted).
       ordered_json body = options.body_text.empty() ? ordered_json{{"messages", ordered_json::parse(messages.dump())}}
                                                     : ordered_json::parse(options.body_text.begin(), options.body_text.end());
-      pieces.push_back({ChatPiece::text, chat.jinja->render(template_context(body, tokenizer, options).dump(), limits)});
+      std::string text = chat.jinja->render(template_context(body, tokenizer, options).dump(), limits);
+      if (options.continue_final_message) text = up_to_the_last_message(text, messages, tokenizer, plain);
+      pieces.push_back({ChatPiece::text, std::move(text)});
     } else {
+      if (!options.add_generation_prompt || options.continue_final_message)
+        throw bad_request(options.continue_final_message ? "continue_final_message" : "add_generation_prompt",
+                          std::string("the built-in ") + gpu::to_string(chat.family) +
+                              " chat template always opens the assistant's turn; this needs the model file's template",
+                          "unsupported");
       std::vector<ChatMessage> list;
       for (size_t i = 0; i < messages.size(); ++i)
         list.push_back({messages[i]["role"].get<std::string>(),

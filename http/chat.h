@@ -18,13 +18,20 @@ namespace disagg::http {
 struct ChatOptions {
   bool enable_thinking = true;             // chat_template_kwargs' enable_thinking: the only one the built-ins read
   bool special_tokens_in_content = false;  // true: control-token text in messages becomes those tokens
+  // vLLM's: the template opens the assistant's turn (default), or (with
+  // continue_final_message) the prompt ends inside the last message, an
+  // assistant's, which the output continues. Both but the default need the
+  // model file's template (the built-ins always open the turn).
+  bool add_generation_prompt = true;
+  bool continue_final_message = false;
   // The body's text (the caller's, read while rendering): a Jinja template
   // reads its messages, tools and chat_template_kwargs in the client's key
   // order. Empty: `messages` alone.
   std::string_view body_text;
 };
-// The body's chat_template_kwargs (an object) and special_tokens_in_content
-// (a boolean); `text` is the body's text. Throws ApiError.
+// The body's chat_template_kwargs (an object), special_tokens_in_content,
+// add_generation_prompt and continue_final_message (booleans; the last two
+// not both true); `text` is the body's text. Throws ApiError.
 ChatOptions chat_options(const json& body, const std::string& text);
 
 // The prompt tokens of `messages` (a validated array of messages) in the

@@ -117,6 +117,47 @@ TEST(ChatRender, ToolsAndTemplateKwargsReachTheTemplate) {
   EXPECT_EQ(text_of({{"messages", messages}}).find("<think>"), std::string::npos);
 }
 
+// vLLM's add_generation_prompt (false: the prompt ends after the last
+// message) and continue_final_message (it ends inside the last, an
+// assistant's, which the output continues); the built-ins cannot.
+TEST(ChatRender, AddGenerationPromptAndContinueFinalMessage) {
+  const auto llama = family("llama3", ChatTemplate::llama3);
+  const auto qwen = family("qwen3", ChatTemplate::qwen3);  // (its template reads add_generation_prompt; Llama 3's
+  NEED(llama && qwen);                                      //  always opens the assistant's turn, as in transformers)
+  const json chat = {{{"role", "user"}, {"content", "Count"}}, {{"role", "assistant"}, {"content", "One, two,"}}};
+  auto tokens = [&](const json& body) { return parse_with(*qwen, qwen->jinja, body).prompt_tokens; };
+  auto text = [&](const std::vector<int32_t>& ids) {
+    std::string out;
+    for (int32_t id : ids) out += qwen->tokenizer.vocabulary().pieces[size_t(id)];
+    return out;
+  };
+  const std::string with = text(tokens({{"messages", chat}}));
+  const std::string without = text(tokens({{"messages", chat}, {"add_generation_prompt", false}}));
+  EXPECT_EQ(with, without + "<|im_start|>assistant\u010a") << "the same prompt, less the turn's opening";
+  const auto cont = tokens({{"messages", chat}, {"add_generation_prompt", false}, {"continue_final_message", true}});
+  const std::string tail = text(cont);
+  const std::string last = "One,\u0120two,";
+  ASSERT_GE(tail.size(), last.size());
+  EXPECT_EQ(tail.substr(tail.size() - last.size()), last) << tail;  // ends inside the assistant's message
+  EXPECT_EQ(count(cont, 151645), 1u);  // <|im_end|>: the user's turn closed, not the last
+  auto error = [&](const ChatFormat& format, const json& body) -> ApiError {
+    try {
+      parse_with(*llama, format, body);
+    } catch (const ApiError& e) {
+      return e;
+    }
+    ADD_FAILURE() << "no error for " << body.dump();
+    return {};
+  };
+  EXPECT_EQ(error(qwen->jinja, {{"messages", chat}, {"continue_final_message", true}}).param, "continue_final_message");
+  EXPECT_EQ(error(qwen->jinja, {{"messages", {chat[0]}}, {"add_generation_prompt", false}, {"continue_final_message", true}})
+                .param,
+            "continue_final_message");
+  const ApiError builtin = error(llama->builtin, {{"messages", chat}, {"add_generation_prompt", false}});
+  EXPECT_EQ(builtin.code, "unsupported");
+  EXPECT_NE(builtin.message.find("model file's template"), std::string::npos) << builtin.message;
+}
+
 TEST(ChatRender, ATemplateErrorIsA400WithJinja2sMessage) {
   const auto llama = family("llama3", ChatTemplate::llama3);
   NEED(llama);
