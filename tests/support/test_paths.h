@@ -14,7 +14,8 @@ std::string shared_reference_more();  // shared_dir()/reference/stories260K-gree
 // Every greedy reference file: shared_reference(), then shared_reference_more().
 std::vector<std::string> shared_reference_files();
 std::string bin_dir();           // build/bin
-// A fresh empty directory under the system temp dir, unique per call.
+// A fresh empty directory under the system temp dir, unique per call;
+// removed with all it holds when the process exits.
 std::string make_temp_dir(const std::string& tag);
 // A whole file's bytes ("" when it cannot be read), and writing one (throws).
 std::string read_text_file(const std::string& path);
