@@ -14,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 #include <vector>
 
@@ -216,9 +217,13 @@ std::unique_ptr<WeightCache> WeightCache::open(const std::string& folder, const 
   if (try_existing(false)) return mapped();
 
   const std::string dir = folder_of(folder, key.model_path);
-  if (folder != "model" && ::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    log("weight cache: cannot create the folder " + dir + ": " + errno_text() + "; weights kept in memory");
-    return nullptr;
+  if (folder != "model") {
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    if (error) {
+      log("weight cache: cannot create the folder " + dir + ": " + error.message() + "; weights kept in memory");
+      return nullptr;
+    }
   }
   std::string why;
   const int lock = lock_file(path + ".lock", &why);

@@ -187,6 +187,13 @@ TEST_F(WeightCacheFile, LeftoversOfADeadBuilderAreRemoved) {
   EXPECT_FALSE(fs::exists(leftover));
 }
 
+TEST_F(WeightCacheFile, AFolderIsMadeWithItsParents) {
+  auto cache = WeightCache::open(dir_ + "/a/b/c", key_, [&](uint8_t* d) { ++fills_, fill(d, key_); }, lines_.log());
+  ASSERT_TRUE(cache) << lines_.all();
+  EXPECT_TRUE(holds_its_bytes(*cache, key_));
+  EXPECT_EQ(cache->path().rfind(dir_ + "/a/b/c/", 0), 0u) << cache->path();
+}
+
 TEST_F(WeightCacheFile, AFolderThatCannotBeMadeKeepsTheWeightsInMemory) {
   std::ofstream(dir_ + "/file") << "x";
   auto cache = WeightCache::open(dir_ + "/file/cache", key_, [&](uint8_t*) { ++fills_; }, lines_.log());
