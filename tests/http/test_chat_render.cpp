@@ -46,6 +46,17 @@ ApiRequest parse_with(const Family& f, const ChatFormat& chat, const json& body)
   return parse_request(Endpoint::chat, body.dump(), model_of(f.tokenizer), f.tokenizer, chat, [] { return uint64_t(1); });
 }
 
+// The ApiError parse_with throws for `body` (a failure when it throws none).
+ApiError error_with(const Family& f, const ChatFormat& chat, const json& body) {
+  try {
+    parse_with(f, chat, body);
+  } catch (const ApiError& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no error for " << body.dump();
+  return {};
+}
+
 size_t count(const std::vector<int32_t>& ids, int32_t id) { return size_t(std::count(ids.begin(), ids.end(), id)); }
 
 #define NEED(f) \
@@ -140,20 +151,11 @@ TEST(ChatRender, AddGenerationPromptAndContinueFinalMessage) {
   ASSERT_GE(tail.size(), last.size());
   EXPECT_EQ(tail.substr(tail.size() - last.size()), last) << tail;  // ends inside the assistant's message
   EXPECT_EQ(count(cont, 151645), 1u);  // <|im_end|>: the user's turn closed, not the last
-  auto error = [&](const ChatFormat& format, const json& body) -> ApiError {
-    try {
-      parse_with(*llama, format, body);
-    } catch (const ApiError& e) {
-      return e;
-    }
-    ADD_FAILURE() << "no error for " << body.dump();
-    return {};
-  };
-  EXPECT_EQ(error(qwen->jinja, {{"messages", chat}, {"continue_final_message", true}}).param, "continue_final_message");
-  EXPECT_EQ(error(qwen->jinja, {{"messages", {chat[0]}}, {"add_generation_prompt", false}, {"continue_final_message", true}})
-                .param,
+  EXPECT_EQ(error_with(*qwen, qwen->jinja, {{"messages", chat}, {"continue_final_message", true}}).param,
             "continue_final_message");
-  const ApiError builtin = error(llama->builtin, {{"messages", chat}, {"add_generation_prompt", false}});
+  const json user_last = {{"messages", {chat[0]}}, {"add_generation_prompt", false}, {"continue_final_message", true}};
+  EXPECT_EQ(error_with(*qwen, qwen->jinja, user_last).param, "continue_final_message");
+  const ApiError builtin = error_with(*llama, llama->builtin, {{"messages", chat}, {"add_generation_prompt", false}});
   EXPECT_EQ(builtin.code, "unsupported");
   EXPECT_NE(builtin.message.find("model file's template"), std::string::npos) << builtin.message;
 }
@@ -164,21 +166,12 @@ TEST(ChatRender, ATemplateErrorIsA400WithJinja2sMessage) {
   ChatFormat refusing(ChatTemplate::llama3);
   refusing.jinja = std::make_shared<const gpu::JinjaTemplate>(
       "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations start with a user') }}{% endif %}x");
-  auto error = [&](const ChatFormat& chat, const json& body) -> ApiError {
-    try {
-      parse_with(*llama, chat, body);
-    } catch (const ApiError& e) {
-      return e;
-    }
-    ADD_FAILURE() << "no error for " << body.dump();
-    return {};
-  };
-  const ApiError e = error(refusing, {{"messages", {{{"role", "assistant"}, {"content", "a"}}}}});
+  const ApiError e = error_with(*llama, refusing, {{"messages", {{{"role", "assistant"}, {"content", "a"}}}}});
   EXPECT_EQ(e.status, 400);
   EXPECT_EQ(e.param, "messages");
   EXPECT_NE(e.message.find("Conversations start with a user"), std::string::npos) << e.message;
   EXPECT_EQ(parse_with(*llama, refusing, {{"messages", {{{"role", "user"}, {"content", "a"}}}}}).prompt_tokens.size(), 1u);
-  const ApiError kw = error(llama->jinja, {{"messages", {{{"role", "user"}, {"content", "a"}}}},
+  const ApiError kw = error_with(*llama, llama->jinja, {{"messages", {{{"role", "user"}, {"content", "a"}}}},
                                            {"chat_template_kwargs", {{"messages", json::array()}}}});
   EXPECT_EQ(kw.param, "chat_template_kwargs");
 }
