@@ -21,6 +21,7 @@
 #include "gpu/error.h"
 #include "gpu/file_check.h"
 #include "gpu/host_memory.h"
+#include "model/checkpoint.h"
 
 namespace disagg::gpu {
 
@@ -123,14 +124,6 @@ std::string validate(int fd, const WeightCacheKey& key, void** mapping) {
   return "";
 }
 
-std::string folder_of(const std::string& folder, const std::string& model_path) {
-  if (folder != "model") return folder;
-  struct stat st {};
-  if (::stat(model_path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return model_path;
-  const size_t slash = model_path.find_last_of('/');
-  return slash == std::string::npos ? "." : slash == 0 ? "/" : model_path.substr(0, slash);
-}
-
 // An exclusive flock on `path` (created if need be), waited for at most
 // kBuildWait; -1 (with *why) when it cannot be had.
 int lock_file(const std::string& path, std::string* why) {
@@ -171,11 +164,7 @@ void remove_leftovers(const std::string& folder, const std::string& name) {
 }  // namespace
 
 std::string WeightCache::path_for(const std::string& folder, const WeightCacheKey& key) {
-  std::string name = key.model_path;
-  while (name.size() > 1 && name.back() == '/') name.pop_back();
-  const size_t slash = name.find_last_of('/');
-  if (slash != std::string::npos) name = name.substr(slash + 1);
-  return folder_of(folder, key.model_path) + "/" + name + "." + hex(key.fingerprint) + "." + key.layout + ".wcache";
+  return model_side_file(key.model_path, folder, "." + hex(key.fingerprint) + "." + key.layout + ".wcache");
 }
 
 std::string WeightCache::problem(const std::string& path, const WeightCacheKey& key) {
@@ -194,6 +183,7 @@ std::unique_ptr<WeightCache> WeightCache::open(const std::string& folder, const 
       key.layout.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-") != std::string::npos)
     throw Error("weight cache: layout name '" + key.layout + "' is not 1-63 of [a-z0-9-]");
   const std::string path = path_for(folder, key);
+  if (path.empty()) throw Error("weight cache: no folder (\"" + folder + "\" means none)");
   std::unique_ptr<WeightCache> cache(new WeightCache);
   cache->path_ = path;
   cache->mapping_bytes_ = kHeaderBytes + key.data_bytes;
@@ -216,7 +206,7 @@ std::unique_ptr<WeightCache> WeightCache::open(const std::string& folder, const 
   };
   if (try_existing(false)) return mapped();
 
-  const std::string dir = folder_of(folder, key.model_path);
+  const std::string dir = std::filesystem::path(path).parent_path().string();
   if (folder != "model") {
     std::error_code error;
     std::filesystem::create_directories(dir, error);
@@ -238,7 +228,7 @@ std::unique_ptr<WeightCache> WeightCache::open(const std::string& folder, const 
   // Built by a process we waited for, or there all along but not valid.
   if (try_existing(true)) return mapped();
 
-  const std::string name = path.substr(dir.size() + 1);
+  const std::string name = std::filesystem::path(path).filename().string();
   remove_leftovers(dir, name);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);

@@ -287,15 +287,6 @@ void Checkpoint::load_gguf(size_t file_size) {
 
 namespace {
 
-// The memo of a file model's fingerprint (Checkpoint::open): its path, or ""
-// for none.
-std::string memo_path(const std::string& path, const std::string& folder) {
-  if (folder.empty() || folder == "off") return "";
-  if (folder == "model") return path + ".fingerprint";
-  const size_t slash = path.find_last_of('/');
-  return folder + "/" + (slash == std::string::npos ? path : path.substr(slash + 1)) + ".fingerprint";
-}
-
 // What identifies the bytes of the open file `fd` without reading them.
 nlohmann::json file_identity(int fd) {
   struct stat st {};
@@ -314,7 +305,7 @@ constexpr int64_t kRacyNs = 1000000000;
 // hashed, and the memo written (a temporary file renamed; failures ignored:
 // the memo only saves time).
 uint64_t file_fingerprint(const std::string& path, int fd, void* mapping, size_t size, const std::string& folder) {
-  const std::string memo = memo_path(path, folder);
+  const std::string memo = model_side_file(path, folder, ".fingerprint");
   const nlohmann::json identity = file_identity(fd);
   if (memo.empty() || identity.is_null()) return fingerprint_bytes(mapping, size);
   constexpr size_t kMemoBytes = 4096;  // a memo is ~150 bytes; anything larger is not one
@@ -338,7 +329,7 @@ uint64_t file_fingerprint(const std::string& path, int fd, void* mapping, size_t
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fingerprint));
   const std::string text = nlohmann::json{{"file", identity}, {"fingerprint", hex}}.dump() + "\n";
-  if (folder != "model") ::mkdir(folder.c_str(), 0755);  // (the weight cache's folder: perhaps not made yet)
+  if (folder != "model") ::mkdir(std::filesystem::path(memo).parent_path().c_str(), 0755);  // (perhaps not made yet)
   const std::string tmp = memo + ".tmp." + std::to_string(::getpid());
   if (FILE* f = std::fopen(tmp.c_str(), "wx")) {
     const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
@@ -349,6 +340,21 @@ uint64_t file_fingerprint(const std::string& path, int fd, void* mapping, size_t
 }
 
 }  // namespace
+
+std::string model_side_file(const std::string& model_path, const std::string& folder, const std::string& suffix) {
+  if (folder.empty() || folder == "off") return "";
+  std::string name = model_path;
+  while (name.size() > 1 && name.back() == '/') name.pop_back();
+  const size_t slash = name.find_last_of('/');
+  std::string dir = folder;
+  if (folder == "model") {
+    struct stat st {};
+    if (::stat(model_path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) dir = name;
+    else dir = slash == std::string::npos ? "." : slash == 0 ? "/" : name.substr(0, slash);
+  }
+  if (slash != std::string::npos) name = name.substr(slash + 1);
+  return dir + "/" + name + suffix;
+}
 
 std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path, const std::string& fingerprint_memo) {
   // A FIFO, socket or device is refused before anything blocks (gpu/file_check.h).

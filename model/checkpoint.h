@@ -120,6 +120,13 @@ class Checkpoint {
 // text (disagg-generate, the router, the frontend) takes it from here.
 Tokenizer load_tokenizer(const Checkpoint& checkpoint, const std::string& tokenizer_path);
 
+// Where a file kept for a model goes, as the weight-cache setting names it
+// (EngineOptions::weight_cache, Checkpoint::open's fingerprint memo): ""
+// for "" or "off"; for "model", `<model's folder>/<model's name><suffix>`
+// (a Hugging Face model: inside its directory); else `<folder>/<model's
+// name><suffix>`.
+std::string model_side_file(const std::string& model_path, const std::string& folder, const std::string& suffix);
+
 // Writing model files: model/model_writer.h.
 
 }  // namespace disagg::gpu
