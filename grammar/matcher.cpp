@@ -17,49 +17,63 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vect
                                    [&](int t) { return t < 0 || size_t(t) >= bytes_.size(); }),
                     end_tokens_.end());
   // The prefix tree of the tokens that may appear inside a text, built from
-  // them in byte order: a node's children and its tokens are contiguous.
+  // them in byte order: each new node comes after its parent's earlier
+  // subtree, which is preorder. Tokens longer than a depth can say are left
+  // out (never allowed).
   std::vector<int32_t> order;
   for (size_t i = 0; i < bytes_.size(); ++i)
-    if (!bytes_[i].empty() && !(i < special.size() && special[i]) && !is_end(int(i))) order.push_back(int32_t(i));
+    if (!bytes_[i].empty() && bytes_[i].size() <= 0xFFFF && !(i < special.size() && special[i]) && !is_end(int(i)))
+      order.push_back(int32_t(i));
   std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
     return bytes_[size_t(a)] != bytes_[size_t(b)] ? bytes_[size_t(a)] < bytes_[size_t(b)] : a < b;
   });
-  // First the nodes as (parent, byte) in a map, then laid out breadth-first.
-  struct Build {
-    std::vector<std::pair<uint8_t, uint32_t>> children;
-    std::vector<int32_t> tokens;
-  };
-  std::vector<Build> tree(1);
+  nodes_.assign(1, Node{});
+  std::vector<std::vector<int32_t>> ending(1);  // per node, the tokens whose bytes end there
+  std::vector<uint32_t> path{0};                // the nodes of the previous token's bytes
+  std::string previous;
   for (int32_t t : order) {
-    uint32_t at = 0;
-    for (char c : bytes_[size_t(t)]) {
-      auto& kids = tree[at].children;
-      if (!kids.empty() && kids.back().first == uint8_t(c)) {
-        at = kids.back().second;  // sorted input: a shared prefix is the last child
-      } else {
-        tree.push_back({});
-        tree[at].children.push_back({uint8_t(c), uint32_t(tree.size() - 1)});
-        at = uint32_t(tree.size() - 1);
-      }
+    const std::string& b = bytes_[size_t(t)];
+    size_t common = 0;
+    while (common < previous.size() && common < b.size() && previous[common] == b[common]) ++common;
+    path.resize(common + 1);
+    for (size_t i = common; i < b.size(); ++i) {
+      Node node;
+      node.depth = uint16_t(i + 1);
+      node.byte = uint8_t(b[i]);
+      nodes_.push_back(node);
+      ending.emplace_back();
+      path.push_back(uint32_t(nodes_.size() - 1));
     }
-    tree[at].tokens.push_back(t);
+    ending[path.back()].push_back(t);
+    previous = b;
   }
-  nodes_.resize(tree.size());
-  for (size_t n = 0; n < tree.size(); ++n) {
-    nodes_[n].first_edge = uint32_t(edges_.size());
-    nodes_[n].edges = uint32_t(tree[n].children.size());
-    for (auto& [b, child] : tree[n].children) edges_.push_back(Edge{b, child});
+  for (size_t n = 0; n < nodes_.size(); ++n) {
     nodes_[n].first_token = uint32_t(tokens_.size());
-    nodes_[n].tokens = uint32_t(tree[n].tokens.size());
-    tokens_.insert(tokens_.end(), tree[n].tokens.begin(), tree[n].tokens.end());
+    nodes_[n].tokens = uint32_t(ending[n].size());
+    tokens_.insert(tokens_.end(), ending[n].begin(), ending[n].end());
   }
-  // (preorder: children have larger ids, so one backward pass)
-  for (size_t n = nodes_.size(); n-- > 0;) {
-    Node& node = nodes_[n];
-    node.subtree_tokens_end = node.first_token + node.tokens;
-    for (uint32_t e = node.first_edge; e < node.first_edge + node.edges; ++e)
-      node.subtree_tokens_end = std::max(node.subtree_tokens_end, nodes_[edges_[e].child].subtree_tokens_end);
+  // Subtrees from the end (a subtree's nodes follow its root): the nodes
+  // still open on the right spine are closed by a node no deeper.
+  subtree_bytes_.assign(nodes_.size(), Bytes{});
+  std::vector<uint32_t> open;
+  auto close = [&](uint32_t n, uint32_t end) {
+    nodes_[n].subtree_end = end;
+    nodes_[n].subtree_tokens_end = end < nodes_.size() ? nodes_[end].first_token : uint32_t(tokens_.size());
+  };
+  for (uint32_t n = 0; n < nodes_.size(); ++n) {
+    while (!open.empty() && nodes_[open.back()].depth >= nodes_[n].depth) {
+      close(open.back(), n);
+      open.pop_back();
+    }
+    // Its byte and its depth are below each open ancestor.
+    nodes_[n].max_depth = nodes_[n].depth;
+    for (uint32_t a : open) {
+      subtree_bytes_[a][nodes_[n].byte >> 6] |= uint64_t(1) << (nodes_[n].byte & 63);
+      nodes_[a].max_depth = std::max(nodes_[a].max_depth, nodes_[n].depth);
+    }
+    open.push_back(n);
   }
+  for (uint32_t a : open) close(a, uint32_t(nodes_.size()));
 }
 
 bool TokenVocabulary::is_end(int token) const {
@@ -184,21 +198,17 @@ int32_t CompiledGrammar::intern(std::vector<int32_t> stacks) {
   if (it != state_index_.end()) return it->second;
   if (states_.size() >= kMaxStates) throw GrammarError("grammar: more than " + std::to_string(kMaxStates) + " parse states");
   const int32_t id = int32_t(states_.size());
-  states_.push_back(State{stacks, nullptr});
+  const bool bottom = (stacks[0] == kBottom) || (stacks.size() > 1 && stacks[0] == 0 && stacks[1] == kBottom);
+  states_.push_back(State{stacks, nullptr, nullptr, bottom});
   state_index_.emplace(std::move(stacks), id);
   return id;
 }
 
 int32_t CompiledGrammar::next_locked(int32_t state, uint8_t byte) {
-  State& st = states_[size_t(state)];
-  if (!st.next) {
-    st.next = std::make_unique<std::array<int32_t, 256>>();
-    st.next->fill(-2);
-  }
-  int32_t& memo = (*st.next)[byte];
-  if (memo != -2) return memo;
+  int32_t* memo = transitions(state);
+  if (memo[byte] != -2) return memo[byte];
   std::vector<int32_t> out;
-  const std::vector<int32_t> stacks = st.stacks;  // (interning below may move states_)
+  const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning below may move states_)
   for (int32_t id : stacks) {
     if (id == 0 || id == kBottom) continue;
     const Stack s = stacks_[size_t(id)];
@@ -209,7 +219,7 @@ int32_t CompiledGrammar::next_locked(int32_t state, uint8_t byte) {
     out.insert(out.end(), c.begin(), c.end());
   }
   const int32_t result = intern(std::move(out));
-  (*states_[size_t(state)].next)[byte] = result;
+  memo[byte] = result;
   return result;
 }
 
@@ -257,54 +267,165 @@ std::shared_ptr<const TokenMask> CompiledGrammar::mask(int state) {
   return m;
 }
 
-void CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below) {
+bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below,
+                                size_t undecided_limit) {
   const TokenVocabulary& v = *vocab_;
+  const TokenVocabulary::Node* nodes = v.nodes_.data();
+  const int32_t* tokens = v.tokens_.data();
   auto mark = [](std::vector<uint64_t>& bits, int32_t t) { bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63); };
-  // Depth-first down the prefix tree, the state alongside.
-  std::vector<std::pair<uint32_t, int32_t>> todo{{0u, state}};
-  while (!todo.empty()) {
-    const auto [node, at] = todo.back();
-    todo.pop_back();
-    const TokenVocabulary::Node& n = v.nodes_[node];
-    if (below && has_bottom(at))  // the tokens under here may read past the frame
-      for (uint32_t t = n.first_token + n.tokens; t < n.subtree_tokens_end; ++t) mark(*below, v.tokens_[t]);
-    for (uint32_t e = n.first_edge; e < n.first_edge + n.edges; ++e) {
-      const TokenVocabulary::Edge edge = v.edges_[e];
-      const int32_t after = next_locked(at, edge.byte);
-      if (after < 0) continue;
-      const TokenVocabulary::Node& child = v.nodes_[edge.child];
-      for (uint32_t t = child.first_token; t < child.first_token + child.tokens; ++t) mark(reached, v.tokens_[t]);
-      if (child.edges) todo.push_back({edge.child, after});
-    }
+  // The tree in preorder, the state after each depth's byte alongside (and
+  // its memo row, stable while states_ grows): a node whose byte has no
+  // next state is skipped with its subtree. marked_to: the nodes below the
+  // last one that marked its tokens `below`; undecided: the tokens so far
+  // marked below and not reached (a frame past `undecided_limit` of them is
+  // not worth finishing).
+  struct At {
+    int32_t state;
+    const int32_t* row;
+  };
+  std::vector<At> at_depth(size_t(nodes[0].max_depth) + 1);
+  at_depth[0] = {state, transitions(state)};
+  uint32_t marked_to = 0;
+  size_t undecided = 0;
+  const uint32_t count = uint32_t(v.nodes_.size());
+  uint32_t n = 1;
+  if (below && has_bottom(state)) {
+    for (uint32_t t = 0; t < nodes[0].subtree_tokens_end; ++t) mark(*below, tokens[t]);
+    marked_to = count;
   }
-}
-
-bool CompiledGrammar::has_bottom(int32_t state) const {
-  const auto& s = states_[size_t(state)].stacks;  // sorted: 0, kBottom first
-  return (!s.empty() && s[0] == kBottom) || (s.size() > 1 && s[0] == 0 && s[1] == kBottom);
-}
-
-// The state's stacks cut to their top kFrameDepth entries over kBottom (a
-// stack no deeper stays whole).
-int32_t CompiledGrammar::frame_of(int32_t state) {
-  std::vector<int32_t> cut;
-  const std::vector<int32_t> stacks = states_[size_t(state)].stacks;
-  for (int32_t id : stacks) {
-    if (id == 0 || stacks_[size_t(id)].depth <= kFrameDepth) {
-      cut.push_back(id);
+  while (n < count) {
+    const TokenVocabulary::Node& node = nodes[n];
+    const At& from = at_depth[node.depth - 1u];
+    int32_t at = from.row[node.byte];
+    if (at == -2) at = next_locked(from.state, node.byte);
+    if (at < 0) {
+      if (n < marked_to && (undecided += node.subtree_tokens_end - node.first_token) > undecided_limit) return false;
+      n = node.subtree_end;
       continue;
     }
-    int32_t top[kFrameDepth];
-    int32_t at = id;
-    for (int k = 0; k < kFrameDepth; ++k, at = stacks_[size_t(at)].parent) top[k] = stacks_[size_t(at)].pos;
-    int32_t rebuilt = kBottom;
-    for (int k = kFrameDepth; k-- > 0;) rebuilt = push(rebuilt, top[k]);
-    cut.push_back(rebuilt);
+    for (uint32_t t = node.first_token; t < node.first_token + node.tokens; ++t) mark(reached, tokens[t]);
+    const uint32_t first_below = node.first_token + node.tokens;
+    if (node.subtree_end == n + 1) {  // a leaf
+      ++n;
+      continue;
+    }
+    if (below && n >= marked_to && has_bottom(at)) {  // the tokens under here may read past the frame
+      for (uint32_t t = first_below; t < node.subtree_tokens_end; ++t) mark(*below, tokens[t]);
+      marked_to = node.subtree_end;
+    }
+    // Every byte below leads one way at each depth (a string's characters):
+    // the tokens below as deep as that way goes are read, without a step
+    // down the tree.
+    if (node.subtree_tokens_end - first_below >= kUniformMinTokens) {
+      const UniformRun run = uniform_run(at, n);
+      const int deepest = node.max_depth - node.depth;
+      const bool mark_below = below && n >= marked_to && run.bottom < deepest;
+      if (run.depth >= deepest && !mark_below) {
+        for (uint32_t t = first_below; t < node.subtree_tokens_end; ++t) mark(reached, tokens[t]);
+        n = node.subtree_end;
+        continue;
+      }
+      if (run.depth >= 0) {
+        const bool inside = n < marked_to;  // below already
+        for (uint32_t d = n + 1; d < node.subtree_end; ++d) {
+          const int depth = nodes[d].depth - node.depth;
+          const bool read = depth <= run.depth, past = mark_below && depth > run.bottom;
+          for (uint32_t t = nodes[d].first_token; t < nodes[d].first_token + nodes[d].tokens; ++t) {
+            if (read) mark(reached, tokens[t]);
+            if (past) mark(*below, tokens[t]);
+          }
+          if (!read && (inside || past)) undecided += nodes[d].tokens;
+        }
+        if (undecided > undecided_limit) return false;
+        n = node.subtree_end;
+        continue;
+      }
+    }
+    at_depth[node.depth] = {at, transitions(at)};
+    ++n;
   }
-  return intern(std::move(cut));
+  return true;
 }
 
-const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state) {
+int32_t* CompiledGrammar::transitions(int32_t state) {
+  State& st = states_[size_t(state)];
+  if (!st.next) {
+    st.next = std::make_unique<std::array<int32_t, 256>>();
+    st.next->fill(-2);
+  }
+  return st.next->data();
+}
+
+namespace {
+using Bytes = TokenVocabulary::Bytes;
+bool subset(const Bytes& a, const Bytes& b) { return !(a[0] & ~b[0]) && !(a[1] & ~b[1]) && !(a[2] & ~b[2]) && !(a[3] & ~b[3]); }
+bool meet(const Bytes& a, const Bytes& b) { return (a[0] & b[0]) || (a[1] & b[1]) || (a[2] & b[2]) || (a[3] & b[3]); }
+}  // namespace
+
+// Bytes are asked one at a time, and only as far as the first that decides.
+int32_t CompiledGrammar::uniform_next(int32_t state, const Bytes& bytes) {
+  Uniform* u = states_[size_t(state)].uniform.get();
+  if (!u) u = (states_[size_t(state)].uniform = std::make_unique<Uniform>()).get();  // (stable while states_ grows)
+  if (subset(bytes, u->same)) return u->next;
+  if (meet(bytes, u->differ)) return -3;
+  bool live = meet(bytes, u->same), dead = meet(bytes, u->dead);
+  if (live && dead) return -3;
+  for (size_t w = 0; w < 4; ++w)
+    for (uint64_t open = bytes[w] & ~u->same[w] & ~u->dead[w]; open; open &= open - 1) {
+      const uint64_t bit = open & -open;
+      const int32_t next = next_locked(state, uint8_t(w * 64 + size_t(__builtin_ctzll(open))));
+      if (next < 0) {
+        u->dead[w] |= bit;
+        dead = true;
+      } else if (u->next == -2 || next == u->next) {
+        u->next = next;
+        u->same[w] |= bit;
+        live = true;
+      } else {
+        u->differ[w] |= bit;
+        return -3;
+      }
+      if (live && dead) return -3;
+    }
+  return live ? u->next : -1;
+}
+
+CompiledGrammar::UniformRun CompiledGrammar::uniform_run(int32_t state, uint32_t node) {
+  const TokenVocabulary::Node& n = vocab_->nodes_[node];
+  const Bytes& bytes = vocab_->subtree_bytes_[node];
+  const int deepest = n.max_depth - n.depth;
+  UniformRun run;
+  run.depth = 0;
+  for (int32_t at = state; run.depth < deepest;) {
+    const int32_t next = uniform_next(at, bytes);
+    if (next == -3) return UniformRun{};
+    if (next == -1) break;
+    ++run.depth;  // the nodes this deep below are reached in `next`
+    if (run.bottom == kNoBottom && has_bottom(next)) run.bottom = run.depth;
+    if (next == at) {  // a loop: as deep as the tree goes
+      run.depth = deepest;
+      break;
+    }
+    at = next;
+  }
+  return run;
+}
+
+bool CompiledGrammar::has_bottom(int32_t state) const { return states_[size_t(state)].bottom; }
+
+// The stack cut to its top `depth` entries over kBottom (itself when it is
+// no deeper).
+int32_t CompiledGrammar::cut(int32_t stack, int depth) {
+  if (stacks_[size_t(stack)].depth <= depth) return stack;
+  int32_t top[kFrameDepths.back()];
+  int32_t at = stack;
+  for (int k = 0; k < depth; ++k, at = stacks_[size_t(at)].parent) top[k] = stacks_[size_t(at)].pos;
+  int32_t rebuilt = kBottom;
+  for (int k = depth; k-- > 0;) rebuilt = push(rebuilt, top[k]);
+  return rebuilt;
+}
+
+const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state, size_t undecided_limit) {
   auto it = frames_.find(frame_state);
   if (it != frames_.end()) return *it->second;
   if (frames_.size() >= kMaxCachedMasks) frames_.clear();
@@ -312,7 +433,11 @@ const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state) {
   const size_t words = (vocab_->size() + 63) / 64;
   f->accepted.assign(words, 0);
   std::vector<uint64_t> below(words, 0);
-  walk_tree(frame_state, f->accepted, &below);
+  if (!walk_tree(frame_state, f->accepted, &below, undecided_limit)) {
+    f->accepted.clear();
+    f->usable = false;
+    return *frames_.emplace(frame_state, std::move(f)).first->second;
+  }
   for (size_t w = 0; w < words; ++w) {
     uint64_t open = below[w] & ~f->accepted[w];
     while (open) {
@@ -324,22 +449,62 @@ const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state) {
   return *frames_.emplace(frame_state, std::move(f)).first->second;
 }
 
+// The shallowest usable frame of one stack: a string's characters are
+// decided by the few entries of its loop, whatever the string is nested in.
+// -1: none (the stack is deep and no cut of it decides enough).
+int32_t CompiledGrammar::stack_frame(int32_t stack) {
+  auto it = stack_frames_.find(stack);
+  if (it != stack_frames_.end()) return it->second;
+  int32_t chosen = -1;
+  size_t fewest = vocab_->size() / kFrameFallback + 1;  // undecided tokens of `chosen`
+  for (int depth : kFrameDepths) {
+    const int32_t c = cut(stack, depth);
+    const int32_t frame_state = intern({c});
+    const Frame& f = frame(frame_state, fewest);
+    const size_t undecided = f.undecided.size();
+    if (f.usable && undecided < fewest) {
+      chosen = frame_state;
+      fewest = undecided;
+    }
+    // (a stack kept whole leaves nothing undecided: nothing reads past it)
+    if (c == stack || fewest * kFrameFew <= vocab_->size()) break;
+  }
+  if (stack_frames_.size() >= kMaxCachedMasks * 64) stack_frames_.clear();
+  stack_frames_.emplace(stack, chosen);
+  return chosen;
+}
+
+// A state's tokens are the union of its stacks' (a token is read from a set
+// of stacks when it is read from one of them): each stack's frame decides
+// most, and its undecided tokens are read from the state itself.
 std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   const TokenVocabulary& v = *vocab_;
   auto m = std::make_shared<TokenMask>();
-  const int32_t cut = frame_of(state);
-  const Frame* f = cut != state ? &frame(cut) : nullptr;
-  if (f && f->usable) {
-    m->bits = f->accepted;
-    for (int32_t t : f->undecided)
-      if (next_token_locked(state, t) >= 0) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  const size_t words = (v.size() + 63) / 64;
+  m->bits.assign(words, 0);
+  std::vector<int32_t> undecided;
+  bool framed = true;
+  const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
+  for (int32_t stack : stacks) {
+    if (stack == 0) continue;  // the text may end here: the end tokens, below
+    const int32_t frame_state = stack_frame(stack);
+    if (frame_state < 0) {
+      framed = false;
+      break;
+    }
+    const Frame& f = frame(frame_state, vocab_->size());
+    for (size_t w = 0; w < words; ++w) m->bits[w] |= f.accepted[w];
+    undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
+  }
+  if (framed) {
+    for (int32_t t : undecided)
+      if (!m->allows(t) && next_token_locked(state, t) >= 0) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
   } else {
-    m->bits.assign((v.size() + 63) / 64, 0);
-    walk_tree(state, m->bits, nullptr);
+    m->bits.assign(words, 0);
+    walk_tree(state, m->bits, nullptr, 0);
   }
   size_t text_tokens = 0;
   for (uint64_t w : m->bits) text_tokens += size_t(__builtin_popcountll(w));
-  const auto& stacks = states_[size_t(state)].stacks;
   const bool can_end = !stacks.empty() && stacks.front() == 0;
   if (can_end)
     for (int t : v.end_tokens()) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);

@@ -9,13 +9,15 @@
 // memoised, so once seen a byte costs an array read.
 //
 // The mask of a state: which tokens may come next. The vocabulary's token
-// bytes form a prefix tree (TokenVocabulary); a depth-first walk carries the
-// state down it, a branch dies where a byte has no next state, and every
-// token at a node it reaches is allowed. Tokens that are special (control,
-// user-defined, unknown, unused) or have no bytes are never allowed; the end
-// tokens only where the grammar may end. Masks are cached per state, so a
-// state seen before costs a lookup (XGrammar and Outlines precompute per
-// grammar state likewise; this one fills the cache as states appear).
+// bytes form a prefix tree (TokenVocabulary), laid out in preorder; a walk
+// reads it in order, carries the state down it, skips a branch where a byte
+// has no next state, and allows every token at a node it reaches. Where
+// every byte below a node leads one way at each depth (a string's
+// characters: back to the same state, or on through a bounded repetition),
+// the walk marks the tokens below without stepping down. Tokens that are
+// special (control, user-defined, unknown, unused) or have no bytes are
+// never allowed; the end tokens only where the grammar may end. Masks are
+// cached per state, so a state seen before costs a lookup.
 //
 // Thread-safe: the memo tables are behind one mutex per compiled grammar.
 #pragma once
@@ -35,6 +37,7 @@ namespace disagg::grammar {
 // inside a grammar's text, and which end a generation.
 class TokenVocabulary {
  public:
+  using Bytes = std::array<uint64_t, 4>;  // a set of bytes, bit b of word b / 64
   // bytes[i]: token i's text (its decoded bytes); special[i]: never inside
   // a grammar's text; end_tokens: allowed where the grammar may end.
   TokenVocabulary(std::vector<std::string> bytes, const std::vector<bool>& special, std::vector<int> end_tokens);
@@ -47,23 +50,23 @@ class TokenVocabulary {
 
  private:
   friend class CompiledGrammar;
-  // Nodes are in depth-first preorder (built from the sorted tokens), so a
-  // node's subtree is the nodes [id, subtree_end) and its tokens the
-  // tokens_ [first_token, subtree_tokens_end).
+  // The prefix tree in depth-first preorder (built from the sorted tokens):
+  // a node's subtree is the nodes [id, subtree_end), its tokens the tokens_
+  // [first_token, subtree_tokens_end), so a walk reads the array in order
+  // and skips a dead branch by one jump (llguidance's token trie).
   struct Node {
-    uint32_t first_edge = 0, edges = 0;    // into edges_
+    uint32_t subtree_end = 0;
     uint32_t first_token = 0, tokens = 0;  // into tokens_: the tokens whose bytes end here
     uint32_t subtree_tokens_end = 0;       // into tokens_: past the last token below this node
-  };
-  struct Edge {
-    uint8_t byte;
-    uint32_t child;
+    uint16_t depth = 0;                    // its bytes (the root: 0)
+    uint16_t max_depth = 0;                // the deepest node of its subtree
+    uint8_t byte = 0;                      // its last byte
   };
   std::vector<std::string> bytes_;
   std::vector<int> end_tokens_;  // sorted
   std::vector<Node> nodes_;      // 0: the root (no bytes)
-  std::vector<Edge> edges_;
   std::vector<int32_t> tokens_;
+  std::vector<Bytes> subtree_bytes_;  // per node: the bytes of its subtree's nodes below it
 };
 
 // Which tokens a state allows.
@@ -81,21 +84,28 @@ struct TokenMask {
 // compiled grammar may intern (GrammarError past them), and the most masks
 // it keeps (past that the cache starts again).
 //
-// A new state's mask comes from its frame: the state with each stack cut to
-// its top kFrameDepth entries over a bottom marker. A walk of the prefix
-// tree from the frame decides most tokens for every state that shares it
-// (those consumed inside the frame), and lists the few it cannot (those
-// that read past the frame's bottom: a string's closing quote and what
-// follows it); only those are walked from the state itself (XGrammar's
-// context-independent and context-dependent tokens, per frame instead of
-// per rule position). A frame that leaves more than 1/kFrameFallback of the
-// vocabulary undecided is not used: the state walks the tree itself.
+// A new state's mask is the union of its stacks' (a token is read from a
+// set of stacks when one of them reads it). Each stack's comes from its
+// frame: the stack cut to its top entries over a bottom marker, the first
+// of kFrameDepths that leaves at most 1/kFrameFew of the vocabulary
+// undecided (else the one that leaves fewest, up to 1/kFrameFallback; else
+// the state walks the tree itself). A frame's walk decides the tokens read
+// inside it for every stack with that top, wherever it is nested, and lists
+// the few it cannot (those that read past the bottom: a string's closing
+// quote and what follows it); only those are read from the state itself
+// (XGrammar's context-independent and context-dependent tokens, per stack
+// top instead of per rule position). A frame's walk stops as soon as it has
+// left more undecided than a shallower one did. Depths 3, 5, 8: measured
+// (bench_grammar) against 1..8 over JSON and real tool schemas; 3 holds a
+// JSON string's character loop and its closing quote.
 constexpr int kMaxStackDepth = 1024;
 constexpr size_t kMaxStates = size_t(1) << 20;
 constexpr size_t kMaxStacks = size_t(1) << 22;
 constexpr size_t kMaxCachedMasks = 1024;
-constexpr int kFrameDepth = 4;
+constexpr std::array<int, 3> kFrameDepths = {3, 5, 8};
 constexpr size_t kFrameFallback = 8;
+constexpr size_t kFrameFew = 64;
+constexpr uint32_t kUniformMinTokens = 16;
 
 class CompiledGrammar {
  public:
@@ -122,15 +132,23 @@ class CompiledGrammar {
     int32_t parent;  // the stack below (0: the empty stack)
     int32_t depth;
   };
+  // Which bytes lead from a state to one state (`next`, the first live one
+  // asked), which elsewhere, which nowhere: as asked.
+  struct Uniform {
+    TokenVocabulary::Bytes same{}, differ{}, dead{};
+    int32_t next = -2;
+  };
   struct State {
     std::vector<int32_t> stacks;  // sorted; 0 (the empty stack) when accepting
     std::unique_ptr<std::array<int32_t, 256>> next;  // memo: -2 unknown, -1 dead
+    std::unique_ptr<Uniform> uniform;
+    bool bottom = false;  // a frame's: it holds kBottom (the text may read past the frame)
   };
   // What a frame decides: the tokens it accepts, those it cannot decide.
   struct Frame {
     std::vector<uint64_t> accepted;
     std::vector<int32_t> undecided;
-    bool usable = true;  // false: too many undecided
+    bool usable = true;  // false: too many undecided (then empty)
   };
   static constexpr int32_t kEnd = -1;     // end of an alternative in elems_
   static constexpr int32_t kBottom = 1;   // the stack a frame stands on (a cut stack's rest)
@@ -141,12 +159,30 @@ class CompiledGrammar {
   int32_t next_locked(int32_t state, uint8_t byte);
   std::shared_ptr<const TokenMask> compute_mask(int32_t state);
   // The prefix tree walked from `state`: the tokens reached (all their bytes
-  // read) into `reached`; with `below`, every token under a node where a
-  // stack ran into the bottom marker.
-  void walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below);
+  // read) into `reached`; with `below`,
+  // every token under a node where a stack ran into the bottom marker; it
+  // stops (false) once more than `undecided_limit` of those are not reached.
+  bool walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below, size_t undecided_limit);
   bool has_bottom(int32_t state) const;
-  int32_t frame_of(int32_t state);
-  const Frame& frame(int32_t frame_state);
+  int32_t cut(int32_t stack, int depth);
+  int32_t stack_frame(int32_t stack);
+  int32_t* transitions(int32_t state);  // its memo row
+  // The one state every byte of `bytes` leads to from `state`; -1 when
+  // every one is dead, -3 when they go to different places or some die.
+  int32_t uniform_next(int32_t state, const TokenVocabulary::Bytes& bytes);
+  // When every byte below `node` leads one way at each depth (a string's
+  // characters: the same state again, or the next of a bounded repetition):
+  // how deep below it tokens are read from `state`, and the first depth
+  // whose state holds a frame's bottom (deeper tokens may read past it).
+  static constexpr int kNoBottom = 1 << 30;
+  struct UniformRun {
+    int depth = -1;  // -1: not one way
+    int bottom = kNoBottom;
+  };
+  UniformRun uniform_run(int32_t state, uint32_t node);
+  // A frame's walk, cached; one that leaves more than `undecided_limit`
+  // tokens undecided is not finished (not usable).
+  const Frame& frame(int32_t frame_state, size_t undecided_limit);
   int32_t next_token_locked(int32_t state, int token);
 
   std::shared_ptr<const TokenVocabulary> vocab_;
@@ -168,6 +204,7 @@ class CompiledGrammar {
   std::unordered_map<std::vector<int32_t>, int32_t, VectorHash> state_index_;
   std::unordered_map<int32_t, std::shared_ptr<const TokenMask>> masks_;
   std::unordered_map<int32_t, std::unique_ptr<Frame>> frames_;  // by frame state
+  std::unordered_map<int32_t, int32_t> stack_frames_;          // stack -> its frame state, -1: none
   int32_t start_ = -1;
   std::shared_ptr<const TokenMask> end_only_;
 };

