@@ -583,72 +583,198 @@ json choice_json(Endpoint endpoint, int index, const std::string& text, const st
   return choice;
 }
 
-ToolReply read_tool_calls(const ToolUse& tools, const std::string& text, const std::string& finish_reason) {
-  ToolReply reply{text, {}, finish_reason};
-  if (!tools.active() || finish_reason != "stop") return reply;
-  if (tools.choice == ToolUse::Choice::automatic) {
-    gpu::ParsedOutput parsed = gpu::parse_tool_calls(tools.syntax, text);
-    reply.content = std::move(parsed.content);
-    reply.calls = std::move(parsed.calls);
-  } else {
-    // The grammar's output: the named function's arguments, or the array of calls.
-    const json j = json::parse(text, nullptr, false);
-    if (j.is_discarded()) return reply;
-    if (tools.choice == ToolUse::Choice::named) {
-      if (j.is_object()) reply.calls.push_back({tools.name, dump(j)});
-    } else {
-      // (the grammar's shape, unless a stop string cut the text where it still parses)
-      for (const json& call : j.is_array() ? j : json::array()) {
-        if (!call.is_object() || !call.contains("name") || !call["name"].is_string() || !call.contains("arguments"))
-          return ToolReply{text, {}, finish_reason};
-        reply.calls.push_back({call["name"].get<std::string>(), dump(call["arguments"])});
-      }
-    }
-    if (!reply.calls.empty()) reply.content.clear();
-  }
-  if (!reply.calls.empty()) reply.finish_reason = "tool_calls";
-  return reply;
-}
+// ---------------------------------------------------------------- tools
 
 namespace {
 
-json tool_calls_json(const ToolReply& reply, const std::string& id_prefix, bool streamed_names_only) {
-  json calls = json::array();
-  for (size_t k = 0; k < reply.calls.size(); ++k)
-    calls.push_back({{"index", k},
-                     {"id", id_prefix + std::to_string(k)},
-                     {"type", "function"},
-                     {"function", {{"name", reply.calls[k].name},
-                                   {"arguments", streamed_names_only ? std::string() : reply.calls[k].arguments}}}});
-  return calls;
+// The markup that may begin a call in the family's syntax (text/tool_calls.h).
+const std::vector<std::string>& call_markers(gpu::ToolSyntax syntax) {
+  static const std::vector<std::string> none, llama3 = {"<|python_tag|>"}, hermes = {"<tool_call>"},
+                                        mistral = {"[TOOL_CALLS]"};
+  switch (syntax) {
+    case gpu::ToolSyntax::llama3: return llama3;
+    case gpu::ToolSyntax::hermes: return hermes;
+    case gpu::ToolSyntax::mistral: return mistral;
+    case gpu::ToolSyntax::none: break;
+  }
+  return none;
+}
+
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; }
+
+// {"name": a string, "arguments": anything} as a call (required's elements).
+bool required_call(const json& j, gpu::ToolCall& call) {
+  if (!j.is_object() || !j.contains("name") || !j["name"].is_string() || !j.contains("arguments")) return false;
+  call = {j["name"].get<std::string>(), dump(j["arguments"])};
+  return true;
 }
 
 }  // namespace
 
+ToolStream::ToolStream(const ToolUse& tools) : tools_(tools) {}
+
+void ToolStream::add_call(gpu::ToolCall call, std::vector<Delta>& out) {
+  const size_t index = calls_.size();
+  out.push_back({Delta::Kind::call, call.name, index});
+  out.push_back({Delta::Kind::arguments, call.arguments, index});
+  calls_.push_back(std::move(call));
+}
+
+std::vector<ToolStream::Delta> ToolStream::add(const std::string& piece) {
+  std::vector<Delta> out;
+  text_ += piece;
+  switch (tools_.choice) {
+    case ToolUse::Choice::none: break;
+    case ToolUse::Choice::named:
+      if (!head_sent_) out.push_back({Delta::Kind::call, tools_.name, 0});
+      head_sent_ = true;
+      if (!piece.empty()) out.push_back({Delta::Kind::arguments, piece, 0});
+      break;
+    case ToolUse::Choice::required: scan_array(out); break;
+    case ToolUse::Choice::automatic: {
+      if (held_) break;
+      size_t safe = text_.size();
+      const size_t first = text_.find_first_not_of(" \t\r\n");
+      if (tools_.syntax == gpu::ToolSyntax::llama3 && (first == std::string::npos || text_[first] == '{')) {
+        // (a leading object is a call: nothing is sure before the first character)
+        held_ = first != std::string::npos;
+        break;
+      }
+      for (const std::string& marker : call_markers(tools_.syntax)) {
+        const size_t at = text_.find(marker, streamed_);
+        if (at != std::string::npos) {
+          safe = std::min(safe, at);
+          held_ = true;
+          continue;
+        }
+        // A tail that may be the marker's start waits.
+        for (size_t k = std::min(marker.size() - 1, text_.size()); k > 0; --k)
+          if (text_.compare(text_.size() - k, k, marker, 0, k) == 0) {
+            safe = std::min(safe, text_.size() - k);
+            break;
+          }
+      }
+      if (safe > streamed_) out.push_back({Delta::Kind::content, text_.substr(streamed_, safe - streamed_), 0});
+      streamed_ = std::max(streamed_, safe);
+      break;
+    }
+  }
+  return out;
+}
+
+// [ {call} , {call} ... ]: each element whole as its closing brace comes.
+void ToolStream::scan_array(std::vector<Delta>& out) {
+  for (; scanned_ < text_.size() && !broken_ && !closed_; ++scanned_) {
+    const char c = text_[scanned_];
+    if (in_string_) {
+      if (escaped_) escaped_ = false;
+      else if (c == '\\') escaped_ = true;
+      else if (c == '"') in_string_ = false;
+      continue;
+    }
+    if (is_space(c)) continue;
+    if (depth_ == 0) {
+      if (c == '[') depth_ = 1;
+      else broken_ = true;
+    } else if (depth_ == 1) {
+      if (c == '{') {
+        element_ = scanned_;
+        depth_ = 2;
+      } else if (c == ']') {
+        closed_ = true;
+      } else if (c != ',') {
+        broken_ = true;  // (an element that is not an object)
+      }
+    } else if (c == '"') {
+      in_string_ = true;
+    } else if (c == '{' || c == '[') {
+      ++depth_;
+    } else if (c == '}' || c == ']') {
+      if (--depth_ > 1) continue;
+      gpu::ToolCall call;
+      const json j = json::parse(text_.substr(element_, scanned_ + 1 - element_), nullptr, false);
+      if (j.is_discarded() || !required_call(j, call)) broken_ = true;
+      else add_call(std::move(call), out);
+    }
+  }
+}
+
+ToolReply ToolStream::finish(const std::string& finish_reason, std::vector<Delta>& deltas) {
+  ToolReply reply{text_, {}, finish_reason};
+  switch (tools_.choice) {
+    case ToolUse::Choice::none: break;
+    case ToolUse::Choice::named: {
+      if (!head_sent_) deltas.push_back({Delta::Kind::call, tools_.name, 0});
+      head_sent_ = true;
+      reply.content.clear();
+      reply.calls.push_back({tools_.name, text_});
+      const json j = json::parse(text_, nullptr, false);
+      if (finish_reason == "stop" && j.is_object()) reply.finish_reason = "tool_calls";
+      break;
+    }
+    case ToolUse::Choice::required:
+      if (calls_.empty()) {
+        deltas.push_back({Delta::Kind::content, text_, 0});  // (held back while it might have been calls)
+        break;
+      }
+      reply.content.clear();
+      reply.calls = calls_;
+      if (finish_reason == "stop" && closed_ && !broken_) reply.finish_reason = "tool_calls";
+      break;
+    case ToolUse::Choice::automatic: {
+      gpu::ParsedOutput parsed;
+      if (finish_reason == "stop") parsed = gpu::parse_tool_calls(tools_.syntax, text_);
+      if (parsed.calls.empty()) {
+        if (text_.size() > streamed_) deltas.push_back({Delta::Kind::content, text_.substr(streamed_), 0});
+        streamed_ = text_.size();
+        break;
+      }
+      reply.content = std::move(parsed.content);
+      for (gpu::ToolCall& call : parsed.calls) add_call(std::move(call), deltas);
+      reply.calls = calls_;
+      reply.finish_reason = "tool_calls";
+      break;
+    }
+  }
+  return reply;
+}
+
+ToolReply read_tool_calls(const ToolUse& tools, const std::string& text, const std::string& finish_reason) {
+  ToolStream stream(tools);
+  std::vector<ToolStream::Delta> deltas = stream.add(text);
+  return stream.finish(finish_reason, deltas);
+}
+
 json tool_choice_json(int index, const ToolReply& reply, const std::string& id_prefix) {
   json message = {{"role", "assistant"}, {"content", nullable(reply.content)}};
   if (!reply.calls.empty()) {
-    message["tool_calls"] = tool_calls_json(reply, id_prefix, false);
-    for (json& call : message["tool_calls"]) call.erase("index");
+    json calls = json::array();
+    for (size_t k = 0; k < reply.calls.size(); ++k)
+      calls.push_back({{"id", id_prefix + std::to_string(k)},
+                       {"type", "function"},
+                       {"function", {{"name", reply.calls[k].name}, {"arguments", reply.calls[k].arguments}}}});
+    message["tool_calls"] = std::move(calls);
   }
   return {{"index", index}, {"message", message}, {"logprobs", nullptr}, {"finish_reason", nullable(reply.finish_reason)}};
 }
 
-std::vector<json> tool_call_chunks(const std::string& id, int64_t created, const std::string& model, int index,
-                                   const ToolReply& reply, const std::string& id_prefix, bool include_usage) {
-  std::vector<json> chunks;
-  auto chunk_of = [&](json delta) {
-    json chunk = stream_chunk(Endpoint::chat, id, created, model, index, "", "", false, include_usage);
-    chunk["choices"][0]["delta"] = std::move(delta);
-    return chunk;
-  };
-  if (!reply.content.empty()) chunks.push_back(chunk_of({{"content", reply.content}}));
-  const json heads = tool_calls_json(reply, id_prefix, true);
-  for (size_t k = 0; k < reply.calls.size(); ++k) {
-    chunks.push_back(chunk_of({{"tool_calls", json::array({heads[k]})}}));
-    chunks.push_back(chunk_of({{"tool_calls", json::array({{{"index", k}, {"function", {{"arguments", reply.calls[k].arguments}}}}})}}));
+json tool_delta_chunk(const std::string& id, int64_t created, const std::string& model, int index,
+                      const ToolStream::Delta& delta, const std::string& id_prefix, bool include_usage) {
+  json chunk = stream_chunk(Endpoint::chat, id, created, model, index, "", "", false, include_usage);
+  json& out = chunk["choices"][0]["delta"];
+  switch (delta.kind) {
+    case ToolStream::Delta::Kind::content: out = {{"content", delta.text}}; break;
+    case ToolStream::Delta::Kind::call:
+      out = {{"tool_calls", json::array({{{"index", delta.index},
+                                           {"id", id_prefix + std::to_string(delta.index)},
+                                           {"type", "function"},
+                                           {"function", {{"name", delta.text}, {"arguments", ""}}}}})}};
+      break;
+    case ToolStream::Delta::Kind::arguments:
+      out = {{"tool_calls", json::array({{{"index", delta.index}, {"function", {{"arguments", delta.text}}}}})}};
+      break;
   }
-  return chunks;
+  return chunk;
 }
 
 json reasoned_choice_json(int index, const gpu::Reasoned& text, const std::string& finish_reason) {

@@ -173,20 +173,65 @@ json reasoned_chunk(const std::string& id, int64_t created, const std::string& m
                     const gpu::Reasoned& piece, bool include_usage);
 // What a choice's text says under its request's tools: calls (and the text
 // around them), or content alone. `finish_reason` becomes "tool_calls" when
-// there are calls; a choice cut by max_tokens ("length") is content.
+// the calls are whole.
 struct ToolReply {
   std::string content;
   std::vector<gpu::ToolCall> calls;
   std::string finish_reason;
 };
+
+// A chat choice's text under tools, read as it comes (streamed) or whole
+// (read_tool_calls, the same reading): what it is sure of goes out at once,
+// the rest when the choice ends, so what a stream sent is what the reply says.
+//   named:    the call's head with the first text, then every piece as its
+//             arguments (the text as generated). It is the call however the
+//             choice ends; finish "tool_calls" when it is a whole object, else
+//             the choice's ("length": arguments cut short, as OpenAI's).
+//   required: each call as its element of the array [{"name", "arguments"},
+//             ...] ends (arguments parsed and written again); cut short, the
+//             calls whose element ended, finish "length"; no call: content.
+//   auto:     content until the family's call markup may begin (a tail that
+//             may be its start is held back), the rest read whole at the end
+//             (text/tool_calls.h): calls (the reply's content is the text
+//             before them, trimmed), or content; cut short: content.
+class ToolStream {
+ public:
+  struct Delta {
+    enum class Kind { content, call, arguments } kind;
+    std::string text;  // content; call: the function's name; arguments: a piece
+    size_t index = 0;  // call, arguments: the call's
+  };
+  explicit ToolStream(const ToolUse& tools);
+  std::vector<Delta> add(const std::string& piece);
+  // The choice ended with `finish_reason` ("stop" / "length"): the reply;
+  // the deltas the stream still owes are appended to `deltas`.
+  ToolReply finish(const std::string& finish_reason, std::vector<Delta>& deltas);
+
+ private:
+  void scan_array(std::vector<Delta>& out);
+  void add_call(gpu::ToolCall call, std::vector<Delta>& out);
+
+  ToolUse tools_;
+  std::string text_;             // all of it so far
+  std::vector<gpu::ToolCall> calls_;  // sent
+  bool head_sent_ = false;       // named
+  size_t streamed_ = 0;          // auto: text_ sent as content up to here
+  bool held_ = false;            // auto: the call markup began (the rest waits for the end)
+  // required: the array read so far (string-aware bracket depth)
+  size_t scanned_ = 0, element_ = 0;
+  int depth_ = 0;
+  bool in_string_ = false, escaped_ = false, closed_ = false, broken_ = false;
+};
+
 ToolReply read_tool_calls(const ToolUse& tools, const std::string& text, const std::string& finish_reason);
 // A chat choice's message with tool_calls [{id, type, function: {name,
 // arguments}}] (ids: id_prefix + index), content null when empty.
 json tool_choice_json(int index, const ToolReply& reply, const std::string& id_prefix);
-// The streamed form: per call, a chunk with its index, id, type and name
-// (arguments ""), then one with its arguments; then the content if any.
-std::vector<json> tool_call_chunks(const std::string& id, int64_t created, const std::string& model, int index,
-                                   const ToolReply& reply, const std::string& id_prefix, bool include_usage);
+// A delta as a streamed chunk: {"content"}, or {"tool_calls": [{index, id,
+// type, function: {name, arguments: ""}}]} for a call's head, then
+// {"tool_calls": [{index, function: {arguments}}]} for its pieces.
+json tool_delta_chunk(const std::string& id, int64_t created, const std::string& model, int index,
+                      const ToolStream::Delta& delta, const std::string& id_prefix, bool include_usage);
 // A reply ("text_completion" or "chat.completion") with its choices (choice_json) and usage.
 json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,
                    int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);

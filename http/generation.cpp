@@ -36,6 +36,7 @@ Generation::Generation(const GenerationContext& context, ReplySink& sink, std::s
     choices_[i].index = int(i);
     choices_[i].text.emplace(context_.tokenizer, request_.stop, request_.prompt_tokens.back());
     if (request_.stream && request_.reasoning != gpu::ReasoningSyntax::none) choices_[i].thinking.emplace(request_.reasoning);
+    if (request_.stream && request_.tools.active()) choices_[i].tool_stream.emplace(request_.tools);
   }
 }
 
@@ -111,8 +112,10 @@ void Generation::on_token(RequestId id, const TokenEvent& event) {
   }
   c.last_token = now;
   const std::string piece = add_token(c, event.token, event.logprobs);
-  // (with tools the text is read whole at the end: a call or content)
-  if (request_.stream && !piece.empty() && !request_.tools.active()) send_text(c, piece);
+  if (request_.stream && !piece.empty()) {
+    if (c.tool_stream) send_tool_deltas(c, c.tool_stream->add(piece));
+    else send_text(c, piece);
+  }
   if (c.index == 0) submit_others();
   if (c.text->stopped()) {
     client_->cancel(c.id);  // the rest is not wanted; the cancelled outcome is ignored
@@ -150,7 +153,10 @@ void Generation::on_outcome(RequestId id, RequestOutcome outcome) {
   // (every token came as an event: the client library passes on, before
   // the outcome, any that no event brought)
   const std::string rest = c.text->flush();
-  if (request_.stream && !rest.empty() && !request_.tools.active()) send_text(c, rest);
+  if (request_.stream && !rest.empty()) {
+    if (c.tool_stream) send_tool_deltas(c, c.tool_stream->add(rest));
+    else send_text(c, rest);
+  }
   finish_choice(c, outcome.finish == FinishReason::eos ? "stop" : "length");
   if (c.index == 0) submit_others();
 }
@@ -235,6 +241,15 @@ void Generation::send_text(Choice& c, const std::string& piece) {
   send_reasoned(c, c.thinking->add(piece));
 }
 
+void Generation::send_tool_deltas(Choice& c, const std::vector<ToolStream::Delta>& deltas) {
+  for (const ToolStream::Delta& d : deltas) {
+    if (d.kind != ToolStream::Delta::Kind::call && d.text.empty()) continue;
+    open_events_once();
+    sink_.event(sse_event(tool_delta_chunk(response_id_, created_, context_.model.name, c.index, d,
+                                           tool_call_id_prefix(c), request_.include_usage)));
+  }
+}
+
 void Generation::send_reasoned(Choice& c, const gpu::Reasoned& piece) {
   if (piece.reasoning.empty() && piece.content.empty()) return;
   open_events_once();
@@ -246,16 +261,14 @@ void Generation::send_reasoned(Choice& c, const gpu::Reasoned& piece) {
 // Choice c has ended ("stop" or "length"); the reply completes with the last.
 void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
   c.finish = finish_reason;
-  if (request_.tools.active()) {
+  if (c.tool_stream) {
+    std::vector<ToolStream::Delta> owed;
+    c.tools = c.tool_stream->finish(finish_reason, owed);
+    send_tool_deltas(c, owed);
+  } else if (request_.tools.active()) {
     c.tools = read_tool_calls(request_.tools, c.text->text(), finish_reason);
-    c.finish = c.tools->finish_reason;
-    if (request_.stream) {
-      open_events_once();
-      for (const json& chunk : tool_call_chunks(response_id_, created_, context_.model.name, c.index, *c.tools,
-                                                tool_call_id_prefix(c), request_.include_usage))
-        sink_.event(sse_event(chunk));
-    }
   }
+  if (c.tools) c.finish = c.tools->finish_reason;
   context_.metrics.success(c.finish).inc();
   if (c.thinking && !request_.tools.active()) send_reasoned(c, c.thinking->flush());  // (what it held back)
   if (request_.stream) send_piece(c, "", c.finish);

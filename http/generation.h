@@ -77,6 +77,7 @@ class Generation {
     bool outcome_in = false;    // the router's outcome came (after a cancel too)
     std::string finish;         // "stop" / "length" ("tool_calls") once the choice has ended
     std::optional<ToolReply> tools;  // with tools: what its text says (read when it ends)
+    std::optional<ToolStream> tool_stream;  // streamed with tools: its text read as it comes
     std::optional<gpu::ReasoningStream> thinking;  // streamed chat of a thinking family: its reasoning apart
     std::optional<TextAssembler> text;
     std::vector<int32_t> ids;   // its tokens so far (return_token_ids, logprobs)
@@ -104,6 +105,7 @@ class Generation {
   // content for a thinking family (ReasoningStream), else as it is.
   void send_text(Choice& c, const std::string& piece);
   void send_reasoned(Choice& c, const gpu::Reasoned& piece);
+  void send_tool_deltas(Choice& c, const std::vector<ToolStream::Delta>& deltas);
   void finish_choice(Choice& c, const std::string& finish_reason);
   void complete();
   void fail(const ApiError& e);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <random>
 
 #include "grammar/json_grammar.h"
 #include "grammar/json_schema.h"
@@ -571,9 +572,10 @@ TEST(HttpTools, RepliesCarryTheCallsInOpenAisShape) {
   EXPECT_EQ(choice["message"]["tool_calls"][0]["function"]["name"], "get_weather");
   EXPECT_EQ(json::parse(choice["message"]["tool_calls"][0]["function"]["arguments"].get<std::string>()), json({{"city", "Paris"}}));
   EXPECT_EQ(choice["finish_reason"], "tool_calls");
-  // Cut by max_tokens: content, finish "length".
+  // Cut by max_tokens: the call cut short (what a stream sent), finish "length".
   r = read_tool_calls(named, R"({"city": "Pa)", "length");
-  EXPECT_TRUE(r.calls.empty());
+  ASSERT_EQ(r.calls.size(), 1u);
+  EXPECT_EQ(r.calls[0].arguments, R"({"city": "Pa)");
   EXPECT_EQ(r.finish_reason, "length");
   // required: an array of calls.
   ToolUse required{ToolUse::Choice::required, "", gpu::ToolSyntax::none};
@@ -593,19 +595,107 @@ TEST(HttpTools, RepliesCarryTheCallsInOpenAisShape) {
   ASSERT_EQ(r.calls.size(), 1u);
   EXPECT_EQ(r.content, "Sure.");
   EXPECT_EQ(read_tool_calls(automatic, "No tools needed.", "stop").finish_reason, "stop");
-  // Streamed: per call, its index, id, type and name first, then its arguments.
-  const auto chunks = tool_call_chunks("chatcmpl-1", 1, "m", 0, read_tool_calls(required, R"([{"name": "now", "arguments": {}}])", "stop"),
-                                       "call_1_", false);
-  ASSERT_EQ(chunks.size(), 2u);
-  const json head = chunks[0]["choices"][0]["delta"]["tool_calls"][0];
-  EXPECT_EQ(head["index"], 0);
-  EXPECT_EQ(head["id"], "call_1_0");
+  // A delta as a chunk: a call's head with its index, id, type and name
+  // (arguments ""), then its arguments without the id.
+  const json head = tool_delta_chunk("chatcmpl-1", 1, "m", 0, {ToolStream::Delta::Kind::call, "now", 1}, "call_1_",
+                                     false)["choices"][0]["delta"]["tool_calls"][0];
+  EXPECT_EQ(head["index"], 1);
+  EXPECT_EQ(head["id"], "call_1_1");
+  EXPECT_EQ(head["type"], "function");
   EXPECT_EQ(head["function"]["name"], "now");
   EXPECT_EQ(head["function"]["arguments"], "");
-  const json args = chunks[1]["choices"][0]["delta"]["tool_calls"][0];
-  EXPECT_EQ(args["index"], 0);
+  const json args = tool_delta_chunk("chatcmpl-1", 1, "m", 0, {ToolStream::Delta::Kind::arguments, "{}", 1}, "call_1_",
+                                     false)["choices"][0]["delta"]["tool_calls"][0];
+  EXPECT_EQ(args["index"], 1);
   EXPECT_EQ(args["function"]["arguments"], "{}");
   EXPECT_FALSE(args.contains("id"));
+}
+
+// A text streamed in pieces (one byte at a time, and in random cuts): the
+// deltas say what the reply says (the calls' names and arguments, the
+// content), each call's head before its arguments, and they come as soon
+// as they are sure: the named call's head with the first byte, each of
+// `required`'s calls as its element ends, auto's content before the markup.
+TEST(HttpTools, StreamedDeltasComeEarlyAndSayWhatTheReplySays) {
+  struct Case {
+    ToolUse tools;
+    std::string text, finish;
+    size_t first;  // fed a byte at a time: the bytes in when the first delta came (npos: only at the end)
+  };
+  const ToolUse named{ToolUse::Choice::named, "get_weather", gpu::ToolSyntax::none};
+  const ToolUse required{ToolUse::Choice::required, "", gpu::ToolSyntax::none};
+  const ToolUse hermes{ToolUse::Choice::automatic, "", gpu::ToolSyntax::hermes};
+  const ToolUse llama3{ToolUse::Choice::automatic, "", gpu::ToolSyntax::llama3};
+  const ToolUse mistral{ToolUse::Choice::automatic, "", gpu::ToolSyntax::mistral};
+  constexpr size_t npos = std::string::npos;
+  const std::string two_calls = R"([{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "O\"slo]}"}}])";
+  const std::vector<Case> cases = {
+      {named, R"({"city": "Paris"})", "stop", 1},
+      {named, R"({"city": "Pa)", "length", 1},
+      {required, two_calls, "stop", two_calls.find("},") + 1},
+      {required, R"([{"name": "now", "arguments": {}}, {"name": "get_w)", "length", 33},
+      {required, "[1, 2]", "stop", npos},
+      {hermes, "Sure.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>", "stop", 1},
+      {hermes, "No <tool tags> here, <tool_cal", "stop", 1},
+      {hermes, "Cut <tool_call>{\"name\": \"now\", \"argu", "length", 1},
+      {llama3, " {\"name\": \"now\", \"parameters\": {}}", "stop", npos},
+      {llama3, "Let me check.<|python_tag|>{\"name\": \"now\", \"parameters\": {}}", "stop", 1},
+      {llama3, "Plain text { with braces }", "stop", 1},
+      {mistral, "[TOOL_CALLS] [{\"name\": \"now\", \"arguments\": {}}]", "stop", npos},
+  };
+  std::mt19937 rng(5);
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.text);
+    const ToolReply whole = read_tool_calls(k.tools, k.text, k.finish);
+    for (int split = 0; split < 20; ++split) {
+      ToolStream stream(k.tools);
+      std::vector<ToolStream::Delta> deltas;
+      size_t first_delta_at = std::string::npos;
+      for (size_t at = 0; at < k.text.size();) {
+        const size_t len = split == 0 ? 1 : std::min(k.text.size() - at, size_t(1 + rng() % 7));
+        for (auto& d : stream.add(k.text.substr(at, len))) deltas.push_back(std::move(d));
+        at += len;
+        if (first_delta_at == std::string::npos && !deltas.empty()) first_delta_at = at;
+      }
+      const ToolReply reply = stream.finish(k.finish, deltas);
+      if (split == 0) EXPECT_EQ(first_delta_at, k.first) << "when the first delta came";
+      EXPECT_EQ(reply.finish_reason, whole.finish_reason);
+      EXPECT_EQ(reply.content, whole.content);
+      ASSERT_EQ(reply.calls.size(), whole.calls.size());
+      std::string content;
+      std::vector<gpu::ToolCall> calls;
+      for (const auto& d : deltas) {
+        if (d.kind == ToolStream::Delta::Kind::content) {
+          content += d.text;
+        } else if (d.kind == ToolStream::Delta::Kind::call) {
+          ASSERT_EQ(d.index, calls.size()) << "heads in order, each once";
+          calls.push_back({d.text, ""});
+        } else {
+          ASSERT_LT(d.index, calls.size()) << "arguments after their head";
+          calls[d.index].arguments += d.text;
+        }
+      }
+      ASSERT_EQ(calls.size(), whole.calls.size());
+      for (size_t i = 0; i < calls.size(); ++i) {
+        EXPECT_EQ(calls[i].name, whole.calls[i].name);
+        EXPECT_EQ(calls[i].arguments, whole.calls[i].arguments);
+      }
+      // The content streamed is the reply's (calls: the text before them, trimmed there).
+      if (whole.calls.empty()) EXPECT_EQ(content, k.text);
+      else EXPECT_EQ(content.substr(0, content.find_last_not_of(" \t\r\n") + 1), whole.content);
+    }
+  }
+  // What they say: the named call cut short keeps its arguments; required
+  // cut short keeps the calls whose element ended; auto's call markup in
+  // the text with a call that does not parse is content.
+  EXPECT_EQ(read_tool_calls(required, two_calls, "stop").calls.at(1).arguments, R"({"city":"O\"slo]}"})");
+  EXPECT_EQ(read_tool_calls(required, two_calls, "stop").finish_reason, "tool_calls");
+  const ToolReply cut = read_tool_calls(required, R"([{"name": "now", "arguments": {}}, {"name": "get_w)", "length");
+  ASSERT_EQ(cut.calls.size(), 1u);
+  EXPECT_EQ(cut.finish_reason, "length");
+  EXPECT_TRUE(read_tool_calls(hermes, "Cut <tool_call>{\"name\": \"now\", \"argu", "length").calls.empty());
+  EXPECT_EQ(read_tool_calls(llama3, "Let me check.<|python_tag|>{\"name\": \"now\", \"parameters\": {}}", "stop").content,
+            "Let me check.");
 }
 
 // A conversation with a call and its result renders: the call as the

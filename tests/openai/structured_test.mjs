@@ -62,7 +62,8 @@ async function main() {
   out.named = named.choices[0].message;
   out.named_finish = named.choices[0].finish_reason;
 
-  // Streamed: the call's index, id and name first, then its arguments.
+  // Streamed: the call's index, id and name first, then its arguments in
+  // pieces as they are generated.
   const calls = [];
   let finish = null;
   for await (const chunk of await client.chat.completions.create({
@@ -73,8 +74,9 @@ async function main() {
   }))
     for (const c of chunk.choices) {
       for (const d of c.delta.tool_calls ?? []) {
-        if (!calls[d.index]) calls[d.index] = { id: d.id, name: d.function?.name, arguments: "" };
+        if (!calls[d.index]) calls[d.index] = { id: d.id, name: d.function?.name, arguments: "", pieces: 0 };
         calls[d.index].arguments += d.function?.arguments ?? "";
+        if (d.function?.arguments) calls[d.index].pieces += 1;
       }
       if (c.finish_reason) finish = c.finish_reason;
     }
