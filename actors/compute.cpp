@@ -615,7 +615,7 @@ std::shared_ptr<kv::KvPlane> make_kv_plane(const DisaggConfig& config, bool rece
   // so small blocks make many small pieces: let the byte budget be the bound.
   constexpr uint32_t kStreamInflightPieces = 1024;
   kv::PlaneOptions options;
-  if (receive) options.listen_host = config.kv_host;
+  if (receive) options.listen_host = config.kv_host.empty() ? "127.0.0.1" : config.kv_host;
   options.shared_memory = config.kv_transport == "shm";
   options.sender.max_inflight_pieces = kStreamInflightPieces;
   return std::make_shared<kv::KvPlane>(options);

@@ -25,7 +25,6 @@ std::string DisaggConfig::validate() const {
   require(ack_timeout_ms > 0, "ack-timeout-ms must be > 0");
   require(kv_transport == "tcp" || kv_transport == "shm" || kv_transport == "message",
           "kv-transport must be tcp, shm or message (got '" + kv_transport + "')");
-  require(!kv_host.empty(), "kv-host must not be empty");
   require(block_size >= 1 && block_size % gpu::kv_layout::kTile == 0,
           "block-size must be a positive multiple of " + std::to_string(gpu::kv_layout::kTile) +
               " (whole key tiles, gpu/kv_layout.h)");
@@ -65,7 +64,7 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.kv_transport, "kv-transport",
            "KV from prefill to decode: tcp (UCX stream), shm (UCX stream, shared memory on one host; see README), "
            "message (one CAF message)")
-      .add(c.kv_host, "kv-host", "address a decode node's KV receivers listen on")
+      .add(c.kv_host, "kv-host", "address a decode node's KV receivers listen on (default: the node's own address)")
       .add(c.block_size, "block-size", "positions per KV block of the decode pool")
       .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
       .add(c.max_batch, "max-batch", "sequences per decode step")

@@ -46,8 +46,10 @@ struct DisaggConfig {
   // set to message sends a message whatever the decode worker offers.
   std::string kv_transport = "tcp";
   // Address a decode node's KV receivers listen on (reachable by the prefill
-  // nodes, and by nothing else: UCX authenticates no one).
-  std::string kv_host = "127.0.0.1";
+  // nodes, and by nothing else: UCX authenticates no one). Empty: the node's
+  // own (node.host; node.advertise-host when node.host is a wildcard; the
+  // node fills it in), or 127.0.0.1 where there is no node (in-process).
+  std::string kv_host;
 
   // Decode worker.
   int block_size = gpu::kDefaultBlockSize;  // positions per KV block

@@ -2,6 +2,7 @@
 
 #include "actors/log.h"
 
+#include <arpa/inet.h>
 #include <cctype>
 #include <sstream>
 #include <sys/stat.h>
@@ -16,6 +17,17 @@
 namespace disagg {
 
 namespace {
+
+// 127.0.0.0/8, ::1, ::ffff:127.x.x.x or "localhost": an address only this host reaches.
+bool is_loopback(const std::string& host) {
+  if (host == "localhost") return true;
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) != 1) return false;
+  if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+  return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+}
 
 void add_problem(std::string& problems, const std::string& what) {
   if (!problems.empty()) problems += "; ";
@@ -100,6 +112,14 @@ std::string NodeOptions::validate() const {
   if (role == "decode" && advertise_host.empty() && (host == "0.0.0.0" || host == "::"))
     add_problem(problems, "node.advertise-host is required when node.host is the wildcard " + host +
                               " (prefill nodes must know where to connect)");
+  // A decode node's endpoint is dialled by prefill nodes: with the router on
+  // another host, so may they be, and a loopback address would lead them
+  // to themselves.
+  const std::string advertised = advertise_host.empty() ? host : advertise_host;
+  if (role == "decode" && is_loopback(advertised) && !router_host.empty() && !is_loopback(router_host))
+    add_problem(problems, "node.advertise-host " + advertised + " is a loopback address, but the router (node.router-host " +
+                              router_host + ") is on another host, and so may the prefill nodes be that dial it: set " +
+                              "node.host or node.advertise-host to an address they can reach");
   if ((worker || frontend) && router_host.empty()) add_problem(problems, "node.router-host must not be empty");
   if ((worker || frontend) && router_port == 0)
     add_problem(problems, "node.router-port is required for a " + role + " node");
@@ -305,6 +325,11 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
   for (const auto& arg : config.remainder) errors.push_back("unexpected argument " + arg);
 
   const NodeOptions& node = config.node;
+  // The KV receivers listen where the node does (or where it is reached,
+  // when it listens on every address), unless told otherwise.
+  const bool wildcard = node.host == "0.0.0.0" || node.host == "::";
+  if (config.disagg.kv_host.empty())
+    config.disagg.kv_host = wildcard && !node.advertise_host.empty() ? node.advertise_host : node.host;
   const DisaggConfig& disagg = config.disagg;
   // validate() joins its problems with "; "; DisaggConfig names its options
   // without their group.
@@ -321,6 +346,10 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
       !config.openssl_capath.empty() || !config.openssl_passphrase.empty())
     errors.push_back("the [openssl] options are not used: set tls.certificate, tls.key and tls.ca-file instead");
   split(config.tls.validate(), "");
+  if (node.role == "decode" && is_loopback(disagg.kv_host) && !is_loopback(node.router_host))
+    errors.push_back("disagg.kv-host " + disagg.kv_host + " is a loopback address, but the router (node.router-host " +
+                     node.router_host + ") is on another host, and so may the prefill nodes be that stream the KV " +
+                     "there: set disagg.kv-host (default: the node's own address) to an address they can reach");
   if (!errors.empty()) return result;
 
   const bool worker = node.role != "router";  // frontends too: the model sets the context

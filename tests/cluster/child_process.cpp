@@ -209,8 +209,9 @@ uint16_t free_loopback_port() {
 
 bool has_connection_to_port(pid_t pid, uint16_t remote_port) {
   const std::set<unsigned long> inodes = socket_inodes(pid);
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(table);
+  // (the tables of its own network namespace: another host's, in a NetLab)
+  for (const char* table : {"/net/tcp", "/net/tcp6"}) {
+    std::ifstream in("/proc/" + std::to_string(pid) + table);
     std::string line;
     std::getline(in, line);  // header
     while (std::getline(in, line)) {

@@ -81,6 +81,8 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   std::ostringstream ini;
   ini << "; written by test_cluster\n[node]\nrole = \"" << role << "\"\n";
   if (role != "router") ini << "name = \"" << name << "\"\nrouter-port = " << router_port_ << "\n";
+  if (placed_.count(name)) ini << (role == "frontend" ? "http-host" : "host") << " = \"" << address_of(name) << "\"\n";
+  if (role != "router" && placed_.count("router")) ini << "router-host = \"" << address_of("router") << "\"\n";
   if (role == "frontend") ini << "http-port = " << port << "\n";
   else if (role != "prefill" && role != "worker") ini << "port = " << port << "\n";
   ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";
@@ -110,9 +112,22 @@ ChildProcess& TestCluster::start_node(const std::string& role, const std::string
   ports_[name] = port;
   if (auto it = nodes_.find(name); it != nodes_.end()) it->second->stop();
   stopped_.erase(name);
-  nodes_[name] = std::make_unique<ChildProcess>(
-      std::vector<std::string>{node_binary(), "--config-file=" + ini}, dir_ + "/" + name + ".log");
+  std::vector<std::string> argv;
+  if (auto it = placed_.find(name); it != placed_.end()) argv = it->second.prefix;
+  argv.push_back(node_binary());
+  argv.push_back("--config-file=" + ini);
+  nodes_[name] = std::make_unique<ChildProcess>(std::move(argv), dir_ + "/" + name + ".log");
   return *nodes_[name];
+}
+
+void TestCluster::place(const std::string& name, std::vector<std::string> prefix, const std::string& address) {
+  placed_[name] = Placement{std::move(prefix), address};
+  if (name == "router") remote_.reset();
+}
+
+std::string TestCluster::address_of(const std::string& name) const {
+  auto it = placed_.find(name);
+  return it == placed_.end() ? "127.0.0.1" : it->second.address;
 }
 
 void TestCluster::start_all(int prefill, int decode) {

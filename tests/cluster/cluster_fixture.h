@@ -42,7 +42,12 @@ class TestCluster {
 
   const std::string& dir() const { return dir_; }
   uint16_t router_port() const { return router_port_; }
-  std::string router_address() const { return "127.0.0.1:" + std::to_string(router_port_); }
+  std::string router_address() const { return address_of("router") + ":" + std::to_string(router_port_); }
+  // Runs node `name` (when started from now on) on another host: its command
+  // after `prefix` (NetLab::run_on), listening and advertised at `address`;
+  // every node and the client dial the router at its address.
+  void place(const std::string& name, std::vector<std::string> prefix, const std::string& address);
+  std::string address_of(const std::string& name) const;  // its host's, or 127.0.0.1
 
   // Mutual TLS for every node started from now on (a [tls] group with the
   // certificate named like the node) and for client(): a CA and certificates
@@ -111,6 +116,11 @@ class TestCluster {
   std::string model_;
   bool with_tokenizer_ = true;
   std::string tls_dir_;
+  struct Placement {
+    std::vector<std::string> prefix;
+    std::string address;
+  };
+  std::map<std::string, Placement> placed_;
 };
 
 }  // namespace disagg::test

@@ -116,6 +116,22 @@ TEST(NodeStartup, AMisconfiguredNodeExitsAtOnceWithAClearMessage) {
                      "disagg.model is required for a decode node"});
   expect_fails_fast({"worker without router port", "[node]\nrole = \"decode\"\n[disagg]\n" + model, {}, 2,
                      "node.router-port is required"});
+  // A decode node that would advertise a loopback address to prefill nodes
+  // on other hosts (its router is on one); 127.0.0.1 beside a loopback
+  // router stays valid (the config/local clusters).
+  expect_fails_fast({"loopback advertised to other hosts",
+                     "[node]\nrole = \"decode\"\nrouter-host = \"10.77.1.2\"\nrouter-port = 4000\n[disagg]\n" + model, {}, 2,
+                     "node.advertise-host 127.0.0.1 is a loopback address, but the router (node.router-host 10.77.1.2) is "
+                     "on another host"});
+  expect_fails_fast({"localhost advertised to other hosts",
+                     "[node]\nrole = \"decode\"\nhost = \"0.0.0.0\"\nadvertise-host = \"localhost\"\n"
+                     "router-host = \"fd00::1\"\nrouter-port = 4000\n[disagg]\n" + model, {}, 2,
+                     "node.advertise-host localhost is a loopback address"});
+  expect_fails_fast({"loopback KV receivers for other hosts",
+                     "[node]\nrole = \"decode\"\nhost = \"0.0.0.0\"\nadvertise-host = \"10.0.0.9\"\n"
+                     "router-host = \"10.0.0.1\"\nrouter-port = 4000\n[disagg]\nkv-host = \"127.0.0.1\"\n" + model, {}, 2,
+                     "disagg.kv-host 127.0.0.1 is a loopback address, but the router (node.router-host 10.0.0.1) is on "
+                     "another host"});
   expect_fails_fast({"bad command-line value", "[node]\nrole = \"router\"\n", {"--disagg.block-size=x"}, 2,
                      "command line"});
   expect_fails_fast({"unknown log level", "[node]\nrole = \"router\"\nlog-level = \"loud\"\n", {}, 2,

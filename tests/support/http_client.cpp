@@ -14,13 +14,18 @@ namespace bhttp = boost::beast::http;
 
 HttpReply http_request(uint16_t port, bhttp::verb verb, const std::string& target, const std::string& body,
                        std::chrono::seconds timeout) {
+  return http_request("127.0.0.1", port, verb, target, body, timeout);
+}
+
+HttpReply http_request(const std::string& host, uint16_t port, bhttp::verb verb, const std::string& target,
+                       const std::string& body, std::chrono::seconds timeout) {
   net::io_context ioc;
   net::ip::tcp::socket socket(ioc);
-  socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  socket.connect(net::ip::tcp::endpoint(net::ip::make_address(host), port));
   timeval tv{timeout.count(), 0};
   ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   bhttp::request<bhttp::string_body> req{verb, target, 11};
-  req.set(bhttp::field::host, "127.0.0.1");
+  req.set(bhttp::field::host, host);
   if (!body.empty()) req.set(bhttp::field::content_type, "application/json");
   req.body() = body;
   req.prepare_payload();

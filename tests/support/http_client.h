@@ -1,4 +1,4 @@
-// One HTTP/1.1 request to 127.0.0.1 on a fresh connection (Boost.Beast,
+// One HTTP/1.1 request (to 127.0.0.1 unless told) on a fresh connection (Boost.Beast,
 // blocking, the reply bounded by a receive timeout), and a sample's value in
 // a Prometheus text: the cluster tests' client of the frontend and of every
 // node's /metrics.
@@ -20,6 +20,9 @@ struct HttpReply {
 };
 
 HttpReply http_request(uint16_t port, boost::beast::http::verb verb, const std::string& target,
+                       const std::string& body = "", std::chrono::seconds timeout = std::chrono::seconds(60));
+// The same to `host` (an IP address: another host of a NetLab).
+HttpReply http_request(const std::string& host, uint16_t port, boost::beast::http::verb verb, const std::string& target,
                        const std::string& body = "", std::chrono::seconds timeout = std::chrono::seconds(60));
 
 // GET /metrics.

@@ -1,0 +1,268 @@
+// A cluster whose every node is a host of its own (tests/support/net_lab.h):
+// its own network namespace, its own address (10.77.i.2), and every byte
+// between two nodes routed by the lab, where links are cut and shaped. The
+// test process enters a namespace of its own first; a machine that refuses
+// (no CAP_NET_ADMIN) skips these tests with the reason.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <future>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <boost/beast/http/verb.hpp>
+#include <nlohmann/json.hpp>
+
+#include "cluster/cluster_fixture.h"
+#include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
+#include "support/http_client.h"
+#include "support/net_lab.h"
+#include "support/test_paths.h"
+#include "text/tokenizer.h"
+
+namespace disagg::test {
+namespace {
+
+#define ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP()                                                  \
+  do {                                                                                        \
+    const std::string refused = NetLab::enter_private_namespace();                           \
+    if (!refused.empty()) GTEST_SKIP() << "no network namespace of the test's own: " << refused; \
+  } while (false)
+
+const std::vector<std::string> kHosts = {"router", "prefill-1", "prefill-2", "decode-1", "decode-2", "frontend"};
+
+// Each node of `cluster` on the host of its name.
+void place_on_hosts(TestCluster& cluster, const NetLab& lab) {
+  for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
+}
+
+// Greedy and seeded requests through the cluster give colocated generation's
+// tokens, and both prefill and both decode nodes served some.
+void expect_colocated_tokens(TestCluster& cluster) {
+  auto checkpoint = gpu::Checkpoint::open(shared_model());
+  gpu::Engine engine(checkpoint, gpu::EngineOptions{"cpu"});
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), checkpoint->config().vocab_size);
+  const std::vector<std::string> prompts = {"Once upon a time", "The little dog", "Lily and Tom went to the",
+                                            "One day, a big", "Sam saw a bird", "The sun was"};
+  std::vector<std::future<RequestOutcome>> outcomes;
+  std::vector<gpu::GenerateResult> expected;
+  for (size_t i = 0; i < 16; ++i) {
+    Sampling sampling;
+    if (i % 2 == 1) sampling = Sampling{0.9f, 0.9f, 7000 + i};
+    const auto prompt = tokenizer.encode(prompts[i % prompts.size()]);
+    const GenerateRequest request = token_request(prompt, 12 + int(i * 5) % 40, sampling);
+    expected.push_back(gpu::generate(engine, prompt, request.max_new_tokens,
+                                     gpu::SamplingParams{sampling.temperature, sampling.top_p, sampling.seed}));
+    outcomes.push_back(cluster.client().submit(request));
+  }
+  std::set<std::string> prefill, decode;
+  for (size_t i = 0; i < outcomes.size(); ++i) {
+    const RequestOutcome out = outcomes[i].get();
+    ASSERT_TRUE(out.ok()) << "request " << i << ": " << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+    EXPECT_EQ(out.tokens, std::vector<int32_t>(expected[i].tokens.begin(), expected[i].tokens.end())) << "request " << i;
+    prefill.insert(out.prefill_worker);
+    decode.insert(out.decode_worker);
+  }
+  EXPECT_EQ(prefill, (std::set<std::string>{"prefill-1", "prefill-2"}));
+  EXPECT_EQ(decode, (std::set<std::string>{"decode-1", "decode-2"}));
+}
+
+// Router, 2 prefill and 2 decode nodes, each on a host of its own: every
+// node is in its own namespace (none the test's), the KV goes over each
+// prefill host's own connection to each decode host, and the tokens are
+// colocated generation's.
+TEST(SeparateHosts, EveryNodeOnAHostOfItsOwnServesTheColocatedTokens) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab(kHosts);
+  TestCluster cluster("hosts");
+  place_on_hosts(cluster, lab);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  std::set<std::string> namespaces = {NetLab::namespace_of(::getpid())};
+  for (const std::string& name : {"router", "prefill-1", "prefill-2", "decode-1", "decode-2"})
+    EXPECT_TRUE(namespaces.insert(NetLab::namespace_of(cluster.node(name).pid())).second)
+        << name << " shares a network namespace";
+  ASSERT_NO_FATAL_FAILURE(expect_colocated_tokens(cluster));
+  for (const auto& prefill : cluster.names("prefill"))
+    for (const auto& decode : cluster.names("decode"))
+      EXPECT_TRUE(has_connection_to_port(cluster.node(prefill).pid(), cluster.port_of(decode)))
+          << prefill << " has no connection of its own to " << decode;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The same with mutual TLS on every connection between hosts.
+TEST(SeparateHosts, MutualTlsRunsBetweenHosts) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab(kHosts);
+  TestCluster cluster("hosts-tls");
+  cluster.enable_tls();
+  place_on_hosts(cluster, lab);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  ASSERT_NO_FATAL_FAILURE(expect_colocated_tokens(cluster));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The HTTP frontend on a host of its own answers a client on another (the
+// lab) with disagg-generate's text.
+TEST(SeparateHosts, TheFrontendServesClientsOnOtherHosts) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab(kHosts);
+  TestCluster cluster("hosts-http");
+  place_on_hosts(cluster, lab);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  cluster.start_node("frontend", "frontend");
+  const std::string host = lab.address("frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  // (polled: the frontend reports healthy once it has joined the router)
+  HttpReply health;
+  for (int i = 0; i < 600 && health.status != 200; ++i) {
+    try {
+      health = http_request(host, port, boost::beast::http::verb::get, "/health", "", std::chrono::seconds(5));
+    } catch (const std::exception&) {
+    }
+    if (health.status != 200) ::usleep(50 * 1000);  // (a poll with a bound: 30 s)
+  }
+  ASSERT_EQ(health.status, 200) << cluster.logs();
+  auto checkpoint = gpu::Checkpoint::open(shared_model());
+  gpu::Engine engine(checkpoint, gpu::EngineOptions{"cpu"});
+  const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), checkpoint->config().vocab_size);
+  const auto prompt = tokenizer.encode("Once upon a time");
+  const auto expected = gpu::generate(engine, prompt, 24, {});
+  const nlohmann::json body = {{"model", "stories260K"}, {"prompt", prompt}, {"max_tokens", 24}, {"temperature", 0},
+                               {"return_token_ids", true}};
+  const HttpReply reply = http_request(host, port, boost::beast::http::verb::post, "/v1/completions", body.dump());
+  ASSERT_EQ(reply.status, 200) << reply.body;
+  const auto j = nlohmann::json::parse(reply.body);
+  EXPECT_EQ(j["choices"][0]["token_ids"].get<std::vector<int32_t>>(),
+            std::vector<int32_t>(expected.tokens.begin(), expected.tokens.end()));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// ---------------------------------------------------------------- partitions
+// Traffic dropped by the lab (iptables DROP: no RST, no FIN, a pulled
+// cable), not refused; each held for the 10 s the issue names, then healed.
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+GenerateRequest short_request(int i) {
+  GenerateRequest r = token_request({1, 403, 407, 261 + i % 50, 378}, 12);
+  r.deadline_ms = 60000;
+  return r;
+}
+
+bool log_says(TestCluster& cluster, const std::string& name, const std::string& text, std::chrono::milliseconds within) {
+  const auto deadline = Clock::now() + within;
+  for (;;) {
+    if (cluster.node(name).log().find(text) != std::string::npos) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(20ms);  // (a poll of the log, bounded by `within`)
+  }
+}
+
+// Every decode worker's pool whole again: nothing held for a request.
+void expect_pools_full(TestCluster& cluster) {
+  const auto status = cluster.client().status();
+  ASSERT_TRUE(status);
+  for (const auto& w : status->workers)
+    if (w.role == WorkerRole::decode) EXPECT_EQ(w.free_blocks, w.total_blocks) << w.name;
+}
+
+// A decode host cut off from the router: within the heartbeat timeout it
+// gets no new work, requests sent to it start over on the other decode host
+// and complete with the colocated tokens (each answered once: one outcome
+// per request); healed, it answers again, serves again, and every pool is
+// whole. No process restarts.
+TEST(Partitions, ADecodeHostCutOffFromTheRouterGetsNoWorkAndRejoinsWhenHealed) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab(kHosts);
+  TestCluster cluster("partition-decode");
+  // A long ack timeout: only the heartbeats can rescue a request that waits
+  // for the cut node's answer.
+  cluster.set_disagg_options("heartbeat-interval-ms = 100\nheartbeat-timeout-ms = 600\nack-timeout-ms = 30000\n");
+  place_on_hosts(cluster, lab);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  const pid_t decode_1 = cluster.node("decode-1").pid();
+  lab.cut("decode-1", "router");
+  const auto cut_at = Clock::now();
+  std::vector<GenerateRequest> requests;
+  std::vector<std::future<RequestOutcome>> pending;
+  for (int i = 0; i < 12; ++i) {
+    requests.push_back(short_request(i));
+    pending.push_back(cluster.client().submit(requests.back()));
+  }
+  for (size_t i = 0; i < pending.size(); ++i) {
+    ASSERT_EQ(pending[i].wait_for(10s), std::future_status::ready) << cluster.logs();
+    const RequestOutcome out = pending[i].get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+    EXPECT_EQ(out.decode_worker, "decode-2");
+    EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), requests[i]));
+  }
+  EXPECT_TRUE(log_says(cluster, "router", "worker decode-1 did not answer a heartbeat", 1s)) << cluster.logs();
+  std::this_thread::sleep_until(cut_at + 10s);  // (the partition's length: the scenario, not a wait for an event)
+  lab.heal("decode-1", "router");
+  EXPECT_TRUE(log_says(cluster, "router", "worker decode-1 answers again", 10s)) << cluster.logs();
+  bool served_by_decode_1 = false;
+  for (int i = 0; i < 8 && !served_by_decode_1; ++i) {
+    const RequestOutcome out = cluster.client().generate(short_request(100 + i));
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+    EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), short_request(100 + i)));
+    served_by_decode_1 = out.decode_worker == "decode-1";
+  }
+  EXPECT_TRUE(served_by_decode_1) << "the healed host gets no work\n" << cluster.logs();
+  EXPECT_EQ(cluster.node("decode-1").pid(), decode_1);
+  EXPECT_TRUE(cluster.node("decode-1").running());
+  ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The router cut off from every host and from the client for 10 s: a
+// request sent meanwhile ends with an error within its deadline plus the
+// client's grace; healed, the workers are the router's again and the
+// cluster serves, with no process restarted.
+TEST(Partitions, TheRouterCutOffFromEveryoneServesAgainWhenHealed) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab(kHosts);
+  TestCluster cluster("partition-router");
+  cluster.set_disagg_options("heartbeat-interval-ms = 100\nheartbeat-timeout-ms = 600\n");
+  place_on_hosts(cluster, lab);
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  ASSERT_TRUE(cluster.client().generate(short_request(0)).ok());
+  std::map<std::string, pid_t> pids;
+  for (const std::string& name : {"router", "prefill-1", "prefill-2", "decode-1", "decode-2"})
+    pids[name] = cluster.node(name).pid();
+  lab.isolate("router");
+  const auto cut_at = Clock::now();
+  GenerateRequest doomed = short_request(1);
+  doomed.deadline_ms = 2000;
+  const auto sent = Clock::now();
+  std::future<RequestOutcome> outcome = cluster.client().submit(doomed);
+  ASSERT_EQ(outcome.wait_for(2s + 5s + 2s), std::future_status::ready)
+      << "no answer within the deadline and the client's grace (5 s)";
+  const RequestOutcome out = outcome.get();
+  EXPECT_FALSE(out.ok());
+  EXPECT_LT(Clock::now() - sent, 2s + 5s + 2s);
+  std::this_thread::sleep_until(cut_at + 10s);  // (the partition's length: the scenario, not a wait for an event)
+  lab.rejoin("router");
+  ASSERT_TRUE(cluster.wait_for_workers(2, 2, 20s)) << cluster.logs();
+  bool ok = false;
+  for (int i = 0; i < 50 && !ok; ++i) {  // (the client's own connection resumes too)
+    const RequestOutcome again = cluster.client().generate(short_request(2 + i));
+    ok = again.ok();
+    if (ok) EXPECT_EQ(again.tokens, colocated_tokens(shared_model(), short_request(2 + i)));
+  }
+  EXPECT_TRUE(ok) << cluster.logs();
+  for (const auto& [name, pid] : pids) {
+    EXPECT_EQ(cluster.node(name).pid(), pid) << name;
+    EXPECT_TRUE(cluster.node(name).running()) << name;
+  }
+  ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+}  // namespace
+}  // namespace disagg::test

@@ -1,0 +1,139 @@
+#include "support/net_lab.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "support/run_command.h"
+
+namespace disagg::test {
+
+namespace {
+
+// Set once this process's thread has entered a namespace of its own: the
+// one condition for running a network command.
+bool entered = false;
+
+std::string link_of(const std::string& path) {
+  char buffer[64] = {};
+  const ssize_t n = ::readlink(path.c_str(), buffer, sizeof buffer - 1);
+  return n > 0 ? std::string(buffer, size_t(n)) : std::string();
+}
+
+// Runs `command` (sh) in the lab; throws with its output when it fails.
+void lab_command(const std::string& command) {
+  if (!entered) throw std::logic_error("NetLab: a network command outside a namespace of the test's own");
+  const auto [out, status] = run_command("(" + command + ") 2>&1");
+  if (status != 0) throw std::runtime_error("NetLab: `" + command + "` failed (" + std::to_string(status) + "): " + out);
+}
+
+}  // namespace
+
+std::string NetLab::namespace_of(pid_t pid) { return link_of("/proc/" + std::to_string(pid) + "/ns/net"); }
+
+std::string NetLab::enter_private_namespace() {
+  const std::string before = link_of("/proc/thread-self/ns/net");
+  if (before.empty()) return "cannot read /proc/thread-self/ns/net";
+  if (::unshare(CLONE_NEWNET) != 0)
+    return std::string("unshare(CLONE_NEWNET) refused: ") + std::strerror(errno) + " (it needs CAP_NET_ADMIN)";
+  const std::string after = link_of("/proc/thread-self/ns/net");
+  if (after.empty() || after == before) return "the network namespace did not change (" + before + ")";
+  // (pid 1's is the machine's, where it can be read)
+  const std::string init = namespace_of(1);
+  if (!init.empty() && init == after) return "the new namespace is pid 1's";
+  entered = true;
+  lab_command("ip link set lo up && echo 1 > /proc/sys/net/ipv4/ip_forward");
+  return "";
+}
+
+NetLab::NetLab(const std::vector<std::string>& names) {
+  if (!entered) throw std::logic_error("NetLab: call enter_private_namespace() first (and skip when it refuses)");
+  const pid_t parent = ::getpid();
+  for (const std::string& name : names) {
+    const int index = int(hosts_.size()) + 1;
+    int ready[2];
+    if (::pipe2(ready, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe2: ") + std::strerror(errno));
+    const pid_t pid = ::fork();
+    if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
+    if (pid == 0) {  // the holder: a namespace of its own, then nothing
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      char ok = ::getppid() == parent && ::unshare(CLONE_NEWNET) == 0 ? 1 : 0;
+      [[maybe_unused]] auto n = ::write(ready[1], &ok, 1);
+      if (!ok) ::_exit(1);
+      for (;;) ::pause();
+    }
+    ::close(ready[1]);
+    char ok = 0;
+    const bool read_ok = ::read(ready[0], &ok, 1) == 1;
+    ::close(ready[0]);
+    hosts_.push_back({name, index, pid});
+    if (!read_ok || !ok) throw std::runtime_error("NetLab: host " + name + " could not make its namespace");
+    const std::string i = std::to_string(index), ns = "/proc/" + std::to_string(pid) + "/ns/net";
+    lab_command("ip link add h" + i + " type veth peer name eth0 netns " + std::to_string(pid) + " && ip addr add 10.77." +
+                i + ".1/24 dev h" + i + " && ip link set h" + i + " up");
+    lab_command("nsenter --net=" + ns + " sh -c 'ip link set lo up && ip addr add 10.77." + i +
+                ".2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.77." + i + ".1'");
+  }
+}
+
+NetLab::~NetLab() {
+  for (const Host& h : hosts_) {
+    ::kill(h.holder, SIGKILL);
+    ::waitpid(h.holder, nullptr, 0);
+  }
+}
+
+const NetLab::Host& NetLab::host(const std::string& name) const {
+  for (const Host& h : hosts_)
+    if (h.name == name) return h;
+  throw std::logic_error("NetLab: no host " + name);
+}
+
+std::string NetLab::address(const std::string& name) const {
+  return "10.77." + std::to_string(host(name).index) + ".2";
+}
+
+std::vector<std::string> NetLab::run_on(const std::string& name) const {
+  return {"/usr/bin/nsenter", "--net=/proc/" + std::to_string(host(name).holder) + "/ns/net", "--"};
+}
+
+void NetLab::cut(const std::string& a, const std::string& b) {
+  const std::string x = address(a), y = address(b);
+  lab_command("iptables -I FORWARD -s " + x + " -d " + y + " -j DROP && iptables -I FORWARD -s " + y + " -d " + x +
+              " -j DROP");
+}
+
+void NetLab::heal(const std::string& a, const std::string& b) {
+  const std::string x = address(a), y = address(b);
+  lab_command("iptables -D FORWARD -s " + x + " -d " + y + " -j DROP && iptables -D FORWARD -s " + y + " -d " + x +
+              " -j DROP");
+}
+
+namespace {
+
+std::string isolation_rules(const char* action, const std::string& x) {
+  return "iptables " + std::string(action) + " FORWARD -s " + x + " -j DROP && iptables " + action + " FORWARD -d " + x +
+         " -j DROP && iptables " + action + " INPUT -s " + x + " -j DROP && iptables " + action + " OUTPUT -d " + x +
+         " -j DROP";
+}
+
+}  // namespace
+
+void NetLab::isolate(const std::string& name) { lab_command(isolation_rules("-I", address(name))); }
+
+void NetLab::rejoin(const std::string& name) { lab_command(isolation_rules("-D", address(name))); }
+
+void NetLab::shape(const std::string& name, const std::string& rate) {
+  const std::string qdisc = " root tbf rate " + rate + " burst 256kb latency 50ms";
+  lab_command("tc qdisc replace dev h" + std::to_string(host(name).index) + qdisc);
+  lab_command("nsenter --net=/proc/" + std::to_string(host(name).holder) + "/ns/net tc qdisc replace dev eth0" + qdisc);
+}
+
+}  // namespace disagg::test

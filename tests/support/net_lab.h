@@ -1,0 +1,69 @@
+// Hosts on a network of the test's own, for tests of a cluster whose nodes
+// are not on one loopback (issue 41).
+//
+// Safety first: enter_private_namespace() moves the test process into a
+// fresh network namespace (unshare(CLONE_NEWNET)) and checks that it is not
+// the one it was in; only then does a NetLab run `ip`, `tc` or `iptables`,
+// always in that namespace or in hosts made inside it, so nothing reaches or
+// changes the machine's own network. A machine that refuses (no
+// CAP_NET_ADMIN) gets the reason, and the tests skip with it.
+//
+//   the lab (the test process's namespace: the router between the hosts,
+//   where the test's own client runs, and where links are cut and shaped)
+//     h1 10.77.1.1 ── veth ── eth0 10.77.1.2  host 1 (a namespace of its own)
+//     h2 10.77.2.1 ── veth ── eth0 10.77.2.2  host 2
+//     ...
+//
+// A host's namespace is held by a child process that does nothing (killed
+// with the test, PR_SET_PDEATHSIG): when the test ends, however it ends, the
+// hosts, their links and every rule go with the namespaces; nothing is left.
+#pragma once
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+namespace disagg::test {
+
+class NetLab {
+ public:
+  // "" once this process is in a network namespace of its own, else why
+  // not (unshare refused, or the namespace did not change).
+  static std::string enter_private_namespace();
+
+  // One host per name, host i (from 1) at 10.77.i.2 behind the lab's
+  // 10.77.i.1; the lab forwards between them. Requires
+  // enter_private_namespace() to have succeeded (throws otherwise).
+  explicit NetLab(const std::vector<std::string>& hosts);
+  ~NetLab();
+  NetLab(const NetLab&) = delete;
+  NetLab& operator=(const NetLab&) = delete;
+
+  std::string address(const std::string& host) const;
+  // argv to put before a command to run it on `host` (nsenter into its namespace).
+  std::vector<std::string> run_on(const std::string& host) const;
+  // The namespace of process `pid` ("net:[inode]").
+  static std::string namespace_of(pid_t pid);
+
+  // Drops every packet between hosts a and b, both ways (no RST, no FIN:
+  // a pulled cable), until heal(a, b).
+  void cut(const std::string& a, const std::string& b);
+  void heal(const std::string& a, const std::string& b);
+  // Drops every packet to and from `host`: the other hosts' and the lab's
+  // (where the test's own client runs), until rejoin(host).
+  void isolate(const std::string& host);
+  void rejoin(const std::string& host);
+  // Limits the link of `host` to `rate` (tc's units: "1gbit") both ways.
+  void shape(const std::string& host, const std::string& rate);
+
+ private:
+  struct Host {
+    std::string name;
+    int index;     // from 1
+    pid_t holder;  // its namespace's holder
+  };
+  const Host& host(const std::string& name) const;
+  std::vector<Host> hosts_;
+};
+
+}  // namespace disagg::test
