@@ -1,5 +1,8 @@
 // bench_kv_transfer (scripts/bench kv): the KV transfer path (kv/) against raw
-// loopback TCP and memcpy, in one run of two processes on 127.0.0.1.
+// loopback TCP and memcpy, in one run of two processes on 127.0.0.1; or, with
+// --peer-pid and --peer-host (bench/kv_link.sh), with the receiver on
+// another host: the network (and mount: its /sys) namespaces of process
+// PID, at the far end of a (shaped) link.
 //
 // The parent is the sender, a forked child the receiver; they coordinate over
 // a socketpair, outside the timed regions. For each payload size:
@@ -25,7 +28,10 @@
 //   kv-transfer SIZE: ours=X GB/s tcp=Y GB/s ratio=Z rss_ratio=W
 //   kv-transfer-shm SIZE: ours=X GB/s memcpy=Y GB/s
 // (GB = 1e9 bytes), and comment lines (#) with the settings.
+#include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -68,6 +74,8 @@ struct Options {
   bool run_tcp = true;  // --modes
   bool run_shm = true;
   bool verbose = false;
+  std::string peer_pid;              // the receiver enters this process's network and mount namespaces
+  std::string peer_host = "127.0.0.1";  // where it listens, and the sender connects
 };
 
 [[noreturn]] void die(const std::string& what) {
@@ -80,6 +88,7 @@ void usage() {
       "usage: bench_kv_transfer [--sizes=16,64,256] [--reps=7] [--warmup=1] [--piece-mib=4]\n"
       "                         [--inflight-mib=32] [--tcp-tls=tcp] [--shm-tls=posix,cma,tcp]\n"
       "                         [--modes=tcp,shm] [--ucx=NAME=VALUE ...] [--verbose]\n"
+      "                         [--peer-pid=PID --peer-host=IP]\n"
       "  --ucx sets a UCX option (without the UCX_ prefix) on both sides' contexts, e.g. --ucx=RNDV_THRESH=64K\n");
 }
 
@@ -119,6 +128,10 @@ Options parse(int argc, char** argv) {
       if (!o.run_tcp && !o.run_shm) die("--modes wants tcp, shm or tcp,shm");
     } else if (key == "--verbose") {
       o.verbose = true;
+    } else if (key == "--peer-pid") {
+      o.peer_pid = value;
+    } else if (key == "--peer-host") {
+      o.peer_host = value;
     } else if (key == "--help" || key == "-h") {
       usage();
       std::exit(0);
@@ -235,12 +248,12 @@ void read_fully(int fd, uint8_t* p, size_t n) {
   }
 }
 
-// A listening socket on 127.0.0.1 (any port) for the raw TCP baseline.
-int raw_listen(uint16_t* port) {
+// A listening socket on `host` (any port) for the raw TCP baseline.
+int raw_listen(const std::string& host, uint16_t* port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) die("--peer-host wants an IPv4 address");
   socklen_t len = sizeof addr;
   if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 1) != 0 ||
       getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
@@ -267,9 +280,11 @@ int receiver_main(int ctl, const Options& o) {
           // RSS is reset and the destination mapped, untouched: the growth
           // from here is the destination plus whatever the transfers cost.
           context = disagg::kv::KvContext::create(context_options(o, m.flag != 0));
-          rx = std::make_unique<disagg::kv::KvReceiver>(context);
+          disagg::kv::ReceiverOptions ro;
+          ro.host = o.peer_host;
+          rx = std::make_unique<disagg::kv::KvReceiver>(context, ro);
           uint16_t port = 0;
-          raw_listener = raw_listen(&port);
+          raw_listener = raw_listen(o.peer_host, &port);
           if (!reset_peak_rss()) die("cannot reset the peak RSS (/proc/self/clear_refs)");
           base_kib = status_kib("VmHWM");
           dest = std::make_unique<Pages>(m.a);
@@ -386,7 +401,7 @@ PhaseResult run_phase(int ctl, const Options& o, const Pages& src, bool shm, boo
       fd = socket(AF_INET, SOCK_STREAM, 0);
       sockaddr_in addr{};
       addr.sin_family = AF_INET;
-      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      inet_pton(AF_INET, o.peer_host.c_str(), &addr.sin_addr);
       addr.sin_port = htons(uint16_t(ready.b));
       if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) die("raw TCP connect failed");
     }
@@ -453,13 +468,23 @@ int main(int argc, char** argv) {
   if (child < 0) die("fork failed");
   if (child == 0) {
     close(fds[0]);
+    // The receiver on the other host: its network, and the mount namespace
+    // whose /sys lists that network's interfaces (UCX looks there).
+    for (const char* kind : {"net", "mnt"}) {
+      if (o.peer_pid.empty()) break;
+      const std::string path = "/proc/" + o.peer_pid + "/ns/" + kind;
+      const int ns = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (ns < 0 || setns(ns, 0) != 0) die("cannot enter " + path + ": " + std::strerror(errno));
+      close(ns);
+    }
     _exit(receiver_main(fds[1], o));
   }
   close(fds[1]);
   const int ctl = fds[0];
 
-  std::printf("# bench_kv_transfer: sender pid %d, receiver pid %d, 127.0.0.1; %d timed runs (median) after %d warm-up\n",
-              int(getpid()), int(child), o.reps, o.warmup);
+  std::printf("# bench_kv_transfer: sender pid %d, receiver pid %d at %s%s; %d timed runs (median) after %d warm-up\n",
+              int(getpid()), int(child), o.peer_host.c_str(), o.peer_pid.empty() ? "" : " (another network namespace)",
+              o.reps, o.warmup);
   std::printf("# pieces %.2f MiB, in flight <= %.2f MiB; UCX_TLS tcp mode \"%s\", shm mode \"%s\"", double(o.piece_bytes) / kMiB,
               double(o.inflight_bytes) / kMiB, o.tcp_tls.c_str(), o.shm_tls.c_str());
   for (const auto& [k, v] : o.ucx) std::printf(", UCX_%s=%s", k.c_str(), v.c_str());

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -62,9 +63,17 @@ NetLab::NetLab(const std::vector<std::string>& names) {
     if (::pipe2(ready, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe2: ") + std::strerror(errno));
     const pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
-    if (pid == 0) {  // the holder: a namespace of its own, then nothing
+    if (pid == 0) {  // the holder: namespaces of its own, then nothing
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      char ok = ::getppid() == parent && ::unshare(CLONE_NEWNET) == 0 ? 1 : 0;
+      // Its own mount namespace too, with a sysfs of its network's: UCX
+      // finds the interfaces in /sys/class/net, which otherwise lists the
+      // machine's (a host whose veth happened to be named like the
+      // machine's NIC worked, any other did not).
+      char ok = ::getppid() == parent && ::unshare(CLONE_NEWNET | CLONE_NEWNS) == 0 &&
+                        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) == 0 &&
+                        ::mount("sysfs", "/sys", "sysfs", 0, nullptr) == 0
+                    ? 1
+                    : 0;
       [[maybe_unused]] auto n = ::write(ready[1], &ok, 1);
       if (!ok) ::_exit(1);
       for (;;) ::pause();
@@ -76,10 +85,15 @@ NetLab::NetLab(const std::vector<std::string>& names) {
     hosts_.push_back({name, index, pid});
     if (!read_ok || !ok) throw std::runtime_error("NetLab: host " + name + " could not make its namespace");
     const std::string i = std::to_string(index), ns = "/proc/" + std::to_string(pid) + "/ns/net";
-    lab_command("ip link add h" + i + " type veth peer name eth0 netns " + std::to_string(pid) + " && ip addr add 10.77." +
+    lab_command("ip link add h" + i + " type veth peer name net0 netns " + std::to_string(pid) + " && ip addr add 10.77." +
                 i + ".1/24 dev h" + i + " && ip link set h" + i + " up");
     lab_command("nsenter --net=" + ns + " sh -c 'ip link set lo up && ip addr add 10.77." + i +
-                ".2/24 dev eth0 && ip link set eth0 up && ip route add default via 10.77." + i + ".1'");
+                ".2/24 dev net0 && ip link set net0 up && ip route add default via 10.77." + i + ".1'");
+    // Both ends running before a node looks for them: the kernel reports a
+    // new link's carrier up to a second later, and UCX leaves out an
+    // interface that is not running when its context starts.
+    lab_command("for _ in $(seq 300); do ip link show h" + i + " | grep -q 'state UP' && nsenter --net=" + ns +
+                " ip link show net0 | grep -q 'state UP' && exit 0; sleep 0.01; done; exit 1");
   }
 }
 
@@ -101,7 +115,8 @@ std::string NetLab::address(const std::string& name) const {
 }
 
 std::vector<std::string> NetLab::run_on(const std::string& name) const {
-  return {"/usr/bin/nsenter", "--net=/proc/" + std::to_string(host(name).holder) + "/ns/net", "--"};
+  const std::string proc = "/proc/" + std::to_string(host(name).holder);
+  return {"/usr/bin/nsenter", "--net=" + proc + "/ns/net", "--mount=" + proc + "/ns/mnt", "--"};
 }
 
 void NetLab::cut(const std::string& a, const std::string& b) {
@@ -133,7 +148,7 @@ void NetLab::rejoin(const std::string& name) { lab_command(isolation_rules("-D",
 void NetLab::shape(const std::string& name, const std::string& rate) {
   const std::string qdisc = " root tbf rate " + rate + " burst 256kb latency 50ms";
   lab_command("tc qdisc replace dev h" + std::to_string(host(name).index) + qdisc);
-  lab_command("nsenter --net=/proc/" + std::to_string(host(name).holder) + "/ns/net tc qdisc replace dev eth0" + qdisc);
+  lab_command("nsenter --net=/proc/" + std::to_string(host(name).holder) + "/ns/net tc qdisc replace dev net0" + qdisc);
 }
 
 }  // namespace disagg::test

@@ -10,13 +10,15 @@
 //
 //   the lab (the test process's namespace: the router between the hosts,
 //   where the test's own client runs, and where links are cut and shaped)
-//     h1 10.77.1.1 ── veth ── eth0 10.77.1.2  host 1 (a namespace of its own)
-//     h2 10.77.2.1 ── veth ── eth0 10.77.2.2  host 2
+//     h1 10.77.1.1 ── veth ── net0 10.77.1.2  host 1 (a namespace of its own)
+//     h2 10.77.2.1 ── veth ── net0 10.77.2.2  host 2
 //     ...
 //
-// A host's namespace is held by a child process that does nothing (killed
-// with the test, PR_SET_PDEATHSIG): when the test ends, however it ends, the
-// hosts, their links and every rule go with the namespaces; nothing is left.
+// A host's namespaces (its network, and a mount namespace whose /sys shows
+// that network's interfaces, where UCX looks for them) are held by a child
+// process that does nothing (killed with the test, PR_SET_PDEATHSIG): when
+// the test ends, however it ends, the hosts, their links and every rule go
+// with the namespaces; nothing is left.
 #pragma once
 #include <sys/types.h>
 
@@ -40,7 +42,7 @@ class NetLab {
   NetLab& operator=(const NetLab&) = delete;
 
   std::string address(const std::string& host) const;
-  // argv to put before a command to run it on `host` (nsenter into its namespace).
+  // argv to put before a command to run it on `host` (nsenter into its namespaces).
   std::vector<std::string> run_on(const std::string& host) const;
   // The namespace of process `pid` ("net:[inode]").
   static std::string namespace_of(pid_t pid);
