@@ -1,6 +1,10 @@
 #include "kv/plane.h"
 
+#include <ifaddrs.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <set>
 
 #include <climits>
 #include <fstream>
@@ -19,7 +23,26 @@ constexpr const char* kNetworkTransports = "tcp";
 
 const char* to_string(Transport transport) { return transport == Transport::shm ? "shm" : "tcp"; }
 
+std::string interfaces_problem(const std::string& sys_class_net) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};  // (nothing to compare: UCX will say what it finds)
+  std::set<std::string> named;
+  for (ifaddrs* a = list; a; a = a->ifa_next)
+    if (a->ifa_addr && (a->ifa_addr->sa_family == AF_INET || a->ifa_addr->sa_family == AF_INET6)) named.insert(a->ifa_name);
+  ::freeifaddrs(list);
+  for (const std::string& name : named) {
+    struct stat st {};
+    if (::stat((sys_class_net + "/" + name).c_str(), &st) != 0)
+      return "this process's network interface " + name + " is not in " + sys_class_net +
+             ", where UCX looks for interfaces: that /sys belongs to another network namespace (a process entered "
+             "this one without its own sysfs, as `nsenter --net` leaves it; `ip netns exec` mounts one), so the KV "
+             "data plane could not use " + name;
+  }
+  return {};
+}
+
 KvPlane::KvPlane(const PlaneOptions& options) : options_(options) {
+  if (const std::string problem = interfaces_problem(); !problem.empty()) throw KvError(KvErrc::ucx_error, problem);
   ContextOptions tcp;
   tcp.transports = kNetworkTransports;
   tcp.peer_failure_detection = true;

@@ -38,7 +38,7 @@ struct PlaneOptions {
 class KvPlane {
  public:
   // Throws KvError when a context or receiver cannot be made (a bad host, a
-  // UCX installation without the transports).
+  // UCX installation without the transports, interfaces_problem()).
   explicit KvPlane(const PlaneOptions& options);
   ~KvPlane();
   KvPlane(const KvPlane&) = delete;
@@ -65,6 +65,13 @@ class KvPlane {
   std::mutex senders_mu_;
   std::map<std::pair<Transport, std::string>, std::shared_ptr<KvSender>> senders_;
 };
+
+// Why UCX could not use this process's network interfaces, or "": UCX finds
+// them in /sys/class/net, and a process that entered a network namespace
+// without a sysfs of that namespace sees another's there (its interfaces
+// missing, or others of the same name), so a KV stream ends "Destination is
+// unreachable". Checks that every interface with an address here is listed.
+std::string interfaces_problem(const std::string& sys_class_net = "/sys/class/net");
 
 // This machine's identity for choosing the same-host path: the hostname and
 // the kernel's boot id. Processes in one network and PID namespace share it.

@@ -142,6 +142,25 @@ TEST(SeparateHosts, TheFrontendServesClientsOnOtherHosts) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// A decode node that entered its host's network without a sysfs of it (as
+// `nsenter --net` leaves a process: /sys lists the machine's interfaces,
+// not its net0) would have UCX find no way out, and every KV stream to it
+// end "Destination is unreachable"; it stops at start and says why.
+TEST(SeparateHosts, ANodeWhoseSysfsIsAnotherNetworksStopsAtStartAndSaysWhy) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab({"router", "decode-1"});
+  TestCluster cluster("hosts-sysfs");
+  cluster.place("router", lab.run_on("router"), lab.address("router"));
+  cluster.place("decode-1", lab.run_on_network_only("decode-1"), lab.address("decode-1"));
+  cluster.start_router();
+  ChildProcess& decode = cluster.start_node("decode", "decode-1");
+  const std::optional<int> code = decode.wait_exit(std::chrono::seconds(30));
+  ASSERT_TRUE(code.has_value()) << "still running\n" << decode.log();
+  EXPECT_NE(*code, 0);
+  EXPECT_NE(decode.log().find("network interface net0 is not in /sys/class/net"), std::string::npos) << decode.log();
+  cluster.kill_node("decode-1");
+}
+
 // ---------------------------------------------------------------- partitions
 // Traffic dropped by the lab (iptables DROP: no RST, no FIN, a pulled
 // cable), not refused; each held for the 10 s the issue names, then healed.

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "kv/plane.h"
 #include "kv/transfer.h"
 
 namespace disagg::kv {
@@ -398,6 +399,26 @@ TEST(KvTransfer, BadCallsAreRefused) {
   EXPECT_THROW(rx.expect(7, dst.data(), dst.size(), soon()), KvError);
   EXPECT_TRUE(rx.cancel(7));
   EXPECT_NE(new_transfer_id(), new_transfer_id());
+}
+
+}  // namespace
+}  // namespace disagg::kv
+
+// ---------------------------------------------------------------- interfaces
+
+namespace disagg::kv {
+namespace {
+
+// Every interface with an address must be in the /sys that UCX reads: here
+// (the machine's own namespace and its sysfs) none is missing; a folder
+// that lists none names one (there is always one: lo has 127.0.0.1) and
+// says why.
+TEST(KvInterfaces, AnInterfaceMissingFromSysfsIsNamed) {
+  EXPECT_EQ(interfaces_problem(), "");
+  const std::string problem = interfaces_problem("/nonexistent/class/net");
+  EXPECT_EQ(problem.rfind("this process's network interface ", 0), 0u) << problem;
+  EXPECT_NE(problem.find(" is not in /nonexistent/class/net, where UCX looks"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("ip netns exec"), std::string::npos) << problem;
 }
 
 }  // namespace

@@ -119,6 +119,10 @@ std::vector<std::string> NetLab::run_on(const std::string& name) const {
   return {"/usr/bin/nsenter", "--net=" + proc + "/ns/net", "--mount=" + proc + "/ns/mnt", "--"};
 }
 
+std::vector<std::string> NetLab::run_on_network_only(const std::string& name) const {
+  return {"/usr/bin/nsenter", "--net=/proc/" + std::to_string(host(name).holder) + "/ns/net", "--"};
+}
+
 void NetLab::cut(const std::string& a, const std::string& b) {
   const std::string x = address(a), y = address(b);
   lab_command("iptables -I FORWARD -s " + x + " -d " + y + " -j DROP && iptables -I FORWARD -s " + y + " -d " + x +

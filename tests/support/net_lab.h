@@ -44,6 +44,9 @@ class NetLab {
   std::string address(const std::string& host) const;
   // argv to put before a command to run it on `host` (nsenter into its namespaces).
   std::vector<std::string> run_on(const std::string& host) const;
+  // The same into its network alone: /sys stays the lab's (the machine's),
+  // as `nsenter --net` leaves a process.
+  std::vector<std::string> run_on_network_only(const std::string& host) const;
   // The namespace of process `pid` ("net:[inode]").
   static std::string namespace_of(pid_t pid);
 
