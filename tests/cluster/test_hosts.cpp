@@ -36,10 +36,17 @@ namespace {
 
 const std::vector<std::string> kHosts = {"router", "prefill-1", "prefill-2", "decode-1", "decode-2", "frontend"};
 
-// Each node of `cluster` on the host of its name.
-void place_on_hosts(TestCluster& cluster, const NetLab& lab) {
-  for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
-}
+// A lab of kHosts and a cluster whose every node runs on the host of its
+// name (the cluster goes first when it ends: declared last).
+struct HostCluster {
+  NetLab lab{kHosts};
+  TestCluster cluster;
+  explicit HostCluster(const std::string& tag, const std::string& disagg_options = "", bool tls = false) : cluster(tag) {
+    if (tls) cluster.enable_tls();
+    cluster.set_disagg_options(disagg_options);
+    for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
+  }
+};
 
 // Greedy and seeded requests through the cluster give colocated generation's
 // tokens, and both prefill and both decode nodes served some.
@@ -78,9 +85,8 @@ void expect_colocated_tokens(TestCluster& cluster) {
 // colocated generation's.
 TEST(SeparateHosts, EveryNodeOnAHostOfItsOwnServesTheColocatedTokens) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("hosts");
-  place_on_hosts(cluster, lab);
+  HostCluster hosts("hosts");
+  TestCluster& cluster = hosts.cluster;
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
   std::set<std::string> namespaces = {NetLab::namespace_of(::getpid())};
   for (const std::string& name : {"router", "prefill-1", "prefill-2", "decode-1", "decode-2"})
@@ -97,10 +103,8 @@ TEST(SeparateHosts, EveryNodeOnAHostOfItsOwnServesTheColocatedTokens) {
 // The same with mutual TLS on every connection between hosts.
 TEST(SeparateHosts, MutualTlsRunsBetweenHosts) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("hosts-tls");
-  cluster.enable_tls();
-  place_on_hosts(cluster, lab);
+  HostCluster hosts("hosts-tls", "", true);
+  TestCluster& cluster = hosts.cluster;
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
   ASSERT_NO_FATAL_FAILURE(expect_colocated_tokens(cluster));
   EXPECT_TRUE(cluster.stop_all());
@@ -110,12 +114,11 @@ TEST(SeparateHosts, MutualTlsRunsBetweenHosts) {
 // lab) with disagg-generate's text.
 TEST(SeparateHosts, TheFrontendServesClientsOnOtherHosts) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("hosts-http");
-  place_on_hosts(cluster, lab);
+  HostCluster hosts("hosts-http");
+  TestCluster& cluster = hosts.cluster;
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
   cluster.start_node("frontend", "frontend");
-  const std::string host = lab.address("frontend");
+  const std::string host = hosts.lab.address("frontend");
   const uint16_t port = cluster.port_of("frontend");
   // (polled: the frontend reports healthy once it has joined the router)
   HttpReply health;
@@ -198,12 +201,11 @@ void expect_pools_full(TestCluster& cluster) {
 // whole. No process restarts.
 TEST(Partitions, ADecodeHostCutOffFromTheRouterGetsNoWorkAndRejoinsWhenHealed) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("partition-decode");
   // A long ack timeout: only the heartbeats can rescue a request that waits
   // for the cut node's answer.
-  cluster.set_disagg_options("heartbeat-interval-ms = 100\nheartbeat-timeout-ms = 600\nack-timeout-ms = 30000\n");
-  place_on_hosts(cluster, lab);
+  HostCluster hosts("partition-decode", "heartbeat-interval-ms = 100\nheartbeat-timeout-ms = 600\nack-timeout-ms = 30000\n");
+  TestCluster& cluster = hosts.cluster;
+  NetLab& lab = hosts.lab;
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
   const pid_t decode_1 = cluster.node("decode-1").pid();
   lab.cut("decode-1", "router");
@@ -245,10 +247,9 @@ TEST(Partitions, ADecodeHostCutOffFromTheRouterGetsNoWorkAndRejoinsWhenHealed) {
 // cluster serves, with no process restarted.
 TEST(Partitions, TheRouterCutOffFromEveryoneServesAgainWhenHealed) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("partition-router");
-  cluster.set_disagg_options("heartbeat-interval-ms = 100\nheartbeat-timeout-ms = 600\n");
-  place_on_hosts(cluster, lab);
+  HostCluster hosts("partition-router", "heartbeat-interval-ms = 100\nheartbeat-timeout-ms = 600\n");
+  TestCluster& cluster = hosts.cluster;
+  NetLab& lab = hosts.lab;
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
   ASSERT_TRUE(cluster.client().generate(short_request(0)).ok());
   std::map<std::string, pid_t> pids;
