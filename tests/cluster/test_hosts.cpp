@@ -164,6 +164,20 @@ TEST(SeparateHosts, ANodeWhoseSysfsIsAnotherNetworksStopsAtStartAndSaysWhy) {
   cluster.kill_node("decode-1");
 }
 
+// 1% of the packets between hosts dropped (the KV streams, the control
+// plane, every direction): every request still completes with colocated
+// generation's tokens.
+TEST(SeparateHosts, OnePercentLossBetweenHostsChangesNoToken) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  HostCluster hosts("hosts-loss");
+  ASSERT_NO_FATAL_FAILURE(hosts.cluster.start_all(2, 2));
+  hosts.lab.lose(0.01);
+  ASSERT_NO_FATAL_FAILURE(expect_colocated_tokens(hosts.cluster));
+  const auto [seen, dropped] = hosts.lab.lost();
+  EXPECT_GT(seen, 200) << "the requests' traffic went past the loss (" << dropped << " dropped)";
+  EXPECT_TRUE(hosts.cluster.stop_all());
+}
+
 // ---------------------------------------------------------------- partitions
 // Traffic dropped by the lab (iptables DROP: no RST, no FIN, a pulled
 // cable), not refused; each held for the 10 s the issue names, then healed.

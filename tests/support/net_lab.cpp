@@ -145,6 +145,25 @@ std::string isolation_rules(const char* action, const std::string& x) {
 
 }  // namespace
 
+void NetLab::lose(double p) {
+  // (a rule with no target first: it counts every packet that reaches the loss)
+  lab_command("iptables -A FORWARD -m comment --comment loss-seen && iptables -A FORWARD -m statistic --mode random "
+              "--probability " + std::to_string(p) + " -m comment --comment loss-dropped -j DROP");
+}
+
+std::pair<long, long> NetLab::lost() const {
+  if (!entered) throw std::logic_error("NetLab: a network command outside a namespace of the test's own");
+  const auto [out, status] = run_command("iptables -L FORWARD -v -x -n 2>&1");
+  if (status != 0) throw std::runtime_error("NetLab: iptables -L failed: " + out);
+  auto packets = [&out = out](const std::string& tag) {
+    const size_t at = out.find("/* " + tag + " */");
+    if (at == std::string::npos) return -1L;
+    const size_t line = out.rfind('\n', at) + 1;  // (npos + 1 = 0 on the first line)
+    return std::stol(out.substr(out.find_first_not_of(' ', line)));
+  };
+  return {packets("loss-seen"), packets("loss-dropped")};
+}
+
 void NetLab::isolate(const std::string& name) { lab_command(isolation_rules("-I", address(name))); }
 
 void NetLab::rejoin(const std::string& name) { lab_command(isolation_rules("-D", address(name))); }

@@ -23,6 +23,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace disagg::test {
@@ -58,6 +59,11 @@ class NetLab {
   // (where the test's own client runs), until rejoin(host).
   void isolate(const std::string& host);
   void rejoin(const std::string& host);
+  // Drops each packet the lab forwards between hosts with probability p
+  // (iptables' statistic match), from now on; lost() counts them: the
+  // packets that met the rule, and those it dropped.
+  void lose(double p);
+  std::pair<long, long> lost() const;
   // Limits the link of `host` to `rate` (tc's units: "1gbit") both ways.
   void shape(const std::string& host, const std::string& rate);
 
