@@ -15,7 +15,10 @@
 #include <sstream>
 #include <thread>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 
 #include "actors/client.h"
 #include "actors/log.h"
@@ -554,6 +557,25 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   net::steady_timer write_timer_;
 };
 
+// A client whose host is gone (a cut cable, a crash: no FIN, no RST) sends
+// nothing, and a stream's writes land in the socket's buffer, so the
+// connection would look alive until the kernel gave up retransmitting (15
+// minutes and more). TCP itself finds it out instead: data unacknowledged
+// for `dead_ms` ends the connection (TCP_USER_TIMEOUT), and one sent no data
+// is probed from a third of that on (keep-alive), which the same bound ends.
+// The pending watch read then fails: the request is cancelled, its blocks
+// freed.
+void watch_for_a_dead_peer(tcp::socket& socket, int64_t dead_ms) {
+  const int fd = socket.native_handle();
+  const unsigned user_timeout = unsigned(dead_ms);
+  const int on = 1, idle = std::max(1, int(dead_ms / 3000)), probes = 3;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout);
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &idle, sizeof idle);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+}
+
 void accept(Frontend& fe) {
   fe.acceptor.async_accept(net::make_strand(fe.ioc), [&fe](beast::error_code ec, tcp::socket socket) {
     if (!fe.acceptor.is_open()) return;
@@ -564,6 +586,7 @@ void accept(Frontend& fe) {
       // request after the first on a keep-alive connection took 44 ms).
       beast::error_code ignored;
       socket.set_option(tcp::no_delay(true), ignored);
+      watch_for_a_dead_peer(socket, fe.node.http_dead_client_ms);
       std::make_shared<Session>(std::move(socket), fe)->start();
       return accept(fe);
     }

@@ -131,6 +131,8 @@ std::string NodeOptions::validate() const {
   if (frontend && http_host.empty()) add_problem(problems, "node.http-host must not be empty");
   if (http_body_limit <= 0) add_problem(problems, "node.http-body-limit must be > 0");
   if (http_stream_buffer_bytes <= 0) add_problem(problems, "node.http-stream-buffer-bytes must be > 0");
+  if (http_dead_client_ms < 1000 || http_dead_client_ms > 3600000)
+    add_problem(problems, "node.http-dead-client-ms must be in [1000, 3600000]");
   if (http_threads < 1) add_problem(problems, "node.http-threads must be >= 1");
   if (chat_template != "auto" && !gpu::parse_chat_template(chat_template))
     add_problem(problems, "node.chat-template must be \"auto\" or one of " + gpu::chat_template_names() + " (got \"" +
@@ -177,6 +179,8 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
       .add(n.http_body_limit, "http-body-limit", "frontend: largest request body in bytes (more: 413)")
       .add(n.http_stream_buffer_bytes, "http-stream-buffer-bytes",
            "frontend: bytes of a stream queued for a client that reads slowly; more: cancelled, closed")
+      .add(n.http_dead_client_ms, "http-dead-client-ms",
+           "frontend: ms a client may acknowledge nothing (its host gone) before its request is cancelled")
       .add(n.http_threads, "http-threads", "frontend: HTTP I/O threads")
       .add(n.chat_template, "chat-template", "frontend: auto (the model file's) or a built-in (text/chat_template.h)")
       .add_computed(n.served_model_name, "served-model-name",

@@ -51,6 +51,9 @@ struct NodeOptions {
   uint16_t http_port = 0;                     // 0: any free port (logged, written to the ready file)
   int64_t http_body_limit = 1 << 20;          // bytes of a request body; more: 413
   int64_t http_stream_buffer_bytes = 1 << 20;  // a stream's bytes queued for a slow reader; more: cut off
+  // A client that acknowledges nothing for this long (its host gone, a cut
+  // cable: no FIN, no RST) is gone: its request is cancelled.
+  int64_t http_dead_client_ms = 15000;
   int32_t http_threads = 1;                   // io_context threads
   std::string chat_template = "auto";  // auto (the model file's) | a built-in's name (text/chat_template.h)
   std::string served_model_name;              // empty: the model file's name without its extension

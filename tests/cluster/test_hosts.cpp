@@ -298,5 +298,80 @@ TEST(Partitions, TheRouterCutOffFromEveryoneServesAgainWhenHealed) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// A client whose host drops off mid-stream (no FIN, no RST: the frontend's
+// writes land in its socket buffer, and a read waits on) is found out by
+// TCP within node.http-dead-client-ms (2 s here): its request is cancelled
+// and its blocks freed then, long before its generation would end (1,800
+// tokens of a ~50M-parameter model: over 10 s on this CPU).
+TEST(Partitions, AClientCutOffMidStreamIsCancelledWithinTheDeadClientTimeout) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  const std::vector<std::string> names = {"router", "prefill-1", "decode-1", "frontend", "client"};
+  NetLab lab(names);
+  TestCluster cluster("partition-client");
+  std::string out, err;
+  const std::string model = cluster.dir() + "/m50";
+  ASSERT_EQ(run_to_completion({bin_dir() + "/disagg-make-model", "--out", model, "--dim", "512", "--hidden", "1376",
+                               "--layers", "16", "--heads", "8", "--kv-heads", "8", "--vocab", "4096", "--seq-len", "2048"},
+                              out, err, 120s),
+            0)
+      << err;
+  cluster.set_model(model + "/model.bin");
+  cluster.set_tokenizer_file(false);
+  cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\n");
+  for (const std::string& h : {"router", "prefill-1", "decode-1", "frontend"}) cluster.place(h, lab.run_on(h), lab.address(h));
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend", "http-dead-client-ms = 2000\n");
+  const std::string frontend = lab.address("frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  auto metrics = [&] { return http_request(frontend, port, boost::beast::http::verb::get, "/metrics").body; };
+  bool healthy = false;
+  for (const auto deadline = Clock::now() + 30s; !healthy && Clock::now() < deadline;) {
+    try {
+      healthy = http_request(frontend, port, boost::beast::http::verb::get, "/health").status == 200;
+    } catch (const std::exception&) {
+    }
+    if (!healthy) std::this_thread::sleep_for(50ms);  // (a poll, bounded: the frontend joins the router)
+  }
+  ASSERT_TRUE(healthy) << cluster.logs();
+  // The client: curl on a host of its own, streaming.
+  const nlohmann::json body = {{"model", "model"}, {"prompt", "Once upon a time"}, {"max_tokens", 1800},
+                               {"ignore_eos", true}, {"temperature", 0}, {"stream", true}};
+  std::vector<std::string> argv = lab.run_on("client");
+  for (const std::string& a : {std::string("/usr/bin/curl"), std::string("-sN"), std::string("-m"), std::string("120"),
+                               std::string("-H"), std::string("Content-Type: application/json"), std::string("-d"),
+                               body.dump(), "http://" + frontend + ":" + std::to_string(port) + "/v1/completions"})
+    argv.push_back(a);
+  ChildProcess client(argv, cluster.dir() + "/client.log");
+  bool streaming = false;
+  for (const auto deadline = Clock::now() + 30s; !streaming && Clock::now() < deadline;) {
+    streaming = client.log().find("data: ") != std::string::npos;
+    if (!streaming) std::this_thread::sleep_for(20ms);  // (a poll of the client's output, bounded)
+  }
+  ASSERT_TRUE(streaming) << client.log() << cluster.logs();
+  lab.cut("client", "frontend");
+  const auto cut_at = Clock::now();
+  double cancelled = 0;
+  while (cancelled < 1 && Clock::now() < cut_at + 20s) {
+    cancelled = metric_sample(metrics(), "disagg_request_errors_total{code=\"cancelled\"}");
+    if (cancelled < 1) std::this_thread::sleep_for(50ms);  // (a poll of the frontend's counter, bounded)
+  }
+  const auto seconds = std::chrono::duration<double>(Clock::now() - cut_at).count();
+  EXPECT_GE(cancelled, 1) << "not cancelled within 20 s of the cut\n" << cluster.logs();
+  EXPECT_LT(seconds, 2.0 + 3.0) << "cancelled " << seconds << " s after the cut (node.http-dead-client-ms: 2 s)";
+  EXPECT_EQ(metric_sample(metrics(), "disagg_request_success_total{finished_reason=\"length\"}"), 0)
+      << "the generation ended before the client was found out: the test proves nothing";
+  bool freed = false;
+  for (const auto deadline = Clock::now() + 5s; !freed && Clock::now() < deadline;) {
+    if (auto status = cluster.client().status()) {
+      freed = status->in_flight == 0;
+      for (const auto& w : status->workers)
+        if (w.role == WorkerRole::decode) freed = freed && w.free_blocks == w.total_blocks;
+    }
+    if (!freed) std::this_thread::sleep_for(20ms);  // (a poll of the router's status, bounded)
+  }
+  EXPECT_TRUE(freed) << "the cancelled request's blocks are still held";
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 }  // namespace
 }  // namespace disagg::test
