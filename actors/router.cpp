@@ -134,6 +134,10 @@ struct Request {
   int retries = 0;
   int worker_retries = 0;  // restarts after a lost or hung worker (max-worker-retries)
   std::vector<WorkerKey> excluded;  // decode workers that answered overloaded
+  // Decode workers of attempts that failed (a lost worker, a broken KV
+  // stream: the link between its workers may be cut): a restart goes to
+  // another while another could hold the request.
+  std::vector<WorkerKey> avoided;
   // streaming:
   std::vector<int32_t> streamed;  // tokens forwarded to the client, every attempt's
   std::vector<TokenLogprobs> logprobs;  // theirs, when the request asks for them (Sampling::logprobs)
@@ -718,11 +722,15 @@ void dispatch(Self self) {
                : "every decode worker that could hold the request answered overloaded");
       continue;
     }
+    // A restart goes to a decode worker its failed attempts did not use,
+    // unless none of the others could ever hold it.
+    std::vector<WorkerKey> shunned = r.excluded;
+    shunned.insert(shunned.end(), r.avoided.begin(), r.avoided.end());
+    if (r.avoided.empty() || !any_decode_could_fit(decodes, positions, shunned)) shunned = r.excluded;
     // Nothing yet: every prefill worker is busy, or no decode worker has
     // room; wait for a report, a finish or a load report.
     const auto pair = pick_workers(prefills, decodes, st.config.max_prefill_inflight, positions,
-                                   st.sessions.find(r.request.session), r.excluded, st.prefill_cursor,
-                                   st.decode_cursor);
+                                   st.sessions.find(r.request.session), shunned, st.prefill_cursor, st.decode_cursor);
     if (!pair) return;
     st.queue.pop_front();
     start(self, id, pair->prefill, pair->decode);
@@ -965,6 +973,8 @@ Rescue retry_or_fail(Self self, RequestId id, const std::string& why) {
   }
   r.worker_retries += 1;
   r.earlier = r.streamed;
+  if (const Attempt* a = attempt_of(r))
+    if (std::find(r.avoided.begin(), r.avoided.end(), a->decode_key) == r.avoided.end()) r.avoided.push_back(a->decode_key);
   // Both workers drop what they hold of this attempt (a hung one when it
   // wakes); their late answers name an old attempt and are ignored.
   end_attempt(self, r, true);

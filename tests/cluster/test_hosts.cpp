@@ -298,6 +298,76 @@ TEST(Partitions, TheRouterCutOffFromEveryoneServesAgainWhenHealed) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// A ~50M-parameter model (4,096 tokens, context 2,048) in `dir`/m50: its KV
+// is 64 KiB a position, so a long prompt's stream takes seconds on a
+// shaped link.
+std::string make_m50(const std::string& dir) {
+  std::string out, err;
+  const std::string model = dir + "/m50";
+  const int code = run_to_completion({bin_dir() + "/disagg-make-model", "--out", model, "--dim", "512", "--hidden", "1376",
+                                      "--layers", "16", "--heads", "8", "--kv-heads", "8", "--vocab", "4096", "--seq-len",
+                                      "2048"},
+                                     out, err, 120s);
+  if (code != 0) ADD_FAILURE() << "disagg-make-model: " << err;
+  return model;
+}
+
+
+// A prefill host cut off from its decode host in the middle of a KV stream
+// (a 1,000-position prompt's 64 MiB over a 100 Mbit/s link: 5 s): the
+// stream fails at its stall limit (disagg.ack-timeout-ms, 4 s here: above
+// the 2.7 s its 32 MiB in flight take to drain on this link), both
+// sides free what they held, the request starts over on other workers (the
+// second prefill and decode hosts, started meanwhile) and completes with
+// colocated generation's tokens, well within its deadline; every pool is
+// whole afterwards.
+TEST(Partitions, AKvStreamCutMidwayFailsAtItsStallLimitAndTheRequestStartsOver) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab(kHosts);
+  TestCluster cluster("partition-kv");
+  for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
+  const std::string model = make_m50(cluster.dir());
+  cluster.set_model(model + "/model.bin");
+  cluster.set_tokenizer_file(false);
+  cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\nack-timeout-ms = 4000\n");
+  lab.shape("prefill-1", "100mbit");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
+  std::vector<int> prompt = {1};
+  for (int i = 1; i < 1000; ++i) prompt.push_back(3 + (i * 37) % 4000);
+  GenerateRequest request = token_request(prompt, 8);
+  request.deadline_ms = 60000;
+  const auto sent = Clock::now();
+  std::future<RequestOutcome> outcome = cluster.client().submit(request);
+  // The stream is under way once prefill-1 holds a connection to decode-1's
+  // KV receiver (the KV goes layer by layer as the prefill computes it; the
+  // 64 MiB need 5 s on this link, so the cut falls inside the stream).
+  const std::string log = cluster.node("decode-1").log(), tag = "KV receivers at tcp " + lab.address("decode-1") + ":";
+  ASSERT_NE(log.find(tag), std::string::npos) << log;
+  const uint16_t kv_port = uint16_t(std::stoi(log.substr(log.find(tag) + tag.size())));
+  bool streaming = false;
+  for (const auto deadline = Clock::now() + 20s; !streaming && Clock::now() < deadline;) {
+    streaming = has_connection_to_port(cluster.node("prefill-1").pid(), kv_port);
+    if (!streaming) std::this_thread::sleep_for(10ms);  // (a poll of prefill-1's connections, bounded)
+  }
+  ASSERT_TRUE(streaming) << cluster.logs();
+  ASSERT_EQ(outcome.wait_for(0s), std::future_status::timeout) << "the request ended before the cut: nothing tested";
+  lab.cut("prefill-1", "decode-1");
+  cluster.start_node("prefill", "prefill-2");
+  cluster.start_node("decode", "decode-2");
+  ASSERT_EQ(outcome.wait_for(60s), std::future_status::ready) << cluster.logs();
+  const RequestOutcome out = outcome.get();
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+  EXPECT_LT(Clock::now() - sent, 30s);
+  EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request));
+  EXPECT_TRUE(log_says(cluster, "router", "starts over on other workers", 1s)) << cluster.logs();
+  EXPECT_FALSE(out.prefill_worker == "prefill-1" && out.decode_worker == "decode-1") << "served over the cut link";
+  ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // A client whose host drops off mid-stream (no FIN, no RST: the frontend's
 // writes land in its socket buffer, and a read waits on) is found out by
 // TCP within node.http-dead-client-ms (2 s here): its request is cancelled
@@ -308,13 +378,7 @@ TEST(Partitions, AClientCutOffMidStreamIsCancelledWithinTheDeadClientTimeout) {
   const std::vector<std::string> names = {"router", "prefill-1", "decode-1", "frontend", "client"};
   NetLab lab(names);
   TestCluster cluster("partition-client");
-  std::string out, err;
-  const std::string model = cluster.dir() + "/m50";
-  ASSERT_EQ(run_to_completion({bin_dir() + "/disagg-make-model", "--out", model, "--dim", "512", "--hidden", "1376",
-                               "--layers", "16", "--heads", "8", "--kv-heads", "8", "--vocab", "4096", "--seq-len", "2048"},
-                              out, err, 120s),
-            0)
-      << err;
+  const std::string model = make_m50(cluster.dir());
   cluster.set_model(model + "/model.bin");
   cluster.set_tokenizer_file(false);
   cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\n");
