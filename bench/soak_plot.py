@@ -2,7 +2,7 @@
 """bench/soak_plot.py DIR: the soak's report (scripts/soak). Prints DIR/summary.txt
 and, per node, RSS and open file descriptors at the start and end of the run's
 second half and their growth per hour there (a node started again counts from
-its last start); draws DIR/soak.png: each request's latency at the time it was
+a minute after its last start); draws DIR/soak.png: each request's latency at the time it was
 sent (failed ones red), the faults as vertical lines."""
 import csv
 import sys
@@ -21,7 +21,10 @@ if rows:
     for node in sorted({r["node"] for r in rows}):
         mine = [r for r in rows if r["node"] == node]
         last_pid = mine[-1]["pid"]
-        since = [r for r in mine if r["pid"] == last_pid and float(r["t_s"]) >= end / 2]
+        # (a process started again: from a minute after its start, past its loading)
+        born = min(float(r["t_s"]) for r in mine if r["pid"] == last_pid)
+        settled = born + 60 if born > 0 else 0
+        since = [r for r in mine if r["pid"] == last_pid and float(r["t_s"]) >= max(end / 2, settled)]
         if len(since) < 2:
             print(f"{node:10} {last_pid:7} (started again late in the run: too few samples)")
             continue

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <iterator>
 #include <set>
 
 #include <climits>
@@ -89,12 +90,23 @@ std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string
   if (!context)
     throw KvError(KvErrc::invalid_argument, "shared-memory KV transfers are off on this node (kv-shared-memory)");
   std::lock_guard<std::mutex> lock(senders_mu_);
-  auto& slot = senders_[{transport, address}];
+  const std::pair<Transport, std::string> key{transport, address};
+  auto& slot = senders_[key];
   if (!slot || !slot->connected()) {
     slot.reset();  // a broken connection is closed before its replacement opens
+    // Broken connections to other addresses go too: a decode node started
+    // again listens on a new port, and its old address is never asked for
+    // again (the soak found 6-9 file descriptors left per restart).
+    for (auto it = senders_.begin(); it != senders_.end();)
+      it = it->first != key && it->second && !it->second->connected() ? senders_.erase(it) : std::next(it);
     slot = std::make_shared<KvSender>(context, address, options_.sender);
   }
   return slot;
+}
+
+size_t KvPlane::senders() const {
+  std::lock_guard<std::mutex> lock(senders_mu_);
+  return senders_.size();
 }
 
 std::string host_identity() {

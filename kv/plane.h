@@ -56,13 +56,15 @@ class KvPlane {
   // The connection to the receiver at `address` over `transport`, opened on
   // first use and opened again after it broke. Throws KvError when the
   // receiver cannot be reached (unreachable, timed_out). Thread-safe.
+  // Opening one closes the broken connections to other addresses.
   std::shared_ptr<KvSender> sender(Transport transport, const std::string& address);
+  size_t senders() const;  // connections kept
 
  private:
   PlaneOptions options_;
   std::shared_ptr<KvContext> tcp_context_, shm_context_;
   std::unique_ptr<KvReceiver> tcp_receiver_, shm_receiver_;
-  std::mutex senders_mu_;
+  mutable std::mutex senders_mu_;
   std::map<std::pair<Transport, std::string>, std::shared_ptr<KvSender>> senders_;
 };
 

@@ -423,3 +423,36 @@ TEST(KvInterfaces, AnInterfaceMissingFromSysfsIsNamed) {
 
 }  // namespace
 }  // namespace disagg::kv
+
+namespace disagg::kv {
+namespace {
+
+// A decode node started again listens at a new address, and its old one is
+// never asked for again: opening the new connection closes the broken one
+// (the soak found 6-9 file descriptors left per decode restart on each
+// prefill node).
+TEST(KvPlaneSenders, OpeningAConnectionClosesTheBrokenOnesToOtherAddresses) {
+  PlaneOptions receiving;
+  receiving.listen_host = "127.0.0.1";
+  receiving.shared_memory = false;
+  PlaneOptions sending;
+  sending.shared_memory = false;
+  KvPlane plane(sending);
+  std::shared_ptr<KvSender> old;
+  {
+    KvPlane first(receiving);
+    old = plane.sender(Transport::tcp, first.address(Transport::tcp));
+    ASSERT_TRUE(old->connected());
+  }  // (the first receiver's process is gone)
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (old->connected() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // (a poll of the connection, bounded)
+  ASSERT_FALSE(old->connected()) << "the sender did not notice its receiver go";
+  old.reset();
+  KvPlane second(receiving);
+  ASSERT_TRUE(plane.sender(Transport::tcp, second.address(Transport::tcp))->connected());
+  EXPECT_EQ(plane.senders(), 1u) << "the broken connection to the old address is still kept";
+}
+
+}  // namespace
+}  // namespace disagg::kv
