@@ -435,7 +435,7 @@ const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state, size_t
   std::vector<uint64_t> below(words, 0);
   if (!walk_tree(frame_state, f->accepted, &below, undecided_limit)) {
     f->accepted.clear();
-    f->usable = false;
+    f->complete = false;
     return *frames_.emplace(frame_state, std::move(f)).first->second;
   }
   for (size_t w = 0; w < words; ++w) {
@@ -445,7 +445,6 @@ const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state, size_t
       open &= open - 1;
     }
   }
-  f->usable = f->undecided.size() * kFrameFallback <= vocab_->size();
   return *frames_.emplace(frame_state, std::move(f)).first->second;
 }
 
@@ -462,7 +461,7 @@ int32_t CompiledGrammar::stack_frame(int32_t stack) {
     const int32_t frame_state = intern({c});
     const Frame& f = frame(frame_state, fewest);
     const size_t undecided = f.undecided.size();
-    if (f.usable && undecided < fewest) {
+    if (f.complete && undecided < fewest) {
       chosen = frame_state;
       fewest = undecided;
     }

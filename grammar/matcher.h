@@ -148,7 +148,7 @@ class CompiledGrammar {
   struct Frame {
     std::vector<uint64_t> accepted;
     std::vector<int32_t> undecided;
-    bool usable = true;  // false: too many undecided (then empty)
+    bool complete = true;  // false: the walk stopped at its limit of undecided tokens (then empty)
   };
   static constexpr int32_t kEnd = -1;     // end of an alternative in elems_
   static constexpr int32_t kBottom = 1;   // the stack a frame stands on (a cut stack's rest)
@@ -181,7 +181,7 @@ class CompiledGrammar {
   };
   UniformRun uniform_run(int32_t state, uint32_t node);
   // A frame's walk, cached; one that leaves more than `undecided_limit`
-  // tokens undecided is not finished (not usable).
+  // tokens undecided is not finished (not complete).
   const Frame& frame(int32_t frame_state, size_t undecided_limit);
   int32_t next_token_locked(int32_t state, int token);
 

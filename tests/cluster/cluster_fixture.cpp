@@ -154,6 +154,25 @@ std::vector<std::string> TestCluster::names(const std::string& role) const {
   return out;
 }
 
+::testing::AssertionResult TestCluster::wait_until_idle(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::string last = "no status";
+  for (;;) {
+    if (auto status = client().status()) {
+      bool idle = status->in_flight == 0 && status->queued == 0;
+      last = "in flight " + std::to_string(status->in_flight) + ", queued " + std::to_string(status->queued);
+      for (const auto& w : status->workers)
+        if (w.role == WorkerRole::decode) {
+          idle = idle && w.free_blocks == w.total_blocks;
+          last += "; " + w.name + " free " + std::to_string(w.free_blocks) + "/" + std::to_string(w.total_blocks);
+        }
+      if (idle) return ::testing::AssertionSuccess();
+    }
+    if (Clock::now() >= deadline) return ::testing::AssertionFailure() << "not idle: " << last;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // (a poll of the router's status, bounded)
+  }
+}
+
 Client& TestCluster::client() {
   if (!remote_) {
     try {

@@ -94,6 +94,10 @@ class TestCluster {
   ::testing::AssertionResult wait_for_workers(int prefill, int decode,
                                               std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
+  // Waits until the router holds no request (none in flight, none queued)
+  // and every decode worker's pool is whole again.
+  ::testing::AssertionResult wait_until_idle(std::chrono::milliseconds timeout);
+
   // A client connected to the router (connects on first use).
   Client& client();
   void reconnect_client() { remote_.reset(); }  // after a router restart

@@ -79,6 +79,23 @@ void expect_colocated_tokens(TestCluster& cluster) {
   EXPECT_EQ(decode, (std::set<std::string>{"decode-1", "decode-2"}));
 }
 
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// Whether the frontend at host:port answers GET /health with 200 within
+// `within` (it does once it has joined the router).
+bool healthy_within(const std::string& host, uint16_t port, std::chrono::milliseconds within) {
+  for (const auto deadline = Clock::now() + within;;) {
+    try {
+      if (http_request(host, port, boost::beast::http::verb::get, "/health", "", std::chrono::seconds(5)).status == 200)
+        return true;
+    } catch (const std::exception&) {  // (not listening yet)
+    }
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(50ms);  // (a poll of the frontend, bounded by `within`)
+  }
+}
+
 // Router, 2 prefill and 2 decode nodes, each on a host of its own: every
 // node is in its own namespace (none the test's), the KV goes over each
 // prefill host's own connection to each decode host, and the tokens are
@@ -120,16 +137,7 @@ TEST(SeparateHosts, TheFrontendServesClientsOnOtherHosts) {
   cluster.start_node("frontend", "frontend");
   const std::string host = hosts.lab.address("frontend");
   const uint16_t port = cluster.port_of("frontend");
-  // (polled: the frontend reports healthy once it has joined the router)
-  HttpReply health;
-  for (int i = 0; i < 600 && health.status != 200; ++i) {
-    try {
-      health = http_request(host, port, boost::beast::http::verb::get, "/health", "", std::chrono::seconds(5));
-    } catch (const std::exception&) {
-    }
-    if (health.status != 200) ::usleep(50 * 1000);  // (a poll with a bound: 30 s)
-  }
-  ASSERT_EQ(health.status, 200) << cluster.logs();
+  ASSERT_TRUE(healthy_within(host, port, 30s)) << cluster.logs();
   auto checkpoint = gpu::Checkpoint::open(shared_model());
   gpu::Engine engine(checkpoint, gpu::EngineOptions{"cpu"});
   const auto tokenizer = gpu::Tokenizer::load(shared_tokenizer(), checkpoint->config().vocab_size);
@@ -181,9 +189,6 @@ TEST(SeparateHosts, OnePercentLossBetweenHostsChangesNoToken) {
 // ---------------------------------------------------------------- partitions
 // Traffic dropped by the lab (iptables DROP: no RST, no FIN, a pulled
 // cable), not refused; each held for the 10 s the issue names, then healed.
-
-using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
 
 GenerateRequest short_request(int i) {
   GenerateRequest r = token_request({1, 403, 407, 261 + i % 50, 378}, 12);
@@ -238,7 +243,9 @@ TEST(Partitions, ADecodeHostCutOffFromTheRouterGetsNoWorkAndRejoinsWhenHealed) {
     EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), requests[i]));
   }
   EXPECT_TRUE(log_says(cluster, "router", "worker decode-1 did not answer a heartbeat", 1s)) << cluster.logs();
-  std::this_thread::sleep_until(cut_at + 10s);  // (the partition's length: the scenario, not a wait for an event)
+  // The partition's length, the scenario itself; what follows waits for its
+  // own events (log lines, outcomes), so no length can make a check pass.
+  std::this_thread::sleep_until(cut_at + 10s);
   lab.heal("decode-1", "router");
   EXPECT_TRUE(log_says(cluster, "router", "worker decode-1 answers again", 10s)) << cluster.logs();
   bool served_by_decode_1 = false;
@@ -280,7 +287,9 @@ TEST(Partitions, TheRouterCutOffFromEveryoneServesAgainWhenHealed) {
   const RequestOutcome out = outcome.get();
   EXPECT_FALSE(out.ok());
   EXPECT_LT(Clock::now() - sent, 2s + 5s + 2s);
-  std::this_thread::sleep_until(cut_at + 10s);  // (the partition's length: the scenario, not a wait for an event)
+  // The partition's length, the scenario itself; what follows waits for its
+  // own events (log lines, outcomes), so no length can make a check pass.
+  std::this_thread::sleep_until(cut_at + 10s);
   lab.rejoin("router");
   ASSERT_TRUE(cluster.wait_for_workers(2, 2, 20s)) << cluster.logs();
   bool ok = false;
@@ -388,15 +397,7 @@ TEST(Partitions, AClientCutOffMidStreamIsCancelledWithinTheDeadClientTimeout) {
   const std::string frontend = lab.address("frontend");
   const uint16_t port = cluster.port_of("frontend");
   auto metrics = [&] { return http_request(frontend, port, boost::beast::http::verb::get, "/metrics").body; };
-  bool healthy = false;
-  for (const auto deadline = Clock::now() + 30s; !healthy && Clock::now() < deadline;) {
-    try {
-      healthy = http_request(frontend, port, boost::beast::http::verb::get, "/health").status == 200;
-    } catch (const std::exception&) {
-    }
-    if (!healthy) std::this_thread::sleep_for(50ms);  // (a poll, bounded: the frontend joins the router)
-  }
-  ASSERT_TRUE(healthy) << cluster.logs();
+  ASSERT_TRUE(healthy_within(frontend, port, 30s)) << cluster.logs();
   // The client: curl on a host of its own, streaming.
   const nlohmann::json body = {{"model", "model"}, {"prompt", "Once upon a time"}, {"max_tokens", 1800},
                                {"ignore_eos", true}, {"temperature", 0}, {"stream", true}};
@@ -424,16 +425,7 @@ TEST(Partitions, AClientCutOffMidStreamIsCancelledWithinTheDeadClientTimeout) {
   EXPECT_LT(seconds, 2.0 + 3.0) << "cancelled " << seconds << " s after the cut (node.http-dead-client-ms: 2 s)";
   EXPECT_EQ(metric_sample(metrics(), "disagg_request_success_total{finished_reason=\"length\"}"), 0)
       << "the generation ended before the client was found out: the test proves nothing";
-  bool freed = false;
-  for (const auto deadline = Clock::now() + 5s; !freed && Clock::now() < deadline;) {
-    if (auto status = cluster.client().status()) {
-      freed = status->in_flight == 0;
-      for (const auto& w : status->workers)
-        if (w.role == WorkerRole::decode) freed = freed && w.free_blocks == w.total_blocks;
-    }
-    if (!freed) std::this_thread::sleep_for(20ms);  // (a poll of the router's status, bounded)
-  }
-  EXPECT_TRUE(freed) << "the cancelled request's blocks are still held";
+  EXPECT_TRUE(cluster.wait_until_idle(5s)) << "the cancelled request's blocks are still held";
   EXPECT_TRUE(cluster.stop_all());
 }
 

@@ -648,19 +648,7 @@ TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
     socket.close();
   }
   // The router cancelled it (not completed): its blocks are free at once.
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  bool freed = false;
-  std::string last;
-  while (!freed && Clock::now() < deadline) {
-    if (auto status = cluster.client().status()) {
-      freed = status->in_flight == 0 && status->queued == 0;
-      for (const auto& w : status->workers)
-        if (w.role == WorkerRole::decode) freed = freed && w.free_blocks == w.total_blocks;
-      last = "in_flight " + std::to_string(status->in_flight);
-    }
-    if (!freed) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  EXPECT_TRUE(freed) << last;
+  EXPECT_TRUE(cluster.wait_until_idle(std::chrono::seconds(10)));
   const std::string router = scrape(router_metrics);
   EXPECT_EQ(sample(router, "disagg_request_errors_total{code=\"cancelled\"}"), 1) << router;
   EXPECT_EQ(sample(router, "disagg_request_success_total{finished_reason=\"stop\"}"), 0);

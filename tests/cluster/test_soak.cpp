@@ -111,11 +111,11 @@ TEST(Soak, DISABLED_HostsOnLossyLinksWithAFaultEveryMinute) {
           pid = cluster.node(target).pid();
         }
         ::kill(pid, SIGSTOP);
-        std::this_thread::sleep_for(10s);  // (the fault's length)
+        std::this_thread::sleep_for(10s);  // (the fault's length: the scenario, checked by outcomes, not waited on)
         ::kill(pid, SIGCONT);
       } else {
         lab.cut(target, "router");
-        std::this_thread::sleep_for(10s);  // (the fault's length)
+        std::this_thread::sleep_for(10s);  // (the fault's length: the scenario, checked by outcomes, not waited on)
         lab.heal(target, "router");
       }
     }
@@ -172,15 +172,7 @@ TEST(Soak, DISABLED_HostsOnLossyLinksWithAFaultEveryMinute) {
   resources_csv.close();
 
   // Pools whole once the last faults have passed (a restarted worker's too).
-  bool whole = false;
-  for (const auto deadline = Clock::now() + 30s; !whole && Clock::now() < deadline;) {
-    if (auto status = cluster.client().status()) {
-      whole = status->in_flight == 0 && status->workers.size() == 4;
-      for (const auto& w : status->workers)
-        if (w.role == WorkerRole::decode) whole = whole && w.free_blocks == w.total_blocks;
-    }
-    if (!whole) std::this_thread::sleep_for(100ms);  // (a poll of the router's status, bounded)
-  }
+  const bool whole = cluster.wait_for_workers(2, 2) && cluster.wait_until_idle(30s);
   for (const std::string& h : hosts) {  // (the cluster's folder goes with the test process)
     std::error_code ignored;
     std::filesystem::copy_file(cluster.node(h).log_path(), out_dir + "/" + h + ".log",
