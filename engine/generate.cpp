@@ -38,30 +38,58 @@ int positions_needed(const Engine& engine, const std::vector<int>& prompt, int m
 
 // Samples token 0 from `logits` (after the prompt), then feeds each emitted
 // token at the next position until the stop rule says stop (limit >= 1).
+// With `spec`, each step also feeds the proposer's guesses after it (one row
+// each, engine/speculation.h) and makes every token verify_draft() keeps; a
+// step without guesses is the plain step.
 GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, const std::vector<int>& prompt,
                            std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling,
-                           Constraints* constraints) {
+                           Constraints* constraints, const Speculation* spec, SpeculationStats* stats) {
   const ModelConfig& c = engine.config();
   GenerateResult result;
   const int limit = token_limit(int(prompt.size()), max_new_tokens, c.seq_len);
   // The prompt, then the output: what the penalties read (only when they do).
   std::vector<int> history = sampling.uses_history() ? prompt : std::vector<int>{};
-  for (int step = 0;; ++step) {
-    std::shared_ptr<const grammar::TokenMask> mask;
-    if (!sampling.grammar.empty()) mask = constraints->mask(sampling.grammar, history, uint64_t(step));
-    Sampled sampled = sample(logits.data(), c.vocab_size, sampling, uint64_t(step), history, c.end_tokens, mask.get());
-    const int next = sampled.token;
-    const std::optional<FinishReason> stop = check_stop(c.end_tokens, sampling.stop, next, step, limit);
-    if (stop != FinishReason::eos) {
-      result.tokens.push_back(next);
-      if (sampling.logprobs >= 0) result.logprobs.push_back(std::move(sampled.logprobs));
+  // The same, always, for the proposer.
+  std::vector<int> sequence = spec ? prompt : std::vector<int>{};
+  const MaskFor mask_for = [&](const std::vector<int>& h, uint64_t step) {
+    return constraints->mask(sampling.grammar, h, step);
+  };
+  SpeculationGate gate;
+  std::vector<int> draft;  // the guesses fed after the last token, whose rows `logits` holds after its own
+  for (int step = 0;;) {
+    const std::vector<Sampled> made =
+        verify_draft(logits.data(), c.vocab_size, draft, sampling, uint64_t(step), history, c.end_tokens, mask_for);
+    if (spec) {
+      const int accepted = accepted_of(draft, made);
+      gate.record(int(draft.size()), accepted);
+      if (stats) {
+        stats->proposed += int64_t(draft.size());
+        stats->accepted += accepted;
+        stats->steps += 1;
+      }
     }
-    if (sampling.uses_history()) history.push_back(next);
-    if (stop) {
-      result.finish = *stop;
-      return result;
+    for (const Sampled& sampled : made) {
+      const std::optional<FinishReason> stop = check_stop(c.end_tokens, sampling.stop, sampled.token, step, limit);
+      if (stop != FinishReason::eos) {
+        result.tokens.push_back(sampled.token);
+        if (sampling.logprobs >= 0) result.logprobs.push_back(sampled.logprobs);
+      }
+      if (spec) sequence.push_back(sampled.token);
+      ++step;
+      if (stop) {
+        result.finish = *stop;
+        return result;
+      }
     }
-    logits = engine.decode_step(pool, {DecodeSlot{next, int(prompt.size()) + step, &blocks}});
+    // Token `step` comes next: guesses for tokens step + 1.. stay inside the limit.
+    const int room = std::min(spec ? spec->num_tokens : 0, limit - step - 1);
+    draft.clear();
+    if (room > 0 && gate.open()) draft = spec->propose(sequence, room);
+    if (int(draft.size()) > room) draft.resize(size_t(room));
+    const int pos = int(prompt.size()) + step - 1;  // the last made token's
+    std::vector<DecodeSlot> slots{DecodeSlot{made.back().token, pos, &blocks}};
+    for (size_t i = 0; i < draft.size(); ++i) slots.push_back(DecodeSlot{draft[i], pos + 1 + int(i), &blocks});
+    logits = engine.decode_step(pool, slots);
   }
 }
 
@@ -79,6 +107,12 @@ int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
 
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                         const SamplingParams& sampling, Constraints* constraints) {
+  return generate_speculative(engine, prompt, max_new_tokens, sampling, nullptr, constraints);
+}
+
+GenerateResult generate_speculative(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
+                                    const SamplingParams& sampling, const Speculation* spec, Constraints* constraints,
+                                    SpeculationStats* stats) {
   check_request(engine, prompt, max_new_tokens, sampling, constraints);
   if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
@@ -104,7 +138,7 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
   view.payload = prefilled.kv.data();
   pool.write(blocks, view);
   GenerateResult result = decode_loop(engine, pool, blocks, prompt, std::move(prefilled.logits), max_new_tokens,
-                                      sampling, constraints);
+                                      sampling, constraints, spec, stats);
   result.prompt_logprobs = std::move(prompt_logprobs);
   return result;
 }
@@ -120,7 +154,8 @@ GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt,
   std::vector<float> logits;
   for (size_t pos = 0; pos < prompt.size(); ++pos)
     logits = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks}});
-  return decode_loop(engine, pool, blocks, prompt, std::move(logits), max_new_tokens, sampling, constraints);
+  return decode_loop(engine, pool, blocks, prompt, std::move(logits), max_new_tokens, sampling, constraints, nullptr,
+                     nullptr);
 }
 
 }  // namespace disagg::gpu

@@ -6,6 +6,7 @@
 #include "engine/constraint.h"
 #include "engine/engine.h"
 #include "engine/sampling.h"
+#include "engine/speculation.h"
 #include "engine/stop_rule.h"
 
 namespace disagg::gpu {
@@ -29,6 +30,24 @@ int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len);
 // for the engine's vocabulary; Error without.
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                         const SamplingParams& sampling, Constraints* constraints = nullptr);
+
+// Speculative generation (engine/speculation.h): each decode step feeds up to
+// num_tokens of the proposer's guesses after the last token and keeps what
+// plain decoding makes, so the result is generate()'s, token for token and
+// log probability for log probability, whatever the proposer says.
+struct Speculation {
+  Proposer propose;
+  int num_tokens = 4;  // guesses per step, at most
+};
+struct SpeculationStats {
+  int64_t proposed = 0;  // guesses fed
+  int64_t accepted = 0;  // of them, equal to the token made
+  int64_t steps = 0;     // decode steps (the first token, sampled after the prefill, counts as one)
+};
+// spec null: generate().
+GenerateResult generate_speculative(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
+                                    const SamplingParams& sampling, const Speculation* spec,
+                                    Constraints* constraints = nullptr, SpeculationStats* stats = nullptr);
 
 // Same tokens, with the prompt fed one token at a time through decode steps
 // (no prefill): a cross-check of the KV cache path.

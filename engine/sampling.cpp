@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/speculation.h"
 #include "gpu/error.h"
 #include "grammar/grammar.h"
 #include "grammar/matcher.h"
@@ -109,7 +110,7 @@ std::string check_sampling(const SamplingParams& p, int vocab) {
   if (p.grammar.size() > grammar::kMaxGrammarBytes)
     return "a grammar of " + std::to_string(p.grammar.size()) + " bytes (at most " +
            std::to_string(grammar::kMaxGrammarBytes) + ")";
-  return {};
+  return check_speculation(p.speculation);
 }
 
 namespace {

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/speculation_params.h"
 #include "engine/stop_rule.h"
 
 namespace disagg::grammar {
@@ -71,6 +72,10 @@ struct SamplingParams {
   // grammar may end; while it allows only end tokens, min_tokens does not
   // mask them.
   std::string grammar;
+  // Speculative decoding (engine/speculation.h): how this request's decode
+  // steps may guess ahead. Not sampling and changes no token: it travels
+  // with the sampling so that every worker that decodes the request reads it.
+  SpeculationParams speculation;
 
   bool penalized() const {
     return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f;

@@ -158,10 +158,15 @@ typename Inspector::result_type inspect(Inspector& f, StopParams& x) {
 }
 
 template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, SpeculationParams& x) {
+  return f(caf::meta::type_name("Speculation"), x.method, x.num_tokens, x.lookup_min, x.lookup_max);
+}
+
+template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, SamplingParams& x) {
   return f(caf::meta::type_name("Sampling"), x.temperature, x.top_p, x.seed, x.top_k, x.min_p, x.presence_penalty,
            x.frequency_penalty, x.repetition_penalty, x.logit_bias, x.stop, x.logprobs, x.prompt_logprobs,
-           x.grammar);
+           x.grammar, x.speculation);
 }
 
 template <class Inspector>

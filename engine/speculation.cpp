@@ -1,0 +1,119 @@
+// Speculative decoding's proposer, gate and verification (engine/speculation.h).
+#include "engine/speculation.h"
+
+#include <algorithm>
+
+#include "engine/stop_rule.h"
+
+namespace disagg::gpu {
+
+std::string to_string(SpeculationMethod method) {
+  switch (method) {
+    case SpeculationMethod::configured: return "configured";
+    case SpeculationMethod::off: return "off";
+    case SpeculationMethod::ngram: return "ngram";
+  }
+  return "unknown(" + std::to_string(int(method)) + ")";
+}
+
+bool parse_speculation_method(const std::string& text, SpeculationMethod& out) {
+  if (text == "off") out = SpeculationMethod::off;
+  else if (text == "ngram") out = SpeculationMethod::ngram;
+  else return false;
+  return true;
+}
+
+std::string check_speculation(const SpeculationParams& p) {
+  if (p.method != SpeculationMethod::configured && p.method != SpeculationMethod::off &&
+      p.method != SpeculationMethod::ngram)
+    return "speculation method " + std::to_string(int(p.method)) + " is not one of configured, off, ngram";
+  if (p.num_tokens < 0 || p.num_tokens > kMaxSpeculativeTokens)
+    return "num_speculative_tokens must be in [1, " + std::to_string(kMaxSpeculativeTokens) + "] (got " +
+           std::to_string(p.num_tokens) + ")";
+  if (p.lookup_max < 0 || p.lookup_max > kMaxLookupTokens)
+    return "prompt_lookup_max must be in [1, " + std::to_string(kMaxLookupTokens) + "] (got " +
+           std::to_string(p.lookup_max) + ")";
+  if (p.lookup_min < 0 || p.lookup_min > kMaxLookupTokens)
+    return "prompt_lookup_min must be in [1, " + std::to_string(kMaxLookupTokens) + "] (got " +
+           std::to_string(p.lookup_min) + ")";
+  if (p.lookup_min > 0 && p.lookup_max > 0 && p.lookup_min > p.lookup_max)
+    return "prompt_lookup_min (" + std::to_string(p.lookup_min) + ") exceeds prompt_lookup_max (" +
+           std::to_string(p.lookup_max) + ")";
+  return {};
+}
+
+SpeculationParams resolve_speculation(const SpeculationParams& request, const SpeculationParams& configured) {
+  SpeculationParams r = configured;
+  if (request.method != SpeculationMethod::configured) r.method = request.method;
+  if (request.num_tokens > 0) r.num_tokens = request.num_tokens;
+  if (request.lookup_max > 0) r.lookup_max = request.lookup_max;
+  if (request.lookup_min > 0) r.lookup_min = request.lookup_min;
+  r.lookup_min = std::min(r.lookup_min, r.lookup_max);
+  return r;
+}
+
+std::vector<int> propose_ngram(const std::vector<int>& tokens, int lookup_min, int lookup_max, int max) {
+  const int len = int(tokens.size());
+  if (max <= 0 || lookup_min <= 0) return {};
+  for (int n = std::min(lookup_max, len - 1); n >= lookup_min; --n) {
+    const int* suffix = tokens.data() + (len - n);
+    // Latest earlier start first: an occurrence ending before the suffix's own end.
+    for (int start = len - n - 1; start >= 0; --start) {
+      if (!std::equal(suffix, suffix + n, tokens.data() + start)) continue;
+      const int from = start + n;
+      const int count = std::min(max, len - from);
+      return std::vector<int>(tokens.begin() + from, tokens.begin() + from + count);
+    }
+  }
+  return {};
+}
+
+Proposer ngram_proposer(const SpeculationParams& p) {
+  return [min = p.lookup_min, max_n = p.lookup_max](const std::vector<int>& tokens, int max) {
+    return propose_ngram(tokens, min, max_n, max);
+  };
+}
+
+bool SpeculationGate::open() {
+  if (pause_ == 0) return true;
+  --pause_;
+  return false;
+}
+
+void SpeculationGate::record(int proposed, int accepted) {
+  if (proposed <= 0) return;
+  proposed_ += proposed;
+  accepted_ += accepted;
+  if (accepted > 0) {
+    next_ = 1;
+    return;
+  }
+  pause_ = next_;
+  next_ = std::min(2 * next_, kMaxPause);
+}
+
+std::vector<Sampled> verify_draft(const float* logits, int vocab, const std::vector<int>& draft,
+                                  const SamplingParams& sampling, uint64_t step, std::vector<int>& history,
+                                  const std::vector<int>& end_tokens, const MaskFor& mask_for) {
+  std::vector<Sampled> made;
+  const bool keep_history = sampling.uses_history();
+  for (size_t i = 0; i <= draft.size(); ++i) {
+    const uint64_t index = step + i;
+    std::shared_ptr<const grammar::TokenMask> mask;
+    if (!sampling.grammar.empty()) mask = mask_for(history, index);
+    made.push_back(sample(logits + i * size_t(vocab), vocab, sampling, index, history, end_tokens, mask.get()));
+    const int token = made.back().token;
+    if (keep_history) history.push_back(token);
+    const bool ends = index >= uint64_t(sampling.stop.min_tokens) && ends_generation(end_tokens, sampling.stop, token);
+    if (ends || i == draft.size() || token != draft[i]) break;
+  }
+  return made;
+}
+
+int accepted_of(const std::vector<int>& draft, const std::vector<Sampled>& made) {
+  size_t n = 0;
+  while (n < draft.size() && n < made.size() && made[n].token == draft[n]) ++n;
+  return int(n);
+}
+
+}  // namespace disagg::gpu

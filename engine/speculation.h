@@ -1,0 +1,103 @@
+// Speculative decoding that changes no token.
+//
+// A proposer guesses the next few tokens of a sequence; one decode step feeds
+// the last emitted token and the k guesses at their positions (k + 1 rows of
+// the same sequence, each attending to the cache up to its own position), and
+// row i's logits are then exactly the logits plain decoding would have had
+// after the first i guesses: gpu/fixed_math.h makes a row's arithmetic
+// independent of the rows computed with it. verify_draft() samples row 0 as
+// plain decoding samples (every control: logit_bias, min_tokens, penalties
+// over the history so far, a grammar's mask, the random number f(seed, step));
+// while the token it made equals the guess fed after it, row i + 1 is sampled
+// likewise. So a step makes 1..k+1 tokens, each the token plain decoding makes
+// at that place: greedy and seeded sampling alike, bit for bit, whatever was
+// proposed. A wrong guess costs only time; its row's KV (written at a position
+// past the accepted tokens) is overwritten when the real token is fed there,
+// and no attention reads past its own position.
+//
+//   proposer (n-gram lookup)  --draft-->  decode step (k + 1 rows)  --logits-->
+//   verify_draft (sample, compare, stop)  -->  1..k+1 tokens  -->  stop rule
+//
+// The request's side: SpeculationParams (in its SamplingParams, so it travels
+// wherever the request goes; it changes no token), resolved against the
+// worker's configuration by resolve_speculation(); a SpeculationGate per
+// sequence pauses proposals while they keep failing.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/sampling.h"
+#include "engine/speculation_params.h"
+
+namespace disagg::grammar {
+struct TokenMask;
+}
+
+namespace disagg::gpu {
+
+// Empty when a request's `p` is valid, else why not.
+std::string check_speculation(const SpeculationParams& p);
+
+// The request's wishes with the worker's (`configured`, all set) in place of
+// what it left unset; a lookup_min above the resolved lookup_max is lowered to it.
+SpeculationParams resolve_speculation(const SpeculationParams& request, const SpeculationParams& configured);
+
+// The n-gram proposer (vLLM's `ngram`, prompt lookup decoding): for n from
+// lookup_max down to lookup_min, the latest earlier place where the last n
+// tokens of `tokens` occurred; the up to `max` tokens that followed it there.
+// Empty when none matches. O(len x n) per call, no state.
+std::vector<int> propose_ngram(const std::vector<int>& tokens, int lookup_min, int lookup_max, int max);
+
+// Pauses a sequence's proposals while they fail: after a step that accepted
+// none of its proposals, none are made for the next `pause` steps, and the
+// pause doubles with each such step (up to kMaxPause); a step that accepted
+// any resets it. A proposer that is always wrong thus costs about one
+// verification step in kMaxPause; one that is right keeps every step.
+class SpeculationGate {
+ public:
+  static constexpr int kMaxPause = 64;
+  // Whether this step may propose (counts the paused steps down).
+  bool open();
+  void record(int proposed, int accepted);
+  int64_t proposed() const { return proposed_; }
+  int64_t accepted() const { return accepted_; }
+
+ private:
+  int pause_ = 0;    // steps still paused
+  int next_ = 1;     // the pause after the next step that accepts none
+  int64_t proposed_ = 0, accepted_ = 0;
+};
+
+// A proposer: up to `max` guesses of the tokens that follow `tokens` (the
+// prompt, then the output so far). Any guesses do: verification keeps only
+// what plain decoding makes.
+using Proposer = std::function<std::vector<int>(const std::vector<int>& tokens, int max)>;
+
+// The n-gram proposer of a resolved `p` (method ngram).
+Proposer ngram_proposer(const SpeculationParams& p);
+
+// The mask for output token `step` after `history` (Constraints::mask), or
+// null; required when the sampling has a grammar.
+using MaskFor = std::function<std::shared_ptr<const grammar::TokenMask>(const std::vector<int>& history,
+                                                                         uint64_t step)>;
+
+// One sequence's rows of a speculative step: `logits` holds draft.size() + 1
+// rows of vocab floats, row i the logits after the last emitted token and
+// draft[0..i). Samples row 0 as token `step` of the request (sample()'s
+// arguments), then row i + 1 while token i equalled draft[i] and did not end
+// the generation (engine/stop_rule.h: an end or stop token once min_tokens
+// are out). `history` (the request's tokens so far, when the sampling
+// reads them) gets each made token appended. The tokens made, 1..k+1 of
+// them: the caller applies the stop rule to each, in order.
+std::vector<Sampled> verify_draft(const float* logits, int vocab, const std::vector<int>& draft,
+                                  const SamplingParams& sampling, uint64_t step, std::vector<int>& history,
+                                  const std::vector<int>& end_tokens, const MaskFor& mask_for);
+
+// The proposals of a step verify_draft() made `made` tokens from that were
+// accepted: the leading made tokens equal to their guesses.
+int accepted_of(const std::vector<int>& draft, const std::vector<Sampled>& made);
+
+}  // namespace disagg::gpu

@@ -1,0 +1,244 @@
+// Speculative decoding (engine/speculation.h): the n-gram proposer, the gate,
+// and the rule that matters: generate_speculative() makes generate()'s tokens
+// and log probabilities whatever the proposer says (always right, always
+// wrong, random, n-gram lookup), greedy and sampled, with penalties, bias,
+// min_tokens and a grammar, on f32 and quantized weights.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/constraint.h"
+#include "engine/engine.h"
+#include "engine/generate.h"
+#include "engine/speculation.h"
+#include "grammar/json_grammar.h"
+#include "model/checkpoint.h"
+#include "model/model_writer.h"
+#include "support/reference_cases.h"
+#include "support/test_paths.h"
+#include "text/tokenizer.h"
+
+namespace disagg::gpu {
+namespace {
+
+TEST(Ngram, ProposesWhatFollowedTheLongestLatestMatch) {
+  // ... 7 8 9 | 1 2 3 4 | 5 6 | 1 2 3 4: the suffix "1 2 3 4" matched at 3, then 5 6 1 2 3 4 follow.
+  const std::vector<int> tokens = {7, 8, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3, 4};
+  EXPECT_EQ(propose_ngram(tokens, 1, 4, 3), (std::vector<int>{5, 6, 1}));
+  EXPECT_EQ(propose_ngram(tokens, 1, 4, 100), (std::vector<int>{5, 6, 1, 2, 3, 4}));  // to the end, no further
+  EXPECT_EQ(propose_ngram(tokens, 1, 4, 0), std::vector<int>{});
+  // Latest first: "4" alone last occurred at 6 -> 5 6.
+  EXPECT_EQ(propose_ngram({4, 9, 4, 5, 4}, 1, 1, 2), (std::vector<int>{5, 4}));
+  // Longest first: "3 4" at 0 beats the later "4" at 3.
+  EXPECT_EQ(propose_ngram({3, 4, 8, 4, 7, 3, 4}, 1, 2, 1), std::vector<int>{8});
+  // Shorter than lookup_min: nothing.
+  EXPECT_EQ(propose_ngram({1, 2, 5, 2}, 2, 3, 4), std::vector<int>{});
+  EXPECT_EQ(propose_ngram({1, 2, 5, 2}, 1, 3, 4), (std::vector<int>{5, 2}));
+  EXPECT_EQ(propose_ngram({}, 1, 3, 4), std::vector<int>{});
+  EXPECT_EQ(propose_ngram({5}, 1, 3, 4), std::vector<int>{});
+}
+
+TEST(SpeculationGate, PausesLongerWhileProposalsFailAndResetsOnAHit) {
+  SpeculationGate gate;
+  auto closed_steps = [&] {  // steps until it opens again
+    int n = 0;
+    while (!gate.open()) ++n;
+    return n;
+  };
+  EXPECT_TRUE(gate.open());
+  gate.record(4, 0);
+  EXPECT_EQ(closed_steps(), 1);
+  gate.record(4, 0);
+  EXPECT_EQ(closed_steps(), 2);
+  gate.record(4, 0);
+  EXPECT_EQ(closed_steps(), 4);
+  gate.record(0, 0);  // no proposal: no verdict
+  EXPECT_TRUE(gate.open());
+  gate.record(4, 1);
+  EXPECT_TRUE(gate.open());
+  gate.record(4, 0);
+  EXPECT_EQ(closed_steps(), 1);
+  for (int i = 0; i < 20; ++i) {
+    gate.record(4, 0);
+    closed_steps();
+  }
+  gate.record(4, 0);
+  EXPECT_EQ(closed_steps(), SpeculationGate::kMaxPause);
+  EXPECT_EQ(gate.proposed(), 4 * 26);
+  EXPECT_EQ(gate.accepted(), 1);
+}
+
+TEST(Speculation, RequestsResolveAgainstTheWorkersSettingsAndAreChecked) {
+  const SpeculationParams worker{SpeculationMethod::ngram, 4, 1, 3};
+  SpeculationParams r = resolve_speculation({}, worker);
+  EXPECT_EQ(r.method, SpeculationMethod::ngram);
+  EXPECT_EQ(r.num_tokens, 4);
+  r = resolve_speculation({SpeculationMethod::off, 0, 0, 0}, worker);
+  EXPECT_EQ(r.method, SpeculationMethod::off);
+  r = resolve_speculation({SpeculationMethod::configured, 2, 0, 1}, worker);
+  EXPECT_EQ(r.num_tokens, 2);
+  EXPECT_EQ(r.lookup_max, 1);
+  EXPECT_EQ(r.lookup_min, 1);
+  EXPECT_EQ(resolve_speculation({SpeculationMethod::ngram, 0, 0, 0}, {SpeculationMethod::off, 4, 2, 5}).method,
+            SpeculationMethod::ngram);
+  EXPECT_EQ(check_speculation({}), "");
+  EXPECT_NE(check_speculation({SpeculationMethod::ngram, kMaxSpeculativeTokens + 1, 0, 0}).find("num_speculative_tokens"),
+            std::string::npos);
+  EXPECT_NE(check_speculation({SpeculationMethod::ngram, 2, 4, 2}).find("exceeds"), std::string::npos);
+  EXPECT_NE(check_speculation({SpeculationMethod(7), 2, 0, 0}).find("method"), std::string::npos);
+  SamplingParams s;
+  s.speculation.lookup_max = -1;
+  EXPECT_NE(check_sampling(s, 10).find("prompt_lookup_max"), std::string::npos);
+}
+
+std::shared_ptr<const Checkpoint> stories() {
+  static auto checkpoint = Checkpoint::open(test::shared_model());
+  return checkpoint;
+}
+
+// Proposers for the tests (and the benchmark's oracle and floor): `plain`
+// is what plain decoding made after `prompt_len` prompt tokens.
+Proposer oracle(std::vector<int> plain, size_t prompt_len) {
+  return [plain, prompt_len](const std::vector<int>& tokens, int max) {
+    std::vector<int> out;
+    for (size_t i = tokens.size() - prompt_len; i < plain.size() && int(out.size()) < max; ++i) out.push_back(plain[i]);
+    return out;
+  };
+}
+Proposer always_wrong(std::vector<int> plain, size_t prompt_len, int vocab) {
+  return [plain, prompt_len, vocab](const std::vector<int>& tokens, int max) {
+    std::vector<int> out;
+    for (size_t i = tokens.size() - prompt_len; int(out.size()) < max; ++i)
+      out.push_back(i < plain.size() ? (plain[i] + 1) % vocab : 3);
+    return out;
+  };
+}
+Proposer random_guesses(uint64_t seed, int vocab) {
+  auto rng = std::make_shared<std::mt19937_64>(seed);
+  return [rng, vocab](const std::vector<int>&, int max) {
+    std::vector<int> out(size_t(std::uniform_int_distribution<int>(0, max)(*rng)));
+    for (int& t : out) t = std::uniform_int_distribution<int>(0, vocab - 1)(*rng);
+    return out;
+  };
+}
+
+void expect_same(const GenerateResult& plain, const GenerateResult& spec) {
+  EXPECT_EQ(plain.tokens, spec.tokens);
+  EXPECT_EQ(plain.finish, spec.finish);
+  ASSERT_EQ(plain.logprobs.size(), spec.logprobs.size());
+  for (size_t i = 0; i < plain.logprobs.size(); ++i) {
+    EXPECT_EQ(plain.logprobs[i].logprob, spec.logprobs[i].logprob) << i;
+    EXPECT_EQ(plain.logprobs[i].top_tokens, spec.logprobs[i].top_tokens) << i;
+  }
+}
+
+// Every proposer, each k, against plain decoding of the same request.
+void expect_exact_under_every_proposer(Engine& engine, const std::vector<int>& prompt, int max_new,
+                                       const SamplingParams& sampling, Constraints* constraints = nullptr) {
+  const GenerateResult plain = generate(engine, prompt, max_new, sampling, constraints);
+  ASSERT_FALSE(plain.tokens.empty());
+  const int vocab = engine.config().vocab_size;
+  SpeculationParams ngram_params{SpeculationMethod::ngram, 4, 1, 3};
+  for (int k : {1, 2, 4, 8}) {
+    SCOPED_TRACE("k=" + std::to_string(k));
+    struct Named {
+      const char* name;
+      Proposer p;
+    };
+    for (const Named& n : {Named{"oracle", oracle(plain.tokens, prompt.size())},
+                           Named{"always wrong", always_wrong(plain.tokens, prompt.size(), vocab)},
+                           Named{"random", random_guesses(uint64_t(k), vocab)},
+                           Named{"ngram", ngram_proposer(ngram_params)}}) {
+      SCOPED_TRACE(n.name);
+      Speculation spec{n.p, k};
+      SpeculationStats stats;
+      const GenerateResult got = generate_speculative(engine, prompt, max_new, sampling, &spec, constraints, &stats);
+      expect_same(plain, got);
+      if (std::string(n.name) == "oracle") {
+        // Every guess right: k + 1 tokens a step.
+        EXPECT_EQ(stats.accepted, stats.proposed);
+        EXPECT_LE(stats.steps, int64_t(plain.tokens.size()) / (k + 1) + 2);
+      }
+      if (std::string(n.name) == "always wrong") EXPECT_EQ(stats.accepted, 0);
+    }
+  }
+}
+
+TEST(Speculation, GreedyTokensAreThePlainOnesWhateverIsProposed) {
+  Engine engine(stories());
+  for (const auto& c : test::load_all_reference_cases()) {
+    SCOPED_TRACE(c.origin);
+    expect_exact_under_every_proposer(engine, c.prompt_tokens, 48, SamplingParams{});
+  }
+}
+
+TEST(Speculation, SampledTokensWithEveryControlAreThePlainOnes) {
+  Engine engine(stories());
+  const std::vector<int> prompt = test::load_all_reference_cases().front().prompt_tokens;
+  SamplingParams s;
+  s.temperature = 0.9f;
+  s.top_p = 0.95f;
+  s.top_k = 40;
+  s.seed = 1234;
+  s.logprobs = 3;
+  expect_exact_under_every_proposer(engine, prompt, 60, s);
+  s.repetition_penalty = 1.3f;
+  s.frequency_penalty = 0.5f;
+  s.presence_penalty = 0.4f;
+  s.logit_bias = {{13, 2.5f}, {2, -1.0f}};
+  s.stop.min_tokens = 20;
+  expect_exact_under_every_proposer(engine, prompt, 60, s);
+  s.temperature = 0.0f;  // greedy with the penalties
+  expect_exact_under_every_proposer(engine, prompt, 60, s);
+}
+
+TEST(Speculation, StopTokensInsideAVerifiedRunEndItThere) {
+  Engine engine(stories());
+  const std::vector<int> prompt = test::load_all_reference_cases().front().prompt_tokens;
+  const GenerateResult plain = generate(engine, prompt, 40, SamplingParams{});
+  ASSERT_GE(plain.tokens.size(), 12u);
+  SamplingParams s;
+  s.stop.stop_token_ids = {plain.tokens[9]};  // its first occurrence ends the output there
+  s.logprobs = 0;
+  expect_exact_under_every_proposer(engine, prompt, 40, s);
+  const GenerateResult cut = generate(engine, prompt, 40, s);
+  EXPECT_EQ(cut.finish, FinishReason::eos);
+  EXPECT_LE(cut.tokens.size(), 9u);
+}
+
+TEST(Speculation, ConstrainedTokensAreThePlainOnes) {
+  Engine engine(stories());
+  const Tokenizer tokenizer = Tokenizer::load(test::shared_tokenizer(), engine.config().vocab_size);
+  Constraints constraints(grammar_vocabulary(tokenizer, engine.config().end_tokens));
+  SamplingParams s;
+  s.temperature = 1.0f;
+  s.seed = 5;
+  s.grammar = grammar::json_object_grammar().to_json();
+  expect_exact_under_every_proposer(engine, {1}, 50, s, &constraints);
+  s.temperature = 0.0f;
+  expect_exact_under_every_proposer(engine, {1}, 50, s, &constraints);
+}
+
+// Quantized weights (Q4_0, Q8_0, Q4_K_M) run other matrix kernels, whose
+// rows must not depend on how many rows a step has either.
+TEST(Speculation, QuantizedModelsGiveThePlainTokens) {
+  const ModelConfig config = {256, 512, 2, 4, 2, 512, 256, true};
+  const std::string dir = test::make_temp_dir("speculation-quant");
+  for (FileType type : {FileType::q4_0, FileType::q8_0, FileType::q4_k_m}) {
+    const std::string path = dir + "/m.gguf";
+    write_gguf(*random_weights(config, 29), byte_vocabulary(512), "s", path, type);
+    Engine engine(Checkpoint::open(path));
+    SCOPED_TRACE(path + " type " + std::to_string(int(type)));
+    SamplingParams s;
+    expect_exact_under_every_proposer(engine, {1, 300, 301, 302, 300, 301, 302, 300}, 40, s);
+    s.temperature = 0.8f;
+    s.seed = 9;
+    expect_exact_under_every_proposer(engine, {1, 300, 301, 302, 300, 301, 302, 300}, 40, s);
+  }
+}
+
+}  // namespace
+}  // namespace disagg::gpu
