@@ -15,6 +15,7 @@
 #include "engine/prefix_cache.h"
 #include "engine/constraint.h"
 #include "engine/sampling.h"
+#include "engine/speculation.h"
 #include "model/checkpoint.h"
 #include "text/tokenizer.h"
 #include "metrics/disagg_metrics.h"
@@ -466,42 +467,74 @@ AdmitResult run_admit(ComputeState& st, KvAdmit& admit) {
   return r;
 }
 
+// The guesses a slot's proposer makes (engine/speculation.h), at most its
+// draft_limit; none for a plain slot.
+std::vector<int> draft_of(const StepSlot& s) {
+  if (s.draft_limit <= 0 || s.sampling.speculation.method != gpu::SpeculationMethod::ngram) return {};
+  const gpu::SpeculationParams& p = s.sampling.speculation;
+  return gpu::propose_ngram(s.history, p.lookup_min, p.lookup_max, std::min(s.draft_limit, p.num_tokens));
+}
+
+// One batched step: each slot's token and its guesses (one row each), then
+// per slot the tokens plain decoding makes (gpu::verify_draft: one for a
+// plain slot).
 StepResult run_step(ComputeState& st, DecodeStep& step) {
   StepResult r;
   const auto start = Clock::now();
   try {
     if (!st.pool) throw gpu::Error("step: this compute actor has no KV pool");
+    std::vector<std::vector<int>> drafts(step.slots.size());
     std::vector<gpu::DecodeSlot> slots;
     slots.reserve(step.slots.size());
-    for (const auto& s : step.slots) slots.push_back(gpu::DecodeSlot{s.token, s.pos, &s.blocks});
+    bool speculating = false;
+    for (size_t i = 0; i < step.slots.size(); ++i) {
+      const StepSlot& s = step.slots[i];
+      drafts[i] = draft_of(s);
+      speculating |= !drafts[i].empty();
+      slots.push_back(gpu::DecodeSlot{s.token, s.pos, &s.blocks});
+      for (size_t j = 0; j < drafts[i].size(); ++j)
+        slots.push_back(gpu::DecodeSlot{drafts[i][j], s.pos + 1 + int(j), &s.blocks});
+    }
     const std::vector<float> logits = st.engine->decode_step(*st.pool, slots);
     const int vocab = st.engine->config().vocab_size;
     const std::vector<int>& end_tokens = st.engine->config().end_tokens;
-    r.next_tokens.reserve(slots.size());
-    r.logprobs.reserve(slots.size());
+    r.next_tokens.reserve(step.slots.size());
+    r.logprobs.reserve(step.slots.size());
+    size_t row = 0;
     for (size_t i = 0; i < step.slots.size(); ++i) {
-      const StepSlot& s = step.slots[i];
-      std::shared_ptr<const grammar::TokenMask> mask;
+      StepSlot& s = step.slots[i];  // (its history grows by the tokens made: the message is this step's own)
+      const float* rows = logits.data() + row * size_t(vocab);
+      row += 1 + drafts[i].size();
+      std::vector<gpu::Sampled> made;
       try {
-        mask = mask_of(st, s.sampling, s.history, s.step);
+        made = gpu::verify_draft(rows, vocab, drafts[i], s.sampling, uint64_t(s.step), s.history, end_tokens,
+                                 [&](const std::vector<int>& h, uint64_t index) {
+                                   return mask_of(st, s.sampling, h, int64_t(index));
+                                 });
       } catch (const grammar::GrammarError& e) {
         // This sequence alone ends; the others of the batch go on.
         r.slot_errors.resize(step.slots.size());
         r.slot_errors[i] = e.what();
-        r.next_tokens.push_back(0);
-        r.logprobs.emplace_back();
-        continue;
+        made.assign(1, gpu::Sampled{});
       }
-      gpu::Sampled sampled = gpu::sample(logits.data() + i * size_t(vocab), vocab, s.sampling, uint64_t(s.step),
-                                         s.history, end_tokens, mask.get());
-      r.next_tokens.push_back(sampled.token);
-      r.logprobs.push_back(std::move(sampled.logprobs));
+      if (speculating) {
+        r.made.push_back(int32_t(made.size()));
+        r.proposed.push_back(int32_t(drafts[i].size()));
+        r.accepted.push_back(int32_t(gpu::accepted_of(drafts[i], made)));
+      }
+      for (gpu::Sampled& m : made) {
+        r.next_tokens.push_back(m.token);
+        r.logprobs.push_back(std::move(m.logprobs));
+      }
     }
   } catch (const std::exception& e) {
     r.code = ErrorCode::internal;
     r.message = std::string("decode step: ") + e.what();
     r.next_tokens.clear();
     r.logprobs.clear();
+    r.made.clear();
+    r.proposed.clear();
+    r.accepted.clear();
   }
   r.compute_us = micros_since(start);
   return r;

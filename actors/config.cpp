@@ -33,6 +33,15 @@ std::string DisaggConfig::validate() const {
   require(local_prefill_tokens >= 0, "local-prefill-tokens must be >= 0");
   require(kv_routing_prefill_weight >= 0, "kv-routing-prefill-weight must be >= 0");
   require(max_batch >= 1, "max-batch must be >= 1");
+  gpu::SpeculationMethod method;
+  require(gpu::parse_speculation_method(speculation, method),
+          "speculation must be off or ngram (got '" + speculation + "')");
+  require(num_speculative_tokens >= 1 && num_speculative_tokens <= gpu::kMaxSpeculativeTokens,
+          "num-speculative-tokens must be in [1, " + std::to_string(gpu::kMaxSpeculativeTokens) + "]");
+  require(prompt_lookup_max >= 1 && prompt_lookup_max <= gpu::kMaxLookupTokens,
+          "prompt-lookup-max must be in [1, " + std::to_string(gpu::kMaxLookupTokens) + "]");
+  require(prompt_lookup_min >= 1 && prompt_lookup_min <= prompt_lookup_max,
+          "prompt-lookup-min must be in [1, prompt-lookup-max]");
   require(prefill_chunk >= 0, "prefill-chunk must be >= 0");
   require(queue_capacity >= 0, "queue-capacity must be >= 0");
   require(max_prefill_inflight >= 1, "max-prefill-inflight must be >= 1");
@@ -46,6 +55,15 @@ std::string DisaggConfig::validate() const {
   require(heartbeat_timeout_ms > 0, "heartbeat-timeout-ms must be > 0");
   require(compute_timeout_ms > 0, "compute-timeout-ms must be > 0");
   return problems;
+}
+
+gpu::SpeculationParams DisaggConfig::speculation_params() const {
+  gpu::SpeculationParams p;
+  if (!gpu::parse_speculation_method(speculation, p.method)) p.method = gpu::SpeculationMethod::off;
+  p.num_tokens = num_speculative_tokens;
+  p.lookup_min = prompt_lookup_min;
+  p.lookup_max = prompt_lookup_max;
+  return p;
 }
 
 void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
@@ -68,6 +86,12 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.block_size, "block-size", "positions per KV block of the decode pool")
       .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
       .add(c.max_batch, "max-batch", "sequences per decode step")
+      .add(c.speculation, "speculation",
+           "speculative decoding at a decode worker, exact (no token changes): off or ngram (prompt lookup); a "
+           "request may choose its own")
+      .add(c.num_speculative_tokens, "num-speculative-tokens", "guesses a speculative step feeds per sequence, at most")
+      .add(c.prompt_lookup_min, "prompt-lookup-min", "shortest n-gram the ngram proposer matches")
+      .add(c.prompt_lookup_max, "prompt-lookup-max", "longest n-gram the ngram proposer matches")
       .add(c.prefix_caching, "prefix-caching",
            "decode workers keep finished sequences' KV blocks and share them with prompts that start alike; "
            "prefill workers keep recent prompts' (prefill-cache-blocks)")

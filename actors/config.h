@@ -9,6 +9,7 @@
 #include "caf/config_option_adder.hpp"
 #include "caf/deep_to_string.hpp"
 #include "engine/engine.h"
+#include "engine/speculation.h"
 #include "messages/request.h"
 
 namespace disagg {
@@ -55,6 +56,17 @@ struct DisaggConfig {
   int block_size = gpu::kDefaultBlockSize;  // positions per KV block
   int pool_blocks = 1024;  // KV pool capacity in blocks
   int max_batch = 64;      // sequences per decode step
+  // Speculative decoding (engine/speculation.h): each decode step feeds up
+  // to num-speculative-tokens guesses after a sequence's last token and keeps
+  // the tokens plain decoding makes, so no token changes; a step that guesses
+  // right makes several. off, or ngram (the tokens that followed the last
+  // prompt-lookup-min..max tokens where they occurred before, in the prompt or
+  // the output). A request may choose its own (its speculation field).
+  std::string speculation = "off";
+  int num_speculative_tokens = 4;
+  int prompt_lookup_min = 2;
+  int prompt_lookup_max = 4;
+  gpu::SpeculationParams speculation_params() const;
   // Prefix caching: a decode worker keeps the KV of finished sequences' full
   // blocks (engine/kv_cache.h BlockPool) and a prompt that starts with them
   // shares them instead of having them computed and sent again.

@@ -71,6 +71,14 @@ struct Sequence {
   // held, this pool's or the prefill worker's, of the request's own prompt.
   client_actor client;
   int32_t cached_tokens = 0;
+  // Speculative decoding: the request's wishes resolved against this
+  // worker's configuration, and the gate that pauses guessing while it fails
+  // (engine/speculation.h). Guessing needs the prompt (context).
+  gpu::SpeculationParams speculation;
+  gpu::SpeculationGate gate;
+  bool speculates() const {
+    return speculation.method != gpu::SpeculationMethod::off && !context.empty();
+  }
 };
 
 // The KV arrived as one message and the compute actor is storing it in the
@@ -91,7 +99,7 @@ using Requests = std::map<RequestId, RequestPhase>;
 
 // What a sequence takes from its commit and its reservation's answer.
 void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& client, int32_t pool_cached,
-                   int32_t seq_len) {
+                   int32_t seq_len, const gpu::SpeculationParams& configured) {
   seq.prompt_len = t.prompt_len;
   seq.limit = t.first_step + gpu::token_limit(t.prompt_len, t.max_new_tokens, seq_len);
   seq.sampling = t.sampling;
@@ -100,6 +108,7 @@ void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& clien
   seq.first_step = t.first_step;
   seq.client = client;
   seq.cached_tokens = cached_prompt_tokens(pool_cached, t.cached_tokens, t.prompt_len - t.first_step);
+  seq.speculation = gpu::resolve_speculation(t.sampling.speculation, configured);
 }
 
 // Ids cancelled recently: a KV transfer that arrives after its cancel (the two
@@ -316,6 +325,27 @@ bool step_over(Self self) {
   return true;
 }
 
+// Why a step's answer does not fit the `slots` it was asked for, or "".
+std::string step_result_problem(const StepResult& r, size_t slots) {
+  size_t tokens = slots;
+  if (!r.made.empty()) {
+    if (r.made.size() != slots || r.proposed.size() != slots || r.accepted.size() != slots)
+      return "decode step returned counts for " + std::to_string(r.made.size()) + " of " + std::to_string(slots) +
+             " sequences";
+    tokens = 0;
+    for (size_t i = 0; i < slots; ++i) {
+      if (r.made[i] < 1 || r.made[i] > r.proposed[i] + 1 || r.accepted[i] < 0 || r.accepted[i] > r.proposed[i])
+        return "decode step returned " + std::to_string(r.made[i]) + " tokens for " + std::to_string(r.proposed[i]) +
+               " guesses";
+      tokens += size_t(r.made[i]);
+    }
+  }
+  if (r.next_tokens.size() != tokens || r.logprobs.size() != tokens)
+    return "decode step returned " + std::to_string(r.next_tokens.size()) + " tokens for " + std::to_string(slots) +
+           " sequences";
+  return {};
+}
+
 // Continuous batching: whenever no step is running, run one over the active
 // sequences (those admitted meanwhile included).
 void schedule_step(Self self) {
@@ -330,15 +360,20 @@ void schedule_step(Self self) {
   std::vector<RequestId> ids;
   for (size_t k = 0; k < take; ++k) {
     const RequestId id = all[(st.cursor + k) % all.size()];
-    const Sequence& seq = std::get<Sequence>(st.requests.at(id));
+    Sequence& seq = std::get<Sequence>(st.requests.at(id));
     StepSlot slot;
     slot.id = id;
     slot.token = seq.tokens.back();  // the last emitted token, fed at the next position
     slot.pos = seq.prompt_len + int32_t(seq.tokens.size()) - 1;
     slot.step = seq.first_step + int32_t(seq.tokens.size());
     slot.sampling = seq.sampling;
+    slot.sampling.speculation = seq.speculation;
     slot.blocks = seq.blocks;
-    if (seq.sampling.uses_history()) {
+    // Guesses for the tokens after this one, inside the request's limit
+    // (so inside its reserved blocks: gpu::kv_positions_needed).
+    const int32_t room = std::min(seq.speculation.num_tokens, seq.limit - slot.step - 1);
+    if (seq.speculates() && room > 0 && seq.gate.open()) slot.draft_limit = room;
+    if (seq.sampling.uses_history() || slot.draft_limit > 0) {
       slot.history.reserve(seq.context.size() + seq.tokens.size());
       slot.history = seq.context;
       slot.history.insert(slot.history.end(), seq.tokens.begin(), seq.tokens.end());
@@ -357,26 +392,42 @@ void schedule_step(Self self) {
       .then(
           [=](StepResult& r) {
             const bool freed = step_over(self);
-            if (r.code == ErrorCode::none &&
-                (r.next_tokens.size() != ids.size() || r.logprobs.size() != ids.size())) {
-              r.code = ErrorCode::internal;
-              r.message = "decode step returned " + std::to_string(r.next_tokens.size()) +
-                          " tokens for " + std::to_string(ids.size()) + " sequences";
+            if (r.code == ErrorCode::none) {
+              if (const std::string why = step_result_problem(r, ids.size()); !why.empty()) {
+                r.code = ErrorCode::internal;
+                r.message = why;
+              }
             }
             bool changed = freed;
+            size_t first = 0;  // slot i's tokens: next_tokens[first, first + made)
             for (size_t i = 0; i < ids.size(); ++i) {
+              const size_t made = r.code != ErrorCode::none || r.made.empty() ? 1 : size_t(r.made[i]);
+              const size_t from = first;
+              first += made;
               auto it = find_in<Sequence>(self->state, ids[i]);
               if (it == self->state.requests.end()) continue;  // cancelled during the step
               if (r.code != ErrorCode::none) {
                 finish_sequence(self, it, r.code, r.message, FinishReason::length);
                 changed = true;
-              } else if (i < r.slot_errors.size() && !r.slot_errors[i].empty()) {
+                continue;
+              }
+              if (i < r.slot_errors.size() && !r.slot_errors[i].empty()) {
                 finish_sequence(self, it, ErrorCode::invalid_request, r.slot_errors[i], FinishReason::length);
                 changed = true;
-              } else if (accept_token(self, it, r.next_tokens[i], std::move(r.logprobs[i]))) {
-                changed = true;
+                continue;
               }
+              if (!r.proposed.empty() && r.proposed[i] > 0) {
+                std::get<Sequence>(it->second).gate.record(r.proposed[i], r.accepted[i]);
+                record_speculation(r.proposed[i], r.accepted[i]);
+              }
+              // In order, each through the stop rule: none after the one that ends it.
+              for (size_t k = from; k < from + made; ++k)
+                if (accept_token(self, it, r.next_tokens[k], std::move(r.logprobs[k]))) {
+                  changed = true;
+                  break;
+                }
             }
+            record_decode_step(r.compute_us, !r.proposed.empty());
             flush_tokens(self);
             if (changed) report_load(self);
             schedule_step(self);
@@ -578,7 +629,7 @@ void settle_stream(Self self, RequestId id) {
   seq.prompt = std::move(held.prompt);
   seq.hash_seed = held.hash_seed;
   seq.hashes = std::move(held.hashes);
-  continue_from(seq, t, held.client, held.cached, st.seq_len);
+  continue_from(seq, t, held.client, held.cached, st.seq_len, st.config.speculation_params());
   activate(self, id, std::move(seq), t.first_token, t.first_logprobs, commit.promise);
 }
 
@@ -635,8 +686,9 @@ std::optional<Refusal> check_transfer(const DecodeState& st, const KvTransfer& t
   // Checked here too: a step samples this sequence with the rest of its batch.
   if (const std::string why = gpu::check_sampling(transfer.sampling, st.vocab_size); !why.empty())
     return Refusal{ErrorCode::invalid_request, "sampling: " + why};
-  if (transfer.sampling.uses_history() && int64_t(transfer.context.size()) != transfer.prompt_len)
-    return Refusal{ErrorCode::invalid_request, "the penalties need the prompt's " +
+  if ((transfer.sampling.uses_history() || !transfer.context.empty()) &&
+      int64_t(transfer.context.size()) != transfer.prompt_len)
+    return Refusal{ErrorCode::invalid_request, "the context must be the prompt's " +
                                                    std::to_string(transfer.prompt_len) +
                                                    " tokens, the transfer carries " +
                                                    std::to_string(transfer.context.size())};
@@ -679,7 +731,7 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
   std::vector<int32_t> blocks = std::move(r.blocks);
   Sequence seq;
   seq.blocks = blocks;
-  continue_from(seq, transfer, r.client, r.cached, st.seq_len);
+  continue_from(seq, transfer, r.client, r.cached, st.seq_len, st.config.speculation_params());
   held->second = Admitting{};
   const int32_t first_token = transfer.first_token;
   TokenLogprobs first_logprobs = transfer.first_logprobs;

@@ -100,7 +100,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
   transfer.first_logprobs = std::move(computed.first_logprobs);
   transfer.prompt_logprobs = std::move(computed.prompt_logprobs);
   transfer.first_step = job.first_step;
-  if (job.sampling.uses_history()) transfer.context = job.prompt_tokens;
+  transfer.context = job.prompt_tokens;  // (the penalties, a grammar and speculation read it)
   transfer.cached_tokens = computed.cached_tokens;
   transfer.bytes = std::move(computed.kv);
   if (computed.streamed) {

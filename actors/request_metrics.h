@@ -72,6 +72,22 @@ inline void record_tokens_from_outcome(size_t n) { metrics::disagg_metrics().tok
 // Decode worker: a token its sequences made (every one, cancelled or not).
 inline void record_decoded_token() { metrics::disagg_metrics().decode_tokens.inc(); }
 
+// Decode worker: a sequence's speculative step fed `proposed` guesses, of
+// which `accepted` were the tokens made (engine/speculation.h).
+inline void record_speculation(int proposed, int accepted) {
+  auto& m = metrics::disagg_metrics();
+  m.spec_decode_drafts.inc();
+  m.spec_decode_draft_tokens.inc(double(proposed));
+  m.spec_decode_accepted_tokens.inc(double(accepted));
+}
+
+// Decode worker: a decode step's compute time; `verify`: some sequence of it
+// fed guesses.
+inline void record_decode_step(int64_t us, bool verify) {
+  auto& m = metrics::disagg_metrics();
+  (verify ? m.decode_step_verify : m.decode_step_plain).observe(seconds_of_micros(us));
+}
+
 // Decode worker: a reservation's look-up in its prefix cache: `prompt`
 // positions asked for, `cached` found; `not_sent` positions of KV will not
 // travel (the cached ones, or the whole prompt when it prefills it itself),

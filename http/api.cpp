@@ -4,6 +4,7 @@
 #include <limits>
 #include <tuple>
 
+#include "engine/speculation.h"
 #include "grammar/json_grammar.h"
 #include "grammar/gbnf.h"
 #include "grammar/json_schema.h"
@@ -51,6 +52,29 @@ int32_t token_id(const json& v, const std::string& text, const ServedModel& mode
     throw bad_request(param, std::string("'") + param + "': token id " + (v.is_null() ? text : quote(v)) +
                                  " is outside the vocabulary [0, " + std::to_string(model.vocab_size) + ")");
   return int32_t(id);
+}
+
+// Our extra field "speculation" (engine/speculation.h; it changes no token):
+// "off", "ngram", or {"method": "off" | "ngram", "num_speculative_tokens",
+// "prompt_lookup_min", "prompt_lookup_max"} (vLLM's names); what it leaves
+// out, the decode worker's configuration says.
+void parse_speculation(const json& body, gpu::SpeculationParams& p) {
+  const json* v = field(body, "speculation");
+  if (!v || v->is_null()) return;
+  auto method = [&](const json& m) {
+    if (!m.is_string() || !gpu::parse_speculation_method(m.get<std::string>(), p.method))
+      throw bad_request("speculation", "'speculation' method must be \"off\" or \"ngram\", got " + quote(m));
+  };
+  if (v->is_string()) return method(*v);
+  expect_type(v->is_object(), "speculation", "\"off\", \"ngram\" or an object", *v);
+  for (auto it = v->begin(); it != v->end(); ++it)
+    if (it.key() != "method" && it.key() != "num_speculative_tokens" && it.key() != "prompt_lookup_min" &&
+        it.key() != "prompt_lookup_max")
+      throw bad_request("speculation", "'speculation' has no field " + quote(json(it.key())));
+  if (const json* m = field(*v, "method")) method(*m);
+  p.num_tokens = int32_t(integer_in(*v, "num_speculative_tokens", 0, 1, gpu::kMaxSpeculativeTokens));
+  p.lookup_min = int32_t(integer_in(*v, "prompt_lookup_min", 0, 1, gpu::kMaxLookupTokens));
+  p.lookup_max = int32_t(integer_in(*v, "prompt_lookup_max", 0, 1, gpu::kMaxLookupTokens));
 }
 
 // The sampling controls (engine/sampling.h's order; vLLM's names and ranges).
@@ -102,6 +126,7 @@ void parse_sampling(const json& body, Endpoint endpoint, const ServedModel& mode
   } else if (field(body, "top_logprobs")) {
     throw bad_request("top_logprobs", "'top_logprobs' needs \"logprobs\": true");
   }
+  parse_speculation(body, s.speculation);
   // The router checks the same (one rule); a request that passes here passes there.
   if (const std::string why = gpu::check_sampling(s, model.vocab_size); !why.empty()) throw bad_request("", why);
 }

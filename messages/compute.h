@@ -83,8 +83,15 @@ struct StepSlot {
   Sampling sampling;
   std::vector<int32_t> blocks;
   // The request's tokens so far (prompt, then output) when the sampling
-  // reads them (Sampling::uses_history: the penalties), else empty.
+  // reads them (Sampling::uses_history: the penalties) or a proposer does
+  // (draft_limit > 0), else empty.
   std::vector<int32_t> history;
+  // Speculative decoding (engine/speculation.h): the most guesses the
+  // compute may feed after `token` (at pos + 1, ...) from the proposer of
+  // sampling.speculation (resolved by the decode worker); 0: a plain step.
+  // The decode worker keeps every guess inside the request's token limit and
+  // its reserved blocks.
+  int32_t draft_limit = 0;
 };
 
 struct DecodeStep {
@@ -94,8 +101,15 @@ struct DecodeStep {
 struct StepResult {
   ErrorCode code = ErrorCode::none;
   std::string message;
-  std::vector<int32_t> next_tokens;  // one per slot, in slot order
-  std::vector<TokenLogprobs> logprobs;  // one per slot (empty where its Sampling::logprobs < 0)
+  // The tokens each slot made, in slot order: one per slot, or made[i] for
+  // slot i when `made` is not empty (a speculative step: 1..draft_limit + 1,
+  // each the token plain decoding makes there; the stop rule still applies
+  // to each in order).
+  std::vector<int32_t> next_tokens;
+  std::vector<TokenLogprobs> logprobs;  // one per token (empty where its Sampling::logprobs < 0)
+  std::vector<int32_t> made;      // empty, or tokens per slot
+  std::vector<int32_t> proposed;  // empty, or guesses fed per slot
+  std::vector<int32_t> accepted;  // empty, or of them those equal to the token made (gpu::accepted_of)
   // Empty, or one per slot: why that slot's grammar could not go on (its
   // sequence ends, invalid_request; its token means nothing); "" for the others.
   std::vector<std::string> slot_errors;
@@ -127,7 +141,8 @@ typename Inspector::result_type inspect(Inspector& f, AdmitResult& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepSlot& x) {
-  return f(caf::meta::type_name("StepSlot"), x.id, x.token, x.pos, x.step, x.sampling, x.blocks, x.history);
+  return f(caf::meta::type_name("StepSlot"), x.id, x.token, x.pos, x.step, x.sampling, x.blocks, x.history,
+           x.draft_limit);
 }
 
 template <class Inspector>
@@ -138,7 +153,7 @@ typename Inspector::result_type inspect(Inspector& f, DecodeStep& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, StepResult& x) {
   return f(caf::meta::type_name("StepResult"), x.code, x.message, x.next_tokens, x.logprobs, x.slot_errors,
-           x.compute_us);
+           x.made, x.proposed, x.accepted, x.compute_us);
 }
 
 }  // namespace disagg

@@ -131,9 +131,11 @@ struct KvTransfer {
   int32_t cached_tokens = 0;  // prompt positions the prefill worker's own prefix cache held
   TokenLogprobs first_logprobs;  // of first_token (Sampling::logprobs >= 0)
   std::vector<TokenLogprobs> prompt_logprobs;  // PrefillResult::prompt_logprobs, passed on in DecodeDone
-  // The job's prompt (a migrated request's ends with its earlier output)
-  // when the sampling reads the request's tokens (Sampling::uses_history),
-  // else empty: prompt_len tokens, checked by the decode worker.
+  // The job's prompt (a migrated request's ends with its earlier output):
+  // prompt_len tokens, checked by the decode worker; what the sampling
+  // (Sampling::uses_history) and speculation's proposer read. Empty from a
+  // peer that sends none: then the request must not need it, and does not
+  // speculate.
   std::vector<int32_t> context;
 };
 

@@ -100,7 +100,21 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       prefill_prefix_cache_queries(prefix_cache_queries.with({"prefill"})),
       prefill_prefix_cache_hits(prefix_cache_hits.with({"prefill"})),
       decode_prefix_cache_evictions(prefix_cache_evictions.with({"decode"})),
-      prefill_prefix_cache_evictions(prefix_cache_evictions.with({"prefill"})) {
+      prefill_prefix_cache_evictions(prefix_cache_evictions.with({"prefill"})),
+      spec_decode_drafts(r.counter("disagg_spec_decode_num_drafts_total",
+                                   "Speculative steps of a sequence: decode steps that fed it guesses.")
+                             .get()),
+      spec_decode_draft_tokens(
+          r.counter("disagg_spec_decode_num_draft_tokens_total", "Guessed tokens fed to speculative steps.").get()),
+      spec_decode_accepted_tokens(r.counter("disagg_spec_decode_num_accepted_tokens_total",
+                                            "Guessed tokens that were the tokens plain decoding makes (accepted).")
+                                      .get()),
+      decode_step_seconds(r.histogram("disagg_decode_step_seconds",
+                                      "Compute time of a decode worker's batched step, by kind: plain, or verify "
+                                      "(some sequence fed guesses).",
+                                      inter_token_buckets(), {"kind"})),
+      decode_step_plain(decode_step_seconds.with({"plain"})),
+      decode_step_verify(decode_step_seconds.with({"verify"})) {
   for (size_t i = 0; i < kErrorCodes.size(); ++i) errors_by_code[i] = &request_errors.with({kErrorCodes[i]});
   // (node/port_guard.h GuardRefusal's names: every reason exists at zero)
   for (const char* reason : {"connection_cap", "pending_cap", "source_cap", "bad_header", "message_too_large",

@@ -70,6 +70,15 @@ struct DisaggMetrics {
   Counter& prefill_prefix_cache_hits;
   Counter& decode_prefix_cache_evictions;
   Counter& prefill_prefix_cache_evictions;
+  // Speculative decoding (vLLM's spec_decode_* meanings): a sequence's step
+  // with guesses, the guesses fed, those accepted; and decode steps' compute
+  // time by kind: "plain", or "verify" (some sequence fed guesses).
+  Counter& spec_decode_drafts;
+  Counter& spec_decode_draft_tokens;
+  Counter& spec_decode_accepted_tokens;
+  Family<Histogram>& decode_step_seconds;
+  Histogram& decode_step_plain;
+  Histogram& decode_step_verify;
 
   // finished_reason "stop" or "length"; code one of kErrorCodes (else the
   // family's child for it is created, under its lock).

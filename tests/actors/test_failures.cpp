@@ -482,6 +482,29 @@ TEST_F(MigrationTest, AConstrainedRequestMigratesExactlyToo) {
   expect_exact_migration(s, 200, 10);
 }
 
+// Speculation (engine/speculation.h) through a migration: the new decode
+// worker guesses from the prompt and the output so far, and the tokens are
+// still plain decoding's.
+TEST_F(MigrationTest, ASpeculatingRequestMigratesExactlyToo) {
+  Sampling s;
+  s.speculation = {gpu::SpeculationMethod::ngram, 4, 1, 3};
+  const double accepted_before = metrics::disagg_metrics().spec_decode_accepted_tokens.value();
+  expect_exact_migration(s, 300, 20);
+  EXPECT_GT(metrics::disagg_metrics().spec_decode_accepted_tokens.value(), accepted_before)
+      << "no guess was accepted: nothing speculated";
+}
+
+// ... and under a grammar, whose place each guessed row's mask is found from.
+TEST_F(MigrationTest, AConstrainedSpeculatingRequestMigratesExactlyToo) {
+  Sampling s{0.9f, 0.9f, 77};
+  s.grammar = grammar::json_object_grammar().to_json();
+  s.stop.ignore_eos = true;
+  s.speculation = {gpu::SpeculationMethod::ngram, 4, 1, 3};
+  const double fed_before = metrics::disagg_metrics().spec_decode_draft_tokens.value();
+  expect_exact_migration(s, 200, 10);
+  EXPECT_GT(metrics::disagg_metrics().spec_decode_draft_tokens.value(), fed_before) << "no guess was fed";
+}
+
 // Past max-worker-retries a lost decode worker fails its request with worker_lost.
 TEST_F(ActorTest, DecodeWorkerGoingDownPastTheRetriesFailsItsRequestsWithWorkerLost) {
   LocalClusterOptions options;

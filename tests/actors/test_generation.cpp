@@ -10,6 +10,7 @@
 #include <set>
 
 #include "actors/actor_fixture.h"
+#include "metrics/disagg_metrics.h"
 #include "support/reference_cases.h"
 #include "text/tokenizer.h"
 #include "support/test_paths.h"
@@ -32,11 +33,12 @@ struct Topology {
   const char* kv_transport = "tcp";  // how the KV travels (DisaggConfig::kv_transport)
   int colocated = 0;                 // colocated workers (node role `worker`) besides
   int prefill_chunk = DisaggConfig{}.prefill_chunk;  // their prompt positions per turn
+  const char* speculation = "off";   // DisaggConfig::speculation of every decode worker
 };
 
 void PrintTo(const Topology& t, std::ostream* os) {
   *os << t.prefill << " prefill + " << t.decode << " decode + " << t.colocated << " colocated, kv-transport "
-      << t.kv_transport << ", prefill chunk " << t.prefill_chunk;
+      << t.kv_transport << ", prefill chunk " << t.prefill_chunk << ", speculation " << t.speculation;
 }
 
 // The unit of a colocated worker's worker name ("worker-0/prefill" -> "worker-0"), or "".
@@ -51,10 +53,31 @@ LocalClusterOptions options_of(const Topology& t) {
   options.config.kv_transport = t.kv_transport;
   options.colocated_workers = t.colocated;
   options.config.prefill_chunk = t.prefill_chunk;
+  options.config.speculation = t.speculation;
+  options.config.prompt_lookup_min = 1;  // (the shared model's short outputs repeat short runs)
   return options;
 }
 
-class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface<Topology> {};
+// Guesses this process's decode workers fed to steps, and of them those
+// accepted (a speculating topology must show some, or its tests did not
+// speculate).
+double fed_guesses() { return metrics::disagg_metrics().spec_decode_draft_tokens.value(); }
+double accepted_guesses() { return metrics::disagg_metrics().spec_decode_accepted_tokens.value(); }
+
+class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface<Topology> {
+ protected:
+  void SetUp() override {
+    ActorTest::SetUp();
+    fed_before_ = fed_guesses();
+    accepted_before_ = accepted_guesses();
+  }
+  void TearDown() override {
+    if (speculates()) EXPECT_GT(fed_guesses(), fed_before_) << "no guess was fed: nothing speculated";
+    ActorTest::TearDown();
+  }
+  bool speculates() const { return std::string(GetParam().speculation) != "off"; }
+  double fed_before_ = 0, accepted_before_ = 0;
+};
 
 TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
   start(options_of(GetParam()));
@@ -92,6 +115,8 @@ TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
     const bool on_colocated = !unit_of(out.decode_worker).empty();
     EXPECT_EQ(out.timings.kv_streamed, streamed || on_colocated) << "a colocated prefill writes the KV into the blocks";
   }
+  // (the stories repeat themselves: some guesses are right)
+  if (speculates()) EXPECT_GT(accepted_guesses(), accepted_before_) << "no guess was accepted";
 }
 
 // Requests with every sampling control (penalties read the request's own
@@ -128,7 +153,9 @@ TEST_P(ReferenceTopology, EverySamplingControlAndLogprobsAreIdenticalToColocated
   std::vector<int32_t> prompt = cases[0].prompt_tokens;
   const auto story = colocated(prompt, 40).tokens;
   prompt.insert(prompt.end(), story.begin(), story.end());
-  const std::vector<Sampling> samplings = processed_samplings();
+  std::vector<Sampling> samplings = processed_samplings();
+  // A speculating worker batches these with requests that ask it not to.
+  for (size_t k = 1; k < samplings.size(); k += 2) samplings[k].speculation.method = gpu::SpeculationMethod::off;
   std::vector<std::unique_ptr<TokenLog>> logs;
   std::vector<std::future<RequestOutcome>> futures;
   for (const Sampling& s : samplings) {
@@ -175,14 +202,19 @@ INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
                                            Topology{0, 0, "tcp", 1}, Topology{0, 0, "tcp", 2},
                                            Topology{1, 1, "tcp", 2},
                                            // chunks of 5 positions (not whole key tiles) between decode steps
-                                           Topology{0, 0, "tcp", 2, 5}),
+                                           Topology{0, 0, "tcp", 2, 5},
+                                           // speculative decoding: disaggregated and colocated
+                                           Topology{2, 2, "tcp", 0, DisaggConfig{}.prefill_chunk, "ngram"},
+                                           Topology{0, 0, "tcp", 2, DisaggConfig{}.prefill_chunk, "ngram"}),
                          [](const auto& info) {
                            return std::to_string(info.param.prefill) + "p" + std::to_string(info.param.decode) +
                                   "d" + (info.param.colocated ? std::to_string(info.param.colocated) + "c" : "") +
                                   "_" + info.param.kv_transport +
                                   (info.param.prefill_chunk != DisaggConfig{}.prefill_chunk
                                        ? "_chunk" + std::to_string(info.param.prefill_chunk)
-                                       : "");
+                                       : "") +
+                                  (std::string(info.param.speculation) != "off" ? std::string("_") + info.param.speculation
+                                                                                 : "");
                          });
 
 TEST_F(ActorTest, SampledOutputEqualsColocatedWithTheSameSeed) {

@@ -117,6 +117,13 @@ TEST(HttpApi, EveryBadFieldIsA400NamingIt) {
       {R"({"prompt":"x","logit_bias":{"5":1,"05":2}})", "logit_bias"},
       {R"({"prompt":"x","logit_bias":[1]})", "logit_bias"},
       {R"({"prompt":"x","model":7})", "model"},
+      {R"({"prompt":"x","speculation":"eagle"})", "speculation"},
+      {R"({"prompt":"x","speculation":4})", "speculation"},
+      {R"({"prompt":"x","speculation":{"method":"ngram","k":4}})", "speculation"},
+      {R"({"prompt":"x","speculation":{"num_speculative_tokens":17}})", "num_speculative_tokens"},
+      {R"({"prompt":"x","speculation":{"num_speculative_tokens":0}})", "num_speculative_tokens"},
+      {R"({"prompt":"x","speculation":{"prompt_lookup_max":17}})", "prompt_lookup_max"},
+      {R"({"prompt":"x","speculation":{"prompt_lookup_min":3,"prompt_lookup_max":2}})", ""},
       {R"({})", "prompt"},
       {R"({"prompt":[]})", "prompt"},
       {R"({"prompt":["a","b"]})", "prompt"},
@@ -175,6 +182,26 @@ TEST(HttpApi, SamplingControlsAndLogprobs) {
   EXPECT_EQ(error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],"top_logprobs":2})").param,
             "top_logprobs");
   EXPECT_EQ(error_of(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],"logprobs":3})").param, "logprobs");
+}
+
+// Our extra field: speculative decoding per request (engine/speculation.h).
+TEST(HttpApi, SpeculationPerRequest) {
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x"})").sampling.speculation.method,
+            gpu::SpeculationMethod::configured);
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":"x","speculation":"off"})").sampling.speculation.method,
+            gpu::SpeculationMethod::off);
+  const gpu::SpeculationParams p = parse(Endpoint::chat, R"({"messages":[{"role":"user","content":"hi"}],
+      "speculation":{"method":"ngram","num_speculative_tokens":6,"prompt_lookup_min":2,"prompt_lookup_max":5}})")
+                                       .sampling.speculation;
+  EXPECT_EQ(p.method, gpu::SpeculationMethod::ngram);
+  EXPECT_EQ(p.num_tokens, 6);
+  EXPECT_EQ(p.lookup_min, 2);
+  EXPECT_EQ(p.lookup_max, 5);
+  const gpu::SpeculationParams partial =
+      parse(Endpoint::completions, R"({"prompt":"x","speculation":{"num_speculative_tokens":2}})").sampling.speculation;
+  EXPECT_EQ(partial.method, gpu::SpeculationMethod::configured);
+  EXPECT_EQ(partial.num_tokens, 2);
+  EXPECT_EQ(partial.lookup_max, 0) << "the worker's";
 }
 
 TEST(HttpApi, LogprobsShapes) {
