@@ -372,7 +372,7 @@ void schedule_step(Self self) {
     // Guesses for the tokens after this one, inside the request's limit
     // (so inside its reserved blocks: gpu::kv_positions_needed).
     const int32_t room = std::min(seq.speculation.num_tokens, seq.limit - slot.step - 1);
-    if (seq.speculates() && room > 0 && seq.gate.open()) slot.draft_limit = room;
+    if (seq.speculates() && room > 0) slot.draft_limit = seq.gate.allowed(room);
     if (seq.sampling.uses_history() || slot.draft_limit > 0) {
       slot.history.reserve(seq.context.size() + seq.tokens.size());
       slot.history = seq.context;

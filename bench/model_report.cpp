@@ -43,7 +43,8 @@ const char* kUsage =
     "decode (--batch sequences in lock-step) and prefill (--prefill tokens): tokens/s,\n"
     "GFLOP/s, weight bytes read per decode step and decode's share of the bandwidth limit.\n";
 
-// The CPU's name (/proc/cpuinfo's model name), or "unknown".
+}  // namespace
+
 std::string cpu_name() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -55,6 +56,8 @@ std::string cpu_name() {
     }
   return "unknown";
 }
+
+namespace {
 
 // Peak resident set of this process (VmHWM), bytes.
 size_t peak_rss() {

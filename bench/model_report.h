@@ -6,8 +6,12 @@
 // weights a decode step reads, and decode as a fraction of the bandwidth
 // limit (bytes per token / read bandwidth).
 #pragma once
+#include <string>
 
 namespace disagg::bench {
+
+// The CPU's name (/proc/cpuinfo's model name), or "unknown".
+std::string cpu_name();
 
 // Runs the report for argv (bench_compute's own arguments); returns the exit code.
 int model_report(int argc, char** argv);

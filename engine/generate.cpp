@@ -82,9 +82,10 @@ GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>&
       }
     }
     // Token `step` comes next: guesses for tokens step + 1.. stay inside the limit.
-    const int room = std::min(spec ? spec->num_tokens : 0, limit - step - 1);
+    int room = std::min(spec ? spec->num_tokens : 0, limit - step - 1);
     draft.clear();
-    if (room > 0 && gate.open()) draft = spec->propose(sequence, room);
+    if (room > 0 && spec->gated) room = gate.allowed(room);
+    if (room > 0) draft = spec->propose(sequence, room);
     if (int(draft.size()) > room) draft.resize(size_t(room));
     const int pos = int(prompt.size()) + step - 1;  // the last made token's
     std::vector<DecodeSlot> slots{DecodeSlot{made.back().token, pos, &blocks}};

@@ -38,6 +38,7 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
 struct Speculation {
   Proposer propose;
   int num_tokens = 4;  // guesses per step, at most
+  bool gated = true;   // false: no SpeculationGate (the benchmark's every-step floor)
 };
 struct SpeculationStats {
   int64_t proposed = 0;  // guesses fed

@@ -74,16 +74,36 @@ Proposer ngram_proposer(const SpeculationParams& p) {
   };
 }
 
-bool SpeculationGate::open() {
-  if (pause_ == 0) return true;
-  --pause_;
-  return false;
+Proposer oracle_proposer(std::vector<int> plain, size_t prompt_len) {
+  return [plain = std::move(plain), prompt_len](const std::vector<int>& tokens, int max) {
+    std::vector<int> out;
+    for (size_t i = tokens.size() - prompt_len; i < plain.size() && int(out.size()) < max; ++i) out.push_back(plain[i]);
+    return out;
+  };
+}
+
+Proposer wrong_proposer(std::vector<int> plain, size_t prompt_len, int vocab) {
+  return [plain = std::move(plain), prompt_len, vocab](const std::vector<int>& tokens, int max) {
+    std::vector<int> out;
+    for (size_t i = tokens.size() - prompt_len; int(out.size()) < max; ++i)
+      out.push_back(i < plain.size() ? (plain[i] + 1) % vocab : 0);
+    return out;
+  };
+}
+
+int SpeculationGate::allowed(int k) {
+  if (pause_ > 0) {
+    --pause_;
+    return 0;
+  }
+  return std::min(k, cap_);
 }
 
 void SpeculationGate::record(int proposed, int accepted) {
   if (proposed <= 0) return;
   proposed_ += proposed;
   accepted_ += accepted;
+  cap_ = accepted == proposed ? std::min(kMaxSpeculativeTokens, 2 * std::max(cap_, proposed)) : accepted + 1;
   if (accepted > 0) {
     next_ = 1;
     return;

@@ -51,23 +51,27 @@ SpeculationParams resolve_speculation(const SpeculationParams& request, const Sp
 // Empty when none matches. O(len x n) per call, no state.
 std::vector<int> propose_ngram(const std::vector<int>& tokens, int lookup_min, int lookup_max, int max);
 
-// Pauses a sequence's proposals while they fail: after a step that accepted
-// none of its proposals, none are made for the next `pause` steps, and the
+// Spends a sequence's guesses where they pay. After a step that accepted
+// none of its guesses, none are made for the next `pause` steps, and the
 // pause doubles with each such step (up to kMaxPause); a step that accepted
-// any resets it. A proposer that is always wrong thus costs about one
-// verification step in kMaxPause; one that is right keeps every step.
+// any resets it. And a step feeds at most `cap` guesses: one more than the
+// last step accepted, doubling while every guess is accepted. A proposer
+// that is always wrong thus costs about one verification of one guess in
+// kMaxPause steps; one that is always right keeps every step at k guesses.
 class SpeculationGate {
  public:
   static constexpr int kMaxPause = 64;
-  // Whether this step may propose (counts the paused steps down).
-  bool open();
+  // The guesses this step may feed, at most `k` (0: paused; counts the
+  // paused steps down). Ask once per step, only when k > 0.
+  int allowed(int k);
   void record(int proposed, int accepted);
   int64_t proposed() const { return proposed_; }
   int64_t accepted() const { return accepted_; }
 
  private:
-  int pause_ = 0;    // steps still paused
-  int next_ = 1;     // the pause after the next step that accepts none
+  int pause_ = 0;  // steps still paused
+  int next_ = 1;   // the pause after the next step that accepts none
+  int cap_ = kMaxSpeculativeTokens;
   int64_t proposed_ = 0, accepted_ = 0;
 };
 
@@ -78,6 +82,13 @@ using Proposer = std::function<std::vector<int>(const std::vector<int>& tokens, 
 
 // The n-gram proposer of a resolved `p` (method ngram).
 Proposer ngram_proposer(const SpeculationParams& p);
+
+// Proposers that measure (the tests' and the benchmark's ceiling and floor):
+// always right, replaying `plain`, the tokens plain decoding made after a
+// prompt of `prompt_len` tokens; always wrong, each guess one past that
+// token (mod `vocab`).
+Proposer oracle_proposer(std::vector<int> plain, size_t prompt_len);
+Proposer wrong_proposer(std::vector<int> plain, size_t prompt_len, int vocab);
 
 // The mask for output token `step` after `history` (Constraints::mask), or
 // null; required when the sampling has a grammar.

@@ -42,6 +42,14 @@
 // - No other contraction: a * b + c is two roundings unless written as fma
 //   (-ffp-contract=off on the CPU, --fmad=false for CUDA).
 //
+// So rows fed together are rows fed apart. Speculative decoding
+// (engine/speculation.h) rests on it: a step that feeds a sequence's last
+// token and k guesses at positions p .. p + k (each row attending to
+// positions [0, its own]) gives each row the logits k + 1 plain steps would
+// give after the same tokens, bit for bit; a token is kept only where it is
+// the one plain decoding samples from those logits, so the output is plain
+// decoding's, greedy or seeded.
+//
 // Header-only, CAF-free, usable from host and device code. The functions are
 // static: gpu/cpu/ compiles them once per instruction set, and the linker must
 // never pick an AVX-512 copy for a caller on another CPU.

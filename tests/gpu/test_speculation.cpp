@@ -45,10 +45,10 @@ TEST(SpeculationGate, PausesLongerWhileProposalsFailAndResetsOnAHit) {
   SpeculationGate gate;
   auto closed_steps = [&] {  // steps until it opens again
     int n = 0;
-    while (!gate.open()) ++n;
+    while (gate.allowed(4) == 0) ++n;
     return n;
   };
-  EXPECT_TRUE(gate.open());
+  EXPECT_EQ(gate.allowed(4), 4);
   gate.record(4, 0);
   EXPECT_EQ(closed_steps(), 1);
   gate.record(4, 0);
@@ -56,9 +56,9 @@ TEST(SpeculationGate, PausesLongerWhileProposalsFailAndResetsOnAHit) {
   gate.record(4, 0);
   EXPECT_EQ(closed_steps(), 4);
   gate.record(0, 0);  // no proposal: no verdict
-  EXPECT_TRUE(gate.open());
+  EXPECT_NE(gate.allowed(4), 0);
   gate.record(4, 1);
-  EXPECT_TRUE(gate.open());
+  EXPECT_NE(gate.allowed(4), 0);
   gate.record(4, 0);
   EXPECT_EQ(closed_steps(), 1);
   for (int i = 0; i < 20; ++i) {
@@ -69,6 +69,23 @@ TEST(SpeculationGate, PausesLongerWhileProposalsFailAndResetsOnAHit) {
   EXPECT_EQ(closed_steps(), SpeculationGate::kMaxPause);
   EXPECT_EQ(gate.proposed(), 4 * 26);
   EXPECT_EQ(gate.accepted(), 1);
+}
+
+TEST(SpeculationGate, FeedsOneMoreThanTheLastStepAcceptedAndDoublesWhileAllAre) {
+  SpeculationGate gate;
+  EXPECT_EQ(gate.allowed(8), 8);
+  gate.record(8, 2);
+  EXPECT_EQ(gate.allowed(8), 3);
+  gate.record(3, 3);
+  EXPECT_EQ(gate.allowed(8), 6);
+  gate.record(6, 6);
+  EXPECT_EQ(gate.allowed(8), 8);
+  EXPECT_EQ(gate.allowed(2), 2) << "never more than asked";
+  gate.record(8, 0);
+  EXPECT_EQ(gate.allowed(8), 0) << "paused";
+  EXPECT_EQ(gate.allowed(8), 1) << "then one guess";
+  gate.record(1, 1);
+  EXPECT_EQ(gate.allowed(8), 2);
 }
 
 TEST(Speculation, RequestsResolveAgainstTheWorkersSettingsAndAreChecked) {
@@ -99,23 +116,6 @@ std::shared_ptr<const Checkpoint> stories() {
   return checkpoint;
 }
 
-// Proposers for the tests (and the benchmark's oracle and floor): `plain`
-// is what plain decoding made after `prompt_len` prompt tokens.
-Proposer oracle(std::vector<int> plain, size_t prompt_len) {
-  return [plain, prompt_len](const std::vector<int>& tokens, int max) {
-    std::vector<int> out;
-    for (size_t i = tokens.size() - prompt_len; i < plain.size() && int(out.size()) < max; ++i) out.push_back(plain[i]);
-    return out;
-  };
-}
-Proposer always_wrong(std::vector<int> plain, size_t prompt_len, int vocab) {
-  return [plain, prompt_len, vocab](const std::vector<int>& tokens, int max) {
-    std::vector<int> out;
-    for (size_t i = tokens.size() - prompt_len; int(out.size()) < max; ++i)
-      out.push_back(i < plain.size() ? (plain[i] + 1) % vocab : 3);
-    return out;
-  };
-}
 Proposer random_guesses(uint64_t seed, int vocab) {
   auto rng = std::make_shared<std::mt19937_64>(seed);
   return [rng, vocab](const std::vector<int>&, int max) {
@@ -148,8 +148,8 @@ void expect_exact_under_every_proposer(Engine& engine, const std::vector<int>& p
       const char* name;
       Proposer p;
     };
-    for (const Named& n : {Named{"oracle", oracle(plain.tokens, prompt.size())},
-                           Named{"always wrong", always_wrong(plain.tokens, prompt.size(), vocab)},
+    for (const Named& n : {Named{"oracle", oracle_proposer(plain.tokens, prompt.size())},
+                           Named{"always wrong", wrong_proposer(plain.tokens, prompt.size(), vocab)},
                            Named{"random", random_guesses(uint64_t(k), vocab)},
                            Named{"ngram", ngram_proposer(ngram_params)}}) {
       SCOPED_TRACE(n.name);
