@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "engine/constraint.h"
+#include "engine/draft.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
 #include "engine/speculation.h"
@@ -238,6 +240,69 @@ TEST(Speculation, QuantizedModelsGiveThePlainTokens) {
     s.seed = 9;
     expect_exact_under_every_proposer(engine, {1, 300, 301, 302, 300, 301, 302, 300}, 40, s);
   }
+}
+
+// A draft model's guesses after a sequence do not depend on what it guessed
+// and fed before: its KV of the tokens it keeps is reused, the rest fed anew.
+TEST(DraftModel, GuessesAfterCorrectionsAreAFreshDraftsGuesses) {
+  Engine draft(stories());
+  KvPool pool = kv_pool_for(draft, 16, 32);
+  std::vector<int> a_blocks(16), b_blocks(16);
+  std::iota(a_blocks.begin(), a_blocks.end(), 0);
+  std::iota(b_blocks.begin(), b_blocks.end(), 16);
+  DraftSequence running(draft, pool, a_blocks);
+  std::vector<int> tokens = test::load_all_reference_cases().front().prompt_tokens;
+  std::mt19937_64 rng(3);
+  for (int step = 0; step < 30; ++step) {
+    SCOPED_TRACE(step);
+    const std::vector<int> guesses = running.propose(tokens, 4);
+    ASSERT_FALSE(guesses.empty());
+    DraftSequence fresh(draft, pool, b_blocks);
+    EXPECT_EQ(fresh.propose(tokens, 4), guesses);
+    // Accept some of the guesses, then a token of our own (a correction).
+    const size_t keep = size_t(std::uniform_int_distribution<int>(0, int(guesses.size()))(rng));
+    tokens.insert(tokens.end(), guesses.begin(), guesses.begin() + std::ptrdiff_t(keep));
+    tokens.push_back(std::uniform_int_distribution<int>(3, 511)(rng));
+  }
+  // Its blocks hold 256 positions: the last guess is not fed, so 254 tokens leave room for 3 guesses, 257 for none.
+  EXPECT_EQ(running.propose(std::vector<int>(254, 5), 4).size(), 3u);
+  EXPECT_TRUE(running.propose(std::vector<int>(257, 5), 4).empty());
+}
+
+// The target model as its own draft guesses right every time (greedy); a
+// draft with random weights mostly wrong: the tokens are plain decoding's
+// either way.
+TEST(DraftModel, AnyDraftGivesThePlainTokens) {
+  Engine engine(stories());
+  Engine same(stories());
+  const std::string path = test::make_temp_dir("draft-model") + "/random.bin";
+  ModelConfig shape = stories()->config();
+  write_random_checkpoint(path, shape, 41);
+  Engine other(Checkpoint::open(path));
+  ASSERT_EQ(check_draft(engine.config(), other.config()), "");
+  for (const auto& c : test::load_all_reference_cases()) {
+    SCOPED_TRACE(c.origin);
+    for (bool sampled : {false, true}) {
+      SamplingParams s;
+      if (sampled) {
+        s.temperature = 0.8f;
+        s.seed = 17;
+        s.frequency_penalty = 0.3f;
+      }
+      const GenerateResult plain = generate(engine, c.prompt_tokens, 60, s);
+      for (Engine* draft : {&same, &other}) {
+        const int positions = int(c.prompt_tokens.size()) + 60;
+        const Speculation spec{draft_proposer(*draft, positions), 4};
+        SpeculationStats stats;
+        expect_same(plain, generate_speculative(engine, c.prompt_tokens, 60, s, &spec, nullptr, &stats));
+        if (draft == &same && !sampled) EXPECT_EQ(stats.accepted, stats.proposed) << "its own draft is always right";
+        if (draft == &same && !sampled) EXPECT_GT(stats.proposed, 0);
+      }
+    }
+  }
+  ModelConfig fewer = shape;
+  fewer.vocab_size = 300;
+  EXPECT_NE(check_draft(engine.config(), fewer), "");
 }
 
 }  // namespace
