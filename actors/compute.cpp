@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "actors/errors.h"
+#include "actors/request_metrics.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "engine/kv_format.h"
@@ -15,6 +16,7 @@
 #include "engine/prefix_cache.h"
 #include "engine/constraint.h"
 #include "engine/sampling.h"
+#include "engine/draft.h"
 #include "engine/speculation.h"
 #include "model/checkpoint.h"
 #include "text/tokenizer.h"
@@ -58,6 +60,14 @@ struct ComputeState {
   std::deque<LocalPrefill> local_prefills;
   std::unique_ptr<gpu::PrefixCache> prefix_cache;  // a prefill worker's (ComputeSpec::prefix_cache_blocks)
   std::unique_ptr<gpu::Constraints> constraints;   // null: no vocabulary to constrain (ComputeSpec::tokenizer)
+  // A decode worker's draft model (ComputeSpec::draft): its engine, its
+  // pool, and each speculating sequence's draft KV, held until its decode
+  // worker says the sequence ended (cancel_atom).
+  std::shared_ptr<gpu::Engine> draft;
+  std::unique_ptr<gpu::KvPool> draft_pool;
+  std::optional<gpu::BlockPool> draft_blocks;
+  std::unordered_map<RequestId, gpu::DraftSequence> drafts;
+  ~ComputeState() { record_draft_sequences(-int(drafts.size())); }  // (a compute that ends holds none)
 };
 
 // The grammar's mask for token `step` of a request whose tokens so far are
@@ -467,12 +477,42 @@ AdmitResult run_admit(ComputeState& st, KvAdmit& admit) {
   return r;
 }
 
+// The draft KV of a slot's sequence (made on its first speculating step,
+// as many blocks as its reservation holds), or null when this worker has no
+// draft model or no room for one.
+gpu::DraftSequence* draft_sequence(ComputeState& st, const StepSlot& s) {
+  if (!st.draft) return nullptr;
+  auto it = st.drafts.find(s.id);
+  if (it == st.drafts.end()) {
+    std::vector<int> blocks = st.draft_blocks->allocate(int(s.blocks.size()));
+    if (blocks.empty()) return nullptr;
+    it = st.drafts.emplace(s.id, gpu::DraftSequence(*st.draft, *st.draft_pool, std::move(blocks))).first;
+    record_draft_sequences(+1);
+  }
+  return &it->second;
+}
+
+void forget_draft(ComputeState& st, RequestId id) {
+  auto it = st.drafts.find(id);
+  if (it == st.drafts.end()) return;
+  st.draft_blocks->release(it->second.blocks());
+  st.drafts.erase(it);
+  record_draft_sequences(-1);
+}
+
 // The guesses a slot's proposer makes (engine/speculation.h), at most its
 // draft_limit; none for a plain slot.
-std::vector<int> draft_of(const StepSlot& s) {
-  if (s.draft_limit <= 0 || s.sampling.speculation.method != gpu::SpeculationMethod::ngram) return {};
+std::vector<int> draft_of(ComputeState& st, const StepSlot& s) {
+  if (s.draft_limit <= 0) return {};
   const gpu::SpeculationParams& p = s.sampling.speculation;
-  return gpu::propose_ngram(s.history, p.lookup_min, p.lookup_max, std::min(s.draft_limit, p.num_tokens));
+  const int max = std::min(s.draft_limit, p.num_tokens);
+  switch (p.method) {
+    case gpu::SpeculationMethod::ngram: return gpu::propose_ngram(s.history, p.lookup_min, p.lookup_max, max);
+    case gpu::SpeculationMethod::draft:
+      if (gpu::DraftSequence* d = draft_sequence(st, s)) return d->propose(s.history, max);
+      return {};
+    default: return {};
+  }
 }
 
 // One batched step: each slot's token and its guesses (one row each), then
@@ -489,7 +529,7 @@ StepResult run_step(ComputeState& st, DecodeStep& step) {
     bool speculating = false;
     for (size_t i = 0; i < step.slots.size(); ++i) {
       const StepSlot& s = step.slots[i];
-      drafts[i] = draft_of(s);
+      drafts[i] = draft_of(st, s);
       speculating |= !drafts[i].empty();
       slots.push_back(gpu::DecodeSlot{s.token, s.pos, &s.blocks});
       for (size_t j = 0; j < drafts[i].size(); ++j)
@@ -553,6 +593,7 @@ compute_actor::behavior_type compute_behavior(Self self, std::shared_ptr<Compute
       [self, st](chunk_atom) { run_local_chunk(self, *st); },
       [st](admit_atom, KvAdmit& admit) { return run_admit(*st, admit); },
       [st](step_atom, DecodeStep& step) { return run_step(*st, step); },
+      [st](cancel_atom, RequestId id) { forget_draft(*st, id); },
       [st](kv_events_atom) {
         KvEvents all;
         all.snapshot = true;
@@ -630,6 +671,15 @@ ComputeUnit spawn_compute_unit(caf::actor_system& system, const ComputeSpec& spe
     auto* pool = new gpu::KvPool(st->engine->backend(), st->engine->kv_shape(st->engine->config().seq_len),
                                  spec.pool_block_size, spec.pool_blocks);
     st->pool = std::shared_ptr<gpu::KvPool>(pool, [engine = st->engine](gpu::KvPool* p) { delete p; });
+  }
+  if (spec.draft && spec.pool_blocks > 0) {
+    st->draft = std::make_shared<gpu::Engine>(spec.draft, spec.engine);
+    if (const std::string why = gpu::check_draft(st->engine->config(), st->draft->config()); !why.empty())
+      throw gpu::Error(why);
+    st->draft_pool = std::make_unique<gpu::KvPool>(st->draft->backend(),
+                                                   st->draft->kv_shape(st->draft->config().seq_len),
+                                                   spec.pool_block_size, spec.pool_blocks);
+    st->draft_blocks.emplace(spec.pool_blocks);
   }
   warm_up(*st);
   ComputeUnit unit;

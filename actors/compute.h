@@ -38,6 +38,9 @@ struct ComputeSpec {
   // from (DisaggConfig::tokenizer); empty: the model file's own vocabulary.
   // Without either, a request with a grammar is refused (invalid_request).
   std::string tokenizer;
+  // A decode worker's draft model (DisaggConfig::draft_model; null: none):
+  // its engine and a pool of pool_blocks blocks for the sequences' draft KV.
+  std::shared_ptr<const gpu::Checkpoint> draft;
 };
 
 // A compute actor and, on a decode worker, its pool: the decode actor lets

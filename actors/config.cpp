@@ -35,7 +35,8 @@ std::string DisaggConfig::validate() const {
   require(max_batch >= 1, "max-batch must be >= 1");
   gpu::SpeculationMethod method;
   require(gpu::parse_speculation_method(speculation, method),
-          "speculation must be off or ngram (got '" + speculation + "')");
+          "speculation must be off, ngram or draft (got '" + speculation + "')");
+  require(speculation != "draft" || !draft_model.empty(), "speculation draft needs a draft-model");
   require(num_speculative_tokens >= 1 && num_speculative_tokens <= gpu::kMaxSpeculativeTokens,
           "num-speculative-tokens must be in [1, " + std::to_string(gpu::kMaxSpeculativeTokens) + "]");
   require(prompt_lookup_max >= 1 && prompt_lookup_max <= gpu::kMaxLookupTokens,
@@ -87,8 +88,10 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.pool_blocks, "pool-blocks", "KV blocks per decode worker")
       .add(c.max_batch, "max-batch", "sequences per decode step")
       .add(c.speculation, "speculation",
-           "speculative decoding at a decode worker, exact (no token changes): off or ngram (prompt lookup); a "
-           "request may choose its own")
+           "speculative decoding at a decode worker, exact (no token changes): off, ngram (prompt lookup) or "
+           "draft (draft-model); a request may choose its own")
+      .add(c.draft_model, "draft-model",
+           "a decode worker's draft model for speculation draft: a smaller model file with the same vocabulary")
       .add(c.num_speculative_tokens, "num-speculative-tokens", "guesses a speculative step feeds per sequence, at most")
       .add(c.prompt_lookup_min, "prompt-lookup-min", "shortest n-gram the ngram proposer matches")
       .add(c.prompt_lookup_max, "prompt-lookup-max", "longest n-gram the ngram proposer matches")

@@ -61,8 +61,13 @@ struct DisaggConfig {
   // the tokens plain decoding makes, so no token changes; a step that guesses
   // right makes several. off, or ngram (the tokens that followed the last
   // prompt-lookup-min..max tokens where they occurred before, in the prompt or
-  // the output). A request may choose its own (its speculation field).
+  // the output), or draft (draft-model's greedy guesses). A request may choose
+  // its own (its speculation field).
   std::string speculation = "off";
+  // A decode worker's draft model (engine/draft.h): a smaller model file with
+  // the model's vocabulary; its KV in a pool of pool-blocks blocks of its own.
+  // Empty: none, and no draft guesses.
+  std::string draft_model;
   int num_speculative_tokens = 4;
   int prompt_lookup_min = 2;
   int prompt_lookup_max = 4;

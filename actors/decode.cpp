@@ -76,6 +76,7 @@ struct Sequence {
   // (engine/speculation.h). Guessing needs the prompt (context).
   gpu::SpeculationParams speculation;
   gpu::SpeculationGate gate;
+  bool drafted = false;  // the compute holds a draft model's KV for it (told to drop it at the end)
   bool speculates() const {
     return speculation.method != gpu::SpeculationMethod::off && !context.empty();
   }
@@ -250,9 +251,12 @@ void publish_sequence(Self self, Sequence& seq) {
 }
 
 // Blocks of a sequence that ended: back to the allocator now, or after the
-// step in flight if it includes the sequence.
-void release_sequence_blocks(Self self, RequestId id, const std::vector<int32_t>& blocks) {
+// step in flight if it includes the sequence; and what the compute holds for
+// it (a draft model's KV) goes, after that step.
+void release_sequence_blocks(Self self, RequestId id, const Sequence& seq) {
   auto& st = self->state;
+  const std::vector<int32_t>& blocks = seq.blocks;
+  if (seq.drafted) self->send(st.compute, cancel_atom::value, id);
   if (st.in_step.count(id))
     st.release_after_step.insert(st.release_after_step.end(), blocks.begin(), blocks.end());
   else
@@ -274,7 +278,7 @@ void finish_sequence(Self self, Requests::iterator it, ErrorCode code, std::stri
   Sequence& seq = std::get<Sequence>(it->second);
   flush_tokens(self);
   if (code == ErrorCode::none) publish_sequence(self, seq);
-  release_sequence_blocks(self, it->first, seq.blocks);
+  release_sequence_blocks(self, it->first, seq);
   flush_events(self);  // before the done: the router's index knows the blocks when the client hears
   DecodeDone done;
   done.id = it->first;
@@ -373,6 +377,7 @@ void schedule_step(Self self) {
     // (so inside its reserved blocks: gpu::kv_positions_needed).
     const int32_t room = std::min(seq.speculation.num_tokens, seq.limit - slot.step - 1);
     if (seq.speculates() && room > 0) slot.draft_limit = seq.gate.allowed(room);
+    seq.drafted |= slot.draft_limit > 0 && seq.speculation.method == gpu::SpeculationMethod::draft;
     if (seq.sampling.uses_history() || slot.draft_limit > 0) {
       slot.history.reserve(seq.context.size() + seq.tokens.size());
       slot.history = seq.context;
@@ -852,7 +857,7 @@ void cancel_request(Self self, RequestId id) {
   drop_reservation(self, id);
   auto it = find_in<Sequence>(state, id);
   if (it != state.requests.end()) {
-    release_sequence_blocks(self, id, std::get<Sequence>(it->second).blocks);
+    release_sequence_blocks(self, id, std::get<Sequence>(it->second));
     state.requests.erase(it);
   }
   // Also when it held nothing (never arrived, or admitting: refused when

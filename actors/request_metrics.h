@@ -81,6 +81,9 @@ inline void record_speculation(int proposed, int accepted) {
   m.spec_decode_accepted_tokens.inc(double(accepted));
 }
 
+// Decode worker's compute: a sequence's draft KV made (+1) or dropped (-1).
+inline void record_draft_sequences(int change) { metrics::disagg_metrics().spec_decode_draft_sequences.add(change); }
+
 // Decode worker: a decode step's compute time; `verify`: some sequence of it
 // fed guesses.
 inline void record_decode_step(int64_t us, bool verify) {

@@ -12,6 +12,7 @@ std::string to_string(SpeculationMethod method) {
     case SpeculationMethod::configured: return "configured";
     case SpeculationMethod::off: return "off";
     case SpeculationMethod::ngram: return "ngram";
+    case SpeculationMethod::draft: return "draft";
   }
   return "unknown(" + std::to_string(int(method)) + ")";
 }
@@ -19,14 +20,15 @@ std::string to_string(SpeculationMethod method) {
 bool parse_speculation_method(const std::string& text, SpeculationMethod& out) {
   if (text == "off") out = SpeculationMethod::off;
   else if (text == "ngram") out = SpeculationMethod::ngram;
+  else if (text == "draft") out = SpeculationMethod::draft;
   else return false;
   return true;
 }
 
 std::string check_speculation(const SpeculationParams& p) {
   if (p.method != SpeculationMethod::configured && p.method != SpeculationMethod::off &&
-      p.method != SpeculationMethod::ngram)
-    return "speculation method " + std::to_string(int(p.method)) + " is not one of configured, off, ngram";
+      p.method != SpeculationMethod::ngram && p.method != SpeculationMethod::draft)
+    return "speculation method " + std::to_string(int(p.method)) + " is not one of configured, off, ngram, draft";
   if (p.num_tokens < 0 || p.num_tokens > kMaxSpeculativeTokens)
     return "num_speculative_tokens must be in [1, " + std::to_string(kMaxSpeculativeTokens) + "] (got " +
            std::to_string(p.num_tokens) + ")";

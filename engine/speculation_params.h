@@ -16,9 +16,10 @@ enum class SpeculationMethod : int32_t {
   configured = -1,  // a request's "as the worker is configured"
   off = 0,
   ngram = 1,        // prompt lookup: the tokens that followed the sequence's last n tokens before
+  draft = 2,        // a draft model's greedy guesses (engine/draft.h), where the worker has one
 };
 std::string to_string(SpeculationMethod method);
-// "off", "ngram"; false for anything else.
+// "off", "ngram", "draft"; false for anything else.
 bool parse_speculation_method(const std::string& text, SpeculationMethod& out);
 
 // What a request or a worker asks of speculation. In a request 0 (and

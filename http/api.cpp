@@ -55,7 +55,7 @@ int32_t token_id(const json& v, const std::string& text, const ServedModel& mode
 }
 
 // Our extra field "speculation" (engine/speculation.h; it changes no token):
-// "off", "ngram", or {"method": "off" | "ngram", "num_speculative_tokens",
+// "off", "ngram", "draft", or {"method": "off" | "ngram" | "draft", "num_speculative_tokens",
 // "prompt_lookup_min", "prompt_lookup_max"} (vLLM's names); what it leaves
 // out, the decode worker's configuration says.
 void parse_speculation(const json& body, gpu::SpeculationParams& p) {
@@ -63,10 +63,10 @@ void parse_speculation(const json& body, gpu::SpeculationParams& p) {
   if (!v || v->is_null()) return;
   auto method = [&](const json& m) {
     if (!m.is_string() || !gpu::parse_speculation_method(m.get<std::string>(), p.method))
-      throw bad_request("speculation", "'speculation' method must be \"off\" or \"ngram\", got " + quote(m));
+      throw bad_request("speculation", "'speculation' method must be \"off\", \"ngram\" or \"draft\", got " + quote(m));
   };
   if (v->is_string()) return method(*v);
-  expect_type(v->is_object(), "speculation", "\"off\", \"ngram\" or an object", *v);
+  expect_type(v->is_object(), "speculation", "\"off\", \"ngram\", \"draft\" or an object", *v);
   for (auto it = v->begin(); it != v->end(); ++it)
     if (it.key() != "method" && it.key() != "num_speculative_tokens" && it.key() != "prompt_lookup_min" &&
         it.key() != "prompt_lookup_max")

@@ -23,6 +23,9 @@ using compute_actor = caf::typed_actor<
     caf::replies_to<prefill_atom, PrefillWork>::with<PrefillResult>,
     caf::replies_to<admit_atom, KvAdmit>::with<AdmitResult>,
     caf::replies_to<step_atom, DecodeStep>::with<StepResult>,
+    // a decode worker's sequence has ended: what the compute holds for it
+    // (a draft model's KV, engine/draft.h) goes
+    caf::reacts_to<cancel_atom, RequestId>,
     // all a prefill worker's prefix cache holds (KvEvents::stored; none without one)
     caf::replies_to<kv_events_atom>::with<KvEvents>,
     // its own turn for the next chunk of a colocated worker's prompt, sent

@@ -109,6 +109,9 @@ DisaggMetrics::DisaggMetrics(Registry& r)
       spec_decode_accepted_tokens(r.counter("disagg_spec_decode_num_accepted_tokens_total",
                                             "Guessed tokens that were the tokens plain decoding makes (accepted).")
                                       .get()),
+      spec_decode_draft_sequences(r.gauge("disagg_spec_decode_draft_sequences",
+                                          "Sequences whose draft-model KV a decode worker holds (speculation draft).")
+                                      .get()),
       decode_step_seconds(r.histogram("disagg_decode_step_seconds",
                                       "Compute time of a decode worker's batched step, by kind: plain, or verify "
                                       "(some sequence fed guesses).",

@@ -76,6 +76,7 @@ struct DisaggMetrics {
   Counter& spec_decode_drafts;
   Counter& spec_decode_draft_tokens;
   Counter& spec_decode_accepted_tokens;
+  Gauge& spec_decode_draft_sequences;  // sequences whose draft-model KV a compute holds
   Family<Histogram>& decode_step_seconds;
   Histogram& decode_step_plain;
   Histogram& decode_step_verify;

@@ -69,6 +69,7 @@ Engines spawn_engines(caf::actor_system& system, const LocalClusterOptions& opti
                        cfg.block_size, cfg.pool_blocks, plane};
       spec.prefill_chunk = cfg.prefill_chunk;  // its own prefills of short uncached rests
       spec.tokenizer = cfg.tokenizer;
+      if (!cfg.draft_model.empty()) spec.draft = checkpoints.get(cfg.draft_model);
       e.decode.push_back(spawn_compute_unit(system, spec));
     }
     for (int i = 0; i < options.colocated_workers; ++i) {
@@ -77,6 +78,7 @@ Engines spawn_engines(caf::actor_system& system, const LocalClusterOptions& opti
       spec.local_targets = e.local_targets.back();
       spec.prefill_chunk = cfg.prefill_chunk;
       spec.tokenizer = cfg.tokenizer;
+      if (!cfg.draft_model.empty()) spec.draft = checkpoints.get(cfg.draft_model);
       e.colocated.push_back(spawn_compute_unit(system, spec));
     }
   } catch (...) {

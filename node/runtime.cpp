@@ -273,6 +273,7 @@ std::optional<ComputeUnit> load_compute(caf::actor_system& system, const DisaggC
     spec.pool_block_size = cfg.block_size;
     spec.tokenizer = cfg.tokenizer;
     if (holds_pool) spec.pool_blocks = cfg.pool_blocks;
+    if (holds_pool && !cfg.draft_model.empty()) spec.draft = gpu::Checkpoint::open(cfg.draft_model, cfg.weight_cache);
     else spec.prefix_cache_blocks = cfg.prefill_cache_blocks_in_use();
     return spawn_compute_unit(system, spec);
   } catch (const std::exception& e) {

@@ -398,6 +398,7 @@ class MigrationTest : public ActorTest {
     LocalClusterOptions options;
     options.config = shared_model_config(1, 2);
     if (!sampling.grammar.empty()) options.config.tokenizer = shared_tokenizer();  // (the vocabulary it constrains with)
+    options.config.draft_model = draft_model_;
     start(options);
     expect_pools_free_ = false;  // one pool dies with its worker; the other is checked below
     // (shared with the token callback, which may outlive a failed test)
@@ -449,6 +450,7 @@ class MigrationTest : public ActorTest {
     ASSERT_EQ(loads.size(), 1u);
     EXPECT_EQ(loads[0].free_blocks, loads[0].total_blocks);
   }
+  std::string draft_model_;  // DisaggConfig::draft_model of the cluster
 };
 
 TEST_F(MigrationTest, ADecodeWorkerGoingDownMidGenerationMigratesItsRequestsExactly) {
@@ -489,6 +491,19 @@ TEST_F(MigrationTest, ASpeculatingRequestMigratesExactlyToo) {
   Sampling s;
   s.speculation = {gpu::SpeculationMethod::ngram, 4, 1, 3};
   const double accepted_before = metrics::disagg_metrics().spec_decode_accepted_tokens.value();
+  expect_exact_migration(s, 300, 20);
+  EXPECT_GT(metrics::disagg_metrics().spec_decode_accepted_tokens.value(), accepted_before)
+      << "no guess was accepted: nothing speculated";
+}
+
+// ... and with a draft model (the model itself): the new decode worker's
+// draft starts from the prompt and the output so far; the dead one's draft
+// KV went with it.
+TEST_F(MigrationTest, ARequestSpeculatingWithADraftModelMigratesExactlyToo) {
+  Sampling s;
+  s.speculation = {gpu::SpeculationMethod::draft, 4, 0, 0};
+  const double accepted_before = metrics::disagg_metrics().spec_decode_accepted_tokens.value();
+  draft_model_ = shared_model();
   expect_exact_migration(s, 300, 20);
   EXPECT_GT(metrics::disagg_metrics().spec_decode_accepted_tokens.value(), accepted_before)
       << "no guess was accepted: nothing speculated";

@@ -8,6 +8,7 @@
 #include <random>
 #include <chrono>
 #include <set>
+#include <thread>
 
 #include "actors/actor_fixture.h"
 #include "metrics/disagg_metrics.h"
@@ -55,6 +56,8 @@ LocalClusterOptions options_of(const Topology& t) {
   options.config.prefill_chunk = t.prefill_chunk;
   options.config.speculation = t.speculation;
   options.config.prompt_lookup_min = 1;  // (the shared model's short outputs repeat short runs)
+  // The model as its own draft: greedy guesses always right, sampled ones often.
+  if (std::string(t.speculation) == "draft") options.config.draft_model = shared_model();
   return options;
 }
 
@@ -63,6 +66,7 @@ LocalClusterOptions options_of(const Topology& t) {
 // speculate).
 double fed_guesses() { return metrics::disagg_metrics().spec_decode_draft_tokens.value(); }
 double accepted_guesses() { return metrics::disagg_metrics().spec_decode_accepted_tokens.value(); }
+double draft_sequences() { return metrics::disagg_metrics().spec_decode_draft_sequences.value(); }
 
 class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface<Topology> {
  protected:
@@ -70,13 +74,22 @@ class ReferenceTopology : public ActorTest, public ::testing::WithParamInterface
     ActorTest::SetUp();
     fed_before_ = fed_guesses();
     accepted_before_ = accepted_guesses();
+    drafts_before_ = draft_sequences();
   }
   void TearDown() override {
     if (speculates()) EXPECT_GT(fed_guesses(), fed_before_) << "no guess was fed: nothing speculated";
+    if (std::string(GetParam().speculation) == "draft") {
+      // Every sequence's draft KV is dropped when it ends (the decode worker
+      // tells its compute after its last step): wait for the messages, bounded.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (draft_sequences() != drafts_before_ && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));  // (a poll: the condition decides, not the time)
+      EXPECT_EQ(draft_sequences(), drafts_before_) << "draft KV left behind";
+    }
     ActorTest::TearDown();
   }
   bool speculates() const { return std::string(GetParam().speculation) != "off"; }
-  double fed_before_ = 0, accepted_before_ = 0;
+  double fed_before_ = 0, accepted_before_ = 0, drafts_before_ = 0;
 };
 
 TEST_P(ReferenceTopology, SharedReferenceCasesAreTokenIdenticalToColocated) {
@@ -205,7 +218,9 @@ INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
                                            Topology{0, 0, "tcp", 2, 5},
                                            // speculative decoding: disaggregated and colocated
                                            Topology{2, 2, "tcp", 0, DisaggConfig{}.prefill_chunk, "ngram"},
-                                           Topology{0, 0, "tcp", 2, DisaggConfig{}.prefill_chunk, "ngram"}),
+                                           Topology{0, 0, "tcp", 2, DisaggConfig{}.prefill_chunk, "ngram"},
+                                           Topology{2, 2, "tcp", 0, DisaggConfig{}.prefill_chunk, "draft"},
+                                           Topology{0, 0, "tcp", 2, DisaggConfig{}.prefill_chunk, "draft"}),
                          [](const auto& info) {
                            return std::to_string(info.param.prefill) + "p" + std::to_string(info.param.decode) +
                                   "d" + (info.param.colocated ? std::to_string(info.param.colocated) + "c" : "") +

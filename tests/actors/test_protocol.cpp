@@ -126,6 +126,19 @@ TEST(Config, DefaultsAreValidAndBadValuesAreNamed) {
   EXPECT_NE(problems.find("backend"), std::string::npos) << problems;
   EXPECT_NE(problems.find("max-kv-transfer-bytes"), std::string::npos) << problems;
   EXPECT_NE(problems.find("prefill-chunk"), std::string::npos) << problems;
+  DisaggConfig speculative;
+  speculative.speculation = "eagle";
+  speculative.num_speculative_tokens = 17;
+  speculative.prompt_lookup_min = 5;
+  const std::string why = speculative.validate();
+  EXPECT_NE(why.find("speculation must be"), std::string::npos) << why;
+  EXPECT_NE(why.find("num-speculative-tokens"), std::string::npos) << why;
+  EXPECT_NE(why.find("prompt-lookup-min"), std::string::npos) << why;
+  speculative = DisaggConfig{};
+  speculative.speculation = "draft";
+  EXPECT_NE(speculative.validate().find("draft-model"), std::string::npos);
+  speculative.draft_model = "small.gguf";
+  EXPECT_EQ(speculative.validate(), "");
 }
 
 TEST(Config, OptionsAreReadFromTheCommandLine) {
