@@ -182,6 +182,39 @@ TEST_F(ActorTest, CancelMidGenerationStopsItAndFreesItsBlocks) {
   EXPECT_TRUE(client_->generate(make_request(kOnceUponATime, 4)).ok());
 }
 
+// A request speculating with a draft model, cancelled mid-generation: its
+// draft KV goes with its blocks.
+TEST_F(ActorTest, CancelMidGenerationDropsADraftModelsKv) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.speculation = "draft";
+  options.config.draft_model = shared_model();
+  start(options);
+  auto draft_sequences = [] { return metrics::disagg_metrics().spec_decode_draft_sequences.value(); };
+  const double before = draft_sequences();
+  // Sampled, so that the greedy draft is often wrong and the request takes
+  // many steps (the cancel comes long before its 300 tokens).
+  Sampling sampling{1.0f, 1.0f, 5};
+  sampling.stop.ignore_eos = true;
+  auto request = make_request(kOnceUponATime, 300, sampling);
+  request.id = client_->next_id();
+  std::atomic<int> seen{0};
+  std::atomic<double> drafts_seen{0};
+  Client* client = client_.get();
+  const RequestId id = request.id;
+  auto future = client_->submit(request, [&, client, id](const TokenEvent&) {
+    drafts_seen = std::max(drafts_seen.load(), draft_sequences() - before);
+    if (seen++ == 12) client->cancel(id);
+  });
+  const RequestOutcome out = future.get();
+  EXPECT_EQ(out.code, ErrorCode::cancelled) << out.message;
+  EXPECT_GE(drafts_seen.load(), 1.0) << "precondition: the request had a draft";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (draft_sequences() != before && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // (a poll: the condition decides, not the time)
+  EXPECT_EQ(draft_sequences(), before) << "the cancelled request's draft KV was left behind";
+}
+
 TEST_F(ActorTest, FullAdmissionQueueAnswersOverloadedAtOnce) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
