@@ -157,20 +157,22 @@ int run(const Options& o) {
     wrong_ungated.gated = false;
     const std::vector<const Speculation*> kinds = {nullptr, &oracle, &wrong, &wrong_ungated};
     std::vector<std::vector<double>> seconds(kinds.size());
-    int64_t oracle_steps = 0;
+    int64_t oracle_steps = 0, wrong_proposed = 0;
     for (int round = 0; round < o.rounds; ++round)
       for (size_t i = 0; i < kinds.size(); ++i) {
         const Run r = timed(engine, prompt, o.tokens, kinds[i]);
         exact = same_tokens(base, r, i == 0 ? "plain decoding again" : "a speculative run") && exact;
         seconds[i].push_back(r.decode_s);
         if (i == 1) oracle_steps = r.stats.steps;
+        if (i == 2) wrong_proposed = r.stats.proposed;
       }
     const double plain_s = median(seconds[0]);
     const double tokens = double(base.result.tokens.size() - 1);  // (the first one is the prefill's)
     std::printf("{\"threads\":%d,\"tokens\":%d,\"rounds\":%d,\"plain_tok_s\":%.2f,\"oracle_k4\":%.3f,"
-                "\"oracle_steps\":%lld,\"wrong_k4_gated\":%.3f,\"wrong_k4_every_step\":%.3f}\n",
+                "\"oracle_steps\":%lld,\"wrong_k4_gated\":%.3f,\"wrong_gated_guesses\":%lld,\"wrong_k4_every_step\":%.3f}\n",
                 t, int(base.result.tokens.size()), o.rounds, tokens / plain_s, plain_s / median(seconds[1]),
-                (long long)oracle_steps, plain_s / median(seconds[2]), plain_s / median(seconds[3]));
+                (long long)oracle_steps, plain_s / median(seconds[2]), (long long)wrong_proposed,
+                plain_s / median(seconds[3]));
     std::fflush(stdout);
   }
 
