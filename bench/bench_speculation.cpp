@@ -15,7 +15,8 @@
 //            n-gram lookup on each prompt and on a repetitive task made of
 //            it (the prompt, its plain continuation, the prompt again, so
 //            that the model's next words repeat a passage), acceptance and
-//            speedup against plain decoding.
+//            speedup against plain decoding, per case (those of fewer
+//            than 16 tokens not timed) and summed per set.
 // Every speculative run's tokens are checked equal to the plain run's; a
 // difference exits 1.
 #include <omp.h>
@@ -184,10 +185,25 @@ int run(const Options& o) {
     int index = 0;
     SpeculationParams params{SpeculationMethod::ngram, 4, 1, 4};
     const Speculation ngram{ngram_proposer(params), params.num_tokens};
+    // Per set (the prompts, the repetitive tasks): guesses, accepted, and the
+    // decode time plain and speculative, summed over its cases.
+    struct Totals {
+      int64_t cases = 0, proposed = 0, accepted = 0, tokens = 0, steps = 0;
+      double plain_s = 0, spec_s = 0;
+    } totals[2];
     auto report = [&](const std::string& name, const std::vector<int>& prompt, int tokens) {
       const Run base = timed(engine, prompt, tokens, nullptr);
       const Run spec = timed(engine, prompt, tokens, &ngram);
       exact = same_tokens(base, spec, name.c_str()) && exact;
+      if (base.result.tokens.size() < 16) return base.result.tokens;  // (too short to time: an early end)
+      Totals& t = totals[name.find("-repeat") != std::string::npos ? 1 : 0];
+      t.cases += 1;
+      t.proposed += spec.stats.proposed;
+      t.accepted += spec.stats.accepted;
+      t.tokens += int64_t(spec.result.tokens.size());
+      t.steps += spec.stats.steps;
+      t.plain_s += base.decode_s;
+      t.spec_s += spec.decode_s;
       std::printf("{\"case\":\"%s\",\"prompt\":%zu,\"tokens\":%zu,\"proposed\":%lld,\"accepted\":%lld,"
                   "\"acceptance\":%.3f,\"tokens_per_step\":%.3f,\"speedup\":%.3f}\n",
                   name.c_str(), prompt.size(), base.result.tokens.size(), (long long)spec.stats.proposed,
@@ -211,6 +227,14 @@ int run(const Options& o) {
       again.insert(again.end(), prompt.begin() + 1, prompt.end());  // (without its BOS)
       if (int(again.size()) + 8 < c.seq_len)
         report(name + "-repeat", again, std::min(int(continuation.size()), c.seq_len - int(again.size()) - 1));
+    }
+    for (int set = 0; set < 2; ++set) {
+      const Totals& t = totals[set];
+      std::printf("{\"set\":\"%s\",\"cases\":%lld,\"proposed\":%lld,\"accepted\":%lld,\"acceptance\":%.3f,"
+                  "\"tokens_per_step\":%.3f,\"speedup\":%.3f}\n",
+                  set ? "repeat" : "prompts", (long long)t.cases, (long long)t.proposed, (long long)t.accepted,
+                  t.proposed ? double(t.accepted) / double(t.proposed) : 0.0,
+                  double(t.tokens) / double(std::max<int64_t>(1, t.steps)), t.plain_s / std::max(1e-9, t.spec_s));
     }
   }
   return exact ? 0 : 1;
