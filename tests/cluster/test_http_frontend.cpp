@@ -262,6 +262,20 @@ TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
   prompt_tokens += 3 * int64_t(chat_prompt.size());
   generated += 3 * int64_t(chat_want.output_tokens.size());
 
+  // Speculation, asked by the request (our extra field): the same text as
+  // disagg-generate's plain decoding; the decode node fed and kept guesses.
+  {
+    const ReferenceCase want = generate_reference({"--prompt", "Lily", "--max-new-tokens", "300", "--temperature", "0"});
+    const Reply spec = post(port, "/v1/completions",
+                            {{"prompt", "Lily"}, {"max_tokens", 300}, {"temperature", 0},
+                             {"speculation", {{"method", "ngram"}, {"prompt_lookup_min", 1}}}});
+    ASSERT_EQ(spec.status, 200) << spec.body;
+    EXPECT_EQ(json::parse(spec.body)["choices"][0]["text"], want.text);
+    ++completed;
+    prompt_tokens += int64_t(want.prompt_tokens.size());
+    generated += int64_t(want.output_tokens.size());
+  }
+
   // Metrics: every node's /metrics passes promtool; the frontend's and the
   // router's counters moved by exactly what was served.
   std::map<std::string, std::string> scraped;
@@ -292,6 +306,8 @@ TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
   EXPECT_EQ(sample(scraped["decode-1"], "disagg_prefix_cache_queries_total{role=\"decode\"}"), prompt_tokens);
   EXPECT_GT(sample(scraped["prefill-1"], "disagg_kv_transfer_bytes_total"), 0);
   EXPECT_EQ(sample(scraped["decode-1"], "disagg_kv_cache_usage_perc"), 0);  // all blocks free again
+  EXPECT_GT(sample(scraped["decode-1"], "disagg_spec_decode_num_accepted_tokens_total"), 0);
+  EXPECT_GT(sample(scraped["decode-1"], "disagg_decode_step_seconds_count{kind=\"verify\"}"), 0);
   EXPECT_EQ(sample(on_http_port, "disagg_prompt_tokens_total"), prompt_tokens);
   // The decode node streamed every token to the frontend's client itself
   // (direct-token-streams; the router forwards none of a request that
