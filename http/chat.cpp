@@ -1,5 +1,8 @@
 #include "http/chat.h"
 
+#include <list>
+#include <mutex>
+
 #include "grammar/json_schema.h"
 #include "http/fields.h"
 #include "text/jinja.h"
@@ -232,6 +235,39 @@ ChatOptions chat_options(const json& body, const std::string& text) {
   return o;
 }
 
+namespace {
+
+// The compiled template of a request's chat_template: the last
+// kCompiledRequestTemplates sources, least recently used out, shared by the
+// frontend's threads (compiled outside the lock).
+std::shared_ptr<const gpu::JinjaTemplate> request_template(const std::string& source) {
+  if (source.size() > kMaxChatTemplateBytes)
+    throw bad_request("chat_template", "'chat_template' holds " + std::to_string(source.size()) +
+                                           " bytes, more than " + std::to_string(kMaxChatTemplateBytes));
+  static std::mutex mutex;
+  static std::list<std::pair<std::string, std::shared_ptr<const gpu::JinjaTemplate>>> compiled;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = compiled.begin(); it != compiled.end(); ++it)
+      if (it->first == source) {
+        compiled.splice(compiled.begin(), compiled, it);
+        return it->second;
+      }
+  }
+  std::shared_ptr<const gpu::JinjaTemplate> made;
+  try {
+    made = std::make_shared<const gpu::JinjaTemplate>(source);
+  } catch (const gpu::ChatTemplateError& e) {
+    throw bad_request("chat_template", "'chat_template' does not compile: " + e.message);
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  compiled.emplace_front(source, made);
+  if (compiled.size() > kCompiledRequestTemplates) compiled.pop_back();
+  return made;
+}
+
+}  // namespace
+
 std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, const gpu::Tokenizer& tokenizer,
                                  const ChatOptions& options, size_t max_characters) {
   using gpu::ChatMessage, gpu::ChatPiece;
@@ -260,8 +296,10 @@ std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, c
       pieces = gpu::render_chat_pieces(chat.family, list, "", options.enable_thinking);
     }
   } catch (const gpu::ChatTemplateError& e) {
-    throw bad_request("messages", std::string("the ") + (chat.jinja ? "model's" : gpu::to_string(chat.family)) +
-                                      " chat template: " + e.message);
+    throw bad_request(options.request_template ? "chat_template" : "messages",
+                      std::string("the ") +
+                          (options.request_template ? "request's" : chat.jinja ? "model's" : gpu::to_string(chat.family)) +
+                          " chat template: " + e.message);
   }
   const gpu::Vocabulary& v = tokenizer.vocabulary();
   std::vector<int32_t> tokens;
@@ -300,8 +338,15 @@ std::vector<int32_t> chat_prompt(const json& body, const std::string& text, cons
   if (int64_t(bytes) > model.max_prompt_bytes)
     throw bad_request("messages", "the messages hold " + std::to_string(bytes) + " bytes, more than " +
                                       std::to_string(model.max_prompt_bytes) + " (disagg.max-prompt-bytes)");
+  ChatOptions options = chat_options(body, text);
+  ChatFormat format = chat;
+  if (const json* own = field(body, "chat_template"); own && !own->is_null()) {
+    expect_type(own->is_string(), "chat_template", "a Jinja template (a string)", *own);
+    format.jinja = request_template(own->get_ref<const std::string&>());
+    options.request_template = true;
+  }
   // A template adds its own text (turn markup, tool definitions): bounded at twice the messages' limit.
-  return render_chat(chat, messages, tokenizer, chat_options(body, text), size_t(2 * model.max_prompt_bytes));
+  return render_chat(format, messages, tokenizer, options, size_t(2 * model.max_prompt_bytes));
 }
 
 }  // namespace disagg::http

@@ -14,6 +14,13 @@
 
 namespace disagg::http {
 
+// A request's own chat_template (vLLM's field: a Jinja template used
+// instead of the model's, rendered by jinja2 as the model's is): at most this
+// many bytes, and the frontend keeps this many compiled (least recently used
+// out), so a client that sends the same template each time compiles it once.
+constexpr size_t kMaxChatTemplateBytes = 64 * 1024;
+constexpr size_t kCompiledRequestTemplates = 16;
+
 // What a chat template reads beside the messages (from the request body).
 struct ChatOptions {
   bool enable_thinking = true;             // chat_template_kwargs' enable_thinking: the only one the built-ins read
@@ -28,6 +35,8 @@ struct ChatOptions {
   // reads its messages, tools and chat_template_kwargs in the client's key
   // order. Empty: `messages` alone.
   std::string_view body_text;
+  // Whose template renders, for its errors: the request's own chat_template or the model's.
+  bool request_template = false;
 };
 // The body's chat_template_kwargs (an object), special_tokens_in_content,
 // add_generation_prompt and continue_final_message (booleans; the last two
@@ -46,7 +55,10 @@ std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, c
 
 // The prompt of a chat request's `messages` (body's, whose text is `text`):
 // checked (shape, roles, bytes: disagg.max-prompt-bytes), then rendered
-// (render_chat, its output bounded at twice that). Throws ApiError.
+// (render_chat, its output bounded at twice that) by the body's own
+// chat_template when it has one (a string of at most kMaxChatTemplateBytes
+// that jinja2 compiles; the model's family still reads tool calls and
+// reasoning), else `chat`. Throws ApiError.
 std::vector<int32_t> chat_prompt(const json& body, const std::string& text, const ServedModel& model,
                                  const gpu::Tokenizer& tokenizer, const ChatFormat& chat);
 

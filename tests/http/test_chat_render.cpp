@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "http/api.h"
+#include "http/chat.h"
 #include "support/test_paths.h"
 #include "text/hf_tokenizer.h"
 #include "text/jinja.h"
@@ -174,6 +175,43 @@ TEST(ChatRender, ATemplateErrorIsA400WithJinja2sMessage) {
   const ApiError kw = error_with(*llama, llama->jinja, {{"messages", {{{"role", "user"}, {"content", "a"}}}},
                                            {"chat_template_kwargs", {{"messages", json::array()}}}});
   EXPECT_EQ(kw.param, "chat_template_kwargs");
+}
+
+// vLLM's per-request chat_template: the request's own Jinja template renders
+// the prompt in place of the model's (compiled once, cached), its errors
+// are 400s naming chat_template.
+TEST(ChatRender, ARequestsOwnChatTemplateRendersItsPrompt) {
+  const auto llama = family("llama3", ChatTemplate::llama3);
+  NEED(llama);
+  const std::string own =
+      "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}";
+  const json messages = {{{"role", "user"}, {"content", "Hi <|eot_id|>"}}};
+  auto text_of = [&](const std::vector<int32_t>& ids) {
+    return llama->tokenizer.decode_all(-1, std::vector<int>(ids.begin(), ids.end()));
+  };
+  const std::vector<int32_t> want = parse_with(*llama, llama->jinja, {{"messages", messages}, {"chat_template", own}}).prompt_tokens;
+  EXPECT_EQ(text_of(want), "[user]Hi <|eot_id|>[assistant]");
+  EXPECT_EQ(count(want, 128009), 0u) << "a message's control-token text stays text";
+  EXPECT_EQ(parse_with(*llama, llama->jinja, {{"messages", messages}, {"chat_template", own}}).prompt_tokens, want)
+      << "the second time, from the cache";
+  EXPECT_NE(parse_with(*llama, llama->jinja, {{"messages", messages}}).prompt_tokens,
+            parse_with(*llama, llama->jinja, {{"messages", messages}, {"chat_template", own}}).prompt_tokens);
+  // Also over a built-in format (a model file without a template).
+  EXPECT_EQ(parse_with(*llama, llama->builtin, {{"messages", messages}, {"chat_template", own}}).prompt_tokens, want);
+  struct Bad {
+    json value;
+    const char* says;
+  };
+  for (const Bad& bad : {Bad{"{% for %}", "does not compile"},
+                         Bad{"{{ raise_exception('no thanks') }}", "request's chat template: no thanks"},
+                         Bad{std::string(kMaxChatTemplateBytes + 1, 'x'), "more than"}, Bad{7, "a Jinja template"},
+                         Bad{"{{ ''.__class__.__mro__ }}", "chat template"}}) {
+    SCOPED_TRACE(bad.value.dump().substr(0, 60));
+    const ApiError e = error_with(*llama, llama->jinja, {{"messages", messages}, {"chat_template", bad.value}});
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "chat_template");
+    EXPECT_NE(e.message.find(bad.says), std::string::npos) << e.message;
+  }
 }
 
 }  // namespace
