@@ -82,7 +82,8 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
   ini << "; written by test_cluster\n[node]\nrole = \"" << role << "\"\n";
   if (role != "router") ini << "name = \"" << name << "\"\nrouter-port = " << router_port_ << "\n";
   if (placed_.count(name)) ini << (role == "frontend" ? "http-host" : "host") << " = \"" << address_of(name) << "\"\n";
-  if (role != "router" && placed_.count("router")) ini << "router-host = \"" << address_of("router") << "\"\n";
+  if (role != "router" && (placed_.count("router") || !router_dialed_at_.empty()))
+    ini << "router-host = \"" << (router_dialed_at_.empty() ? address_of("router") : router_dialed_at_) << "\"\n";
   if (role == "frontend") ini << "http-port = " << port << "\n";
   else if (role != "prefill" && role != "worker") ini << "port = " << port << "\n";
   ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";

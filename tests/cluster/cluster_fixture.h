@@ -48,6 +48,10 @@ class TestCluster {
   // every node and the client dial the router at its address.
   void place(const std::string& name, std::vector<std::string> prefix, const std::string& address);
   std::string address_of(const std::string& name) const;  // its host's, or 127.0.0.1
+  // Nodes started from now on dial the router at `address` (its port
+  // unchanged) instead of the router's own: a relay there (DelayRelay) adds a
+  // link's latency. The client still dials the router itself.
+  void dial_router_at(const std::string& address) { router_dialed_at_ = address; }
 
   // Mutual TLS for every node started from now on (a [tls] group with the
   // certificate named like the node) and for client(): a CA and certificates
@@ -110,6 +114,7 @@ class TestCluster {
  private:
   std::string dir_;
   uint16_t router_port_;
+  std::string router_dialed_at_;  // dial_router_at(); empty: the router's address
   std::map<std::string, std::string> roles_;
   std::map<std::string, uint16_t> ports_;
   std::map<std::string, std::unique_ptr<ChildProcess>> nodes_;

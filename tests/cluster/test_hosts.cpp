@@ -5,6 +5,9 @@
 // (no CAP_NET_ADMIN) skips these tests with the reason.
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,6 +24,7 @@
 #include "engine/engine.h"
 #include "engine/generate.h"
 #include "support/http_client.h"
+#include "support/delay_relay.h"
 #include "support/net_lab.h"
 #include "support/test_paths.h"
 #include "text/tokenizer.h"
@@ -114,6 +118,78 @@ TEST(SeparateHosts, EveryNodeOnAHostOfItsOwnServesTheColocatedTokens) {
     for (const auto& decode : cluster.names("decode"))
       EXPECT_TRUE(has_connection_to_port(cluster.node(prefill).pid(), cluster.port_of(decode)))
           << prefill << " has no connection of its own to " << decode;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// The latency relay itself (on loopback): bytes keep their order and their
+// number, a half-close is passed on, and a round trip takes at least twice
+// its delay (it can hold bytes back, never deliver them early).
+TEST(DelayRelay, HoldsEveryByteItsDelayEachWayInOrder) {
+  // An echo server: what it reads it writes back, until the peer half-closes.
+  const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(server, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(server, 4), 0);
+  socklen_t len = sizeof a;
+  ::getsockname(server, reinterpret_cast<sockaddr*>(&a), &len);
+  std::thread echo([server] {
+    const int c = ::accept(server, nullptr, nullptr);
+    char buf[4096];
+    for (ssize_t n; (n = ::recv(c, buf, sizeof buf, 0)) > 0;)
+      for (ssize_t off = 0; off < n;) off += ::send(c, buf + off, size_t(n - off), MSG_NOSIGNAL);
+    ::close(c);
+  });
+  const auto delay = 20ms;
+  DelayRelay relay("127.0.0.1", 0, "127.0.0.1", ntohs(a.sin_port), delay);
+  const int c = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in r = a;
+  r.sin_port = htons(relay.port());
+  ASSERT_EQ(::connect(c, reinterpret_cast<sockaddr*>(&r), sizeof r), 0);
+  // One byte there and back: at least twice the delay.
+  const auto t0 = Clock::now();
+  ASSERT_EQ(::send(c, "x", 1, MSG_NOSIGNAL), 1);
+  char one = 0;
+  ASSERT_EQ(::recv(c, &one, 1, MSG_WAITALL), 1);
+  EXPECT_GE(Clock::now() - t0, 2 * delay);
+  EXPECT_EQ(one, 'x');
+  // 1 MiB of counting bytes, then a half-close: all of it back, in order, then the end.
+  std::string sent(1 << 20, '\0');
+  for (size_t i = 0; i < sent.size(); ++i) sent[i] = char(i * 7 + i / 251);
+  std::thread writer([&] {
+    for (size_t off = 0; off < sent.size();) off += size_t(::send(c, sent.data() + off, sent.size() - off, MSG_NOSIGNAL));
+    ::shutdown(c, SHUT_WR);
+  });
+  std::string back;
+  char buf[65536];
+  for (ssize_t n; (n = ::recv(c, buf, sizeof buf, 0)) > 0;) back.append(buf, size_t(n));
+  writer.join();
+  EXPECT_EQ(back.size(), sent.size());
+  EXPECT_TRUE(back == sent) << "bytes reordered or changed";
+  EXPECT_EQ(relay.connections(), 1);
+  EXPECT_EQ(relay.bytes(), int64_t(2 * (sent.size() + 1)));
+  ::close(c);
+  echo.join();
+  ::close(server);
+}
+
+// Latency between hosts (this kernel has no netem): every node dials the
+// router through a relay in the lab that holds each byte 1 ms each way, so
+// the control plane (registrations, heartbeats, jobs, tokens, the KV's
+// commits) has a 2 ms round trip on top of the link's; the tokens are still
+// colocated generation's.
+TEST(SeparateHosts, ARoundTripOfTwoMillisecondsToTheRouterChangesNoToken) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  HostCluster hosts("hosts-latency");
+  TestCluster& cluster = hosts.cluster;
+  DelayRelay relay(hosts.lab.gateway("router"), cluster.router_port(), hosts.lab.address("router"),
+                   cluster.router_port(), 1ms);
+  cluster.dial_router_at(hosts.lab.gateway("router"));
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(2, 2));
+  ASSERT_NO_FATAL_FAILURE(expect_colocated_tokens(cluster));
+  EXPECT_GE(relay.connections(), 4) << "the workers did not dial the router through the relay";
+  EXPECT_GT(relay.bytes(), 0);
   EXPECT_TRUE(cluster.stop_all());
 }
 

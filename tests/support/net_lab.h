@@ -43,6 +43,9 @@ class NetLab {
   NetLab& operator=(const NetLab&) = delete;
 
   std::string address(const std::string& host) const;
+  // The lab's own address on the link to `host` (10.77.i.1): what the test
+  // process listens on to be reachable from every host.
+  std::string gateway(const std::string& host) const;
   // argv to put before a command to run it on `host` (nsenter into its namespaces).
   std::vector<std::string> run_on(const std::string& host) const;
   // The same into its network alone: /sys stays the lab's (the machine's),
