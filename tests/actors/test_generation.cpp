@@ -232,6 +232,31 @@ INSTANTIATE_TEST_SUITE_P(Topologies, ReferenceTopology,
                                                                                  : "");
                          });
 
+// One sequence alone, speculating: each step makes the token plain decoding
+// makes there and one more per accepted guess, all of them output, so the
+// decode worker's tokens are the first (the prefill's) + one per step + the
+// accepted guesses, exactly; and they are the colocated tokens.
+TEST_F(ActorTest, ASpeculatingStepOutputsEveryTokenItMade) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.speculation = "ngram";
+  options.config.prompt_lookup_min = 1;
+  start(options);
+  auto& m = metrics::disagg_metrics();
+  auto steps = [&] { return double(m.decode_step_plain.count() + m.decode_step_verify.count()); };
+  const double tokens_before = m.decode_tokens.value(), steps_before = steps(),
+               accepted_before = m.spec_decode_accepted_tokens.value();
+  const int max_new = 300;  // (greedy, it reaches BOS only after 341 tokens: no end inside a step)
+  const RequestOutcome out = client_->generate(make_request(kOnceUponATime, max_new));
+  ASSERT_TRUE(out.ok()) << out.message;
+  EXPECT_EQ(out.tokens, colocated(kOnceUponATime, max_new).tokens);
+  const double tokens = m.decode_tokens.value() - tokens_before, stepped = steps() - steps_before,
+               accepted = m.spec_decode_accepted_tokens.value() - accepted_before;
+  EXPECT_GT(accepted, 0) << "no guess was accepted";
+  EXPECT_EQ(tokens, double(max_new));
+  EXPECT_EQ(tokens, 1 + stepped + accepted) << stepped << " steps";
+}
+
 TEST_F(ActorTest, SampledOutputEqualsColocatedWithTheSameSeed) {
   start(2, 2);
   const auto cases = load_all_reference_cases();
