@@ -20,6 +20,7 @@
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
 #include "support/reference_cases.h"
+#include "support/run_command.h"
 #include "support/test_paths.h"
 #include "text/tokenizer.h"
 
@@ -303,6 +304,28 @@ TEST(DraftModel, AnyDraftGivesThePlainTokens) {
   ModelConfig fewer = shape;
   fewer.vocab_size = 300;
   EXPECT_NE(check_draft(engine.config(), fewer), "");
+}
+
+// disagg-generate --speculation: the same output line, the guesses' counts on stderr.
+TEST(DraftModel, DisaggGenerateSpeculatesWithTheSameOutput) {
+  const std::string base = test::shell_quoted(test::bin_dir() + "/disagg-generate") + " --model " +
+                           test::shell_quoted(test::shared_model()) + " --tokenizer " +
+                           test::shell_quoted(test::shared_tokenizer()) +
+                           " --prompt 'Once upon a time' --max-new-tokens 120 --temperature 0 --json";
+  const auto [plain, plain_status] = test::run_command(base + " 2>/dev/null");
+  ASSERT_EQ(plain_status, 0);
+  for (const std::string& flags : {std::string(" --speculation ngram --prompt-lookup-min 1"),
+                                   " --speculation draft --draft-model " + test::shell_quoted(test::shared_model())}) {
+    SCOPED_TRACE(flags);
+    const auto [out, status] = test::run_command(base + flags + " 2>&1 >/dev/null");
+    EXPECT_EQ(status, 0) << out;
+    EXPECT_NE(out.find("guesses accepted"), std::string::npos) << out;
+    const auto [line, line_status] = test::run_command(base + flags + " 2>/dev/null");
+    EXPECT_EQ(line_status, 0);
+    EXPECT_EQ(line, plain);
+  }
+  EXPECT_EQ(test::run_command(base + " --speculation draft 2>/dev/null").second, 2) << "draft needs --draft-model";
+  EXPECT_EQ(test::run_command(base + " --speculation eagle 2>/dev/null").second, 2);
 }
 
 }  // namespace
