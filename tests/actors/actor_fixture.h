@@ -38,14 +38,29 @@ size_t kv_bytes_for(int positions);
 // (whole key tiles, engine/kv_stream.h).
 size_t stream_bytes_for(int prompt_len, int block_size = 16);
 
-// Token events of one request, as the client saw them.
+// Token events of one request, as the client saw them. The callback holds
+// the events, not the TokenLog: a test that ends early (a failed ASSERT)
+// destroys its logs while its requests still stream, and the client's
+// threads must not lock a destroyed mutex then (they did, and the actor
+// system never stopped).
 struct TokenLog {
-  std::mutex mutex;
-  std::vector<TokenEvent> events;
+ private:
+  struct State {
+    std::mutex mutex;
+    std::vector<TokenEvent> events;
+  };
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+
+ public:
+  std::mutex& mutex = state_->mutex;
+  std::vector<TokenEvent>& events = state_->events;
+  TokenLog() = default;
+  TokenLog(const TokenLog&) = delete;
+  TokenLog& operator=(const TokenLog&) = delete;
   TokenCallback callback() {
-    return [this](const TokenEvent& e) {
-      std::lock_guard<std::mutex> lock(mutex);
-      events.push_back(e);
+    return [state = state_](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->events.push_back(e);
     };
   }
 };
