@@ -501,11 +501,11 @@ void forget_draft(ComputeState& st, RequestId id) {
 }
 
 // The guesses a slot's proposer makes (engine/speculation.h), at most its
-// draft_limit; none for a plain slot.
+// draft_limit (the decode worker's gpu::guess_room); none for a plain slot.
 std::vector<int> draft_of(ComputeState& st, const StepSlot& s) {
   if (s.draft_limit <= 0) return {};
   const gpu::SpeculationParams& p = s.sampling.speculation;
-  const int max = std::min(s.draft_limit, p.num_tokens);
+  const int max = s.draft_limit;
   switch (p.method) {
     case gpu::SpeculationMethod::ngram: return gpu::propose_ngram(s.history, p.lookup_min, p.lookup_max, max);
     case gpu::SpeculationMethod::draft:

@@ -71,14 +71,13 @@ struct Sequence {
   // held, this pool's or the prefill worker's, of the request's own prompt.
   client_actor client;
   int32_t cached_tokens = 0;
-  // Speculative decoding: the request's wishes resolved against this
-  // worker's configuration, and the gate that pauses guessing while it fails
-  // (engine/speculation.h). Guessing needs the prompt (context).
-  gpu::SpeculationParams speculation;
+  // Speculative decoding (engine/speculation.h; sampling.speculation holds
+  // the request's wishes resolved against this worker's configuration): the
+  // gate that pauses guessing while it fails. Guessing needs the prompt (context).
   gpu::SpeculationGate gate;
   bool drafted = false;  // the compute holds a draft model's KV for it (told to drop it at the end)
   bool speculates() const {
-    return speculation.method != gpu::SpeculationMethod::off && !context.empty();
+    return sampling.speculation.method != gpu::SpeculationMethod::off && !context.empty();
   }
 };
 
@@ -109,7 +108,7 @@ void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& clien
   seq.first_step = t.first_step;
   seq.client = client;
   seq.cached_tokens = cached_prompt_tokens(pool_cached, t.cached_tokens, t.prompt_len - t.first_step);
-  seq.speculation = gpu::resolve_speculation(t.sampling.speculation, configured);
+  seq.sampling.speculation = gpu::resolve_speculation(t.sampling.speculation, configured);
 }
 
 // Ids cancelled recently: a KV transfer that arrives after its cancel (the two
@@ -371,13 +370,11 @@ void schedule_step(Self self) {
     slot.pos = seq.prompt_len + int32_t(seq.tokens.size()) - 1;
     slot.step = seq.first_step + int32_t(seq.tokens.size());
     slot.sampling = seq.sampling;
-    slot.sampling.speculation = seq.speculation;
     slot.blocks = seq.blocks;
-    // Guesses for the tokens after this one, inside the request's limit
-    // (so inside its reserved blocks: gpu::kv_positions_needed).
-    const int32_t room = std::min(seq.speculation.num_tokens, seq.limit - slot.step - 1);
+    // Guesses for the tokens after this one, inside the request's limit.
+    const int32_t room = gpu::guess_room(seq.sampling.speculation.num_tokens, slot.step, seq.limit);
     if (seq.speculates() && room > 0) slot.draft_limit = seq.gate.allowed(room);
-    seq.drafted |= slot.draft_limit > 0 && seq.speculation.method == gpu::SpeculationMethod::draft;
+    seq.drafted |= slot.draft_limit > 0 && seq.sampling.speculation.method == gpu::SpeculationMethod::draft;
     if (seq.sampling.uses_history() || slot.draft_limit > 0) {
       slot.history.reserve(seq.context.size() + seq.tokens.size());
       slot.history = seq.context;

@@ -81,8 +81,8 @@ GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>&
         return result;
       }
     }
-    // Token `step` comes next: guesses for tokens step + 1.. stay inside the limit.
-    int room = std::min(spec ? spec->num_tokens : 0, limit - step - 1);
+    // Token `step` comes next.
+    int room = guess_room(spec ? spec->num_tokens : 0, step, limit);
     draft.clear();
     if (room > 0 && spec->gated) room = gate.allowed(room);
     if (room > 0) draft = spec->propose(sequence, room);

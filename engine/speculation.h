@@ -23,6 +23,7 @@
 // worker's configuration by resolve_speculation(); a SpeculationGate per
 // sequence pauses proposals while they keep failing.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -50,6 +51,14 @@ SpeculationParams resolve_speculation(const SpeculationParams& request, const Sp
 // tokens of `tokens` occurred; the up to `max` tokens that followed it there.
 // Empty when none matches. O(len x n) per call, no state.
 std::vector<int> propose_ngram(const std::vector<int>& tokens, int lookup_min, int lookup_max, int max);
+
+// The most guesses a step may feed after the token it feeds, when token
+// `index` of the request comes next and it may output `limit` tokens in all:
+// row i makes token index + i, so at most `k` and never a token past the
+// limit; the positions fed then stay inside what the request reserved
+// (gpu::kv_positions_needed). The one rule of the decode worker and of
+// generate_speculative().
+inline int guess_room(int k, int index, int limit) { return std::max(0, std::min(k, limit - index - 1)); }
 
 // Spends a sequence's guesses where they pay. After a step that accepted
 // none of its guesses, none are made for the next `pause` steps, and the
