@@ -3,14 +3,22 @@
 #include <ucp/api/ucp.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 #include "kv/event_loop.h"
 #include "kv/transfer.h"
 
 namespace disagg::kv {
 
+void apply_process_settings() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("UCX_TCP_CONN_NB", "y", /*overwrite=*/0); });
+}
+
 std::shared_ptr<KvContext> KvContext::create(const ContextOptions& options) {
+  apply_process_settings();
   // The environment (UCX_*) first, then this context's own settings on top,
   // so two contexts in one process can use different transports.
   ucp_config_t* config = nullptr;

@@ -119,6 +119,18 @@ struct ContextOptions {
   bool peer_failure_detection = true;
 };
 
+// UCX's TCP transport settings this library needs, which UCX 1.13 reads
+// from the environment only (ContextOptions::ucx_settings cannot carry
+// them): UCX_TCP_CONN_NB=y, the transport's connections dialled without
+// blocking. UCX dials them from the event loop's thread, blocking by
+// default: a SYN dropped on the way (a cut link) held that thread in
+// connect() for the kernel's two minutes of SYN retries, and every caller
+// waiting on the loop (a stream's sender giving up at its connect timeout)
+// with it. A variable the environment already sets is left as it is.
+// KvContext::create applies them; a process calls this itself before it
+// starts threads (setenv), as a node does first thing.
+void apply_process_settings();
+
 // A UCP context. Receivers and senders made from it share its settings.
 class KvContext {
  public:

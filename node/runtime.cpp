@@ -421,6 +421,7 @@ int node_main(int argc, char** argv, RoleRunner frontend) {
     return 2;
   }
   const NodeOptions& node = config.node;
+  kv::apply_process_settings();  // (setenv: before this process has threads of its own)
   set_node_log_name(node.name.empty() ? node.role : node.role + " " + node.name);
   LogLevel level = LogLevel::info;
   parse_log_level(node.log_level, &level);  // validated with the config

@@ -453,6 +453,50 @@ TEST(Partitions, AKvStreamCutMidwayFailsAtItsStallLimitAndTheRequestStartsOver) 
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// The KV plane's own connection cut while it is being made: UCX's client-
+// server handshake reaches the decode host's KV listener, but its TCP
+// transport's connection (another port) never does. The stream's sender
+// gives up at its connect timeout (kv::SenderOptions, 5 s) and the request
+// starts over elsewhere. (UCX dials that connection from the KV event loop,
+// blocking unless UCX_TCP_CONN_NB=y, kv::apply_process_settings: a dropped
+// SYN held the loop, and the prefill waiting on it, for two minutes.)
+TEST(Partitions, AKvConnectionCutWhileItIsMadeFailsAtTheConnectTimeoutAndTheRequestStartsOver) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab(kHosts);
+  TestCluster cluster("partition-kv-connect");
+  for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
+  const std::string model = make_m50(cluster.dir());
+  cluster.set_model(model + "/model.bin");
+  cluster.set_tokenizer_file(false);
+  cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\n");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
+  // (the control plane's own direct connection is made before the cut)
+  ASSERT_TRUE(log_says(cluster, "prefill-1", "direct connection to decode worker decode-1", 20s)) << cluster.logs();
+  const std::string log = cluster.node("decode-1").log(), tag = "KV receivers at tcp " + lab.address("decode-1") + ":";
+  ASSERT_NE(log.find(tag), std::string::npos) << log;
+  lab.cut_but_port("prefill-1", "decode-1", uint16_t(std::stoi(log.substr(log.find(tag) + tag.size()))));
+  std::vector<int> prompt = {1};
+  for (int i = 1; i < 100; ++i) prompt.push_back(3 + (i * 37) % 4000);
+  GenerateRequest request = token_request(prompt, 8);
+  request.deadline_ms = 12000;  // (the connect timeout and a second attempt)
+  const auto sent = Clock::now();
+  std::future<RequestOutcome> outcome = cluster.client().submit(request);
+  cluster.start_node("prefill", "prefill-2");
+  cluster.start_node("decode", "decode-2");
+  ASSERT_EQ(outcome.wait_for(15s), std::future_status::ready) << cluster.logs();
+  const RequestOutcome out = outcome.get();
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+  EXPECT_LT(Clock::now() - sent, 12s);
+  EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request));
+  EXPECT_TRUE(log_says(cluster, "router", "did not answer within", 1s)) << cluster.logs();
+  EXPECT_FALSE(out.prefill_worker == "prefill-1" && out.decode_worker == "decode-1") << "served over the cut link";
+  ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // A client whose host drops off mid-stream (no FIN, no RST: the frontend's
 // writes land in its socket buffer, and a read waits on) is found out by
 // TCP within node.http-dead-client-ms (2 s here): its request is cancelled

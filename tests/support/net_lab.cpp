@@ -133,6 +133,13 @@ void NetLab::cut(const std::string& a, const std::string& b) {
               " -j DROP");
 }
 
+void NetLab::cut_but_port(const std::string& a, const std::string& b, uint16_t port) {
+  cut(a, b);
+  const std::string x = address(a), y = address(b), p = std::to_string(port);
+  lab_command("iptables -I FORWARD -p tcp -s " + x + " -d " + y + " --dport " + p +
+              " -j ACCEPT && iptables -I FORWARD -p tcp -s " + y + " -d " + x + " --sport " + p + " -j ACCEPT");
+}
+
 void NetLab::heal(const std::string& a, const std::string& b) {
   const std::string x = address(a), y = address(b);
   lab_command("iptables -D FORWARD -s " + x + " -d " + y + " -j DROP && iptables -D FORWARD -s " + y + " -d " + x +

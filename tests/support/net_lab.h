@@ -58,6 +58,8 @@ class NetLab {
   // a pulled cable), until heal(a, b).
   void cut(const std::string& a, const std::string& b);
   void heal(const std::string& a, const std::string& b);
+  // cut(a, b), but for TCP to and from b's `port`.
+  void cut_but_port(const std::string& a, const std::string& b, uint16_t port);
   // Drops every packet to and from `host`: the other hosts' and the lab's
   // (where the test's own client runs), until rejoin(host).
   void isolate(const std::string& host);
