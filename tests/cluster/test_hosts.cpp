@@ -497,6 +497,36 @@ TEST(Partitions, AKvConnectionCutWhileItIsMadeFailsAtTheConnectTimeoutAndTheRequ
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// A TLS handshake cut midway (mutual TLS between hosts; the worker's
+// connection to the router goes silent both ways once it has carried 1,500
+// bytes: the ClientHello is through, the router's answer is not): the
+// router closes it at its handshake timeout (handshake-timeout-ms, 1.5 s
+// here), and the worker, which knows only that no handshake came, keeps
+// trying; once the link heals, the router's close reaches it (the kernel
+// still sends the closed connection's data and FIN), its next try makes a
+// new connection, and it registers and serves.
+TEST(Partitions, ATlsHandshakeCutMidwayEndsAtTheHandshakeTimeoutAndTheWorkerJoinsOnceHealed) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  HostCluster hosts("partition-tls", "", true);
+  TestCluster& cluster = hosts.cluster;
+  cluster.start_node("router", "router", "handshake-timeout-ms = 1500\n");
+  ASSERT_TRUE(log_says(cluster, "router", "listening on", 20s)) << cluster.logs();
+  const uint16_t port = cluster.router_port();
+  hosts.lab.cut_connections_after("prefill-1", "router", port, 1500);
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  EXPECT_TRUE(log_says(cluster, "router", "no complete TLS handshake within 1500 ms", 15s)) << cluster.logs();
+  EXPECT_EQ(cluster.node("router").log().find("registered prefill worker prefill-1"), std::string::npos)
+      << "registered over a link that cut its handshake\n" << cluster.logs();
+  hosts.lab.heal_connections("prefill-1", "router", port, 1500);
+  const auto healed = Clock::now();
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
+  EXPECT_LT(Clock::now() - healed, 15s);
+  const RequestOutcome out = cluster.client().generate(token_request({1, 403, 407, 261, 378}, 8));
+  EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // A client whose host drops off mid-stream (no FIN, no RST: the frontend's
 // writes land in its socket buffer, and a read waits on) is found out by
 // TCP within node.http-dead-client-ms (2 s here): its request is cancelled

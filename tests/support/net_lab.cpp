@@ -140,6 +140,28 @@ void NetLab::cut_but_port(const std::string& a, const std::string& b, uint16_t p
               " -j ACCEPT && iptables -I FORWARD -p tcp -s " + y + " -d " + x + " --sport " + p + " -j ACCEPT");
 }
 
+namespace {
+
+// conntrack's byte count of a connection, both directions together.
+std::string connbytes_rules(const char* action, const std::string& x, const std::string& y, uint16_t port,
+                            int64_t bytes) {
+  const std::string match = " -m connbytes --connbytes " + std::to_string(bytes) +
+                            ": --connbytes-dir both --connbytes-mode bytes -j DROP";
+  return std::string("iptables ") + action + " FORWARD -p tcp -s " + x + " -d " + y + " --dport " +
+         std::to_string(port) + match + " && iptables " + action + " FORWARD -p tcp -s " + y + " -d " + x +
+         " --sport " + std::to_string(port) + match;
+}
+
+}  // namespace
+
+void NetLab::cut_connections_after(const std::string& a, const std::string& b, uint16_t port, int64_t bytes) {
+  lab_command(connbytes_rules("-I", address(a), address(b), port, bytes));
+}
+
+void NetLab::heal_connections(const std::string& a, const std::string& b, uint16_t port, int64_t bytes) {
+  lab_command(connbytes_rules("-D", address(a), address(b), port, bytes));
+}
+
 void NetLab::heal(const std::string& a, const std::string& b) {
   const std::string x = address(a), y = address(b);
   lab_command("iptables -D FORWARD -s " + x + " -d " + y + " -j DROP && iptables -D FORWARD -s " + y + " -d " + x +

@@ -58,6 +58,12 @@ class NetLab {
   // a pulled cable), until heal(a, b).
   void cut(const std::string& a, const std::string& b);
   void heal(const std::string& a, const std::string& b);
+  // Every TCP connection between a and b's `port` goes silent (both ways,
+  // no RST, no FIN) once it has carried `bytes` bytes: a link cut in the
+  // middle of a handshake. Connections made before this count from their
+  // start, so call it before the ones it is for. Until heal_connections.
+  void cut_connections_after(const std::string& a, const std::string& b, uint16_t port, int64_t bytes);
+  void heal_connections(const std::string& a, const std::string& b, uint16_t port, int64_t bytes);
   // cut(a, b), but for TCP to and from b's `port`.
   void cut_but_port(const std::string& a, const std::string& b, uint16_t port);
   // Drops every packet to and from `host`: the other hosts' and the lab's
