@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <future>
@@ -28,6 +29,7 @@
 #include "engine/generate.h"
 #include "support/http_client.h"
 #include "support/delay_relay.h"
+#include "support/packet_delay.h"
 #include "support/net_lab.h"
 #include "support/test_paths.h"
 #include "text/tokenizer.h"
@@ -194,6 +196,47 @@ TEST(SeparateHosts, ARoundTripOfTwoMillisecondsToTheRouterChangesNoToken) {
   EXPECT_GE(relay.connections(), 4) << "the workers did not dial the router through the relay";
   EXPECT_GT(relay.bytes(), 0);
   EXPECT_TRUE(cluster.stop_all());
+}
+
+// The packet-level delay (NetLab::delay): a TCP connect from the lab to a
+// port where nothing listens on a host is refused by the host's kernel one
+// round trip later: at least twice the delay when the host's link has one
+// (the SYN and the RST each cross it), far less on a host without.
+TEST(PacketDelay, HoldsEveryPacketItsDelayEachWay) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  NetLab lab({"near", "far"});
+  lab.delay("far", 5ms);
+  auto refused_after = [&](const std::string& host) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(9);  // (discard: nothing listens there)
+    ::inet_pton(AF_INET, lab.address(host).c_str(), &a.sin_addr);
+    const auto t0 = Clock::now();
+    const int rc = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    const int error = errno;
+    const auto took = Clock::now() - t0;
+    ::close(fd);
+    EXPECT_EQ(rc, -1);
+    EXPECT_EQ(error, ECONNREFUSED) << host;
+    return took;
+  };
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_GE(refused_after("far"), 10ms);
+    EXPECT_LT(refused_after("near"), 5ms);
+  }
+}
+
+// Half a millisecond each way on every host's link, for every connection
+// (CAF's, UCX's KV streams, the client's): a round trip of 2 ms between
+// any two hosts, and the tokens are still colocated generation's.
+TEST(SeparateHosts, HalfAMillisecondEachWayOnEveryLinkChangesNoToken) {
+  ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
+  HostCluster hosts("hosts-delay");
+  for (const std::string& h : kHosts) hosts.lab.delay(h, 500us);
+  ASSERT_NO_FATAL_FAILURE(hosts.cluster.start_all(2, 2));
+  ASSERT_NO_FATAL_FAILURE(expect_colocated_tokens(hosts.cluster));
+  EXPECT_TRUE(hosts.cluster.stop_all());
 }
 
 // The same with mutual TLS on every connection between hosts.
@@ -585,9 +628,10 @@ TEST(Partitions, AClientCutOffMidStreamIsCancelledWithinTheDeadClientTimeout) {
 // Not a test: a benchmark (`scripts/bench ttft-hosts`, disabled in ctest).
 // Time to first token of a 1,024-token prompt of the ~50M-parameter m50
 // model (67 MB of KV) from a prefill host to a decode host, their links
-// unshaped, then shaped to 10 and 1 Gbit/s (tbf on both), against the
-// issue's bound: 1.10 x (colocated prefill + the KV's bytes at the link's
-// rate). Hosts have CPUs of their own, this machine has 2 cores: every
+// unshaped, then shaped to 10 and 1 Gbit/s (tbf on both), with 0, 200 us
+// and 1 ms of one-way delay between them (NetLab::delay on the decode
+// host's link), against the bound: 1.10 x (colocated prefill +
+// the KV's time on the link: its bytes at the link's rate and the delay). Hosts have CPUs of their own, this machine has 2 cores: every
 // node computes with one thread; the router and the decode node run on
 // core 1, the prefill node on either (its KV stream's thread finds the
 // core its compute thread leaves, as on a host of several cores).
@@ -597,20 +641,8 @@ TEST(Partitions, AClientCutOffMidStreamIsCancelledWithinTheDeadClientTimeout) {
 // medians; each prompt new (no prefix cache hit). One line per rate.
 TEST(HostsBench, DISABLED_TtftOfALongPromptOnShapedLinks) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("hosts-ttft");
-  for (const std::string& h : kHosts) {
-    std::vector<std::string> prefix = lab.run_on(h);
-    for (const std::string& a : {std::string("/usr/bin/env"), std::string("OMP_NUM_THREADS=1"),
-                                 std::string("/usr/bin/taskset"), std::string("-c"),
-                                 std::string(h == "prefill-1" ? "0,1" : "1")})
-      prefix.push_back(a);
-    cluster.place(h, prefix, lab.address(h));
-  }
-  const std::string model = make_m50(cluster.dir());
-  cluster.set_model(model + "/model.bin");
-  cluster.set_tokenizer_file(false);
-  cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\n");
+  TestCluster models("hosts-ttft-model");  // (never started: the model's folder)
+  const std::string model = make_m50(models.dir());
   auto prompt_of = [](int run) {
     std::vector<int> prompt = {1};
     for (int i = 1; i < 1024; ++i) prompt.push_back(3 + (i * 37 + run * 101) % 4000);
@@ -631,43 +663,66 @@ TEST(HostsBench, DISABLED_TtftOfALongPromptOnShapedLinks) {
     omp_set_num_threads(threads);
     return s;
   };
-  cluster.start_router();
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
-  ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
   int run = 0;
-  // (first unshaped: the veth links alone, bounded by 0 bytes of link time)
-  for (const auto& [rate, bits_per_s] :
-       std::vector<std::pair<std::string, double>>{{"unshaped", 0}, {"10gbit", 10e9}, {"1gbit", 1e9}}) {
-    if (bits_per_s > 0) {
-      lab.shape("prefill-1", rate);
-      lab.shape("decode-1", rate);
+  // One-way delay between the prefill and the decode host (on the decode
+  // host's link: NetLab::delay), each with a lab and a cluster of its own.
+  for (const std::chrono::microseconds delay : {0us, 200us, 1000us}) {
+    NetLab lab(kHosts);
+    if (delay > 0us) lab.delay("decode-1", delay);
+    TestCluster cluster("hosts-ttft");
+    for (const std::string& h : kHosts) {
+      std::vector<std::string> prefix = lab.run_on(h);
+      for (const std::string& a : {std::string("/usr/bin/env"), std::string("OMP_NUM_THREADS=1"),
+                                   std::string("/usr/bin/taskset"), std::string("-c"),
+                                   std::string(h == "prefill-1" ? "0,1" : "1")})
+        prefix.push_back(a);
+      cluster.place(h, prefix, lab.address(h));
     }
-    std::vector<double> ttft, node_prefill, after, colocated;
-    uint64_t kv_bytes = 0;
-    for (int i = 0; i < 6; ++i) {
-      const GenerateRequest request = token_request(prompt_of(run++), 1);
-      const double alone = colocated_prefill(prompt_of(run++));
-      const auto t0 = Clock::now();
-      const RequestOutcome out = cluster.client().generate(request);
-      const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-      ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
-      kv_bytes = out.timings.kv_bytes;
-      if (i == 0) continue;  // (a warm-up)
-      ttft.push_back(s);
-      colocated.push_back(alone);
-      node_prefill.push_back(double(out.timings.prefill_us) / 1e6);
-      after.push_back(double(out.timings.kv_transfer_us) / 1e6);
+    cluster.set_model(model + "/model.bin");
+    cluster.set_tokenizer_file(false);
+    cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\n");
+    cluster.start_router();
+    cluster.start_node("prefill", "prefill-1");
+    cluster.start_node("decode", "decode-1");
+    ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
+    // (first unshaped: the veth links alone, bounded by 0 bytes of link time)
+    for (const auto& [rate, bits_per_s] :
+         std::vector<std::pair<std::string, double>>{{"unshaped", 0}, {"10gbit", 10e9}, {"1gbit", 1e9}}) {
+      if (delay > 0us && bits_per_s == 0) continue;
+      if (bits_per_s > 0) {
+        lab.shape("prefill-1", rate);
+        lab.shape("decode-1", rate);
+      }
+      std::vector<double> ttft, node_prefill, after, colocated;
+      uint64_t kv_bytes = 0;
+      for (int i = 0; i < 6; ++i) {
+        const GenerateRequest request = token_request(prompt_of(run++), 1);
+        const double alone = colocated_prefill(prompt_of(run++));
+        const auto t0 = Clock::now();
+        const RequestOutcome out = cluster.client().generate(request);
+        const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+        ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+        kv_bytes = out.timings.kv_bytes;
+        if (i == 0) continue;  // (a warm-up)
+        ttft.push_back(s);
+        colocated.push_back(alone);
+        node_prefill.push_back(double(out.timings.prefill_us) / 1e6);
+        after.push_back(double(out.timings.kv_transfer_us) / 1e6);
+      }
+      const double prefill_s = median(colocated);
+      // The KV's time on the link: its bytes at the link's rate, and the delay.
+      const double link_s = (bits_per_s > 0 ? double(kv_bytes) * 8 / bits_per_s : 0) +
+                            std::chrono::duration<double>(delay).count();
+      const double bound = 1.10 * (prefill_s + link_s);
+      std::printf("ttft-hosts rate=%s delay=%lldus: ttft=%.1f ms (the prefill node's prefill %.1f ms, then %.1f ms to "
+                  "the ack) colocated_prefill=%.1f ms kv=%.1f MB link=%.1f ms bound=%.1f ms ratio=%.3f\n",
+                  rate.c_str(), static_cast<long long>(delay.count()), median(ttft) * 1e3, median(node_prefill) * 1e3,
+                  median(after) * 1e3, prefill_s * 1e3, double(kv_bytes) / 1e6, link_s * 1e3, bound * 1e3,
+                  median(ttft) / (prefill_s + link_s));
+      EXPECT_LE(median(ttft), bound) << rate << ", " << delay.count() << " us";
     }
-    const double prefill_s = median(colocated);
-    const double link_s = bits_per_s > 0 ? double(kv_bytes) * 8 / bits_per_s : 0, bound = 1.10 * (prefill_s + link_s);
-    std::printf("ttft-hosts rate=%s: ttft=%.1f ms (the prefill node's prefill %.1f ms, then %.1f ms to the ack) "
-                "colocated_prefill=%.1f ms kv=%.1f MB link=%.1f ms bound=%.1f ms ratio=%.3f\n",
-                rate.c_str(), median(ttft) * 1e3, median(node_prefill) * 1e3, median(after) * 1e3, prefill_s * 1e3,
-                double(kv_bytes) / 1e6, link_s * 1e3, bound * 1e3, median(ttft) / (prefill_s + link_s));
-    EXPECT_LE(median(ttft), bound) << rate;
+    EXPECT_TRUE(cluster.stop_all());
   }
-  EXPECT_TRUE(cluster.stop_all());
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "support/net_lab.h"
 
+#include "support/packet_delay.h"
+
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
@@ -98,6 +100,7 @@ NetLab::NetLab(const std::vector<std::string>& names) {
 }
 
 NetLab::~NetLab() {
+  delays_.clear();
   for (const Host& h : hosts_) {
     ::kill(h.holder, SIGKILL);
     ::waitpid(h.holder, nullptr, 0);
@@ -200,6 +203,19 @@ std::pair<long, long> NetLab::lost() const {
 void NetLab::isolate(const std::string& name) { lab_command(isolation_rules("-I", address(name))); }
 
 void NetLab::rejoin(const std::string& name) { lab_command(isolation_rules("-D", address(name))); }
+
+void NetLab::delay(const std::string& name, std::chrono::microseconds delay) {
+  const Host& h = host(name);
+  const std::string i = std::to_string(h.index), ns = "/proc/" + std::to_string(h.holder) + "/ns/net";
+  //   h<i> ── veth ── net0 ═ PacketDelay ═ wire0 ── veth ── in0 10.77.i.2  (the host's stack)
+  lab_command("nsenter --net=" + ns + " sh -c 'ip link add in0 type veth peer name wire0 && ip addr del 10.77." + i +
+              ".2/24 dev net0 && ip addr add 10.77." + i + ".2/24 dev in0 && ip link set wire0 up && ip link set in0 up" +
+              " && ip link set net0 promisc on && ip link set wire0 promisc on && ip route replace default via 10.77." +
+              i + ".1 dev in0'");
+  lab_command("for _ in $(seq 300); do nsenter --net=" + ns + " ip link show in0 | grep -q 'state UP' && nsenter --net=" +
+              ns + " ip link show wire0 | grep -q 'state UP' && exit 0; sleep 0.01; done; exit 1");
+  delays_.push_back(std::make_unique<PacketDelay>(ns, "net0", "wire0", delay));
+}
 
 void NetLab::shape(const std::string& name, const std::string& rate) {
   const std::string qdisc = " root tbf rate " + rate + " burst 256kb latency 50ms";

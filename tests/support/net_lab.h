@@ -22,11 +22,15 @@
 #pragma once
 #include <sys/types.h>
 
+#include <chrono>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace disagg::test {
+
+class PacketDelay;
 
 class NetLab {
  public:
@@ -77,6 +81,12 @@ class NetLab {
   std::pair<long, long> lost() const;
   // Limits the link of `host` to `rate` (tc's units: "1gbit") both ways.
   void shape(const std::string& host, const std::string& rate);
+  // Puts `delay` each way on the link of `host` (this kernel has no netem),
+  // for every packet, whatever connection it belongs to: the host's address
+  // moves to an inner interface whose frames cross a PacketDelay to net0.
+  // Call it before the host's processes start (it moves their address), at
+  // most once per host.
+  void delay(const std::string& host, std::chrono::microseconds delay);
 
  private:
   struct Host {
@@ -86,6 +96,7 @@ class NetLab {
   };
   const Host& host(const std::string& name) const;
   std::vector<Host> hosts_;
+  std::vector<std::unique_ptr<PacketDelay>> delays_;  // (before hosts_ goes: their threads read its interfaces)
 };
 
 }  // namespace disagg::test
