@@ -127,9 +127,15 @@ void prefer_sharing_scheduler(caf::actor_system_config& config) {
   config.set("scheduler.policy", caf::atom("sharing"));
 }
 
+void watch_connections(caf::actor_system_config& config) {
+  config.set("middleman.heartbeat-interval", caf::timespan{kMiddlemanHeartbeat});
+  config.set("middleman.connection-timeout", caf::timespan{kMiddlemanConnectionTimeout});
+}
+
 DisaggSystemConfig::DisaggSystemConfig() {
   register_messages(*this);
   prefer_sharing_scheduler(*this);
+  watch_connections(*this);
   add_disagg_options(custom_options_, disagg);
 }
 

@@ -2,6 +2,7 @@
 // binding to CAF config options (group "disagg", from INI files or the CLI,
 // e.g. --disagg.block-size=32).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -171,8 +172,22 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& config);
 // so that polling would add to every token. Sharing wakes a worker at once.
 void prefer_sharing_scheduler(caf::actor_system_config& config);
 
+// Makes CAF's middleman watch every connection (a config file may still set
+// them): each side sends a heartbeat every kMiddlemanHeartbeat, and a
+// connection that has carried nothing for kMiddlemanConnectionTimeout is
+// closed (`middleman.heartbeat-interval`, `middleman.connection-timeout`;
+// CAF's default sends none and closes none). Without it a connection that
+// a partition silenced while nothing was left to send stayed open for good:
+// a worker whose handshake with the router was cut, once the router's
+// kernel had given up the other end, joined every later try to that dead
+// handshake (CAF joins a connect to one pending to the same address) and
+// had not registered 30 s after the heal (README, "Tested across hosts").
+constexpr std::chrono::seconds kMiddlemanHeartbeat{5};
+constexpr std::chrono::seconds kMiddlemanConnectionTimeout{30};
+void watch_connections(caf::actor_system_config& config);
+
 // An actor_system_config with all protocol messages registered, the sharing
-// scheduler, and the "disagg" options bound to `disagg`.
+// scheduler, connections watched, and the "disagg" options bound to `disagg`.
 class DisaggSystemConfig : public caf::actor_system_config {
  public:
   DisaggSystemConfig();

@@ -26,6 +26,7 @@ RemoteClient::RemoteClient(const std::string& router_address, std::chrono::milli
   config_ = std::make_unique<caf::actor_system_config>();
   register_messages(*config_);
   prefer_sharing_scheduler(*config_);
+  watch_connections(*config_);
   config_->load<caf::io::middleman>();
   if (const std::string problems = tls.validate(); !problems.empty()) throw gpu::Error(problems);
   use_tls(*config_, tls);

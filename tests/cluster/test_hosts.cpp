@@ -444,6 +444,55 @@ std::string make_m50(const std::string& dir) {
 }
 
 
+// The KV partition tests' cluster: every node a host of its own, serving
+// the m50 model (the router encodes with its tokenizer); `options` go to
+// [disagg]. Router, prefill-1 and decode-1 start; prefill-2 and decode-2
+// are where a request starts over.
+struct KvPartition {
+  NetLab lab{kHosts};
+  TestCluster cluster;
+  KvPartition(const std::string& tag, const std::string& options) : cluster(tag) {
+    for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
+    const std::string model = make_m50(cluster.dir());
+    cluster.set_model(model + "/model.bin");
+    cluster.set_tokenizer_file(false);
+    cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\n" + options);
+  }
+  void start_first_pair() {
+    cluster.start_router();
+    cluster.start_node("prefill", "prefill-1");
+    cluster.start_node("decode", "decode-1");
+  }
+  // The port of decode-1's KV receivers, from its log; 0 when not there.
+  uint16_t kv_port() {
+    const std::string log = cluster.node("decode-1").log(), tag = "KV receivers at tcp " + lab.address("decode-1") + ":";
+    const size_t at = log.find(tag);
+    return at == std::string::npos ? 0 : uint16_t(std::stoi(log.substr(at + tag.size())));
+  }
+  // A prompt of `n` tokens.
+  static std::vector<int> prompt(int n) {
+    std::vector<int> p = {1};
+    for (int i = 1; i < n; ++i) p.push_back(3 + (i * 37) % 4000);
+    return p;
+  }
+  // The request, cut off on the prefill-1/decode-1 link, started over on
+  // other workers (the router said `why`) and completed `within` of being
+  // sent, with colocated generation's tokens; every pool whole after.
+  void expect_served_elsewhere(std::future<RequestOutcome>& outcome, const GenerateRequest& request,
+                               Clock::time_point sent, std::chrono::seconds wait, std::chrono::seconds within,
+                               const std::string& why) {
+    ASSERT_EQ(outcome.wait_for(wait), std::future_status::ready) << cluster.logs();
+    const RequestOutcome out = outcome.get();
+    ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+    EXPECT_LT(Clock::now() - sent, within);
+    EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request));
+    EXPECT_TRUE(log_says(cluster, "router", why, 1s)) << cluster.logs();
+    EXPECT_FALSE(out.prefill_worker == "prefill-1" && out.decode_worker == "decode-1") << "served over the cut link";
+    ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
+    EXPECT_TRUE(cluster.stop_all());
+  }
+};
+
 // A prefill host cut off from its decode host in the middle of a KV stream
 // (a 1,000-position prompt's 64 MiB over a 100 Mbit/s link: 5 s): the
 // stream fails at its stall limit (disagg.ack-timeout-ms, 4 s here: above
@@ -454,30 +503,20 @@ std::string make_m50(const std::string& dir) {
 // whole afterwards.
 TEST(Partitions, AKvStreamCutMidwayFailsAtItsStallLimitAndTheRequestStartsOver) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("partition-kv");
-  for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
-  const std::string model = make_m50(cluster.dir());
-  cluster.set_model(model + "/model.bin");
-  cluster.set_tokenizer_file(false);
-  cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\nack-timeout-ms = 4000\n");
-  lab.shape("prefill-1", "100mbit");
-  cluster.start_router();
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
+  KvPartition p("partition-kv", "ack-timeout-ms = 4000\n");
+  TestCluster& cluster = p.cluster;
+  p.lab.shape("prefill-1", "100mbit");
+  p.start_first_pair();
   ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
-  std::vector<int> prompt = {1};
-  for (int i = 1; i < 1000; ++i) prompt.push_back(3 + (i * 37) % 4000);
-  GenerateRequest request = token_request(prompt, 8);
+  GenerateRequest request = token_request(KvPartition::prompt(1000), 8);
   request.deadline_ms = 60000;
   const auto sent = Clock::now();
   std::future<RequestOutcome> outcome = cluster.client().submit(request);
   // The stream is under way once prefill-1 holds a connection to decode-1's
   // KV receiver (the KV goes layer by layer as the prefill computes it; the
   // 64 MiB need 5 s on this link, so the cut falls inside the stream).
-  const std::string log = cluster.node("decode-1").log(), tag = "KV receivers at tcp " + lab.address("decode-1") + ":";
-  ASSERT_NE(log.find(tag), std::string::npos) << log;
-  const uint16_t kv_port = uint16_t(std::stoi(log.substr(log.find(tag) + tag.size())));
+  const uint16_t kv_port = p.kv_port();
+  ASSERT_NE(kv_port, 0) << cluster.logs();
   bool streaming = false;
   for (const auto deadline = Clock::now() + 20s; !streaming && Clock::now() < deadline;) {
     streaming = has_connection_to_port(cluster.node("prefill-1").pid(), kv_port);
@@ -485,18 +524,10 @@ TEST(Partitions, AKvStreamCutMidwayFailsAtItsStallLimitAndTheRequestStartsOver) 
   }
   ASSERT_TRUE(streaming) << cluster.logs();
   ASSERT_EQ(outcome.wait_for(0s), std::future_status::timeout) << "the request ended before the cut: nothing tested";
-  lab.cut("prefill-1", "decode-1");
+  p.lab.cut("prefill-1", "decode-1");
   cluster.start_node("prefill", "prefill-2");
   cluster.start_node("decode", "decode-2");
-  ASSERT_EQ(outcome.wait_for(60s), std::future_status::ready) << cluster.logs();
-  const RequestOutcome out = outcome.get();
-  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
-  EXPECT_LT(Clock::now() - sent, 30s);
-  EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request));
-  EXPECT_TRUE(log_says(cluster, "router", "starts over on other workers", 1s)) << cluster.logs();
-  EXPECT_FALSE(out.prefill_worker == "prefill-1" && out.decode_worker == "decode-1") << "served over the cut link";
-  ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
-  EXPECT_TRUE(cluster.stop_all());
+  p.expect_served_elsewhere(outcome, request, sent, 60s, 30s, "starts over on other workers");
 }
 
 // The KV plane's own connection cut while it is being made: UCX's client-
@@ -508,39 +539,22 @@ TEST(Partitions, AKvStreamCutMidwayFailsAtItsStallLimitAndTheRequestStartsOver) 
 // SYN held the loop, and the prefill waiting on it, for two minutes.)
 TEST(Partitions, AKvConnectionCutWhileItIsMadeFailsAtTheConnectTimeoutAndTheRequestStartsOver) {
   ENTER_A_NETWORK_OF_OUR_OWN_OR_SKIP();
-  NetLab lab(kHosts);
-  TestCluster cluster("partition-kv-connect");
-  for (const std::string& h : kHosts) cluster.place(h, lab.run_on(h), lab.address(h));
-  const std::string model = make_m50(cluster.dir());
-  cluster.set_model(model + "/model.bin");
-  cluster.set_tokenizer_file(false);
-  cluster.set_disagg_options("tokenizer = \"" + model + "/tokenizer.bin\"\n");
-  cluster.start_router();
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
+  KvPartition p("partition-kv-connect", "");
+  TestCluster& cluster = p.cluster;
+  p.start_first_pair();
   ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
   // (the control plane's own direct connection is made before the cut)
   ASSERT_TRUE(log_says(cluster, "prefill-1", "direct connection to decode worker decode-1", 20s)) << cluster.logs();
-  const std::string log = cluster.node("decode-1").log(), tag = "KV receivers at tcp " + lab.address("decode-1") + ":";
-  ASSERT_NE(log.find(tag), std::string::npos) << log;
-  lab.cut_but_port("prefill-1", "decode-1", uint16_t(std::stoi(log.substr(log.find(tag) + tag.size()))));
-  std::vector<int> prompt = {1};
-  for (int i = 1; i < 100; ++i) prompt.push_back(3 + (i * 37) % 4000);
-  GenerateRequest request = token_request(prompt, 8);
+  const uint16_t kv_port = p.kv_port();
+  ASSERT_NE(kv_port, 0) << cluster.logs();
+  p.lab.cut_but_port("prefill-1", "decode-1", kv_port);
+  GenerateRequest request = token_request(KvPartition::prompt(100), 8);
   request.deadline_ms = 12000;  // (the connect timeout and a second attempt)
   const auto sent = Clock::now();
   std::future<RequestOutcome> outcome = cluster.client().submit(request);
   cluster.start_node("prefill", "prefill-2");
   cluster.start_node("decode", "decode-2");
-  ASSERT_EQ(outcome.wait_for(15s), std::future_status::ready) << cluster.logs();
-  const RequestOutcome out = outcome.get();
-  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
-  EXPECT_LT(Clock::now() - sent, 12s);
-  EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request));
-  EXPECT_TRUE(log_says(cluster, "router", "did not answer within", 1s)) << cluster.logs();
-  EXPECT_FALSE(out.prefill_worker == "prefill-1" && out.decode_worker == "decode-1") << "served over the cut link";
-  ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
-  EXPECT_TRUE(cluster.stop_all());
+  p.expect_served_elsewhere(outcome, request, sent, 15s, 12s, "did not answer within");
 }
 
 // A TLS handshake cut midway (mutual TLS between hosts; the worker's

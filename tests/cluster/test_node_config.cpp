@@ -43,6 +43,30 @@ TEST(NodeConfigFile, AcceptsWhatCafReadsFaithfully) {
             "");
 }
 
+// Every connection of a node is watched (actors/config.h, watch_connections):
+// CAF's heartbeats and its timeout for a silent connection are on by
+// default, and the node's file may set them otherwise.
+TEST(NodeConfigFile, ConnectionsAreWatchedByDefaultAndTheFileMayChangeHow) {
+  const caf::timespan off{0};
+  auto loaded = [&](const std::string& text) {
+    auto config = std::make_unique<NodeSystemConfig>();
+    const std::string dir = make_temp_dir("node-config");
+    write_text_file(dir + "/node.ini", "[node]\nrole = \"router\"\n" + text);
+    std::string flag = "--config-file=" + dir + "/node.ini";
+    char* argv[] = {const_cast<char*>("disagg-node"), flag.data(), nullptr};
+    const NodeConfigResult result = load_node_config(*config, 2, argv);
+    std::filesystem::remove_all(dir);
+    EXPECT_TRUE(result.errors.empty()) << result.errors.front();
+    return config;
+  };
+  const auto defaults = loaded("");
+  EXPECT_EQ(caf::get_or(*defaults, "middleman.heartbeat-interval", off), caf::timespan{kMiddlemanHeartbeat});
+  EXPECT_EQ(caf::get_or(*defaults, "middleman.connection-timeout", off), caf::timespan{kMiddlemanConnectionTimeout});
+  const auto own = loaded("[middleman]\nheartbeat-interval = 1s\nconnection-timeout = 4s\n");
+  EXPECT_EQ(caf::get_or(*own, "middleman.heartbeat-interval", off), caf::timespan{std::chrono::seconds(1)});
+  EXPECT_EQ(caf::get_or(*own, "middleman.connection-timeout", off), caf::timespan{std::chrono::seconds(4)});
+}
+
 TEST(NodeConfigFile, ReportsEveryValueCafWouldIgnoreOrRejectWithItsLine) {
   const std::string single = problems_in("[node]\nrole = 'router'\n");
   EXPECT_NE(single.find("line 2: node.role = 'router': single-quoted"), std::string::npos) << single;
