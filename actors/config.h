@@ -181,7 +181,8 @@ void prefer_sharing_scheduler(caf::actor_system_config& config);
 // a worker whose handshake with the router was cut, once the router's
 // kernel had given up the other end, joined every later try to that dead
 // handshake (CAF joins a connect to one pending to the same address) and
-// had not registered 30 s after the heal (README, "Tested across hosts").
+// had not registered 20 s after the heal (README, "Tested across hosts";
+// test_cluster Partitions.AWorkerWhoseHandshakeWasSilenced...).
 constexpr std::chrono::seconds kMiddlemanHeartbeat{5};
 constexpr std::chrono::seconds kMiddlemanConnectionTimeout{30};
 void watch_connections(caf::actor_system_config& config);

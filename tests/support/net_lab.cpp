@@ -3,6 +3,7 @@
 #include "support/packet_delay.h"
 
 #include <fcntl.h>
+#include <sstream>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -203,6 +204,47 @@ std::pair<long, long> NetLab::lost() const {
 void NetLab::isolate(const std::string& name) { lab_command(isolation_rules("-I", address(name))); }
 
 void NetLab::rejoin(const std::string& name) { lab_command(isolation_rules("-D", address(name))); }
+
+namespace {
+
+std::string reply_rules(const char* action, const std::string& x, const std::string& y, uint16_t port) {
+  const std::string from = "iptables " + std::string(action) + " FORWARD -p tcp -s " + y + " -d " + x + " --sport " +
+                           std::to_string(port);
+  // (an IPv4 TCP segment with timestamps and no data is 52 bytes)
+  return from + " -m length --length 65:65535 -j DROP && " + from + " --tcp-flags FIN FIN -j DROP && " + from +
+         " --tcp-flags RST RST -j DROP";
+}
+
+}  // namespace
+
+void NetLab::cut_replies(const std::string& a, const std::string& b, uint16_t port) {
+  lab_command(reply_rules("-I", address(a), address(b), port));
+}
+
+void NetLab::heal_replies(const std::string& a, const std::string& b, uint16_t port) {
+  lab_command(reply_rules("-D", address(a), address(b), port));
+}
+
+std::vector<std::string> NetLab::tcp_peers(const std::string& name, const std::string& peer) const {
+  if (!entered) throw std::logic_error("NetLab: a network command outside a namespace of the test's own");
+  const auto [out, status] = run_command("nsenter --net=/proc/" + std::to_string(host(name).holder) +
+                                         "/ns/net ss -tanH dst " + peer + " 2>&1");
+  if (status != 0) throw std::runtime_error("NetLab: ss failed: " + out);
+  // Each line: state, queues, local address:port, peer address:port.
+  std::vector<std::string> peers;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream fields(line);
+    std::string state, recv_q, send_q, local, remote;
+    if (fields >> state >> recv_q >> send_q >> local >> remote) peers.push_back(remote);
+  }
+  return peers;
+}
+
+void NetLab::sysctl(const std::string& name, const std::string& setting, const std::string& value) {
+  lab_command("nsenter --net=/proc/" + std::to_string(host(name).holder) + "/ns/net sysctl -q -w " + setting + "=" +
+              value);
+}
 
 void NetLab::delay(const std::string& name, std::chrono::microseconds delay) {
   const Host& h = host(name);

@@ -68,6 +68,17 @@ class NetLab {
   // start, so call it before the ones it is for. Until heal_connections.
   void cut_connections_after(const std::string& a, const std::string& b, uint16_t port, int64_t bytes);
   void heal_connections(const std::string& a, const std::string& b, uint16_t port, int64_t bytes);
+  // What b's `port` sends to a is dropped, but for bare acknowledgements
+  // (no data, no FIN, no RST): a's bytes arrive and are acknowledged, and
+  // nothing else ever reaches a. Until heal_replies.
+  void cut_replies(const std::string& a, const std::string& b, uint16_t port);
+  void heal_replies(const std::string& a, const std::string& b, uint16_t port);
+  // The other ends ("address:port") of the TCP sockets in the network of
+  // `host` whose peer is the address `peer`, in any state (ss's list).
+  std::vector<std::string> tcp_peers(const std::string& host, const std::string& peer) const;
+  // Sets the kernel setting `name` (sysctl's, e.g. net.ipv4.tcp_orphan_retries)
+  // to `value` in the network of `host` alone.
+  void sysctl(const std::string& host, const std::string& name, const std::string& value);
   // cut(a, b), but for TCP to and from b's `port`.
   void cut_but_port(const std::string& a, const std::string& b, uint16_t port);
   // Drops every packet to and from `host`: the other hosts' and the lab's
