@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cluster/cluster_fixture.h"
+#include "cluster/raw_peer.h"
 #include "model/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/generate.h"
@@ -131,14 +132,9 @@ TEST(SeparateHosts, EveryNodeOnAHostOfItsOwnServesTheColocatedTokens) {
 // its delay (it can hold bytes back, never deliver them early).
 TEST(DelayRelay, HoldsEveryByteItsDelayEachWayInOrder) {
   // An echo server: what it reads it writes back, until the peer half-closes.
-  const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(server, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(::listen(server, 4), 0);
-  socklen_t len = sizeof a;
-  ::getsockname(server, reinterpret_cast<sockaddr*>(&a), &len);
+  uint16_t port = 0;
+  const int server = listen_on_loopback(port, 4);
+  ASSERT_GE(server, 0);
   std::thread echo([server] {
     const int c = ::accept(server, nullptr, nullptr);
     char buf[4096];
@@ -147,11 +143,9 @@ TEST(DelayRelay, HoldsEveryByteItsDelayEachWayInOrder) {
     ::close(c);
   });
   const auto delay = 20ms;
-  DelayRelay relay("127.0.0.1", 0, "127.0.0.1", ntohs(a.sin_port), delay);
-  const int c = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in r = a;
-  r.sin_port = htons(relay.port());
-  ASSERT_EQ(::connect(c, reinterpret_cast<sockaddr*>(&r), sizeof r), 0);
+  DelayRelay relay("127.0.0.1", 0, "127.0.0.1", port, delay);
+  const int c = connect_to(relay.port());
+  ASSERT_GE(c, 0);
   // One byte there and back: at least twice the delay.
   const auto t0 = Clock::now();
   ASSERT_EQ(::send(c, "x", 1, MSG_NOSIGNAL), 1);
@@ -617,7 +611,7 @@ TEST(Partitions, AWorkerWhoseHandshakeWasSilencedPastTheRoutersRetriesJoinsOnceH
   std::vector<std::string> first;
   for (const auto deadline = Clock::now() + 15s; first.empty() && Clock::now() < deadline;) {
     first = hosts.lab.tcp_peers("router", prefill);
-    if (first.empty()) std::this_thread::sleep_for(20ms);
+    if (first.empty()) std::this_thread::sleep_for(20ms);  // (a poll of the router host's sockets, bounded)
   }
   ASSERT_FALSE(first.empty()) << "prefill-1 never reached the router's host\n" << cluster.logs();
   ASSERT_TRUE(log_says(cluster, "router", "no complete TLS handshake within 1500 ms", 15s)) << cluster.logs();
@@ -626,7 +620,7 @@ TEST(Partitions, AWorkerWhoseHandshakeWasSilencedPastTheRoutersRetriesJoinsOnceH
   for (const auto deadline = Clock::now() + 30s; !gone && Clock::now() < deadline;) {
     const std::vector<std::string> now = hosts.lab.tcp_peers("router", prefill);
     gone = std::find(now.begin(), now.end(), first.front()) == now.end();
-    if (!gone) std::this_thread::sleep_for(100ms);
+    if (!gone) std::this_thread::sleep_for(100ms);  // (a poll of the router host's sockets, bounded)
   }
   ASSERT_TRUE(gone) << "the router's host still holds the connection from " << first.front();
   EXPECT_EQ(cluster.node("router").log().find("registered prefill worker prefill-1"), std::string::npos);

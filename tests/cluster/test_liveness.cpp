@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "cluster/cluster_fixture.h"
+#include "cluster/raw_peer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -183,18 +184,12 @@ TEST(ClusterLiveness, AWorkerWaitingForASilentRouterExitsPromptlyOnSigterm) {
   TestCluster cluster("silent-router");
   // A listening socket nobody reads: the kernel completes TCP handshakes into
   // its backlog, so connecting works and no byte ever comes back.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  uint16_t silent_port = 0;
+  const int listener = listen_on_loopback(silent_port);
   ASSERT_GE(listener, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  ASSERT_EQ(::listen(listener, 16), 0);
-  socklen_t len = sizeof addr;
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   std::string ini = cluster.config_text("prefill", "prefill-1", 0);
   const std::string from = "router-port = " + std::to_string(cluster.router_port());
-  ini.replace(ini.find(from), from.size(), "router-port = " + std::to_string(ntohs(addr.sin_port)));
+  ini.replace(ini.find(from), from.size(), "router-port = " + std::to_string(silent_port));
   write_text_file(cluster.dir() + "/silent.ini", ini);
   ChildProcess worker({node_binary(), "--config-file=" + cluster.dir() + "/silent.ini"}, cluster.dir() + "/silent.log");
   EXPECT_TRUE(log_has_text(worker, "not reachable yet", 10s)) << worker.log();

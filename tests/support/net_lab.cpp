@@ -38,6 +38,16 @@ void lab_command(const std::string& command) {
   if (status != 0) throw std::runtime_error("NetLab: `" + command + "` failed (" + std::to_string(status) + "): " + out);
 }
 
+// Waits (up to 3 s, polling the kernel's link state) until every link
+// that `shows` (`ip link show` commands) lists says it is up: the kernel
+// reports a new link's carrier up to a second later, and UCX leaves out an
+// interface that is not running when its context starts.
+void wait_until_up(const std::vector<std::string>& shows) {
+  std::string all;
+  for (const std::string& show : shows) all += (all.empty() ? "" : " && ") + show + " | grep -q 'state UP'";
+  lab_command("for _ in $(seq 300); do " + all + " && exit 0; sleep 0.01; done; exit 1");
+}
+
 }  // namespace
 
 std::string NetLab::namespace_of(pid_t pid) { return link_of("/proc/" + std::to_string(pid) + "/ns/net"); }
@@ -92,11 +102,8 @@ NetLab::NetLab(const std::vector<std::string>& names) {
                 i + ".1/24 dev h" + i + " && ip link set h" + i + " up");
     lab_command("nsenter --net=" + ns + " sh -c 'ip link set lo up && ip addr add 10.77." + i +
                 ".2/24 dev net0 && ip link set net0 up && ip route add default via 10.77." + i + ".1'");
-    // Both ends running before a node looks for them: the kernel reports a
-    // new link's carrier up to a second later, and UCX leaves out an
-    // interface that is not running when its context starts.
-    lab_command("for _ in $(seq 300); do ip link show h" + i + " | grep -q 'state UP' && nsenter --net=" + ns +
-                " ip link show net0 | grep -q 'state UP' && exit 0; sleep 0.01; done; exit 1");
+    wait_until_up(  // (both ends running before a node looks for them)
+        {"ip link show h" + i, "nsenter --net=" + ns + " ip link show net0"});
   }
 }
 
@@ -254,8 +261,7 @@ void NetLab::delay(const std::string& name, std::chrono::microseconds delay) {
               ".2/24 dev net0 && ip addr add 10.77." + i + ".2/24 dev in0 && ip link set wire0 up && ip link set in0 up" +
               " && ip link set net0 promisc on && ip link set wire0 promisc on && ip route replace default via 10.77." +
               i + ".1 dev in0'");
-  lab_command("for _ in $(seq 300); do nsenter --net=" + ns + " ip link show in0 | grep -q 'state UP' && nsenter --net=" +
-              ns + " ip link show wire0 | grep -q 'state UP' && exit 0; sleep 0.01; done; exit 1");
+  wait_until_up({"nsenter --net=" + ns + " ip link show in0", "nsenter --net=" + ns + " ip link show wire0"});
   delays_.push_back(std::make_unique<PacketDelay>(ns, "net0", "wire0", delay));
 }
 
