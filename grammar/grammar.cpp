@@ -144,7 +144,12 @@ Expr Grammar::repeat(const Expr& e, int min, int max, const Expr* sep) {
     throw GrammarError("grammar: a repetition that would spell out more than " + std::to_string(kMaxSymbols) + " symbols");
   // The first copy, then (sep e) for the rest: min - 1 required, the others
   // optional and nested, so the grammar grows linearly with max.
-  const Expr next = sep ? seq({*sep, e}) : e;
+  // The repeated part as one sequence of symbols (a multi-alternative one a
+  // rule of its own, made once), so every link of the chain below has the
+  // same body: CompiledGrammar tells a bounded repetition's links apart from
+  // other rules by that.
+  const Expr once = e.alternatives.size() > 1 ? Expr{{Alternative{as_symbol(e)}}} : e;
+  const Expr next = sep ? seq({*sep, once}) : once;
   Expr rest;
   if (max < 0) {
     rest = star(next);
@@ -152,7 +157,7 @@ Expr Grammar::repeat(const Expr& e, int min, int max, const Expr* sep) {
     rest = empty();
     for (int i = max - std::max(min, 1); i > 0; --i) rest = optional(seq({next, rest}));
   }
-  std::vector<Expr> parts{e};
+  std::vector<Expr> parts{once};
   for (int i = 1; i < min; ++i) parts.push_back(next);
   parts.push_back(rest);
   const Expr some = seq(parts);

@@ -74,6 +74,15 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vect
     open.push_back(n);
   }
   for (uint32_t a : open) close(a, uint32_t(nodes_.size()));
+  by_length_ = tokens_;
+  std::stable_sort(by_length_.begin(), by_length_.end(),
+                   [&](int32_t a, int32_t b) { return bytes_[size_t(a)].size() > bytes_[size_t(b)].size(); });
+}
+
+size_t TokenVocabulary::longer_than(size_t n) const {
+  return size_t(std::partition_point(by_length_.begin(), by_length_.end(),
+                                     [&](int32_t t) { return bytes_[size_t(t)].size() > n; }) -
+                by_length_.begin());
 }
 
 bool TokenVocabulary::is_end(int token) const {
@@ -125,6 +134,7 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
       for (const Symbol& s : a) elems_.push_back(s.rule >= 0 ? s.rule : -2 - term(s.bytes));
       elems_.push_back(kEnd);
     }
+  find_repetitions(g);
   stacks_.push_back(Stack{kEnd, 0, 0});  // the empty stack
   closures_.push_back({0});
   closed_.push_back(1);
@@ -268,7 +278,7 @@ std::shared_ptr<const TokenMask> CompiledGrammar::mask(int state) {
 }
 
 bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below,
-                                size_t undecided_limit) {
+                                size_t undecided_limit, int skip_depth) {
   const TokenVocabulary& v = *vocab_;
   const TokenVocabulary::Node* nodes = v.nodes_.data();
   const int32_t* tokens = v.tokens_.data();
@@ -295,6 +305,10 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
   }
   while (n < count) {
     const TokenVocabulary::Node& node = nodes[n];
+    if (node.max_depth <= skip_depth) {
+      n = node.subtree_end;
+      continue;
+    }
     const At& from = at_depth[node.depth - 1u];
     int32_t at = from.row[node.byte];
     if (at == -2) at = next_locked(from.state, node.byte);
@@ -328,6 +342,10 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
       if (run.depth >= 0) {
         const bool inside = n < marked_to;  // below already
         for (uint32_t d = n + 1; d < node.subtree_end; ++d) {
+          if (nodes[d].max_depth <= skip_depth) {
+            d = nodes[d].subtree_end - 1;
+            continue;
+          }
           const int depth = nodes[d].depth - node.depth;
           const bool read = depth <= run.depth, past = mark_below && depth > run.bottom;
           for (uint32_t t = nodes[d].first_token; t < nodes[d].first_token + nodes[d].tokens; ++t) {
@@ -476,31 +494,60 @@ int32_t CompiledGrammar::stack_frame(int32_t stack) {
 // A state's tokens are the union of its stacks' (a token is read from a set
 // of stacks when it is read from one of them): each stack's frame decides
 // most, and its undecided tokens are read from the state itself.
-std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
-  const TokenVocabulary& v = *vocab_;
-  auto m = std::make_shared<TokenMask>();
-  const size_t words = (v.size() + 63) / 64;
-  m->bits.assign(words, 0);
+void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
+  const size_t words = bits.size();
   std::vector<int32_t> undecided;
-  bool framed = true;
   const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
   for (int32_t stack : stacks) {
     if (stack == 0) continue;  // the text may end here: the end tokens, below
     const int32_t frame_state = stack_frame(stack);
     if (frame_state < 0) {
-      framed = false;
-      break;
+      std::fill(bits.begin(), bits.end(), 0);
+      walk_tree(state, bits, nullptr, 0);
+      return;
     }
     const Frame& f = frame(frame_state, vocab_->size());
-    for (size_t w = 0; w < words; ++w) m->bits[w] |= f.accepted[w];
+    for (size_t w = 0; w < words; ++w) bits[w] |= f.accepted[w];
     undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
   }
-  if (framed) {
-    for (int32_t t : undecided)
-      if (!m->allows(t) && next_token_locked(state, t) >= 0) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  for (int32_t t : undecided)
+    if (!((bits[size_t(t) >> 6] >> (t & 63)) & 1) && next_token_locked(state, t) >= 0)
+      bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+}
+
+// From a state of the same shape (kShapeLongTokens) when one reaches far
+// enough: its tokens up to the shorter reach, the longer ones walked.
+std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
+  const TokenVocabulary& v = *vocab_;
+  auto m = std::make_shared<TokenMask>();
+  const size_t words = (v.size() + 63) / 64;
+  const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
+  std::vector<int32_t> key;
+  int32_t reach = kFar;
+  for (int32_t stack : stacks) {
+    const Shape sh = shape(stack);
+    key.push_back(sh.id);
+    reach = std::min(reach, sh.reach);
+  }
+  ShapeMask* same = nullptr;
+  if (reach != kFar) {
+    std::sort(key.begin(), key.end());
+    key.erase(std::unique(key.begin(), key.end()), key.end());
+    auto it = shape_masks_.find(key);
+    if (it != shape_masks_.end()) same = &it->second;
+  }
+  const int32_t common = same ? std::min(reach, same->reach) : 0;
+  if (same && v.longer_than(size_t(common)) * kShapeLongTokens <= v.size()) {
+    m->bits = same->mask->bits;
+    for (int t : v.end_tokens()) m->bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63));
+    for (size_t i = 0, n = v.longer_than(size_t(common)); i < n; ++i) {
+      const int32_t t = v.by_length_[i];
+      m->bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63));
+    }
+    walk_tree(state, m->bits, nullptr, 0, common);
   } else {
     m->bits.assign(words, 0);
-    walk_tree(state, m->bits, nullptr, 0);
+    frame_mask(state, m->bits);
   }
   size_t text_tokens = 0;
   for (uint64_t w : m->bits) text_tokens += size_t(__builtin_popcountll(w));
@@ -509,7 +556,106 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
     for (int t : v.end_tokens()) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
   m->allowed = text_tokens + (can_end ? v.end_tokens().size() : 0);
   m->only_end = can_end && text_tokens == 0;
+  if (reach != kFar && (!same || reach > same->reach)) {
+    if (!same && shape_masks_.size() >= kMaxCachedMasks) shape_masks_.clear();
+    shape_masks_[key] = ShapeMask{reach, m};
+  }
   return m;
+}
+
+// The links of bounded repetitions: a rule of two alternatives, A and "",
+// is a chain's first link (L1) with body A; one of A' L and "", where L is a
+// link with body A', the next. A body that may read nothing is no chain (a
+// link would decide nothing sooner).
+void CompiledGrammar::find_repetitions(const Grammar& g) {
+  const size_t n = g.rule_count();
+  std::vector<char> nullable(n, 0);
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < n; ++r) {
+      if (nullable[r]) continue;
+      for (const Alternative& a : g.alternatives(int(r)))
+        if (std::all_of(a.begin(), a.end(), [&](const Symbol& s) { return s.rule >= 0 && nullable[size_t(s.rule)]; })) {
+          nullable[r] = changed = true;
+          break;
+        }
+    }
+  }
+  auto same = [](const Symbol& a, const Symbol& b) { return a.rule == b.rule && (a.rule >= 0 || a.bytes == b.bytes); };
+  // Per rule: its link number (0: none, -1: being found) and which
+  // alternative is A..., and the body's length.
+  std::vector<int> level(n, -2), which(n, -1);
+  std::vector<size_t> body(n, 0);
+  auto find = [&](auto&& self, size_t r) -> int {
+    if (level[r] != -2) return std::max(level[r], 0);
+    level[r] = -1;
+    int found = 0;
+    const auto& alts = g.alternatives(int(r));
+    if (alts.size() == 2 && (alts[0].empty() != alts[1].empty())) {
+      const int w = alts[0].empty() ? 1 : 0;
+      const Alternative& a = alts[size_t(w)];
+      which[r] = w;
+      found = 1;
+      body[r] = a.size();
+      const Symbol& last = a.back();
+      if (a.size() >= 2 && last.rule >= 0 && size_t(last.rule) != r) {
+        const size_t p = size_t(last.rule);
+        const int below = self(self, p);
+        if (below > 0 && body[p] == a.size() - 1) {
+          const Alternative& pa = g.alternatives(int(p))[size_t(which[p])];
+          if (std::equal(a.begin(), a.end() - 1, pa.begin(), [&](const Symbol& x, const Symbol& y) { return same(x, y); })) {
+            found = below + 1;
+            body[r] = body[p];
+          }
+        }
+      }
+      // A body that may read nothing.
+      if (std::all_of(a.begin(), a.begin() + long(body[r]),
+                      [&](const Symbol& s) { return s.rule >= 0 && nullable[size_t(s.rule)]; }))
+        found = 0;
+    }
+    level[r] = found;
+    return found;
+  };
+  shape_pos_.resize(elems_.size());
+  std::iota(shape_pos_.begin(), shape_pos_.end(), 0);
+  pos_reach_.assign(elems_.size(), kFar);
+  std::vector<std::pair<Alternative, int32_t>> firsts;  // per body: the first link's alternative's start
+  for (size_t r = 0; r < n; ++r) {
+    const int k = find(find, r);
+    if (k < 2) continue;
+    const Alternative& a = g.alternatives(int(r))[size_t(which[r])];
+    const int32_t start = rule_starts_[r][size_t(which[r])];
+    int32_t first = start;
+    bool known = false;
+    for (const auto& [b, at] : firsts)
+      if (b.size() == a.size() - 1 &&
+          std::equal(b.begin(), b.end(), a.begin(), [&](const Symbol& x, const Symbol& y) { return same(x, y); })) {
+        first = at;
+        known = true;
+        break;
+      }
+    if (!known) firsts.push_back({Alternative(a.begin(), a.end() - 1), start});
+    for (size_t j = 0; j < a.size(); ++j) {
+      shape_pos_[size_t(start) + j] = first + int32_t(j);
+      pos_reach_[size_t(start) + j] = k - 1;
+    }
+  }
+}
+
+CompiledGrammar::Shape CompiledGrammar::shape(int32_t stack) {
+  if (stack_shapes_.size() < stacks_.size()) stack_shapes_.resize(stacks_.size(), Shape{-1, kFar});
+  if (stack_shapes_[0].id < 0) stack_shapes_[0] = Shape{0, kFar}, stack_shapes_[kBottom] = Shape{1, kFar};
+  std::vector<int32_t> path;
+  for (int32_t at = stack; stack_shapes_[size_t(at)].id < 0; at = stacks_[size_t(at)].parent) path.push_back(at);
+  for (size_t i = path.size(); i-- > 0;) {
+    const Stack& s = stacks_[size_t(path[i])];
+    const Shape parent = stack_shapes_[size_t(s.parent)];
+    const uint64_t key = (uint64_t(uint32_t(shape_pos_[size_t(s.pos)])) << 32) | uint32_t(parent.id);
+    const int32_t id = shape_index_.try_emplace(key, int32_t(shape_index_.size() + 2)).first->second;
+    stack_shapes_[size_t(path[i])] = Shape{id, std::min(parent.reach, pos_reach_[size_t(s.pos)])};
+  }
+  return stack_shapes_[size_t(stack)];
 }
 
 // ---------------------------------------------------------------- Matcher

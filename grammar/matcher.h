@@ -23,6 +23,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -47,6 +48,9 @@ class TokenVocabulary {
   bool is_end(int token) const;
   const std::vector<int>& end_tokens() const { return end_tokens_; }
   size_t trie_nodes() const { return nodes_.size(); }
+  // How many of the tokens that may appear inside a text are longer than
+  // `n` bytes.
+  size_t longer_than(size_t n) const;
 
  private:
   friend class CompiledGrammar;
@@ -67,6 +71,7 @@ class TokenVocabulary {
   std::vector<Node> nodes_;      // 0: the root (no bytes)
   std::vector<int32_t> tokens_;
   std::vector<Bytes> subtree_bytes_;  // per node: the bytes of its subtree's nodes below it
+  std::vector<int32_t> by_length_;    // the tokens of the tree, longest first
 };
 
 // Which tokens a state allows.
@@ -106,6 +111,18 @@ constexpr std::array<int, 3> kFrameDepths = {3, 5, 8};
 constexpr size_t kFrameFallback = 8;
 constexpr size_t kFrameFew = 64;
 constexpr uint32_t kUniformMinTokens = 16;
+
+// A bounded repetition (Grammar::repeat: L1 := A | "", Lk := A L(k-1) | "")
+// has a state for each count left, and each would walk the tree for its
+// mask (a string bounded by maxLength: one per character). Two states that
+// differ only in which link of such chains their stacks stand in (their
+// *shapes* are equal) read the same tokens up to `reach` bytes long: a link
+// Lk decides nothing until k-1 more copies of A (each at least a byte) are
+// read. So a state's mask is its shape's mask so far (kept from the state of
+// that shape with the longest reach) for the short tokens, and a walk of the
+// tree's long branches alone for the others, when at most
+// 1/kShapeLongTokens of the vocabulary is longer than the reach.
+constexpr size_t kShapeLongTokens = 4;
 
 class CompiledGrammar {
  public:
@@ -158,11 +175,25 @@ class CompiledGrammar {
   int32_t intern(std::vector<int32_t> stacks);
   int32_t next_locked(int32_t state, uint8_t byte);
   std::shared_ptr<const TokenMask> compute_mask(int32_t state);
+  // The state's text tokens from its stacks' frames (or one walk).
+  void frame_mask(int32_t state, std::vector<uint64_t>& bits);
   // The prefix tree walked from `state`: the tokens reached (all their bytes
   // read) into `reached`; with `below`,
   // every token under a node where a stack ran into the bottom marker; it
   // stops (false) once more than `undecided_limit` of those are not reached.
-  bool walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below, size_t undecided_limit);
+  // Branches no deeper than `skip_depth` are not walked.
+  bool walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below, size_t undecided_limit,
+                 int skip_depth = 0);
+  // Bounded repetitions (kShapeLongTokens): each link's elems_ positions
+  // mapped to the first link's with the same body, and how far a stack
+  // standing there reads like any other link (k - 1 bytes).
+  void find_repetitions(const Grammar& g);
+  static constexpr int32_t kFar = std::numeric_limits<int32_t>::max();
+  struct Shape {
+    int32_t id;     // equal for stacks equal but for their links
+    int32_t reach;  // kFar when it stands in no link
+  };
+  Shape shape(int32_t stack);
   bool has_bottom(int32_t state) const;
   int32_t cut(int32_t stack, int depth);
   int32_t stack_frame(int32_t stack);
@@ -205,6 +236,18 @@ class CompiledGrammar {
   std::unordered_map<int32_t, std::shared_ptr<const TokenMask>> masks_;
   std::unordered_map<int32_t, std::unique_ptr<Frame>> frames_;  // by frame state
   std::unordered_map<int32_t, int32_t> stack_frames_;          // stack -> its frame state, -1: none
+  // Bounded repetitions: per elems_ position, its link's first-of-its-body
+  // position and reach (kFar: no link); per stack, its shape (id -1: not yet);
+  // shapes interned by (shape position, parent's shape); per state shape,
+  // the mask of the longest-reaching state seen with it.
+  std::vector<int32_t> shape_pos_, pos_reach_;
+  std::vector<Shape> stack_shapes_;
+  std::unordered_map<uint64_t, int32_t> shape_index_;
+  struct ShapeMask {
+    int32_t reach;
+    std::shared_ptr<const TokenMask> mask;
+  };
+  std::unordered_map<std::vector<int32_t>, ShapeMask, VectorHash> shape_masks_;
   int32_t start_ = -1;
   std::shared_ptr<const TokenMask> end_only_;
 };

@@ -231,6 +231,36 @@ TEST(Grammar, TokensThatOutrunABoundedRunInsideAFrameAreReadFromTheState) {
   expect_masks_match(gbnf_grammar(gbnf), v, {"", "a", "ab", "aba", "abab", "ababa", "ababab", "ab9", "ab90", "abab43210", "abab43210ab"});
 }
 
+// A bounded repetition has a state per count left, and a state's mask is
+// taken from one of the same shape further from its bound for the tokens
+// too short to reach it (matcher.h, kShapeLongTokens): here strings of at
+// most 12 characters, one or two bytes each, in a list of at most 4, so the
+// links of two chains nest. Tokens: runs of each character up to 16 bytes,
+// with and without the closing quote and what follows it, and 1,000 the
+// grammar never reads (so the long ones are few enough to walk). Each text
+// is asked in order, so each mask after the first of its shape is derived.
+TEST(Grammar, MasksInsideBoundedRepetitionsAreTheNaiveRecognizers) {
+  const std::string gbnf = "root ::= \"[\" item (\",\" item){0,3} \"]\"\n"
+                           "item ::= \"\\\"\" c{0,12} \"\\\"\"\n"
+                           "c ::= [a-z] | \"\xc3\xa9\"\n";
+  std::vector<std::string> bytes = {"<end>"};
+  for (const std::string unit : {"a", "b", "\xc3\xa9", "ab"})
+    for (int n = 1; unit.size() * size_t(n) <= 16; ++n) {
+      std::string run;
+      for (int i = 0; i < n; ++i) run += unit;
+      for (const std::string tail : {"", "\"", "\",", "\"]", "\",\""}) bytes.push_back(run + tail);
+    }
+  for (int i = 0; i < 1000; ++i) bytes.push_back("#" + std::to_string(i));
+  const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
+  std::vector<std::string> texts;
+  std::string text = "[\"";
+  for (int i = 0; i <= 12; ++i, text += i % 3 ? "a" : "\xc3\xa9") texts.push_back(text);
+  text = "[\"ab\",\"";
+  for (int i = 0; i <= 12; ++i, text += "b") texts.push_back(text);
+  texts.push_back("[\"\",\"\",\"\",\"aaaaaaaaaaa");
+  expect_masks_match(gbnf_grammar(gbnf), v, texts);
+}
+
 // Walks of random tokens under json_object's masks: every text that reaches
 // an end token is a JSON object nlohmann-json parses; every prefix on the
 // way is one the naive recognizer calls live.
