@@ -838,32 +838,37 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
 
 // Why a worker may not join, if it may not: another cluster's name, another model than the
 // cluster's (its KV would be garbage to the others: the fingerprint hashes
-// every byte of the checkpoint), or a name another worker holds.
-std::optional<std::string> refusal(Self self, const WorkerInfo& info, const caf::actor_addr& address) {
+// every byte of the checkpoint), both for good; or, for now, a name another
+// worker holds.
+struct Refusal {
+  caf::sec code;
+  std::string why;
+};
+std::optional<Refusal> refusal(Self self, const WorkerInfo& info, const caf::actor_addr& address) {
   const auto& st = self->state;
   // A worker node's relay names its cluster; an in-process worker (same
   // node as the router, e.g. node/local_cluster.h) is the router's own.
   const bool own_process = info.cluster.empty() && address.node() == self->node();
   if (!own_process && info.cluster != st.config.cluster)
-    return "it belongs to cluster \"" + info.cluster + "\", this router serves cluster \"" + st.config.cluster + "\"";
+    return Refusal{kRegistrationRefused, "it belongs to cluster \"" + info.cluster + "\", this router serves cluster \"" + st.config.cluster + "\""};
   if (st.model && (info.model.fingerprint != st.model->fingerprint || info.model.vocab_size != st.model->vocab_size ||
                    info.model.seq_len != st.model->seq_len))
-    return "its model (fingerprint " + std::to_string(info.model.fingerprint) + ", vocabulary " +
+    return Refusal{kRegistrationRefused, "its model (fingerprint " + std::to_string(info.model.fingerprint) + ", vocabulary " +
            std::to_string(info.model.vocab_size) + ", context " + std::to_string(info.model.seq_len) +
            ") is not the cluster's (fingerprint " + std::to_string(st.model->fingerprint) + ", vocabulary " +
-           std::to_string(st.model->vocab_size) + ", context " + std::to_string(st.model->seq_len) + ")";
+           std::to_string(st.model->vocab_size) + ", context " + std::to_string(st.model->seq_len) + ")"};
   for (const auto& kv : st.workers)
     if (kv.second.info.name == info.name && kv.second.address != address)
-      return "the name \"" + info.name + "\" is taken by another worker";
+      return Refusal{kRegistrationNameHeld, "the name \"" + info.name + "\" is taken by another worker"};
   return std::nullopt;
 }
 
-// A refused registration: logged here, and an error the worker's node exits on.
-caf::error refuse(const WorkerInfo& info, const std::string& why) {
+// A refused registration: logged here, and the error the worker's relay acts on.
+caf::error refuse(const WorkerInfo& info, const Refusal& r) {
   const std::string message = "registration of " + to_string(info.role) + " worker \"" + info.name +
-                              "\" refused: " + why;
-  node_log(LogLevel::error, message);
-  return caf::make_error(caf::sec::invalid_argument, message);
+                              "\" refused: " + r.why;
+  node_log(r.code == kRegistrationRefused ? LogLevel::error : LogLevel::warning, message);
+  return caf::make_error(r.code, message);
 }
 
 // Asks a worker for all it caches: its index starts again from there.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "caf/meta/type_name.hpp"
+#include "caf/sec.hpp"
 
 namespace disagg {
 
@@ -24,6 +25,13 @@ struct ModelInfo {
   std::string backend;  // "cpu" or "cuda:<device>"
   std::vector<int32_t> end_tokens;  // gpu::ModelConfig::end_tokens: the ids that end a generation
 };
+
+// The router's refusals of a registration, as the error's code (its context
+// says why): for good (another cluster, another model: trying again cannot
+// help), or while another worker holds the name (it may be one that is gone
+// and the router has not noticed yet: a worker restarted at once).
+constexpr caf::sec kRegistrationRefused = caf::sec::invalid_argument;
+constexpr caf::sec kRegistrationNameHeld = caf::sec::unavailable_or_would_block;
 
 // Sent with the worker's typed handle in (register_atom, WorkerInfo, handle).
 struct WorkerInfo {

@@ -247,6 +247,9 @@ struct RelayState {
   std::string endpoint;  // decode: set_relay_endpoint
   std::optional<Registration> worker;
   uint64_t registration = 0;           // the latest attempt; a retry names the one that failed
+  // Since the first answer that another worker holds the name (reset by any
+  // other answer and by a new router).
+  std::optional<std::chrono::steady_clock::time_point> name_held_since;
   std::chrono::milliseconds retry_delay;  // until the next attempt after a failed one
   static inline const char* name = "router-relay";
 };
@@ -266,6 +269,7 @@ void register_worker(RelaySelf self) {
   const uint64_t attempt = ++st.registration;
   auto on_ok = [=](caf::ok_atom) {
     self->state.retry_delay = self->state.spec.register_retry;
+    self->state.name_held_since.reset();
     node_log("registered with the router as " + name +
              (self->state.endpoint.empty() ? "" : " (KV endpoint " + self->state.endpoint + ")"));
     const auto& after = self->state.spec.ready_after;
@@ -276,22 +280,27 @@ void register_worker(RelaySelf self) {
   auto on_error = [=](caf::error& e) {
     // A router that went away is replaced by the node (set_relay_router),
     // which registers again; a question that was out to it may only time out
-    // now. The router refused this worker (another model, a taken name):
-    // trying again cannot help, so the relay stops, and with it (linked) the
-    // worker and its node, naming the reason. The same router did not
-    // answer: try again, with backoff (unless a newer attempt is already out).
+    // now. The router refused this worker for good (another cluster, another
+    // model): trying again cannot help, so the relay stops, and with it
+    // (linked) the worker and its node, naming the reason. Another worker
+    // holds the name: tried again up to name_held_wait (the holder may be
+    // gone unnoticed), then the same. The same router did not answer: try
+    // again, with backoff (unless a newer attempt is already out).
     auto& st = self->state;
     if (router != st.router) return;
-    if (e == caf::sec::invalid_argument) {
-      // The router's reason, unquoted (render() escapes it inside a tuple).
-      const caf::message& why = e.context();
-      const std::string reason = why.size() == 1 && why.match_element<std::string>(0) ? why.get_as<std::string>(0)
-                                                                                    : self->system().render(e);
+    // The router's reason, unquoted (render() escapes it inside a tuple).
+    const caf::message& why = e.context();
+    const std::string reason = why.size() == 1 && why.match_element<std::string>(0) ? why.get_as<std::string>(0)
+                                                                                  : self->system().render(e);
+    const auto now = std::chrono::steady_clock::now();
+    if (e != kRegistrationNameHeld) st.name_held_since.reset();
+    else if (!st.name_held_since) st.name_held_since = now;
+    if (e == kRegistrationRefused || (e == kRegistrationNameHeld && now - *st.name_held_since >= st.spec.name_held_wait)) {
       node_log(LogLevel::error, "the router refused " + name + ": " + reason + "; exiting");
       self->quit(e);
       return;
     }
-    node_log(LogLevel::warning, "registration of " + name + " failed: " + self->system().render(e) + "; trying again in " +
+    node_log(LogLevel::warning, "registration of " + name + " failed: " + reason + "; trying again in " +
              std::to_string(st.retry_delay.count()) + " ms");
     if (attempt != st.registration) return;
     self->delayed_send(self, st.retry_delay, retry_atom::value, attempt);
@@ -375,6 +384,7 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
       [=](router_atom, router_actor& router) {
         self->state.router = std::move(router);
         self->state.retry_delay = self->state.spec.register_retry;
+        self->state.name_held_since.reset();
         if (self->state.worker && self->state.worker->gate)
           self->send(self->state.worker->gate, router_atom::value, self->state.router);
         register_worker(self);

@@ -28,6 +28,7 @@
 #include <string>
 
 #include "caf/actor_system.hpp"
+#include "actors/config.h"
 #include "messages/interfaces.h"
 
 namespace disagg {
@@ -45,6 +46,12 @@ struct RelaySpec {
   // this delay, doubling up to register_retry_max, while that router is alive.
   std::chrono::milliseconds register_retry{100};
   std::chrono::milliseconds register_retry_max{2000};
+  // A name the router says another worker holds is asked for again, as a
+  // registration that was not answered, for this long from the first such
+  // answer before the node gives up: the holder may be this worker's earlier
+  // run, gone, which the router notices only once its connection ends (at
+  // the latest its middleman's connection timeout after the last heartbeat).
+  std::chrono::milliseconds name_held_wait{kMiddlemanConnectionTimeout + kMiddlemanHeartbeat};
   std::chrono::milliseconds peer_refresh{1000};  // prefill gate
 };
 

@@ -282,8 +282,14 @@ std::optional<ComputeUnit> load_compute(caf::actor_system& system, const DisaggC
   }
 }
 
-RelaySpec relay_spec_of(const NodeOptions& node, const DisaggConfig& cfg, bool colocated) {
+RelaySpec relay_spec_of(const caf::actor_system_config& system, const NodeOptions& node, const DisaggConfig& cfg,
+                        bool colocated) {
   RelaySpec spec;
+  // As long as this node's middleman keeps a silent connection (the
+  // router's, set alike, then drops a gone holder of the name).
+  const auto connection_timeout = caf::get_or(system, "middleman.connection-timeout", caf::timespan{kMiddlemanConnectionTimeout});
+  const auto heartbeat = caf::get_or(system, "middleman.heartbeat-interval", caf::timespan{kMiddlemanHeartbeat});
+  spec.name_held_wait = std::chrono::duration_cast<std::chrono::milliseconds>(connection_timeout + heartbeat);
   spec.cluster = cfg.cluster;
   spec.ready_file = node.ready_file;
   spec.register_timeout = std::chrono::milliseconds(cfg.compute_timeout_ms);
@@ -394,7 +400,7 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
       !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
   caf::scoped_actor self{system};
   const NodeWorkers workers =
-      spawn_workers(system, cfg, relay_spec_of(node, cfg, colocated), name, role, *compute, plane, local);
+      spawn_workers(system, cfg, relay_spec_of(system.config(), node, cfg, colocated), name, role, *compute, plane, local);
   auto stop_workers = [&] {
     for (auto& w : workers) stop_actor(self, w.first);
   };

@@ -143,6 +143,15 @@ void ChildProcess::kill_hard() {
 
 std::string ChildProcess::log() const { return read_text_file(log_path_); }
 
+bool ChildProcess::log_says(const std::string& text, std::chrono::milliseconds within) const {
+  const auto deadline = Clock::now() + within;
+  for (;;) {
+    if (log().find(text) != std::string::npos) return true;
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // (a poll of the log, bounded by `within`)
+  }
+}
+
 int run_to_completion(const std::vector<std::string>& argv, std::string& output, std::string& err,
                       std::chrono::milliseconds timeout, std::vector<std::string> env) {
   char out_path[] = "/tmp/disagg-out-XXXXXX";

@@ -33,6 +33,8 @@ class ChildProcess {
   void kill_hard();  // SIGKILL and reap
   std::string log() const;
   const std::string& log_path() const { return log_path_; }
+  // Whether its log holds `text` within `within` (polled).
+  bool log_says(const std::string& text, std::chrono::milliseconds within) const;
 
  private:
   bool reap(bool block);

@@ -312,15 +312,6 @@ GenerateRequest short_request(int i) {
   return r;
 }
 
-bool log_says(TestCluster& cluster, const std::string& name, const std::string& text, std::chrono::milliseconds within) {
-  const auto deadline = Clock::now() + within;
-  for (;;) {
-    if (cluster.node(name).log().find(text) != std::string::npos) return true;
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(20ms);  // (a poll of the log, bounded by `within`)
-  }
-}
-
 // Every decode worker's pool whole again: nothing held for a request.
 void expect_pools_full(TestCluster& cluster) {
   const auto status = cluster.client().status();
@@ -358,12 +349,12 @@ TEST(Partitions, ADecodeHostCutOffFromTheRouterGetsNoWorkAndRejoinsWhenHealed) {
     EXPECT_EQ(out.decode_worker, "decode-2");
     EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), requests[i]));
   }
-  EXPECT_TRUE(log_says(cluster, "router", "worker decode-1 did not answer a heartbeat", 1s)) << cluster.logs();
+  EXPECT_TRUE(cluster.node("router").log_says("worker decode-1 did not answer a heartbeat", 1s)) << cluster.logs();
   // The partition's length, the scenario itself; what follows waits for its
   // own events (log lines, outcomes), so no length can make a check pass.
   std::this_thread::sleep_until(cut_at + 10s);
   lab.heal("decode-1", "router");
-  EXPECT_TRUE(log_says(cluster, "router", "worker decode-1 answers again", 10s)) << cluster.logs();
+  EXPECT_TRUE(cluster.node("router").log_says("worker decode-1 answers again", 10s)) << cluster.logs();
   bool served_by_decode_1 = false;
   for (int i = 0; i < 8 && !served_by_decode_1; ++i) {
     const RequestOutcome out = cluster.client().generate(short_request(100 + i));
@@ -480,7 +471,7 @@ struct KvPartition {
     ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
     EXPECT_LT(Clock::now() - sent, within);
     EXPECT_EQ(out.tokens, colocated_tokens(cluster.model(), request));
-    EXPECT_TRUE(log_says(cluster, "router", why, 1s)) << cluster.logs();
+    EXPECT_TRUE(cluster.node("router").log_says(why, 1s)) << cluster.logs();
     EXPECT_FALSE(out.prefill_worker == "prefill-1" && out.decode_worker == "decode-1") << "served over the cut link";
     ASSERT_NO_FATAL_FAILURE(expect_pools_full(cluster));
     EXPECT_TRUE(cluster.stop_all());
@@ -538,7 +529,7 @@ TEST(Partitions, AKvConnectionCutWhileItIsMadeFailsAtTheConnectTimeoutAndTheRequ
   p.start_first_pair();
   ASSERT_TRUE(cluster.wait_for_workers(1, 1)) << cluster.logs();
   // (the control plane's own direct connection is made before the cut)
-  ASSERT_TRUE(log_says(cluster, "prefill-1", "direct connection to decode worker decode-1", 20s)) << cluster.logs();
+  ASSERT_TRUE(cluster.node("prefill-1").log_says("direct connection to decode worker decode-1", 20s)) << cluster.logs();
   const uint16_t kv_port = p.kv_port();
   ASSERT_NE(kv_port, 0) << cluster.logs();
   p.lab.cut_but_port("prefill-1", "decode-1", kv_port);
@@ -564,12 +555,12 @@ TEST(Partitions, ATlsHandshakeCutMidwayEndsAtTheHandshakeTimeoutAndTheWorkerJoin
   HostCluster hosts("partition-tls", "", true);
   TestCluster& cluster = hosts.cluster;
   cluster.start_node("router", "router", "handshake-timeout-ms = 1500\n");
-  ASSERT_TRUE(log_says(cluster, "router", "listening on", 20s)) << cluster.logs();
+  ASSERT_TRUE(cluster.node("router").log_says("listening on", 20s)) << cluster.logs();
   const uint16_t port = cluster.router_port();
   hosts.lab.cut_connections_after("prefill-1", "router", port, 1500);
   cluster.start_node("prefill", "prefill-1");
   cluster.start_node("decode", "decode-1");
-  EXPECT_TRUE(log_says(cluster, "router", "no complete TLS handshake within 1500 ms", 15s)) << cluster.logs();
+  EXPECT_TRUE(cluster.node("router").log_says("no complete TLS handshake within 1500 ms", 15s)) << cluster.logs();
   EXPECT_EQ(cluster.node("router").log().find("registered prefill worker prefill-1"), std::string::npos)
       << "registered over a link that cut its handshake\n" << cluster.logs();
   hosts.lab.heal_connections("prefill-1", "router", port, 1500);
@@ -599,7 +590,7 @@ TEST(Partitions, AWorkerWhoseHandshakeWasSilencedPastTheRoutersRetriesJoinsOnceH
   TestCluster& cluster = hosts.cluster;
   const std::string middleman = "\n[middleman]\nheartbeat-interval = 1s\nconnection-timeout = 4s\n";
   cluster.start_node("router", "router", "handshake-timeout-ms = 1500\n", middleman);
-  ASSERT_TRUE(log_says(cluster, "router", "listening on", 20s)) << cluster.logs();
+  ASSERT_TRUE(cluster.node("router").log_says("listening on", 20s)) << cluster.logs();
   hosts.lab.sysctl("router", "net.ipv4.tcp_orphan_retries", "1");
   const uint16_t port = cluster.router_port();
   hosts.lab.cut_replies("prefill-1", "router", port);
@@ -614,7 +605,7 @@ TEST(Partitions, AWorkerWhoseHandshakeWasSilencedPastTheRoutersRetriesJoinsOnceH
     if (first.empty()) std::this_thread::sleep_for(20ms);  // (a poll of the router host's sockets, bounded)
   }
   ASSERT_FALSE(first.empty()) << "prefill-1 never reached the router's host\n" << cluster.logs();
-  ASSERT_TRUE(log_says(cluster, "router", "no complete TLS handshake within 1500 ms", 15s)) << cluster.logs();
+  ASSERT_TRUE(cluster.node("router").log_says("no complete TLS handshake within 1500 ms", 15s)) << cluster.logs();
   // ... closed at the handshake timeout, then forgotten by its kernel.
   bool gone = false;
   for (const auto deadline = Clock::now() + 30s; !gone && Clock::now() < deadline;) {

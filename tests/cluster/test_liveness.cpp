@@ -43,24 +43,6 @@ std::string describe(const std::optional<RouterStatus>& status) {
   return out;
 }
 
-bool log_has_text(ChildProcess& process, const std::string& text, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (process.log().find(text) != std::string::npos) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return false;
-}
-
-bool log_has(TestCluster& cluster, const std::string& name, const std::string& text, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (cluster.node(name).log().find(text) != std::string::npos) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return false;
-}
-
 TEST(ClusterLiveness, AStoppedDecodeNodeGetsNoWorkItsRequestsCompleteElsewhereAndItRejoinsWhenItWakes) {
   TestCluster cluster("liveness");
   // A long ack timeout: only the heartbeats can rescue a request that waits
@@ -86,12 +68,12 @@ TEST(ClusterLiveness, AStoppedDecodeNodeGetsNoWorkItsRequestsCompleteElsewhereAn
     EXPECT_EQ(out.decode_worker, "decode-2");
     EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), requests[i]));
   }
-  EXPECT_TRUE(log_has(cluster, "router", "worker decode-1 did not answer a heartbeat", 1s)) << cluster.logs();
+  EXPECT_TRUE(cluster.node("router").log_says("worker decode-1 did not answer a heartbeat", 1s)) << cluster.logs();
 
   // Awake again: it answers, its stale reservations are cancelled, and it
   // takes work again.
   ASSERT_EQ(::kill(stopped, SIGCONT), 0);
-  EXPECT_TRUE(log_has(cluster, "router", "worker decode-1 answers again", 5s)) << cluster.logs();
+  EXPECT_TRUE(cluster.node("router").log_says("worker decode-1 answers again", 5s)) << cluster.logs();
   bool served_by_decode_1 = false;
   for (int i = 0; i < 8 && !served_by_decode_1; ++i) {
     const RequestOutcome out = cluster.client().generate(short_request(100 + i));
@@ -192,7 +174,7 @@ TEST(ClusterLiveness, AWorkerWaitingForASilentRouterExitsPromptlyOnSigterm) {
   ini.replace(ini.find(from), from.size(), "router-port = " + std::to_string(silent_port));
   write_text_file(cluster.dir() + "/silent.ini", ini);
   ChildProcess worker({node_binary(), "--config-file=" + cluster.dir() + "/silent.ini"}, cluster.dir() + "/silent.log");
-  EXPECT_TRUE(log_has_text(worker, "not reachable yet", 10s)) << worker.log();
+  EXPECT_TRUE(worker.log_says("not reachable yet", 10s)) << worker.log();
   const auto signalled = std::chrono::steady_clock::now();
   EXPECT_EQ(worker.stop(std::chrono::seconds(10)), 0) << worker.log();
   EXPECT_LT(std::chrono::steady_clock::now() - signalled, 2s) << "SIGTERM took long to end the wait";

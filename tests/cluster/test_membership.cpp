@@ -126,16 +126,22 @@ TEST(ClusterMembership, AWorkerOfAnotherModelIsRefusedAndItsNodeExits) {
 // the node exits 1 naming the reason, as for another model.
 // A second node with a name a registered worker holds is refused; the
 // holder keeps serving.
+// Another worker holds the name: the newcomer asks again for as long as its
+// middleman keeps a silent connection (name_held_wait: the holder may be its
+// own earlier run, gone unnoticed), here 3 s, then its node exits.
+const std::string kQuickMiddleman = "\n[middleman]\nheartbeat-interval = 1s\nconnection-timeout = 2s\n";
+
 TEST(ClusterMembership, AWorkerWithATakenNameIsRefusedAndItsNodeExits) {
   TestCluster cluster("refused-name");
   ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
-  write_text_file(cluster.dir() + "/impostor.ini", cluster.config_text("prefill", "prefill-1", 0));
+  write_text_file(cluster.dir() + "/impostor.ini", cluster.config_text("prefill", "prefill-1", 0, kQuickMiddleman));
   ChildProcess impostor({node_binary(), "--config-file=" + cluster.dir() + "/impostor.ini"},
                         cluster.dir() + "/impostor.log");
   const auto code = impostor.wait_exit(std::chrono::seconds(30));
   ASSERT_TRUE(code.has_value()) << "the refused worker is still running\n" << impostor.log();
   EXPECT_EQ(*code, 1) << impostor.log();
-  EXPECT_NE(impostor.log().find("is taken by another worker"), std::string::npos) << impostor.log();
+  EXPECT_NE(impostor.log().find("is taken by another worker; trying again"), std::string::npos) << impostor.log();
+  EXPECT_NE(impostor.log().find("is taken by another worker; exiting"), std::string::npos) << impostor.log();
   EXPECT_NE(cluster.node("router").log().find("is taken by another worker"), std::string::npos)
       << cluster.node("router").log();
   ASSERT_TRUE(cluster.wait_for_workers(1, 1));
@@ -143,6 +149,31 @@ TEST(ClusterMembership, AWorkerWithATakenNameIsRefusedAndItsNodeExits) {
   const RequestOutcome out = cluster.client().generate(r);
   EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
   EXPECT_EQ(out.prefill_worker, "prefill-1");
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+// A worker restarted before the router noticed its earlier run was gone
+// (the 10-minute soak on a lossy link: the new run registered 44 ms before
+// the router saw the old connection end, was refused and exited): it is
+// told the name is held, asks again, and joins once the router has dropped
+// the earlier run. Here the earlier run lives until the new one has been
+// told, then is killed.
+TEST(ClusterMembership, AWorkerRestartedBeforeTheRouterNoticedItsEarlierRunJoinsOnceItDoes) {
+  TestCluster cluster("restarted-name");
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  write_text_file(cluster.dir() + "/again.ini", cluster.config_text("decode", "decode-1", free_loopback_port()));
+  ChildProcess again({node_binary(), "--config-file=" + cluster.dir() + "/again.ini"}, cluster.dir() + "/again.log");
+  ASSERT_TRUE(again.log_says("is taken by another worker", std::chrono::seconds(60))) << again.log();
+  ASSERT_NE(again.log().find("is taken by another worker; trying again"), std::string::npos) << again.log();
+  ASSERT_TRUE(again.running()) << again.log();
+  cluster.kill_node("decode-1");
+  ASSERT_TRUE(again.log_says("registered with the router as decode-1", std::chrono::seconds(30)))
+      << again.log() << cluster.node("router").log();
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  const RequestOutcome out = cluster.client().generate(small_request());
+  EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.decode_worker, "decode-1");
+  EXPECT_EQ(again.stop(), 0) << again.log();
   EXPECT_TRUE(cluster.stop_all());
 }
 
