@@ -137,7 +137,8 @@ TEST(ClusterMembership, AWorkerWithATakenNameIsRefusedAndItsNodeExits) {
   write_text_file(cluster.dir() + "/impostor.ini", cluster.config_text("prefill", "prefill-1", 0, kQuickMiddleman));
   ChildProcess impostor({node_binary(), "--config-file=" + cluster.dir() + "/impostor.ini"},
                         cluster.dir() + "/impostor.log");
-  const auto code = impostor.wait_exit(std::chrono::seconds(30));
+  // (3 s of asking, after a start that takes well under a second here)
+  const auto code = impostor.wait_exit(std::chrono::seconds(20));
   ASSERT_TRUE(code.has_value()) << "the refused worker is still running\n" << impostor.log();
   EXPECT_EQ(*code, 1) << impostor.log();
   EXPECT_NE(impostor.log().find("is taken by another worker; trying again"), std::string::npos) << impostor.log();
