@@ -1,7 +1,9 @@
 #include "node/runtime.h"
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <optional>
 #include <thread>
@@ -41,6 +43,12 @@ using Clock = std::chrono::steady_clock;
 // What a KvTransfer message adds to the KV bytes it carries (ids, sampling,
 // CAF's framing): the port guard's limit for one-message KV leaves this room.
 constexpr int64_t kMessageOverheadBytes = int64_t{1} << 20;
+
+// How long a node's teardown (the actor system's: CAF joins its threads)
+// may take once its role has returned: CAF 0.17's multiplexer can stay
+// inside OpenSSL's read of a TLS handshake that a partition silenced, and
+// the join then waits for good. Past this the process exits anyway, saying so.
+constexpr std::chrono::seconds kTeardownBound{10};
 
 volatile std::sig_atomic_t g_stop = 0;
 extern "C" void on_stop_signal(int) { g_stop = 1; }
@@ -456,11 +464,21 @@ int node_main(int argc, char** argv, RoleRunner frontend) {
   caf::actor_system system{config};
   if (config.tls.enabled())
     node_log("mutual TLS on every connection: certificate " + config.tls.certificate + ", CA " + config.tls.ca_file);
+  int code = 0;
   switch (node.parsed_role()) {
-    case NodeRole::router: return run_router(system, node, config.disagg);
-    case NodeRole::frontend: return frontend(system, node, config.disagg);
-    default: return run_worker(system, node, config.disagg);
+    case NodeRole::router: code = run_router(system, node, config.disagg); break;
+    case NodeRole::frontend: code = frontend(system, node, config.disagg); break;
+    default: code = run_worker(system, node, config.disagg); break;
   }
+  // The teardown (the system's destructor, on return) bounded: a watchdog
+  // that ends the process if it is still here kTeardownBound from now.
+  std::thread([code] {
+    std::this_thread::sleep_for(kTeardownBound);
+    node_log(LogLevel::error, "the node's teardown did not end within " + std::to_string(kTeardownBound.count()) +
+                                  " s (a connection stuck in CAF's network thread); exiting");
+    std::_Exit(code == 0 ? 1 : code);
+  }).detach();
+  return code;
 }
 
 }  // namespace disagg
