@@ -190,19 +190,9 @@ size_t Grammar::symbol_count() const {
 
 // ---------------------------------------------------------------- checks
 
-void Grammar::check() const {
-  if (rules_.size() > kMaxRules) throw GrammarError("grammar: more than " + std::to_string(kMaxRules) + " rules");
-  if (symbol_count() > kMaxSymbols) throw GrammarError("grammar: more than " + std::to_string(kMaxSymbols) + " symbols");
+std::vector<char> Grammar::nullable_rules() const {
+  // To a fixed point.
   const size_t n = rules_.size();
-  for (size_t r = 0; r < n; ++r)
-    for (const auto& a : rules_[r])
-      for (const Symbol& s : a) {
-        if (s.rule >= int64_t(n) || (s.rule < 0 && s.bytes.empty()))
-          throw GrammarError("grammar: rule " + std::to_string(r) + " refers to rule " + std::to_string(s.rule) +
-                             (s.rule < 0 ? " (an empty byte set)" : ", which does not exist"));
-      }
-  if (rules_[0].empty()) throw GrammarError("grammar: the root rule has no alternative");
-  // Nullable rules, to a fixed point.
   std::vector<char> nullable(n, 0);
   for (bool changed = true; changed;) {
     changed = false;
@@ -215,6 +205,22 @@ void Grammar::check() const {
         }
     }
   }
+  return nullable;
+}
+
+void Grammar::check() const {
+  if (rules_.size() > kMaxRules) throw GrammarError("grammar: more than " + std::to_string(kMaxRules) + " rules");
+  if (symbol_count() > kMaxSymbols) throw GrammarError("grammar: more than " + std::to_string(kMaxSymbols) + " symbols");
+  const size_t n = rules_.size();
+  for (size_t r = 0; r < n; ++r)
+    for (const auto& a : rules_[r])
+      for (const Symbol& s : a) {
+        if (s.rule >= int64_t(n) || (s.rule < 0 && s.bytes.empty()))
+          throw GrammarError("grammar: rule " + std::to_string(r) + " refers to rule " + std::to_string(s.rule) +
+                             (s.rule < 0 ? " (an empty byte set)" : ", which does not exist"));
+      }
+  if (rules_[0].empty()) throw GrammarError("grammar: the root rule has no alternative");
+  const std::vector<char> nullable = nullable_rules();
   // Left recursion: a cycle among "r may start with s" edges.
   std::vector<std::vector<int>> starts(n);
   for (size_t r = 0; r < n; ++r)

@@ -97,6 +97,8 @@ class Grammar {
   size_t rule_count() const { return rules_.size(); }
   const std::vector<Alternative>& alternatives(int rule) const { return rules_[size_t(rule)]; }
   size_t symbol_count() const;
+  // Per rule, whether it may match "" (rules referred to must exist: check()).
+  std::vector<char> nullable_rules() const;
 
   // Throws GrammarError: a reference out of range, a rule with no
   // alternative that is reachable, left recursion, past the limits.

@@ -537,10 +537,11 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
     if (it != shape_masks_.end()) same = &it->second;
   }
   const int32_t common = same ? std::min(reach, same->reach) : 0;
-  if (same && v.longer_than(size_t(common)) * kShapeLongTokens <= v.size()) {
+  const size_t longer = same ? v.longer_than(size_t(common)) : 0;
+  if (same && longer * kShapeLongTokens <= v.size()) {
     m->bits = same->mask->bits;
     for (int t : v.end_tokens()) m->bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63));
-    for (size_t i = 0, n = v.longer_than(size_t(common)); i < n; ++i) {
+    for (size_t i = 0; i < longer; ++i) {
       const int32_t t = v.by_length_[i];
       m->bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63));
     }
@@ -569,18 +570,7 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
 // link would decide nothing sooner).
 void CompiledGrammar::find_repetitions(const Grammar& g) {
   const size_t n = g.rule_count();
-  std::vector<char> nullable(n, 0);
-  for (bool changed = true; changed;) {
-    changed = false;
-    for (size_t r = 0; r < n; ++r) {
-      if (nullable[r]) continue;
-      for (const Alternative& a : g.alternatives(int(r)))
-        if (std::all_of(a.begin(), a.end(), [&](const Symbol& s) { return s.rule >= 0 && nullable[size_t(s.rule)]; })) {
-          nullable[r] = changed = true;
-          break;
-        }
-    }
-  }
+  const std::vector<char> nullable = g.nullable_rules();
   auto same = [](const Symbol& a, const Symbol& b) { return a.rule == b.rule && (a.rule >= 0 || a.bytes == b.bytes); };
   // Per rule: its link number (0: none, -1: being found) and which
   // alternative is A..., and the body's length.
