@@ -34,6 +34,23 @@ uint32_t next_code_point(std::string_view text, size_t& pos) {
   return cp;
 }
 
+const std::vector<ByteForm>& plain_char_forms() {
+  static const std::vector<ByteForm> forms = [] {
+    const ByteSet tail = ByteSet::range(0x80, 0xBF);
+    return std::vector<ByteForm>{
+        {ByteSet().add(0x20, 0x21).add(0x23, 0x5B).add(0x5D, 0x7E)},
+        {ByteSet::range(0xC2, 0xDF), tail},
+        {ByteSet::of(0xE0), ByteSet::range(0xA0, 0xBF), tail},
+        {ByteSet().add(0xE1, 0xEC).add(0xEE, 0xEF), tail, tail},
+        {ByteSet::of(0xED), ByteSet::range(0x80, 0x9F), tail},
+        {ByteSet::of(0xF0), ByteSet::range(0x90, 0xBF), tail, tail},
+        {ByteSet::range(0xF1, 0xF3), tail, tail, tail},
+        {ByteSet::of(0xF4), ByteSet::range(0x80, 0x8F), tail, tail},
+    };
+  }();
+  return forms;
+}
+
 uint32_t hex_code_point(std::string_view text, size_t& pos, int digits) {
   uint32_t v = 0;
   for (int i = 0; i < digits; ++i) {

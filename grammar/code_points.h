@@ -26,6 +26,15 @@ std::string utf8_bytes(uint32_t cp);
 // Throws GrammarError("not UTF-8").
 uint32_t next_code_point(std::string_view text, size_t& pos);
 
+// One character JSON writes unescaped in a string (not '"', '\\' or a
+// control character: printable ASCII, or a multi-byte UTF-8 sequence as RFC
+// 3629 allows), as its byte forms: each a sequence of byte sets, no two
+// forms sharing a first byte. JSON's grammar (json_grammar.h) spells its
+// strings' characters with them, and a vocabulary (matcher.h) finds its
+// tokens of such characters alone by them: one owner of the class.
+using ByteForm = std::vector<ByteSet>;
+const std::vector<ByteForm>& plain_char_forms();
+
 // `digits` hex digits at text[pos] as a code point, pos moved past them.
 // Throws GrammarError: too few digits, a non-hex digit, a surrogate or
 // past U+10FFFF.

@@ -1,26 +1,22 @@
 #include "grammar/json_grammar.h"
 
+#include "grammar/code_points.h"
+
 namespace disagg::grammar {
 
 namespace {
 
 ByteSet bytes(uint8_t lo, uint8_t hi) { return ByteSet::range(lo, hi); }
 
-// One character of valid UTF-8 that JSON writes unescaped in a string: not
-// '"', '\\' or a control character; multi-byte sequences as RFC 3629 allows.
+// One character that JSON writes unescaped in a string (plain_char_forms).
 Expr utf8_char(Grammar& g) {
-  const ByteSet tail = bytes(0x80, 0xBF);
-  const Expr t = Grammar::bytes(tail);
-  return Grammar::alt({
-      Grammar::bytes(ByteSet().add(0x20, 0x21).add(0x23, 0x5B).add(0x5D, 0x7E)),
-      g.seq({Grammar::bytes(bytes(0xC2, 0xDF)), t}),
-      g.seq({Grammar::literal("\xE0"), Grammar::bytes(bytes(0xA0, 0xBF)), t}),
-      g.seq({Grammar::bytes(ByteSet().add(0xE1, 0xEC).add(0xEE, 0xEF)), t, t}),
-      g.seq({Grammar::literal("\xED"), Grammar::bytes(bytes(0x80, 0x9F)), t}),
-      g.seq({Grammar::literal("\xF0"), Grammar::bytes(bytes(0x90, 0xBF)), t, t}),
-      g.seq({Grammar::bytes(bytes(0xF1, 0xF3)), t, t, t}),
-      g.seq({Grammar::literal("\xF4"), Grammar::bytes(bytes(0x80, 0x8F)), t, t}),
-  });
+  std::vector<Expr> forms;
+  for (const ByteForm& form : plain_char_forms()) {
+    std::vector<Expr> bytes;
+    for (const ByteSet& set : form) bytes.push_back(Grammar::bytes(set));
+    forms.push_back(g.seq(bytes));
+  }
+  return Grammar::alt(forms);
 }
 
 }  // namespace

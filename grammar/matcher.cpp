@@ -1,5 +1,7 @@
 #include "grammar/matcher.h"
 
+#include "grammar/code_points.h"
+
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -7,6 +9,25 @@
 namespace disagg::grammar {
 
 // ---------------------------------------------------------------- TokenVocabulary
+
+namespace {
+
+// The characters of `text` when it is plain characters alone, else -1.
+int32_t plain_chars_of(const std::string& text) {
+  const auto& forms = plain_char_forms();
+  int32_t chars = 0;
+  for (size_t at = 0; at < text.size(); ++chars) {
+    const ByteForm* form = nullptr;
+    for (const ByteForm& f : forms)
+      if (f[0].has(uint8_t(text[at]))) form = &f;
+    if (!form || at + form->size() > text.size()) return -1;
+    for (const ByteSet& set : *form)
+      if (!set.has(uint8_t(text[at++]))) return -1;
+  }
+  return chars;
+}
+
+}  // namespace
 
 TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vector<bool>& special,
                                  std::vector<int> end_tokens)
@@ -16,18 +37,50 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vect
   end_tokens_.erase(std::remove_if(end_tokens_.begin(), end_tokens_.end(),
                                    [&](int t) { return t < 0 || size_t(t) >= bytes_.size(); }),
                     end_tokens_.end());
-  // The prefix tree of the tokens that may appear inside a text, built from
-  // them in byte order: each new node comes after its parent's earlier
-  // subtree, which is preorder. Tokens longer than a depth can say are left
-  // out (never allowed).
-  std::vector<int32_t> order;
-  for (size_t i = 0; i < bytes_.size(); ++i)
-    if (!bytes_[i].empty() && bytes_[i].size() <= 0xFFFF && !(i < special.size() && special[i]) && !is_end(int(i)))
-      order.push_back(int32_t(i));
+  // The tokens that may appear inside a text. Tokens longer than a node's
+  // depth can say are left out (never allowed).
+  std::vector<int32_t> text, rest;
+  plain_chars_.assign(bytes_.size(), -1);
+  for (size_t i = 0; i < bytes_.size(); ++i) {
+    if (bytes_[i].empty() || bytes_[i].size() > 0xFFFF || (i < special.size() && special[i]) || is_end(int(i))) continue;
+    text.push_back(int32_t(i));
+    plain_chars_[i] = plain_chars_of(bytes_[i]);
+    if (plain_chars_[i] < 0) rest.push_back(int32_t(i));
+  }
+  std::vector<int32_t> plain;
+  for (int32_t t : text)
+    if (plain_chars_[size_t(t)] >= 0) plain.push_back(t);
+  std::stable_sort(plain.begin(), plain.end(),
+                   [&](int32_t a, int32_t b) { return plain_chars_[size_t(a)] < plain_chars_[size_t(b)]; });
+  const size_t words = (bytes_.size() + 63) / 64;
+  plain_up_to_.assign(kPlainMasks + 1, std::vector<uint64_t>(words, 0));
+  for (int32_t t : plain) {
+    const int32_t chars = plain_chars_[size_t(t)];
+    max_plain_chars_ = std::max(max_plain_chars_, int(chars));
+    if (chars > kPlainMasks) {
+      plain_long_.push_back(t);
+      continue;
+    }
+    for (int k = chars; k <= kPlainMasks; ++k) plain_up_to_[size_t(k)][size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  }
+  plain_all_ = plain_up_to_[kPlainMasks];
+  for (int32_t t : plain_long_) plain_all_[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  all_ = trie_of(std::move(text));
+  rest_ = trie_of(std::move(rest));
+  by_length_ = all_.tokens;
+  std::stable_sort(by_length_.begin(), by_length_.end(),
+                   [&](int32_t a, int32_t b) { return bytes_[size_t(a)].size() > bytes_[size_t(b)].size(); });
+}
+
+// The prefix tree of `order`, built from them in byte order: each new node
+// comes after its parent's earlier subtree, which is preorder.
+TokenVocabulary::Trie TokenVocabulary::trie_of(std::vector<int32_t> order) const {
   std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
     return bytes_[size_t(a)] != bytes_[size_t(b)] ? bytes_[size_t(a)] < bytes_[size_t(b)] : a < b;
   });
-  nodes_.assign(1, Node{});
+  Trie trie;
+  std::vector<Node>& nodes = trie.nodes;
+  nodes.assign(1, Node{});
   std::vector<std::vector<int32_t>> ending(1);  // per node, the tokens whose bytes end there
   std::vector<uint32_t> path{0};                // the nodes of the previous token's bytes
   std::string previous;
@@ -40,43 +93,54 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vect
       Node node;
       node.depth = uint16_t(i + 1);
       node.byte = uint8_t(b[i]);
-      nodes_.push_back(node);
+      nodes.push_back(node);
       ending.emplace_back();
-      path.push_back(uint32_t(nodes_.size() - 1));
+      path.push_back(uint32_t(nodes.size() - 1));
     }
     ending[path.back()].push_back(t);
     previous = b;
   }
-  for (size_t n = 0; n < nodes_.size(); ++n) {
-    nodes_[n].first_token = uint32_t(tokens_.size());
-    nodes_[n].tokens = uint32_t(ending[n].size());
-    tokens_.insert(tokens_.end(), ending[n].begin(), ending[n].end());
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    nodes[n].first_token = uint32_t(trie.tokens.size());
+    nodes[n].tokens = uint32_t(ending[n].size());
+    trie.tokens.insert(trie.tokens.end(), ending[n].begin(), ending[n].end());
   }
   // Subtrees from the end (a subtree's nodes follow its root): the nodes
   // still open on the right spine are closed by a node no deeper.
-  subtree_bytes_.assign(nodes_.size(), Bytes{});
+  trie.subtree_bytes.assign(nodes.size(), Bytes{});
   std::vector<uint32_t> open;
   auto close = [&](uint32_t n, uint32_t end) {
-    nodes_[n].subtree_end = end;
-    nodes_[n].subtree_tokens_end = end < nodes_.size() ? nodes_[end].first_token : uint32_t(tokens_.size());
+    nodes[n].subtree_end = end;
+    nodes[n].subtree_tokens_end = end < nodes.size() ? nodes[end].first_token : uint32_t(trie.tokens.size());
   };
-  for (uint32_t n = 0; n < nodes_.size(); ++n) {
-    while (!open.empty() && nodes_[open.back()].depth >= nodes_[n].depth) {
+  for (uint32_t n = 0; n < nodes.size(); ++n) {
+    while (!open.empty() && nodes[open.back()].depth >= nodes[n].depth) {
       close(open.back(), n);
       open.pop_back();
     }
     // Its byte and its depth are below each open ancestor.
-    nodes_[n].max_depth = nodes_[n].depth;
+    nodes[n].max_depth = nodes[n].depth;
     for (uint32_t a : open) {
-      subtree_bytes_[a][nodes_[n].byte >> 6] |= uint64_t(1) << (nodes_[n].byte & 63);
-      nodes_[a].max_depth = std::max(nodes_[a].max_depth, nodes_[n].depth);
+      trie.subtree_bytes[a][nodes[n].byte >> 6] |= uint64_t(1) << (nodes[n].byte & 63);
+      nodes[a].max_depth = std::max(nodes[a].max_depth, nodes[n].depth);
     }
     open.push_back(n);
   }
-  for (uint32_t a : open) close(a, uint32_t(nodes_.size()));
-  by_length_ = tokens_;
-  std::stable_sort(by_length_.begin(), by_length_.end(),
-                   [&](int32_t a, int32_t b) { return bytes_[size_t(a)].size() > bytes_[size_t(b)].size(); });
+  for (uint32_t a : open) close(a, uint32_t(nodes.size()));
+  return trie;
+}
+
+void TokenVocabulary::allow_plain(int chars, std::vector<uint64_t>& bits) const {
+  if (chars >= max_plain_chars_) {
+    for (size_t w = 0; w < bits.size(); ++w) bits[w] |= plain_all_[w];
+    return;
+  }
+  const std::vector<uint64_t>& up_to = plain_up_to_[size_t(std::min(chars, kPlainMasks))];
+  for (size_t w = 0; w < bits.size(); ++w) bits[w] |= up_to[w];
+  for (int32_t t : plain_long_) {
+    if (plain_chars_[size_t(t)] > chars) break;
+    bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  }
 }
 
 size_t TokenVocabulary::longer_than(size_t n) const {
@@ -153,7 +217,7 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
     const auto& c = closure(s);
     first.insert(first.end(), c.begin(), c.end());
   }
-  start_ = intern(std::move(first));
+  start_ = intern(first);
   if (start_ < 0) throw GrammarError("grammar: the root matches no text");
 }
 
@@ -200,7 +264,7 @@ const std::vector<int32_t>& CompiledGrammar::closure(int32_t stack) {
   return closures_[size_t(stack)];
 }
 
-int32_t CompiledGrammar::intern(std::vector<int32_t> stacks) {
+int32_t CompiledGrammar::intern(std::vector<int32_t>& stacks) {
   if (stacks.empty()) return -1;
   std::sort(stacks.begin(), stacks.end());
   stacks.erase(std::unique(stacks.begin(), stacks.end()), stacks.end());
@@ -210,16 +274,16 @@ int32_t CompiledGrammar::intern(std::vector<int32_t> stacks) {
   const int32_t id = int32_t(states_.size());
   const bool bottom = (stacks[0] == kBottom) || (stacks.size() > 1 && stacks[0] == 0 && stacks[1] == kBottom);
   states_.push_back(State{stacks, nullptr, nullptr, bottom});
-  state_index_.emplace(std::move(stacks), id);
+  state_index_.emplace(stacks, id);
   return id;
 }
 
 int32_t CompiledGrammar::next_locked(int32_t state, uint8_t byte) {
   int32_t* memo = transitions(state);
   if (memo[byte] != -2) return memo[byte];
-  std::vector<int32_t> out;
-  const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning below may move states_)
-  for (int32_t id : stacks) {
+  std::vector<int32_t>& out = next_stacks_;
+  out.clear();
+  for (int32_t id : states_[size_t(state)].stacks) {  // (push and closure leave states_ be)
     if (id == 0 || id == kBottom) continue;
     const Stack s = stacks_[size_t(id)];
     if (!terms_[size_t(-2 - elems_[size_t(s.pos)])].has(byte)) continue;
@@ -228,7 +292,7 @@ int32_t CompiledGrammar::next_locked(int32_t state, uint8_t byte) {
     const auto& c = closure(after);
     out.insert(out.end(), c.begin(), c.end());
   }
-  const int32_t result = intern(std::move(out));
+  const int32_t result = intern(out);
   memo[byte] = result;
   return result;
 }
@@ -280,8 +344,17 @@ std::shared_ptr<const TokenMask> CompiledGrammar::mask(int state) {
 bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below,
                                 size_t undecided_limit, int skip_depth) {
   const TokenVocabulary& v = *vocab_;
-  const TokenVocabulary::Node* nodes = v.nodes_.data();
-  const int32_t* tokens = v.tokens_.data();
+  // A run of plain characters: its plain tokens at once, the others walked.
+  const TokenVocabulary::Trie* trie = &v.all_;
+  if (!has_bottom(state)) {
+    const int32_t plain = plain_reach(state);
+    if (plain != kNotPlain) {
+      v.allow_plain(plain, reached);
+      trie = &v.rest_;
+    }
+  }
+  const TokenVocabulary::Node* nodes = trie->nodes.data();
+  const int32_t* tokens = trie->tokens.data();
   auto mark = [](std::vector<uint64_t>& bits, int32_t t) { bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63); };
   // The tree in preorder, the state after each depth's byte alongside (and
   // its memo row, stable while states_ grows): a node whose byte has no
@@ -297,7 +370,7 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
   at_depth[0] = {state, transitions(state)};
   uint32_t marked_to = 0;
   size_t undecided = 0;
-  const uint32_t count = uint32_t(v.nodes_.size());
+  const uint32_t count = uint32_t(trie->nodes.size());
   uint32_t n = 1;
   if (below && has_bottom(state)) {
     for (uint32_t t = 0; t < nodes[0].subtree_tokens_end; ++t) mark(*below, tokens[t]);
@@ -331,7 +404,7 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
     // the tokens below as deep as that way goes are read, without a step
     // down the tree.
     if (node.subtree_tokens_end - first_below >= kUniformMinTokens) {
-      const UniformRun run = uniform_run(at, n);
+      const UniformRun run = uniform_run(at, *trie, n);
       const int deepest = node.max_depth - node.depth;
       const bool mark_below = below && n >= marked_to && run.bottom < deepest;
       if (run.depth >= deepest && !mark_below) {
@@ -408,9 +481,10 @@ int32_t CompiledGrammar::uniform_next(int32_t state, const Bytes& bytes) {
   return live ? u->next : -1;
 }
 
-CompiledGrammar::UniformRun CompiledGrammar::uniform_run(int32_t state, uint32_t node) {
-  const TokenVocabulary::Node& n = vocab_->nodes_[node];
-  const Bytes& bytes = vocab_->subtree_bytes_[node];
+CompiledGrammar::UniformRun CompiledGrammar::uniform_run(int32_t state, const TokenVocabulary::Trie& trie,
+                                                         uint32_t node) {
+  const TokenVocabulary::Node& n = trie.nodes[node];
+  const Bytes& bytes = trie.subtree_bytes[node];
   const int deepest = n.max_depth - n.depth;
   UniformRun run;
   run.depth = 0;
@@ -427,6 +501,83 @@ CompiledGrammar::UniformRun CompiledGrammar::uniform_run(int32_t state, uint32_t
     at = next;
   }
   return run;
+}
+
+// One plain character from `state`: asked first as one byte sequence per
+// form (most states part or die there), then every byte of every form.
+int32_t CompiledGrammar::plain_step(int32_t state) {
+  if (states_[size_t(state)].plain_next != kPlainUnknown) return states_[size_t(state)].plain_next;
+  const auto& forms = plain_char_forms();
+  auto step = [&](int32_t from, uint8_t byte) {
+    const int32_t next = transitions(from)[byte];
+    return next != -2 ? next : next_locked(from, byte);
+  };
+  // The one state every byte of `set` leads to from `from`: -1 when all
+  // die, -3 when they part or some die.
+  auto one_next = [&](int32_t from, const ByteSet& set) {
+    int32_t to = -2;
+    for (int b = 0; b < 256; ++b) {
+      if (!set.has(uint8_t(b))) continue;
+      const int32_t next = step(from, uint8_t(b));
+      if (to != -2 && next != to) return -3;
+      to = next;
+    }
+    return to == -2 ? -1 : to;
+  };
+  auto first_byte = [](const ByteSet& set) {
+    int b = 0;
+    while (!set.has(uint8_t(b))) ++b;
+    return uint8_t(b);
+  };
+  auto answer = [&](int32_t next) { return states_[size_t(state)].plain_next = next; };
+  int32_t one = -2;  // the live state the forms' first sequences reach (-2: none yet)
+  bool dead = true, parted = false;
+  for (const ByteForm& f : forms) {
+    int32_t s = state;
+    for (const ByteSet& set : f)
+      if ((s = step(s, first_byte(set))) < 0) break;
+    if (s < 0) {
+      parted = true;  // (unless every one dies)
+      continue;
+    }
+    dead = false;
+    if (one != -2 && s != one) parted = true;
+    one = s;
+  }
+  if (dead) {
+    for (const ByteForm& f : forms)
+      if (one_next(state, f[0]) != -1) return answer(kPlainParted);
+    return answer(kPlainNone);
+  }
+  if (parted) return answer(kPlainParted);
+  // Every byte of every form into that state, through states with no bottom.
+  for (const ByteForm& f : forms) {
+    int32_t s = state;
+    for (const ByteSet& set : f)
+      if ((s = one_next(s, set)) < 0 || has_bottom(s)) return answer(kPlainParted);
+    if (s != one) return answer(kPlainParted);
+  }
+  return answer(one);
+}
+
+int32_t CompiledGrammar::plain_reach(int32_t state) {
+  if (states_[size_t(state)].plain != kPlainUnknown) return states_[size_t(state)].plain;
+  int32_t reach = kNotPlain;
+  for (int32_t at = state, chars = 0;; ++chars) {
+    if (chars >= vocab_->max_plain_chars_) {  // as far as any token goes
+      reach = kFar;
+      break;
+    }
+    const int32_t next = plain_step(at);
+    if (next == kPlainNone) reach = chars == 0 ? kNotPlain : chars;
+    if (next < 0) break;
+    if (next == at) {  // a loop: any number
+      reach = kFar;
+      break;
+    }
+    at = next;
+  }
+  return states_[size_t(state)].plain = reach;
 }
 
 bool CompiledGrammar::has_bottom(int32_t state) const { return states_[size_t(state)].bottom; }
@@ -476,7 +627,8 @@ int32_t CompiledGrammar::stack_frame(int32_t stack) {
   size_t fewest = vocab_->size() / kFrameFallback + 1;  // undecided tokens of `chosen`
   for (int depth : kFrameDepths) {
     const int32_t c = cut(stack, depth);
-    const int32_t frame_state = intern({c});
+    std::vector<int32_t> one{c};
+    const int32_t frame_state = intern(one);
     const Frame& f = frame(frame_state, fewest);
     const size_t undecided = f.undecided.size();
     if (f.complete && undecided < fewest) {
@@ -498,6 +650,28 @@ void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
   const size_t words = bits.size();
   std::vector<int32_t> undecided;
   const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
+  auto read_undecided = [&] {
+    for (int32_t t : undecided)
+      if (!((bits[size_t(t) >> 6] >> (t & 63)) & 1) && next_token_locked(state, t) >= 0)
+        bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  };
+  // A string's body: its stacks (one per kind of character) cut together
+  // read a run of plain characters, one frame for the whole state. (A cut
+  // reads what the state reads until its bottom: it reads no run where the
+  // state does not.)
+  for (int depth : kFrameDepths) {
+    if (plain_step(state) < 0) break;
+    std::vector<int32_t> cuts;
+    for (int32_t stack : stacks)
+      if (stack != 0) cuts.push_back(cut(stack, depth));
+    const int32_t frame_state = intern(cuts);
+    if (frame_state < 0 || has_bottom(frame_state) || plain_reach(frame_state) == kNotPlain) continue;
+    const Frame& f = frame(frame_state, vocab_->size());
+    bits = f.accepted;
+    undecided = f.undecided;
+    read_undecided();
+    return;
+  }
   for (int32_t stack : stacks) {
     if (stack == 0) continue;  // the text may end here: the end tokens, below
     const int32_t frame_state = stack_frame(stack);
@@ -510,9 +684,7 @@ void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
     for (size_t w = 0; w < words; ++w) bits[w] |= f.accepted[w];
     undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
   }
-  for (int32_t t : undecided)
-    if (!((bits[size_t(t) >> 6] >> (t & 63)) & 1) && next_token_locked(state, t) >= 0)
-      bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  read_undecided();
 }
 
 // From a state of the same shape (kShapeLongTokens) when one reaches far

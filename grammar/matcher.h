@@ -36,6 +36,14 @@ namespace disagg::grammar {
 
 // The vocabulary as a grammar reads it: each token's bytes, which may appear
 // inside a grammar's text, and which end a generation.
+//
+// Its *plain* tokens are those of characters JSON writes unescaped in a
+// string alone (code_points.h plain_char_forms): most of a vocabulary. A
+// state that reads any plain character into one next state, and so on for
+// k characters (a string's body: k unbounded; a string with a maxLength),
+// then none, allows exactly the plain tokens of at most k characters, so
+// its walk takes them as one set and walks the prefix tree of the other
+// tokens alone (llguidance's token slices).
 class TokenVocabulary {
  public:
   using Bytes = std::array<uint64_t, 4>;  // a set of bytes, bit b of word b / 64
@@ -47,31 +55,48 @@ class TokenVocabulary {
   const std::string& bytes(int token) const { return bytes_[size_t(token)]; }
   bool is_end(int token) const;
   const std::vector<int>& end_tokens() const { return end_tokens_; }
-  size_t trie_nodes() const { return nodes_.size(); }
+  size_t trie_nodes() const { return all_.nodes.size(); }
   // How many of the tokens that may appear inside a text are longer than
   // `n` bytes.
   size_t longer_than(size_t n) const;
+  // A token's characters when it is plain, else -1.
+  int plain_chars(int token) const { return plain_chars_[size_t(token)]; }
+  // Sets the bits of the plain tokens of at most `chars` characters.
+  void allow_plain(int chars, std::vector<uint64_t>& bits) const;
 
  private:
   friend class CompiledGrammar;
-  // The prefix tree in depth-first preorder (built from the sorted tokens):
-  // a node's subtree is the nodes [id, subtree_end), its tokens the tokens_
+  // A prefix tree in depth-first preorder (built from the sorted tokens):
+  // a node's subtree is the nodes [id, subtree_end), its tokens the tokens
   // [first_token, subtree_tokens_end), so a walk reads the array in order
   // and skips a dead branch by one jump (llguidance's token trie).
   struct Node {
     uint32_t subtree_end = 0;
-    uint32_t first_token = 0, tokens = 0;  // into tokens_: the tokens whose bytes end here
-    uint32_t subtree_tokens_end = 0;       // into tokens_: past the last token below this node
+    uint32_t first_token = 0, tokens = 0;  // into tokens: the tokens whose bytes end here
+    uint32_t subtree_tokens_end = 0;       // into tokens: past the last token below this node
     uint16_t depth = 0;                    // its bytes (the root: 0)
     uint16_t max_depth = 0;                // the deepest node of its subtree
     uint8_t byte = 0;                      // its last byte
   };
+  struct Trie {
+    std::vector<Node> nodes;  // 0: the root (no bytes)
+    std::vector<int32_t> tokens;
+    std::vector<Bytes> subtree_bytes;  // per node: the bytes of its subtree's nodes below it
+  };
+  Trie trie_of(std::vector<int32_t> tokens) const;
+  // The plain tokens of at most k characters, as bits, for k up to
+  // kPlainMasks; the longer ones listed by characters.
+  static constexpr int kPlainMasks = 16;
   std::vector<std::string> bytes_;
-  std::vector<int> end_tokens_;  // sorted
-  std::vector<Node> nodes_;      // 0: the root (no bytes)
-  std::vector<int32_t> tokens_;
-  std::vector<Bytes> subtree_bytes_;  // per node: the bytes of its subtree's nodes below it
-  std::vector<int32_t> by_length_;    // the tokens of the tree, longest first
+  std::vector<int> end_tokens_;    // sorted
+  Trie all_;                       // every token that may appear inside a text
+  Trie rest_;                      // those that are not plain
+  std::vector<int32_t> by_length_;  // all_'s tokens, longest first
+  std::vector<int32_t> plain_chars_;
+  std::vector<std::vector<uint64_t>> plain_up_to_;  // [k]: k <= kPlainMasks
+  std::vector<int32_t> plain_long_;                 // plain tokens of more, fewest characters first
+  std::vector<uint64_t> plain_all_;
+  int max_plain_chars_ = 0;
 };
 
 // Which tokens a state allows.
@@ -160,6 +185,8 @@ class CompiledGrammar {
     std::unique_ptr<std::array<int32_t, 256>> next;  // memo: -2 unknown, -1 dead
     std::unique_ptr<Uniform> uniform;
     bool bottom = false;  // a frame's: it holds kBottom (the text may read past the frame)
+    int32_t plain = kPlainUnknown;       // plain_reach's answer
+    int32_t plain_next = kPlainUnknown;  // plain_step's
   };
   // What a frame decides: the tokens it accepts, those it cannot decide.
   struct Frame {
@@ -172,7 +199,8 @@ class CompiledGrammar {
 
   int32_t push(int32_t parent, int32_t pos);
   const std::vector<int32_t>& closure(int32_t stack);
-  int32_t intern(std::vector<int32_t> stacks);
+  // The state of a set of stacks (sorted and deduplicated in place).
+  int32_t intern(std::vector<int32_t>& stacks);
   int32_t next_locked(int32_t state, uint8_t byte);
   std::shared_ptr<const TokenMask> compute_mask(int32_t state);
   // The state's text tokens from its stacks' frames (or one walk).
@@ -206,11 +234,22 @@ class CompiledGrammar {
   // how deep below it tokens are read from `state`, and the first depth
   // whose state holds a frame's bottom (deeper tokens may read past it).
   static constexpr int kNoBottom = 1 << 30;
+  // How many plain characters `state` reads, each into one next state (the
+  // same for every character), with no frame's bottom on the way, before a
+  // state that reads none: then it allows exactly the plain tokens of at
+  // most that many characters (kFar: any). kNotPlain when it is no such
+  // run (some character dies or goes elsewhere partway).
+  static constexpr int32_t kPlainUnknown = -2, kNotPlain = -1;
+  int32_t plain_reach(int32_t state);
+  // The one state every plain character leads `state` to, through states
+  // with no bottom; kPlainNone when every one dies, kPlainParted else.
+  static constexpr int32_t kPlainParted = -3, kPlainNone = -4;
+  int32_t plain_step(int32_t state);
   struct UniformRun {
     int depth = -1;  // -1: not one way
     int bottom = kNoBottom;
   };
-  UniformRun uniform_run(int32_t state, uint32_t node);
+  UniformRun uniform_run(int32_t state, const TokenVocabulary::Trie& trie, uint32_t node);
   // A frame's walk, cached; one that leaves more than `undecided_limit`
   // tokens undecided is not finished (not complete).
   const Frame& frame(int32_t frame_state, size_t undecided_limit);
@@ -229,6 +268,7 @@ class CompiledGrammar {
   std::vector<std::vector<int32_t>> closures_;
   std::vector<char> closed_;
   std::vector<State> states_;
+  std::vector<int32_t> next_stacks_;  // next_locked's scratch
   struct VectorHash {
     size_t operator()(const std::vector<int32_t>& v) const;
   };

