@@ -198,6 +198,13 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
       for (const Symbol& s : a) elems_.push_back(s.rule >= 0 ? s.rule : -2 - term(s.bytes));
       elems_.push_back(kEnd);
     }
+  std::unordered_map<std::string, uint8_t> classes;  // which terms hold a class's bytes -> the class
+  for (int b = 0; b < 256; ++b) {
+    std::string in(terms_.size(), '0');
+    for (size_t t = 0; t < terms_.size(); ++t) in[t] = terms_[t].has(uint8_t(b)) ? '1' : '0';
+    byte_class_[size_t(b)] = classes.try_emplace(std::move(in), uint8_t(classes.size())).first->second;
+  }
+  classes_ = classes.size();
   find_repetitions(g);
   stacks_.push_back(Stack{kEnd, 0, 0});  // the empty stack
   closures_.push_back({0});
@@ -280,7 +287,8 @@ int32_t CompiledGrammar::intern(std::vector<int32_t>& stacks) {
 
 int32_t CompiledGrammar::next_locked(int32_t state, uint8_t byte) {
   int32_t* memo = transitions(state);
-  if (memo[byte] != -2) return memo[byte];
+  const uint8_t cls = byte_class_[byte];
+  if (memo[cls] != -2) return memo[cls];
   std::vector<int32_t>& out = next_stacks_;
   out.clear();
   for (int32_t id : states_[size_t(state)].stacks) {  // (push and closure leave states_ be)
@@ -293,7 +301,7 @@ int32_t CompiledGrammar::next_locked(int32_t state, uint8_t byte) {
     out.insert(out.end(), c.begin(), c.end());
   }
   const int32_t result = intern(out);
-  memo[byte] = result;
+  memo[cls] = result;
   return result;
 }
 
@@ -383,7 +391,7 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
       continue;
     }
     const At& from = at_depth[node.depth - 1u];
-    int32_t at = from.row[node.byte];
+    int32_t at = from.row[byte_class_[node.byte]];
     if (at == -2) at = next_locked(from.state, node.byte);
     if (at < 0) {
       if (n < marked_to && (undecided += node.subtree_tokens_end - node.first_token) > undecided_limit) return false;
@@ -441,10 +449,16 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
 int32_t* CompiledGrammar::transitions(int32_t state) {
   State& st = states_[size_t(state)];
   if (!st.next) {
-    st.next = std::make_unique<std::array<int32_t, 256>>();
-    st.next->fill(-2);
+    constexpr size_t kChunk = size_t(1) << 16;
+    if (row_chunks_.empty() || row_chunk_used_ + classes_ > kChunk) {
+      row_chunks_.push_back(std::unique_ptr<int32_t[]>(new int32_t[kChunk]));  // (each row is filled as it is carved)
+      row_chunk_used_ = 0;
+    }
+    st.next = row_chunks_.back().get() + row_chunk_used_;
+    row_chunk_used_ += classes_;
+    std::fill(st.next, st.next + classes_, -2);
   }
-  return st.next->data();
+  return st.next;
 }
 
 namespace {
@@ -509,7 +523,7 @@ int32_t CompiledGrammar::plain_step(int32_t state) {
   if (states_[size_t(state)].plain_next != kPlainUnknown) return states_[size_t(state)].plain_next;
   const auto& forms = plain_char_forms();
   auto step = [&](int32_t from, uint8_t byte) {
-    const int32_t next = transitions(from)[byte];
+    const int32_t next = transitions(from)[byte_class_[byte]];
     return next != -2 ? next : next_locked(from, byte);
   };
   // The one state every byte of `set` leads to from `from`: -1 when all

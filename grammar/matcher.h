@@ -182,7 +182,7 @@ class CompiledGrammar {
   };
   struct State {
     std::vector<int32_t> stacks;  // sorted; 0 (the empty stack) when accepting
-    std::unique_ptr<std::array<int32_t, 256>> next;  // memo: -2 unknown, -1 dead
+    int32_t* next = nullptr;  // memo per byte class (-2 unknown, -1 dead), in row_chunks_
     std::unique_ptr<Uniform> uniform;
     bool bottom = false;  // a frame's: it holds kBottom (the text may read past the frame)
     int32_t plain = kPlainUnknown;       // plain_reach's answer
@@ -225,7 +225,7 @@ class CompiledGrammar {
   bool has_bottom(int32_t state) const;
   int32_t cut(int32_t stack, int depth);
   int32_t stack_frame(int32_t stack);
-  int32_t* transitions(int32_t state);  // its memo row
+  int32_t* transitions(int32_t state);  // its memo row (index: byte_class_)
   // The one state every byte of `bytes` leads to from `state`; -1 when
   // every one is dead, -3 when they go to different places or some die.
   int32_t uniform_next(int32_t state, const TokenVocabulary::Bytes& bytes);
@@ -260,6 +260,13 @@ class CompiledGrammar {
   // is a rule, <= -2 the byte set terms_[-symbol - 2].
   std::vector<int32_t> elems_;
   std::vector<ByteSet> terms_;
+  // Per byte, its class: bytes no term tells apart lead every state to the
+  // same next one, so a state's memo row has an entry per class.
+  std::array<uint8_t, 256> byte_class_{};
+  size_t classes_ = 0;
+  // The memo rows, carved from chunks that never move.
+  std::vector<std::unique_ptr<int32_t[]>> row_chunks_;
+  size_t row_chunk_used_ = 0;
   std::vector<std::vector<int32_t>> rule_starts_;  // per rule, its alternatives' first index
 
   mutable std::mutex mutex_;
