@@ -545,25 +545,20 @@ int32_t CompiledGrammar::plain_step(int32_t state) {
   };
   auto answer = [&](int32_t next) { return states_[size_t(state)].plain_next = next; };
   int32_t one = -2;  // the live state the forms' first sequences reach (-2: none yet)
-  bool dead = true, parted = false;
+  bool died = false;
   for (const ByteForm& f : forms) {
     int32_t s = state;
     for (const ByteSet& set : f)
       if ((s = step(s, first_byte(set))) < 0) break;
-    if (s < 0) {
-      parted = true;  // (unless every one dies)
-      continue;
-    }
-    dead = false;
-    if (one != -2 && s != one) parted = true;
-    one = s;
+    if ((s < 0 && one != -2) || (s >= 0 && (died || (one != -2 && s != one)))) return answer(kPlainParted);
+    if (s < 0) died = true;
+    else one = s;
   }
-  if (dead) {
+  if (died) {  // every one: unless some other byte reads on, no character at all
     for (const ByteForm& f : forms)
       if (one_next(state, f[0]) != -1) return answer(kPlainParted);
     return answer(kPlainNone);
   }
-  if (parted) return answer(kPlainParted);
   // Every byte of every form into that state, through states with no bottom.
   for (const ByteForm& f : forms) {
     int32_t s = state;
@@ -608,24 +603,44 @@ int32_t CompiledGrammar::cut(int32_t stack, int depth) {
   return rebuilt;
 }
 
+void CompiledGrammar::Frame::allow(std::vector<uint64_t>& bits) const {
+  if (!accepted_bits.empty())
+    for (size_t w = 0; w < bits.size(); ++w) bits[w] |= accepted_bits[w];
+  for (int32_t t : accepted_tokens) bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+}
+
 const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state, size_t undecided_limit) {
   auto it = frames_.find(frame_state);
   if (it != frames_.end()) return *it->second;
   if (frames_.size() >= kMaxCachedMasks) frames_.clear();
   auto f = std::make_unique<Frame>();
   const size_t words = (vocab_->size() + 63) / 64;
-  f->accepted.assign(words, 0);
-  std::vector<uint64_t> below(words, 0);
-  if (!walk_tree(frame_state, f->accepted, &below, undecided_limit)) {
-    f->accepted.clear();
+  std::vector<uint64_t>& accepted = walk_accepted_;
+  std::vector<uint64_t>& below = walk_below_;
+  accepted.resize(words, 0);
+  below.resize(words, 0);
+  if (!walk_tree(frame_state, accepted, &below, undecided_limit)) {
+    std::fill(accepted.begin(), accepted.end(), 0);
+    std::fill(below.begin(), below.end(), 0);
     f->complete = false;
     return *frames_.emplace(frame_state, std::move(f)).first->second;
   }
+  size_t count = 0;
   for (size_t w = 0; w < words; ++w) {
-    uint64_t open = below[w] & ~f->accepted[w];
-    while (open) {
+    count += size_t(__builtin_popcountll(accepted[w]));
+    for (uint64_t open = below[w] & ~accepted[w]; open; open &= open - 1)
       f->undecided.push_back(int32_t(w * 64 + size_t(__builtin_ctzll(open))));
-      open &= open - 1;
+    below[w] = 0;
+  }
+  if (count > words) {
+    f->accepted_bits = accepted;
+    std::fill(accepted.begin(), accepted.end(), 0);
+  } else {
+    f->accepted_tokens.reserve(count);
+    for (size_t w = 0; w < words; ++w) {
+      for (uint64_t open = accepted[w]; open; open &= open - 1)
+        f->accepted_tokens.push_back(int32_t(w * 64 + size_t(__builtin_ctzll(open))));
+      accepted[w] = 0;
     }
   }
   return *frames_.emplace(frame_state, std::move(f)).first->second;
@@ -661,7 +676,6 @@ int32_t CompiledGrammar::stack_frame(int32_t stack) {
 // of stacks when it is read from one of them): each stack's frame decides
 // most, and its undecided tokens are read from the state itself.
 void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
-  const size_t words = bits.size();
   std::vector<int32_t> undecided;
   const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
   auto read_undecided = [&] {
@@ -681,7 +695,7 @@ void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
     const int32_t frame_state = intern(cuts);
     if (frame_state < 0 || has_bottom(frame_state) || plain_reach(frame_state) == kNotPlain) continue;
     const Frame& f = frame(frame_state, vocab_->size());
-    bits = f.accepted;
+    f.allow(bits);
     undecided = f.undecided;
     read_undecided();
     return;
@@ -695,7 +709,7 @@ void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
       return;
     }
     const Frame& f = frame(frame_state, vocab_->size());
-    for (size_t w = 0; w < words; ++w) bits[w] |= f.accepted[w];
+    f.allow(bits);
     undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
   }
   read_undecided();

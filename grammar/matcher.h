@@ -190,9 +190,13 @@ class CompiledGrammar {
   };
   // What a frame decides: the tokens it accepts, those it cannot decide.
   struct Frame {
-    std::vector<uint64_t> accepted;
+    // As bits, or listed when they are few (most frames: a key's or a
+    // number's first bytes), so a frame costs what it holds.
+    std::vector<uint64_t> accepted_bits;
+    std::vector<int32_t> accepted_tokens;
     std::vector<int32_t> undecided;
     bool complete = true;  // false: the walk stopped at its limit of undecided tokens (then empty)
+    void allow(std::vector<uint64_t>& bits) const;
   };
   static constexpr int32_t kEnd = -1;     // end of an alternative in elems_
   static constexpr int32_t kBottom = 1;   // the stack a frame stands on (a cut stack's rest)
@@ -282,6 +286,7 @@ class CompiledGrammar {
   std::unordered_map<std::vector<int32_t>, int32_t, VectorHash> state_index_;
   std::unordered_map<int32_t, std::shared_ptr<const TokenMask>> masks_;
   std::unordered_map<int32_t, std::unique_ptr<Frame>> frames_;  // by frame state
+  std::vector<uint64_t> walk_accepted_, walk_below_;             // frame()'s scratch, zero between walks
   std::unordered_map<int32_t, int32_t> stack_frames_;          // stack -> its frame state, -1: none
   // Bounded repetitions: per elems_ position, its link's first-of-its-body
   // position and reach (kFar: no link); per stack, its shape (id -1: not yet);
