@@ -12,6 +12,15 @@ namespace disagg::grammar {
 
 namespace {
 
+// The set bits of a word (the library is built for any x86-64, where
+// __builtin_popcountll is a call into libgcc).
+size_t bits_in(uint64_t x) {
+  x = x - ((x >> 1) & 0x5555555555555555ull);
+  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+  x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0Full;
+  return size_t((x * 0x0101010101010101ull) >> 56);
+}
+
 // The characters of `text` when it is plain characters alone, else -1.
 int32_t plain_chars_of(const std::string& text) {
   const auto& forms = plain_char_forms();
@@ -627,7 +636,7 @@ const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state, size_t
   }
   size_t count = 0;
   for (size_t w = 0; w < words; ++w) {
-    count += size_t(__builtin_popcountll(accepted[w]));
+    if (accepted[w]) count += bits_in(accepted[w]);
     for (uint64_t open = below[w] & ~accepted[w]; open; open &= open - 1)
       f->undecided.push_back(int32_t(w * 64 + size_t(__builtin_ctzll(open))));
     below[w] = 0;
@@ -751,7 +760,8 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
     frame_mask(state, m->bits);
   }
   size_t text_tokens = 0;
-  for (uint64_t w : m->bits) text_tokens += size_t(__builtin_popcountll(w));
+  for (uint64_t w : m->bits)
+    if (w) text_tokens += bits_in(w);
   const bool can_end = !stacks.empty() && stacks.front() == 0;
   if (can_end)
     for (int t : v.end_tokens()) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
