@@ -437,12 +437,21 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
             continue;
           }
           const int depth = nodes[d].depth - node.depth;
-          const bool read = depth <= run.depth, past = mark_below && depth > run.bottom;
-          for (uint32_t t = nodes[d].first_token; t < nodes[d].first_token + nodes[d].tokens; ++t) {
-            if (read) mark(reached, tokens[t]);
-            if (past) mark(*below, tokens[t]);
+          const bool past = mark_below && depth > run.bottom;
+          if (depth <= run.depth) {  // read
+            for (uint32_t t = nodes[d].first_token; t < nodes[d].first_token + nodes[d].tokens; ++t) {
+              mark(reached, tokens[t]);
+              if (past) mark(*below, tokens[t]);
+            }
+            continue;
           }
-          if (!read && (inside || past)) undecided += nodes[d].tokens;
+          // Deeper than the run: nothing below here is read either. (With
+          // a skip_depth there is no `below`: nothing to count.)
+          const uint32_t first = nodes[d].first_token, last = nodes[d].subtree_tokens_end;
+          if (past)
+            for (uint32_t t = first; t < last; ++t) mark(*below, tokens[t]);
+          if (inside || past) undecided += last - first;
+          d = nodes[d].subtree_end - 1;
         }
         if (undecided > undecided_limit) return false;
         n = node.subtree_end;
@@ -655,73 +664,74 @@ const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state, size_t
   return *frames_.emplace(frame_state, std::move(f)).first->second;
 }
 
-// The shallowest usable frame of one stack: a string's characters are
-// decided by the few entries of its loop, whatever the string is nested in.
-// -1: none (the stack is deep and no cut of it decides enough).
-int32_t CompiledGrammar::stack_frame(int32_t stack) {
-  auto it = stack_frames_.find(stack);
-  if (it != stack_frames_.end()) return it->second;
+// The shallowest usable frame of some stacks cut together: a string's
+// characters are decided by the few entries of its loop, whatever the
+// string is nested in. -1: none (the stacks are deep and no cut of them
+// decides enough).
+int32_t CompiledGrammar::choose_frame(const std::vector<int32_t>& stacks) {
   int32_t chosen = -1;
   size_t fewest = vocab_->size() / kFrameFallback + 1;  // undecided tokens of `chosen`
+  std::vector<int32_t> cuts;
   for (int depth : kFrameDepths) {
-    const int32_t c = cut(stack, depth);
-    std::vector<int32_t> one{c};
-    const int32_t frame_state = intern(one);
+    cuts.clear();
+    bool whole = true;
+    for (int32_t stack : stacks) {
+      cuts.push_back(cut(stack, depth));
+      whole = whole && cuts.back() == stack;
+    }
+    const int32_t frame_state = intern(cuts);
     const Frame& f = frame(frame_state, fewest);
     const size_t undecided = f.undecided.size();
     if (f.complete && undecided < fewest) {
       chosen = frame_state;
       fewest = undecided;
     }
-    // (a stack kept whole leaves nothing undecided: nothing reads past it)
-    if (c == stack || fewest * kFrameFew <= vocab_->size()) break;
+    // (stacks kept whole leave nothing undecided: nothing reads past them)
+    if (whole || fewest * kFrameFew <= vocab_->size()) break;
   }
+  return chosen;
+}
+
+int32_t CompiledGrammar::stack_frame(int32_t stack) {
+  auto it = stack_frames_.find(stack);
+  if (it != stack_frames_.end()) return it->second;
+  const int32_t chosen = choose_frame({stack});
   if (stack_frames_.size() >= kMaxCachedMasks * 64) stack_frames_.clear();
   stack_frames_.emplace(stack, chosen);
   return chosen;
 }
 
 // A state's tokens are the union of its stacks' (a token is read from a set
-// of stacks when it is read from one of them): each stack's frame decides
-// most, and its undecided tokens are read from the state itself.
+// of stacks when it is read from one of them). Its stacks cut together
+// decide most in one walk (a string's body: a stack per kind of character,
+// which together read a run of plain characters; an object's keys: a stack
+// per key); failing that each stack's own frame does. The tokens a frame
+// leaves undecided are read from the state itself.
 void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
+  std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
+  if (!stacks.empty() && stacks[0] == 0) stacks.erase(stacks.begin());  // the text may end here: the end tokens, below
   std::vector<int32_t> undecided;
-  const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
-  auto read_undecided = [&] {
-    for (int32_t t : undecided)
-      if (!((bits[size_t(t) >> 6] >> (t & 63)) & 1) && next_token_locked(state, t) >= 0)
-        bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
-  };
-  // A string's body: its stacks (one per kind of character) cut together
-  // read a run of plain characters, one frame for the whole state. (A cut
-  // reads what the state reads until its bottom: it reads no run where the
-  // state does not.)
-  for (int depth : kFrameDepths) {
-    if (plain_step(state) < 0) break;
-    std::vector<int32_t> cuts;
-    for (int32_t stack : stacks)
-      if (stack != 0) cuts.push_back(cut(stack, depth));
-    const int32_t frame_state = intern(cuts);
-    if (frame_state < 0 || has_bottom(frame_state) || plain_reach(frame_state) == kNotPlain) continue;
-    const Frame& f = frame(frame_state, vocab_->size());
+  const int32_t together = stacks.size() > 1 ? choose_frame(stacks) : -1;
+  if (together >= 0) {
+    const Frame& f = frame(together, vocab_->size());
     f.allow(bits);
     undecided = f.undecided;
-    read_undecided();
-    return;
-  }
-  for (int32_t stack : stacks) {
-    if (stack == 0) continue;  // the text may end here: the end tokens, below
-    const int32_t frame_state = stack_frame(stack);
-    if (frame_state < 0) {
-      std::fill(bits.begin(), bits.end(), 0);
-      walk_tree(state, bits, nullptr, 0);
-      return;
+  } else {
+    for (int32_t stack : stacks) {
+      const int32_t frame_state = stack_frame(stack);
+      if (frame_state < 0) {
+        std::fill(bits.begin(), bits.end(), 0);
+        walk_tree(state, bits, nullptr, 0);
+        return;
+      }
+      const Frame& f = frame(frame_state, vocab_->size());
+      f.allow(bits);
+      undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
     }
-    const Frame& f = frame(frame_state, vocab_->size());
-    f.allow(bits);
-    undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
   }
-  read_undecided();
+  for (int32_t t : undecided)
+    if (!((bits[size_t(t) >> 6] >> (t & 63)) & 1) && next_token_locked(state, t) >= 0)
+      bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
 }
 
 // From a state of the same shape (kShapeLongTokens) when one reaches far

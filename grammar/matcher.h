@@ -228,6 +228,7 @@ class CompiledGrammar {
   Shape shape(int32_t stack);
   bool has_bottom(int32_t state) const;
   int32_t cut(int32_t stack, int depth);
+  int32_t choose_frame(const std::vector<int32_t>& stacks);
   int32_t stack_frame(int32_t stack);
   int32_t* transitions(int32_t state);  // its memo row (index: byte_class_)
   // The one state every byte of `bytes` leads to from `state`; -1 when
