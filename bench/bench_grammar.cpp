@@ -8,10 +8,12 @@
 // tests/grammar/tool_schemas.json. Per vocabulary and set it prints the
 // first mask of a grammar never seen (compiled, then its start state's mask:
 // what a new request waits for) and every mask of the walks: mean, p50, p99,
-// max in microseconds. The walks share one Constraints, as a server's
-// requests do: pass "new" meets each grammar for the first time (a state an
-// earlier document of the same grammar reached is cached), pass "again"
-// walks the same documents once more (the requests after the first).
+// max in microseconds (and, first, how long the vocabulary as grammars
+// read it takes to build: once per model load). The walks share one
+// Constraints, as a server's requests do: pass "new" meets each grammar
+// for the first time (a state an earlier document of the same grammar
+// reached is cached), pass "again" walks the same documents once more (the
+// requests after the first).
 // Then a decode step of 16 sequences on a ~50M-parameter synthetic model
 // (bench_compute's m50, a byte vocabulary of 4,096 tokens): its time with
 // all 16 sampled freely against 4 of them under json_object (their masks
@@ -206,7 +208,12 @@ int main(int argc, char** argv) {
     const auto v = disagg::gpu::read_hf_tokenizer(dir + "/tokenizer.json", dir + "/tokenizer_config.json", 0);
     const auto t = disagg::gpu::Tokenizer::from_vocabulary(v, family);
     const int eos = v.eos;
+    // The vocabulary as grammars read it (its prefix trees, its plain
+    // tokens): built once when a worker loads its model.
+    const auto build_start = Clock::now();
     const auto vocab = disagg::gpu::grammar_vocabulary(t, {eos});
+    std::printf("{\"vocabulary\":\"%s\",\"tokens\":%zu,\"trie_nodes\":%zu,\"vocabulary_build_ms\":%.1f}\n", family,
+                vocab->size(), vocab->trie_nodes(), us_since(build_start) / 1e3);
     // Each set twice: first every grammar new (as the first request with a
     // schema meets it), then again (as the requests after it: the grammar
     // and its states' masks cached).

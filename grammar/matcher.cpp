@@ -56,26 +56,21 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vect
     plain_chars_[i] = plain_chars_of(bytes_[i]);
     if (plain_chars_[i] < 0) rest.push_back(int32_t(i));
   }
-  std::vector<int32_t> plain;
-  for (int32_t t : text)
-    if (plain_chars_[size_t(t)] >= 0) plain.push_back(t);
-  std::stable_sort(plain.begin(), plain.end(),
-                   [&](int32_t a, int32_t b) { return plain_chars_[size_t(a)] < plain_chars_[size_t(b)]; });
   const size_t words = (bytes_.size() + 63) / 64;
   plain_up_to_.assign(kPlainMasks + 1, std::vector<uint64_t>(words, 0));
-  for (int32_t t : plain) {
+  plain_all_.assign(words, 0);
+  std::vector<int32_t> rest_long = rest;
+  for (int32_t t : text) {
     const int32_t chars = plain_chars_[size_t(t)];
+    if (chars < 0) continue;
     max_plain_chars_ = std::max(max_plain_chars_, int(chars));
-    if (chars > kPlainMasks) {
-      plain_long_.push_back(t);
-      continue;
-    }
+    plain_all_[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+    if (chars > kPlainMasks) rest_long.push_back(t);
     for (int k = chars; k <= kPlainMasks; ++k) plain_up_to_[size_t(k)][size_t(t) >> 6] |= uint64_t(1) << (t & 63);
   }
-  plain_all_ = plain_up_to_[kPlainMasks];
-  for (int32_t t : plain_long_) plain_all_[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
   all_ = trie_of(std::move(text));
   rest_ = trie_of(std::move(rest));
+  rest_long_ = trie_of(std::move(rest_long));
   by_length_ = all_.tokens;
   std::stable_sort(by_length_.begin(), by_length_.end(),
                    [&](int32_t a, int32_t b) { return bytes_[size_t(a)].size() > bytes_[size_t(b)].size(); });
@@ -139,17 +134,13 @@ TokenVocabulary::Trie TokenVocabulary::trie_of(std::vector<int32_t> order) const
   return trie;
 }
 
-void TokenVocabulary::allow_plain(int chars, std::vector<uint64_t>& bits) const {
-  if (chars >= max_plain_chars_) {
-    for (size_t w = 0; w < bits.size(); ++w) bits[w] |= plain_all_[w];
-    return;
-  }
-  const std::vector<uint64_t>& up_to = plain_up_to_[size_t(std::min(chars, kPlainMasks))];
+void TokenVocabulary::allow_plain_up_to(int chars, std::vector<uint64_t>& bits) const {
+  const std::vector<uint64_t>& up_to = plain_up_to_[size_t(std::clamp(chars, 0, kPlainMasks))];
   for (size_t w = 0; w < bits.size(); ++w) bits[w] |= up_to[w];
-  for (int32_t t : plain_long_) {
-    if (plain_chars_[size_t(t)] > chars) break;
-    bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
-  }
+}
+
+void TokenVocabulary::allow_plain(std::vector<uint64_t>& bits) const {
+  for (size_t w = 0; w < bits.size(); ++w) bits[w] |= plain_all_[w];
 }
 
 size_t TokenVocabulary::longer_than(size_t n) const {
@@ -365,10 +356,9 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
   const TokenVocabulary::Trie* trie = &v.all_;
   if (!has_bottom(state)) {
     const int32_t plain = plain_reach(state);
-    if (plain != kNotPlain) {
-      v.allow_plain(plain, reached);
-      trie = &v.rest_;
-    }
+    if (plain == kFar) v.allow_plain(reached);
+    else if (plain != kNotPlain) v.allow_plain_up_to(plain, reached);
+    if (plain != kNotPlain) trie = plain == kPlainLong ? &v.rest_long_ : &v.rest_;
   }
   const TokenVocabulary::Node* nodes = trie->nodes.data();
   const int32_t* tokens = trie->tokens.data();
@@ -591,8 +581,12 @@ int32_t CompiledGrammar::plain_reach(int32_t state) {
   if (states_[size_t(state)].plain != kPlainUnknown) return states_[size_t(state)].plain;
   int32_t reach = kNotPlain;
   for (int32_t at = state, chars = 0;; ++chars) {
-    if (chars >= vocab_->max_plain_chars_) {  // as far as any token goes
+    if (chars >= vocab_->max_plain_chars()) {  // as far as any token goes
       reach = kFar;
+      break;
+    }
+    if (chars >= TokenVocabulary::kPlainMasks) {  // far enough: longer tokens are walked
+      reach = kPlainLong;
       break;
     }
     const int32_t next = plain_step(at);
@@ -710,25 +704,29 @@ int32_t CompiledGrammar::stack_frame(int32_t stack) {
 void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
   std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
   if (!stacks.empty() && stacks[0] == 0) stacks.erase(stacks.begin());  // the text may end here: the end tokens, below
-  std::vector<int32_t> undecided;
   const int32_t together = stacks.size() > 1 ? choose_frame(stacks) : -1;
   if (together >= 0) {
     const Frame& f = frame(together, vocab_->size());
     f.allow(bits);
-    undecided = f.undecided;
-  } else {
-    for (int32_t stack : stacks) {
-      const int32_t frame_state = stack_frame(stack);
-      if (frame_state < 0) {
-        std::fill(bits.begin(), bits.end(), 0);
-        walk_tree(state, bits, nullptr, 0);
-        return;
-      }
-      const Frame& f = frame(frame_state, vocab_->size());
-      f.allow(bits);
-      undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
-    }
+    read_undecided(state, f.undecided, bits);
+    return;
   }
+  std::vector<int32_t> undecided;
+  for (int32_t stack : stacks) {
+    const int32_t frame_state = stack_frame(stack);
+    if (frame_state < 0) {
+      std::fill(bits.begin(), bits.end(), 0);
+      walk_tree(state, bits, nullptr, 0);
+      return;
+    }
+    const Frame& f = frame(frame_state, vocab_->size());  // (valid until the next frame())
+    f.allow(bits);
+    undecided.insert(undecided.end(), f.undecided.begin(), f.undecided.end());
+  }
+  read_undecided(state, undecided, bits);
+}
+
+void CompiledGrammar::read_undecided(int32_t state, const std::vector<int32_t>& undecided, std::vector<uint64_t>& bits) {
   for (int32_t t : undecided)
     if (!((bits[size_t(t) >> 6] >> (t & 63)) & 1) && next_token_locked(state, t) >= 0)
       bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);

@@ -43,7 +43,10 @@ namespace disagg::grammar {
 // k characters (a string's body: k unbounded; a string with a maxLength),
 // then none, allows exactly the plain tokens of at most k characters, so
 // its walk takes them as one set and walks the prefix tree of the other
-// tokens alone (llguidance's token slices).
+// tokens alone (llguidance's token slices). A run is followed only
+// kPlainMasks characters far: one that goes on past them takes the plain
+// tokens that short and walks the longer ones with the rest (a tree of
+// their own: a few hundred tokens).
 class TokenVocabulary {
  public:
   using Bytes = std::array<uint64_t, 4>;  // a set of bytes, bit b of word b / 64
@@ -61,8 +64,12 @@ class TokenVocabulary {
   size_t longer_than(size_t n) const;
   // A token's characters when it is plain, else -1.
   int plain_chars(int token) const { return plain_chars_[size_t(token)]; }
-  // Sets the bits of the plain tokens of at most `chars` characters.
-  void allow_plain(int chars, std::vector<uint64_t>& bits) const;
+  // Sets the bits of the plain tokens of at most `chars` characters
+  // (<= kPlainMasks), or of all of them.
+  static constexpr int kPlainMasks = 16;
+  void allow_plain_up_to(int chars, std::vector<uint64_t>& bits) const;
+  void allow_plain(std::vector<uint64_t>& bits) const;
+  int max_plain_chars() const { return max_plain_chars_; }
 
  private:
   friend class CompiledGrammar;
@@ -84,17 +91,14 @@ class TokenVocabulary {
     std::vector<Bytes> subtree_bytes;  // per node: the bytes of its subtree's nodes below it
   };
   Trie trie_of(std::vector<int32_t> tokens) const;
-  // The plain tokens of at most k characters, as bits, for k up to
-  // kPlainMasks; the longer ones listed by characters.
-  static constexpr int kPlainMasks = 16;
   std::vector<std::string> bytes_;
-  std::vector<int> end_tokens_;    // sorted
-  Trie all_;                       // every token that may appear inside a text
-  Trie rest_;                      // those that are not plain
+  std::vector<int> end_tokens_;  // sorted
+  Trie all_;                     // every token that may appear inside a text
+  Trie rest_;                    // those that are not plain
+  Trie rest_long_;               // and the plain ones of more than kPlainMasks characters
   std::vector<int32_t> by_length_;  // all_'s tokens, longest first
   std::vector<int32_t> plain_chars_;
-  std::vector<std::vector<uint64_t>> plain_up_to_;  // [k]: k <= kPlainMasks
-  std::vector<int32_t> plain_long_;                 // plain tokens of more, fewest characters first
+  std::vector<std::vector<uint64_t>> plain_up_to_;  // [k]: the plain tokens of at most k <= kPlainMasks characters
   std::vector<uint64_t> plain_all_;
   int max_plain_chars_ = 0;
 };
@@ -242,9 +246,10 @@ class CompiledGrammar {
   // How many plain characters `state` reads, each into one next state (the
   // same for every character), with no frame's bottom on the way, before a
   // state that reads none: then it allows exactly the plain tokens of at
-  // most that many characters (kFar: any). kNotPlain when it is no such
-  // run (some character dies or goes elsewhere partway).
-  static constexpr int32_t kPlainUnknown = -2, kNotPlain = -1;
+  // most that many characters (kFar: any). kPlainLong: at least
+  // kPlainMasks (the longer plain tokens undecided). kNotPlain when it is no
+  // such run (some character dies or goes elsewhere partway).
+  static constexpr int32_t kPlainUnknown = -2, kNotPlain = -1, kPlainLong = kFar - 1;
   int32_t plain_reach(int32_t state);
   // The one state every plain character leads `state` to, through states
   // with no bottom; kPlainNone when every one dies, kPlainParted else.
@@ -259,6 +264,8 @@ class CompiledGrammar {
   // tokens undecided is not finished (not complete).
   const Frame& frame(int32_t frame_state, size_t undecided_limit);
   int32_t next_token_locked(int32_t state, int token);
+  // Allows those of frames' undecided tokens that `state` reads.
+  void read_undecided(int32_t state, const std::vector<int32_t>& undecided, std::vector<uint64_t>& bits);
 
   std::shared_ptr<const TokenVocabulary> vocab_;
   // The rules flattened: each alternative's symbols then kEnd; a symbol >= 0

@@ -303,6 +303,7 @@ std::shared_ptr<const TokenVocabulary> plain_test_vocabulary() {
     bytes.push_back(mixed);
     bytes.push_back(ascii + "\"");
   }
+  for (int i = 0; i < 2000; ++i) bytes.push_back("#" + std::to_string(i));  // (so that a frame may leave a few dozen undecided)
   return std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
 }
 
@@ -375,12 +376,50 @@ TEST(Grammar, MasksWherePlainRunsAreReadAreTheNaiveRecognizers) {
     Grammar g;
     JsonPieces json(g);
     const int e = g.rule(Grammar::alt({Grammar::empty(), Grammar::literal("\x01")}));
-    const int w2 = g.rule(g.seq({json.string_char(), Grammar::ref(e)}));
-    const int w1 = g.rule(g.seq({Grammar::ref(w2), Grammar::ref(e)}));
-    const int wrap = g.rule(g.seq({Grammar::ref(w1), Grammar::ref(e)}));
+    int wrap = g.rule(g.seq({json.string_char(), Grammar::ref(e)}));
+    for (int level = 0; level < 9; ++level) wrap = g.rule(g.seq({Grammar::ref(wrap), Grammar::ref(e)}));
     g.define(0, g.seq({Grammar::literal("\""), g.star(Grammar::ref(wrap)), Grammar::literal("\"")}));
     expect_masks_match(g, v, {"\"", "\"a", "\"a\x01", "\"ab\x01\x01"});
   }
+}
+
+// A frame (stacks cut to their top over a bottom marker) that leaves more
+// than a kFrameFallback-th of the vocabulary undecided is not used: here a
+// string nested under ten optional continuations and followed by any
+// letters, and a vocabulary mostly of a closing quote and letters (each of
+// which reads past every frame's bottom). The state then takes each
+// stack's own frame, or walks the prefix tree itself.
+TEST(Grammar, FramesThatDecideTooLittleAreNotUsed) {
+  std::string gbnf = "root ::= r0 [a-z]*\n";
+  for (int i = 0; i < 9; ++i) gbnf += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " \"" + std::to_string(i) + "\"?\n";
+  gbnf += "r9 ::= \"\\\"\" [a-z]* \"\\\"\" \"9\"?\n";
+  std::vector<std::string> bytes = {"<end>"};
+  for (char a = 'a'; a <= 'z'; ++a) {
+    bytes.push_back(std::string(1, a));
+    bytes.push_back(std::string("\"") + a);
+    bytes.push_back(std::string("\"") + a + "b");
+    bytes.push_back(std::string("x\"") + a);
+  }
+  const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
+  expect_masks_match(gbnf_grammar(gbnf), v, {"\"", "\"ab", "\"ab\"", "\"ab\"9"});
+}
+
+// Each stack's own frame, where the stacks cut together leave too many
+// undecided: after "<" a stack reads "p" and one "q", and 100 tokens each
+// ("pa", "qb", ...) read past their frame's bottom into the letters after
+// ten optional continuations: 200 in all, past an eighth of the 1,201
+// tokens, while 100 are not. The state's mask is the union of the two.
+TEST(Grammar, AStateWhoseStacksTogetherDecideTooLittleTakesEachStacksFrame) {
+  std::string gbnf = "root ::= r0 [a-z]*\n";
+  for (int i = 0; i < 9; ++i) gbnf += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + " \"" + std::to_string(i) + "\"?\n";
+  gbnf += "r9 ::= \"<\" (\"p\" | \"q\")\n";
+  std::vector<std::string> bytes = {"<end>", "p", "q"};
+  for (const char* first : {"p", "q"})
+    for (int i = 0; i < 99; ++i) bytes.push_back(first + std::string(1, char('a' + i % 26)) + std::string(size_t(i / 26), 'z'));
+  for (int i = 0; i < 1000; ++i) bytes.push_back("#" + std::to_string(i));
+  const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
+  ASSERT_EQ(v->size(), 1201u);
+  expect_masks_match(gbnf_grammar(gbnf), v, {"<", "<p", "<q8"});
 }
 
 // Walks of random tokens under json_object's masks: every text that reaches
