@@ -29,6 +29,7 @@
 
 #include "engine/constraint.h"
 #include "engine/engine.h"
+#include "engine/memory.h"
 #include "engine/sampling.h"
 #include "gpu/file_check.h"
 #include "model/checkpoint.h"
@@ -177,6 +178,7 @@ void decode_overhead(int steps) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  disagg::gpu::fix_heap_thresholds();  // (as a node does: engine/memory.h)
   std::string source = DISAGG_SOURCE_DIR;
   int steps = 64;
   for (int i = 1; i + 1 < argc; i += 2) {

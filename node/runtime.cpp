@@ -28,6 +28,7 @@
 #include "node/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/all.hpp"
+#include "engine/memory.h"
 #include "model/checkpoint.h"
 #include "text/tokenizer.h"
 #include "metrics/disagg_metrics.h"
@@ -436,6 +437,7 @@ int node_main(int argc, char** argv, RoleRunner frontend) {
   }
   const NodeOptions& node = config.node;
   kv::apply_process_settings();  // (setenv: before this process has threads of its own)
+  gpu::fix_heap_thresholds();
   set_node_log_name(node.name.empty() ? node.role : node.role + " " + node.name);
   LogLevel level = LogLevel::info;
   parse_log_level(node.log_level, &level);  // validated with the config
