@@ -57,24 +57,25 @@ std::shared_ptr<const grammar::TokenMask> Constraints::mask(const std::string& s
                                 std::to_string(history.size()) + " tokens of history");
   std::shared_ptr<grammar::CompiledGrammar> g = compiled(source);
   const size_t first = history.size() - size_t(step);  // the output's first token
-  // Prefix hashes: of the grammar, then of each output token after it.
-  std::vector<uint64_t> keys(size_t(step) + 1);
-  keys[0] = XXH3_64bits(source.data(), source.size());
-  for (size_t i = 0; i < step; ++i) {
-    const int32_t t = history[first + i];
-    keys[i + 1] = XXH3_64bits_withSeed(&t, sizeof t, keys[i]);
-  }
+  // The key of the output's first k tokens: one hash over them, seeded with
+  // the grammar's (a few microseconds for thousands of tokens).
+  const uint64_t seed = XXH3_64bits(source.data(), source.size());
+  auto key = [&](size_t k) { return XXH3_64bits_withSeed(history.data() + first, k * sizeof(int), seed); };
+  // This step's parse, or the step before's (a decode step asks token by
+  // token); else the output is replayed from its start (a request new here,
+  // or one the cache let go).
+  const std::pair<uint64_t, size_t> tries[] = {{key(step), size_t(step)}, {step ? key(step - 1) : 0, size_t(step) - 1}};
   std::unique_lock<std::mutex> lock(mutex_);
-  // The longest prefix already parsed, then the rest one token at a time.
-  size_t k = step;
+  size_t k = 0;
   std::optional<grammar::Matcher> m;
-  for (;; --k) {
-    auto it = parses_.find(keys[k]);
-    if (it != parses_.end() && it->second.first == k && it->second.second.grammar() == g) {
+  for (const auto& [h, at] : tries) {
+    if (at > step) continue;  // (step 0: no step before)
+    auto it = parses_.find(h);
+    if (it != parses_.end() && it->second.first == at && it->second.second.grammar() == g) {
       m = it->second.second;
+      k = at;
       break;
     }
-    if (k == 0) break;
   }
   lock.unlock();
   if (!m) m.emplace(g);
@@ -84,7 +85,7 @@ std::shared_ptr<const grammar::TokenMask> Constraints::mask(const std::string& s
                                   std::to_string(history[first + i]) + ") is not allowed by the request's grammar");
   lock.lock();
   if (parses_.size() >= kMaxCachedParses) parses_.clear();
-  parses_.insert_or_assign(keys[step], std::make_pair(uint64_t(step), *m));
+  parses_.insert_or_assign(tries[0].first, std::make_pair(uint64_t(step), *m));
   lock.unlock();
   return m->mask();
 }

@@ -7,7 +7,8 @@
 // grammar and the request's first `step` output tokens, whoever asks, in
 // whatever batch or after whatever migration, so a masked request keeps the
 // project's exactness. A cache of (grammar, output prefix) -> parse state
-// makes a sequence's next step cost one token's bytes, not its whole output.
+// makes a sequence's next step cost one token's bytes (and one hash over its
+// output), not a parse of its whole output.
 #pragma once
 #include <cstdint>
 #include <list>

@@ -500,5 +500,28 @@ TEST(Constraints, TheMaskDependsOnTheOutputAloneAndRefusesAForeignOutput) {
   EXPECT_THROW(fresh.mask("{\"rules\": 1}", history, 0), GrammarError);
 }
 
+// Sequences that share a Constraints (a decode worker's batch) each get
+// the masks of their own output: two outputs of the same grammar, of the
+// same lengths, stepped in turn, each mask equal to a replay from nothing.
+TEST(Constraints, SequencesSteppedInTurnEachGetTheirOwnOutputsMasks) {
+  const auto v = stories_vocabulary();
+  gpu::Constraints shared(v);
+  const std::string source = json_object_grammar().to_json();
+  std::vector<int> a = {1, 100}, b = {1, 100};
+  for (int step = 0; step < 16; ++step)
+    for (std::vector<int>* h : {&a, &b}) {
+      const auto mask = shared.mask(source, *h, uint64_t(step));
+      gpu::Constraints fresh(v);
+      ASSERT_EQ(mask->bits, fresh.mask(source, *h, uint64_t(step))->bits) << "step " << step;
+      // a takes the first allowed token, b the last (not an end token)
+      std::vector<int> allowed;
+      for (int t = 0; t < int(v->size()); ++t)
+        if (mask->allows(t) && !v->is_end(t)) allowed.push_back(t);
+      ASSERT_FALSE(allowed.empty());
+      h->push_back(h == &a ? allowed.front() : allowed.back());
+    }
+  EXPECT_NE(a, b);
+}
+
 }  // namespace
 }  // namespace disagg::grammar
