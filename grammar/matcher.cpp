@@ -530,17 +530,13 @@ CompiledGrammar::UniformRun CompiledGrammar::uniform_run(int32_t state, const To
 int32_t CompiledGrammar::plain_step(int32_t state) {
   if (states_[size_t(state)].plain_next != kPlainUnknown) return states_[size_t(state)].plain_next;
   const auto& forms = plain_char_forms();
-  auto step = [&](int32_t from, uint8_t byte) {
-    const int32_t next = transitions(from)[byte_class_[byte]];
-    return next != -2 ? next : next_locked(from, byte);
-  };
   // The one state every byte of `set` leads to from `from`: -1 when all
   // die, -3 when they part or some die.
   auto one_next = [&](int32_t from, const ByteSet& set) {
     int32_t to = -2;
     for (int b = 0; b < 256; ++b) {
       if (!set.has(uint8_t(b))) continue;
-      const int32_t next = step(from, uint8_t(b));
+      const int32_t next = next_locked(from, uint8_t(b));
       if (to != -2 && next != to) return -3;
       to = next;
     }
@@ -557,7 +553,7 @@ int32_t CompiledGrammar::plain_step(int32_t state) {
   for (const ByteForm& f : forms) {
     int32_t s = state;
     for (const ByteSet& set : f)
-      if ((s = step(s, first_byte(set))) < 0) break;
+      if ((s = next_locked(s, first_byte(set))) < 0) break;
     if ((s < 0 && one != -2) || (s >= 0 && (died || (one != -2 && s != one)))) return answer(kPlainParted);
     if (s < 0) died = true;
     else one = s;
