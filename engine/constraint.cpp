@@ -64,19 +64,18 @@ std::shared_ptr<const grammar::TokenMask> Constraints::mask(const std::string& s
   // This step's parse, or the step before's (a decode step asks token by
   // token); else the output is replayed from its start (a request new here,
   // or one the cache let go).
-  const std::pair<uint64_t, size_t> tries[] = {{key(step), size_t(step)}, {step ? key(step - 1) : 0, size_t(step) - 1}};
+  const uint64_t now = key(step), before = step > 0 ? key(step - 1) : 0;
   std::unique_lock<std::mutex> lock(mutex_);
   size_t k = 0;
   std::optional<grammar::Matcher> m;
-  for (const auto& [h, at] : tries) {
-    if (at > step) continue;  // (step 0: no step before)
+  auto take = [&](uint64_t h, size_t at) {
     auto it = parses_.find(h);
-    if (it != parses_.end() && it->second.first == at && it->second.second.grammar() == g) {
-      m = it->second.second;
-      k = at;
-      break;
-    }
-  }
+    if (it == parses_.end() || it->second.first != at || it->second.second.grammar() != g) return false;
+    m = it->second.second;
+    k = at;
+    return true;
+  };
+  if (!take(now, size_t(step)) && step > 0) take(before, size_t(step) - 1);
   lock.unlock();
   if (!m) m.emplace(g);
   for (size_t i = k; i < step; ++i)
@@ -85,7 +84,7 @@ std::shared_ptr<const grammar::TokenMask> Constraints::mask(const std::string& s
                                   std::to_string(history[first + i]) + ") is not allowed by the request's grammar");
   lock.lock();
   if (parses_.size() >= kMaxCachedParses) parses_.clear();
-  parses_.insert_or_assign(tries[0].first, std::make_pair(uint64_t(step), *m));
+  parses_.insert_or_assign(now, std::make_pair(uint64_t(step), *m));
   lock.unlock();
   return m->mask();
 }

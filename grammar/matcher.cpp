@@ -12,6 +12,11 @@ namespace disagg::grammar {
 
 namespace {
 
+// Token t's bit in a mask's words.
+void set_bit(std::vector<uint64_t>& bits, int32_t t) { bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63); }
+void clear_bit(std::vector<uint64_t>& bits, int32_t t) { bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63)); }
+bool has_bit(const std::vector<uint64_t>& bits, int32_t t) { return (bits[size_t(t) >> 6] >> (t & 63)) & 1; }
+
 // The set bits of a word (the library is built for any x86-64, where
 // __builtin_popcountll is a call into libgcc).
 size_t bits_in(uint64_t x) {
@@ -64,9 +69,9 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vect
     const int32_t chars = plain_chars_[size_t(t)];
     if (chars < 0) continue;
     max_plain_chars_ = std::max(max_plain_chars_, int(chars));
-    plain_all_[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+    set_bit(plain_all_, t);
     if (chars > kPlainMasks) rest_long.push_back(t);
-    for (int k = chars; k <= kPlainMasks; ++k) plain_up_to_[size_t(k)][size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+    for (int k = chars; k <= kPlainMasks; ++k) set_bit(plain_up_to_[size_t(k)], t);
   }
   all_ = trie_of(std::move(text));
   rest_ = trie_of(std::move(rest));
@@ -179,7 +184,7 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
   g.check();
   auto end_only = std::make_shared<TokenMask>();
   end_only->bits.assign((vocab_->size() + 63) / 64, 0);
-  for (int t : vocab_->end_tokens()) end_only->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  for (int t : vocab_->end_tokens()) set_bit(end_only->bits, t);
   end_only->allowed = vocab_->end_tokens().size();
   end_only->only_end = true;
   end_only_ = std::move(end_only);
@@ -362,7 +367,6 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
   }
   const TokenVocabulary::Node* nodes = trie->nodes.data();
   const int32_t* tokens = trie->tokens.data();
-  auto mark = [](std::vector<uint64_t>& bits, int32_t t) { bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63); };
   // The tree in preorder, the state after each depth's byte alongside (and
   // its memo row, stable while states_ grows): a node whose byte has no
   // next state is skipped with its subtree. marked_to: the nodes below the
@@ -380,7 +384,7 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
   const uint32_t count = uint32_t(trie->nodes.size());
   uint32_t n = 1;
   if (below && has_bottom(state)) {
-    for (uint32_t t = 0; t < nodes[0].subtree_tokens_end; ++t) mark(*below, tokens[t]);
+    for (uint32_t t = 0; t < nodes[0].subtree_tokens_end; ++t) set_bit(*below, tokens[t]);
     marked_to = count;
   }
   while (n < count) {
@@ -397,14 +401,14 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
       n = node.subtree_end;
       continue;
     }
-    for (uint32_t t = node.first_token; t < node.first_token + node.tokens; ++t) mark(reached, tokens[t]);
+    for (uint32_t t = node.first_token; t < node.first_token + node.tokens; ++t) set_bit(reached, tokens[t]);
     const uint32_t first_below = node.first_token + node.tokens;
     if (node.subtree_end == n + 1) {  // a leaf
       ++n;
       continue;
     }
     if (below && n >= marked_to && has_bottom(at)) {  // the tokens under here may read past the frame
-      for (uint32_t t = first_below; t < node.subtree_tokens_end; ++t) mark(*below, tokens[t]);
+      for (uint32_t t = first_below; t < node.subtree_tokens_end; ++t) set_bit(*below, tokens[t]);
       marked_to = node.subtree_end;
     }
     // Every byte below leads one way at each depth (a string's characters):
@@ -415,7 +419,7 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
       const int deepest = node.max_depth - node.depth;
       const bool mark_below = below && n >= marked_to && run.bottom < deepest;
       if (run.depth >= deepest && !mark_below) {
-        for (uint32_t t = first_below; t < node.subtree_tokens_end; ++t) mark(reached, tokens[t]);
+        for (uint32_t t = first_below; t < node.subtree_tokens_end; ++t) set_bit(reached, tokens[t]);
         n = node.subtree_end;
         continue;
       }
@@ -430,8 +434,8 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
           const bool past = mark_below && depth > run.bottom;
           if (depth <= run.depth) {  // read
             for (uint32_t t = nodes[d].first_token; t < nodes[d].first_token + nodes[d].tokens; ++t) {
-              mark(reached, tokens[t]);
-              if (past) mark(*below, tokens[t]);
+              set_bit(reached, tokens[t]);
+              if (past) set_bit(*below, tokens[t]);
             }
             continue;
           }
@@ -439,7 +443,7 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
           // a skip_depth there is no `below`: nothing to count.)
           const uint32_t first = nodes[d].first_token, last = nodes[d].subtree_tokens_end;
           if (past)
-            for (uint32_t t = first; t < last; ++t) mark(*below, tokens[t]);
+            for (uint32_t t = first; t < last; ++t) set_bit(*below, tokens[t]);
           if (inside || past) undecided += last - first;
           d = nodes[d].subtree_end - 1;
         }
@@ -614,7 +618,7 @@ int32_t CompiledGrammar::cut(int32_t stack, int depth) {
 void CompiledGrammar::Frame::allow(std::vector<uint64_t>& bits) const {
   if (!accepted_bits.empty())
     for (size_t w = 0; w < bits.size(); ++w) bits[w] |= accepted_bits[w];
-  for (int32_t t : accepted_tokens) bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+  for (int32_t t : accepted_tokens) set_bit(bits, t);
 }
 
 const CompiledGrammar::Frame& CompiledGrammar::frame(int32_t frame_state, size_t undecided_limit) {
@@ -724,8 +728,7 @@ void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
 
 void CompiledGrammar::read_undecided(int32_t state, const std::vector<int32_t>& undecided, std::vector<uint64_t>& bits) {
   for (int32_t t : undecided)
-    if (!((bits[size_t(t) >> 6] >> (t & 63)) & 1) && next_token_locked(state, t) >= 0)
-      bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+    if (!has_bit(bits, t) && next_token_locked(state, t) >= 0) set_bit(bits, t);
 }
 
 // From a state of the same shape (kShapeLongTokens) when one reaches far
@@ -753,10 +756,10 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   const size_t longer = same ? v.longer_than(size_t(common)) : 0;
   if (same && longer * kShapeLongTokens <= v.size()) {
     m->bits = same->mask->bits;
-    for (int t : v.end_tokens()) m->bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63));
+    for (int t : v.end_tokens()) clear_bit(m->bits, t);
     for (size_t i = 0; i < longer; ++i) {
       const int32_t t = v.by_length_[i];
-      m->bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63));
+      clear_bit(m->bits, t);
     }
     walk_tree(state, m->bits, nullptr, 0, common);
   } else {
@@ -768,7 +771,7 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
     if (w) text_tokens += bits_in(w);
   const bool can_end = !stacks.empty() && stacks.front() == 0;
   if (can_end)
-    for (int t : v.end_tokens()) m->bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63);
+    for (int t : v.end_tokens()) set_bit(m->bits, t);
   m->allowed = text_tokens + (can_end ? v.end_tokens().size() : 0);
   m->only_end = can_end && text_tokens == 0;
   if (reach != kFar && (!same || reach > same->reach)) {
