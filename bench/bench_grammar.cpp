@@ -18,7 +18,9 @@
 // (bench_compute's m50, a byte vocabulary of 4,096 tokens): its time with
 // all 16 sampled freely against 4 of them under json_object (their masks
 // from the engine's path, warm), alternating, the median of each.
-//   bench_grammar [--source-dir DIR] [--steps N]
+// With --slowest N, each first pass's N slowest masks follow its figures,
+// each with its share of the pass's time and the text its walk had read.
+//   bench_grammar [--source-dir DIR] [--steps N] [--slowest N]
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -59,14 +61,17 @@ const std::vector<std::string> kDocuments = {
 
 struct Figures {
   std::vector<double> first, next;
+  std::vector<std::string> where;  // per mask of `next`: its walk's label and the text before it
 };
 
 // Walks each (grammar, document) pair: the first mask of the grammar in a
 // Constraints of its own, then every mask of the document in `shared` (a
 // server's: grammars and states stay cached across requests).
 void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::grammar::TokenVocabulary>& vocab,
-          Constraints& shared, const std::vector<std::pair<std::string, std::string>>& walks, Figures& f) {
-  for (const auto& [grammar, doc] : walks) {
+          Constraints& shared, const std::vector<std::pair<std::string, std::string>>& walks,
+          const std::vector<std::string>& labels, Figures& f) {
+  for (size_t w = 0; w < walks.size(); ++w) {
+    const auto& [grammar, doc] = walks[w];
     std::vector<int> history = t.encode("Answer in JSON.", false);
     {
       Constraints fresh(vocab);  // a grammar never seen: compiled, then its first mask
@@ -75,10 +80,13 @@ void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::g
       f.first.push_back(us_since(start));
     }
     const std::vector<int> tokens = t.encode(doc, false);
+    std::string read;  // the document's text so far
     for (size_t step = 0; step <= tokens.size(); ++step) {
       const auto start = Clock::now();
       const auto mask = shared.mask(grammar, history, step);
       f.next.push_back(us_since(start));
+      if (step > 0) read += vocab->bytes(tokens[step - 1]);
+      f.where.push_back(labels[w] + ": " + read);
       if (step == tokens.size()) break;
       if (!mask->allows(tokens[step])) {
         std::fprintf(stderr, "token %zu of %s is not allowed by the grammar\n", step, doc.c_str());
@@ -105,6 +113,18 @@ void print(const char* vocab_name, size_t vocab, const char* grammar_name, const
               pct(f.first, 1.0) / 1e3, sum / double(f.next.size()), pct(f.next, 0.5), pct(f.next, 0.99),
               pct(f.next, 1.0));
   std::fflush(stdout);
+}
+
+// The `n` slowest masks of a pass, each with the text its walk had read.
+void print_slowest(const char* vocab_name, const char* grammar_name, const Figures& f, size_t n) {
+  std::vector<size_t> order(f.next.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return f.next[a] > f.next[b]; });
+  double sum = 0;
+  for (double x : f.next) sum += x;
+  for (size_t i = 0; i < std::min(n, order.size()); ++i)
+    std::printf("{\"vocabulary\":\"%s\",\"grammar\":\"%s\",\"slow_us\":%.1f,\"share\":%.3f,\"after\":%s}\n", vocab_name,
+                grammar_name, f.next[order[i]], f.next[order[i]] / sum, nlohmann::json(f.where[order[i]]).dump().c_str());
 }
 
 // Seconds of one decode step of `slots` plus the sampling of each token,
@@ -181,13 +201,19 @@ int main(int argc, char** argv) {
   disagg::gpu::fix_heap_thresholds();  // (as a node does: engine/memory.h)
   std::string source = DISAGG_SOURCE_DIR;
   int steps = 64;
+  size_t slowest = 0;  // --slowest N: the N slowest masks of each first pass, with where they were asked
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::string(argv[i]) == "--source-dir") source = argv[i + 1];
     if (std::string(argv[i]) == "--steps") steps = std::atoi(argv[i + 1]);
+    if (std::string(argv[i]) == "--slowest") slowest = size_t(std::atoi(argv[i + 1]));
   }
   const std::string object_grammar = disagg::grammar::json_object_grammar().to_json();
   std::vector<std::pair<std::string, std::string>> object_walks, schema_walks;
-  for (const std::string& doc : kDocuments) object_walks.push_back({object_grammar, doc});
+  std::vector<std::string> object_labels, schema_labels;
+  for (const std::string& doc : kDocuments) {
+    object_walks.push_back({object_grammar, doc});
+    object_labels.push_back("json_object");
+  }
   // One answer under each real tool schema (tests/grammar/tool_answers.json,
   // as the schema's grammar writes it: properties in the parsed schema's
   // order, by name).
@@ -195,8 +221,10 @@ int main(int argc, char** argv) {
   const auto answers = nlohmann::json::parse(disagg::gpu::read_regular_file(source + "/tests/grammar/tool_answers.json"));
   for (const auto& answer : answers)
     for (const auto& tool : tools)
-      if (tool.at("name") == answer.at("name"))
+      if (tool.at("name") == answer.at("name")) {
         schema_walks.push_back({disagg::grammar::json_schema_grammar(tool.at("schema")).to_json(), answer.at("answer")});
+        schema_labels.push_back(tool.at("name"));
+      }
   if (schema_walks.size() != answers.size()) {
     std::fprintf(stderr, "tests/grammar/tool_answers.json names a schema tool_schemas.json does not have\n");
     return 1;
@@ -219,12 +247,19 @@ int main(int argc, char** argv) {
     // Each set twice: first every grammar new (as the first request with a
     // schema meets it), then again (as the requests after it: the grammar
     // and its states' masks cached).
-    for (const auto& [name, walks] : {std::pair{"json_object", &object_walks}, std::pair{"tool_schemas", &schema_walks}}) {
+    struct Set {
+      const char* name;
+      const std::vector<std::pair<std::string, std::string>>& walks;
+      const std::vector<std::string>& labels;
+    };
+    for (const Set& set : {Set{"json_object", object_walks, object_labels}, Set{"tool_schemas", schema_walks, schema_labels}}) {
+      const char* name = set.name;
       Constraints shared(vocab);
       Figures first, again;
-      walk(t, vocab, shared, *walks, first);
+      walk(t, vocab, shared, set.walks, set.labels, first);
       print(family, vocab->size(), name, "new", first);
-      walk(t, vocab, shared, *walks, again);
+      print_slowest(family, name, first, slowest);
+      walk(t, vocab, shared, set.walks, set.labels, again);
       print(family, vocab->size(), name, "again", again);
     }
   }
