@@ -24,6 +24,7 @@
 constexpr int kTileRows = 8;   // 8 int32 + 8 float accumulators of 32 zmm
 #elif defined(__AVX2__)
 constexpr int kTileRows = 4;   // per half tile: 4 + 4 of 16 ymm, the rest for weights
+constexpr int kHalvesAtOnce = 2;  // rows that take both halves in one pass: 2 x (2 + 2) ymm
 #else
 constexpr int kTileRows = 1;
 #endif
@@ -112,56 +113,82 @@ inline void tile_rows(const uint8_t* tile, int blocks, const uint8_t* grp, float
   const __mmask16 live = __mmask16((1u << cols) - 1u);
   for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(c + size_t(r + i) * n + col, live, acc[i]);
 #elif defined(__AVX2__)
+  // The tile's two halves of 8 columns: a decode's row or two (kHalvesAtOnce)
+  // read both in one pass over the blocks, each line once, while it is
+  // fetched; more rows take a pass per half (their accumulators fill the
+  // registers), the second reading what the first fetched. (A pass per half
+  // left memory idle through the second: AMD Zen 3, 1B-shaped decode, 1
+  // thread, Q4_0 16.8-18.6 -> 21.6-24.2 tok/s, Q8_0 9.1-10.5 -> 11.8-13.1.)
+  constexpr int H = R <= kHalvesAtOnce ? 2 : 1;
   const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2 && 8 * h < cols; ++h) {  // the tile's two halves of 8 columns
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2 && 8 * h0 < cols; h0 += H) {
+    __m256 acc[R][H];
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h) acc[i][h] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; ++b) {
-      const uint8_t* tb = tile + size_t(b) * kQ + 32 * h;
+      const uint8_t* tb = tile + size_t(b) * kQ + 32 * h0;
       const uint8_t* gb = grp + size_t(b) * kG;
-      if (h == 0) tile_prefetch<T>(tb, tile_scales + 32 * size_t(b));
-      __m256i is[R];
+      if (h0 == 0) tile_prefetch<T>(tb, tile_scales + 32 * size_t(b));
+      __m256i is[R][H];
       if constexpr (T == WeightType::q8_0) {
-        for (int i = 0; i < R; ++i) is[i] = _mm256_setzero_si256();
+        for (int i = 0; i < R; ++i)
+          for (int h = 0; h < H; ++h) is[i][h] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) {
-          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g)), flip);
-          const __m256i wabs = _mm256_sign_epi8(w, w);
+          __m256i wabs[H], w[H];
+          for (int h = 0; h < H; ++h) {
+            w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g + 32 * h)), flip);
+            wabs[h] = _mm256_sign_epi8(w[h], w[h]);
+          }
           for (int i = 0; i < R; ++i) {
             const __m256i av = _mm256_set1_epi32(load_word(gb + 32 * i + 4 * g));
-            is[i] = _mm256_add_epi32(is[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(av, w)), ones));
+            for (int h = 0; h < H; ++h)
+              is[i][h] = _mm256_add_epi32(is[i][h],
+                                          _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(av, w[h])), ones));
           }
         }
       } else {
-        __m256i p16[R];  // 8 pairs of at most 2 x 15 x 127 a lane: no int16 saturation
-        for (int i = 0; i < R; ++i) p16[i] = _mm256_setzero_si256();
+        __m256i p16[R][H];  // 8 pairs of at most 2 x 15 x 127 a lane: no int16 saturation
+        for (int i = 0; i < R; ++i)
+          for (int h = 0; h < H; ++h) p16[i][h] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int g = 0; g < 4; ++g) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g));
-          const __m256i lo = _mm256_and_si256(x, low4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+          __m256i lo[H], hi[H];
+          for (int h = 0; h < H; ++h) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * g + 32 * h));
+            lo[h] = _mm256_and_si256(x, low4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+          }
           for (int i = 0; i < R; ++i) {
             const __m256i al = _mm256_set1_epi32(load_word(gb + 32 * i + 4 * g));
             const __m256i ah = _mm256_set1_epi32(load_word(gb + 32 * i + 16 + 4 * g));
-            p16[i] = _mm256_add_epi16(p16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, al), _mm256_maddubs_epi16(hi, ah)));
+            for (int h = 0; h < H; ++h)
+              p16[i][h] = _mm256_add_epi16(p16[i][h],
+                                           _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], al), _mm256_maddubs_epi16(hi[h], ah)));
           }
         }
         for (int i = 0; i < R; ++i)
-          is[i] = _mm256_add_epi32(_mm256_madd_epi16(p16[i], ones), _mm256_set1_epi32(load_word(gb + kStarts + 4 * i)));
+          for (int h = 0; h < H; ++h)
+            is[i][h] = _mm256_add_epi32(_mm256_madd_epi16(p16[i][h], ones), _mm256_set1_epi32(load_word(gb + kStarts + 4 * i)));
       }
-      const __m256 dw =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + 32 * size_t(b) + 16 * h)));
-      for (int i = 0; i < R; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i]), _mm256_mul_ps(dw, _mm256_set1_ps(scale(gb + kScales + 4 * i))),
-                                 acc[i]);
+      for (int h = 0; h < H; ++h) {
+        const __m256 dw = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile_scales + 32 * size_t(b) + 16 * size_t(h0 + h))));
+        for (int i = 0; i < R; ++i)
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[i][h]),
+                                      _mm256_mul_ps(dw, _mm256_set1_ps(scale(gb + kScales + 4 * i))), acc[i][h]);
+      }
     }
-    const int live = std::min(8, cols - 8 * h);
-    for (int i = 0; i < R; ++i) {
-      if (live == 8) {
-        _mm256_storeu_ps(c + size_t(r + i) * n + col + 8 * h, acc[i]);
-      } else {
-        alignas(32) float out[8];
-        _mm256_store_ps(out, acc[i]);
-        std::memcpy(c + size_t(r + i) * n + col + 8 * h, out, sizeof(float) * size_t(live));
+    for (int h = 0; h < H && 8 * (h0 + h) < cols; ++h) {
+      const int live = std::min(8, cols - 8 * (h0 + h));
+      float* out = c + col + 8 * (h0 + h);
+      for (int i = 0; i < R; ++i) {
+        if (live == 8) {
+          _mm256_storeu_ps(out + size_t(r + i) * n, acc[i][h]);
+        } else {
+          alignas(32) float part[8];
+          _mm256_store_ps(part, acc[i][h]);
+          std::memcpy(out + size_t(r + i) * n, part, sizeof(float) * size_t(live));
+        }
       }
     }
   }
