@@ -147,6 +147,14 @@ struct KTileSource {
   const uint8_t* tile;
   int blocks;
   size_t half;  // bytes into each 64 (AVX2: the second 8 columns)
+  // Whether the caller fetches the lines ahead itself, a line or two a step
+  // (fetch_ahead: AVX2's decode), rather than begin() all of a superblock's
+  // at once. (A burst of 36-53 prefetches fills the core's miss buffers and
+  // stalls it: AMD Zen 3, one 65536 x 2048 matrix from memory, 1 thread,
+  // Q4_K 11.2-12.1 -> 12.9-14.2 GB/s, Q6_K 9.0-9.7 -> 10.6-12.1; the
+  // 1B-shaped Q4_K_M decode 11.8-12.8 -> 12.9-13.9 tok/s. 2 or 4
+  // superblocks ahead, non-temporal or into L2: no better.)
+  bool fetch_spread = false;
   I low4 = L::set1(0x0f0f0f0f), bytes[4] = {byte_lane(0), byte_lane(1), byte_lane(2), byte_lane(3)},
     top[4] = {top_byte_lane(0), top_byte_lane(1), top_byte_lane(2), top_byte_lane(3)},
     pairs[2] = {pair_lane(0, 1), pair_lane(2, 3)};
@@ -156,10 +164,17 @@ struct KTileSource {
   const uint8_t* tail;
 
   I word(int w) const { return L::load(body + 64 * size_t(w)); }
+  // Line `line` of the next superblock's body (kBodyLines: its tail's line).
+  static constexpr int kBodyLines = int(ktile_body_bytes<T>() / 64);
+  void fetch_ahead(int line) const {
+    const uint8_t* at = line < kBodyLines ? body - half + ktile_body_bytes<T>() + 64 * size_t(line)
+                                          : tail - half / 2 + ktile_tail_bytes<T>();
+    _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T0);
+  }
   void begin(int b) {
     body = tile + size_t(b) * ktile_body_bytes<T>() + half;
     tail = tile + size_t(blocks) * ktile_body_bytes<T>() + size_t(b) * ktile_tail_bytes<T>() + half / 2;
-    if (half == 0)  // (AVX2's second half reads the lines the first one fetched)
+    if (half == 0 && !fetch_spread)  // (AVX2's second half reads the lines the first one fetched)
       for (size_t at = 0; at < ktile_body_bytes<T>() + 64; at += 64)  // 4 superblocks ahead
         _mm_prefetch(reinterpret_cast<const char*>(body + 4 * ktile_body_bytes<T>() + at), _MM_HINT_T0);
     if constexpr (T == WeightType::q6_k) {
@@ -374,6 +389,8 @@ inline void kdecode_rows(KTileSource<T>* src, int blocks, const float* d, const 
           for (int h = 0; h < H; ++h) t[i][h][0] = t[i][h][1] = L::zero();
 #pragma GCC unroll 8
         for (int l = 0; l < 8; ++l) {
+          // The next superblock's 52 body lines and its tail, one a step.
+          if (const int line = 8 * (4 * hh + qq) + l; line <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(line);
           I q[H];
           for (int h = 0; h < H; ++h) {
             const I x = src[h].word(16 * hh + 8 * (qq % 2) + l), hb = src[h].word(32 + 8 * hh + l);
@@ -421,6 +438,10 @@ inline void kdecode_rows(KTileSource<T>* src, int blocks, const float* d, const 
             for (int p = 0; p < kParts; ++p) u0[i][h][p] = u1[i][h][p] = L::zero();
 #pragma GCC unroll 8
         for (int l = 0; l < 8; ++l) {
+          // The next superblock's lines, one a step, and in the first four
+          // steps its scale words (Q5_K: its qh too) and tail.
+          src[0].fetch_ahead(8 * c4 + l);
+          if (c4 == 0 && 32 + l <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(32 + l);
           I lo[H], hi[H];
           for (int h = 0; h < H; ++h) {
             const I x = src[h].word(8 * c4 + l);
@@ -495,7 +516,8 @@ inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const in
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
   if (r1 - r0 < kKPanelRows) {  // AVX2's decode: both halves at once
     KTileSource<T> src[2];
-    for (int h = 0; h < 2; ++h) src[h].tile = tile, src[h].blocks = blocks, src[h].half = 32 * size_t(h);
+    for (int h = 0; h < 2; ++h)
+      src[h].tile = tile, src[h].blocks = blocks, src[h].half = 32 * size_t(h), src[h].fetch_spread = true;
     return kdecode_rows_upto<T, kKPanelRows - 1>(r1 - r0, src, blocks, d, qa, bsums, apairs, k, c, n, r0, col, cols);
   }
 #endif
