@@ -16,7 +16,7 @@ using namespace disagg::cli;
 
 const char* kUsage =
     "usage: disagg-convert --model M --out OUT.gguf [--tokenizer T.bin] [--name NAME]\n"
-    "                      [--type f32|f16|bf16|q8_0|q4_0|q4_k_m]\n"
+    "                      [--type f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m]\n"
     "Writes M (a llama2.c checkpoint with its tokenizer T, or a GGUF file, whose vocabulary is\n"
     "used unless T is named) as a GGUF v3 file of the llama architecture: F32 tensors, or with\n"
     "--type every matrix in that type (q8_0 / q4_0: those whose rows are whole blocks of 32),\n"

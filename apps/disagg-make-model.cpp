@@ -24,7 +24,7 @@ using namespace disagg::cli;
 const char* kUsage =
     "usage: disagg-make-model --out DIR [--dim 64] [--hidden 172] [--layers 5] [--heads 8]\n"
     "                         [--kv-heads 4] [--vocab 512] [--seq-len 512] [--seed 42]\n"
-    "                         [--format llama2c|gguf] [--type f32|f16|bf16|q8_0|q4_0|q4_k_m]\n"
+    "                         [--format llama2c|gguf] [--type f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m]\n"
     "                         [--hf-tokenizer DIR] [--rope-theta 10000] [--rope-freqs llama3]\n"
     "                         [--arch llama|qwen2|qwen3] [--rms-epsilon 1e-5] [--head-dim N]\n"
     "Writes DIR/model.bin (random weights from --seed) and DIR/tokenizer.bin\n"

@@ -27,11 +27,12 @@ struct FileTypeInfo {
   uint32_t llama_ftype;  // general.file_type: llama.cpp's llama_ftype number
 };
 // llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q4_0 2, MOSTLY_Q8_0 7,
-// MOSTLY_Q4_K_M 15, MOSTLY_BF16 32.
+// MOSTLY_Q4_K_M 15, MOSTLY_Q5_K_M 17, MOSTLY_BF16 32.
 constexpr FileTypeInfo kFileTypes[] = {
     {FileType::f32, "f32", WeightType::f32, 0},     {FileType::f16, "f16", WeightType::f16, 1},
     {FileType::bf16, "bf16", WeightType::bf16, 32}, {FileType::q8_0, "q8_0", WeightType::q8_0, 7},
     {FileType::q4_0, "q4_0", WeightType::q4_0, 2},  {FileType::q4_k_m, "q4_k_m", WeightType::q4_k, 15},
+    {FileType::q5_k_m, "q5_k_m", WeightType::q5_k, 17},
 };
 
 // llama.cpp's choice of the layers whose attn_v and ffn_down get more bits:
@@ -63,15 +64,22 @@ std::optional<FileType> parse_file_type(const std::string& name) {
   return std::nullopt;
 }
 
-const char* file_type_names() { return "f32|f16|bf16|q8_0|q4_0|q4_k_m"; }
+const char* file_type_names() {
+  static const std::string names = [] {
+    std::string all;
+    for (const FileTypeInfo& i : kFileTypes) all += (all.empty() ? "" : "|") + std::string(i.name);
+    return all;
+  }();
+  return names.c_str();
+}
 
 WeightType matrix_type(FileType type, Tensor t, int layer, const ModelConfig& config) {
   const WeightType want = info(type).matrices;
   if (!is_matrix(t)) return WeightType::f32;
-  if (type == FileType::q4_k_m) {
+  if (type == FileType::q4_k_m || type == FileType::q5_k_m) {
     const bool more = t == Tensor::wcls || (t == Tensor::token_embedding && config.shared_classifier) ||
                       ((t == Tensor::wv || t == Tensor::w2) && use_more_bits(layer, config.n_layers));
-    return fitting(more ? WeightType::q6_k : WeightType::q4_k, shape_of(t, config).cols);
+    return fitting(more ? WeightType::q6_k : want, shape_of(t, config).cols);
   }
   if (is_block_quantized(want) && shape_of(t, config).cols % kQ8Block != 0) return WeightType::f32;
   return want;

@@ -28,11 +28,12 @@ namespace disagg::gpu {
 //   not whole superblocks of 256, llama.cpp falls back to Q5_0 / Q8_0; this
 //   engine has no Q5_0, so Q8_0 takes its place (f16 where rows are not
 //   whole blocks of 32 either).
-enum class FileType { f32, f16, bf16, q8_0, q4_0, q4_k_m };
+// - q5_k_m: the same mixture with Q5_K in place of Q4_K (llama.cpp's Q5_K_M).
+enum class FileType { f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m };
 const char* to_string(FileType type);
-// "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m"; nullopt for any other name.
+// "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m"; nullopt for any other name.
 std::optional<FileType> parse_file_type(const std::string& name);
-// "f32|f16|bf16|q8_0|q4_0|q4_k_m", for usage texts.
+// "f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m", for usage texts.
 const char* file_type_names();
 // The type matrix `t` of layer `layer` is stored in within a file of `type`.
 WeightType matrix_type(FileType type, Tensor t, int layer, const ModelConfig& config);

@@ -530,31 +530,42 @@ class KQuantModel : public ::testing::Test {
     const std::string dir = test::make_temp_dir("kquant-model");
     write_gguf(*random_weights(config_, 17), byte_vocabulary(512), "k", dir + "/f32.gguf");
     write_gguf(*random_weights(config_, 17), byte_vocabulary(512), "k", dir + "/q4_k_m.gguf", FileType::q4_k_m);
+    write_gguf(*random_weights(config_, 17), byte_vocabulary(512), "k", dir + "/q5_k_m.gguf", FileType::q5_k_m);
     f32_ = Checkpoint::open(dir + "/f32.gguf");
     q4km_ = Checkpoint::open(dir + "/q4_k_m.gguf");
+    q5km_ = Checkpoint::open(dir + "/q5_k_m.gguf");
   }
-  static void TearDownTestSuite() { f32_.reset(), q4km_.reset(); }
+  static void TearDownTestSuite() { f32_.reset(), q4km_.reset(), q5km_.reset(); }
+  // The types of a Q4_K_M or Q5_K_M file (`base`: Q4_K or Q5_K).
+  static void expect_mixture(const Checkpoint& cp, WeightType base) {
+    const Weights& w = cp.weights();
+    EXPECT_EQ(w.token_embedding.type, WeightType::q6_k);  // shared with the classifier
+    for (int l = 0; l < 4; ++l) {
+      SCOPED_TRACE(l);
+      const bool more = l >= 2;  // use_more_bits(l, 4): l >= 3, or (l - 0) % 3 == 2
+      EXPECT_EQ(w.layers[size_t(l)].wv.type, more ? WeightType::q6_k : base);
+      EXPECT_EQ(w.layers[size_t(l)].w2.type, more ? WeightType::q6_k : base);
+      EXPECT_EQ(w.layers[size_t(l)].wq.type, base);
+      EXPECT_EQ(w.layers[size_t(l)].w1.type, base);
+    }
+  }
+  static void expect_prefill_equals_stepwise_and_batched_decode(std::shared_ptr<const Checkpoint> cp);
   static ModelConfig config_;
-  static std::shared_ptr<const Checkpoint> f32_, q4km_;
+  static std::shared_ptr<const Checkpoint> f32_, q4km_, q5km_;
 };
 ModelConfig KQuantModel::config_;
-std::shared_ptr<const Checkpoint> KQuantModel::f32_, KQuantModel::q4km_;
+std::shared_ptr<const Checkpoint> KQuantModel::f32_, KQuantModel::q4km_, KQuantModel::q5km_;
 
-TEST_F(KQuantModel, MixesTypesAsLlamaCppsQ4KM) {
-  const Weights& w = q4km_->weights();
-  EXPECT_EQ(w.token_embedding.type, WeightType::q6_k);  // shared with the classifier
-  for (int l = 0; l < 4; ++l) {
-    SCOPED_TRACE(l);
-    const bool more = l >= 2;  // use_more_bits(l, 4): l >= 3, or (l - 0) % 3 == 2
-    EXPECT_EQ(w.layers[size_t(l)].wv.type, more ? WeightType::q6_k : WeightType::q4_k);
-    EXPECT_EQ(w.layers[size_t(l)].w2.type, more ? WeightType::q6_k : WeightType::q4_k);
-    EXPECT_EQ(w.layers[size_t(l)].wq.type, WeightType::q4_k);
-    EXPECT_EQ(w.layers[size_t(l)].w1.type, WeightType::q4_k);
-  }
+TEST_F(KQuantModel, MixesTypesAsLlamaCppsQ4KM) { expect_mixture(*q4km_, WeightType::q4_k); }
+TEST_F(KQuantModel, MixesTypesAsLlamaCppsQ5KM) { expect_mixture(*q5km_, WeightType::q5_k); }
+
+TEST_F(KQuantModel, PrefillEqualsStepwiseAndBatchedDecode) { expect_prefill_equals_stepwise_and_batched_decode(q4km_); }
+TEST_F(KQuantModel, Q5KMPrefillEqualsStepwiseAndBatchedDecode) {
+  expect_prefill_equals_stepwise_and_batched_decode(q5km_);
 }
 
-TEST_F(KQuantModel, PrefillEqualsStepwiseAndBatchedDecode) {
-  Engine engine(q4km_);
+void KQuantModel::expect_prefill_equals_stepwise_and_batched_decode(std::shared_ptr<const Checkpoint> cp) {
+  Engine engine(cp);
   const std::vector<int> prompt = {1, 403, 407, 261, 378, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311};
   const PrefillOutput prefilled = engine.prefill(prompt);
   KvPool pool = kv_pool_for(engine, 16, 8);
