@@ -18,6 +18,12 @@
 //   sgemm on the same shapes when built with it (ours_vs_sgemm = sgemm time /
 //   ours; BLAS threads = ours). Both pools then exist in one process: compare
 //   at 1 thread, where neither spins against the other.
+// - QuantizedRow/<type>/<n>: one activation row (a decode's) times a
+//   quantized n x 2048 matrix in tiles, on one thread with the default
+//   kernel set (DISAGG_CPU_ISA picks another): gb_s, the tiles' bytes a
+//   second. n = 256 (288-430 KB: from L2) against n = 65536 (from memory)
+//   tells a kernel's arithmetic from its reading (the weights' values do not
+//   change its time: random bytes).
 // - KvSerializeParse: bytes/s of the KV wire format.
 #include <benchmark/benchmark.h>
 #include <omp.h>
@@ -38,6 +44,7 @@ extern "C" void openblas_set_num_threads(int);
 #include <vector>
 
 #include "gpu/backend.h"
+#include "gpu/cpu/cpu_kernels.h"
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
 #include "engine/engine.h"
@@ -231,6 +238,29 @@ void BM_Matmul(benchmark::State& state) {
 }
 
 // KV of a 256-token prompt of the m50 model (16 MiB).
+void BM_QuantizedRow(benchmark::State& state) {
+  const auto type = WeightType(state.range(0));
+  const int n = int(state.range(1)), k = 2048;
+  const cpu::KernelTable& kernels = cpu::kernels_for("");
+  const size_t bytes = cpu::tiled_bytes(type, n, k);
+  std::vector<uint8_t> w(bytes);
+  std::mt19937 rng(1);
+  for (auto& b : w) b = uint8_t(rng());
+  std::vector<int8_t> qa(static_cast<size_t>(k));
+  for (auto& q : qa) q = int8_t(int(rng() % 255) - 127);
+  std::vector<float> scales(static_cast<size_t>(k) / 32, 0.01f), c(static_cast<size_t>(n));
+  std::vector<int16_t> sums(static_cast<size_t>(k) / 16, 3);
+  for (auto _ : state) {
+    if (is_k_quant(type))
+      kernels.matmul_kquant(type, scales.data(), qa.data(), sums.data(), w.data(), c.data(), 1, n, k, 0, n);
+    else
+      kernels.matmul_quantized(type, scales.data(), qa.data(), w.data(), c.data(), 1, n, k, 0, n);
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["gb_s"] = benchmark::Counter(double(bytes) * double(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
+  state.SetLabel(std::string(to_string(type)) + ", " + kernels.isa);
+}
+
 void BM_KvSerializeParse(benchmark::State& state) {
   const ModelConfig c = model_config(50);
   KvShape shape{uint32_t(c.n_layers), uint32_t(c.n_kv_heads), uint32_t(c.head_size()), 256};
@@ -279,6 +309,13 @@ BENCHMARK(BM_Matmul)
     ->Args({512, 512, 1376, 1})
     ->Args({512, 1376, 512, 2})
     ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_QuantizedRow)
+    ->ArgNames({"type", "n"})
+    ->ArgsProduct({{int(WeightType::q8_0), int(WeightType::q4_0), int(WeightType::q4_k), int(WeightType::q5_k),
+                    int(WeightType::q6_k)},
+                   {256, 65536}})
+    ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_KvSerializeParse)->Unit(benchmark::kMillisecond);
 

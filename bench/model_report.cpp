@@ -45,16 +45,25 @@ const char* kUsage =
 
 }  // namespace
 
+// The first CPU's model name with its family and model numbers (a VM's
+// name may be only "AMD EPYC": family 25 model < 16 is Zen 3, 25 from 16
+// Zen 4, 26 Zen 5).
 std::string cpu_name() {
   std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
-      std::string name = line.substr(line.find(':') + 1);
-      name.erase(0, name.find_first_not_of(' '));
-      return name;
-    }
-  return "unknown";
+  std::string line, name = "unknown", family, model;
+  auto value = [&] {
+    std::string v = line.substr(line.find(':') + 1);
+    v.erase(0, v.find_first_not_of(' '));
+    return v;
+  };
+  while (std::getline(in, line) && !line.empty()) {  // (the first processor's block)
+    if (line.find(':') == std::string::npos) continue;
+    if (line.rfind("model name", 0) == 0) name = value();
+    else if (line.rfind("cpu family", 0) == 0) family = value();
+    else if (line.rfind("model\t", 0) == 0 || line.rfind("model :", 0) == 0) model = value();
+  }
+  if (!family.empty() && !model.empty()) name += " (family " + family + ", model " + model + ")";
+  return name;
 }
 
 namespace {
@@ -291,9 +300,13 @@ int model_report(int argc, char** argv) {
     const double pool_bytes = double(pool.num_blocks()) * block * c.n_layers * 2.0 * c.kv_dim() * sizeof(float);
     for (size_t ti = 0; ti < o.threads.size(); ++ti) {
       const int t = o.threads[ti];
-      const double bw = bandwidths[ti];
       omp_set_num_threads(t);
       const Speeds v = measure(engine, pool, o, per_seq);
+      // The best of the probe before the load and one right after these
+      // runs: a shared host's bandwidth drifts (AMD Zen 3 VM, 2026-12-06: 27
+      // to 47 GB/s on 2 threads within the hour), and a share is only as
+      // good as the probe's moment.
+      const double bw = std::max(bandwidths[ti], read_bandwidths({t})[0]);
       std::printf("{\"threads\":%d,\"read_gb_s\":%.2f,\"decode_tok_s\":%.2f,\"decode_gb_s\":%.2f,"
                   "\"decode_bw_fraction\":%.3f,\"batched\":%d,\"batched_tok_s\":%.2f,\"prefill_tokens\":%d,"
                   "\"prefill_tok_s\":%.2f,\"prefill_gflop_s\":%.1f}\n",
