@@ -438,10 +438,11 @@ inline void kdecode_rows(KTileSource<T>* src, int blocks, const float* d, const 
             for (int p = 0; p < kParts; ++p) u0[i][h][p] = u1[i][h][p] = L::zero();
 #pragma GCC unroll 8
         for (int l = 0; l < 8; ++l) {
-          // The next superblock's lines, one a step, and in the first four
-          // steps its scale words (Q5_K: its qh too) and tail.
+          // The next superblock's lines, one a step, and alongside the
+          // first steps' the lines after its values (Q5_K's qh, the scale
+          // words, the tail).
           src[0].fetch_ahead(8 * c4 + l);
-          if (c4 == 0 && 32 + l <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(32 + l);
+          if (32 + 8 * c4 + l <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(32 + 8 * c4 + l);
           I lo[H], hi[H];
           for (int h = 0; h < H; ++h) {
             const I x = src[h].word(8 * c4 + l);
