@@ -18,6 +18,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "model/checkpoint.h"
@@ -119,18 +120,18 @@ double read_bandwidth_here(int threads) {
   for (const int streams : {1, 2, 4, 8})
     for (const size_t ahead : {size_t(0), size_t(512), size_t(2048)})
       for (int pass = 0; pass < 3; ++pass) {
-        uint64_t sum = 0;
-        size_t read = 0;
+        // (std::thread, not OpenMP: this runs in a child forked from a
+        // process whose OpenMP pool is live, where libgomp hangs.)
+        const size_t per = n / size_t(threads) / 16 * 16;
+        const size_t read = size_t(threads) * (per / size_t(streams) / 16 * 16 * size_t(streams) * sizeof(uint64_t));
+        std::vector<uint64_t> sums(static_cast<size_t>(threads));
         const auto t0 = Clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : sum, read)
-        {
-          const size_t per = n / size_t(omp_get_num_threads()) / 16 * 16;
-          const size_t first = per * size_t(omp_get_thread_num());
-          sum += sum_streams(buffer + first, per, streams, ahead);
-          read += per / size_t(streams) / 16 * 16 * size_t(streams) * sizeof(uint64_t);
-        }
+        std::vector<std::thread> readers;
+        for (int t = 0; t < threads; ++t)
+          readers.emplace_back([&, t] { sums[size_t(t)] = sum_streams(buffer + per * size_t(t), per, streams, ahead); });
+        for (std::thread& r : readers) r.join();
         const double s = seconds_since(t0);
-        sink = sink + sum;
+        for (uint64_t x : sums) sink = sink + x;
         best = std::max(best, double(read) / s);
       }
   return best;
