@@ -237,7 +237,6 @@ void BM_Matmul(benchmark::State& state) {
   }
 }
 
-// KV of a 256-token prompt of the m50 model (16 MiB).
 void BM_QuantizedRow(benchmark::State& state) {
   const auto type = WeightType(state.range(0));
   const int n = int(state.range(1)), k = 2048;
@@ -261,6 +260,7 @@ void BM_QuantizedRow(benchmark::State& state) {
   state.SetLabel(std::string(to_string(type)) + ", " + kernels.isa);
 }
 
+// KV of a 256-token prompt of the m50 model (16 MiB).
 void BM_KvSerializeParse(benchmark::State& state) {
   const ModelConfig c = model_config(50);
   KvShape shape{uint32_t(c.n_layers), uint32_t(c.n_kv_heads), uint32_t(c.head_size()), 256};

@@ -61,7 +61,14 @@ const std::vector<std::string> kDocuments = {
 
 struct Figures {
   std::vector<double> first, next;
-  std::vector<std::string> where;  // per mask of `next`: its walk's label and the text before it
+  // Per mask of `next`: its walk and how many bytes of the walk's text were
+  // read before it (counted, not copied: nothing is allocated between masks
+  // but the figures' own vectors); per walk its text as its tokens spell it.
+  struct At {
+    size_t walk, bytes;
+  };
+  std::vector<At> at;
+  std::vector<std::string> texts;
 };
 
 // Walks each (grammar, document) pair: the first mask of the grammar in a
@@ -69,7 +76,7 @@ struct Figures {
 // server's: grammars and states stay cached across requests).
 void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::grammar::TokenVocabulary>& vocab,
           Constraints& shared, const std::vector<std::pair<std::string, std::string>>& walks,
-          const std::vector<std::string>& labels, Figures& f) {
+          Figures& f) {
   for (size_t w = 0; w < walks.size(); ++w) {
     const auto& [grammar, doc] = walks[w];
     std::vector<int> history = t.encode("Answer in JSON.", false);
@@ -80,13 +87,13 @@ void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::g
       f.first.push_back(us_since(start));
     }
     const std::vector<int> tokens = t.encode(doc, false);
-    std::string read;  // the document's text so far
+    size_t read = 0;  // bytes of the document's text so far
     for (size_t step = 0; step <= tokens.size(); ++step) {
       const auto start = Clock::now();
       const auto mask = shared.mask(grammar, history, step);
       f.next.push_back(us_since(start));
-      if (step > 0) read += vocab->bytes(tokens[step - 1]);
-      f.where.push_back(labels[w] + ": " + read);
+      if (step > 0) read += vocab->bytes(tokens[step - 1]).size();
+      f.at.push_back({w, read});
       if (step == tokens.size()) break;
       if (!mask->allows(tokens[step])) {
         std::fprintf(stderr, "token %zu of %s is not allowed by the grammar\n", step, doc.c_str());
@@ -94,6 +101,9 @@ void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::g
       }
       history.push_back(tokens[step]);
     }
+    std::string text;
+    for (int token : tokens) text += vocab->bytes(token);
+    f.texts.push_back(std::move(text));
   }
 }
 
@@ -115,16 +125,21 @@ void print(const char* vocab_name, size_t vocab, const char* grammar_name, const
   std::fflush(stdout);
 }
 
-// The `n` slowest masks of a pass, each with the text its walk had read.
-void print_slowest(const char* vocab_name, const char* grammar_name, const Figures& f, size_t n) {
+// The `n` slowest masks of a pass, each with its walk's label and the text
+// it had read.
+void print_slowest(const char* vocab_name, const char* grammar_name, const std::vector<std::string>& labels,
+                   const Figures& f, size_t n) {
   std::vector<size_t> order(f.next.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return f.next[a] > f.next[b]; });
   double sum = 0;
   for (double x : f.next) sum += x;
-  for (size_t i = 0; i < std::min(n, order.size()); ++i)
+  for (size_t i = 0; i < std::min(n, order.size()); ++i) {
+    const Figures::At& at = f.at[order[i]];
+    const std::string after = labels[at.walk] + ": " + f.texts[at.walk].substr(0, at.bytes);
     std::printf("{\"vocabulary\":\"%s\",\"grammar\":\"%s\",\"slow_us\":%.1f,\"share\":%.3f,\"after\":%s}\n", vocab_name,
-                grammar_name, f.next[order[i]], f.next[order[i]] / sum, nlohmann::json(f.where[order[i]]).dump().c_str());
+                grammar_name, f.next[order[i]], f.next[order[i]] / sum, nlohmann::json(after).dump().c_str());
+  }
 }
 
 // Seconds of one decode step of `slots` plus the sampling of each token,
@@ -256,10 +271,10 @@ int main(int argc, char** argv) {
       const char* name = set.name;
       Constraints shared(vocab);
       Figures first, again;
-      walk(t, vocab, shared, set.walks, set.labels, first);
+      walk(t, vocab, shared, set.walks, first);
       print(family, vocab->size(), name, "new", first);
-      print_slowest(family, name, first, slowest);
-      walk(t, vocab, shared, set.walks, set.labels, again);
+      print_slowest(family, name, set.labels, first, slowest);
+      walk(t, vocab, shared, set.walks, again);
       print(family, vocab->size(), name, "again", again);
     }
   }
