@@ -126,7 +126,7 @@ void print(const char* vocab_name, size_t vocab, const char* grammar_name, const
 }
 
 // The `n` slowest masks of a pass, each with its walk's label and the text
-// it had read.
+// it had read (cut at a byte: a character cut in two is printed as U+FFFD).
 void print_slowest(const char* vocab_name, const char* grammar_name, const std::vector<std::string>& labels,
                    const Figures& f, size_t n) {
   std::vector<size_t> order(f.next.size());
@@ -138,7 +138,7 @@ void print_slowest(const char* vocab_name, const char* grammar_name, const std::
     const Figures::At& at = f.at[order[i]];
     const std::string after = labels[at.walk] + ": " + f.texts[at.walk].substr(0, at.bytes);
     std::printf("{\"vocabulary\":\"%s\",\"grammar\":\"%s\",\"slow_us\":%.1f,\"share\":%.3f,\"after\":%s}\n", vocab_name,
-                grammar_name, f.next[order[i]], f.next[order[i]] / sum, nlohmann::json(after).dump().c_str());
+                grammar_name, f.next[order[i]], f.next[order[i]] / sum, nlohmann::json(after).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   }
 }
 

@@ -211,6 +211,18 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
   }
   classes_ = classes.size();
   find_repetitions(g);
+  for (const ByteForm& f : plain_char_forms()) {
+    PlainForm& form = plain_forms_.emplace_back();
+    for (const ByteSet& set : f) {
+      std::vector<uint8_t>& reps = form.emplace_back();
+      std::vector<char> seen(classes_, 0);
+      for (int b = 0; b < 256; ++b)
+        if (set.has(uint8_t(b)) && !seen[byte_class_[size_t(b)]]) {
+          seen[byte_class_[size_t(b)]] = 1;
+          reps.push_back(uint8_t(b));
+        }
+    }
+  }
   stacks_.push_back(Stack{kEnd, 0, 0});  // the empty stack
   closures_.push_back({0});
   closed_.push_back(1);
@@ -530,48 +542,70 @@ CompiledGrammar::UniformRun CompiledGrammar::uniform_run(int32_t state, const To
 }
 
 // One plain character from `state`: asked first as one byte sequence per
-// form (most states part or die there), then every byte of every form.
+// form (most states part or die there), then every class of every form's
+// bytes (one byte stands for its class: plain_forms_).
 int32_t CompiledGrammar::plain_step(int32_t state) {
   if (states_[size_t(state)].plain_next != kPlainUnknown) return states_[size_t(state)].plain_next;
-  const auto& forms = plain_char_forms();
-  // The one state every byte of `set` leads to from `from`: -1 when all
-  // die, -3 when they part or some die.
-  auto one_next = [&](int32_t from, const ByteSet& set) {
+  // A state of a bounded repetition reads a character as every state of its
+  // shape does while both stand a character or more from their bounds
+  // (kShapeLongTokens: they read the same texts that short, into states of
+  // one shape again): the first such state is checked form by form, the
+  // others read one form's bytes.
+  std::vector<int32_t> key;
+  const int32_t reach = state_shape(state, key);
+  const bool by_shape = reach != kFar && reach >= kCharBytes;
+  if (by_shape) {
+    auto it = plain_shapes_.find(key);
+    if (it != plain_shapes_.end()) {
+      if (it->second != kPlainOne) return states_[size_t(state)].plain_next = it->second;
+      int32_t next = state;
+      for (const std::vector<uint8_t>& classes : plain_forms_.front())
+        if ((next = next_locked(next, classes.front())) < 0) break;
+      if (next >= 0 && !has_bottom(next)) return states_[size_t(state)].plain_next = next;
+      // (else a state unlike its shape's: checked below)
+    }
+  }
+  const int32_t next = plain_step_checked(state);
+  if (by_shape) {
+    if (plain_shapes_.size() >= kMaxCachedMasks) plain_shapes_.clear();
+    plain_shapes_.emplace(std::move(key), next >= 0 ? kPlainOne : next);
+  }
+  return states_[size_t(state)].plain_next = next;
+}
+
+int32_t CompiledGrammar::plain_step_checked(int32_t state) {
+  // The one state every byte of a position leads to from `from`: -1 when
+  // all die, -3 when they part or some die.
+  auto one_next = [&](int32_t from, const std::vector<uint8_t>& classes) {
     int32_t to = -2;
-    for (int b = 0; b < 256; ++b) {
-      if (!set.has(uint8_t(b))) continue;
-      const int32_t next = next_locked(from, uint8_t(b));
+    for (uint8_t b : classes) {
+      const int32_t next = next_locked(from, b);
       if (to != -2 && next != to) return -3;
       to = next;
     }
     return to == -2 ? -1 : to;
   };
-  auto first_byte = [](const ByteSet& set) {
-    int b = 0;
-    while (!set.has(uint8_t(b))) ++b;
-    return uint8_t(b);
-  };
-  auto answer = [&](int32_t next) { return states_[size_t(state)].plain_next = next; };
+  auto answer = [](int32_t next) { return next; };
   int32_t one = -2;  // the live state the forms' first sequences reach (-2: none yet)
   bool died = false;
-  for (const ByteForm& f : forms) {
+  for (const PlainForm& f : plain_forms_) {
     int32_t s = state;
-    for (const ByteSet& set : f)
-      if ((s = next_locked(s, first_byte(set))) < 0) break;
+    for (const std::vector<uint8_t>& classes : f)
+      if ((s = next_locked(s, classes.front())) < 0) break;
     if ((s < 0 && one != -2) || (s >= 0 && (died || (one != -2 && s != one)))) return answer(kPlainParted);
     if (s < 0) died = true;
     else one = s;
   }
   if (died) {  // every one: unless some other byte reads on, no character at all
-    for (const ByteForm& f : forms)
+    for (const PlainForm& f : plain_forms_)
       if (one_next(state, f[0]) != -1) return answer(kPlainParted);
     return answer(kPlainNone);
   }
   // Every byte of every form into that state, through states with no bottom.
-  for (const ByteForm& f : forms) {
+  for (const PlainForm& f : plain_forms_) {
     int32_t s = state;
-    for (const ByteSet& set : f)
-      if ((s = one_next(s, set)) < 0 || has_bottom(s)) return answer(kPlainParted);
+    for (const std::vector<uint8_t>& classes : f)
+      if ((s = one_next(s, classes)) < 0 || has_bottom(s)) return answer(kPlainParted);
     if (s != one) return answer(kPlainParted);
   }
   return answer(one);
@@ -731,30 +765,31 @@ void CompiledGrammar::read_undecided(int32_t state, const std::vector<int32_t>& 
     if (!has_bit(bits, t) && next_token_locked(state, t) >= 0) set_bit(bits, t);
 }
 
-// From a state of the same shape (kShapeLongTokens) when one reaches far
-// enough: its tokens up to the shorter reach, the longer ones walked.
+// Three ways, the first that applies: a state that reads a bounded run of
+// plain characters (a string with a maxLength) walks the tree itself, its
+// plain tokens taken at once (a frame would be no help: a cut through a
+// chain's links is a frame of its own at every count); a state of a bounded
+// repetition takes the tokens of one of its shape further from the bound
+// (kShapeLongTokens) and walks the longer ones; any other takes its frames'.
 std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   const TokenVocabulary& v = *vocab_;
   auto m = std::make_shared<TokenMask>();
   const size_t words = (v.size() + 63) / 64;
   const std::vector<int32_t> stacks = states_[size_t(state)].stacks;  // (interning may move states_)
   std::vector<int32_t> key;
-  int32_t reach = kFar;
-  for (int32_t stack : stacks) {
-    const Shape sh = shape(stack);
-    key.push_back(sh.id);
-    reach = std::min(reach, sh.reach);
-  }
+  const int32_t reach = state_shape(state, key);
   ShapeMask* same = nullptr;
   if (reach != kFar) {
-    std::sort(key.begin(), key.end());
-    key.erase(std::unique(key.begin(), key.end()), key.end());
     auto it = shape_masks_.find(key);
     if (it != shape_masks_.end()) same = &it->second;
   }
   const int32_t common = same ? std::min(reach, same->reach) : 0;
   const size_t longer = same ? v.longer_than(size_t(common)) : 0;
-  if (same && longer * kShapeLongTokens <= v.size()) {
+  const int32_t plain = plain_reach(state);
+  if (plain != kNotPlain && plain != kFar) {
+    m->bits.assign(words, 0);
+    walk_tree(state, m->bits, nullptr, 0);
+  } else if (same && longer * kShapeLongTokens <= v.size()) {
     m->bits = same->mask->bits;
     for (int t : v.end_tokens()) clear_bit(m->bits, t);
     for (size_t i = 0; i < longer; ++i) {
@@ -848,6 +883,19 @@ void CompiledGrammar::find_repetitions(const Grammar& g) {
       pos_reach_[size_t(start) + j] = k - 1;
     }
   }
+}
+
+int32_t CompiledGrammar::state_shape(int32_t state, std::vector<int32_t>& key) {
+  key.clear();
+  int32_t reach = kFar;
+  for (int32_t stack : states_[size_t(state)].stacks) {
+    const Shape sh = shape(stack);
+    key.push_back(sh.id);
+    reach = std::min(reach, sh.reach);
+  }
+  std::sort(key.begin(), key.end());
+  key.erase(std::unique(key.begin(), key.end()), key.end());
+  return reach;
 }
 
 CompiledGrammar::Shape CompiledGrammar::shape(int32_t stack) {

@@ -234,6 +234,9 @@ class CompiledGrammar {
     int32_t reach;  // kFar when it stands in no link
   };
   Shape shape(int32_t stack);
+  // A state's shape (its stacks' shape ids, sorted, without repeats) into
+  // `key`; returns its reach (the least of its stacks').
+  int32_t state_shape(int32_t state, std::vector<int32_t>& key);
   bool has_bottom(int32_t state) const;
   int32_t cut(int32_t stack, int depth);
   int32_t choose_frame(const std::vector<int32_t>& stacks);
@@ -257,8 +260,12 @@ class CompiledGrammar {
   int32_t plain_reach(int32_t state);
   // The one state every plain character leads `state` to, through states
   // with no bottom; kPlainNone when every one dies, kPlainParted else.
-  static constexpr int32_t kPlainParted = -3, kPlainNone = -4;
+  // plain_step_checked asks every form's bytes; plain_step asks one form
+  // where a state of the same shape was checked (plain_shapes_).
+  static constexpr int32_t kPlainParted = -3, kPlainNone = -4, kPlainOne = -5;
   int32_t plain_step(int32_t state);
+  int32_t plain_step_checked(int32_t state);
+  static constexpr int32_t kCharBytes = 4;  // the most bytes of one character
   struct UniformRun {
     int depth = -1;  // -1: not one way
     int bottom = kNoBottom;
@@ -284,6 +291,11 @@ class CompiledGrammar {
   std::vector<std::unique_ptr<int32_t[]>> row_chunks_;
   size_t row_chunk_used_ = 0;
   std::vector<std::vector<int32_t>> rule_starts_;  // per rule, its alternatives' first index
+  // code_points.h's plain character forms as this grammar reads them: per
+  // form, per byte position, one byte of each class its set holds (the
+  // first of each, in byte order).
+  using PlainForm = std::vector<std::vector<uint8_t>>;
+  std::vector<PlainForm> plain_forms_;
 
   mutable std::mutex mutex_;
   std::vector<Stack> stacks_;  // 0: the empty stack
@@ -312,6 +324,9 @@ class CompiledGrammar {
     std::shared_ptr<const TokenMask> mask;
   };
   std::unordered_map<std::vector<int32_t>, ShapeMask, VectorHash> shape_masks_;
+  // Per state shape, plain_step's answer for the first of its states
+  // checked (kPlainOne for a state: the others' own next state).
+  std::unordered_map<std::vector<int32_t>, int32_t, VectorHash> plain_shapes_;
   int32_t start_ = -1;
   std::shared_ptr<const TokenMask> end_only_;
 };
