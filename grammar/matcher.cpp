@@ -154,6 +154,62 @@ size_t TokenVocabulary::longer_than(size_t n) const {
                 by_length_.begin());
 }
 
+std::shared_ptr<const TokenVocabulary::ByteRun> TokenVocabulary::byte_run(const Bytes& set, bool build) const {
+  std::lock_guard<std::mutex> lock(runs_mutex_);
+  for (const auto& run : runs_)
+    if (run->set == set) return run;
+  if (!build) return nullptr;
+  if (runs_.size() >= kMaxByteRuns) runs_.erase(runs_.begin());
+  runs_.push_back(make_byte_run(set));
+  return runs_.back();
+}
+
+// One pass down the tree in preorder through the nodes of the set's bytes
+// (a node reached has a parent of them: the subtrees of the others are
+// skipped), then the branches placed by group.
+std::shared_ptr<const TokenVocabulary::ByteRun> TokenVocabulary::make_byte_run(const Bytes& set) const {
+  auto run = std::make_shared<ByteRun>();
+  run->set = set;
+  auto in = [&](uint8_t b) { return (set[b >> 6] >> (b & 63)) & 1; };
+  const size_t words = (bytes_.size() + 63) / 64;
+  run->alone_bits.assign(kRunDepth + 1, std::vector<uint64_t>(words, 0));
+  constexpr size_t kKeys = size_t(kRunGroups) * 256;
+  std::vector<uint32_t> key_of;  // per branch found, its group (at * 256 + byte)
+  std::vector<uint32_t> found;
+  std::vector<uint32_t> group_size(kKeys, 0);
+  const std::vector<Node>& nodes = all_.nodes;
+  for (uint32_t n = 1; n < nodes.size();) {
+    const Node& node = nodes[n];
+    if (in(node.byte)) {
+      for (uint32_t t = node.first_token; t < node.first_token + node.tokens; ++t) {
+        if (node.depth <= kRunDepth) set_bit(run->alone_bits[node.depth], all_.tokens[t]);
+        else run->alone_longer.push_back(all_.tokens[t]);
+      }
+      ++n;
+      continue;
+    }
+    const size_t at = size_t(node.depth) - 1;
+    if (at < size_t(kRunGroups)) {
+      key_of.push_back(uint32_t(at * 256 + node.byte));
+      found.push_back(n);
+      ++group_size[key_of.back()];
+    } else {
+      run->far.push_back(n);
+    }
+    n = node.subtree_end;
+  }
+  for (int n = 1; n <= kRunDepth; ++n)
+    for (size_t w = 0; w < words; ++w) run->alone_bits[size_t(n)][w] |= run->alone_bits[size_t(n) - 1][w];
+  std::vector<uint32_t> place(kKeys + 1, 0);
+  for (size_t k = 0; k < kKeys; ++k) {
+    place[k + 1] = place[k] + group_size[k];
+    if (group_size[k]) run->groups.push_back({uint16_t(k / 256), uint8_t(k % 256), place[k], place[k + 1]});
+  }
+  run->branches.resize(found.size());
+  for (size_t i = 0; i < found.size(); ++i) run->branches[place[key_of[i]]++] = found[i];
+  return run;
+}
+
 bool TokenVocabulary::is_end(int token) const {
   return std::binary_search(end_tokens_.begin(), end_tokens_.end(), token);
 }
@@ -211,6 +267,22 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
   }
   classes_ = classes.size();
   find_repetitions(g);
+  class_byte_.assign(classes_, 0);
+  class_bytes_.assign(classes_, TokenVocabulary::Bytes{});
+  for (int b = 255; b >= 0; --b) {
+    class_byte_[byte_class_[size_t(b)]] = uint8_t(b);
+    class_bytes_[byte_class_[size_t(b)]][size_t(b) >> 6] |= uint64_t(1) << (b & 63);
+  }
+  // The runs its larger ASCII byte sets may read (byte_run_mask), made now:
+  // a new grammar's first mask waits for them, not a later one.
+  for (const ByteSet& term : terms_) {
+    TokenVocabulary::Bytes set{};
+    int count = 0;
+    for (int b = 0; b < 256; ++b)
+      if (term.has(uint8_t(b))) set[size_t(b) >> 6] |= uint64_t(1) << (b & 63), ++count;
+    term_bytes_.push_back(count);
+    if (count >= kRunMinBytes && !set[2] && !set[3]) vocab_->byte_run(set, true);
+  }
   for (const ByteForm& f : plain_char_forms()) {
     PlainForm& form = plain_forms_.emplace_back();
     for (const ByteSet& set : f) {
@@ -319,6 +391,23 @@ int32_t CompiledGrammar::next_locked(int32_t state, uint8_t byte) {
   }
   const int32_t result = intern(out);
   memo[cls] = result;
+  // Every class the same stacks read leads there too (a string's letters
+  // split into classes by the grammar's literals: one transition for all).
+  const std::vector<int32_t>& stacks = states_[size_t(state)].stacks;
+  if (stacks.size() <= 64) {
+    auto readers = [&](uint8_t b) {
+      uint64_t read = 0;
+      for (size_t i = 0; i < stacks.size(); ++i) {
+        const int32_t id = stacks[i];
+        if (id != 0 && id != kBottom && terms_[size_t(-2 - elems_[size_t(stacks_[size_t(id)].pos)])].has(b))
+          read |= uint64_t(1) << i;
+      }
+      return read;
+    };
+    const uint64_t these = readers(byte);
+    for (size_t c = 0; c < classes_; ++c)
+      if (memo[c] == -2 && readers(class_byte_[c]) == these) memo[c] = result;
+  }
   return result;
 }
 
@@ -367,11 +456,11 @@ std::shared_ptr<const TokenMask> CompiledGrammar::mask(int state) {
 }
 
 bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below,
-                                size_t undecided_limit, int skip_depth) {
+                                size_t undecided_limit, int skip_depth, uint32_t root, size_t max_visits) {
   const TokenVocabulary& v = *vocab_;
   // A run of plain characters: its plain tokens at once, the others walked.
   const TokenVocabulary::Trie* trie = &v.all_;
-  if (!has_bottom(state)) {
+  if (!has_bottom(state) && root == 0) {
     const int32_t plain = plain_reach(state);
     if (plain == kFar) v.allow_plain(reached);
     else if (plain != kNotPlain) v.allow_plain_up_to(plain, reached);
@@ -390,16 +479,18 @@ bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, s
     const int32_t* row;
   };
   std::vector<At> at_depth(size_t(nodes[0].max_depth) + 1);
-  at_depth[0] = {state, transitions(state)};
+  at_depth[nodes[root].depth] = {state, transitions(state)};
   uint32_t marked_to = 0;
   size_t undecided = 0;
-  const uint32_t count = uint32_t(trie->nodes.size());
-  uint32_t n = 1;
+  const uint32_t count = nodes[root].subtree_end;
+  uint32_t n = root + 1;
   if (below && has_bottom(state)) {
     for (uint32_t t = 0; t < nodes[0].subtree_tokens_end; ++t) set_bit(*below, tokens[t]);
     marked_to = count;
   }
+  size_t visits = 0;
   while (n < count) {
+    if (++visits > max_visits) return false;
     const TokenVocabulary::Node& node = nodes[n];
     if (node.max_depth <= skip_depth) {
       n = node.subtree_end;
@@ -491,32 +582,28 @@ bool subset(const Bytes& a, const Bytes& b) { return !(a[0] & ~b[0]) && !(a[1] &
 bool meet(const Bytes& a, const Bytes& b) { return (a[0] & b[0]) || (a[1] & b[1]) || (a[2] & b[2]) || (a[3] & b[3]); }
 }  // namespace
 
-// Bytes are asked one at a time, and only as far as the first that decides.
+// Each byte is asked once per state (a memo read after the first of its
+// class); the state's bytes kept grouped by where they lead.
 int32_t CompiledGrammar::uniform_next(int32_t state, const Bytes& bytes) {
   Uniform* u = states_[size_t(state)].uniform.get();
   if (!u) u = (states_[size_t(state)].uniform = std::make_unique<Uniform>()).get();  // (stable while states_ grows)
-  if (subset(bytes, u->same)) return u->next;
-  if (meet(bytes, u->differ)) return -3;
-  bool live = meet(bytes, u->same), dead = meet(bytes, u->dead);
-  if (live && dead) return -3;
   for (size_t w = 0; w < 4; ++w)
-    for (uint64_t open = bytes[w] & ~u->same[w] & ~u->dead[w]; open; open &= open - 1) {
+    for (uint64_t open = bytes[w] & ~u->known[w]; open; open &= open - 1) {
       const uint64_t bit = open & -open;
       const int32_t next = next_locked(state, uint8_t(w * 64 + size_t(__builtin_ctzll(open))));
+      u->known[w] |= bit;
       if (next < 0) {
         u->dead[w] |= bit;
-        dead = true;
-      } else if (u->next == -2 || next == u->next) {
-        u->next = next;
-        u->same[w] |= bit;
-        live = true;
-      } else {
-        u->differ[w] |= bit;
-        return -3;
+        continue;
       }
-      if (live && dead) return -3;
+      auto way = std::find_if(u->ways.begin(), u->ways.end(), [&](const auto& x) { return x.first == next; });
+      if (way == u->ways.end()) way = u->ways.insert(u->ways.end(), {next, Bytes{}});
+      way->second[w] |= bit;
     }
-  return live ? u->next : -1;
+  if (subset(bytes, u->dead)) return -1;
+  for (const auto& [next, to] : u->ways)
+    if (meet(bytes, to)) return subset(bytes, to) ? next : -3;
+  return -3;
 }
 
 CompiledGrammar::UniformRun CompiledGrammar::uniform_run(int32_t state, const TokenVocabulary::Trie& trie,
@@ -765,12 +852,110 @@ void CompiledGrammar::read_undecided(int32_t state, const std::vector<int32_t>& 
     if (!has_bit(bits, t) && next_token_locked(state, t) >= 0) set_bit(bits, t);
 }
 
-// Three ways, the first that applies: a state that reads a bounded run of
-// plain characters (a string with a maxLength) walks the tree itself, its
-// plain tokens taken at once (a frame would be no help: a cut through a
-// chain's links is a frame of its own at every count); a state of a bounded
-// repetition takes the tokens of one of its shape further from the bound
-// (kShapeLongTokens) and walks the longer ones; any other takes its frames'.
+bool CompiledGrammar::byte_run_mask(int32_t state, std::vector<uint64_t>& bits) {
+  using Bytes = TokenVocabulary::Bytes;
+  // (none when no stack reads a set that large)
+  if (std::none_of(states_[size_t(state)].stacks.begin(), states_[size_t(state)].stacks.end(), [&](int32_t id) {
+        return id != 0 && id != kBottom && term_bytes_[size_t(-2 - elems_[size_t(stacks_[size_t(id)].pos)])] >= kRunMinBytes;
+      }))
+    return false;
+  // The set: the most bytes that lead `state` one way.
+  struct Way {
+    int32_t next;
+    Bytes bytes;
+    std::vector<uint8_t> classes;  // one byte of each
+  };
+  std::vector<Way> ways;
+  for (size_t c = 0; c < classes_; ++c) {
+    const int32_t next = next_locked(state, class_byte_[c]);
+    if (next < 0) continue;
+    auto way = std::find_if(ways.begin(), ways.end(), [&](const Way& w) { return w.next == next; });
+    if (way == ways.end()) way = ways.insert(ways.end(), Way{next, Bytes{}, {}});
+    for (size_t w = 0; w < 4; ++w) way->bytes[w] |= class_bytes_[c][w];
+    way->classes.push_back(class_byte_[c]);
+  }
+  auto count = [](const Bytes& b) { return bits_in(b[0]) + bits_in(b[1]) + bits_in(b[2]) + bits_in(b[3]); };
+  auto most = std::max_element(ways.begin(), ways.end(), [&](const Way& a, const Way& b) { return count(a.bytes) < count(b.bytes); });
+  if (most == ways.end() || count(most->bytes) < size_t(kRunMinBytes)) return false;
+  const Bytes set = most->bytes;
+  if (set[2] || set[3]) return false;  // (ASCII: a UTF-8 byte leads on to a byte of another set)
+  // at[j]: the state after j bytes of the set. The run ends in a loop
+  // (every later byte of the set too), where the set dies, or at kRunDepth
+  // (open: the tokens past it are read one by one); where the set's bytes
+  // part sooner, no run.
+  std::vector<int32_t> at = {state};
+  enum { kOpen, kLoops, kDies } end = kOpen;
+  for (int32_t next = most->next; int(at.size()) <= TokenVocabulary::kRunDepth;) {
+    if (next == at.back()) {
+      end = kLoops;
+      break;
+    }
+    if (next == -1) {
+      end = kDies;
+      break;
+    }
+    if (next == -3) return false;
+    at.push_back(next);
+    // (one transition per class of the set: uniform_next keeps no more)
+    int32_t all = -2;
+    for (uint8_t b : most->classes) {
+      const int32_t one = next_locked(next, b);
+      if (all != -2 && one != all) {
+        all = -3;
+        break;
+      }
+      all = one;
+    }
+    next = all;
+  }
+  const auto run = vocab_->byte_run(set, true);
+  const TokenVocabulary::Trie& trie = vocab_->all_;
+  const size_t known = at.size() - 1;
+  auto later = std::partition_point(run->groups.begin(), run->groups.end(),
+                                    [&](const TokenVocabulary::ByteRun::Group& g) { return g.at <= known; });
+  // The tokens under the branches past an open end, and the far ones, are
+  // read one by one: at most kRunReadLimit.
+  std::vector<uint32_t> one_by_one = run->far;
+  if (end == kOpen)
+    for (auto g = later; g != run->groups.end(); ++g) one_by_one.insert(one_by_one.end(), run->branches.begin() + g->begin, run->branches.begin() + g->end);
+  size_t reads = end == kOpen ? run->alone_longer.size() : 0;
+  for (uint32_t b : one_by_one) reads += trie.nodes[b].subtree_tokens_end - trie.nodes[b].first_token;
+  if (reads > kRunReadLimit) return false;
+  auto read = [&](int32_t t) {
+    if (next_token_locked(state, t) >= 0) set_bit(bits, t);
+  };
+  // Tokens of the set alone: as deep as the run reads.
+  const std::vector<uint64_t>& alone = run->alone_bits[end == kLoops ? size_t(TokenVocabulary::kRunDepth) : known];
+  for (size_t w = 0; w < bits.size(); ++w) bits[w] |= alone[w];
+  for (int32_t t : run->alone_longer) {
+    if (end == kLoops) set_bit(bits, t);
+    else if (end == kOpen) read(t);
+  }
+  // The others: each live group's branches walked from the state its byte
+  // leads to, after the bytes of the set before it.
+  for (auto g = run->groups.begin(); g != run->groups.end(); ++g) {
+    if (g >= later && end != kLoops) break;
+    const int32_t next = next_locked(at[std::min(size_t(g->at), known)], g->byte);
+    if (next < 0) continue;
+    for (uint32_t i = g->begin; i < g->end; ++i) {
+      const TokenVocabulary::Node& branch = trie.nodes[run->branches[i]];
+      for (uint32_t t = branch.first_token; t < branch.first_token + branch.tokens; ++t) set_bit(bits, trie.tokens[t]);
+      walk_tree(next, bits, nullptr, 0, 0, run->branches[i]);
+    }
+  }
+  for (uint32_t b : one_by_one)
+    for (uint32_t t = trie.nodes[b].first_token; t < trie.nodes[b].subtree_tokens_end; ++t) read(trie.tokens[t]);
+  return true;
+}
+
+// The first way that applies: a state that reads a bounded run of plain
+// characters (a string with a maxLength) walks the tree itself, its plain
+// tokens taken at once (a frame would be no help: a cut through a chain's
+// links is a frame of its own at every count); one that reads a run of one
+// byte class takes its ByteRun's groups (byte_run_mask); a state of a
+// bounded repetition takes the tokens of one of its shape further from the
+// bound (kShapeLongTokens) and walks the longer ones; any other walks the
+// tree itself if that is short (kDirectWalkShare), else takes its frames'.
 std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   const TokenVocabulary& v = *vocab_;
   auto m = std::make_shared<TokenMask>();
@@ -786,9 +971,10 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   const int32_t common = same ? std::min(reach, same->reach) : 0;
   const size_t longer = same ? v.longer_than(size_t(common)) : 0;
   const int32_t plain = plain_reach(state);
+  m->bits.assign(words, 0);
   if (plain != kNotPlain && plain != kFar) {
-    m->bits.assign(words, 0);
     walk_tree(state, m->bits, nullptr, 0);
+  } else if (plain == kNotPlain && byte_run_mask(state, m->bits)) {
   } else if (same && longer * kShapeLongTokens <= v.size()) {
     m->bits = same->mask->bits;
     for (int t : v.end_tokens()) clear_bit(m->bits, t);
@@ -797,8 +983,8 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
       clear_bit(m->bits, t);
     }
     walk_tree(state, m->bits, nullptr, 0, common);
-  } else {
-    m->bits.assign(words, 0);
+  } else if (!walk_tree(state, m->bits, nullptr, 0, 0, 0, v.trie_nodes() / kDirectWalkShare)) {
+    std::fill(m->bits.begin(), m->bits.end(), 0);
     frame_mask(state, m->bits);
   }
   size_t text_tokens = 0;

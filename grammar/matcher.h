@@ -14,10 +14,15 @@
 // has no next state, and allows every token at a node it reaches. Where
 // every byte below a node leads one way at each depth (a string's
 // characters: back to the same state, or on through a bounded repetition),
-// the walk marks the tokens below without stepping down. Tokens that are
-// special (control, user-defined, unknown, unused) or have no bytes are
-// never allowed; the end tokens only where the grammar may end. Masks are
-// cached per state, so a state seen before costs a lookup.
+// the walk marks the tokens below without stepping down. A state whose
+// walk would be long takes most of its tokens from sets made ahead: a run
+// of plain characters (TokenVocabulary's plain tokens), a run of one byte
+// class (its ByteRun), a frame's walk shared by every state with the same
+// top, or a state of the same shape (bounded repetitions); compute_mask
+// says which. Tokens that are special (control, user-defined, unknown,
+// unused) or have no bytes are never allowed; the end tokens only where the
+// grammar may end. Masks are cached per state, so a state seen before costs
+// a lookup. (Byte classes that the same stacks read share one transition.)
 //
 // Thread-safe: the memo tables are behind one mutex per compiled grammar.
 #pragma once
@@ -73,7 +78,40 @@ class TokenVocabulary {
   void allow_plain(std::vector<uint64_t>& bits) const;
   int max_plain_chars() const { return max_plain_chars_; }
 
+  // The tokens as a run over one set of bytes reads them (a loop or a
+  // bounded repetition of one byte class: an email's letters, a uuid's hex
+  // digits): those of the set's bytes alone, by length, and the branches of
+  // the prefix tree (all_) where a token's first byte outside the set
+  // stands, grouped by its position and value. A state that reads every
+  // byte of the set into one next state, and so on for a few bytes, decides
+  // a group by one transition (most die there: a space, a quote) and walks
+  // the branches of the live ones from their next state instead of walking
+  // the tree: XGrammar's context-independent tokens, for a byte class.
+  static constexpr int kRunDepth = 16;   // the longest run followed; tokens alone as bits up to it
+  static constexpr int kRunGroups = 64;  // branches grouped by position up to here; deeper ones: `far`
+  struct ByteRun {
+    Bytes set{};
+    std::vector<std::vector<uint64_t>> alone_bits;  // [n <= kRunDepth]: tokens of the set's bytes alone, at most n of them
+    std::vector<int32_t> alone_longer;              // and those longer
+    struct Group {
+      uint16_t at;   // the first byte outside the set: its position ...
+      uint8_t byte;  // ... and value
+      uint32_t begin, end;  // into `branches`
+    };
+    std::vector<Group> groups;  // by (at, byte)
+    std::vector<uint32_t> branches;
+    std::vector<uint32_t> far;  // branches at kRunGroups or deeper
+  };
+  // The run of `set`: made when not kept and `build` (a compiled grammar
+  // asks for its larger ASCII terms' sets as it is made: a millisecond each,
+  // once per vocabulary), else null. Thread-safe.
+  std::shared_ptr<const ByteRun> byte_run(const Bytes& set, bool build) const;
+  static constexpr size_t kMaxByteRuns = 16;  // kept per vocabulary (the oldest let go)
+
  private:
+  std::shared_ptr<const ByteRun> make_byte_run(const Bytes& set) const;
+  mutable std::mutex runs_mutex_;
+  mutable std::vector<std::shared_ptr<const ByteRun>> runs_;
   friend class CompiledGrammar;
   // A prefix tree in depth-first preorder (built from the sorted tokens):
   // a node's subtree is the nodes [id, subtree_end), its tokens the tokens
@@ -144,6 +182,13 @@ constexpr std::array<int, 3> kFrameDepths = {3, 5, 8};
 constexpr size_t kFrameFallback = 8;
 constexpr size_t kFrameFew = 64;
 constexpr uint32_t kUniformMinTokens = 16;
+// A state walks the tree itself first, as far as 1/kDirectWalkShare of its
+// nodes: a literal's, a number's, a date's few tokens are found that way
+// without a frame's bookkeeping; past it (a string's body) it takes its
+// frames'. 32 (8,500 nodes of Llama 3's tree): measured (bench_grammar)
+// against 128 and 8 (more frames for small masks; longer walks before
+// giving up).
+constexpr size_t kDirectWalkShare = 32;
 
 // A bounded repetition (Grammar::repeat: L1 := A | "", Lk := A L(k-1) | "")
 // has a state for each count left, and each would walk the tree for its
@@ -182,11 +227,11 @@ class CompiledGrammar {
     int32_t parent;  // the stack below (0: the empty stack)
     int32_t depth;
   };
-  // Which bytes lead from a state to one state (`next`, the first live one
-  // asked), which elsewhere, which nowhere: as asked.
+  // Where a state's bytes lead, as far as asked: the bytes asked, those
+  // that die, and the others by their next state.
   struct Uniform {
-    TokenVocabulary::Bytes same{}, differ{}, dead{};
-    int32_t next = -2;
+    TokenVocabulary::Bytes known{}, dead{};
+    std::vector<std::pair<int32_t, TokenVocabulary::Bytes>> ways;
   };
   struct State {
     std::vector<int32_t> stacks;  // sorted; 0 (the empty stack) when accepting
@@ -221,9 +266,11 @@ class CompiledGrammar {
   // read) into `reached`; with `below`,
   // every token under a node where a stack ran into the bottom marker; it
   // stops (false) once more than `undecided_limit` of those are not reached.
-  // Branches no deeper than `skip_depth` are not walked.
+  // Branches no deeper than `skip_depth` are not walked. With a `root`
+  // (of vocab_->all_, and no `below`), only the tokens under it, `state`
+  // being the state after its bytes (and no plain run taken at once).
   bool walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below, size_t undecided_limit,
-                 int skip_depth = 0);
+                 int skip_depth = 0, uint32_t root = 0, size_t max_visits = SIZE_MAX);
   // Bounded repetitions (kShapeLongTokens): each link's elems_ positions
   // mapped to the first link's with the same body, and how far a stack
   // standing there reads like any other link (k - 1 bytes).
@@ -245,6 +292,17 @@ class CompiledGrammar {
   // The one state every byte of `bytes` leads to from `state`; -1 when
   // every one is dead, -3 when they go to different places or some die.
   int32_t uniform_next(int32_t state, const TokenVocabulary::Bytes& bytes);
+  // A state whose most bytes lead one way reads a run of them (ByteRun):
+  // its tokens into `bits` from the run's groups; false (bits untouched)
+  // when those bytes are fewer than kRunMinBytes or not all ASCII, or when
+  // more than kRunReadLimit tokens would be read one by one. (A set no term
+  // of the grammar is, a union of some, has its ByteRun made here.)
+  bool byte_run_mask(int32_t state, std::vector<uint64_t>& bits);
+  static constexpr int kRunMinBytes = 16;
+  static constexpr size_t kRunReadLimit = 2048;
+  std::vector<int> term_bytes_;                       // per term: how many bytes it has
+  std::vector<uint8_t> class_byte_;                   // per byte class: its first byte
+  std::vector<TokenVocabulary::Bytes> class_bytes_;  // per byte class: its bytes
   // When every byte below `node` leads one way at each depth (a string's
   // characters: the same state again, or the next of a bounded repetition):
   // how deep below it tokens are read from `state`, and the first depth

@@ -262,6 +262,39 @@ TEST(Grammar, MasksInsideBoundedRepetitionsAreTheNaiveRecognizers) {
   expect_masks_match(gbnf_grammar(gbnf), v, texts);
 }
 
+// A run of one byte class of 16 bytes or more (matcher.h ByteRun) decides
+// the tokens of its bytes alone by length and the others by the state
+// before their first byte outside the class: here a loop ("1"), a bounded
+// run that dies at its bound or is followed only 16 bytes deep ("2"), one
+// whose bytes part after two ("3": 'a' and 'b' go elsewhere), and an
+// email-like run whose '.' and '@' lead on ("4"). Tokens: runs of 'a' up to
+// 70 bytes (past kRunDepth and kRunGroups), with '.', '@x', '>' and a space
+// after them, every printable byte, and 1,000 the grammar never reads.
+TEST(Grammar, MasksWhereOneByteClassRunsAreTheNaiveRecognizers) {
+  const std::string gbnf = "root ::= \"1<\" [a-z0-9]* \">\" | \"2<\" [a-z0-9]{1,40} \">\" | "
+                           "\"3<\" [a-z0-9] [a-z0-9] (\"ab\" | [a-z0-9]{3}) \">\" | "
+                           "\"4<\" [a-z0-9]{1,30} (\".\" [a-z0-9]{1,30}){0,2} \"@\" [a-z]{1,8} \">\"\n";
+  std::vector<std::string> bytes = {"<end>"};
+  for (int b = 0x20; b < 0x7F; ++b) bytes.push_back(std::string(1, char(b)));
+  for (int n = 2; n <= 70; ++n) bytes.push_back(std::string(size_t(n), 'a'));
+  for (int n : {0, 1, 2, 5, 15, 16, 17, 30, 63, 64, 65}) {
+    const std::string run(size_t(n), 'a');
+    for (const char* tail : {".", ".a", "@x", "@x>", ">", " a", "a.b", "ab"}) bytes.push_back(run + tail);
+  }
+  for (int i = 0; i < 1000; ++i) bytes.push_back("#" + std::to_string(i));
+  const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
+  std::vector<std::string> texts;
+  for (const std::string start : {"1<", "2<", "3<", "4<"})
+    for (int n : {0, 1, 2, 3, 20, 24, 30, 39, 40}) texts.push_back(start + std::string(size_t(n), 'a'));
+  for (const char* t : {"4<a.", "4<aa.aaaa", "4<a.a.", "4<a@", "4<a@aaa"}) texts.push_back(t);
+  // (texts the grammar refuses are left out by the check)
+  std::vector<std::string> live;
+  for (const std::string& t : texts)
+    if (naive(gbnf_grammar(gbnf), t).live) live.push_back(t);
+  ASSERT_GT(live.size(), 25u);
+  expect_masks_match(gbnf_grammar(gbnf), v, live);
+}
+
 // ---- plain tokens (matcher.h TokenVocabulary): tokens of characters a
 // ---- JSON string writes unescaped, taken at once where a state reads a
 // ---- run of any of them.
