@@ -7,9 +7,10 @@
 // one answer under each of the 13 real tool schemas of
 // tests/grammar/tool_schemas.json. Per vocabulary and set it prints the
 // first mask of a grammar never seen (compiled, then its start state's mask:
-// what a new request waits for) and every mask of the walks: mean, p50, p99,
-// max in microseconds (and, first, how long the vocabulary as grammars
-// read it takes to build: once per model load). The walks share one
+// what a new request waits for) and every later mask of the walks (a
+// request's masks after its first, token by token): mean, p50, p99, max in
+// microseconds (and, first, how long the vocabulary as grammars read it
+// takes to build: once per model load). The walks share one
 // Constraints, as a server's requests do: pass "new" meets each grammar
 // for the first time (a state an earlier document of the same grammar
 // reached is cached), pass "again" walks the same documents once more (the
@@ -91,9 +92,12 @@ void walk(const disagg::gpu::Tokenizer& t, const std::shared_ptr<const disagg::g
     for (size_t step = 0; step <= tokens.size(); ++step) {
       const auto start = Clock::now();
       const auto mask = shared.mask(grammar, history, step);
-      f.next.push_back(us_since(start));
-      if (step > 0) read += vocab->bytes(tokens[step - 1]).size();
-      f.at.push_back({w, read});
+      const double us = us_since(start);
+      if (step > 0) {  // (the first: `first`'s figure, as a new grammar's)
+        read += vocab->bytes(tokens[step - 1]).size();
+        f.next.push_back(us);
+        f.at.push_back({w, read});
+      }
       if (step == tokens.size()) break;
       if (!mask->allows(tokens[step])) {
         std::fprintf(stderr, "token %zu of %s is not allowed by the grammar\n", step, doc.c_str());

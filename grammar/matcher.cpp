@@ -74,6 +74,7 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> bytes, const std::vect
     for (int k = chars; k <= kPlainMasks; ++k) set_bit(plain_up_to_[size_t(k)], t);
   }
   all_ = trie_of(std::move(text));
+  for (uint32_t n = 1; n < all_.nodes.size(); n = all_.nodes[n].subtree_end) branch_[all_.nodes[n].byte] = n;
   rest_ = trie_of(std::move(rest));
   rest_long_ = trie_of(std::move(rest_long));
   by_length_ = all_.tokens;
@@ -235,8 +236,9 @@ size_t CompiledGrammar::VectorHash::operator()(const std::vector<int32_t>& v) co
   return size_t(h);
 }
 
-CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocabulary> vocabulary)
-    : vocab_(std::move(vocabulary)) {
+CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocabulary> vocabulary,
+                                 size_t direct_walk_share)
+    : vocab_(std::move(vocabulary)), direct_walk_share_(direct_walk_share) {
   g.check();
   auto end_only = std::make_shared<TokenMask>();
   end_only->bits.assign((vocab_->size() + 63) / 64, 0);
@@ -456,16 +458,17 @@ std::shared_ptr<const TokenMask> CompiledGrammar::mask(int state) {
 }
 
 bool CompiledGrammar::walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below,
-                                size_t undecided_limit, int skip_depth, uint32_t root, size_t max_visits) {
+                                size_t undecided_limit, int skip_depth, uint32_t root, size_t max_visits,
+                                const TokenVocabulary::Trie* trie) {
   const TokenVocabulary& v = *vocab_;
   // A run of plain characters: its plain tokens at once, the others walked.
-  const TokenVocabulary::Trie* trie = &v.all_;
-  if (!has_bottom(state) && root == 0) {
+  if (!trie && !has_bottom(state) && root == 0) {
     const int32_t plain = plain_reach(state);
     if (plain == kFar) v.allow_plain(reached);
     else if (plain != kNotPlain) v.allow_plain_up_to(plain, reached);
     if (plain != kNotPlain) trie = plain == kPlainLong ? &v.rest_long_ : &v.rest_;
   }
+  if (!trie) trie = &v.all_;
   const TokenVocabulary::Node* nodes = trie->nodes.data();
   const int32_t* tokens = trie->tokens.data();
   // The tree in preorder, the state after each depth's byte alongside (and
@@ -660,42 +663,40 @@ int32_t CompiledGrammar::plain_step(int32_t state) {
   return states_[size_t(state)].plain_next = next;
 }
 
+int32_t CompiledGrammar::one_next(int32_t from, const std::vector<uint8_t>& classes) {
+  int32_t to = -2;
+  for (uint8_t b : classes) {
+    const int32_t next = next_locked(from, b);
+    if (to != -2 && next != to) return -3;
+    to = next;
+  }
+  return to == -2 ? -1 : to;
+}
+
 int32_t CompiledGrammar::plain_step_checked(int32_t state) {
-  // The one state every byte of a position leads to from `from`: -1 when
-  // all die, -3 when they part or some die.
-  auto one_next = [&](int32_t from, const std::vector<uint8_t>& classes) {
-    int32_t to = -2;
-    for (uint8_t b : classes) {
-      const int32_t next = next_locked(from, b);
-      if (to != -2 && next != to) return -3;
-      to = next;
-    }
-    return to == -2 ? -1 : to;
-  };
-  auto answer = [](int32_t next) { return next; };
   int32_t one = -2;  // the live state the forms' first sequences reach (-2: none yet)
   bool died = false;
   for (const PlainForm& f : plain_forms_) {
     int32_t s = state;
     for (const std::vector<uint8_t>& classes : f)
       if ((s = next_locked(s, classes.front())) < 0) break;
-    if ((s < 0 && one != -2) || (s >= 0 && (died || (one != -2 && s != one)))) return answer(kPlainParted);
+    if ((s < 0 && one != -2) || (s >= 0 && (died || (one != -2 && s != one)))) return kPlainParted;
     if (s < 0) died = true;
     else one = s;
   }
   if (died) {  // every one: unless some other byte reads on, no character at all
     for (const PlainForm& f : plain_forms_)
-      if (one_next(state, f[0]) != -1) return answer(kPlainParted);
-    return answer(kPlainNone);
+      if (one_next(state, f[0]) != -1) return kPlainParted;
+    return kPlainNone;
   }
   // Every byte of every form into that state, through states with no bottom.
   for (const PlainForm& f : plain_forms_) {
     int32_t s = state;
     for (const std::vector<uint8_t>& classes : f)
-      if ((s = one_next(s, classes)) < 0 || has_bottom(s)) return answer(kPlainParted);
-    if (s != one) return answer(kPlainParted);
+      if ((s = one_next(s, classes)) < 0 || has_bottom(s)) return kPlainParted;
+    if (s != one) return kPlainParted;
   }
-  return answer(one);
+  return one;
 }
 
 int32_t CompiledGrammar::plain_reach(int32_t state) {
@@ -720,6 +721,71 @@ int32_t CompiledGrammar::plain_reach(int32_t state) {
     at = next;
   }
   return states_[size_t(state)].plain = reach;
+}
+
+// The ASCII form's classes by where they lead: the one taking the most
+// bytes, and the few others as `except`; every other form must lead there
+// too, through states with no bottom.
+int32_t CompiledGrammar::plain_but(int32_t state, TokenVocabulary::Bytes& except) {
+  except = {};
+  const std::vector<uint8_t>& ascii = plain_forms_.front().front();
+  std::vector<std::pair<int32_t, size_t>> ways;  // next state, bytes
+  for (uint8_t b : ascii) {
+    const int32_t next = next_locked(state, b);
+    auto way = std::find_if(ways.begin(), ways.end(), [&](const auto& w) { return w.first == next; });
+    if (way == ways.end()) way = ways.insert(ways.end(), {next, 0});
+    way->second += bits_in(class_bytes_[byte_class_[b]][0]) + bits_in(class_bytes_[byte_class_[b]][1]);
+  }
+  const auto most = std::max_element(ways.begin(), ways.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  const int32_t to = most->first;
+  if (to < 0 || has_bottom(to)) return -1;
+  const ByteSet& form = plain_char_forms().front().front();
+  size_t excepted = 0;
+  for (uint8_t b : ascii) {
+    if (next_locked(state, b) == to) continue;
+    for (int x = 0; x < 128; ++x)
+      if (byte_class_[size_t(x)] == byte_class_[b] && form.has(uint8_t(x))) except[0 + (x >> 6)] |= uint64_t(1) << (x & 63), ++excepted;
+  }
+  if (excepted > kPlainButMost) return -1;
+  // (each class of each byte on its own way: a grammar may spell a
+  // character's first bytes apart)
+  auto leads_there = [&](auto&& self, const PlainForm& f, size_t i, int32_t s) -> bool {
+    if (i == f.size()) return s == to;
+    for (uint8_t b : f[i]) {
+      const int32_t next = next_locked(s, b);
+      if (next < 0 || has_bottom(next) || !self(self, f, i + 1, next)) return false;
+    }
+    return true;
+  };
+  for (size_t f = 1; f < plain_forms_.size(); ++f)
+    if (!leads_there(leads_there, plain_forms_[f], 0, state)) return -1;
+  return to;
+}
+
+bool CompiledGrammar::plain_but_mask(int32_t state, std::vector<uint64_t>& bits) {
+  if (!reads_many(state)) return false;
+  TokenVocabulary::Bytes except;
+  const int32_t to = plain_but(state, except);
+  if (to < 0 || plain_reach(to) != kFar) return false;
+  const TokenVocabulary& v = *vocab_;
+  v.allow_plain(bits);
+  // The branches of the excepted bytes: every token of theirs walked from
+  // where the byte leads.
+  for (size_t w = 0; w < 2; ++w)
+    for (uint64_t open = except[w]; open; open &= open - 1) {
+      const uint8_t b = uint8_t(w * 64 + size_t(__builtin_ctzll(open)));
+      const uint32_t node = v.branch(b);
+      if (!node) continue;
+      const TokenVocabulary::Node& branch = v.all_.nodes[node];
+      for (uint32_t t = branch.first_token; t < branch.subtree_tokens_end; ++t) clear_bit(bits, v.all_.tokens[t]);
+      const int32_t next = next_locked(state, b);
+      if (next < 0) continue;
+      for (uint32_t t = branch.first_token; t < branch.first_token + branch.tokens; ++t) set_bit(bits, v.all_.tokens[t]);
+      walk_tree(next, bits, nullptr, 0, 0, node);
+    }
+  // The tokens that are not plain, walked from the state.
+  walk_tree(state, bits, nullptr, 0, 0, 0, SIZE_MAX, &v.rest_);
+  return true;
 }
 
 bool CompiledGrammar::has_bottom(int32_t state) const { return states_[size_t(state)].bottom; }
@@ -852,13 +918,16 @@ void CompiledGrammar::read_undecided(int32_t state, const std::vector<int32_t>& 
     if (!has_bit(bits, t) && next_token_locked(state, t) >= 0) set_bit(bits, t);
 }
 
+bool CompiledGrammar::reads_many(int32_t state) const {
+  const std::vector<int32_t>& stacks = states_[size_t(state)].stacks;
+  return std::any_of(stacks.begin(), stacks.end(), [&](int32_t id) {
+    return id != 0 && id != kBottom && term_bytes_[size_t(-2 - elems_[size_t(stacks_[size_t(id)].pos)])] >= kRunMinBytes;
+  });
+}
+
 bool CompiledGrammar::byte_run_mask(int32_t state, std::vector<uint64_t>& bits) {
   using Bytes = TokenVocabulary::Bytes;
-  // (none when no stack reads a set that large)
-  if (std::none_of(states_[size_t(state)].stacks.begin(), states_[size_t(state)].stacks.end(), [&](int32_t id) {
-        return id != 0 && id != kBottom && term_bytes_[size_t(-2 - elems_[size_t(stacks_[size_t(id)].pos)])] >= kRunMinBytes;
-      }))
-    return false;
+  if (!reads_many(state)) return false;
   // The set: the most bytes that lead `state` one way.
   struct Way {
     int32_t next;
@@ -896,17 +965,7 @@ bool CompiledGrammar::byte_run_mask(int32_t state, std::vector<uint64_t>& bits) 
     }
     if (next == -3) return false;
     at.push_back(next);
-    // (one transition per class of the set: uniform_next keeps no more)
-    int32_t all = -2;
-    for (uint8_t b : most->classes) {
-      const int32_t one = next_locked(next, b);
-      if (all != -2 && one != all) {
-        all = -3;
-        break;
-      }
-      all = one;
-    }
-    next = all;
+    next = one_next(next, most->classes);  // (not uniform_next: it keeps no more than one way)
   }
   const auto run = vocab_->byte_run(set, true);
   const TokenVocabulary::Trie& trie = vocab_->all_;
@@ -974,6 +1033,7 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   m->bits.assign(words, 0);
   if (plain != kNotPlain && plain != kFar) {
     walk_tree(state, m->bits, nullptr, 0);
+  } else if (plain == kNotPlain && plain_but_mask(state, m->bits)) {
   } else if (plain == kNotPlain && byte_run_mask(state, m->bits)) {
   } else if (same && longer * kShapeLongTokens <= v.size()) {
     m->bits = same->mask->bits;
@@ -983,7 +1043,7 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
       clear_bit(m->bits, t);
     }
     walk_tree(state, m->bits, nullptr, 0, common);
-  } else if (!walk_tree(state, m->bits, nullptr, 0, 0, 0, v.trie_nodes() / kDirectWalkShare)) {
+  } else if (!direct_walk_share_ || !walk_tree(state, m->bits, nullptr, 0, 0, 0, v.trie_nodes() / direct_walk_share_)) {
     std::fill(m->bits.begin(), m->bits.end(), 0);
     frame_mask(state, m->bits);
   }

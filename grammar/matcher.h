@@ -110,6 +110,9 @@ class TokenVocabulary {
 
  private:
   std::shared_ptr<const ByteRun> make_byte_run(const Bytes& set) const;
+  // all_'s node of the tokens that begin with `byte` (0: none do).
+  uint32_t branch(uint8_t byte) const { return branch_[byte]; }
+  std::array<uint32_t, 256> branch_{};
   mutable std::mutex runs_mutex_;
   mutable std::vector<std::shared_ptr<const ByteRun>> runs_;
   friend class CompiledGrammar;
@@ -205,7 +208,10 @@ constexpr size_t kShapeLongTokens = 4;
 class CompiledGrammar {
  public:
   // Throws GrammarError (g.check()).
-  CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocabulary> vocabulary);
+  // `direct_walk_share`: kDirectWalkShare, or 0 for frames wherever none
+  // of the other ways applies (the tests of frames).
+  CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVocabulary> vocabulary,
+                  size_t direct_walk_share = kDirectWalkShare);
 
   const TokenVocabulary& vocabulary() const { return *vocab_; }
   int start() const { return start_; }  // the state before any byte
@@ -269,8 +275,11 @@ class CompiledGrammar {
   // Branches no deeper than `skip_depth` are not walked. With a `root`
   // (of vocab_->all_, and no `below`), only the tokens under it, `state`
   // being the state after its bytes (and no plain run taken at once).
+  // It gives up (false) past `max_visits` nodes. A `trie` given is walked
+  // as it is (no plain run taken at once).
   bool walk_tree(int32_t state, std::vector<uint64_t>& reached, std::vector<uint64_t>* below, size_t undecided_limit,
-                 int skip_depth = 0, uint32_t root = 0, size_t max_visits = SIZE_MAX);
+                 int skip_depth = 0, uint32_t root = 0, size_t max_visits = SIZE_MAX,
+                 const TokenVocabulary::Trie* trie = nullptr);
   // Bounded repetitions (kShapeLongTokens): each link's elems_ positions
   // mapped to the first link's with the same body, and how far a stack
   // standing there reads like any other link (k - 1 bytes).
@@ -298,6 +307,9 @@ class CompiledGrammar {
   // more than kRunReadLimit tokens would be read one by one. (A set no term
   // of the grammar is, a union of some, has its ByteRun made here.)
   bool byte_run_mask(int32_t state, std::vector<uint64_t>& bits);
+  // Whether a stack of the state reads a byte set of kRunMinBytes or more
+  // (else neither a run of one class nor of plain characters but a few).
+  bool reads_many(int32_t state) const;
   static constexpr int kRunMinBytes = 16;
   static constexpr size_t kRunReadLimit = 2048;
   std::vector<int> term_bytes_;                       // per term: how many bytes it has
@@ -323,6 +335,19 @@ class CompiledGrammar {
   static constexpr int32_t kPlainParted = -3, kPlainNone = -4, kPlainOne = -5;
   int32_t plain_step(int32_t state);
   int32_t plain_step_checked(int32_t state);
+  // The one state every byte of a position (one byte of each class) leads
+  // `from` to; -1 when all die, -3 when they part or some die.
+  int32_t one_next(int32_t from, const std::vector<uint8_t>& classes);
+  // A state where every plain character but a few ASCII ones (at most
+  // kPlainButMost: a key that must not be a declared property's name)
+  // leads to one state (however the character's bytes are spelled in the
+  // grammar) that reads plain characters on without end: its
+  // plain tokens at once but those beginning with an excepted byte, whose
+  // branches are walked, and its other tokens walked; false (bits
+  // untouched) when it is no such state.
+  int32_t plain_but(int32_t state, TokenVocabulary::Bytes& except);
+  bool plain_but_mask(int32_t state, std::vector<uint64_t>& bits);
+  static constexpr size_t kPlainButMost = 8;
   static constexpr int32_t kCharBytes = 4;  // the most bytes of one character
   struct UniformRun {
     int depth = -1;  // -1: not one way
@@ -337,6 +362,7 @@ class CompiledGrammar {
   void read_undecided(int32_t state, const std::vector<int32_t>& undecided, std::vector<uint64_t>& bits);
 
   std::shared_ptr<const TokenVocabulary> vocab_;
+  size_t direct_walk_share_;
   // The rules flattened: each alternative's symbols then kEnd; a symbol >= 0
   // is a rule, <= -2 the byte set terms_[-symbol - 2].
   std::vector<int32_t> elems_;

@@ -15,6 +15,7 @@
 #include "grammar/gbnf.h"
 #include "grammar/grammar.h"
 #include "grammar/json_grammar.h"
+#include "grammar/json_schema.h"
 #include "grammar/grammar_texts.h"
 #include "grammar/matcher.h"
 #include "support/test_paths.h"
@@ -157,8 +158,8 @@ TEST(Grammar, StatesAgreeWithTheNaiveRecognizer) {
 // bytes the naive recognizer lets follow the text, plus the end tokens where
 // the text is whole; special tokens never.
 void expect_masks_match(const Grammar& g, const std::shared_ptr<const TokenVocabulary>& v,
-                        const std::vector<std::string>& texts) {
-  CompiledGrammar c(g, v);
+                        const std::vector<std::string>& texts, size_t direct_walk_share = kDirectWalkShare) {
+  CompiledGrammar c(g, v, direct_walk_share);
   for (const std::string& text : texts) {
     int state = c.start();
     for (char ch : text) state = c.next(state, uint8_t(ch));
@@ -204,16 +205,18 @@ TEST(Grammar, JsonMasksOverTheLlama3Vocabulary) {
   const auto v = gpu::grammar_vocabulary(t, {eot});
   ASSERT_GT(v->size(), 128000u);
   // The naive check over all 128k tokens is slow: a few states only.
-  // A deep string: its frame leaves the tokens that close it and go on ("},
+  // A deep string: its frame (frames wherever no other way applies: no
+  // short walks of the state itself) leaves the tokens that close it and go on ("},
   // "]) undecided, and they are walked from the state itself.
-  expect_masks_match(json_object_grammar(), v, {"{\"k\": ", "{}", "{\"a\": [{\"b\": {\"c\": \"x"});
+  expect_masks_match(json_object_grammar(), v, {"{\"k\": ", "{}", "{\"a\": [{\"b\": {\"c\": \"x"}, 0);
 }
 
 // A run of bytes that leads one way (here a bounded [ab]{2,5}) is marked
 // without stepping down the prefix tree; inside a frame (the stack cut
 // over a bottom marker) the tokens that outrun it may still be read past
 // the bottom (here by the root's [ab]*), and must be read from the state
-// itself. Ten nested optional continuations put every frame's bottom under
+// itself (frames wherever no other way applies: no short walks of the
+// state itself). Ten nested optional continuations put every frame's bottom under
 // the run; a vocabulary of every a/b string up to 6 bytes (a node with 62
 // tokens below) and 1,000 tokens the grammar never reads.
 TEST(Grammar, TokensThatOutrunABoundedRunInsideAFrameAreReadFromTheState) {
@@ -229,13 +232,14 @@ TEST(Grammar, TokensThatOutrunABoundedRunInsideAFrameAreReadFromTheState) {
     }
   for (int i = 0; i < 1000; ++i) bytes.push_back("#" + std::to_string(i));
   const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
-  expect_masks_match(gbnf_grammar(gbnf), v, {"", "a", "ab", "aba", "abab", "ababa", "ababab", "ab9", "ab90", "abab43210", "abab43210ab"});
+  expect_masks_match(gbnf_grammar(gbnf), v, {"", "a", "ab", "aba", "abab", "ababa", "ababab", "ab9", "ab90", "abab43210", "abab43210ab"}, 0);
 }
 
 // A bounded repetition has a state per count left, and a state's mask is
 // taken from one of the same shape further from its bound for the tokens
 // too short to reach it (matcher.h, kShapeLongTokens): here strings of at
-// most 12 characters, one or two bytes each, in a list of at most 4, so the
+// most 12 characters, one or two bytes each (a class of 5 letters: too few
+// for a ByteRun), in a list of at most 4, so the
 // links of two chains nest. Tokens: runs of each character up to 16 bytes,
 // with and without the closing quote and what follows it, and 1,000 the
 // grammar never reads (so the long ones are few enough to walk). Each text
@@ -243,7 +247,7 @@ TEST(Grammar, TokensThatOutrunABoundedRunInsideAFrameAreReadFromTheState) {
 TEST(Grammar, MasksInsideBoundedRepetitionsAreTheNaiveRecognizers) {
   const std::string gbnf = "root ::= \"[\" item (\",\" item){0,3} \"]\"\n"
                            "item ::= \"\\\"\" c{0,12} \"\\\"\"\n"
-                           "c ::= [a-z] | \"\xc3\xa9\"\n";
+                           "c ::= [a-e] | \"\xc3\xa9\"\n";
   std::vector<std::string> bytes = {"<end>"};
   for (const std::string unit : {"a", "b", "\xc3\xa9", "ab"})
     for (int n = 1; unit.size() * size_t(n) <= 16; ++n) {
@@ -416,6 +420,18 @@ TEST(Grammar, MasksWherePlainRunsAreReadAreTheNaiveRecognizers) {
   }
 }
 
+// An object whose other keys are any string but its declared property's
+// name: where a key begins, every plain character but 'n' leads into a
+// string read to its end, so the plain tokens are taken at once but those
+// that begin with 'n', whose branch is walked (matcher.h plain_but).
+TEST(Grammar, MasksOfAKeyThatMustNotBeANameAreTheNaiveRecognizers) {
+  const auto v = plain_test_vocabulary();
+  const Grammar g = json_schema_grammar(nlohmann::json::parse(
+      R"({"type": "object", "properties": {"name": {"type": "string"}}, "additionalProperties": {"type": "integer"}})"));
+  expect_masks_match(g, v, {"{\"", "{\"n", "{\"na", "{\"name", "{\"name\"", "{\"name\": \"x\", \"", "{\"name\": \"x\", \"n",
+                            "{\"name\": \"x\", \"nam", "{\"name\": \"x\", \"b", "{\"name\": \"x\", \"ab\u00e9"});
+}
+
 // A frame (stacks cut to their top over a bottom marker) that leaves more
 // than a kFrameFallback-th of the vocabulary undecided is not used: here a
 // string nested under ten optional continuations and followed by any
@@ -434,7 +450,7 @@ TEST(Grammar, FramesThatDecideTooLittleAreNotUsed) {
     bytes.push_back(std::string("x\"") + a);
   }
   const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
-  expect_masks_match(gbnf_grammar(gbnf), v, {"\"", "\"ab", "\"ab\"", "\"ab\"9"});
+  expect_masks_match(gbnf_grammar(gbnf), v, {"\"", "\"ab", "\"ab\"", "\"ab\"9"}, 0);
 }
 
 // Each stack's own frame, where the stacks cut together leave too many
@@ -452,7 +468,7 @@ TEST(Grammar, AStateWhoseStacksTogetherDecideTooLittleTakesEachStacksFrame) {
   for (int i = 0; i < 1000; ++i) bytes.push_back("#" + std::to_string(i));
   const auto v = std::make_shared<TokenVocabulary>(bytes, std::vector<bool>(bytes.size(), false), std::vector<int>{0});
   ASSERT_EQ(v->size(), 1201u);
-  expect_masks_match(gbnf_grammar(gbnf), v, {"<", "<p", "<q8"});
+  expect_masks_match(gbnf_grammar(gbnf), v, {"<", "<p", "<q8"}, 0);
 }
 
 // Walks of random tokens under json_object's masks: every text that reaches
