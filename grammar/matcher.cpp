@@ -690,13 +690,20 @@ int32_t CompiledGrammar::plain_step_checked(int32_t state) {
     return kPlainNone;
   }
   // Every byte of every form into that state, through states with no bottom.
-  for (const PlainForm& f : plain_forms_) {
-    int32_t s = state;
-    for (const std::vector<uint8_t>& classes : f)
-      if ((s = one_next(s, classes)) < 0 || has_bottom(s)) return kPlainParted;
-    if (s != one) return kPlainParted;
-  }
+  for (const PlainForm& f : plain_forms_)
+    if (!form_leads(f, 0, state, one)) return kPlainParted;
   return one;
+}
+
+// Each class of each byte on its own way: a grammar may spell a character's
+// first bytes apart (GBNF's and regular expressions' classes do).
+bool CompiledGrammar::form_leads(const PlainForm& f, size_t i, int32_t from, int32_t to) {
+  if (i == f.size()) return from == to;
+  for (uint8_t b : f[i]) {
+    const int32_t next = next_locked(from, b);
+    if (next < 0 || has_bottom(next) || !form_leads(f, i + 1, next, to)) return false;
+  }
+  return true;
 }
 
 int32_t CompiledGrammar::plain_reach(int32_t state) {
@@ -747,18 +754,8 @@ int32_t CompiledGrammar::plain_but(int32_t state, TokenVocabulary::Bytes& except
       if (byte_class_[size_t(x)] == byte_class_[b] && form.has(uint8_t(x))) except[0 + (x >> 6)] |= uint64_t(1) << (x & 63), ++excepted;
   }
   if (excepted > kPlainButMost) return -1;
-  // (each class of each byte on its own way: a grammar may spell a
-  // character's first bytes apart)
-  auto leads_there = [&](auto&& self, const PlainForm& f, size_t i, int32_t s) -> bool {
-    if (i == f.size()) return s == to;
-    for (uint8_t b : f[i]) {
-      const int32_t next = next_locked(s, b);
-      if (next < 0 || has_bottom(next) || !self(self, f, i + 1, next)) return false;
-    }
-    return true;
-  };
   for (size_t f = 1; f < plain_forms_.size(); ++f)
-    if (!leads_there(leads_there, plain_forms_[f], 0, state)) return -1;
+    if (!form_leads(plain_forms_[f], 0, state, to)) return -1;
   return to;
 }
 

@@ -228,6 +228,7 @@ class CompiledGrammar {
   size_t states() const;
 
  private:
+  using PlainForm = std::vector<std::vector<uint8_t>>;  // plain_forms_'s
   struct Stack {
     int32_t pos;     // index into elems_: the symbol to read next
     int32_t parent;  // the stack below (0: the empty stack)
@@ -335,6 +336,9 @@ class CompiledGrammar {
   static constexpr int32_t kPlainParted = -3, kPlainNone = -4, kPlainOne = -5;
   int32_t plain_step(int32_t state);
   int32_t plain_step_checked(int32_t state);
+  // Whether every byte sequence of a form, from its position `i` on, leads
+  // `from` to `to` through states with no bottom.
+  bool form_leads(const PlainForm& f, size_t i, int32_t from, int32_t to);
   // The one state every byte of a position (one byte of each class) leads
   // `from` to; -1 when all die, -3 when they part or some die.
   int32_t one_next(int32_t from, const std::vector<uint8_t>& classes);
@@ -378,7 +382,6 @@ class CompiledGrammar {
   // code_points.h's plain character forms as this grammar reads them: per
   // form, per byte position, one byte of each class its set holds (the
   // first of each, in byte order).
-  using PlainForm = std::vector<std::vector<uint8_t>>;
   std::vector<PlainForm> plain_forms_;
 
   mutable std::mutex mutex_;

@@ -430,6 +430,14 @@ TEST(Grammar, MasksOfAKeyThatMustNotBeANameAreTheNaiveRecognizers) {
       R"({"type": "object", "properties": {"name": {"type": "string"}}, "additionalProperties": {"type": "integer"}})"));
   expect_masks_match(g, v, {"{\"", "{\"n", "{\"na", "{\"name", "{\"name\"", "{\"name\": \"x\", \"", "{\"name\": \"x\", \"n",
                             "{\"name\": \"x\", \"nam", "{\"name\": \"x\", \"b", "{\"name\": \"x\", \"ab\u00e9"});
+  // Where the excepted byte's way refuses most plain tokens ("z" then only
+  // "o": "za", "zebra" are refused though plain).
+  const std::string gbnf = "root ::= \"\\\"\" ([^z\"\\\\\\x00-\\x1f] [^\"\\\\\\x00-\\x1f]* | \"zo\") \"\\\"\"\n";
+  expect_masks_match(gbnf_grammar(gbnf), v, {"\"", "\"z", "\"a"});
+  // And where it is a character of two bytes ("\xc3\xa9" then only "o"):
+  // no state of plain characters but a few ASCII ones.
+  const std::string two = "root ::= \"\\\"\" ([^\xc3\xa9\"\\\\\\x00-\\x1f] [^\"\\\\\\x00-\\x1f]* | \"\xc3\xa9o\") \"\\\"\"\n";
+  expect_masks_match(gbnf_grammar(two), v, {"\"", "\"\xc3\xa9", "\"a"});
 }
 
 // A frame (stacks cut to their top over a bottom marker) that leaves more
