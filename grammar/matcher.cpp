@@ -15,7 +15,6 @@ namespace {
 // Token t's bit in a mask's words.
 void set_bit(std::vector<uint64_t>& bits, int32_t t) { bits[size_t(t) >> 6] |= uint64_t(1) << (t & 63); }
 void clear_bit(std::vector<uint64_t>& bits, int32_t t) { bits[size_t(t) >> 6] &= ~(uint64_t(1) << (t & 63)); }
-bool has_bit(const std::vector<uint64_t>& bits, int32_t t) { return (bits[size_t(t) >> 6] >> (t & 63)) & 1; }
 
 // The set bits of a word (the library is built for any x86-64, where
 // __builtin_popcountll is a call into libgcc).
@@ -912,7 +911,7 @@ void CompiledGrammar::frame_mask(int32_t state, std::vector<uint64_t>& bits) {
 
 void CompiledGrammar::read_undecided(int32_t state, const std::vector<int32_t>& undecided, std::vector<uint64_t>& bits) {
   for (int32_t t : undecided)
-    if (!has_bit(bits, t) && next_token_locked(state, t) >= 0) set_bit(bits, t);
+    if (!has_token(bits, t) && next_token_locked(state, t) >= 0) set_bit(bits, t);
 }
 
 bool CompiledGrammar::reads_many(int32_t state) const {

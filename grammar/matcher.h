@@ -146,12 +146,15 @@ class TokenVocabulary {
   int max_plain_chars_ = 0;
 };
 
+// Whether bit `token` of a set of tokens as bits is set.
+inline bool has_token(const std::vector<uint64_t>& bits, int token) { return (bits[size_t(token) >> 6] >> (token & 63)) & 1; }
+
 // Which tokens a state allows.
 struct TokenMask {
   std::vector<uint64_t> bits;  // bit i: token i allowed
   size_t allowed = 0;          // how many
   bool only_end = false;       // nothing but end tokens (the grammar is complete)
-  bool allows(int token) const { return (bits[size_t(token) >> 6] >> (token & 63)) & 1; }
+  bool allows(int token) const { return has_token(bits, token); }
   // Every token it does not allow gets -infinity.
   void apply(float* logits, int vocab) const;
 };
