@@ -1003,14 +1003,16 @@ bool CompiledGrammar::byte_run_mask(int32_t state, std::vector<uint64_t>& bits) 
   return true;
 }
 
-// The first way that applies: a state that reads a bounded run of plain
+// The first way that applies: a state of a bounded repetition takes the
+// tokens of one of its shape further from the bound (kShapeLongTokens) and
+// walks the longer ones; a state that reads a bounded run of plain
 // characters (a string with a maxLength) walks the tree itself, its plain
 // tokens taken at once (a frame would be no help: a cut through a chain's
-// links is a frame of its own at every count); one that reads a run of one
-// byte class takes its ByteRun's groups (byte_run_mask); a state of a
-// bounded repetition takes the tokens of one of its shape further from the
-// bound (kShapeLongTokens) and walks the longer ones; any other walks the
-// tree itself if that is short (kDirectWalkShare), else takes its frames'.
+// links is a frame of its own at every count); one that reads plain
+// characters but a few into an endless run takes them at once too
+// (plain_but_mask); one that reads a run of one byte class takes its
+// ByteRun's groups (byte_run_mask); any other walks the tree itself if that
+// is short (kDirectWalkShare), else takes its frames'.
 std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   const TokenVocabulary& v = *vocab_;
   auto m = std::make_shared<TokenMask>();
@@ -1027,11 +1029,7 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
   const size_t longer = same ? v.longer_than(size_t(common)) : 0;
   const int32_t plain = plain_reach(state);
   m->bits.assign(words, 0);
-  if (plain != kNotPlain && plain != kFar) {
-    walk_tree(state, m->bits, nullptr, 0);
-  } else if (plain == kNotPlain && plain_but_mask(state, m->bits)) {
-  } else if (plain == kNotPlain && byte_run_mask(state, m->bits)) {
-  } else if (same && longer * kShapeLongTokens <= v.size()) {
+  if (same && longer * kShapeLongTokens <= v.size()) {
     m->bits = same->mask->bits;
     for (int t : v.end_tokens()) clear_bit(m->bits, t);
     for (size_t i = 0; i < longer; ++i) {
@@ -1039,6 +1037,10 @@ std::shared_ptr<const TokenMask> CompiledGrammar::compute_mask(int32_t state) {
       clear_bit(m->bits, t);
     }
     walk_tree(state, m->bits, nullptr, 0, common);
+  } else if (plain != kNotPlain && plain != kFar) {
+    walk_tree(state, m->bits, nullptr, 0);
+  } else if (plain == kNotPlain && plain_but_mask(state, m->bits)) {
+  } else if (plain == kNotPlain && byte_run_mask(state, m->bits)) {
   } else if (!direct_walk_share_ || !walk_tree(state, m->bits, nullptr, 0, 0, 0, v.trie_nodes() / direct_walk_share_)) {
     std::fill(m->bits.begin(), m->bits.end(), 0);
     frame_mask(state, m->bits);
