@@ -750,7 +750,10 @@ int32_t CompiledGrammar::plain_but(int32_t state, TokenVocabulary::Bytes& except
   for (uint8_t b : ascii) {
     if (next_locked(state, b) == to) continue;
     for (int x = 0; x < 128; ++x)
-      if (byte_class_[size_t(x)] == byte_class_[b] && form.has(uint8_t(x))) except[0 + (x >> 6)] |= uint64_t(1) << (x & 63), ++excepted;
+      if (byte_class_[size_t(x)] == byte_class_[b] && form.has(uint8_t(x))) {
+        except[size_t(x) >> 6] |= uint64_t(1) << (x & 63);
+        ++excepted;
+      }
   }
   if (excepted > kPlainButMost) return -1;
   for (size_t f = 1; f < plain_forms_.size(); ++f)
