@@ -307,8 +307,9 @@ class CompiledGrammar {
   int32_t uniform_next(int32_t state, const TokenVocabulary::Bytes& bytes);
   // A state whose most bytes lead one way reads a run of them (ByteRun):
   // its tokens into `bits` from the run's groups; false (bits untouched)
-  // when those bytes are fewer than kRunMinBytes or not all ASCII, or when
-  // more than kRunReadLimit tokens would be read one by one. (A set no term
+  // when those bytes are fewer than kRunMinBytes or not all ASCII, when
+  // they part within kRunDepth bytes, or when more than kRunReadLimit
+  // tokens would be read one by one. (A set no term
   // of the grammar is, a union of some, has its ByteRun made here.)
   bool byte_run_mask(int32_t state, std::vector<uint64_t>& bits);
   // Whether a stack of the state reads a byte set of kRunMinBytes or more

@@ -270,7 +270,8 @@ TEST(Grammar, MasksInsideBoundedRepetitionsAreTheNaiveRecognizers) {
 // the tokens of its bytes alone by length and the others by the state
 // before their first byte outside the class: here a loop ("1"), a bounded
 // run that dies at its bound or is followed only 16 bytes deep ("2"), one
-// whose bytes part after two ("3": 'a' and 'b' go elsewhere), and an
+// whose bytes part after two ("3": 'a' and 'b' go elsewhere; no run, the
+// state's other ways), and an
 // email-like run whose '.' and '@' lead on ("4"). Tokens: runs of 'a' up to
 // 70 bytes (past kRunDepth and kRunGroups), with '.', '@x', '>' and a space
 // after them, every printable byte, and 1,000 the grammar never reads.
