@@ -96,8 +96,8 @@ class WeightArena {
 // (pack_quantized).
 class LayerMatrices {
  public:
-  // Rows a quantized matrix is packed in at a time: whole tiles of the CPU's
-  // layout (16 rows), and of any backend's that keeps the file's rows.
+  // Rows a matrix is packed in at a time: whole tiles and panels of the
+  // CPU's layouts (16 rows), and of any backend's that keeps the file's rows.
   static constexpr int kPackSliceRows = 1024;
 
   LayerMatrices(Backend& backend, WeightArena& arena, const std::vector<Matrix>& per_layer, int n, int k)
@@ -112,29 +112,30 @@ class LayerMatrices {
 
   // Packs every layer's matrix at its place in `arena` (backend memory). The
   // file's pages leave memory once packed (Checkpoint::release), so a model
-  // is resident once, in the engine's layout.
+  // is resident once, in the engine's layout: in slices of whole tiles or
+  // panels, each slice's file pages released once copied, so the load holds
+  // one slice of the file beside the copy (a 128,256-row classifier is a
+  // fifth of a 1B model, F16 or Q4_0).
   void pack(Backend& backend, const Checkpoint& checkpoint, uint8_t* arena) const {
     for (const Layer& L : layers_) {
       const Matrix& m = L.source;
       uint8_t* dst = arena + L.offset;
-      if (m.type == WeightType::f32) {
-        backend.pack_matrix(m.f32(), reinterpret_cast<float*>(dst), n_, k_);
-      } else if (is_float16(m.type)) {
-        backend.pack_matrix16(static_cast<const uint16_t*>(m.data), reinterpret_cast<uint16_t*>(dst), n_, k_);
-      } else {
-        // In slices of whole tiles, each slice's file pages released once
-        // copied, so the load holds one slice of the file beside the copy
-        // (a 128,256-row classifier is a fifth of a Q4_0 1B model).
-        const size_t row = row_bytes(m.type, k_);
-        for (int r = 0; r < n_; r += kPackSliceRows) {
-          const int rows = std::min(kPackSliceRows, n_ - r);
-          const auto* src = static_cast<const uint8_t*>(m.data) + size_t(r) * row;
+      const size_t row = row_bytes(m.type, k_);
+      for (int r = 0; r < n_; r += kPackSliceRows) {
+        const int rows = std::min(kPackSliceRows, n_ - r);
+        const auto* src = static_cast<const uint8_t*>(m.data) + size_t(r) * row;
+        if (m.type == WeightType::f32)
+          backend.pack_matrix(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(dst) + backend.packed_floats(r, k_),
+                              rows, k_);
+        else if (is_float16(m.type))
+          backend.pack_matrix16(reinterpret_cast<const uint16_t*>(src),
+                                reinterpret_cast<uint16_t*>(dst) + backend.packed_floats(r, k_), rows, k_);
+        else
           backend.pack_quantized(m.type, src, dst + backend.quantized_bytes(m.type, r, k_), rows, k_);
-          checkpoint.release(src, size_t(rows) * row);  // the slice's pages, once copied
-        }
+        checkpoint.release(src, size_t(rows) * row);  // the slice's pages, once copied
       }
     }
-    release(checkpoint);  // (quantized: the pages the slices' edges shared)
+    release(checkpoint);  // (the pages the slices' edges shared)
   }
 
   // The file's pages of every layer leave memory (packed, or read from a cache).

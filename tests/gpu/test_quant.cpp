@@ -581,6 +581,42 @@ void KQuantModel::expect_prefill_equals_stepwise_and_batched_decode(std::shared_
   EXPECT_EQ(std::memcmp(logits.data(), prefilled.logits.data(), logits.size() * sizeof(float)), 0);
 }
 
+// A matrix is packed a slice of 1,024 rows at a time, the file's pages of
+// each let go once copied (engine.cpp LayerMatrices::pack): a classifier of
+// 1,300 rows whose rows from 1,024 on repeat rows 0..275 gives a token and
+// its twin in the other slice the same logit, bit for bit, in every float
+// type and Q8_0 (the last slice ends inside a panel of 16 rows).
+class TwinClassifierRows : public WeightSource {
+ public:
+  explicit TwinClassifierRows(std::unique_ptr<WeightSource> inner) : inner_(std::move(inner)) {}
+  const ModelConfig& config() const override { return inner_->config(); }
+  void row(Tensor t, int layer, int64_t row, float* out) const override {
+    inner_->row(t, layer, t == Tensor::wcls && row >= kSlice ? row - kSlice : row, out);
+  }
+  static constexpr int64_t kSlice = 1024;
+
+ private:
+  std::unique_ptr<WeightSource> inner_;
+};
+
+TEST(QuantModels, AClassifierPackedInSlicesKeepsEachRowInItsPlace) {
+  const ModelConfig config{64, 96, 1, 4, 2, 1300, 32, false};
+  const std::string dir = test::make_temp_dir("twin-rows");
+  for (FileType type : {FileType::f32, FileType::f16, FileType::bf16, FileType::q8_0}) {
+    SCOPED_TRACE(to_string(type));
+    const std::string path = dir + "/" + to_string(type) + ".gguf";
+    write_gguf(TwinClassifierRows(random_weights(config, 3)), byte_vocabulary(config.vocab_size), "twins", path, type);
+    Engine engine(Checkpoint::open(path));
+    const std::vector<float> logits = engine.prefill({1, 5, 9}).logits;
+    ASSERT_EQ(logits.size(), size_t(config.vocab_size));
+    size_t differ = 0;
+    for (int r = int(TwinClassifierRows::kSlice); r < config.vocab_size; ++r)
+      differ += std::memcmp(&logits[size_t(r)], &logits[size_t(r - TwinClassifierRows::kSlice)], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0u);
+    EXPECT_NE(logits[0], logits[1]);  // (rows drawn apart: the twins' equality says something)
+  }
+}
+
 TEST_F(KQuantModel, GreedyTokensFollowTheF32Model) {
   Engine a(f32_), b(q4km_);
   size_t agreed = 0, total = 0;
