@@ -229,9 +229,12 @@ struct Engine::Impl {
         hb2(*backend), logits(*backend), prefill_kv(*backend), tokens(*backend), positions(*backend),
         tables(*backend), weight_memory(*backend) {
     place_matrices(options);
-    // The embedding table: f32 rows copied; other types' rows placed as stored.
+    // The embedding table: rows placed as stored (in a host backend's memory:
+    // the file's own pages, read as tokens ask for them, beside the
+    // classifier packed from the same matrix when it is shared); f32 rows
+    // copied into a device's memory.
     const Matrix& table = weights().token_embedding;
-    if (embedding_type == WeightType::f32) {
+    if (embedding_type == WeightType::f32 && !backend->host_memory()) {
       token_embedding.upload(table.f32(), vocab * dim);
       checkpoint->release(table.data, vocab * dim * sizeof(float));
     } else {
@@ -366,13 +369,14 @@ struct Engine::Impl {
   size_t dim, kv_dim, q_dim, head, hidden, layers, vocab;  // head: floats per head (head_size)
 
   // Weights, all layers per tensor. Vectors row-major; the embedding table
-  // as f32 rows (token_embedding) or Q8_0 rows (token_rows); matrices per
+  // as f32 rows copied to a device (token_embedding) or its rows as stored
+  // (token_rows, any type); matrices per
   // layer in the backend's form (LayerMatrices). wcls is the classifier, the
   // embedding table's matrix when shared.
   WeightType embedding_type;
-  DeviceArray<float> token_embedding;   // (vocab, dim), f32
-  DeviceArray<uint8_t> token_blocks;    // quantized, on a device backend
-  const void* token_rows = nullptr;     // quantized: the table's rows (device pointer)
+  DeviceArray<float> token_embedding;   // (vocab, dim), f32 on a device backend
+  DeviceArray<uint8_t> token_blocks;    // other types, on a device backend
+  const void* token_rows = nullptr;     // the table's rows as stored (device pointer); null: token_embedding
   DeviceArray<float> rms_att;           // (layers, dim)
   WeightArena arena;                    // where the matrices below go (place_matrices)
   LayerMatrices wq, wk, wv, wo;         // (q_dim, dim), (kv_dim, dim) x2, (dim, q_dim)
@@ -454,8 +458,8 @@ void Engine::Impl::forward(const std::vector<int>& host_tokens, const std::vecto
   float* hb2_ = hb2.ensure(size_t(rows) * hidden);
   const int* pos_ = positions.get();
 
-  if (embedding_type == WeightType::f32) b.embedding(token_embedding.get(), tokens.get(), x_, rows, n_dim);
-  else b.embedding_quantized(embedding_type, token_rows, tokens.get(), x_, rows, n_dim);
+  if (token_rows) b.embedding_quantized(embedding_type, token_rows, tokens.get(), x_, rows, n_dim);
+  else b.embedding(token_embedding.get(), tokens.get(), x_, rows, n_dim);
 
   for (size_t l = 0; l < layers; ++l) {
     // attention block
