@@ -838,15 +838,16 @@ size_t resident_bytes_of_mapping(const std::string& path) {
   return kb * 1024;
 }
 
-// The quantized matrices are copied into the kernels' tiles and the file's
+// The matrices are copied into the kernels' tiles or panels and the file's
 // pages released as they go: after the load, the process holds (almost)
-// none of the file, so the model is resident once (not as file + tiles).
-// (That it holds one slice at a time while loading, not a whole matrix, is
-// measured by bench_compute --model: peak_rss_over_file.)
+// none of the file, so the model is resident once (not as file + copy; the
+// embedding's rows are read from the file as tokens ask for them). (That it
+// holds one slice at a time while loading, not a whole matrix, is measured
+// by bench_compute --model: peak_rss_over_file.)
 TEST(QuantModelMemory, ALoadedModelKeepsNoneOfItsFilesPages) {
   const ModelConfig config{256, 1024, 4, 4, 4, 8192, 128, true};
   const std::string dir = test::make_temp_dir("quant-memory");
-  for (const FileType type : {FileType::q4_0, FileType::q8_0, FileType::q4_k_m}) {
+  for (const FileType type : {FileType::q4_0, FileType::q8_0, FileType::q4_k_m, FileType::f16, FileType::f32}) {
     SCOPED_TRACE(to_string(type));
     const std::string path = dir + "/" + to_string(type) + ".gguf";
     write_gguf(*random_weights(config, 5), byte_vocabulary(8192), "m", path, type);
