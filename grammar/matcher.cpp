@@ -927,25 +927,15 @@ bool CompiledGrammar::reads_many(int32_t state) const {
 bool CompiledGrammar::byte_run_mask(int32_t state, std::vector<uint64_t>& bits) {
   using Bytes = TokenVocabulary::Bytes;
   if (!reads_many(state)) return false;
-  // The set: the most bytes that lead `state` one way.
-  struct Way {
-    int32_t next;
-    Bytes bytes;
-    std::vector<uint8_t> classes;  // one byte of each
-  };
-  std::vector<Way> ways;
-  for (size_t c = 0; c < classes_; ++c) {
-    const int32_t next = next_locked(state, class_byte_[c]);
-    if (next < 0) continue;
-    auto way = std::find_if(ways.begin(), ways.end(), [&](const Way& w) { return w.next == next; });
-    if (way == ways.end()) way = ways.insert(ways.end(), Way{next, Bytes{}, {}});
-    for (size_t w = 0; w < 4; ++w) way->bytes[w] |= class_bytes_[c][w];
-    way->classes.push_back(class_byte_[c]);
-  }
+  // The set: the most bytes that lead `state` one way (every byte asked,
+  // so the state's Uniform holds them all by where they lead).
+  const Bytes every = {~uint64_t(0), ~uint64_t(0), ~uint64_t(0), ~uint64_t(0)};
+  uniform_next(state, every);
   auto count = [](const Bytes& b) { return bits_in(b[0]) + bits_in(b[1]) + bits_in(b[2]) + bits_in(b[3]); };
-  auto most = std::max_element(ways.begin(), ways.end(), [&](const Way& a, const Way& b) { return count(a.bytes) < count(b.bytes); });
-  if (most == ways.end() || count(most->bytes) < size_t(kRunMinBytes)) return false;
-  const Bytes set = most->bytes;
+  const auto& ways = states_[size_t(state)].uniform->ways;
+  const auto most = std::max_element(ways.begin(), ways.end(), [&](const auto& a, const auto& b) { return count(a.second) < count(b.second); });
+  if (most == ways.end() || count(most->second) < size_t(kRunMinBytes)) return false;
+  const auto [first, set] = *most;
   if (set[2] || set[3]) return false;  // (ASCII: a UTF-8 byte leads on to a byte of another set)
   // at[j]: the state after j bytes of the set. The run ends in a loop
   // (every later byte of the set too), where the set dies, or at kRunDepth
@@ -953,7 +943,7 @@ bool CompiledGrammar::byte_run_mask(int32_t state, std::vector<uint64_t>& bits) 
   // part sooner, no run.
   std::vector<int32_t> at = {state};
   enum { kOpen, kLoops, kDies } end = kOpen;
-  for (int32_t next = most->next; int(at.size()) <= TokenVocabulary::kRunDepth;) {
+  for (int32_t next = first; int(at.size()) <= TokenVocabulary::kRunDepth;) {
     if (next == at.back()) {
       end = kLoops;
       break;
@@ -964,7 +954,7 @@ bool CompiledGrammar::byte_run_mask(int32_t state, std::vector<uint64_t>& bits) 
     }
     if (next == -3) return false;
     at.push_back(next);
-    next = one_next(next, most->classes);  // (not uniform_next: it keeps no more than one way)
+    next = uniform_next(next, set);
   }
   const auto run = vocab_->byte_run(set, true);
   const TokenVocabulary::Trie& trie = vocab_->all_;
