@@ -355,17 +355,18 @@ void ksource_rows_upto(int rows, Source& src, int blocks, const float* d, const 
 // and shifts are constants of the unrolled code, and a scale's products are
 // summed in int16 and scaled by one vpmaddwd (no vpmulld, no widening of
 // each group).
+//
+// kdecode_block adds superblock b of the H halves `src` read (src[0] the
+// tile's first: it fetches the next superblock's lines) to acc.
 template <WeightType T, int R, int H>
-inline void kdecode_rows(KTileSource<T>* src, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
-                         const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
+__attribute__((always_inline)) inline void kdecode_block(KTileSource<T>* src, int b, int blocks, const float* d,
+                                                         const int8_t* qa, const int16_t* bsums, const int32_t* apairs,
+                                                         int k, int r, KLanes::F (&acc)[R][H]) {
   using L = KLanes;
   using I = L::I;
   using F = L::F;
   const I low4 = L::set1(0x0f0f0f0f);
-  F acc[R][H];
-  for (int i = 0; i < R; ++i)
-    for (int h = 0; h < H; ++h) acc[i][h] = L::fzero();
-  for (int b = 0; b < blocks; ++b) {
+  {
     for (int h = 0; h < H; ++h) src[h].begin(b);
     const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQK;
     auto act = [&](int i, int g) { return L::set1(load_word(a0 + size_t(i) * k + 4 * size_t(g))); };
@@ -486,8 +487,47 @@ inline void kdecode_rows(KTileSource<T>* src, int blocks, const float* d, const 
       }
     }
   }
+}
+
+template <WeightType T, int R, int H>
+inline void kdecode_rows(KTileSource<T>* src, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
+                         const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
+  using L = KLanes;
+  L::F acc[R][H];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) acc[i][h] = L::fzero();
+  for (int b = 0; b < blocks; ++b) kdecode_block<T, R, H>(src, b, blocks, d, qa, bsums, apairs, k, r, acc);
   for (int i = 0; i < R; ++i)
     for (int h = 0; h < H; ++h) L::store(c + size_t(r + i) * n + col + 8 * h, acc[i][h], std::min(8, cols - 8 * h));
+}
+
+// A decode's row or two against kTileStreams whole tiles at once, superblock
+// by superblock: two streams through memory instead of one (as tile_streams).
+// Each column's superblocks still come in order: the same sums. (AMD Zen 3,
+// QuantizedRow, 1 thread, best of 5, alternating runs: from memory Q4_K
+// 13.1-14.9 -> 17.2-19.5 GB/s, Q5_K 13.2-14.3 -> 15.1-17.2, Q6_K 10.2-11.7
+// -> 12.0-12.6; from L2 Q6_K 21-23 -> 15, the others unchanged, and the
+// 1B-shaped Q4_K_M decode 14.7-16.1 -> 16.5-18.7 tok/s. Q6_K read from
+// one stream decodes no faster.)
+template <WeightType T, int R, int S>
+inline void kdecode_streams(const uint8_t* const (&tiles)[S], int blocks, const float* d, const int8_t* qa,
+                            const int16_t* bsums, const int32_t* apairs, int k, float* c, int n, int r,
+                            const int (&cols)[S]) {
+  using L = KLanes;
+  KTileSource<T> src[S][2];
+  L::F acc[S][R][2];
+  for (int s = 0; s < S; ++s) {
+    for (int h = 0; h < 2; ++h)
+      src[s][h].tile = tiles[s], src[s][h].blocks = blocks, src[s][h].half = 32 * size_t(h), src[s][h].fetch_spread = true;
+    for (int i = 0; i < R; ++i) acc[s][i][0] = acc[s][i][1] = L::fzero();
+  }
+  for (int b = 0; b < blocks; ++b) {
+#pragma GCC unroll 1  // (as tile_streams)
+    for (int s = 0; s < S; ++s) kdecode_block<T, R, 2>(src[s], b, blocks, d, qa, bsums, apairs, k, r, acc[s]);
+  }
+  for (int s = 0; s < S; ++s)
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < 2; ++h) L::store(c + size_t(r + i) * n + cols[s] + 8 * h, acc[s][i][h], 8);
 }
 
 // Rows [r, r + rows) (rows < kKPanelRows) of the tile's columns [col, col +
@@ -591,7 +631,27 @@ void matmul_ktiled(const float* d, const int8_t* qa, const int16_t* bsums, const
     }
   for (int r0 = 0; r0 < m; r0 += kQ8RowBlock) {
     const int r1 = std::min(m, r0 + kQ8RowBlock);
-    for (int col = col_begin; col < col_end; col += kTileCols) {
+    int col = col_begin;
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+    // A decode's row or two: the whole tiles in kTileStreams parts read side by side.
+    auto streamed = [&](auto r_c) {
+      constexpr int R = decltype(r_c)::value, S = kTileStreams;
+      const int part = (col_end - col_begin) / kTileCols / S;  // whole tiles a stream
+      for (int t = 0; t < part; ++t) {
+        const uint8_t* tiles[S];
+        int cols[S];
+        for (int s = 0; s < S; ++s) {
+          cols[s] = col_begin + (s * part + t) * kTileCols;
+          tiles[s] = w + size_t(cols[s] / kTileCols) * tile_bytes;
+        }
+        kdecode_streams<T, R, S>(tiles, blocks, d, qa, bsums, apairs.data(), k, c, n, r0, cols);
+      }
+      col = col_begin + S * part * kTileCols;
+    };
+    if (r1 - r0 == 1) streamed(std::integral_constant<int, 1>{});
+    else if (r1 - r0 == 2) streamed(std::integral_constant<int, 2>{});
+#endif
+    for (; col < col_end; col += kTileCols) {
       const uint8_t* tile = w + size_t(col / kTileCols) * tile_bytes;
       const int cols = std::min(kTileCols, col_end - col);
       ktile_rows<T>(tile, blocks, d, qa, bsums, apairs.data(), k, c, n, r0, r1, col, cols);
