@@ -157,8 +157,8 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
   for (const std::string& isa : cpu::supported_isas()) {
     const auto& kt = cpu::kernels_for(isa);
     // Tiles of 16 columns with partial last tiles (and halves of 8 under AVX2), rows kTileRows at a time
-    // (8 AVX-512, 4 AVX2) and each count of rows left, more than one row block (64); a decode's row or two
-    // against ranges of several whole tiles (AVX2 reads them as streams side by side) and the tiles left.
+    // (8 AVX-512, 4 AVX2) and each count of rows left, more than one row block (64); a decode's row against
+    // ranges of several whole tiles (AVX2 reads them as streams side by side) and the tiles left, and two rows.
     for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {1, 37, 96}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096},
                                   {130, 13, 64}, {8, 16, 32}, {23, 50, 128}, {15, 64, 64}, {6, 90, 160},
                                   {1, 200, 64}, {2, 150, 96}}) {
@@ -448,7 +448,7 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
       const auto& kt = cpu::kernels_for(isa);
       // One row (decode), a few, more than one row block (64); one and several superblocks; tiles of 16
       // columns with partial last tiles (AVX2: halves of 8), rows kKRows at a time and the rows left; a
-      // decode's row or two against ranges of several whole tiles (AVX2: streams side by side) and the rest.
+      // decode's row against ranges of several whole tiles (AVX2: streams side by side) and the rest.
       for (const auto& [m, n, k] : {std::tuple{1, 7, 256}, {1, 33, 1024}, {3, 5, 512}, {17, 9, 768}, {70, 4, 256},
                                     {23, 37, 512}, {7, 48, 256}, {2, 20, 512}, {1, 200, 512}, {2, 150, 256}}) {
         SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
