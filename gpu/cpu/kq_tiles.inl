@@ -366,140 +366,136 @@ __attribute__((always_inline)) inline void kdecode_block(KTileSource<T>* src, in
   using I = L::I;
   using F = L::F;
   const I low4 = L::set1(0x0f0f0f0f);
-  {
-    for (int h = 0; h < H; ++h) src[h].begin(b);
-    const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQK;
-    auto act = [&](int i, int g) { return L::set1(load_word(a0 + size_t(i) * k + 4 * size_t(g))); };
-    I s1[R][H];
-    for (int i = 0; i < R; ++i)
-      for (int h = 0; h < H; ++h) s1[i][h] = L::zero();
-    // A scale's products are summed in int16 (vpmaddubsw, vpaddw) as far as
-    // no sum can pass 32,767, then times the scale in one vpmaddwd against
-    // the scale as an int16 pair: the same integers as t x scale.
-    if constexpr (T == WeightType::q6_k) {
-      // Value 128 hh + 32 qq + 4 l (l < 8: group 32 hh + 8 qq + l) has scale
-      // 8 hh + 2 qq + l / 4. Word 16 hh + 8 a + l (a = qq % 2) holds the low
-      // 4 bits of quarters a (low nibbles) and a + 2 (high), word 32 + 8 hh
-      // + l the top 2 bits of all four: each word is read once for the two
-      // quarters it serves, and each pair's products go straight into S1.
-      // (Read a quarter at a time, with a sum per quarter, GCC kept the words
-      // and sums of four quarters alive and spilled them: 2,080 instructions
-      // a superblock of a tile, 543 of them on the stack; now ~810, ~125.
-      // AMD Zen 3, QuantizedRow, 1 thread: from L2 15 -> 20-22 GB/s, from
-      // memory 11.3-12.6 -> 12.2-14.0.) |q + 32| <= 63, |a| <= 128: a pair's
-      // sum 16,128, two of them in an int16. The + 32 comes off at the end.
-      const I top2 = L::set1(0x30303030);
-      auto pair = [&](auto a_c, int hh) {
-        constexpr int a = decltype(a_c)::value;
-        {
-          I sc[2][H][2];  // scales of quarters a and a + 2, for l < 4 and l >= 4
-          for (int e = 0; e < 2; ++e)
-            for (int h = 0; h < H; ++h)
-              for (int half_l = 0; half_l < 2; ++half_l) sc[e][h][half_l] = src[h].scale_pair(8 * hh + 2 * (a + 2 * e) + half_l);
-          I first[R][H][2];  // an even l's products, summed with the odd l's
+  for (int h = 0; h < H; ++h) src[h].begin(b);
+  const int8_t* a0 = qa + size_t(r) * k + size_t(b) * kQK;
+  auto act = [&](int i, int g) { return L::set1(load_word(a0 + size_t(i) * k + 4 * size_t(g))); };
+  I s1[R][H];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) s1[i][h] = L::zero();
+  // A scale's products are summed in int16 (vpmaddubsw, vpaddw) as far as
+  // no sum can pass 32,767, then times the scale in one vpmaddwd against
+  // the scale as an int16 pair: the same integers as t x scale.
+  if constexpr (T == WeightType::q6_k) {
+    // Value 128 hh + 32 qq + 4 l (l < 8: group 32 hh + 8 qq + l) has scale
+    // 8 hh + 2 qq + l / 4. Word 16 hh + 8 a + l (a = qq % 2) holds the low
+    // 4 bits of quarters a (low nibbles) and a + 2 (high), word 32 + 8 hh
+    // + l the top 2 bits of all four: each word is read once for the two
+    // quarters it serves, and each pair's products go straight into S1.
+    // (Read a quarter at a time, with a sum per quarter, GCC kept the words
+    // and sums of four quarters alive and spilled them: 2,080 instructions
+    // a superblock of a tile, 543 of them on the stack; now ~810, ~125.
+    // AMD Zen 3, QuantizedRow, 1 thread: from L2 15 -> 20-22 GB/s, from
+    // memory 11.3-12.6 -> 12.2-14.0.) |q + 32| <= 63, |a| <= 128: a pair's
+    // sum 16,128, two of them in an int16. The + 32 comes off at the end.
+    const I top2 = L::set1(0x30303030);
+    auto pair = [&](auto a_c, int hh) {
+      constexpr int a = decltype(a_c)::value;
+      I sc[2][H][2];  // scales of quarters a and a + 2, for l < 4 and l >= 4
+      for (int e = 0; e < 2; ++e)
+        for (int h = 0; h < H; ++h)
+          for (int half_l = 0; half_l < 2; ++half_l) sc[e][h][half_l] = src[h].scale_pair(8 * hh + 2 * (a + 2 * e) + half_l);
+      I first[R][H][2];  // an even l's products, summed with the odd l's
 #pragma GCC unroll 8
-          for (int l = 0; l < 8; ++l) {
-            // The next superblock's 52 body lines and its tail, two a step.
-            const int step = 16 * hh + 8 * a + l;
-            if (2 * step <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(2 * step);
-            if (2 * step + 1 <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(2 * step + 1);
-            I q[2][H];
-            for (int h = 0; h < H; ++h) {
-              const I x = src[h].word(16 * hh + 8 * a + l), hb = src[h].word(32 + 8 * hh + l);
-              q[0][h] = L::bor(L::band(x, low4), L::band(a == 0 ? L::shl16(hb, 4) : L::shl16(hb, 2), top2));
-              q[1][h] = L::bor(L::band(L::shr16(x, 4), low4), L::band(a == 0 ? hb : L::shr16(hb, 2), top2));
-            }
-            for (int i = 0; i < R; ++i)
-              for (int e = 0; e < 2; ++e) {
-                const I act_q = act(i, 32 * hh + 8 * (a + 2 * e) + l);  // one broadcast for both halves
-                for (int h = 0; h < H; ++h) {
-                  const I products = L::maddubs(q[e][h], act_q);
-                  if (l % 2 == 0) first[i][h][e] = products;
-                  else s1[i][h] = L::dot2(s1[i][h], L::add16(first[i][h][e], products), sc[e][h][l / 4]);
-                }
-              }
-            // Each step's sums stay one chain in a register: GCC would otherwise reassociate the
-            // unrolled adds into a tree and keep (spill) every product until its end.
-            for (int i = 0; i < R; ++i)
-              for (int h = 0; h < H; ++h) asm("" : "+x"(s1[i][h]));
-          }
-        }
-      };
-      pair(std::integral_constant<int, 0>{}, 0);
-      pair(std::integral_constant<int, 1>{}, 0);
-      pair(std::integral_constant<int, 0>{}, 1);
-      pair(std::integral_constant<int, 1>{}, 1);
-      // The values came as q + 32: less 32 x (bsum_j sc_j + bsum_j+1 sc_j+1) for each even j.
-      for (int h = 0; h < H; ++h)
-        for (int j = 0; j < 16; j += 2) {
-          const I both = src[h].scale_pair(j, true);
-          for (int i = 0; i < R; ++i) {
-            const int16_t* bs = bsums + (size_t(r + i) * blocks + b) * 16;
-            const I bsums_pair = L::set1(int32_t(uint32_t(uint16_t(bs[j])) | uint32_t(uint16_t(bs[j + 1])) << 16));
-            s1[i][h] = L::sub(s1[i][h], L::shl32(L::dot2(L::zero(), both, bsums_pair), 5));
-          }
-        }
-    } else {
-      // Word 8 c4 + l holds group 16 c4 + l (scale 2 c4) in its low nibbles
-      // and group 16 c4 + 8 + l (scale 2 c4 + 1) in its high ones; Q5_K's
-      // fifth bits are bits 2 c4 and 2 c4 + 1 of qh's word l. A pair's sum
-      // is at most 2 x 15 x 128 = 3,840 (Q4_K: 8 in an int16) or 7,936
-      // (Q5_K: 4).
-      constexpr int kParts = T == WeightType::q5_k ? 2 : 1;
-      for (int c4 = 0; c4 < 4; ++c4) {
-        I u0[R][H][kParts], u1[R][H][kParts];
-        for (int i = 0; i < R; ++i)
-          for (int h = 0; h < H; ++h)
-            for (int p = 0; p < kParts; ++p) u0[i][h][p] = u1[i][h][p] = L::zero();
-#pragma GCC unroll 8
-        for (int l = 0; l < 8; ++l) {
-          // The next superblock's lines, one a step, and alongside the
-          // first steps' the lines after its values (Q5_K's qh, the scale
-          // words, the tail).
-          src[0].fetch_ahead(8 * c4 + l);
-          if (32 + 8 * c4 + l <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(32 + 8 * c4 + l);
-          I lo[H], hi[H];
-          for (int h = 0; h < H; ++h) {
-            const I x = src[h].word(8 * c4 + l);
-            lo[h] = L::band(x, low4), hi[h] = L::band(L::shr16(x, 4), low4);
-            if constexpr (T == WeightType::q5_k) {
-              const I qh = L::shr16(src[h].word(32 + l), 2 * c4), bit4 = L::set1(0x10101010);
-              lo[h] = L::bor(lo[h], L::band(L::shl16(qh, 4), bit4));
-              hi[h] = L::bor(hi[h], L::band(L::shl16(qh, 3), bit4));
-            }
-          }
-          const int p = kParts == 2 ? l / 4 : 0;
-          for (int i = 0; i < R; ++i) {
-            const I a_lo = act(i, 16 * c4 + l), a_hi = act(i, 16 * c4 + 8 + l);  // one broadcast for both halves
-            for (int h = 0; h < H; ++h) {
-              u0[i][h][p] = L::add16(u0[i][h][p], L::maddubs(lo[h], a_lo));
-              u1[i][h][p] = L::add16(u1[i][h][p], L::maddubs(hi[h], a_hi));
-            }
-          }
-          for (int i = 0; i < R; ++i)  // (one chain each in a register, as Q6_K's)
-            for (int h = 0; h < H; ++h) asm("" : "+x"(u0[i][h][p]), "+x"(u1[i][h][p]));
-        }
+      for (int l = 0; l < 8; ++l) {
+        // The next superblock's 52 body lines and its tail, two a step.
+        const int step = 16 * hh + 8 * a + l;
+        if (2 * step <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(2 * step);
+        if (2 * step + 1 <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(2 * step + 1);
+        I q[2][H];
         for (int h = 0; h < H; ++h) {
-          const I sc0 = src[h].scale_pair(2 * c4), sc1 = src[h].scale_pair(2 * c4 + 1);
-          for (int i = 0; i < R; ++i)
-            for (int p = 0; p < kParts; ++p) s1[i][h] = L::dot2(L::dot2(s1[i][h], u0[i][h][p], sc0), u1[i][h][p], sc1);
+          const I x = src[h].word(16 * hh + 8 * a + l), hb = src[h].word(32 + 8 * hh + l);
+          q[0][h] = L::bor(L::band(x, low4), L::band(a == 0 ? L::shl16(hb, 4) : L::shl16(hb, 2), top2));
+          q[1][h] = L::bor(L::band(L::shr16(x, 4), low4), L::band(a == 0 ? hb : L::shr16(hb, 2), top2));
         }
+        for (int i = 0; i < R; ++i)
+          for (int e = 0; e < 2; ++e) {
+            const I act_q = act(i, 32 * hh + 8 * (a + 2 * e) + l);  // one broadcast for both halves
+            for (int h = 0; h < H; ++h) {
+              const I products = L::maddubs(q[e][h], act_q);
+              if (l % 2 == 0) first[i][h][e] = products;
+              else s1[i][h] = L::dot2(s1[i][h], L::add16(first[i][h][e], products), sc[e][h][l / 4]);
+            }
+          }
+        // Each step's sums stay one chain in a register: GCC would otherwise reassociate the
+        // unrolled adds into a tree and keep (spill) every product until its end.
+        for (int i = 0; i < R; ++i)
+          for (int h = 0; h < H; ++h) asm("" : "+x"(s1[i][h]));
+      }
+    };
+    pair(std::integral_constant<int, 0>{}, 0);
+    pair(std::integral_constant<int, 1>{}, 0);
+    pair(std::integral_constant<int, 0>{}, 1);
+    pair(std::integral_constant<int, 1>{}, 1);
+    // The values came as q + 32: less 32 x (bsum_j sc_j + bsum_j+1 sc_j+1) for each even j.
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < 16; j += 2) {
+        const I both = src[h].scale_pair(j, true);
+        for (int i = 0; i < R; ++i) {
+          const int16_t* bs = bsums + (size_t(r + i) * blocks + b) * 16;
+          const I bsums_pair = L::set1(int32_t(uint32_t(uint16_t(bs[j])) | uint32_t(uint16_t(bs[j + 1])) << 16));
+          s1[i][h] = L::sub(s1[i][h], L::shl32(L::dot2(L::zero(), both, bsums_pair), 5));
+        }
+      }
+  } else {
+    // Word 8 c4 + l holds group 16 c4 + l (scale 2 c4) in its low nibbles
+    // and group 16 c4 + 8 + l (scale 2 c4 + 1) in its high ones; Q5_K's
+    // fifth bits are bits 2 c4 and 2 c4 + 1 of qh's word l. A pair's sum
+    // is at most 2 x 15 x 128 = 3,840 (Q4_K: 8 in an int16) or 7,936
+    // (Q5_K: 4).
+    constexpr int kParts = T == WeightType::q5_k ? 2 : 1;
+    for (int c4 = 0; c4 < 4; ++c4) {
+      I u0[R][H][kParts], u1[R][H][kParts];
+      for (int i = 0; i < R; ++i)
+        for (int h = 0; h < H; ++h)
+          for (int p = 0; p < kParts; ++p) u0[i][h][p] = u1[i][h][p] = L::zero();
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) {
+        // The next superblock's lines, one a step, and alongside the
+        // first steps' the lines after its values (Q5_K's qh, the scale
+        // words, the tail).
+        src[0].fetch_ahead(8 * c4 + l);
+        if (32 + 8 * c4 + l <= KTileSource<T>::kBodyLines) src[0].fetch_ahead(32 + 8 * c4 + l);
+        I lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          const I x = src[h].word(8 * c4 + l);
+          lo[h] = L::band(x, low4), hi[h] = L::band(L::shr16(x, 4), low4);
+          if constexpr (T == WeightType::q5_k) {
+            const I qh = L::shr16(src[h].word(32 + l), 2 * c4), bit4 = L::set1(0x10101010);
+            lo[h] = L::bor(lo[h], L::band(L::shl16(qh, 4), bit4));
+            hi[h] = L::bor(hi[h], L::band(L::shl16(qh, 3), bit4));
+          }
+        }
+        const int p = kParts == 2 ? l / 4 : 0;
+        for (int i = 0; i < R; ++i) {
+          const I a_lo = act(i, 16 * c4 + l), a_hi = act(i, 16 * c4 + 8 + l);  // one broadcast for both halves
+          for (int h = 0; h < H; ++h) {
+            u0[i][h][p] = L::add16(u0[i][h][p], L::maddubs(lo[h], a_lo));
+            u1[i][h][p] = L::add16(u1[i][h][p], L::maddubs(hi[h], a_hi));
+          }
+        }
+        for (int i = 0; i < R; ++i)  // (one chain each in a register, as Q6_K's)
+          for (int h = 0; h < H; ++h) asm("" : "+x"(u0[i][h][p]), "+x"(u1[i][h][p]));
+      }
+      for (int h = 0; h < H; ++h) {
+        const I sc0 = src[h].scale_pair(2 * c4), sc1 = src[h].scale_pair(2 * c4 + 1);
+        for (int i = 0; i < R; ++i)
+          for (int p = 0; p < kParts; ++p) s1[i][h] = L::dot2(L::dot2(s1[i][h], u0[i][h][p], sc0), u1[i][h][p], sc1);
       }
     }
-    for (int h = 0; h < H; ++h) {
-      const F dw = src[h].d();
+  }
+  for (int h = 0; h < H; ++h) {
+    const F dw = src[h].d();
+    for (int i = 0; i < R; ++i) {
+      const F da = L::fset1(d[size_t(r + i) * blocks + b]);
+      acc[i][h] = L::fma(s1[i][h], L::fmul(dw, da), acc[i][h]);
+    }
+    if constexpr (T != WeightType::q6_k) {
+      const F dmin = src[h].dmin();
       for (int i = 0; i < R; ++i) {
-        const F da = L::fset1(d[size_t(r + i) * blocks + b]);
-        acc[i][h] = L::fma(s1[i][h], L::fmul(dw, da), acc[i][h]);
-      }
-      if constexpr (T != WeightType::q6_k) {
-        const F dmin = src[h].dmin();
-        for (int i = 0; i < R; ++i) {
-          I s2 = L::zero();
-          for (int p = 0; p < 4; ++p)
-            s2 = L::dot2(s2, src[h].min_pair(p), L::set1(apairs[(size_t(r + i) * blocks + b) * 4 + p]));
-          acc[i][h] = L::fma(s2, L::fneg(L::fmul(dmin, L::fset1(d[size_t(r + i) * blocks + b]))), acc[i][h]);
-        }
+        I s2 = L::zero();
+        for (int p = 0; p < 4; ++p)
+          s2 = L::dot2(s2, src[h].min_pair(p), L::set1(apairs[(size_t(r + i) * blocks + b) * 4 + p]));
+        acc[i][h] = L::fma(s2, L::fneg(L::fmul(dmin, L::fset1(d[size_t(r + i) * blocks + b]))), acc[i][h]);
       }
     }
   }
