@@ -662,16 +662,6 @@ int32_t CompiledGrammar::plain_step(int32_t state) {
   return states_[size_t(state)].plain_next = next;
 }
 
-int32_t CompiledGrammar::one_next(int32_t from, const std::vector<uint8_t>& classes) {
-  int32_t to = -2;
-  for (uint8_t b : classes) {
-    const int32_t next = next_locked(from, b);
-    if (to != -2 && next != to) return -3;
-    to = next;
-  }
-  return to == -2 ? -1 : to;
-}
-
 int32_t CompiledGrammar::plain_step_checked(int32_t state) {
   int32_t one = -2;  // the live state the forms' first sequences reach (-2: none yet)
   bool died = false;
@@ -684,8 +674,11 @@ int32_t CompiledGrammar::plain_step_checked(int32_t state) {
     else one = s;
   }
   if (died) {  // every one: unless some other byte reads on, no character at all
-    for (const PlainForm& f : plain_forms_)
-      if (one_next(state, f[0]) != -1) return kPlainParted;
+    for (const PlainForm& f : plain_forms_) {
+      Bytes first{};  // (one byte of each class of the form's first position)
+      for (uint8_t b : f[0]) first[b >> 6] |= uint64_t(1) << (b & 63);
+      if (uniform_next(state, first) != -1) return kPlainParted;
+    }
     return kPlainNone;
   }
   // Every byte of every form into that state, through states with no bottom.

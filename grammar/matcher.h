@@ -343,9 +343,6 @@ class CompiledGrammar {
   // Whether every byte sequence of a form, from its position `i` on, leads
   // `from` to `to` through states with no bottom.
   bool form_leads(const PlainForm& f, size_t i, int32_t from, int32_t to);
-  // The one state every byte of a position (one byte of each class) leads
-  // `from` to; -1 when all die, -3 when they part or some die.
-  int32_t one_next(int32_t from, const std::vector<uint8_t>& classes);
   // A state where every plain character but a few ASCII ones (at most
   // kPlainButMost: a key that must not be a declared property's name)
   // leads to one state (however the character's bytes are spelled in the
