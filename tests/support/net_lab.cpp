@@ -129,6 +129,8 @@ std::string NetLab::gateway(const std::string& name) const {
   return "10.77." + std::to_string(host(name).index) + ".1";
 }
 
+pid_t NetLab::holder(const std::string& name) const { return host(name).holder; }
+
 std::vector<std::string> NetLab::run_on(const std::string& name) const {
   const std::string proc = "/proc/" + std::to_string(host(name).holder);
   return {"/usr/bin/nsenter", "--net=" + proc + "/ns/net", "--mount=" + proc + "/ns/mnt", "--"};

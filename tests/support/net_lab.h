@@ -55,6 +55,9 @@ class NetLab {
   // The same into its network alone: /sys stays the lab's (the machine's),
   // as `nsenter --net` leaves a process.
   std::vector<std::string> run_on_network_only(const std::string& host) const;
+  // The process holding the namespaces of `host` (what `bench_kv_transfer
+  // --peer-pid` enters).
+  pid_t holder(const std::string& host) const;
   // The namespace of process `pid` ("net:[inode]").
   static std::string namespace_of(pid_t pid);
 
