@@ -159,8 +159,14 @@ inline void tile_store(const __m256 (&acc)[R][H], float* c, int n, int r, int co
 // GB/s), and so do two streams' when the loop over them is unrolled. Each
 // column's blocks still come in order: the same sums. (QuantizedRow, 1
 // thread, best of 5, 3 alternating runs: from memory Q8_0 14.2-14.8 ->
-// 17.9-21.4 GB/s, Q4_0 14.1-15.6 -> 18.6-20.7; from L2 unchanged.)
+// 17.9-21.4 GB/s, Q4_0 14.1-15.6 -> 18.6-20.7; from L2 unchanged.) Q8_0,
+// whose blocks need no unpacking, has the registers for a third stream
+// (the 1B-shaped decode on 1 thread, 6 alternating pairs: 14.0-15.5 ->
+// 14.6-17.0 tok/s, faster in each pair; Q4_0 with three: 26.3-28.9 ->
+// 26.4-26.9, so it keeps two).
 constexpr int kTileStreams = 2;
+template <WeightType T>
+constexpr int tile_streams_of = T == WeightType::q8_0 ? 3 : kTileStreams;
 template <WeightType T, int R, int S>
 inline void tile_streams(const uint8_t* const (&tiles)[S], int blocks, const uint8_t* grp, float* c, int n, int r,
                          const int (&cols)[S]) {
@@ -299,9 +305,9 @@ void matmul_tiled(const float* scales, const int8_t* qa, const uint8_t* w, float
     if (full < r1) lay_out(full, r1 - full);
     int col = col_begin;
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-    // A decode's row: the whole tiles in kTileStreams parts read side by side.
+    // A decode's row: the whole tiles in tile_streams_of<T> parts read side by side.
     auto streamed = [&](auto r_c) {
-      constexpr int R = decltype(r_c)::value, S = kTileStreams;
+      constexpr int R = decltype(r_c)::value, S = tile_streams_of<T>;
       const int part = (col_end - col_begin) / kTileCols / S;  // whole tiles a stream
       for (int t = 0; t < part; ++t) {
         const uint8_t* tiles[S];

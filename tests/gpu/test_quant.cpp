@@ -158,10 +158,11 @@ TEST(Quant, EveryKernelSetsQuantizedProductIsItsReferenceBitForBit) {
     const auto& kt = cpu::kernels_for(isa);
     // Tiles of 16 columns with partial last tiles (and halves of 8 under AVX2), rows kTileRows at a time
     // (8 AVX-512, 4 AVX2) and each count of rows left, more than one row block (64); a decode's row against
-    // ranges of several whole tiles (AVX2 reads them as streams side by side) and the tiles left, and two rows.
+    // ranges of several whole tiles (AVX2 reads them as 2 or 3 streams side by side) and the tiles left (264
+    // columns: 8 whole tiles a range, 2 left past three streams), and two rows.
     for (const auto& [m, n, k] : {std::tuple{1, 7, 32}, {1, 37, 96}, {3, 33, 64}, {17, 40, 320}, {5, 3, 4096},
                                   {130, 13, 64}, {8, 16, 32}, {23, 50, 128}, {15, 64, 64}, {6, 90, 160},
-                                  {1, 200, 64}, {2, 150, 96}}) {
+                                  {1, 200, 64}, {1, 264, 64}, {2, 150, 96}}) {
       SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                    " k=" + std::to_string(k));
       const auto w = quantized_matrix(type, n, k, uint32_t(n + k));
