@@ -19,6 +19,7 @@
 #include <future>
 #include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <boost/beast/http/verb.hpp>
@@ -806,19 +807,22 @@ TEST(HostsBench, DISABLED_KvTransferLibraryOnDelayedLinks) {
     for (const std::string rate : {"10gbit", "1gbit"}) {
       lab.shape("kv-near", rate);
       lab.shape(far, rate);
-      std::string command;
-      for (const std::string& a : lab.run_on("kv-near")) command += a + " ";
-      command += bin_dir() + "/bench_kv_transfer --modes=tcp --sizes=16,64,256 --reps=5 --piece-mib=1 --peer-pid=" +
-                 std::to_string(lab.holder(far)) + " --peer-host=" + lab.address(far) + " 2>&1";
-      FILE* out = ::popen(command.c_str(), "r");
-      ASSERT_NE(out, nullptr);
-      char line[512];
+      std::vector<std::string> argv = lab.run_on("kv-near");
+      for (const std::string& a :
+           {bin_dir() + "/bench_kv_transfer", std::string("--modes=tcp"), std::string("--sizes=16,64,256"),
+            std::string("--reps=5"), std::string("--piece-mib=1"), "--peer-pid=" + std::to_string(lab.holder(far)),
+            "--peer-host=" + lab.address(far)})
+        argv.push_back(a);
+      std::string out, err;
+      // (bounded: 256 MiB x 12 transfers at 1 Gbit/s take ~30 s)
+      EXPECT_EQ(run_to_completion(argv, out, err, 600s), 0) << rate << ", " << delay.count() << " us: " << err;
       int results = 0;
-      while (std::fgets(line, sizeof line, out)) {
-        std::printf("kv-hosts rate=%s delay=%lldus: %s", rate.c_str(), static_cast<long long>(delay.count()), line);
-        if (std::string(line).rfind("kv-transfer ", 0) == 0) ++results;
+      std::istringstream lines(out);
+      for (std::string line; std::getline(lines, line);) {
+        std::printf("kv-hosts rate=%s delay=%lldus: %s\n", rate.c_str(), static_cast<long long>(delay.count()),
+                    line.c_str());
+        if (line.rfind("kv-transfer ", 0) == 0) ++results;
       }
-      EXPECT_EQ(::pclose(out), 0) << rate << ", " << delay.count() << " us";
       EXPECT_EQ(results, 3) << rate << ", " << delay.count() << " us";
     }
   }
