@@ -645,9 +645,12 @@ void matmul_ktiled(const float* d, const int8_t* qa, const int16_t* bsums, const
     const int r1 = std::min(m, r0 + kQ8RowBlock);
     int col = col_begin;
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-    // A decode's row: the whole tiles in kTileStreams parts read side by side.
-    auto streamed = [&](auto r_c) {
-      constexpr int R = decltype(r_c)::value, S = kTileStreams;
+    // A decode's row: the whole tiles in S parts read side by side. (One row only: two rows, a
+    // verification step of one guess or a batch of two, compute more than they wait for memory, and read
+    // from two streams were no faster: AMD Zen 3, 1B-shaped Q4_0, a step of two rows 1.36-1.48x a plain
+    // step with them, 1.33-1.35x without.)
+    if (r1 - r0 == 1) {
+      constexpr int S = kTileStreams;
       const int part = (col_end - col_begin) / kTileCols / S;  // whole tiles a stream
       for (int t = 0; t < part; ++t) {
         const uint8_t* tiles[S];
@@ -656,14 +659,10 @@ void matmul_ktiled(const float* d, const int8_t* qa, const int16_t* bsums, const
           cols[s] = col_begin + (s * part + t) * kTileCols;
           tiles[s] = w + size_t(cols[s] / kTileCols) * tile_bytes;
         }
-        kdecode_streams<T, R, S>(tiles, blocks, d, qa, bsums, apairs.data(), k, c, n, r0, cols);
+        kdecode_streams<T, 1, S>(tiles, blocks, d, qa, bsums, apairs.data(), k, c, n, r0, cols);
       }
       col = col_begin + S * part * kTileCols;
-    };
-    // (One row only: two rows, a verification step of one guess or a batch of two, compute more than
-    // they wait for memory, and read from two streams were no faster: AMD Zen 3, 1B-shaped Q4_0, a step
-    // of two rows 1.36-1.48x a plain step with them, 1.33-1.35x without.)
-    if (r1 - r0 == 1) streamed(std::integral_constant<int, 1>{});
+    }
 #endif
     for (; col < col_end; col += kTileCols) {
       const uint8_t* tile = w + size_t(col / kTileCols) * tile_bytes;
