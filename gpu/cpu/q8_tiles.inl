@@ -161,8 +161,8 @@ inline void tile_store(const __m256 (&acc)[R][H], float* c, int n, int r, int co
 // thread, best of 5, 3 alternating runs: from memory Q8_0 14.2-14.8 ->
 // 17.9-21.4 GB/s, Q4_0 14.1-15.6 -> 18.6-20.7; from L2 unchanged.) Q8_0,
 // whose blocks need no unpacking, has the registers for a third stream
-// (the 1B-shaped decode on 1 thread, 6 alternating pairs: 14.0-15.5 ->
-// 14.6-17.0 tok/s, faster in each pair; Q4_0 with three: 26.3-28.9 ->
+// (the 1B-shaped decode on 1 thread, 9 alternating pairs: 13.7-15.5 ->
+// 14.2-17.6 tok/s, faster in each pair; Q4_0 with three: 26.3-28.9 ->
 // 26.4-26.9, so it keeps two).
 constexpr int kTileStreams = 2;
 template <WeightType T>
