@@ -260,6 +260,33 @@ void BM_QuantizedRow(benchmark::State& state) {
   state.SetLabel(std::string(to_string(type)) + ", " + kernels.isa);
 }
 
+// m rows (a verification step's k + 1, a small batch) against one matrix of
+// n x 2048 weights, from L2 (n = 128) or from memory (n = 65536): the time a
+// call takes; against m = 1, the cost of each further row (gb_s: the
+// weights' bytes a second).
+void BM_QuantizedRows(benchmark::State& state) {
+  const auto type = WeightType(state.range(0));
+  const int m = int(state.range(1)), n = int(state.range(2)), k = 2048;
+  const cpu::KernelTable& kernels = cpu::kernels_for("");
+  const size_t bytes = cpu::tiled_bytes(type, n, k);
+  std::vector<uint8_t> w(bytes);
+  std::mt19937 rng(1);
+  for (auto& b : w) b = uint8_t(rng());
+  std::vector<int8_t> qa(size_t(m) * size_t(k));
+  for (auto& q : qa) q = int8_t(int(rng() % 255) - 127);
+  std::vector<float> scales(size_t(m) * size_t(k) / 32, 0.01f), c(size_t(m) * size_t(n));
+  std::vector<int16_t> sums(size_t(m) * size_t(k) / 16, 3);
+  for (auto _ : state) {
+    if (is_k_quant(type))
+      kernels.matmul_kquant(type, scales.data(), qa.data(), sums.data(), w.data(), c.data(), m, n, k, 0, n);
+    else
+      kernels.matmul_quantized(type, scales.data(), qa.data(), w.data(), c.data(), m, n, k, 0, n);
+    benchmark::DoNotOptimize(c.data());
+  }
+  state.counters["gb_s"] = benchmark::Counter(double(bytes) * double(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
+  state.SetLabel(std::string(to_string(type)) + ", " + kernels.isa);
+}
+
 // KV of a 256-token prompt of the m50 model (16 MiB).
 void BM_KvSerializeParse(benchmark::State& state) {
   const ModelConfig c = model_config(50);
@@ -315,6 +342,14 @@ BENCHMARK(BM_QuantizedRow)
     ->ArgsProduct({{int(WeightType::q8_0), int(WeightType::q4_0), int(WeightType::q4_k), int(WeightType::q5_k),
                     int(WeightType::q6_k)},
                    {256, 65536}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_QuantizedRows)
+    ->ArgNames({"type", "m", "n"})
+    ->ArgsProduct({{int(WeightType::q8_0), int(WeightType::q4_0), int(WeightType::q4_k), int(WeightType::q5_k),
+                    int(WeightType::q6_k)},
+                   {1, 2, 3, 4, 5, 6, 8, 9, 16, 64},
+                   {128, 2048, 65536}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 BENCHMARK(BM_KvSerializeParse)->Unit(benchmark::kMillisecond);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "gpu/cpu/cpu_kernels.h"
 #include "gpu/fixed_math.h"

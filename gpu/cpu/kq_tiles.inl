@@ -559,19 +559,34 @@ void kdecode_rows_upto(int rows, KTileSource<T>* src, int blocks, const float* d
 
 // Rows [r0, r1) of the columns [col, col + cols) of one tile (`tile`: its
 // superblock 0): from the tile itself for fewer than kKPanelRows rows, else
-// from a panel unpacked once for them all.
+// from a panel unpacked once for them all; with AVX2, Q4_K's rows always
+// from the tile, kKDecodeRows at a time (kdecode_rows_below).
 constexpr int kKPanelRows = 4;
+constexpr int kKDecodeRows = 3;
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+// The rows from which AVX2 takes a tile's rows through a panel: Q4_K's
+// decode body, three rows at a time, beats the panel at every count (AMD
+// Zen 3, rows against 2048 x 2048 weights from the caches, 1 thread, two
+// alternating runs: 4 rows 413-435 -> 276-279 us, 5 rows 509-550 -> 306-319,
+// 8 rows 683-718 -> 478-528, 64 rows 4510-4712 -> 4057-4226); Q5_K's and
+// Q6_K's keep more sums alive, spill, and lose to the panel from 6 to 16 rows
+// on (Q6_K 8 rows 850-1081 -> 1043-1155, 64 rows 4383-4924 -> 8379-9556).
+template <WeightType T>
+constexpr int kdecode_rows_below = T == WeightType::q4_k ? std::numeric_limits<int>::max() : kKPanelRows;
+#endif
 template <WeightType T>
 inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,
                        const int32_t* apairs, int k, float* c, int n, int r0, int r1, int col, int cols) {
 #if defined(__AVX2__)
   using L = KLanes;
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-  if (r1 - r0 < kKPanelRows) {  // AVX2's decode: both halves at once
+  if (r1 - r0 < kdecode_rows_below<T>) {  // AVX2's decode: both halves at once
     KTileSource<T> src[2];
     for (int h = 0; h < 2; ++h)
       src[h].tile = tile, src[h].blocks = blocks, src[h].half = 32 * size_t(h), src[h].fetch_spread = true;
-    return kdecode_rows_upto<T, kKPanelRows - 1>(r1 - r0, src, blocks, d, qa, bsums, apairs, k, c, n, r0, col, cols);
+    for (int r = r0; r < r1; r += kKDecodeRows)
+      kdecode_rows_upto<T, kKDecodeRows>(std::min(kKDecodeRows, r1 - r), src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+    return;
   }
 #endif
   for (int h = 0; h < L::kHalves && 8 * h < cols; ++h) {
