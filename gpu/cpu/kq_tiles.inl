@@ -542,15 +542,22 @@ inline void kdecode_streams(const uint8_t* const (&tiles)[S], int blocks, const 
       for (int h = 0; h < 2; ++h) L::store(c + size_t(r + i) * n + cols[s] + 8 * h, acc[s][i][h], 8);
 }
 
-// Rows [r, r + rows) (rows < kKPanelRows) of the tile's columns [col, col +
-// cols): both halves in one pass over the tile when there are more than 8.
+// Rows [r, r + rows) (rows <= kKDecodeRows) of the tile's columns [col, col +
+// cols): both halves in one pass over the tile when there are more than 8
+// and one row (or Q4_K's rows), else a pass per half: Q5_K's and Q6_K's
+// sums of two or three rows and both halves spill (AMD Zen 3, 2048 x 2048
+// from the caches, 1 thread, the best of 15 in 3 alternating rounds: Q6_K 2
+// rows 230 -> 182 us, 3 rows 384 -> 241; Q5_K 3 rows 284 -> 231).
 template <WeightType T, int R>
 void kdecode_rows_upto(int rows, KTileSource<T>* src, int blocks, const float* d, const int8_t* qa,
                        const int16_t* bsums, const int32_t* apairs, int k, float* c, int n, int r, int col, int cols) {
   if constexpr (R > 0) {
     if (rows == R) {
-      if (cols > 8) return kdecode_rows<T, R, 2>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
-      return kdecode_rows<T, R, 1>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+      if (cols > 8 && (R == 1 || T == WeightType::q4_k))
+        return kdecode_rows<T, R, 2>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
+      kdecode_rows<T, R, 1>(src, blocks, d, qa, bsums, apairs, k, c, n, r, col, std::min(8, cols));
+      if (cols > 8) kdecode_rows<T, R, 1>(src + 1, blocks, d, qa, bsums, apairs, k, c, n, r, col + 8, cols - 8);
+      return;
     }
     kdecode_rows_upto<T, R - 1>(rows, src, blocks, d, qa, bsums, apairs, k, c, n, r, col, cols);
   }
@@ -569,10 +576,12 @@ constexpr int kKDecodeRows = 3;
 // Zen 3, rows against 2048 x 2048 weights from the caches, 1 thread, two
 // alternating runs: 4 rows 413-435 -> 276-279 us, 5 rows 509-550 -> 306-319,
 // 8 rows 683-718 -> 478-528, 64 rows 4510-4712 -> 4057-4226); Q5_K's and
-// Q6_K's keep more sums alive, spill, and lose to the panel from 6 to 16 rows
-// on (Q6_K 8 rows 850-1081 -> 1043-1155, 64 rows 4383-4924 -> 8379-9556).
+// Q6_K's (a pass per half, kdecode_rows_upto) up to 9 rows (the best of 15
+// as below: Q6_K 5 rows 632 -> 419 us, 9 rows 883 -> 686; Q5_K 5 rows 569 ->
+// 404, 9 rows 803 -> 660), the panel from 16 (Q6_K 16 rows 1302 -> 1348,
+// 64 rows 4489-4987 -> 5089-5150 in two runs).
 template <WeightType T>
-constexpr int kdecode_rows_below = T == WeightType::q4_k ? std::numeric_limits<int>::max() : kKPanelRows;
+constexpr int kdecode_rows_below = T == WeightType::q4_k ? std::numeric_limits<int>::max() : 12;
 #endif
 template <WeightType T>
 inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const int8_t* qa, const int16_t* bsums,

@@ -449,9 +449,11 @@ TEST(KQuant, EveryKernelSetsProductIsItsReferenceBitForBit) {
       const auto& kt = cpu::kernels_for(isa);
       // One row (decode), a few, more than one row block (64); one and several superblocks; tiles of 16
       // columns with partial last tiles (AVX2: halves of 8), rows kKRows at a time and the rows left; a
-      // decode's row against ranges of several whole tiles (AVX2: streams side by side) and the rest.
+      // decode's row against ranges of several whole tiles (AVX2: streams side by side) and the rest;
+      // AVX2's rows from the tile three at a time, a pass per half, the second half partial (3 x 12, 9 x 25).
       for (const auto& [m, n, k] : {std::tuple{1, 7, 256}, {1, 33, 1024}, {3, 5, 512}, {17, 9, 768}, {70, 4, 256},
-                                    {23, 37, 512}, {7, 48, 256}, {2, 20, 512}, {1, 200, 512}, {2, 150, 256}}) {
+                                    {23, 37, 512}, {7, 48, 256}, {2, 20, 512}, {1, 200, 512}, {2, 150, 256},
+                                    {3, 12, 256}, {9, 25, 512}}) {
         SCOPED_TRACE(std::string(to_string(type)) + " " + isa + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                      " k=" + std::to_string(k));
         const auto w = kquant_matrix(type, n, k, uint32_t(n * 3 + k));
