@@ -566,8 +566,8 @@ void kdecode_rows_upto(int rows, KTileSource<T>* src, int blocks, const float* d
 
 // Rows [r0, r1) of the columns [col, col + cols) of one tile (`tile`: its
 // superblock 0): from the tile itself for fewer than kKPanelRows rows, else
-// from a panel unpacked once for them all; with AVX2, Q4_K's rows always
-// from the tile, kKDecodeRows at a time (kdecode_rows_below).
+// from a panel unpacked once for them all; with AVX2, fewer than
+// kdecode_rows_below<T> from the tile, kKDecodeRows at a time.
 constexpr int kKPanelRows = 4;
 constexpr int kKDecodeRows = 3;
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
@@ -579,7 +579,7 @@ constexpr int kKDecodeRows = 3;
 // Q6_K's (a pass per half, kdecode_rows_upto) up to 9 rows (the best of 15
 // as below: Q6_K 5 rows 632 -> 419 us, 9 rows 883 -> 686; Q5_K 5 rows 569 ->
 // 404, 9 rows 803 -> 660), the panel from 16 (Q6_K 16 rows 1302 -> 1348,
-// 64 rows 4489-4987 -> 5089-5150 in two runs).
+// 64 rows 4489-4987 -> 5089-5150 in two runs): the line drawn between, at 12.
 template <WeightType T>
 constexpr int kdecode_rows_below = T == WeightType::q4_k ? std::numeric_limits<int>::max() : 12;
 #endif
@@ -589,7 +589,7 @@ inline void ktile_rows(const uint8_t* tile, int blocks, const float* d, const in
 #if defined(__AVX2__)
   using L = KLanes;
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-  if (r1 - r0 < kdecode_rows_below<T>) {  // AVX2's decode: both halves at once
+  if (r1 - r0 < kdecode_rows_below<T>) {  // AVX2: straight from the tile
     KTileSource<T> src[2];
     for (int h = 0; h < 2; ++h)
       src[h].tile = tile, src[h].blocks = blocks, src[h].half = 32 * size_t(h), src[h].fetch_spread = true;

@@ -144,7 +144,7 @@ __attribute__((always_inline)) inline void tile_block(const uint8_t* tile, int b
     };
     // Three or more rows take the groups one at a time: unrolled, GCC
     // computes every group's products first and spills them to the stack
-    // (53 of a block's 177 instructions), and 4 rows from the caches took
+    // (53 of the 4-row loop's 177 instructions), and 4 rows from the caches took
     // 1.25x as long (AMD Zen 3, 2048 x 2048 Q4_0, 1 thread, two alternating
     // runs: 4 rows 243-256 -> 194-201 us, 5 rows 323 -> 258, 8 rows 502-627 ->
     // 392-417); one or two rows keep them unrolled (one row 83-86 -> 89-96
