@@ -237,36 +237,10 @@ void BM_Matmul(benchmark::State& state) {
   }
 }
 
-void BM_QuantizedRow(benchmark::State& state) {
-  const auto type = WeightType(state.range(0));
-  const int n = int(state.range(1)), k = 2048;
-  const cpu::KernelTable& kernels = cpu::kernels_for("");
-  const size_t bytes = cpu::tiled_bytes(type, n, k);
-  std::vector<uint8_t> w(bytes);
-  std::mt19937 rng(1);
-  for (auto& b : w) b = uint8_t(rng());
-  std::vector<int8_t> qa(static_cast<size_t>(k));
-  for (auto& q : qa) q = int8_t(int(rng() % 255) - 127);
-  std::vector<float> scales(static_cast<size_t>(k) / 32, 0.01f), c(static_cast<size_t>(n));
-  std::vector<int16_t> sums(static_cast<size_t>(k) / 16, 3);
-  for (auto _ : state) {
-    if (is_k_quant(type))
-      kernels.matmul_kquant(type, scales.data(), qa.data(), sums.data(), w.data(), c.data(), 1, n, k, 0, n);
-    else
-      kernels.matmul_quantized(type, scales.data(), qa.data(), w.data(), c.data(), 1, n, k, 0, n);
-    benchmark::DoNotOptimize(c.data());
-  }
-  state.counters["gb_s"] = benchmark::Counter(double(bytes) * double(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
-  state.SetLabel(std::string(to_string(type)) + ", " + kernels.isa);
-}
-
-// m rows (a verification step's k + 1, a small batch) against one matrix of
-// n x 2048 weights, from L2 (n = 128) or from memory (n = 65536): the time a
-// call takes; against m = 1, the cost of each further row (gb_s: the
-// weights' bytes a second).
-void BM_QuantizedRows(benchmark::State& state) {
-  const auto type = WeightType(state.range(0));
-  const int m = int(state.range(1)), n = int(state.range(2)), k = 2048;
+// m rows against one matrix of n x 2048 random weights of `type` (tiled):
+// the time a call takes, and gb_s, the weights' bytes a second.
+void time_quantized_rows(benchmark::State& state, WeightType type, int m, int n) {
+  const int k = 2048;
   const cpu::KernelTable& kernels = cpu::kernels_for("");
   const size_t bytes = cpu::tiled_bytes(type, n, k);
   std::vector<uint8_t> w(bytes);
@@ -285,6 +259,18 @@ void BM_QuantizedRows(benchmark::State& state) {
   }
   state.counters["gb_s"] = benchmark::Counter(double(bytes) * double(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
   state.SetLabel(std::string(to_string(type)) + ", " + kernels.isa);
+}
+
+// A decode's row, from L2 (n = 256) or from memory (n = 65536).
+void BM_QuantizedRow(benchmark::State& state) {
+  time_quantized_rows(state, WeightType(state.range(0)), 1, int(state.range(1)));
+}
+
+// m rows (a verification step's k + 1, a small batch), from L2 (n = 128),
+// L3 (n = 2048) or memory (n = 65536): against m = 1, the cost of each
+// further row.
+void BM_QuantizedRows(benchmark::State& state) {
+  time_quantized_rows(state, WeightType(state.range(0)), int(state.range(1)), int(state.range(2)));
 }
 
 // KV of a 256-token prompt of the m50 model (16 MiB).
