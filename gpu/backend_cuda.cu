@@ -67,11 +67,28 @@ auto stream_policy(cudaStream_t stream) { return thrust::cuda::par_nosync.on(str
 // Matrix product tiles: a block of 16 x 16 threads computes kTileRows x 64
 // outputs of C (each thread TM rows x 4 columns), staging kTileK columns of A
 // and W in shared memory. Every output is one thread's sequential fmaf chain
-// over k: the fixed rule, whatever the tiling.
+// over k: the fixed rule, whatever the tiling. W is row-major F32, or F16 or
+// BF16 (`W` the 16-bit type), each weight widened exactly as it is staged:
+// the same chain over the same floats as the CPU's matmul16.
 constexpr int kTileK = 16;
 
-template <int TM>
-__global__ void matmul_kernel(const float* __restrict__ a, const float* __restrict__ w, float* __restrict__ c, int m,
+template <WeightType W>
+__device__ __forceinline__ float widen(float w) { return w; }
+template <WeightType W>
+__device__ __forceinline__ float widen(uint16_t h) {
+  static_assert(W == WeightType::f16 || W == WeightType::bf16, "a 16-bit float type");
+  if constexpr (W == WeightType::f16) {
+    return blocks::half_bits_to_float(h);
+  } else {
+    const uint32_t bits = uint32_t(h) << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+  }
+}
+
+template <int TM, WeightType W = WeightType::f32, class Elem = float>
+__global__ void matmul_kernel(const float* __restrict__ a, const Elem* __restrict__ w, float* __restrict__ c, int m,
                               int n, int k) {
   constexpr int kRows = 16 * TM, kCols = 64;
   __shared__ float as[kTileK][kRows + 1];
@@ -89,7 +106,7 @@ __global__ void matmul_kernel(const float* __restrict__ a, const float* __restri
     }
     for (int i = tid; i < kCols * kTileK; i += 256) {
       const int col = i / kTileK, kk = i % kTileK;
-      ws[kk][col] = (col0 + col < n && kk < kk_n) ? w[(long long)(col0 + col) * k + k0 + kk] : 0.0f;
+      ws[kk][col] = (col0 + col < n && kk < kk_n) ? widen<W>(w[(long long)(col0 + col) * k + k0 + kk]) : 0.0f;
     }
     __syncthreads();
     for (int kk = 0; kk < kk_n; ++kk)
@@ -365,15 +382,15 @@ class CudaBackend final : public Backend {
     upload(packed, host_w, size_t(n) * size_t(k) * sizeof(float));
   }
   void matmul(const float* a, const float* w, float* c, int m, int n, int k) override {
-    if (m <= 0 || n <= 0) return;
-    activate();
-    const dim3 threads(16, 16);
-    if (m <= 16) {  // decode steps: tiles of 16 rows
-      matmul_kernel<1><<<dim3((n + 63) / 64, (m + 15) / 16), threads, 0, stream_>>>(a, w, c, m, n, k);
-    } else {
-      matmul_kernel<4><<<dim3((n + 63) / 64, (m + 63) / 64), threads, 0, stream_>>>(a, w, c, m, n, k);
-    }
-    check(cudaGetLastError(), "matmul kernel launch");
+    launch_matmul<WeightType::f32>(a, w, c, m, n, k);
+  }
+  void pack_matrix16(const uint16_t* host_w, uint16_t* packed, int n, int k) override {
+    upload(packed, host_w, size_t(n) * size_t(k) * sizeof(uint16_t));  // row-major, as matmul16 reads it
+  }
+  void matmul16(WeightType type, const float* a, const uint16_t* w, float* c, int m, int n, int k) override {
+    if (type == WeightType::f16) launch_matmul<WeightType::f16>(a, w, c, m, n, k);
+    else if (type == WeightType::bf16) launch_matmul<WeightType::bf16>(a, w, c, m, n, k);
+    else throw Error(std::string("matmul16: ") + to_string(type) + " is not a 16-bit float type");
   }
   void matmul_quantized(WeightType type, const float* a, const void* w, float* c, int m, int n, int k) override {
     if (m <= 0 || n <= 0) return;
@@ -473,6 +490,20 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // C = A W^T for W row-major in `W` (F32, F16 or BF16).
+  template <WeightType W, class Elem>
+  void launch_matmul(const float* a, const Elem* w, float* c, int m, int n, int k) {
+    if (m <= 0 || n <= 0) return;
+    activate();
+    const dim3 threads(16, 16);
+    if (m <= 16) {  // decode steps: tiles of 16 rows
+      matmul_kernel<1, W><<<dim3((n + 63) / 64, (m + 15) / 16), threads, 0, stream_>>>(a, w, c, m, n, k);
+    } else {
+      matmul_kernel<4, W><<<dim3((n + 63) / 64, (m + 63) / 64), threads, 0, stream_>>>(a, w, c, m, n, k);
+    }
+    check(cudaGetLastError(), "matmul kernel launch");
+  }
+
   // The calling thread may differ from call to call (actors migrate).
   void activate() { check(cudaSetDevice(device_), "cudaSetDevice"); }
 

@@ -829,6 +829,50 @@ TEST(CudaVersusCpu, QuantizedProductsAndTableRowsAreTheReferences) {
   }
 }
 
+// The CUDA backend's 16-bit products (GPU machines only): the CPU backend's
+// bits, row-major F16 and BF16 weights widened as they are staged; a
+// decode's rows (its kernel of 16-row tiles) and a prefill's (64-row tiles),
+// sizes that leave partial tiles of k and of columns; a subnormal half and an
+// infinite F16 among the weights.
+TEST(CudaVersusCpu, SixteenBitProductsAreTheCpus) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  auto cuda = make_backend("cuda");
+  auto cpu = make_cpu_backend();
+  const int n = 77, k = 100;
+  for (const WeightType type : {WeightType::f16, WeightType::bf16})
+    for (const int m : {1, 5, 70}) {
+      SCOPED_TRACE(std::string(to_string(type)) + " m=" + std::to_string(m));
+      std::mt19937 rng(uint32_t(m * 31 + int(type)));
+      std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+      std::vector<float> w(size_t(n) * k);
+      for (float& v : w) v = u(rng);
+      w[0] = 3.0e-6f;   // a subnormal half
+      w[1] = 70000.0f;  // beyond the largest half: inf in f16 (one a row: no inf - inf)
+      std::vector<uint16_t> narrow(w.size());
+      std::vector<float> wide(w.size());
+      for (int r = 0; r < n; ++r) {
+        quantize_row(type, w.data() + size_t(r) * k, reinterpret_cast<uint8_t*>(narrow.data() + size_t(r) * k), k);
+        dequantize_row(type, reinterpret_cast<const uint8_t*>(narrow.data() + size_t(r) * k), wide.data() + size_t(r) * k, k);
+      }
+      const auto a = activations(m, k, 33);
+      std::vector<float> want(size_t(m) * n), got(size_t(m) * n, -1.0f);
+      {
+        DeviceArray<float> pw(*cpu, cpu->packed_floats(n, k)), da(*cpu), dc(*cpu, want.size());
+        cpu->pack_matrix(wide.data(), pw.get(), n, k);
+        da.upload(a.data(), a.size());
+        cpu->matmul(da.get(), pw.get(), dc.get(), m, n, k);
+        dc.download(want.data(), want.size());
+      }
+      DeviceArray<uint16_t> pw(*cuda, cuda->packed_floats(n, k));
+      cuda->pack_matrix16(narrow.data(), pw.get(), n, k);
+      DeviceArray<float> da(*cuda), dc(*cuda, got.size());
+      da.upload(a.data(), a.size());
+      cuda->matmul16(type, da.get(), pw.get(), dc.get(), m, n, k);
+      dc.download(got.data(), got.size());
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0);
+    }
+}
+
 // Resident bytes of this process's mappings of `path` (/proc/self/smaps).
 size_t resident_bytes_of_mapping(const std::string& path) {
   std::ifstream smaps("/proc/self/smaps");
