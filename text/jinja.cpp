@@ -1,16 +1,17 @@
 // jinja2 through CPython's C API (text/jinja.h). The Python side is the
 // module below; the C++ side starts the interpreter once, holds Python's
-// global lock only while it calls in, and bounds a render's time with a
-// watchdog thread that raises an exception in the rendering thread.
+// global lock only while it calls in, and bounds a render's time with one
+// watchdog thread for the process that raises an exception in a rendering
+// thread past its deadline.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "text/jinja.h"
 
-#include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
-#include <optional>
 #include <thread>
 
 #include "text/chat_template.h"
@@ -196,43 +197,82 @@ class Gil {
   PyGILState_STATE state_;
 };
 
-// Interrupts a render that runs past its time: at the deadline it takes
-// the lock and, unless the render has returned, raises TimeoutError in the
-// rendering thread (Python checks for it between two of its steps).
+// Interrupts renders that run past their time: one thread for the process
+// (a render is a watch() and an unwatch(), no thread of its own), waiting
+// for the earliest deadline of the renders it watches. At a deadline it
+// takes Python's lock and, unless that render has returned, raises
+// TimeoutError in the rendering thread (Python checks for it between two of
+// its steps). Both sides touch a render's entry only with Python's lock
+// held (then the watchdog's mutex), so it never fires at a render that has
+// returned; the watchdog waits for deadlines without Python's lock.
 class Watchdog {
  public:
-  Watchdog(unsigned long thread, std::chrono::milliseconds time)
-      : thread_(thread), deadline_(std::chrono::steady_clock::now() + time), runner_([this] { watch(); }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      finished_ = true;
-    }
-    cv_.notify_one();
-    runner_.join();
+  // The one watchdog (its thread started at first use; never ended: it
+  // only waits, and the process's exit stops it).
+  static Watchdog& instance() {
+    static Watchdog* w = new Watchdog;
+    return *w;
   }
-  // With the lock held, once the render has returned.
-  void returned() { returned_ = true; }
-  bool fired() const { return fired_; }
+  // With Python's lock held, by the rendering thread: a render of `thread`
+  // due by `time` from now. Returns its ticket.
+  uint64_t watch(unsigned long thread, std::chrono::milliseconds time) {
+    std::lock_guard<std::mutex> lock(m_);
+    const uint64_t ticket = ++last_;
+    renders_.emplace(ticket, Render{thread, std::chrono::steady_clock::now() + time});
+    cv_.notify_one();
+    return ticket;
+  }
+  // With Python's lock held, once the render has returned: whether the
+  // watchdog fired at it. Its entry is gone after this.
+  bool unwatch(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(m_);
+    const auto it = renders_.find(ticket);
+    const bool fired = it->second.fired;
+    renders_.erase(it);
+    return fired;
+  }
 
  private:
-  void watch() {
+  struct Render {
+    unsigned long thread;  // Python's id of the rendering thread
+    std::chrono::steady_clock::time_point deadline;
+    bool fired = false;
+  };
+
+  Watchdog() { std::thread([this] { run(); }).detach(); }
+
+  void run() {
     std::unique_lock<std::mutex> lock(m_);
-    if (cv_.wait_until(lock, deadline_, [this] { return finished_; })) return;
-    lock.unlock();
-    Gil gil;
-    if (returned_) return;  // (set under the lock: the render is past its last Python step)
-    fired_ = true;
-    PyThreadState_SetAsyncExc(thread_, PyExc_TimeoutError);
+    for (;;) {
+      // The earliest deadline not yet acted on (none: until a render comes).
+      auto due = renders_.end();
+      for (auto it = renders_.begin(); it != renders_.end(); ++it)
+        if (!it->second.fired && (due == renders_.end() || it->second.deadline < due->second.deadline)) due = it;
+      if (due == renders_.end()) {
+        cv_.wait(lock);
+        continue;
+      }
+      const uint64_t ticket = due->first;
+      if (cv_.wait_until(lock, due->second.deadline) != std::cv_status::timeout) continue;  // (a new render, or spurious)
+      // Python's lock first, then ours again (the order the renders take them).
+      lock.unlock();
+      {
+        Gil gil;
+        std::lock_guard<std::mutex> again(m_);
+        const auto it = renders_.find(ticket);
+        if (it != renders_.end() && !it->second.fired) {  // (gone: it returned meanwhile)
+          it->second.fired = true;
+          PyThreadState_SetAsyncExc(it->second.thread, PyExc_TimeoutError);
+        }
+      }
+      lock.lock();
+    }
   }
 
-  const unsigned long thread_;
-  const std::chrono::steady_clock::time_point deadline_;
   std::mutex m_;
   std::condition_variable cv_;
-  bool finished_ = false;
-  std::atomic<bool> returned_{false}, fired_{false};
-  std::thread runner_;
+  std::map<uint64_t, Render> renders_;  // by ticket: the renders running now
+  uint64_t last_ = 0;
 };
 
 }  // namespace
@@ -263,18 +303,14 @@ std::string JinjaTemplate::render(const std::string& context_json, const JinjaLi
   PyObject* rendered = nullptr;
   bool timed_out = false;
   {
-    // The watchdog takes the lock at the deadline (Python lets go of it
-    // between steps); `returned` is set with the lock held, so it never
-    // fires at a render that has returned.
-    std::optional<Watchdog> watchdog;
-    watchdog.emplace(PyThread_get_thread_ident(), limits.time);
+    // The watchdog takes Python's lock at the deadline (Python lets go of it
+    // between steps); the render's entry goes with the lock held, so it
+    // never fires at a render that has returned.
+    Watchdog& watchdog = Watchdog::instance();
+    const uint64_t ticket = watchdog.watch(PyThread_get_thread_ident(), limits.time);
     rendered = PyObject_CallFunctionObjArgs(py.render, static_cast<PyObject*>(compiled_), context, characters, nullptr);
-    watchdog->returned();
     PyThreadState_SetAsyncExc(PyThread_get_thread_ident(), nullptr);  // one raised after the last step: dropped
-    timed_out = watchdog->fired();
-    // The watchdog may be waiting for the lock: let Python go while it ends.
-    Py_BEGIN_ALLOW_THREADS watchdog.reset();
-    Py_END_ALLOW_THREADS
+    timed_out = watchdog.unwatch(ticket);
   }
   Py_DECREF(context);
   Py_DECREF(characters);

@@ -4,9 +4,12 @@
 // plain text, the template's own control tokens as tokens.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -94,6 +97,48 @@ TEST(JinjaTemplate, AnotherPython3FirstOnPathIsNotItsHome) {
   EXPECT_EQ(status, 0) << out;
   EXPECT_NE(out.find("[  PASSED  ] 1 test"), std::string::npos) << out;
   std::filesystem::remove_all(dir);
+}
+
+// Renders past their time in several threads at once: each is stopped at its
+// own deadline (the one watchdog waits for the earliest, also one that came
+// after it began waiting), and quick renders beside them are never stopped.
+TEST(JinjaTemplate, EachRenderIsStoppedAtItsOwnDeadline) {
+  const JinjaTemplate endless("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
+  const JinjaTemplate quick("{% for m in messages %}[{{ m }}]{% endfor %}");
+  std::mutex m;
+  std::vector<std::string> ended;  // "long" or "short", in the order they ended
+  auto run = [&](const char* name, int ms) {
+    JinjaLimits limits;
+    limits.time = std::chrono::milliseconds(ms);
+    std::string e;
+    try {
+      endless.render("{}", limits);
+    } catch (const ChatTemplateError& error) {
+      e = error.what();
+    }
+    std::lock_guard<std::mutex> lock(m);
+    ended.push_back(name + (": " + e));
+  };
+  std::atomic<bool> long_started{false}, done{false};
+  std::thread slow([&] {
+    long_started = true;
+    run("long", 1500);
+  });
+  while (!long_started) std::this_thread::yield();
+  std::thread fast([&] { run("short", 150); });
+  int quick_renders = 0;
+  std::thread beside([&] {
+    for (int k = 0; !done && k < 100000; ++k, ++quick_renders)
+      EXPECT_EQ(quick.render(json{{"messages", {k}}}.dump()), "[" + std::to_string(k) + "]");
+  });
+  fast.join();
+  slow.join();
+  done = true;
+  beside.join();
+  ASSERT_EQ(ended.size(), 2u);
+  EXPECT_EQ(ended[0], "short: the chat template ran past its 150 ms");
+  EXPECT_EQ(ended[1], "long: the chat template ran past its 1500 ms");
+  EXPECT_GT(quick_renders, 0);
 }
 
 TEST(JinjaTemplate, RendersFromManyThreadsAtOnce) {
