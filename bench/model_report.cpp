@@ -79,39 +79,48 @@ size_t peak_rss() {
   return 0;
 }
 
-// One thread's share of the buffer summed with 256-bit loads, in `streams`
-// sequential streams over equal parts of it (several streams keep more
-// lines in flight than one: the decode kernels read several weight rows
-// at once), each 4 loads a step, with a software prefetch `ahead` bytes
-// in front of each stream (0: none).
+// Bytes of one stream's chunk: a thread's streams read adjacent chunks (as a
+// decode kernel's panels and tiles lie side by side), then the next
+// `streams` chunks. Not streams a power of two apart: those alias in the
+// caches and the memory's banks (AMD Zen 3 VM, 1 GiB on 1 thread: 4 streams
+// 256 MiB apart read 16-23 GB/s, 3 or 5 apart 25-30, 4 over adjacent 128
+// KiB chunks 24-28).
+constexpr size_t kProbeChunk = 128 * 1024;
+
+// One thread's share of the buffer (`n` uint64, a multiple of `streams`
+// chunks) summed with 256-bit loads, in `streams` streams over adjacent
+// chunks, each 4 loads (2 lines) a step, with a software prefetch `ahead`
+// bytes in front of each stream (0: none).
 __attribute__((target("avx2"))) uint64_t sum_streams(const uint64_t* p, size_t n, int streams, size_t ahead) {
   __m256i acc = _mm256_setzero_si256();
-  const size_t part = n / size_t(streams) / 16 * 16;
+  const size_t chunk = kProbeChunk / sizeof(uint64_t), group = chunk * size_t(streams);
   const size_t lead = ahead / sizeof(uint64_t);
-  for (size_t i = 0; i < part; i += 16) {
-    for (int s = 0; s < streams; ++s) {
-      const uint64_t* q = p + size_t(s) * part + i;
-      if (lead) _mm_prefetch(reinterpret_cast<const char*>(q + lead), _MM_HINT_T0);
-      const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
-      const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 4));
-      const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 8));
-      const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 12));
-      acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
-    }
-  }
+  for (size_t g = 0; g + group <= n; g += group)
+    for (size_t i = 0; i < chunk; i += 16)
+      for (int s = 0; s < streams; ++s) {
+        const uint64_t* q = p + g + size_t(s) * chunk + i;
+        if (lead) _mm_prefetch(reinterpret_cast<const char*>(q + lead), _MM_HINT_T0);
+        const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 4));
+        const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 8));
+        const __m256i d = _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 12));
+        acc = _mm256_add_epi64(acc, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
+      }
   alignas(32) uint64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
   return lanes[0] + lanes[1] + lanes[2] + lanes[3];
 }
 
 // Bytes per second of reading a buffer far larger than the caches with
-// `threads` threads, as a decode step reads its weights: the best of 3
-// passes of each way of reading (1, 2, 4 or 8 streams a thread; no
-// prefetch, or 512 B or 2 KiB ahead), so that the limit is the machine's,
+// `threads` threads, as a decode step reads its weights: the best of 2
+// passes of each way of reading (1 to 8 streams a thread over adjacent
+// chunks; no prefetch, or 512 B ahead), so that the limit is the machine's,
 // not one loop's. The buffer is in transparent huge pages, as the weights
 // are (before 2026-12-06 it was in 4 KiB pages: a Zen 3 VM's probe moved
-// within its noise either way, 22.5-26.5 GB/s on 1 thread). A decode that
-// reads faster than this says so (model_report).
+// within its noise either way, 22.5-26.5 GB/s on 1 thread; and until
+// 2026-12-06 its 2, 4 or 8 streams were a power of two apart, so on that
+// VM the probe read ~23 GB/s on 1 thread where an F32 decode read 26-28).
+// A decode that reads faster than this says so (model_report).
 double read_bandwidth_here(int threads) {
   const size_t n = size_t(1) << 27;  // 1 GiB of uint64
   static uint64_t* buffer = nullptr;
@@ -122,13 +131,14 @@ double read_bandwidth_here(int threads) {
   }
   double best = 0;
   volatile uint64_t sink = 0;
-  for (const int streams : {1, 2, 4, 8})
-    for (const size_t ahead : {size_t(0), size_t(512), size_t(2048)})
-      for (int pass = 0; pass < 3; ++pass) {
+  for (const int streams : {1, 2, 3, 4, 5, 6, 8})
+    for (const size_t ahead : {size_t(0), size_t(512)})
+      for (int pass = 0; pass < 2; ++pass) {
         // (std::thread, not OpenMP: this runs in a child forked from a
         // process whose OpenMP pool is live, where libgomp hangs.)
-        const size_t per = n / size_t(threads) / 16 * 16;
-        const size_t read = size_t(threads) * (per / size_t(streams) / 16 * 16 * size_t(streams) * sizeof(uint64_t));
+        const size_t group = kProbeChunk / sizeof(uint64_t) * size_t(streams);
+        const size_t per = n / size_t(threads) / group * group;  // whole groups of chunks a thread
+        const size_t read = size_t(threads) * per * sizeof(uint64_t);
         std::vector<uint64_t> sums(static_cast<size_t>(threads));
         const auto t0 = Clock::now();
         std::vector<std::thread> readers;
