@@ -34,7 +34,7 @@ const std::string kUsage = std::string(
     "                       [--speculation off|ngram|draft] [--num-speculative-tokens 4]\n"
     "                       [--prompt-lookup-min 2] [--prompt-lookup-max 4] [--draft-model FILE]\n"
     "M: a llama2.c checkpoint (then --tokenizer is required) or a GGUF file (its own vocabulary\n"
-    "unless --tokenizer names another). Prints the prompt and its continuation, or with --json one line\n"
+    "unless --tokenizer names another). Prints the prompt and its continuation as it is made, or with --json one line\n"
     "{\"prompt_tokens\":[...],\"output_tokens\":[...],\"text\":\"...\"} (text: the continuation).\n"
     "--speculation: speculative decoding (README, Speculative decoding): the same tokens, the guesses'\n"
     "counts on stderr; ngram guesses by prompt lookup, draft by --draft-model's greedy tokens.\n") + "Sampling flags:\n" + kSamplingUsage;
@@ -123,20 +123,30 @@ int run(const Options& o) {
     spec = Speculation{draft_proposer(*draft, int(prompt.size()) + o.gen.max_new_tokens), o.speculation.num_tokens};
   }
   SpeculationStats stats;
+  // Without --json the text streams: the prompt, then each token's piece as
+  // it is made (a piece may end inside a UTF-8 character; the next ends it).
+  TokenSink print_piece;
+  int previous = prompt.back();
+  if (!o.json) {
+    std::cout << prompt_text(tokenizer, prompt) << std::flush;
+    print_piece = [&](int token) {
+      std::cout << tokenizer.decode(previous, token) << std::flush;
+      previous = token;
+    };
+  }
   const auto start = std::chrono::steady_clock::now();
   const GenerateResult result = generate_speculative(engine, prompt, o.gen.max_new_tokens, o.gen.sampling,
-                                                     spec ? &*spec : nullptr, nullptr, &stats);
+                                                     spec ? &*spec : nullptr, nullptr, &stats, print_piece);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const std::string text = tokenizer.decode_all(prompt.back(), result.tokens);
 
   if (o.json) {
     nlohmann::ordered_json line;
     line["prompt_tokens"] = prompt;
     line["output_tokens"] = result.tokens;
-    line["text"] = text;
+    line["text"] = tokenizer.decode_all(prompt.back(), result.tokens);
     std::cout << json_line(line) << std::endl;
   } else {
-    std::cout << prompt_text(tokenizer, prompt) << text << std::endl;
+    std::cout << std::endl;
     std::cerr << "[" << engine.backend_name() << "] " << prompt.size() << " prompt tokens, "
               << result.tokens.size() << " generated ("
               << (result.finish == FinishReason::eos ? "end of sequence" : "length") << ") in " << seconds

@@ -43,7 +43,8 @@ int positions_needed(const Engine& engine, const std::vector<int>& prompt, int m
 // step without guesses is the plain step.
 GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>& blocks, const std::vector<int>& prompt,
                            std::vector<float> logits, int max_new_tokens, const SamplingParams& sampling,
-                           Constraints* constraints, const Speculation* spec, SpeculationStats* stats) {
+                           Constraints* constraints, const Speculation* spec, SpeculationStats* stats,
+                           const TokenSink& on_token) {
   const ModelConfig& c = engine.config();
   GenerateResult result;
   const int limit = token_limit(int(prompt.size()), max_new_tokens, c.seq_len);
@@ -73,6 +74,7 @@ GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>&
       if (stop != FinishReason::eos) {
         result.tokens.push_back(sampled.token);
         if (sampling.logprobs >= 0) result.logprobs.push_back(sampled.logprobs);
+        if (on_token) on_token(sampled.token);
       }
       if (spec) sequence.push_back(sampled.token);
       ++step;
@@ -113,7 +115,7 @@ GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_
 
 GenerateResult generate_speculative(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                                     const SamplingParams& sampling, const Speculation* spec, Constraints* constraints,
-                                    SpeculationStats* stats) {
+                                    SpeculationStats* stats, const TokenSink& on_token) {
   check_request(engine, prompt, max_new_tokens, sampling, constraints);
   if (token_limit(int(prompt.size()), max_new_tokens, engine.config().seq_len) == 0) return {};
 
@@ -139,7 +141,7 @@ GenerateResult generate_speculative(Engine& engine, const std::vector<int>& prom
   view.payload = prefilled.kv.data();
   pool.write(blocks, view);
   GenerateResult result = decode_loop(engine, pool, blocks, prompt, std::move(prefilled.logits), max_new_tokens,
-                                      sampling, constraints, spec, stats);
+                                      sampling, constraints, spec, stats, on_token);
   result.prompt_logprobs = std::move(prompt_logprobs);
   return result;
 }
@@ -156,7 +158,7 @@ GenerateResult generate_stepwise(Engine& engine, const std::vector<int>& prompt,
   for (size_t pos = 0; pos < prompt.size(); ++pos)
     logits = engine.decode_step(pool, {DecodeSlot{prompt[pos], int(pos), &blocks}});
   return decode_loop(engine, pool, blocks, prompt, std::move(logits), max_new_tokens, sampling, constraints, nullptr,
-                     nullptr);
+                     nullptr, {});
 }
 
 }  // namespace disagg::gpu

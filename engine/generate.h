@@ -1,6 +1,7 @@
 // Colocated generation: prefill, then decode steps from a paged pool, in one
 // process. The reference behaviour that the disaggregated cluster must match.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "engine/constraint.h"
@@ -45,10 +46,14 @@ struct SpeculationStats {
   int64_t accepted = 0;  // of them, equal to the token made
   int64_t steps = 0;     // decode steps (the first token, sampled after the prefill, counts as one)
 };
+// Each output token as soon as it is made, in order: exactly the result's
+// tokens (none past a stop), for a caller that streams them.
+using TokenSink = std::function<void(int token)>;
 // spec null: generate().
 GenerateResult generate_speculative(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,
                                     const SamplingParams& sampling, const Speculation* spec,
-                                    Constraints* constraints = nullptr, SpeculationStats* stats = nullptr);
+                                    Constraints* constraints = nullptr, SpeculationStats* stats = nullptr,
+                                    const TokenSink& on_token = {});
 
 // Same tokens, with the prompt fed one token at a time through decode steps
 // (no prefill): a cross-check of the KV cache path.

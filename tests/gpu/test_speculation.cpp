@@ -4,6 +4,7 @@
 // wrong, random, n-gram lookup), greedy and sampled, with penalties, bias,
 // min_tokens and a grammar, on f32 and quantized weights.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <memory>
 #include <numeric>
@@ -143,6 +144,10 @@ void expect_exact_under_every_proposer(Engine& engine, const std::vector<int>& p
                                        const SamplingParams& sampling, Constraints* constraints = nullptr) {
   const GenerateResult plain = generate(engine, prompt, max_new, sampling, constraints);
   ASSERT_FALSE(plain.tokens.empty());
+  std::vector<int> streamed;
+  generate_speculative(engine, prompt, max_new, sampling, nullptr, constraints, nullptr,
+                       [&](int token) { streamed.push_back(token); });
+  EXPECT_EQ(streamed, plain.tokens);
   const int vocab = engine.config().vocab_size;
   SpeculationParams ngram_params{SpeculationMethod::ngram, 4, 1, 3};
   for (int k : {1, 2, 4, 8}) {
@@ -158,8 +163,11 @@ void expect_exact_under_every_proposer(Engine& engine, const std::vector<int>& p
       SCOPED_TRACE(n.name);
       Speculation spec{n.p, k};
       SpeculationStats stats;
-      const GenerateResult got = generate_speculative(engine, prompt, max_new, sampling, &spec, constraints, &stats);
+      std::vector<int> streamed;  // what a caller streaming the tokens was handed, in order
+      const GenerateResult got = generate_speculative(engine, prompt, max_new, sampling, &spec, constraints, &stats,
+                                                      [&](int token) { streamed.push_back(token); });
       expect_same(plain, got);
+      EXPECT_EQ(streamed, got.tokens);
       if (std::string(n.name) == "oracle") {
         // Every guess right: k + 1 tokens a step.
         EXPECT_EQ(stats.accepted, stats.proposed);
@@ -324,6 +332,13 @@ TEST(DraftModel, DisaggGenerateSpeculatesWithTheSameOutput) {
     EXPECT_EQ(line_status, 0);
     EXPECT_EQ(line, plain);
   }
+  // Without --json the text streams as it is made: the prompt, then the same continuation.
+  std::string text_mode = base.substr(0, base.size() - std::string(" --json").size());
+  const auto [streamed, streamed_status] = test::run_command(text_mode + " --speculation ngram 2>/dev/null");
+  EXPECT_EQ(streamed_status, 0);
+  const std::string continuation = nlohmann::json::parse(plain)["text"].get<std::string>();
+  ASSERT_GT(continuation.size(), 20u);
+  EXPECT_EQ(streamed, "Once upon a time" + continuation + "\n");
   EXPECT_EQ(test::run_command(base + " --speculation draft 2>/dev/null").second, 2) << "draft needs --draft-model";
   EXPECT_EQ(test::run_command(base + " --speculation eagle 2>/dev/null").second, 2);
 }
