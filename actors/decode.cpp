@@ -4,6 +4,7 @@
 #include <chrono>
 #include <deque>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -158,6 +159,7 @@ struct DecodeState {
   TokenBatch tokens_out;    // tokens made and not yet sent to the router (flush_tokens)
   RecentIds cancelled{4096};
   bool step_in_flight = false;
+  gpu::GuessCost guess_cost;  // its steps' compute time against their rows: what a guess row costs the gates
   size_t cursor = 0;  // round robin over active sequences when more than max_batch
   // The sequences of the step in flight, and blocks of those among them that
   // ended meanwhile: the step still writes their KV at one position, so the
@@ -359,6 +361,7 @@ void schedule_step(Self self) {
     if (std::holds_alternative<Sequence>(phase)) all.push_back(id);
   if (all.empty()) return;
   const size_t take = std::min(all.size(), size_t(st.config.max_batch));
+  const double guess_cost = st.guess_cost.share(int(take));  // in tokens: a step of `take` plain rows'
   DecodeStep step;
   std::vector<RequestId> ids;
   for (size_t k = 0; k < take; ++k) {
@@ -373,7 +376,7 @@ void schedule_step(Self self) {
     slot.blocks = seq.blocks;
     // Guesses for the tokens after this one, inside the request's limit.
     const int32_t room = gpu::guess_room(seq.sampling.speculation.num_tokens, slot.step, seq.limit);
-    if (seq.speculates() && room > 0) slot.draft_limit = seq.gate.allowed(room);
+    if (seq.speculates() && room > 0) slot.draft_limit = seq.gate.allowed(room, guess_cost);
     seq.drafted |= slot.draft_limit > 0 && seq.sampling.speculation.method == gpu::SpeculationMethod::draft;
     if (seq.sampling.uses_history() || slot.draft_limit > 0) {
       slot.history.reserve(seq.context.size() + seq.tokens.size());
@@ -430,6 +433,9 @@ void schedule_step(Self self) {
                 }
             }
             record_decode_step(r.compute_us, !r.proposed.empty());
+            if (r.code == ErrorCode::none)
+              self->state.guess_cost.record(int(ids.size()) + std::accumulate(r.proposed.begin(), r.proposed.end(), 0),
+                                            double(r.compute_us) * 1e-6);
             flush_tokens(self);
             if (changed) report_load(self);
             schedule_step(self);

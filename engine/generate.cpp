@@ -3,6 +3,7 @@
 #include "engine/generate.h"
 
 #include <algorithm>
+#include <chrono>
 #include <numeric>
 #include <string>
 
@@ -56,6 +57,7 @@ GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>&
     return constraints->mask(sampling.grammar, h, step);
   };
   SpeculationGate gate;
+  GuessCost guess_cost;  // this engine's steps of 1 and of 1 + k rows, timed
   std::vector<int> draft;  // the guesses fed after the last token, whose rows `logits` holds after its own
   for (int step = 0;;) {
     const std::vector<Sampled> made =
@@ -86,13 +88,17 @@ GenerateResult decode_loop(Engine& engine, KvPool& pool, const std::vector<int>&
     // Token `step` comes next.
     int room = guess_room(spec ? spec->num_tokens : 0, step, limit);
     draft.clear();
-    if (room > 0 && spec->gated) room = gate.allowed(room);
+    if (room > 0 && spec->gated) room = gate.allowed(room, spec->priced ? guess_cost.share(1) : 0);
     if (room > 0) draft = spec->propose(sequence, room);
     if (int(draft.size()) > room) draft.resize(size_t(room));
     const int pos = int(prompt.size()) + step - 1;  // the last made token's
     std::vector<DecodeSlot> slots{DecodeSlot{made.back().token, pos, &blocks}};
     for (size_t i = 0; i < draft.size(); ++i) slots.push_back(DecodeSlot{draft[i], pos + 1 + int(i), &blocks});
+    const auto started = std::chrono::steady_clock::now();
     logits = engine.decode_step(pool, slots);
+    if (spec)
+      guess_cost.record(int(slots.size()),
+                        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   }
 }
 

@@ -40,6 +40,7 @@ struct Speculation {
   Proposer propose;
   int num_tokens = 4;  // guesses per step, at most
   bool gated = true;   // false: no SpeculationGate (the benchmark's every-step floor)
+  bool priced = true;  // false: the gate does not weigh a guess row's measured cost (tests that count steps)
 };
 struct SpeculationStats {
   int64_t proposed = 0;  // guesses fed

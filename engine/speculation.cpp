@@ -93,25 +93,65 @@ Proposer wrong_proposer(std::vector<int> plain, size_t prompt_len, int vocab) {
   };
 }
 
-int SpeculationGate::allowed(int k) {
+void GuessCost::record(int rows, double seconds) {
+  w_ = kDecay * w_ + 1;
+  x_ = kDecay * x_ + rows;
+  y_ = kDecay * y_ + seconds;
+  xx_ = kDecay * xx_ + double(rows) * rows;
+  xy_ = kDecay * xy_ + rows * seconds;
+}
+
+double GuessCost::share(int rows) const {
+  const double spread = w_ * xx_ - x_ * x_;  // w^2 x the variance of the rows
+  if (rows <= 0 || spread <= 1e-9 * w_ * w_) return 0;  // (steps of one size: no slope)
+  const double per_row = std::max(0.0, (w_ * xy_ - x_ * y_) / spread);
+  const double fixed = std::max(0.0, (y_ - per_row * x_) / w_);
+  const double step = fixed + per_row * rows;
+  return step > 0 ? rows * per_row / step : 0;
+}
+
+int SpeculationGate::allowed(int k, double cost) {
   if (pause_ > 0) {
     --pause_;
     return 0;
   }
-  return std::min(k, cap_);
+  int n = std::min(k, cap_);
+  probe_ = false;
+  cost_ = cost;
+  if (cost > 0) {
+    // Guess i pays while acceptance^i > cost.
+    const double a = acceptance();
+    int paying = 0;
+    for (double all_right = a; paying < n && all_right > cost; all_right *= a) ++paying;
+    probe_ = paying == 0;
+    n = std::max(1, std::min(n, paying));
+  }
+  return n;
+}
+
+void SpeculationGate::pause() {
+  pause_ = next_;
+  next_ = std::min(2 * next_, kMaxPause);
 }
 
 void SpeculationGate::record(int proposed, int accepted) {
   if (proposed <= 0) return;
   proposed_ += proposed;
   accepted_ += accepted;
+  right_ = kMemory * right_ + accepted;
+  wrong_ = kMemory * wrong_ + (accepted < proposed ? 1 : 0);
   cap_ = accepted == proposed ? std::min(kMaxSpeculativeTokens, 2 * std::max(cap_, proposed)) : accepted + 1;
-  if (accepted > 0) {
-    next_ = 1;
+  if (accepted == 0) {
+    pause();
     return;
   }
-  pause_ = next_;
-  next_ = std::min(2 * next_, kMaxPause);
+  // A probe right, but not yet enough to make a guess pay: the same pause
+  // again (measuring costs a guess row each time), not a longer one.
+  if (probe_ && acceptance() <= cost_) {
+    pause_ = std::max(1, next_ / 2);
+    return;
+  }
+  next_ = 1;
 }
 
 std::vector<Sampled> verify_draft(const float* logits, int vocab, const std::vector<int>& draft,

@@ -21,7 +21,8 @@
 // The request's side: SpeculationParams (in its SamplingParams, so it travels
 // wherever the request goes; it changes no token), resolved against the
 // worker's configuration by resolve_speculation(); a SpeculationGate per
-// sequence pauses proposals while they keep failing.
+// sequence pauses proposals while they keep failing, and feeds only the
+// guesses that pay for their rows at the price a GuessCost measured.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -60,6 +61,23 @@ std::vector<int> propose_ngram(const std::vector<int>& tokens, int lookup_min, i
 // generate_speculative().
 inline int guess_room(int k, int index, int limit) { return std::max(0, std::min(k, limit - index - 1)); }
 
+// What one guess row costs a worker, measured: its decode steps' times
+// against their rows, fitted as time = fixed + per_row x rows over the recent
+// steps (sums that decay by kDecay a step). A guess row fed beside `rows`
+// plain ones costs per_row of a step that makes `rows` tokens: `share`
+// returns that in tokens, rows x per_row / (fixed + per_row x rows), the
+// tokens the step could have made in the guess row's time. 0 (free, as if
+// unmeasured) until steps of different sizes have been seen.
+class GuessCost {
+ public:
+  static constexpr double kDecay = 0.95;
+  void record(int rows, double seconds);
+  double share(int rows) const;
+
+ private:
+  double w_ = 0, x_ = 0, y_ = 0, xx_ = 0, xy_ = 0;  // decayed sums of 1, rows, seconds, rows^2, rows x seconds
+};
+
 // Spends a sequence's guesses where they pay. After a step that accepted
 // none of its guesses, none are made for the next `pause` steps, and the
 // pause doubles with each such step (up to kMaxPause); a step that accepted
@@ -67,20 +85,37 @@ inline int guess_room(int k, int index, int limit) { return std::max(0, std::min
 // last step accepted, doubling while every guess is accepted. A proposer
 // that is always wrong thus costs about one verification of one guess in
 // kMaxPause steps; one that is always right keeps every step at k guesses.
+// Given what a guess row costs (GuessCost::share, in tokens), it also feeds
+// a guess only while the chance that it and every guess before it are right
+// (a guess is right with the sequence's acceptance rate, estimated from its
+// steps) is above that cost: on a CPU where a row costs half a step, a
+// sequence whose guesses are right half the time guesses one at most. When
+// not even one pays, it feeds one now and then to measure again: a wrong
+// one pauses it as any step that accepted none, a right one that still
+// leaves guesses not paying for as long as the last pause. Cost 0: by the
+// cap and pauses alone.
 class SpeculationGate {
  public:
   static constexpr int kMaxPause = 64;
+  static constexpr double kMemory = 0.9;  // the weight of earlier steps in the acceptance rate
   // The guesses this step may feed, at most `k` (0: paused; counts the
-  // paused steps down). Ask once per step, only when k > 0.
-  int allowed(int k);
+  // paused steps down), a guess row costing `cost` tokens. Ask once per
+  // step, only when k > 0.
+  int allowed(int k, double cost = 0);
   void record(int proposed, int accepted);
   int64_t proposed() const { return proposed_; }
   int64_t accepted() const { return accepted_; }
+  // The chance a guess is right, as estimated (0.5 before any step).
+  double acceptance() const { return (right_ + 1) / (right_ + wrong_ + 2); }
 
  private:
+  void pause();
   int pause_ = 0;  // steps still paused
   int next_ = 1;   // the pause after the next step that accepts none
   int cap_ = kMaxSpeculativeTokens;
+  bool probe_ = false;  // the last guess fed did not pay by the estimate: a measurement
+  double cost_ = 0;     // what a guess row cost then
+  double right_ = 0, wrong_ = 0;  // decayed counts of right guesses and of steps a guess was wrong in
   int64_t proposed_ = 0, accepted_ = 0;
 };
 

@@ -92,6 +92,72 @@ TEST(SpeculationGate, FeedsOneMoreThanTheLastStepAcceptedAndDoublesWhileAllAre) 
   EXPECT_EQ(gate.allowed(8), 2);
 }
 
+// A guess row's cost, fitted from steps' times: time = fixed + per_row x
+// rows, the share in tokens of a step of `rows` plain rows.
+TEST(GuessCost, FitsTheStepsTimesAndPricesAGuessRowInTokens) {
+  GuessCost cost;
+  EXPECT_EQ(cost.share(1), 0.0);
+  for (int i = 0; i < 10; ++i) cost.record(1, 0.040);
+  EXPECT_EQ(cost.share(1), 0.0) << "steps of one size: no slope";
+  for (int i = 0; i < 10; ++i) cost.record(5, 0.080);  // 30 ms + 10 ms a row
+  EXPECT_NEAR(cost.share(1), 0.010 / 0.040, 1e-9);
+  EXPECT_NEAR(cost.share(16), 16 * 0.010 / (0.030 + 16 * 0.010), 1e-9);
+  // Recent steps weigh more: a machine that became 4x faster a row.
+  for (int i = 0; i < 200; ++i) cost.record(i % 2 ? 1 : 5, i % 2 ? 0.0325 : 0.0425);
+  EXPECT_NEAR(cost.share(1), 0.0025 / 0.0325, 1e-3);
+  // Rows that cost nothing (or less than nothing, by the noise): free.
+  GuessCost flat;
+  for (int i = 0; i < 20; ++i) flat.record(1 + 4 * (i % 2), i % 2 ? 0.039 : 0.040);
+  EXPECT_EQ(flat.share(1), 0.0);
+}
+
+TEST(SpeculationGate, FeedsOnlyTheGuessesThatPayForTheirRows) {
+  // A fresh gate's estimate: right half the time.
+  SpeculationGate gate;
+  EXPECT_DOUBLE_EQ(gate.acceptance(), 0.5);
+  EXPECT_EQ(gate.allowed(8, 0.2), 2);  // 0.5 and 0.25 pay, 0.125 does not
+  gate.record(2, 2);
+  EXPECT_NEAR(gate.acceptance(), 3.0 / 4.0, 1e-12);
+  EXPECT_EQ(gate.allowed(8, 0.2), 5);  // 0.75^5 = 0.237, 0.75^6 = 0.178
+  EXPECT_EQ(gate.allowed(3, 0.2), 3);  // and never more than asked
+  // Always right: as many as the cap allows.
+  for (int i = 0; i < 6; ++i) gate.record(4, 4);
+  EXPECT_EQ(gate.allowed(8, 0.2), 8);
+  // Cost 0 (not measured): the cap alone, as without a price.
+  EXPECT_EQ(gate.allowed(16, 0), 16);
+
+  // Guesses that do not pay: one now and then, to measure again; the pause
+  // doubles after a wrong probe and stays as it was after a right one that
+  // does not yet make a guess pay.
+  SpeculationGate costly;
+  auto closed_steps = [&] {  // steps until it opens again (that step's allowed() is a probe of one)
+    int n = 0;
+    int fed;
+    while ((fed = costly.allowed(4, 0.9)) == 0) ++n;
+    EXPECT_EQ(fed, 1);
+    return n;
+  };
+  EXPECT_EQ(costly.allowed(4, 0.9), 1);  // 0.5 < 0.9: a probe of one guess
+  costly.record(1, 0);
+  EXPECT_EQ(closed_steps(), 1);
+  costly.record(1, 0);
+  EXPECT_EQ(closed_steps(), 2);
+  costly.record(1, 1);  // right: 0.31 -> 0.49, still under 0.9
+  EXPECT_EQ(closed_steps(), 2);
+  costly.record(1, 0);
+  EXPECT_EQ(closed_steps(), 4);
+  // Probes right every time: the estimate climbs past the price, and then
+  // a guess is fed at every step.
+  for (int steps = 0; steps < 1000 && costly.acceptance() <= 0.9; ++steps)
+    if (const int n = costly.allowed(4, 0.9)) costly.record(n, n);
+  EXPECT_GT(costly.acceptance(), 0.9);
+  for (int i = 0; i < 5; ++i) {
+    const int n = costly.allowed(4, 0.9);
+    EXPECT_GE(n, 1) << "step " << i;
+    costly.record(n, n);
+  }
+}
+
 TEST(Speculation, RequestsResolveAgainstTheWorkersSettingsAndAreChecked) {
   const SpeculationParams worker{SpeculationMethod::ngram, 4, 1, 3};
   SpeculationParams r = resolve_speculation({}, worker);
@@ -162,6 +228,9 @@ void expect_exact_under_every_proposer(Engine& engine, const std::vector<int>& p
                            Named{"ngram", ngram_proposer(ngram_params)}}) {
       SCOPED_TRACE(n.name);
       Speculation spec{n.p, k};
+      // (the oracle's steps are counted: a guess's price, measured from the
+      // steps' times, would make their number depend on the machine)
+      spec.priced = std::string(n.name) != "oracle";
       SpeculationStats stats;
       std::vector<int> streamed;  // what a caller streaming the tokens was handed, in order
       const GenerateResult got = generate_speculative(engine, prompt, max_new, sampling, &spec, constraints, &stats,
