@@ -361,7 +361,7 @@ void schedule_step(Self self) {
     if (std::holds_alternative<Sequence>(phase)) all.push_back(id);
   if (all.empty()) return;
   const size_t take = std::min(all.size(), size_t(st.config.max_batch));
-  const double guess_cost = st.guess_cost.share(int(take));  // in tokens: a step of `take` plain rows'
+  const double guess_cost = st.guess_cost.share(int(take));  // a guess row's price, in tokens of this step
   DecodeStep step;
   std::vector<RequestId> ids;
   for (size_t k = 0; k < take; ++k) {
