@@ -276,6 +276,29 @@ TEST(Quant, Bf16RoundsToNearestEven) {
   }
 }
 
+// n x k weights in [-2, 2) from `rng` in a 16-bit `type`: the rows as a file
+// stores them (narrow) and widened back to floats (wide). Weight 0 is a
+// subnormal half, weight 1 beyond the largest half (inf in f16; one a row,
+// so no product sums inf - inf).
+struct Weights16 {
+  std::vector<uint16_t> narrow;
+  std::vector<float> wide;
+};
+Weights16 weights16(WeightType type, int n, int k, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  std::vector<float> w(size_t(n) * k);
+  for (float& v : w) v = u(rng);
+  w[0] = 3.0e-6f;
+  w[1] = 70000.0f;
+  Weights16 out{std::vector<uint16_t>(w.size()), std::vector<float>(w.size())};
+  for (int r = 0; r < n; ++r) {
+    auto* row = reinterpret_cast<uint8_t*>(out.narrow.data() + size_t(r) * k);
+    quantize_row(type, w.data() + size_t(r) * k, row, k);
+    dequantize_row(type, row, out.wide.data() + size_t(r) * k, k);
+  }
+  return out;
+}
+
 // The f16 / bf16 product of every kernel set is the f32 product of the
 // widened weights, bit for bit (the same kernels' f32 path, itself checked
 // against the fixed order in test_kernels), and a row's result does not
@@ -290,17 +313,9 @@ TEST(Quant, EveryKernelSets16BitProductIsTheF32ProductOfTheWidenedWeights) {
                      " k=" + std::to_string(k));
         std::mt19937 rng(uint32_t(m * 131 + n * 7 + k));
         std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-        std::vector<float> a(size_t(m) * k), w(size_t(n) * k);
+        std::vector<float> a(size_t(m) * k);
         for (float& v : a) v = u(rng);
-        for (float& v : w) v = u(rng);
-        w[0] = 3.0e-6f;  // a subnormal half
-        w[1] = 70000.0f;  // beyond the largest half: inf in f16
-        std::vector<uint16_t> narrow(w.size());
-        for (int r = 0; r < n; ++r)
-          quantize_row(type, w.data() + size_t(r) * k, reinterpret_cast<uint8_t*>(narrow.data() + size_t(r) * k), k);
-        std::vector<float> wide(w.size());
-        for (int r = 0; r < n; ++r)
-          dequantize_row(type, reinterpret_cast<const uint8_t*>(narrow.data() + size_t(r) * k), wide.data() + size_t(r) * k, k);
+        const auto [narrow, wide] = weights16(type, n, k, rng);
         std::vector<float> packed(cpu::packed_floats(n, k));
         cpu::pack_matrix(wide.data(), packed.data(), n, k);
         std::vector<uint16_t> packed16(cpu::packed_floats(n, k));
@@ -843,17 +858,7 @@ TEST(CudaVersusCpu, SixteenBitProductsAreTheCpus) {
     for (const int m : {1, 5, 70}) {
       SCOPED_TRACE(std::string(to_string(type)) + " m=" + std::to_string(m));
       std::mt19937 rng(uint32_t(m * 31 + int(type)));
-      std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-      std::vector<float> w(size_t(n) * k);
-      for (float& v : w) v = u(rng);
-      w[0] = 3.0e-6f;   // a subnormal half
-      w[1] = 70000.0f;  // beyond the largest half: inf in f16 (one a row: no inf - inf)
-      std::vector<uint16_t> narrow(w.size());
-      std::vector<float> wide(w.size());
-      for (int r = 0; r < n; ++r) {
-        quantize_row(type, w.data() + size_t(r) * k, reinterpret_cast<uint8_t*>(narrow.data() + size_t(r) * k), k);
-        dequantize_row(type, reinterpret_cast<const uint8_t*>(narrow.data() + size_t(r) * k), wide.data() + size_t(r) * k, k);
-      }
+      const auto [narrow, wide] = weights16(type, n, k, rng);
       const auto a = activations(m, k, 33);
       std::vector<float> want(size_t(m) * n), got(size_t(m) * n, -1.0f);
       {
