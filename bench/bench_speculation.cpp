@@ -97,9 +97,10 @@ std::vector<double> step_seconds(Engine& engine, KvPool& pool, const std::vector
   return out;
 }
 
-// Decode time of a greedy generation of `tokens` tokens: the whole run
-// less a run of one token (the same prefill and first sample), so the prompt's
-// prefill is not counted.
+// Decode time of a greedy generation of `tokens` tokens: from its first
+// token, the prefill's, streamed, to its end, so the prompt's prefill is not
+// counted (subtracting a run of one token's time left the noise of a long
+// prompt's prefill in a short decode's).
 struct Run {
   GenerateResult result;
   SpeculationStats stats;
@@ -107,12 +108,12 @@ struct Run {
 };
 Run timed(Engine& engine, const std::vector<int>& prompt, int tokens, const Speculation* spec) {
   Run run;
-  const auto t1 = Clock::now();
-  generate(engine, prompt, 1, SamplingParams{});
-  const double one = seconds_since(t1);
-  const auto t0 = Clock::now();
-  run.result = generate_speculative(engine, prompt, tokens, SamplingParams{}, spec, nullptr, &run.stats);
-  run.decode_s = std::max(1e-9, seconds_since(t0) - one);
+  Clock::time_point first{};
+  const TokenSink on_token = [&](int) {
+    if (first == Clock::time_point{}) first = Clock::now();
+  };
+  run.result = generate_speculative(engine, prompt, tokens, SamplingParams{}, spec, nullptr, &run.stats, on_token);
+  run.decode_s = first == Clock::time_point{} ? 1e-9 : std::max(1e-9, seconds_since(first));
   return run;
 }
 

@@ -103,7 +103,8 @@ void GuessCost::record(int rows, double seconds) {
 
 double GuessCost::share(int rows) const {
   const double spread = w_ * xx_ - x_ * x_;  // w^2 x the variance of the rows
-  if (rows <= 0 || spread <= 1e-9 * w_ * w_) return 0;  // (steps of one size: no slope)
+  if (rows <= 0) return 0;
+  if (spread <= 1e-9 * w_ * w_) return kUnmeasured;  // (steps of one size: no slope)
   const double per_row = std::max(0.0, (w_ * xy_ - x_ * y_) / spread);
   const double fixed = std::max(0.0, (y_ - per_row * x_) / w_);
   const double step = fixed + per_row * rows;
@@ -111,6 +112,7 @@ double GuessCost::share(int rows) const {
 }
 
 int SpeculationGate::allowed(int k, double cost) {
+  ++asked_;
   if (pause_ > 0) {
     --pause_;
     return 0;
@@ -124,6 +126,7 @@ int SpeculationGate::allowed(int k, double cost) {
     int paying = 0;
     for (double all_right = a; paying < n && all_right > cost; all_right *= a) ++paying;
     probe_ = paying == 0;
+    if (probe_ && debt_ > kProbeAllowance + kProbeShare * double(asked_)) return 0;  // over budget
     n = std::max(1, std::min(n, paying));
   }
   return n;
@@ -138,6 +141,7 @@ void SpeculationGate::record(int proposed, int accepted) {
   if (proposed <= 0) return;
   proposed_ += proposed;
   accepted_ += accepted;
+  if (probe_) debt_ = std::max(0.0, debt_ + cost_ * proposed - accepted);
   right_ = kMemory * right_ + accepted;
   wrong_ = kMemory * wrong_ + (accepted < proposed ? 1 : 0);
   cap_ = accepted == proposed ? std::min(kMaxSpeculativeTokens, 2 * std::max(cap_, proposed)) : accepted + 1;

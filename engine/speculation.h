@@ -66,11 +66,13 @@ inline int guess_room(int k, int index, int limit) { return std::max(0, std::min
 // steps (sums that decay by kDecay a step). A guess row fed beside `rows`
 // plain ones costs per_row of a step that makes `rows` tokens: `share`
 // returns that in tokens, rows x per_row / (fixed + per_row x rows), the
-// tokens the step could have made in the guess row's time. 0 (free, as if
-// unmeasured) until steps of different sizes have been seen.
+// tokens the step could have made in the guess row's time. Until steps of
+// different sizes have been seen, kUnmeasured: the most a row can cost (a
+// whole step's token), so a worker's first guess is a probe of one.
 class GuessCost {
  public:
   static constexpr double kDecay = 0.95;
+  static constexpr double kUnmeasured = 1.0;
   void record(int rows, double seconds);
   double share(int rows) const;
 
@@ -92,12 +94,19 @@ class GuessCost {
 // sequence whose guesses are right half the time guesses one at most. When
 // not even one pays, it feeds one now and then to measure again: a wrong
 // one pauses it as any step that accepted none, a right one that still
-// leaves guesses not paying for as long as the last pause. Cost 0: by the
-// cap and pauses alone.
+// leaves guesses not paying for as long as the last pause. And probes are
+// paid from a budget: their net cost (their rows' price less the tokens
+// they won) may reach kProbeAllowance tokens plus kProbeShare of the steps
+// asked so far, no more; so a proposer that is always wrong costs a sequence
+// about 1% of its steps whatever a row costs, and one that turned good is
+// found again by the probes its right guesses paid for. Cost 0: by the cap
+// and pauses alone.
 class SpeculationGate {
  public:
   static constexpr int kMaxPause = 64;
   static constexpr double kMemory = 0.9;  // the weight of earlier steps in the acceptance rate
+  static constexpr double kProbeShare = 0.01;     // of the steps asked, in tokens: the probes' budget
+  static constexpr double kProbeAllowance = 0.5;  // tokens the first probes may spend before that
   // The guesses this step may feed, at most `k` (0: paused; counts the
   // paused steps down), a guess row costing `cost` tokens. Ask once per
   // step, only when k > 0.
@@ -115,6 +124,8 @@ class SpeculationGate {
   int cap_ = kMaxSpeculativeTokens;
   bool probe_ = false;  // the last guess fed did not pay by the estimate: a measurement
   double cost_ = 0;     // what a guess row cost then
+  double debt_ = 0;     // the probes' net cost so far, in tokens (never below 0)
+  int64_t asked_ = 0;   // steps allowed() was asked for
   double right_ = 0, wrong_ = 0;  // decayed counts of right guesses and of steps a guess was wrong in
   int64_t proposed_ = 0, accepted_ = 0;
 };

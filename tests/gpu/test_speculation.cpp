@@ -96,9 +96,9 @@ TEST(SpeculationGate, FeedsOneMoreThanTheLastStepAcceptedAndDoublesWhileAllAre) 
 // rows, the share in tokens of a step of `rows` plain rows.
 TEST(GuessCost, FitsTheStepsTimesAndPricesAGuessRowInTokens) {
   GuessCost cost;
-  EXPECT_EQ(cost.share(1), 0.0);
+  EXPECT_EQ(cost.share(1), GuessCost::kUnmeasured) << "no steps: a row costs a whole step";
   for (int i = 0; i < 10; ++i) cost.record(1, 0.040);
-  EXPECT_EQ(cost.share(1), 0.0) << "steps of one size: no slope";
+  EXPECT_EQ(cost.share(1), GuessCost::kUnmeasured) << "steps of one size: no slope";
   for (int i = 0; i < 10; ++i) cost.record(5, 0.080);  // 30 ms + 10 ms a row
   EXPECT_NEAR(cost.share(1), 0.010 / 0.040, 1e-9);
   EXPECT_NEAR(cost.share(16), 16 * 0.010 / (0.030 + 16 * 0.010), 1e-9);
@@ -123,31 +123,58 @@ TEST(SpeculationGate, FeedsOnlyTheGuessesThatPayForTheirRows) {
   // Always right: as many as the cap allows.
   for (int i = 0; i < 6; ++i) gate.record(4, 4);
   EXPECT_EQ(gate.allowed(8, 0.2), 8);
-  // Cost 0 (not measured): the cap alone, as without a price.
+  // Cost 0 (rows measured free, or no price given): the cap alone.
   EXPECT_EQ(gate.allowed(16, 0), 16);
 
-  // Guesses that do not pay: one now and then, to measure again; the pause
-  // doubles after a wrong probe and stays as it was after a right one that
-  // does not yet make a guess pay.
+  // Guesses that do not pay: one now and then, to measure again, paid from
+  // the probes' budget (kProbeAllowance + kProbeShare of the steps asked).
   SpeculationGate costly;
+  const double price = 0.925;
+  int64_t asked = 0;
   auto closed_steps = [&] {  // steps until it opens again (that step's allowed() is a probe of one)
     int n = 0;
     int fed;
-    while ((fed = costly.allowed(4, 0.9)) == 0) ++n;
+    while (++asked, (fed = costly.allowed(4, price)) == 0) ++n;
     EXPECT_EQ(fed, 1);
     return n;
   };
-  EXPECT_EQ(costly.allowed(4, 0.9), 1);  // 0.5 < 0.9: a probe of one guess
-  costly.record(1, 0);
+  EXPECT_EQ(costly.allowed(4, price), 1);  // 0.5 < 0.925: a probe of one guess
+  ++asked;
+  costly.record(1, 0);  // wrong: 0.925 tokens spent, over the allowance
+  // Paused one step, then closed until 0.5 + 0.01 x asked covers 0.925: step 43.
+  EXPECT_EQ(closed_steps(), 41);
+  EXPECT_EQ(asked, 43);
+  costly.record(1, 1);  // right: 1 token back, and 0.33 -> 0.51 is still under the price: the last pause again
   EXPECT_EQ(closed_steps(), 1);
-  costly.record(1, 0);
-  EXPECT_EQ(closed_steps(), 2);
-  costly.record(1, 1);  // right: 0.31 -> 0.49, still under 0.9
-  EXPECT_EQ(closed_steps(), 2);
-  costly.record(1, 0);
-  EXPECT_EQ(closed_steps(), 4);
-  // Probes right every time: the estimate climbs past the price, and then
-  // a guess is fed at every step.
+  EXPECT_EQ(asked, 45);
+  costly.record(1, 0);  // wrong: 0.85 + 0.925 spent; the pause doubles (2), then the budget: step 128
+  EXPECT_EQ(closed_steps(), 82);
+  EXPECT_EQ(asked, 128);
+  // An always-wrong proposer's probes, at any price, stay inside the budget
+  // (the last one may overdraw it by its own price).
+  for (const double p : {0.9, 0.4, 0.1}) {
+    SpeculationGate wrong;
+    double spent = 0;
+    int late_probes = 0;
+    for (int step = 1; step <= 2000; ++step) {
+      const bool pays = wrong.acceptance() > p;  // (the first steps': a fresh estimate is 0.5)
+      const int n = wrong.allowed(4, p);
+      if (!pays) {
+        ASSERT_LE(n, 1) << "a guess that does not pay is a probe of one";
+        spent += n * p;
+        late_probes += step > 1800 ? n : 0;
+      }
+      EXPECT_LE(spent, SpeculationGate::kProbeAllowance + SpeculationGate::kProbeShare * step + p)
+          << "price " << p << ", step " << step;
+      wrong.record(n, 0);
+    }
+    // And it goes on measuring: the last 200 steps still probed; at 0.9, where
+    // the budget binds before the pauses do, it was spent.
+    EXPECT_GT(late_probes, 0) << "price " << p;
+    if (p > 0.5) EXPECT_GE(spent, SpeculationGate::kProbeShare * 2000 - 2 * p);
+  }
+  // Probes right every time: the estimate climbs past a price of 0.9 (it
+  // tends to 11/12), and then a guess is fed at every step.
   for (int steps = 0; steps < 1000 && costly.acceptance() <= 0.9; ++steps)
     if (const int n = costly.allowed(4, 0.9)) costly.record(n, n);
   EXPECT_GT(costly.acceptance(), 0.9);
