@@ -45,6 +45,7 @@ extern "C" void openblas_set_num_threads(int);
 
 #include "gpu/backend.h"
 #include "gpu/cpu/cpu_kernels.h"
+#include "gpu/host_memory.h"
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
 #include "engine/engine.h"
@@ -243,18 +244,22 @@ void time_quantized_rows(benchmark::State& state, WeightType type, int m, int n)
   const int k = 2048;
   const cpu::KernelTable& kernels = cpu::kernels_for("");
   const size_t bytes = cpu::tiled_bytes(type, n, k);
-  std::vector<uint8_t> w(bytes);
+  // In transparent huge pages, as the CPU backend lays out a model's weights.
+  const size_t whole = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  std::unique_ptr<uint8_t, decltype(&std::free)> held(static_cast<uint8_t*>(std::aligned_alloc(kHugePage, whole)), &std::free);
+  uint8_t* w = held.get();
+  advise_huge_pages(w, whole);
   std::mt19937 rng(1);
-  for (auto& b : w) b = uint8_t(rng());
+  for (size_t i = 0; i < bytes; ++i) w[i] = uint8_t(rng());
   std::vector<int8_t> qa(size_t(m) * size_t(k));
   for (auto& q : qa) q = int8_t(int(rng() % 255) - 127);
   std::vector<float> scales(size_t(m) * size_t(k) / 32, 0.01f), c(size_t(m) * size_t(n));
   std::vector<int16_t> sums(size_t(m) * size_t(k) / 16, 3);
   for (auto _ : state) {
     if (is_k_quant(type))
-      kernels.matmul_kquant(type, scales.data(), qa.data(), sums.data(), w.data(), c.data(), m, n, k, 0, n);
+      kernels.matmul_kquant(type, scales.data(), qa.data(), sums.data(), w, c.data(), m, n, k, 0, n);
     else
-      kernels.matmul_quantized(type, scales.data(), qa.data(), w.data(), c.data(), m, n, k, 0, n);
+      kernels.matmul_quantized(type, scales.data(), qa.data(), w, c.data(), m, n, k, 0, n);
     benchmark::DoNotOptimize(c.data());
   }
   state.counters["gb_s"] = benchmark::Counter(double(bytes) * double(state.iterations()) / 1e9, benchmark::Counter::kIsRate);
