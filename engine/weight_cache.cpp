@@ -236,10 +236,11 @@ std::unique_ptr<WeightCache> WeightCache::open(const std::string& folder, const 
     log("weight cache: cannot create " + tmp + ": " + errno_text() + "; weights kept in memory");
     return nullptr;
   }
+  // The mapping, once made, is the cache's alone to release (its destructor,
+  // when `cache` goes on a failed path): unmapped here too, it was unmapped
+  // twice, the second time perhaps over another thread's new mapping.
   auto fail = [&](const std::string& what) {
     log("weight cache: " + what + " " + tmp + ": " + errno_text() + "; weights kept in memory");
-    if (cache->mapping_) ::munmap(cache->mapping_, cache->mapping_bytes_);
-    cache->mapping_ = nullptr;
     ::close(fd);
     ::unlink(tmp.c_str());
     return nullptr;
@@ -258,7 +259,6 @@ std::unique_ptr<WeightCache> WeightCache::open(const std::string& folder, const 
   try {
     fill(data);
   } catch (...) {
-    ::munmap(m, cache->mapping_bytes_);
     ::close(fd);
     ::unlink(tmp.c_str());
     throw;
