@@ -170,6 +170,15 @@ Vocabulary read_vocabulary(const gguf::File& f, const std::string& path, int voc
 
 namespace {
 
+// A file (or directory, `where`) of `held` tensors cannot hold more layers
+// (each has several): an absurd layer count is refused before it sizes the
+// layers' table; a file short of a few tensors is told which one is missing.
+void check_tensor_count(const ModelConfig& c, size_t held, const std::string& where) {
+  if (uint64_t(c.n_layers) > held)
+    throw Error(where + ": " + std::to_string(c.n_layers) + " layers, but it holds only " + std::to_string(held) +
+                " tensors");
+}
+
 // A GGUF file's model config: its architecture's metadata (every dimension
 // and factor range-checked), the vocabulary size from token_embd's shape,
 // Llama 3.1's rope_freqs tensor.
@@ -267,6 +276,7 @@ void Checkpoint::load_gguf(size_t file_size) {
     return Matrix{bytes + t.offset, *type};
   };
   Weights& w = weights_;
+  check_tensor_count(c, f.tensors().size(), path_);
   w.layers.resize(size_t(c.n_layers));
   for_each_tensor(c, [&](Tensor which, int layer) {
     const Matrix m = load(which, layer);
@@ -588,6 +598,7 @@ void Checkpoint::load_hf(const std::string& dir) {
   }
 
   Weights& w = weights_;
+  check_tensor_count(c, tensors.size(), dir);
   w.layers.resize(size_t(c.n_layers));
   for_each_tensor(c, [&](Tensor which, int layer) {
     const std::string name = hf_name(which, layer);

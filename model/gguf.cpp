@@ -14,6 +14,11 @@ constexpr uint32_t kMagic = 0x46554747;  // "GGUF" read as a little-endian u32
 constexpr uint64_t kDefaultAlignment = 32;
 constexpr uint32_t kMaxDims = 4;         // GGML_MAX_DIMS
 constexpr int kMaxArrayNesting = 4;      // arrays of arrays of ...: deeper is refused
+// Array values in all the metadata: each becomes a Value of ~100 bytes, so
+// a count checked only against the bytes left (one a u8) could still ask for
+// 100x the file's size in memory. Real files hold under 1 M (a vocabulary's
+// tokens, scores, types and merges).
+constexpr uint64_t kMaxArrayValues = uint64_t(1) << 22;
 // The fewest bytes one metadata entry / tensor info can take (an empty
 // key or name, the smallest value, one dimension): what a count is checked
 // against before anything is reserved for it.
@@ -92,6 +97,10 @@ class Reader {
         if (count > left() / scalar_bytes(v.element))
           fail("metadata " + key + ": an array of " + std::to_string(count) + " " + to_string(v.element) +
                " values cannot fit in the " + std::to_string(left()) + " bytes left");
+        if (count > kMaxArrayValues - array_values_)
+          fail("metadata " + key + ": an array of " + std::to_string(count) + " values makes more than " +
+               std::to_string(kMaxArrayValues) + " array values in all");
+        array_values_ += count;
         v.array.reserve(size_t(count));
         for (uint64_t k = 0; k < count; ++k) v.array.push_back(value(v.element, key, depth + 1));
         break;
@@ -106,6 +115,7 @@ class Reader {
   const uint8_t* data_;
   size_t size_;
   size_t at_ = 0;
+  uint64_t array_values_ = 0;  // in the arrays read so far (kMaxArrayValues)
   const std::string& path_;
 };
 

@@ -1,6 +1,8 @@
 #include "model/model_config.h"
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 namespace disagg::gpu {
 
@@ -27,6 +29,10 @@ std::string validate(const ModelConfig& c) {
   if (c.n_heads % c.n_kv_heads != 0)
     return "n_heads " + std::to_string(c.n_heads) + " is not a multiple of n_kv_heads " +
            std::to_string(c.n_kv_heads);
+  if (c.head_size() > kMaxHeadSize)
+    return "head size " + std::to_string(c.head_size()) + " is above " + std::to_string(kMaxHeadSize);
+  if (int64_t(c.n_heads) * c.head_size() > std::numeric_limits<int32_t>::max())
+    return std::to_string(c.n_heads) + " heads of " + std::to_string(c.head_size()) + " values are too wide";
   if (c.head_size() % 2 != 0) return "head size " + std::to_string(c.head_size()) + " is odd (RoPE needs pairs)";
   return {};
 }

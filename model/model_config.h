@@ -57,6 +57,11 @@ struct ModelConfig {
 std::vector<float> llama3_rope_factors(const ModelConfig& config, float factor, float low_freq_factor,
                                        float high_freq_factor, int original_context);
 
+// The widest head a config may have: no model's heads are over 1024 wide,
+// and a file's head size sizes buffers (RoPE's factors, the attention's
+// widths) before its tensors' shapes are checked.
+constexpr int kMaxHeadSize = 1 << 14;
+
 // Empty string when the config is usable, else what is wrong with it.
 std::string validate(const ModelConfig& config);
 

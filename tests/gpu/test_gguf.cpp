@@ -187,6 +187,10 @@ TEST(Gguf, BadFilesGetAnErrorNamingTheProblem) {
       {"string array count",
        Bytes().header(0, 1).str("k").put<uint32_t>(9).put<uint32_t>(8).put<uint64_t>(1000000).zeros(64).b,
        "an array of 1000000 string values cannot fit"},
+      {"array values in all",  // 6 MB of u8 would fit, but as ~600 MB of values: refused
+       Bytes().header(0, 2).str("k").put<uint32_t>(9).put<uint32_t>(0).put<uint64_t>(3000000).zeros(3000000)
+           .str("l").put<uint32_t>(9).put<uint32_t>(0).put<uint64_t>(3000000).zeros(3000000).b,
+       "metadata l: an array of 3000000 values makes more than 4194304 array values in all"},
       {"nested arrays", [] {
          Bytes b;
          b.header(0, 1).str("k").put<uint32_t>(9);
@@ -470,6 +474,10 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
       {"zero heads", [](ModelFile& m) { m.set("llama.attention.head_count", gguf::Writer::u32(0)); },
        "metadata llama.attention.head_count = 0 is out of range"},
       {"missing tensor", [](ModelFile& m) { m.drop_tensor("blk.1.ffn_up.weight"); }, "tensor blk.1.ffn_up.weight is missing"},
+      {"layers past the tensors", [](ModelFile& m) { m.set("llama.block_count", gguf::Writer::u32(2000000000)); },
+       "2000000000 layers, but it holds only 20 tensors"},
+      {"wide heads", [](ModelFile& m) { m.set("llama.attention.key_length", gguf::Writer::u32(1u << 30)); },
+       "head size 1073741824 is above 16384"},
       {"shape", [](ModelFile& m) { m.tensor("blk.0.attn_q.weight").dims = {64, 32}; },
        "tensor blk.0.attn_q.weight: shape [64, 32], the metadata says [64, 64]"},
       {"quantized norm", [](ModelFile& m) { m.tensor("blk.1.ffn_norm.weight").type = uint32_t(gguf::TensorType::q8_0); },
