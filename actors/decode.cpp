@@ -77,6 +77,10 @@ struct Sequence {
   // gate that pauses guessing while it fails. Guessing needs the prompt (context).
   gpu::SpeculationGate gate;
   bool drafted = false;  // the compute holds a draft model's KV for it (told to drop it at the end)
+  // Which attempt of the request this is (DecodeState::next_serial): a step's
+  // answer goes only to the sequence it was asked for, not to a later attempt
+  // of the same request admitted here while the step ran.
+  uint64_t serial = 0;
   bool speculates() const {
     return sampling.speculation.method != gpu::SpeculationMethod::off && !context.empty();
   }
@@ -166,6 +170,12 @@ struct DecodeState {
   // blocks go back to the allocator (and to a stream's receiver) only after it.
   std::unordered_set<RequestId> in_step;
   std::vector<int32_t> release_after_step;
+  // Blocks of calls to the compute that timed out: it may still be running
+  // them and writing KV there, so they go back to the allocator only once the
+  // compute has answered a later call (it takes its calls in order: a
+  // barrier, re-sent at each timeout while it stays silent).
+  std::vector<int32_t> quarantined;
+  bool barrier_in_flight = false;
 };
 
 // An actor that ends with streams open gives their memory back first.
@@ -184,6 +194,14 @@ template <class P>
 Requests::iterator find_in(DecodeState& st, RequestId id) {
   auto it = st.requests.find(id);
   return it != st.requests.end() && std::holds_alternative<P>(it->second) ? it : st.requests.end();
+}
+
+// The sequence a step was asked for (`serial`: Sequence::serial then), if it
+// is still there: not one that ended meanwhile, nor a later attempt of the
+// same request admitted here while the step ran.
+Requests::iterator find_scheduled(DecodeState& st, RequestId id, uint64_t serial) {
+  auto it = find_in<Sequence>(st, id);
+  return it != st.requests.end() && std::get<Sequence>(it->second).serial == serial ? it : st.requests.end();
 }
 
 int32_t active_sequences(const DecodeState& st) {
@@ -330,6 +348,32 @@ bool step_over(Self self) {
   return true;
 }
 
+// Blocks a timed-out call to the compute may still write: held until the
+// compute answers a call made after it (DecodeState::quarantined).
+void quarantine(Self self, std::vector<int32_t> blocks) {
+  auto& st = self->state;
+  st.quarantined.insert(st.quarantined.end(), blocks.begin(), blocks.end());
+  if (st.quarantined.empty() || st.barrier_in_flight) return;
+  st.barrier_in_flight = true;
+  self->request(st.compute, std::chrono::milliseconds(st.config.compute_timeout_ms), info_atom::value)
+      .then(
+          [=](ModelInfo&) {
+            auto& state = self->state;
+            state.barrier_in_flight = false;
+            state.allocator->release(state.quarantined);
+            state.quarantined.clear();
+            report_load(self);
+          },
+          [=](caf::error& e) {
+            auto& state = self->state;
+            state.barrier_in_flight = false;
+            if (e == caf::sec::request_timeout) return quarantine(self, {});  // still busy: ask again
+            // The compute is gone (its worker with it): nothing writes the blocks any more.
+            state.allocator->release(state.quarantined);
+            state.quarantined.clear();
+          });
+}
+
 // Why a step's answer does not fit the `slots` it was asked for, or "".
 std::string step_result_problem(const StepResult& r, size_t slots) {
   size_t tokens = slots;
@@ -364,9 +408,11 @@ void schedule_step(Self self) {
   const double guess_cost = st.guess_cost.share(int(take));  // a guess row's price, in tokens of this step
   DecodeStep step;
   std::vector<RequestId> ids;
+  std::vector<uint64_t> serials;  // of the sequences scheduled (Sequence::serial)
   for (size_t k = 0; k < take; ++k) {
     const RequestId id = all[(st.cursor + k) % all.size()];
     Sequence& seq = std::get<Sequence>(st.requests.at(id));
+    serials.push_back(seq.serial);
     StepSlot slot;
     slot.id = id;
     slot.token = seq.tokens.back();  // the last emitted token, fed at the next position
@@ -409,7 +455,7 @@ void schedule_step(Self self) {
               const size_t made = r.code != ErrorCode::none || r.made.empty() ? 1 : size_t(r.made[i]);
               const size_t from = first;
               first += made;
-              auto it = find_in<Sequence>(self->state, ids[i]);
+              auto it = find_scheduled(self->state, ids[i], serials[i]);
               if (it == self->state.requests.end()) continue;  // cancelled during the step
               if (r.code != ErrorCode::none) {
                 finish_sequence(self, it, r.code, r.message, FinishReason::length);
@@ -441,12 +487,19 @@ void schedule_step(Self self) {
             schedule_step(self);
           },
           [=](caf::error& e) {
-            step_over(self);
-            for (RequestId id : ids) {
-              auto it = find_in<Sequence>(self->state, id);
+            // Its sequences end (their blocks wait for the step: in_step),
+            // then the step is over here; at a timeout the compute may still
+            // be running it, so what waited for it waits for the compute.
+            for (size_t i = 0; i < ids.size(); ++i) {
+              auto it = find_scheduled(self->state, ids[i], serials[i]);
               if (it != self->state.requests.end())
                 finish_sequence(self, it, code_of(e), describe("decode step", e), FinishReason::length);
             }
+            if (e == caf::sec::request_timeout) {
+              quarantine(self, std::move(self->state.release_after_step));
+              self->state.release_after_step.clear();
+            }
+            step_over(self);
             report_load(self);
             schedule_step(self);
           });
@@ -603,6 +656,7 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
 void activate(Self self, RequestId id, Sequence seq, int32_t first_token, TokenLogprobs first_logprobs,
               caf::typed_response_promise<KvAck> promise) {
   seq.admitted = Clock::now();
+  seq.serial = self->state.next_serial++;
   publish_blocks(self, seq.hashes, seq.blocks);  // the prompt's KV is final
   auto it = self->state.requests.insert_or_assign(id, std::move(seq)).first;
   accept_token(self, it, first_token, std::move(first_logprobs));  // sampled by the prefill side (sent at once)
@@ -764,7 +818,9 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
           },
           [=](caf::error& e) mutable {
             self->state.requests.erase(id);  // (Admitting)
-            self->state.allocator->release(seq.blocks);
+            // Timed out, the compute may still be writing the KV in.
+            if (e == caf::sec::request_timeout) quarantine(self, seq.blocks);
+            else self->state.allocator->release(seq.blocks);
             promise.deliver(make_ack(self, id, code_of(e), describe("KV admission", e)));
             report_load(self);
           });

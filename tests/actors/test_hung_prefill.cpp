@@ -177,7 +177,21 @@ caf::behavior compute_gate(caf::stateful_actor<ComputeGateState>* self, compute_
   self->link_to(compute);
   auto& st = self->state;
   return {
-      [=](info_atom a) { return self->delegate(compute, a); },
+      // (held too while paused, in order: a compute busy with a step answers
+      // nothing before it)
+      [=, &st](info_atom a) {
+        auto promise = self->make_response_promise<ModelInfo>();
+        auto pass_on = [=]() mutable {
+          self->request(compute, caf::infinite, a)
+              .then([=](ModelInfo& m) mutable { promise.deliver(std::move(m)); },
+                    [=](caf::error& e) mutable { promise.deliver(e); });
+        };
+        if (st.paused)
+          st.held.push_back(pass_on);
+        else
+          pass_on();
+        return promise;
+      },
       [=](prefill_atom a, PrefillWork& w) { return self->delegate(compute, a, std::move(w)); },
       [=](admit_atom a, KvAdmit& k) { return self->delegate(compute, a, std::move(k)); },
       [=, &st](step_atom, DecodeStep& step) {
@@ -249,6 +263,7 @@ class HungPrefillTest : public ActorTest {
   void SetUp() override {
     ActorTest::SetUp();
     config_ = shared_model_config(1, 1);
+    if (compute_timeout_ms_ > 0) config_.compute_timeout_ms = compute_timeout_ms_;
     config_.heartbeat_interval_ms = 3600 * 1000;  // rounds come from the test
     config_.heartbeat_timeout_ms = kHeartbeatTimeoutMs;
     ASSERT_EQ(config_.validate(), "");
@@ -436,6 +451,7 @@ class HungPrefillTest : public ActorTest {
   std::shared_ptr<RelayLog> relay_log_ = std::make_shared<RelayLog>();
   decode_actor decode_;
   bool expect_pool_free_ = true;
+  int64_t compute_timeout_ms_ = 0;  // > 0: the workers' compute-timeout-ms
   caf::actor gate_;
   prefill_actor prefill_;
   std::shared_ptr<GateLog> log_ = std::make_shared<GateLog>();
@@ -617,6 +633,87 @@ TEST_F(HungPrefillTest, ARequestWhoseLastTokenStreamedCompletesAtItsDeadline) {
   expect_exact(out, log, local);
   EXPECT_EQ(log_->jobs.load(), 1);
   EXPECT_FALSE(log_->was_cancelled(out.id));
+}
+
+// A request cancelled while its decode step is held, then admitted again
+// under the same id (as a restart may come back to the same worker) before
+// that step answers: the step's token belongs to the attempt it was asked
+// for, and the new one's tokens are its own prompt's.
+TEST_F(HungPrefillTest, AStepsAnswerGoesToTheAttemptItWasAskedForNotALaterOne) {
+  log_->stop_after_report = false;  // (the prefill worker keeps working)
+  caf::anon_send(decode_compute_, pause_atom::value);
+  auto first = make_request(kOnceUponATime, 16);
+  first.id = client_->next_id();
+  first.deadline_ms = 15000;
+  auto started = std::make_shared<std::promise<void>>();  // (the callbacks may outlive a failed test)
+  auto future = client_->submit(first, [started](const TokenEvent& e) {
+    if (e.index == 0) started->set_value();
+  });
+  // Its first token (the prefill's) is in: the sequence is active at the
+  // decode worker and its step is held.
+  ASSERT_EQ(started->get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  client_->cancel(first.id);
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(future.get().code, ErrorCode::cancelled);
+
+  const auto local = colocated(kTomHadARedBall, 8);
+  auto again = make_request(kTomHadARedBall, 8);
+  again.id = first.id;
+  again.deadline_ms = 15000;
+  auto admitted = std::make_shared<std::promise<void>>();
+  auto second = client_->submit(again, [admitted](const TokenEvent& e) {
+    if (e.index == 0) admitted->set_value();
+  });
+  const bool in = admitted->get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  if (!in) caf::anon_send(decode_compute_, resume_atom::value);
+  ASSERT_TRUE(in) << "precondition: the second attempt is admitted while the first one's step is held; "
+                  << (second.wait_for(std::chrono::seconds(10)) == std::future_status::ready
+                          ? [&] { const RequestOutcome o = second.get(); return to_string(o.code) + ": " + o.message; }()
+                          : std::string("(no outcome)"));
+  caf::anon_send(decode_compute_, resume_atom::value);
+  ASSERT_EQ(second.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const RequestOutcome out = second.get();
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.tokens, local.tokens) << "the held step's token went to the later attempt";
+}
+
+// A compute that takes longer than compute-timeout-ms over a decode step.
+class StalledComputeTest : public HungPrefillTest {
+ protected:
+  StalledComputeTest() { compute_timeout_ms_ = 400; }
+
+  DecodeLoad decode_load() {
+    caf::scoped_actor self{*system_};
+    DecodeLoad load;
+    self->request(decode_, std::chrono::seconds(5), status_atom::value)
+        .receive([&](DecodeLoad& l) { load = l; }, [](caf::error& e) { ADD_FAILURE() << caf::to_string(e); });
+    return load;
+  }
+};
+
+// The step times out: its request fails (its one terminal reply), but the
+// compute may still be running the step and writing KV into the request's
+// blocks, so they stay out of the allocator (a new request would get them
+// and have its KV overwritten) until the compute has answered a later call;
+// then every block comes back.
+TEST_F(StalledComputeTest, TheBlocksOfADecodeStepThatTimedOutWaitForTheCompute) {
+  caf::anon_send(decode_compute_, pause_atom::value);
+  TokenLog log;
+  auto future = submit(16, Sampling{}, log);
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const RequestOutcome out = future.get();
+  EXPECT_EQ(out.code, ErrorCode::timeout) << out.message;
+  EXPECT_NE(out.message.find("decode step"), std::string::npos) << out.message;
+  // Past two more timeouts the compute is still silent: the blocks still wait.
+  for (int i = 0; i < 2; ++i) {
+    const DecodeLoad load = decode_load();
+    EXPECT_EQ(load.active_sequences, 0);
+    EXPECT_LT(load.free_blocks, load.total_blocks) << "blocks the stalled step may still write were freed";
+    caf::scoped_actor waiter{*system_};
+    waiter->receive(caf::after(std::chrono::milliseconds(450)) >> [] {});  // (a timeout passing, on purpose)
+  }
+  caf::anon_send(decode_compute_, resume_atom::value);
+  EXPECT_TRUE(wait_pool_free()) << "the blocks never came back once the compute answered";
 }
 
 }  // namespace
