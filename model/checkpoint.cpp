@@ -213,9 +213,14 @@ ModelConfig read_gguf_config(const gguf::File& f, const uint8_t* bytes, const st
     throw Error(path + ": tensor token_embd.weight: shape " + shape_text(embedding.dims) + " is no [dim, vocab] matrix");
   c.vocab_size = int(embedding.dims[1]);
   c.shared_classifier = f.tensor("output.weight") == nullptr;
-  c.rope_theta = float(f.number(p + "rope.freq_base", 10000.0));
-  if (!(c.rope_theta > 1.0f) || !std::isfinite(c.rope_theta))
-    throw Error(path + ": metadata " + p + "rope.freq_base = " + std::to_string(c.rope_theta) + " is out of range");
+  // Range-checked as a double: a float conversion of an f64 past float's range is undefined.
+  const double rope_theta = f.number(p + "rope.freq_base", 10000.0);
+  if (!(rope_theta > 1.0 && rope_theta <= double(std::numeric_limits<float>::max()))) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", rope_theta);
+    throw Error(path + ": metadata " + p + "rope.freq_base = " + text + " is out of range");
+  }
+  c.rope_theta = float(rope_theta);
   if (std::string problem = validate(c); !problem.empty()) throw Error(path + ": " + problem);
   if (f.find(p + "rope.scaling.type") && f.string(p + "rope.scaling.type") != "none")
     throw Error(path + ": metadata " + p + "rope.scaling.type = " + f.string(p + "rope.scaling.type") +

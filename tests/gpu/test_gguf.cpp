@@ -476,6 +476,12 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
       {"missing tensor", [](ModelFile& m) { m.drop_tensor("blk.1.ffn_up.weight"); }, "tensor blk.1.ffn_up.weight is missing"},
       {"layers past the tensors", [](ModelFile& m) { m.set("llama.block_count", gguf::Writer::u32(2000000000)); },
        "2000000000 layers, but it holds only 20 tensors"},
+      {"rope base past a float", [](ModelFile& m) {
+         gguf::Value huge;
+         huge.type = gguf::ValueType::f64;
+         huge.f = 1e300;
+         m.set("llama.rope.freq_base", huge);
+       }, "metadata llama.rope.freq_base = 1e+300 is out of range"},
       {"wide heads", [](ModelFile& m) { m.set("llama.attention.key_length", gguf::Writer::u32(1u << 30)); },
        "head size 1073741824 is above 16384"},
       {"shape", [](ModelFile& m) { m.tensor("blk.0.attn_q.weight").dims = {64, 32}; },
