@@ -170,13 +170,11 @@ Vocabulary read_vocabulary(const gguf::File& f, const std::string& path, int voc
 
 namespace {
 
-// A file (or directory, `where`) of `held` tensors cannot hold more layers
-// (each has several): an absurd layer count is refused before it sizes the
-// layers' table; a file short of a few tensors is told which one is missing.
-void check_tensor_count(const ModelConfig& c, size_t held, const std::string& where) {
-  if (uint64_t(c.n_layers) > held)
-    throw Error(where + ": " + std::to_string(c.n_layers) + " layers, but it holds only " + std::to_string(held) +
-                " tensors");
+// The layers' table grows as their tensors are found: a file's layer count
+// sizes nothing before its tensors are there (a GGUF that claimed
+// 2,000,000,000 layers asked for 336 GB here before the first lookup).
+void grow_layers(Weights& w, int layer) {
+  if (size_t(layer) >= w.layers.size()) w.layers.resize(size_t(layer) + 1);
 }
 
 // A GGUF file's model config: its architecture's metadata (every dimension
@@ -281,10 +279,9 @@ void Checkpoint::load_gguf(size_t file_size) {
     return Matrix{bytes + t.offset, *type};
   };
   Weights& w = weights_;
-  check_tensor_count(c, f.tensors().size(), path_);
-  w.layers.resize(size_t(c.n_layers));
   for_each_tensor(c, [&](Tensor which, int layer) {
     const Matrix m = load(which, layer);
+    grow_layers(w, layer);
     if (is_matrix(which)) w.matrix(which, layer) = m;
     else w.norm(which, layer) = static_cast<const float*>(m.data);
   });
@@ -603,8 +600,6 @@ void Checkpoint::load_hf(const std::string& dir) {
   }
 
   Weights& w = weights_;
-  check_tensor_count(c, tensors.size(), dir);
-  w.layers.resize(size_t(c.n_layers));
   for_each_tensor(c, [&](Tensor which, int layer) {
     const std::string name = hf_name(which, layer);
     auto it = tensors.find(name);
@@ -621,6 +616,7 @@ void Checkpoint::load_hf(const std::string& dir) {
                                                               " (F32, F16 and BF16 are read)");
     const uint8_t* data = it->second.second + t.offset;
     if (t.offset % block_bytes(type) != 0) throw Error(dir + ": tensor " + name + ": offset not aligned to its values");
+    grow_layers(w, layer);
     if (is_matrix(which)) {
       w.matrix(which, layer) = Matrix{data, type};
     } else if (type == WeightType::f32) {
