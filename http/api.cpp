@@ -32,8 +32,6 @@ std::string clip(const std::string& text, size_t limit) {
   return text.size() <= limit ? text : text.substr(0, limit) + "...";
 }
 
-// What json::parse throws instead of building a container nested deeper than kMaxJsonDepth.
-struct TooDeep {};
 
 // A token id of the vocabulary: an integer, or (a logit_bias key) its
 // decimal digits. The one vocabulary check of every field that names tokens.
@@ -201,8 +199,10 @@ std::string guided_grammar(const json& body) {
   if (schema) {
     try {
       // (vLLM takes the schema as an object or as its JSON text)
-      const json parsed = schema->is_string() ? json::parse(schema->get<std::string>()) : *schema;
+      const json parsed = schema->is_string() ? parse_json_limited(schema->get<std::string>()) : *schema;
       return grammar::json_schema_grammar(parsed).to_json();
+    } catch (const JsonTooDeep&) {
+      throw bad_request("guided_json", "'guided_json' nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
     } catch (const grammar::GrammarError& e) {
       throw bad_request("guided_json", std::string("guided_json: ") + e.what(), "unsupported");
     } catch (const json::exception&) {
@@ -238,7 +238,12 @@ std::vector<int32_t> encode_checked(const std::string& text, const ServedModel& 
 // ([["text"]], [[ids]]; `batched` says p is that one); larger batches are n > 1.
 std::vector<int32_t> parse_prompt(const json& p, const ServedModel& model, const gpu::Tokenizer& tokenizer,
                                   bool batched = false) {
-  if (p.is_string()) return encode_checked(p.get_ref<const std::string&>(), model, tokenizer, "prompt");
+  if (p.is_string()) {
+    std::vector<int32_t> tokens = encode_checked(p.get_ref<const std::string&>(), model, tokenizer, "prompt");
+    // (an empty text, with a tokenizer that puts no BOS first)
+    if (tokens.empty()) throw bad_request("prompt", "'prompt' encodes to no tokens");
+    return tokens;
+  }
   expect_type(p.is_array(), "prompt", "a string or an array of token ids", p);
   if (p.empty()) throw bad_request("prompt", "'prompt' must not be an empty array");
   if (!batched && p.size() == 1 && (p[0].is_string() || p[0].is_array())) return parse_prompt(p[0], model, tokenizer, true);
@@ -253,20 +258,24 @@ std::vector<int32_t> parse_prompt(const json& p, const ServedModel& model, const
   return tokens;
 }
 
+}  // namespace
+
+json parse_json_limited(const std::string& text) {
+  // The callback sees each container open at the depth of its parent (the
+  // body's object: 0) before anything in it is parsed; nlohmann's parser
+  // and destructor are iterative, so nothing here recurses on the input.
+  return json::parse(text, [](int depth, json::parse_event_t event, json&) { return json_depth_guard(depth, event); });
+}
+
+namespace {
+
 // A request body: a JSON object (nesting bounded while it is parsed) whose
 // "model", if any, is the one served (else 404).
 json parse_body(const std::string& text, const ServedModel& model) {
   json body;
   try {
-    // The callback sees each container open at the depth of its parent (the
-    // body's object: 0) before anything in it is parsed; nlohmann's parser
-    // and destructor are iterative, so nothing here recurses on the input.
-    body = json::parse(text, [](int depth, json::parse_event_t event, json&) {
-      if (depth >= kMaxJsonDepth && (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))
-        throw TooDeep{};
-      return true;
-    });
-  } catch (const TooDeep&) {
+    body = parse_json_limited(text);
+  } catch (const JsonTooDeep&) {
     throw bad_request("", "malformed JSON: nested deeper than " + std::to_string(kMaxJsonDepth) + " levels",
                       "invalid_json");
   } catch (const json::exception& e) {  // parse_error, and out_of_range 406: a number beyond a double

@@ -33,6 +33,19 @@ constexpr double kMaxTemperature = 100.0;
 //   parse (nothing deeper is built; OpenAI's shapes nest 4 deep, a
 //   response_format JSON schema rarely 20);
 constexpr int kMaxJsonDepth = 64;
+// JSON text of a request (its body, or a string field that holds JSON: a tool
+// call's arguments, guided_json) parsed with that bound, since what walks it
+// later (dump, copies, the schema compiler) recurses: a JSON text nested
+// 300,000 deep in a string of 600 KB overflowed the stack. Throws
+// JsonTooDeep past the bound, json::exception when it is not JSON.
+struct JsonTooDeep {};
+json parse_json_limited(const std::string& text);
+// Its parse callback, for a parse of any json type.
+inline bool json_depth_guard(int depth, nlohmann::json::parse_event_t event) {
+  if (depth >= kMaxJsonDepth && (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))
+    throw JsonTooDeep{};
+  return true;
+}
 // - an error message quotes at most this many bytes of an offending value;
 constexpr size_t kMaxQuotedBytes = 64;
 // - more stop strings than this, or one longer than kMaxStopBytes: 400 (each

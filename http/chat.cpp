@@ -53,8 +53,19 @@ std::string message_content(const json& m, size_t index, ChatTemplate family, co
     json arguments = json::object();
     if (function->contains("arguments")) {
       const json& a = (*function)["arguments"];
-      arguments = a.is_string() ? json::parse(a.get<std::string>(), nullptr, false) : a;
-      if (arguments.is_discarded() || !arguments.is_object())
+      if (a.is_string()) {
+        try {
+          arguments = parse_json_limited(a.get<std::string>());
+        } catch (const JsonTooDeep&) {
+          throw bad_request("messages", where + ": function.arguments nests deeper than " +
+                                            std::to_string(kMaxJsonDepth) + " levels");
+        } catch (const json::exception&) {
+          arguments = json();  // (not JSON: refused below)
+        }
+      } else {
+        arguments = a;
+      }
+      if (!arguments.is_object())
         throw bad_request("messages", where + ": function.arguments must be a JSON object (or its text)");
     }
     written.push_back({{"name", (*function)["name"]}, {"arguments", arguments}});
@@ -93,7 +104,9 @@ ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar)
   for (size_t i = 0; i < tools->size(); ++i) {
     const json& t = (*tools)[i];
     const std::string where = "tools[" + std::to_string(i) + "]";
-    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object())
+    // (json comparisons: a "type" that is not a string is just not "function", a 400, not a type_error's 500)
+    if (!t.is_object() || !t.contains("type") || t["type"] != "function" || !t.contains("function") ||
+        !t["function"].is_object())
       throw bad_request("tools", where + " must be {\"type\": \"function\", \"function\": {...}}");
     const json& f = t["function"];
     if (!f.contains("name") || !f["name"].is_string() || f["name"].get_ref<const std::string&>().empty() ||
@@ -111,7 +124,7 @@ ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar)
     if (*choice == "none") use.choice = ToolUse::Choice::none;
     else if (*choice == "required") use.choice = ToolUse::Choice::required;
     else if (*choice == "auto") use.choice = ToolUse::Choice::automatic;
-    else if (choice->is_object() && choice->value("type", "") == "function" && choice->contains("function") &&
+    else if (choice->is_object() && choice->contains("type") && (*choice)["type"] == "function" && choice->contains("function") &&
              (*choice)["function"].is_object() && (*choice)["function"].contains("name")) {
       use.choice = ToolUse::Choice::named;
       use.name = (*choice)["function"]["name"].is_string() ? (*choice)["function"]["name"].get<std::string>() : "";
@@ -173,7 +186,9 @@ ordered_json template_message(const ordered_json& m) {
     for (ordered_json& call : out["tool_calls"]) {
       ordered_json& function = call["function"];
       if (function.contains("arguments") && function["arguments"].is_string())
-        function["arguments"] = ordered_json::parse(function["arguments"].get<std::string>());
+        function["arguments"] = ordered_json::parse(
+            function["arguments"].get<std::string>(),
+            [](int depth, json::parse_event_t event, ordered_json&) { return json_depth_guard(depth, event); });
     }
   return out;
 }

@@ -51,6 +51,51 @@ ApiError error_of(Endpoint e, const std::string& body) {
   return {};
 }
 
+// An empty text with a tokenizer that adds no BOS (Qwen's) is no tokens: a
+// 400, not a request whose last prompt token is read from nothing.
+TEST(HttpApi, APromptOfNoTokensIsRefused) {
+  gpu::Vocabulary v = tokenizer().vocabulary();
+  v.add_bos = false;
+  const gpu::Tokenizer no_bos = gpu::Tokenizer::from_vocabulary(v, "no-bos");
+  for (const char* body : {R"({"prompt":""})", R"({"prompt":[""]})"}) {
+    try {
+      parse_request(Endpoint::completions, body, model(), no_bos, ChatTemplate::llama2, [] { return uint64_t(42); });
+      ADD_FAILURE() << "no error for " << body;
+    } catch (const ApiError& e) {
+      EXPECT_EQ(e.status, 400) << body;
+      EXPECT_EQ(e.param, "prompt") << body;
+      EXPECT_EQ(e.message, "'prompt' encodes to no tokens") << body;
+    }
+  }
+  // With BOS, the empty text is that one token.
+  EXPECT_EQ(parse(Endpoint::completions, R"({"prompt":""})").prompt_tokens, encode(""));
+}
+
+// JSON inside a string (a tool call's arguments, guided_json's text) has
+// the body's nesting bound too: what walks it recurses (nested 300,000 deep
+// in a 600 KB body it overflowed the stack and ended the server).
+TEST(HttpApi, JsonInsideAStringIsNestedNoDeeperThanTheBody) {
+  auto nested = [](int depth) {
+    return "{\"a\":" + std::string(size_t(depth), '[') + std::string(size_t(depth), ']') + "}";
+  };
+  auto chat = [&](int depth) {
+    json call = {{"id", "c1"}, {"type", "function"}, {"function", {{"name", "f"}, {"arguments", nested(depth)}}}};
+    json messages = json::array({{{"role", "user"}, {"content", "hi"}},
+                                 {{"role", "assistant"}, {"content", ""}, {"tool_calls", json::array({call})}}});
+    return json{{"messages", messages}}.dump();
+  };
+  EXPECT_NO_THROW(parse(Endpoint::chat, chat(kMaxJsonDepth - 2)));
+  ApiError e = error_of(Endpoint::chat, chat(kMaxJsonDepth + 36));
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.message, "messages[1].tool_calls: function.arguments nests deeper than 64 levels");
+  auto guided = [&](int depth) { return json{{"prompt", "x"}, {"guided_json", "{\"const\":" + nested(depth) + "}"}}.dump(); };
+  EXPECT_NO_THROW(parse(Endpoint::completions, guided(kMaxJsonDepth - 3)));
+  e = error_of(Endpoint::completions, guided(kMaxJsonDepth + 36));
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "guided_json");
+  EXPECT_EQ(e.message, "'guided_json' nests deeper than 64 levels");
+}
+
 TEST(HttpApi, CompletionDefaultsAndFields) {
   const ApiRequest r = parse(Endpoint::completions, R"({"model":"stories260K","prompt":"Once upon a time"})");
   EXPECT_EQ(r.prompt_tokens, encode("Once upon a time"));
@@ -580,6 +625,10 @@ TEST(HttpTools, ToolChoiceSetsTheGrammarOfTheCall) {
   EXPECT_EQ(error_of(Endpoint::chat, chat_with_tools(R"(, "tool_choice": {"type": "function", "function": {"name": "x"}})")).param,
             "tool_choice");
   EXPECT_EQ(error_of(Endpoint::chat, R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "f"}]})").param, "tools");
+  // A "type" that is not a string: a 400 too (it was a type_error's 500).
+  EXPECT_EQ(error_of(Endpoint::chat, R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": 1}]})").param, "tools");
+  EXPECT_EQ(error_of(Endpoint::chat, chat_with_tools(R"(, "tool_choice": {"type": 1, "function": {"name": "x"}})")).param,
+            "tool_choice");
   EXPECT_EQ(error_of(Endpoint::chat, std::string(R"({"messages": [{"role": "user", "content": "x"}], "tools": [)") + kWeatherTool +
                                          "," + kWeatherTool + "]}").param,
             "tools");
