@@ -71,6 +71,10 @@ int64_t Generation::completion_tokens() const {
 // choice's own seed (gpu::sample_seed), and one session for all choices,
 // so they share the decode worker that holds their prompt.
 void Generation::submit(Choice& c) {
+  // Not once the reply is over: sending it may have ended it (a client that
+  // reads too slowly is gone, its running choices cancelled), and a choice
+  // submitted after that cancel ran to its end at the router for nobody.
+  if (done_) return;
   c.id = client_->next_id();
   c.submitted = true;
   GenerateRequest r;
