@@ -158,7 +158,10 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
     const bool blocking = !on_loop_thread();
     const bool found = call([&] {
       auto it = transfers_.find(id);
-      if (it == transfers_.end() || it->second->failure != TransferStatus::pending) return false;
+      if (it == transfers_.end()) return false;
+      // One that failed already but still has pieces being written into its
+      // memory (draining) is waited for too, its failure kept: returning at
+      // once handed memory UCX still wrote into back to the caller.
       if (blocking) it->second->release_waiters.push_back(&released);
       fail(*it->second, TransferStatus::cancelled, "cancelled by the receiver");
       return true;

@@ -205,9 +205,10 @@ class KvReceiver {
   // Fails the transfer with `cancelled` and returns once no piece is being
   // written into (or hashed from) its memory any more: the memory is the
   // caller's again. That takes as long as the pieces in flight (bounded by
-  // drain_timeout, see ReceiverOptions). False when the id is not expected
-  // (unknown, or already final). Called from an on_done callback it does not
-  // wait for in-flight pieces.
+  // drain_timeout, see ReceiverOptions). A transfer that failed already and
+  // is still draining keeps its failure, and is waited for the same. False
+  // when the id is not expected (unknown, or already final). Called from an
+  // on_done callback it does not wait for in-flight pieces.
   bool cancel(uint64_t id);
 
   // Transfers currently expected (not final), for tests and metrics.
