@@ -676,8 +676,11 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
   // Refused or unanswered: no job went out.
   if (reply.code == ErrorCode::overloaded) {
     // No room there now. Its real load is in the router's books from this
-    // answer, so the request waits at the front of the queue until some
-    // decode worker has room (another one, or this one after a finish).
+    // answer (the booking goes, adding nothing free), so the request waits
+    // at the front of the queue until some decode worker has room (another
+    // one, or this one after a finish).
+    if (Worker* d = find_worker(self, a.decode_key); d && a.reserved_blocks > 0) d->room.refused(a.reserved_blocks);
+    a.reserved_blocks = 0;
     release_prefill_slot(self, a.prefill_key, job_prompt_len(r));
     back_to_queue(self, r);
   } else if ((reply.code == ErrorCode::timeout || reply.code == ErrorCode::worker_lost) &&

@@ -126,6 +126,14 @@ class DecodeRoom {
     reported_free_ = std::min(total_, reported_free_ + blocks);  // (a report may have counted them free already)
     requests_ -= 1;
   }
+  // A request of `blocks` the worker refused (no room): its answer's report
+  // describes it without them, so unlike release() nothing comes back free
+  // (adding them made a refusing worker look roomy again: the request went
+  // straight back to it, refused again, until its deadline).
+  void refused(int blocks) {
+    reserved_ -= blocks;
+    requests_ -= 1;
+  }
   int free_blocks() const { return std::max(0, std::min(reported_free_, total_ - reserved_)); }
   int active_sequences() const { return active_; }  // as last reported
   int requests() const { return requests_; }        // sent there, not finished

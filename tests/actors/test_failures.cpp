@@ -265,7 +265,8 @@ TEST_F(ActorTest, RequestNoDecodeWorkerCanHoldIsOverloaded) {
 // room: it claims a huge pool, so the router tries it first. It counts the KV
 // transfers it is sent: with the receiver reserving first, there are none.
 decode_actor::behavior_type always_full_decode(decode_actor::pointer self, router_actor router,
-                                               std::shared_ptr<std::atomic<int>> kv_sent) {
+                                               std::shared_ptr<std::atomic<int>> kv_sent,
+                                               std::shared_ptr<std::atomic<int>> reservations) {
   WorkerInfo info;
   info.role = WorkerRole::decode;
   info.name = "always-full";
@@ -277,6 +278,7 @@ decode_actor::behavior_type always_full_decode(decode_actor::pointer self, route
       .then([](caf::ok_atom) {});
   return {
       [=](reserve_atom, const KvReservation& r) {
+        reservations->fetch_add(1);
         return ReserveReply{r.id, ErrorCode::overloaded, "always full", DecodeLoad{0, 1 << 20, 16, 0}};
       },
       [=](kv_atom, KvTransfer& transfer) {
@@ -314,7 +316,7 @@ void wait_for_decode_workers(Client& client, int n) {
 TEST_F(ActorTest, DecodeWithoutRoomIsRetriedOnAnotherWorkerBeforeAnyPrefill) {
   start(1, 1);
   auto kv_sent = std::make_shared<std::atomic<int>>(0);
-  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent);
+  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent, std::make_shared<std::atomic<int>>(0));
   wait_for_decode_workers(*client_, 2);
   const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
   EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
@@ -336,7 +338,8 @@ TEST_F(ActorTest, ARequestWithoutDecodeRoomWaitsForItInsteadOfFailing) {
   start(std::move(options));
   auto first = client_->submit(make_request(kOnceUponATime, 300));  // 305 positions: 20 of the 24 blocks
   auto kv_sent = std::make_shared<std::atomic<int>>(0);
-  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent);
+  auto reservations = std::make_shared<std::atomic<int>>(0);
+  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent, reservations);
   wait_for_decode_workers(*client_, 2);
   // 7 blocks: the full worker refuses, the real one has 4 free until the first ends.
   const RequestOutcome second = client_->generate(make_request(kOnceUponATime, 100));
@@ -346,6 +349,9 @@ TEST_F(ActorTest, ARequestWithoutDecodeRoomWaitsForItInsteadOfFailing) {
   EXPECT_EQ(second.decode_worker, "decode-0");
   EXPECT_EQ(second.tokens, colocated(kOnceUponATime, 100).tokens);
   EXPECT_EQ(kv_sent->load(), 0);
+  // Its refusal's report (no block free) kept it out of the router's books
+  // since: not asked again and again while the request waited.
+  EXPECT_LE(reservations->load(), 2);
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 

@@ -328,6 +328,14 @@ TEST(DecodeRoom, ReportsAreCappedByTheRoutersOwnReservations) {
   EXPECT_EQ(room.free_blocks(), 10) << "never more than the pool";
   room.reserve(12);
   EXPECT_EQ(room.free_blocks(), 0) << "never below nothing";
+  room.release(12);
+  // A refusal: its answer reports 2 free (the booking never held there); the
+  // booking goes and nothing else comes free.
+  room.reserve(6);
+  room.reported(DecodeLoad{2, 10, 16, 0});
+  room.refused(6);
+  EXPECT_EQ(room.free_blocks(), 2);
+  EXPECT_EQ(room.requests(), 0);
 }
 
 TEST(RouterPolicy, ValidationNamesTheProblem) {
