@@ -112,7 +112,9 @@ class Parser {
       } else if (c == '(') {
         ++pos_;
         skip_space(true);
+        if (++depth_ > kMaxNesting) fail("groups nested deeper than " + std::to_string(kMaxNesting), at);
         item = parse_alternates(true);
+        --depth_;
         if (pos_ >= s_.size() || s_[pos_] != ')') fail("expected ')' to close the group", at);
         ++pos_;
       } else if (is_name_char(c)) {
@@ -245,6 +247,7 @@ class Parser {
 
   std::string_view s_;
   size_t pos_ = 0;
+  int depth_ = 0;  // groups open (kMaxNesting)
   Grammar g_;
   std::map<std::string, int> rules_;    // name -> rule (root: 0)
   std::set<std::string> defined_;

@@ -34,6 +34,10 @@ struct GrammarError : std::runtime_error {
 constexpr size_t kMaxRules = size_t(1) << 16;
 constexpr size_t kMaxSymbols = size_t(1) << 20;
 constexpr size_t kMaxGrammarBytes = size_t(1) << 20;
+// The deepest nesting of groups a grammar's or a pattern's text may have:
+// their parsers recurse per group (a guided_regex of 500,000 '(' in a 1 MB
+// body overflowed the stack and ended the server).
+constexpr int kMaxNesting = 256;
 
 class ByteSet {
  public:

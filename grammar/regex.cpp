@@ -112,7 +112,9 @@ class RegexParser {
       } else if (pos_ < p_.size() && p_[pos_] == '?') {
         fail("lookaround and other (?...) groups are not regular: unsupported", at);
       }
+      if (++depth_ > kMaxNesting) fail("groups nested deeper than " + std::to_string(kMaxNesting), at);
       const Expr inner = parse_alternates();
+      --depth_;
       if (pos_ >= p_.size() || p_[pos_] != ')') fail("a '(' that is never closed", at);
       ++pos_;
       return inner;
@@ -308,6 +310,7 @@ class RegexParser {
   std::string_view p_;
   Dialect dialect_;
   size_t pos_ = 0;
+  int depth_ = 0;  // groups open (kMaxNesting)
   bool anchored_end_ = false;
 };
 

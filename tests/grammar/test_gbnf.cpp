@@ -100,6 +100,7 @@ TEST(Gbnf, MalformedGrammarsAreRefusedWithTheirPlace) {
       {R"(root ::= "\q")", "unknown escape"},
       {R"(root ::= "\ud800")", "an escape that is no character"},
       {"root ::= (\"a\"", "line 1, column 10: expected ')' to close the group"},
+      {"root ::= " + std::string(300, '(') + "\"a\"" + std::string(300, ')'), "groups nested deeper than 256"},
       {"root = \"a\"", "expected '::=' after the rule name 'root'"},
       {"root ::= \"a\" )", "line 1, column 14: unexpected ')'"},
       {"root ::= \"a\"{3,1}", "n < m"},

@@ -75,6 +75,7 @@ TEST(Regex, WhatIsNotRegularOrNotSupportedIsRefusedByName) {
       {"((a{1000}){1000}){1000}", "more than"},
       {"\\q", "unknown escape"},
       {"(a*)*", "left-recursive"},
+      {std::string(300, '(') + "a" + std::string(300, ')'), "at offset 256: groups nested deeper than 256"},
   });
 }
 
