@@ -173,40 +173,33 @@ struct ComputeGateState {
   std::vector<std::function<void()>> held;
 };
 
+// Asks the compute `what` (a message of `Ts`) for the gate's caller: now,
+// or when resumed if paused, in order with everything else held.
+template <class Result, class... Ts>
+caf::typed_response_promise<Result> pass_or_hold(caf::stateful_actor<ComputeGateState>* self,
+                                                 const compute_actor& compute, Ts... what) {
+  auto promise = self->make_response_promise<Result>();
+  auto pass_on = [=]() mutable {
+    self->request(compute, caf::infinite, what...)
+        .then([=](Result& r) mutable { promise.deliver(std::move(r)); },
+              [=](caf::error& e) mutable { promise.deliver(e); });
+  };
+  if (self->state.paused)
+    self->state.held.push_back(pass_on);
+  else
+    pass_on();
+  return promise;
+}
+
 caf::behavior compute_gate(caf::stateful_actor<ComputeGateState>* self, compute_actor compute) {
   self->link_to(compute);
   auto& st = self->state;
   return {
-      // (held too while paused, in order: a compute busy with a step answers
-      // nothing before it)
-      [=, &st](info_atom a) {
-        auto promise = self->make_response_promise<ModelInfo>();
-        auto pass_on = [=]() mutable {
-          self->request(compute, caf::infinite, a)
-              .then([=](ModelInfo& m) mutable { promise.deliver(std::move(m)); },
-                    [=](caf::error& e) mutable { promise.deliver(e); });
-        };
-        if (st.paused)
-          st.held.push_back(pass_on);
-        else
-          pass_on();
-        return promise;
-      },
+      // (held too while paused: a compute busy with a step answers nothing before it)
+      [=](info_atom a) { return pass_or_hold<ModelInfo>(self, compute, a); },
       [=](prefill_atom a, PrefillWork& w) { return self->delegate(compute, a, std::move(w)); },
       [=](admit_atom a, KvAdmit& k) { return self->delegate(compute, a, std::move(k)); },
-      [=, &st](step_atom, DecodeStep& step) {
-        auto promise = self->make_response_promise<StepResult>();
-        auto pass_on = [=]() mutable {
-          self->request(compute, caf::infinite, step_atom::value, step)
-              .then([=](StepResult& r) mutable { promise.deliver(std::move(r)); },
-                    [=](caf::error& e) mutable { promise.deliver(e); });
-        };
-        if (st.paused)
-          st.held.push_back(pass_on);
-        else
-          pass_on();
-        return promise;
-      },
+      [=](step_atom a, DecodeStep& step) { return pass_or_hold<StepResult>(self, compute, a, step); },
       [=](chunk_atom a) { self->send(compute, a); },
       [=, &st](pause_atom) { st.paused = true; },
       [=, &st](resume_atom) {
