@@ -312,8 +312,10 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   }
 
   void on_health(const std::optional<RouterStatus>& status) {
+    // (busy_ stays until end_response, after the write: cleared here, a
+    // pipelined request's watch read could start a read under the one
+    // end_response starts)
     if (closed_) return;
-    busy_ = false;  // finish_response sends below
     if (!status) {
       send_json(503, {{"status", "unavailable"}, {"reason", "the router did not answer within " +
                                                                 std::to_string(kHealthTimeout.count()) + " s"}});
