@@ -371,6 +371,7 @@ void quarantine(Self self, std::vector<int32_t> blocks) {
             // The compute is gone (its worker with it): nothing writes the blocks any more.
             state.allocator->release(state.quarantined);
             state.quarantined.clear();
+            report_load(self);
           });
 }
 

@@ -248,6 +248,7 @@ void time_quantized_rows(benchmark::State& state, WeightType type, int m, int n)
   const size_t whole = (bytes + kHugePage - 1) / kHugePage * kHugePage;
   std::unique_ptr<uint8_t, decltype(&std::free)> held(static_cast<uint8_t*>(std::aligned_alloc(kHugePage, whole)), &std::free);
   uint8_t* w = held.get();
+  if (!w) throw std::bad_alloc();
   advise_huge_pages(w, whole);
   std::mt19937 rng(1);
   for (size_t i = 0; i < bytes; ++i) w[i] = uint8_t(rng());

@@ -673,7 +673,9 @@ TEST_F(HungPrefillTest, AStepsAnswerGoesToTheAttemptItWasAskedForNotALaterOne) {
 // A compute that takes longer than compute-timeout-ms over a decode step.
 class StalledComputeTest : public HungPrefillTest {
  protected:
-  StalledComputeTest() { compute_timeout_ms_ = 400; }
+  // (every compute call of the fixture has it: a prefill, an admission and
+  // the registrations must fit it on a loaded machine too)
+  StalledComputeTest() { compute_timeout_ms_ = 1000; }
 
   DecodeLoad decode_load() {
     caf::scoped_actor self{*system_};
@@ -703,7 +705,7 @@ TEST_F(StalledComputeTest, TheBlocksOfADecodeStepThatTimedOutWaitForTheCompute) 
     EXPECT_EQ(load.active_sequences, 0);
     EXPECT_LT(load.free_blocks, load.total_blocks) << "blocks the stalled step may still write were freed";
     caf::scoped_actor waiter{*system_};
-    waiter->receive(caf::after(std::chrono::milliseconds(450)) >> [] {});  // (a timeout passing, on purpose)
+    waiter->receive(caf::after(std::chrono::milliseconds(1100)) >> [] {});  // (a timeout passing, on purpose)
   }
   caf::anon_send(decode_compute_, resume_atom::value);
   EXPECT_TRUE(wait_pool_free()) << "the blocks never came back once the compute answered";
