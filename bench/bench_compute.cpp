@@ -45,7 +45,6 @@ extern "C" void openblas_set_num_threads(int);
 
 #include "gpu/backend.h"
 #include "gpu/cpu/cpu_kernels.h"
-#include "gpu/host_memory.h"
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
 #include "engine/engine.h"
@@ -244,12 +243,10 @@ void time_quantized_rows(benchmark::State& state, WeightType type, int m, int n)
   const int k = 2048;
   const cpu::KernelTable& kernels = cpu::kernels_for("");
   const size_t bytes = cpu::tiled_bytes(type, n, k);
-  // In transparent huge pages, as the CPU backend lays out a model's weights.
-  const size_t whole = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  std::unique_ptr<uint8_t, decltype(&std::free)> held(static_cast<uint8_t*>(std::aligned_alloc(kHugePage, whole)), &std::free);
+  // Allocated by the CPU backend, as a model's weights are (huge pages).
+  const std::unique_ptr<Backend> backend = make_cpu_backend();
+  DeviceArray<uint8_t> held(*backend, bytes);
   uint8_t* w = held.get();
-  if (!w) throw std::bad_alloc();
-  advise_huge_pages(w, whole);
   std::mt19937 rng(1);
   for (size_t i = 0; i < bytes; ++i) w[i] = uint8_t(rng());
   std::vector<int8_t> qa(size_t(m) * size_t(k));
