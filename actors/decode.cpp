@@ -355,24 +355,20 @@ void quarantine(Self self, std::vector<int32_t> blocks) {
   st.quarantined.insert(st.quarantined.end(), blocks.begin(), blocks.end());
   if (st.quarantined.empty() || st.barrier_in_flight) return;
   st.barrier_in_flight = true;
+  auto release = [self] {
+    auto& state = self->state;
+    state.barrier_in_flight = false;
+    state.allocator->release(state.quarantined);
+    state.quarantined.clear();
+    report_load(self);
+  };
   self->request(st.compute, std::chrono::milliseconds(st.config.compute_timeout_ms), info_atom::value)
-      .then(
-          [=](ModelInfo&) {
-            auto& state = self->state;
-            state.barrier_in_flight = false;
-            state.allocator->release(state.quarantined);
-            state.quarantined.clear();
-            report_load(self);
-          },
-          [=](caf::error& e) {
-            auto& state = self->state;
-            state.barrier_in_flight = false;
-            if (e == caf::sec::request_timeout) return quarantine(self, {});  // still busy: ask again
-            // The compute is gone (its worker with it): nothing writes the blocks any more.
-            state.allocator->release(state.quarantined);
-            state.quarantined.clear();
-            report_load(self);
-          });
+      .then([=](ModelInfo&) { release(); },
+            [=](caf::error& e) {
+              if (e != caf::sec::request_timeout) return release();  // the compute is gone: nothing writes them
+              self->state.barrier_in_flight = false;
+              quarantine(self, {});  // still busy: ask again
+            });
 }
 
 // Why a step's answer does not fit the `slots` it was asked for, or "".
