@@ -32,7 +32,6 @@ std::string clip(const std::string& text, size_t limit) {
   return text.size() <= limit ? text : text.substr(0, limit) + "...";
 }
 
-
 // A token id of the vocabulary: an integer, or (a logit_bias key) its
 // decimal digits. The one vocabulary check of every field that names tokens.
 int32_t token_id(const json& v, const std::string& text, const ServedModel& model, const char* param) {
