@@ -259,6 +259,16 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
       fail(t, TransferStatus::protocol_error, piece() + ": wrong magic or version", h.piece_index);
       return refuse;
     }
+    if (rndv && source == nullptr) {
+      // A receive into the transfer's memory that we could not end: the
+      // drain deadline cuts the connections a transfer's pieces came from,
+      // and this one names none (sent without UCP_AM_SEND_FLAG_REPLY, which
+      // our sender always sets), so a stalled sender would hold cancel() for
+      // ever.
+      fail(t, TransferStatus::protocol_error, piece() + ": a large piece from a connection that cannot be named",
+           h.piece_index);
+      return refuse;
+    }
     if (h.length != length || length == 0) {
       fail(t, TransferStatus::protocol_error,
            piece() + ": header says " + std::to_string(h.length) + " bytes, message carries " + std::to_string(length),

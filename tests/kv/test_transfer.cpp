@@ -1,10 +1,12 @@
 // kv/: the transfer library over UCX, sender and receiver in one process
 // (each with its own worker and progress thread), on 127.0.0.1.
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
+#include <ucp/api/ucp.h>
 
 #include <atomic>
 #include <cstdint>
@@ -14,12 +16,14 @@
 #include <numeric>
 #include <ostream>
 #include <random>
+#include <stdexcept>
 #include <thread>
 #include <string>
 #include <vector>
 
 #include "kv/plane.h"
 #include "kv/transfer.h"
+#include "kv/wire.h"
 
 namespace disagg::kv {
 namespace {
@@ -232,6 +236,92 @@ TEST(KvTransfer, PiecesOfAnUnknownTransferAreRefused) {
   p.tx.send_all(id, src.data(), src.size(), 1 << 20);  // false once the first refusal is in
   const TransferResult sent = p.tx.wait(id, soon());
   EXPECT_EQ(sent.status, TransferStatus::unknown_transfer) << sent.detail;
+}
+
+// A peer on raw UCX: what a sender of another build, or a hostile one, can
+// put on the wire that ours never does.
+struct RawPeer {
+  RawPeer(const std::shared_ptr<KvContext>& context, const std::string& address) {
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    if (ucp_worker_create(context->native(), &wp, &worker) != UCS_OK) throw std::runtime_error("ucp_worker_create");
+    const size_t colon = address.rfind(':');
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(uint16_t(std::stoi(address.substr(colon + 1))));
+    inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr);
+    ucp_ep_params_t ep_params{};
+    ep_params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep_params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    ep_params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&a);
+    ep_params.sockaddr.addrlen = sizeof a;
+    ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    if (ucp_ep_create(worker, &ep_params, &ep) != UCS_OK) throw std::runtime_error("ucp_ep_create");
+  }
+  ~RawPeer() {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    finish(ucp_ep_close_nbx(ep, &param), soon());
+    ucp_worker_destroy(worker);
+  }
+  // Sends one active message (this thread progresses the worker) and returns
+  // the send's status once UCX is done with it, or UCS_INPROGRESS at `until`.
+  ucs_status_t send(unsigned id, const PieceHeader& header, const void* data, size_t bytes, uint32_t flags,
+                    Deadline until) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = flags;
+    return finish(ucp_am_send_nbx(ep, id, &header, sizeof header, data, bytes, &param), until);
+  }
+  ucs_status_t finish(ucs_status_ptr_t request, Deadline until) {
+    if (request == nullptr) return UCS_OK;
+    if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
+    ucs_status_t status = UCS_INPROGRESS;
+    while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS && Clock::now() < until) {
+      ucp_worker_progress(worker);
+    }
+    if (status == UCS_INPROGRESS) ucp_request_cancel(worker, request);
+    ucp_request_free(request);
+    return status;
+  }
+  ucp_worker_h worker = nullptr;
+  ucp_ep_h ep = nullptr;
+};
+
+TEST(KvTransfer, ALargePieceFromAConnectionThatCannotBeNamedIsRefused) {
+  // The drain deadline ends a failed transfer's receives by cutting the
+  // connections its pieces came from; a rendezvous piece sent without
+  // UCP_AM_SEND_FLAG_REPLY names none, so one whose sender stalled would
+  // hold the transfer's memory (and cancel()) for ever. It is refused, and
+  // the transfer fails; the same piece with the flag lands.
+  auto context = KvContext::create(tcp_mode());
+  KvReceiver rx(context);
+  const auto src = random_bytes(256 << 10, 12);
+  std::vector<uint8_t> dst(src.size());
+  PieceHeader h;
+  h.length = src.size();
+  h.checksum = piece_checksum(src.data(), src.size(), 0);
+  RawPeer peer(context, rx.address());
+  for (const bool reply : {false, true}) {
+    SCOPED_TRACE(reply ? "with a reply endpoint" : "without one");
+    h.transfer_id = new_transfer_id();
+    std::fill(dst.begin(), dst.end(), 0x5A);
+    rx.expect(h.transfer_id, dst.data(), dst.size(), soon());
+    const uint32_t flags = UCP_AM_SEND_FLAG_RNDV | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
+    const ucs_status_t sent = peer.send(wire::kPiece, h, src.data(), src.size(), flags, soon());
+    const TransferResult got = rx.wait(h.transfer_id, soon());
+    if (reply) {
+      EXPECT_EQ(sent, UCS_OK) << ucs_status_string(sent);
+      EXPECT_TRUE(got.ok()) << to_string(got.status) << ": " << got.detail;
+      EXPECT_TRUE(dst == src);
+    } else {
+      EXPECT_NE(sent, UCS_OK);
+      EXPECT_EQ(got.status, TransferStatus::protocol_error) << got.detail;
+      EXPECT_TRUE(std::all_of(dst.begin(), dst.end(), [](uint8_t b) { return b == 0x5A; }));
+    }
+  }
 }
 
 // ---------------------------------------------------------------- deadlines, cancel, peers
