@@ -1181,6 +1181,10 @@ void on_kv_events(Self self, KvEvents& events) {
 
 // A request's deadline: its attempt (serial) still running fails, unless
 // only a report was missing and its tokens are final.
+// Whether the message being handled is one of the router's own timers
+// (delayed_send to itself): the interface lets anyone send them.
+bool from_itself(Self self) { return self->current_sender() == self->ctrl(); }
+
 void on_deadline(Self self, RequestId id, uint64_t serial) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end() || it->second.serial != serial) return;
@@ -1210,6 +1214,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         return admit(self, request, client);
       },
       [=](heartbeat_atom) {
+        if (!from_itself(self)) return;
         send_heartbeats(self);
         self->delayed_send(self, std::chrono::milliseconds(self->state.config.heartbeat_interval_ms),
                            heartbeat_atom::value);
@@ -1241,7 +1246,9 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         }
       },
       [=](kv_events_atom, KvEvents& events) { on_kv_events(self, events); },
-      [=](deadline_atom, RequestId id, uint64_t serial) { on_deadline(self, id, serial); },
+      [=](deadline_atom, RequestId id, uint64_t serial) {
+        if (from_itself(self)) on_deadline(self, id, serial);
+      },
       [=](status_atom) { return status_of(self); },
   };
 }

@@ -355,6 +355,40 @@ TEST_F(ActorTest, ARequestWithoutDecodeRoomWaitsForItInsteadOfFailing) {
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
+// The router's timer messages (deadline_atom, heartbeat_atom) are its own:
+// from anyone else, here deadlines naming a request that waits for room,
+// they are ignored (else any holder of the router's handle could end other
+// requests, or start timer chains that never stop).
+TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 2;  // 32 positions: too few for the request below
+  start(std::move(options));
+  auto full = system_->spawn(always_full_decode, cluster_->router(), std::make_shared<std::atomic<int>>(0),
+                             std::make_shared<std::atomic<int>>(0));
+  wait_for_decode_workers(*client_, 2);
+  GenerateRequest request = make_request(kOnceUponATime, 100);
+  request.id = 0x5EED;
+  auto outcome = client_->submit(request);  // waits: the worker it fits refuses every reservation
+  caf::scoped_actor outsider{*system_};
+  RouterStatus status;
+  for (int i = 0; i < 200 && status.queued == 0; ++i)
+    outsider->request(cluster_->router(), std::chrono::seconds(5), status_atom::value)
+        .receive([&](RouterStatus& s) { status = s; }, [](caf::error&) {});
+  ASSERT_EQ(status.queued, 1);
+  for (uint64_t serial = 0; serial < 64; ++serial)
+    outsider->send(cluster_->router(), deadline_atom::value, request.id, serial);
+  outsider->send(cluster_->router(), heartbeat_atom::value);
+  // (One sender's messages arrive in order: this answer comes after them.)
+  outsider->request(cluster_->router(), std::chrono::seconds(5), status_atom::value)
+      .receive([&](RouterStatus& s) { status = s; }, [&](caf::error&) { status.queued = -1; });
+  EXPECT_EQ(status.queued, 1);
+  client_->cancel(request.id);
+  const RequestOutcome out = outcome.get();
+  EXPECT_EQ(out.code, ErrorCode::cancelled) << out.message;
+  caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
+}
+
 TEST_F(ActorTest, InvalidRequestsAreRejected) {
   start(1, 1);
   struct Case {
