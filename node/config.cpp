@@ -350,6 +350,16 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
       !config.openssl_capath.empty() || !config.openssl_passphrase.empty())
     errors.push_back("the [openssl] options are not used: set tls.certificate, tls.key and tls.ca-file instead");
   split(config.tls.validate(), "");
+  // Every connection's liveness rests on CAF's heartbeats and its timeout for
+  // a silent connection (actors/config.h, watch_connections).
+  const auto heartbeat = caf::get_or(config, "middleman.heartbeat-interval", caf::timespan{kMiddlemanHeartbeat});
+  const auto silent = caf::get_or(config, "middleman.connection-timeout", caf::timespan{kMiddlemanConnectionTimeout});
+  if (heartbeat.count() <= 0)
+    errors.push_back("middleman.heartbeat-interval must be > 0 (without heartbeats the connections of a host that "
+                     "vanished are never closed)");
+  else if (silent < 2 * heartbeat)
+    errors.push_back("middleman.connection-timeout must be at least twice middleman.heartbeat-interval (else a "
+                     "healthy idle connection is closed between two heartbeats)");
   if (node.role == "decode" && is_loopback(disagg.kv_host) && !is_loopback(node.router_host))
     errors.push_back("disagg.kv-host " + disagg.kv_host + " is a loopback address, but the router (node.router-host " +
                      node.router_host + ") is on another host, and so may the prefill nodes be that stream the KV " +

@@ -67,6 +67,28 @@ TEST(NodeConfigFile, ConnectionsAreWatchedByDefaultAndTheFileMayChangeHow) {
   EXPECT_EQ(caf::get_or(*own, "middleman.connection-timeout", off), caf::timespan{std::chrono::seconds(4)});
 }
 
+// Heartbeats off, or a silent connection's timeout no longer than two of
+// them, would leave a vanished host's connections open or close healthy ones.
+TEST(NodeConfigFile, RefusesConnectionWatchingThatCannotWork) {
+  auto errors_of = [&](const std::string& middleman) {
+    NodeSystemConfig config;
+    const std::string dir = make_temp_dir("node-config");
+    write_text_file(dir + "/node.ini", "[node]\nrole = \"router\"\n[middleman]\n" + middleman);
+    std::string flag = "--config-file=" + dir + "/node.ini";
+    char* argv[] = {const_cast<char*>("disagg-node"), flag.data(), nullptr};
+    const NodeConfigResult result = load_node_config(config, 2, argv);
+    std::filesystem::remove_all(dir);
+    std::string all;
+    for (const auto& e : result.errors) all += e + "\n";
+    return all;
+  };
+  EXPECT_NE(errors_of("heartbeat-interval = 0s\n").find("middleman.heartbeat-interval must be > 0"), std::string::npos);
+  EXPECT_NE(errors_of("heartbeat-interval = 3s\nconnection-timeout = 5s\n").find("at least twice"), std::string::npos);
+  EXPECT_NE(errors_of("connection-timeout = 9s\n").find("at least twice"), std::string::npos);  // the 5 s default
+  EXPECT_EQ(errors_of("heartbeat-interval = 1s\nconnection-timeout = 2s\n"), "");
+  EXPECT_EQ(errors_of(""), "");
+}
+
 TEST(NodeConfigFile, ReportsEveryValueCafWouldIgnoreOrRejectWithItsLine) {
   const std::string single = problems_in("[node]\nrole = 'router'\n");
   EXPECT_NE(single.find("line 2: node.role = 'router': single-quoted"), std::string::npos) << single;
