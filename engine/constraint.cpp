@@ -32,20 +32,31 @@ std::shared_ptr<grammar::CompiledGrammar> Constraints::compiled(const std::strin
   std::lock_guard<std::mutex> lock(mutex_);
   const uint64_t h = XXH3_64bits(source.data(), source.size());
   auto it = by_hash_.find(h);
-  if (it != by_hash_.end() && it->second->first == source && it->second->second->states() < kRecompileStates) {
+  auto fresh = [](const grammar::CompiledGrammar& g) {
+    return g.states() < kRecompileStates && g.stacks() < kRecompileStacks &&
+           g.closure_entries() < kRecompileClosureEntries;
+  };
+  if (it != by_hash_.end() && it->second->first == source && fresh(*it->second->second)) {
     grammars_.splice(grammars_.begin(), grammars_, it->second);
     return it->second->second;
   }
   auto compiled = std::make_shared<grammar::CompiledGrammar>(grammar::Grammar::from_json(source), vocab_);
-  if (it != by_hash_.end()) {  // (a hash collision, or one past kRecompileStates: the new one takes the slot)
-    grammars_.erase(it->second);
+  // A grammar let go takes its cached parses along (they hold it: else the
+  // cache's bound on grammars would not bound their memory).
+  auto let_go = [&](decltype(grammars_)::iterator g) {
+    for (auto p = parses_.begin(); p != parses_.end();)
+      p = p->second.second.grammar() == g->second ? parses_.erase(p) : std::next(p);
+    grammars_.erase(g);
+  };
+  if (it != by_hash_.end()) {  // (a hash collision, or one worn past the kRecompile bounds: the new one takes the slot)
+    let_go(it->second);
     by_hash_.erase(it);
   }
   grammars_.emplace_front(source, compiled);
   by_hash_[h] = grammars_.begin();
   if (grammars_.size() > kMaxCompiledGrammars) {
     by_hash_.erase(XXH3_64bits(grammars_.back().first.data(), grammars_.back().first.size()));
-    grammars_.pop_back();
+    let_go(std::prev(grammars_.end()));
   }
   return compiled;
 }

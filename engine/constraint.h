@@ -38,6 +38,11 @@ std::shared_ptr<const grammar::TokenVocabulary> grammar_vocabulary(const Tokeniz
 constexpr size_t kMaxCompiledGrammars = 64;
 constexpr size_t kMaxCachedParses = size_t(1) << 16;
 constexpr size_t kRecompileStates = size_t(1) << 16;
+// Likewise its parse stacks and their closures (one that reached
+// grammar::kMaxStacks or kMaxClosureEntries in a request would refuse every
+// later one, and a cache of such grammars would hold gigabytes).
+constexpr size_t kRecompileStacks = size_t(1) << 18;
+constexpr size_t kRecompileClosureEntries = size_t(1) << 21;
 
 class Constraints {
  public:

@@ -140,8 +140,14 @@ Expr Grammar::repeat(const Expr& e, int min, int max, const Expr* sep) {
   // alone would pass the size limit (nested repetitions multiply).
   size_t symbols = 0;
   for (const Alternative& a : e.alternatives) symbols += a.size();
-  if (std::max<size_t>(symbols, 1) * size_t(std::max(min, max)) > kMaxSymbols)
+  const size_t copies = std::max<size_t>(symbols, 1) * size_t(std::max(min, max));
+  if (copies > kMaxSymbols)
     throw GrammarError("grammar: a repetition that would spell out more than " + std::to_string(kMaxSymbols) + " symbols");
+  // Repetitions spelled out before any rule holds them (a{1000}{1000} many
+  // times over in one alternative) count against the grammar's budget too.
+  spelled_ += copies;
+  if (spelled_ > kMaxSpelledSymbols)
+    throw GrammarError("grammar: its repetitions spell out more than " + std::to_string(kMaxSpelledSymbols) + " symbols");
   // The first copy, then (sep e) for the rest: min - 1 required, the others
   // optional and nested, so the grammar grows linearly with max.
   // The repeated part as one sequence of symbols (a multi-alternative one a

@@ -33,6 +33,8 @@ struct GrammarError : std::runtime_error {
 // sequence).
 constexpr size_t kMaxRules = size_t(1) << 16;
 constexpr size_t kMaxSymbols = size_t(1) << 20;
+// All repetitions of a grammar spelled out together (Grammar::repeat).
+constexpr size_t kMaxSpelledSymbols = 4 * kMaxSymbols;
 constexpr size_t kMaxGrammarBytes = size_t(1) << 20;
 // The deepest nesting of groups a grammar's or a pattern's text may have:
 // their parsers recurse per group (a guided_regex of 500,000 '(' in a 1 MB
@@ -118,6 +120,7 @@ class Grammar {
   // An expression as one symbol: itself when it is one symbol, else a rule.
   Symbol as_symbol(const Expr& e);
   std::vector<std::vector<Alternative>> rules_;
+  size_t spelled_ = 0;  // symbols repeat() spelled out (kMaxSpelledSymbols)
 };
 
 }  // namespace disagg::grammar

@@ -29,12 +29,37 @@ const std::set<std::string> kKeywords = {
 // The largest magnitude a bounded number is written with: JSON's grammar
 // writes at most 16 digits before the point (grammar/json_grammar.h).
 constexpr int64_t kMaxMagnitude = 9999999999999999;
+// The most $refs followed in a row to find what a schema stands for (a
+// chain longer than this is taken for a cycle).
+constexpr int kMaxRefHops = 32;
+
+// A schema that only annotates (true, {}, or a title or description alone).
+bool annotation_only(const nlohmann::json& s) {
+  if (s.is_boolean()) return s.get<bool>();
+  if (!s.is_object()) return false;
+  for (const auto& [key, value] : s.items())
+    if (!kAnnotations.count(key)) return false;
+  return true;
+}
 
 class Compiler {
  public:
   Compiler(Grammar& g, const json& root, bool strict) : g_(g), json_(g), root_(root), strict_(strict) {}
 
   Expr compile(const json& s, const std::string& at) {
+    // Schemas nest through properties, items and $refs (a chain of $refs to
+    // new targets nests without bound in the schema's own depth).
+    struct Nested {
+      int& depth;
+      Nested(int& d, const std::string& at) : depth(d) {
+        if (++depth > kMaxNesting) {
+          --depth;
+          throw SchemaError("the schema at " + where(at) + " is nested more than " + std::to_string(kMaxNesting) +
+                            " deep");
+        }
+      }
+      ~Nested() { --depth; }
+    } nested(depth_, at);
     if (s.is_boolean()) {
       if (s.get<bool>()) return json_.value();
       throw SchemaError("schema " + where(at) + " is false: nothing validates against it");
@@ -84,7 +109,7 @@ class Compiler {
   // The JSON types a schema's values can have (a conservative superset).
   std::set<std::string> types_of(const json& s, const std::string& at, int depth = 0) {
     static const std::set<std::string> all = {"object", "array", "string", "number", "boolean", "null"};
-    if (!s.is_object() || depth > 32) return all;
+    if (!s.is_object() || depth > kMaxRefHops) return all;
     if (s.contains("$ref")) return types_of(resolve(s, at), at, depth + 1);
     std::vector<json> values;
     if (s.contains("const")) values.push_back(s["const"]);
@@ -181,10 +206,19 @@ class Compiler {
     if (!parts.is_array() || parts.empty()) throw SchemaError("allOf at " + where(at) + " must be a non-empty array");
     json merged = s;
     merged.erase("allOf");
+    if (merged.contains("type") && merged["type"] != "object")
+      throw SchemaError("allOf at " + where(at) + ": only object schemas are supported");
+    if (merged.contains("properties") && !merged["properties"].is_object())
+      throw SchemaError("properties at " + where(at) + " must be an object");
     for (size_t i = 0; i < parts.size(); ++i) {
       json part = parts[i];
       const std::string part_at = at + "/allOf/" + std::to_string(i);
-      while (part.is_object() && part.contains("$ref")) part = resolve(part, part_at);
+      for (int hops = 0; part.is_object() && part.contains("$ref"); ++hops) {
+        if (hops == kMaxRefHops)
+          throw SchemaError("allOf at " + where(part_at) + ": more than " + std::to_string(kMaxRefHops) +
+                            " $refs in a row (a cycle?)");
+        part = resolve(part, part_at);
+      }
       if (!part.is_object()) throw SchemaError("allOf at " + where(at) + ": only object schemas are supported");
       for (const auto& [key, value] : part.items()) {
         if (kAnnotations.count(key)) continue;
@@ -192,8 +226,20 @@ class Compiler {
           if (value != "object") throw SchemaError("allOf at " + where(at) + ": only object schemas are supported");
           merged["type"] = "object";
         } else if (key == "properties") {
-          for (const auto& [name, schema] : value.items()) merged["properties"][name] = schema;
+          if (!value.is_object()) throw SchemaError("properties at " + where(part_at) + " must be an object");
+          for (const auto& [name, schema] : value.items()) {
+            json& have = merged["properties"][name];
+            // Two schemas for one property must both hold: supported where
+            // one of them only annotates (a description added beside a $ref).
+            if (have.is_null() || annotation_only(have)) have = schema;
+            else if (!annotation_only(schema))
+              throw SchemaError("allOf at " + where(part_at) + ": property \"" + name +
+                                "\" has a schema in two parts (only one may constrain it)");
+          }
         } else if (key == "required") {
+          if (!value.is_array()) throw SchemaError("required at " + where(part_at) + " must be an array");
+          if (merged.contains("required") && !merged["required"].is_array())
+            throw SchemaError("required at " + where(at) + " must be an array");
           for (const json& name : value) merged["required"].push_back(name);
         } else if (key == "additionalProperties") {
           // (it limits the part's own properties: with another part's, the
@@ -295,30 +341,27 @@ class Compiler {
     for (const std::string& n : names) needed.push_back(required.count(n) ? 1 : 0);
     const Expr comma = g_.seq({Grammar::literal(","), json_.space()});
     // first[i]: members from i on, none written yet; rest[i]: after one.
-    std::vector<int> first(names.size() + 1), rest(names.size() + 1);
-    for (size_t i = 0; i <= names.size(); ++i) first[i] = g_.declare(), rest[i] = g_.declare();
-    for (size_t i = names.size() + 1; i-- > 0;) {
-      std::vector<Expr> f, r;
-      bool all_optional = true;
-      for (size_t j = i; j < names.size(); ++j) {
-        f.push_back(g_.seq({members[j], Grammar::ref(rest[j + 1])}));
-        r.push_back(g_.seq({comma, members[j], Grammar::ref(rest[j + 1])}));
-        if (needed[j]) {
-          all_optional = false;
-          break;
-        }
+    // Member i, or (optional) none of it and on from i + 1: linear in the
+    // properties (each listing every later member was quadratic).
+    const size_t n = names.size();
+    std::vector<int> first(n + 1), rest(n + 1);
+    for (size_t i = 0; i <= n; ++i) first[i] = g_.declare(), rest[i] = g_.declare();
+    if (extra) {
+      const Expr more = g_.star(g_.seq({comma, *extra}));
+      g_.define(first[n], Grammar::alt({g_.seq({*extra, more}), Grammar::empty()}));
+      g_.define(rest[n], more);
+    } else {
+      g_.define(first[n], Grammar::empty());
+      g_.define(rest[n], Grammar::empty());
+    }
+    for (size_t i = n; i-- > 0;) {
+      std::vector<Expr> f{g_.seq({members[i], Grammar::ref(rest[i + 1])})};
+      std::vector<Expr> r{g_.seq({comma, members[i], Grammar::ref(rest[i + 1])})};
+      if (!needed[i]) {
+        f.push_back(Grammar::ref(first[i + 1]));
+        r.push_back(Grammar::ref(rest[i + 1]));
       }
-      if (all_optional) {
-        if (extra) {
-          const Expr more = g_.star(g_.seq({comma, *extra}));
-          f.push_back(g_.seq({*extra, more}));
-          r.push_back(more);
-        } else {
-          r.push_back(Grammar::empty());
-        }
-        f.push_back(Grammar::empty());
-      }
-      g_.define(first[i], f.empty() ? Grammar::empty() : Grammar::alt(f));
+      g_.define(first[i], Grammar::alt(f));
       g_.define(rest[i], Grammar::alt(r));
     }
     return g_.seq({Grammar::literal("{"), json_.space(), Grammar::ref(first[0]), Grammar::literal("}")});
@@ -442,24 +485,29 @@ class Compiler {
     const int n = int(prefix.size());
     if (!item && min > n) throw SchemaError("minItems " + std::to_string(min) + " at " + where(at) + " needs more items than prefixItems allows");
     auto element = [&](int k) { return g_.seq({k < n ? prefix[size_t(k)] : *item, json_.space()}); };
-    std::function<Expr(int, bool)> from = [&](int k, bool first) -> Expr {
-      const Expr lead = first ? Grammar::empty() : comma;
-      if (max >= 0 && k >= max) return Grammar::empty();
-      if (k >= n) {
-        if (!item) return Grammar::empty();
-        const Expr one = g_.seq({comma, element(k)});
-        const int need = std::max(0, min - k), up_to = max < 0 ? -1 : max - k;
-        if (first) {
-          const Expr head = element(k);
-          const Expr more = g_.repeat(one, std::max(0, need - 1), up_to < 0 ? -1 : up_to - 1);
-          return need > 0 ? g_.seq({head, more}) : g_.optional(g_.seq({head, more}));
-        }
-        return g_.repeat(one, need, up_to);
+    // The items from index k on (the first without a comma before it), built
+    // from the last prefix item back (a loop: prefixItems may be long).
+    auto items_from = [&](int k, bool first) -> Expr {  // k >= n: the items after the prefix
+      if ((max >= 0 && k >= max) || !item) return Grammar::empty();
+      const Expr one = g_.seq({comma, element(k)});
+      const int need = std::max(0, min - k), up_to = max < 0 ? -1 : max - k;
+      if (first) {
+        const Expr head = element(k);
+        const Expr more = g_.repeat(one, std::max(0, need - 1), up_to < 0 ? -1 : up_to - 1);
+        return need > 0 ? g_.seq({head, more}) : g_.optional(g_.seq({head, more}));
       }
-      const Expr here = g_.seq({lead, element(k), from(k + 1, false)});
-      return k >= min ? g_.optional(here) : here;
+      return g_.repeat(one, need, up_to);
     };
-    return g_.seq({Grammar::literal("["), json_.space(), from(0, true), Grammar::literal("]")});
+    Expr from = items_from(n, n == 0);
+    for (int k = n - 1; k >= 0; --k) {
+      if (max >= 0 && k >= max) {
+        from = Grammar::empty();
+        continue;
+      }
+      const Expr here = g_.seq({k == 0 ? Grammar::empty() : comma, element(k), from});
+      from = k >= min ? g_.optional(here) : here;
+    }
+    return g_.seq({Grammar::literal("["), json_.space(), from, Grammar::literal("]")});
   }
 
   static int bound(const json& s, const char* key, const std::string& at, int fallback) {
@@ -603,8 +651,9 @@ class Compiler {
     const auto min = read("minimum"), max = read("maximum"), xmin = read("exclusiveMinimum"), xmax = read("exclusiveMaximum");
     if (!min && !max && !xmin && !xmax) return integer ? json_.integer() : json_.number();
     // The integers in range, then (numbers) the fractions that stay in it.
-    const double lower = min ? *min : xmin ? *xmin : -double(kMaxMagnitude);
-    const double upper = max ? *max : xmax ? *xmax : double(kMaxMagnitude);
+    // (with both an inclusive and an exclusive bound on a side, the tighter holds)
+    const double lower = std::max(min.value_or(-double(kMaxMagnitude)), xmin.value_or(-double(kMaxMagnitude)));
+    const double upper = std::min(max.value_or(double(kMaxMagnitude)), xmax.value_or(double(kMaxMagnitude)));
     int64_t lo = -kMaxMagnitude, hi = kMaxMagnitude;
     if (min) lo = std::max(lo, int64_t(std::ceil(*min)));
     if (xmin) lo = std::max(lo, int64_t(std::floor(*xmin)) + 1);
@@ -632,6 +681,7 @@ class Compiler {
   JsonPieces json_;
   const json& root_;
   bool strict_;
+  int depth_ = 0;  // compile()'s calls in progress
   std::map<std::string, int> refs_;
 };
 

@@ -322,20 +322,34 @@ int32_t CompiledGrammar::push(int32_t parent, int32_t pos) {
   const int32_t depth = stacks_[size_t(parent)].depth + 1;
   if (depth > kMaxStackDepth) return -1;
   const uint64_t key = (uint64_t(uint32_t(pos)) << 32) | uint32_t(parent);
-  auto [it, added] = stack_index_.try_emplace(key, int32_t(stacks_.size()));
-  if (added) {
-    if (stacks_.size() >= kMaxStacks) throw GrammarError("grammar: more than " + std::to_string(kMaxStacks) + " parse stacks");
-    stacks_.push_back(Stack{pos, parent, depth});
-    closures_.emplace_back();
-    closed_.push_back(0);
-  }
-  return it->second;
+  if (auto it = stack_index_.find(key); it != stack_index_.end()) return it->second;
+  // (checked before the index names the new stack: a refused one must not
+  // stay in it, pointing past the end, for the next request to find)
+  if (stacks_.size() >= kMaxStacks) throw GrammarError("grammar: more than " + std::to_string(kMaxStacks) + " parse stacks");
+  const int32_t id = int32_t(stacks_.size());
+  stacks_.push_back(Stack{pos, parent, depth});
+  closures_.emplace_back();
+  closed_.push_back(0);
+  stack_index_.emplace(key, id);
+  return id;
 }
 
 // The stacks a stack stands for once every rule at its top is expanded: each
 // has a byte set on top, or is the empty stack (the text may end there).
 const std::vector<int32_t>& CompiledGrammar::closure(int32_t stack) {
   if (closed_[size_t(stack)]) return closures_[size_t(stack)];
+  // A closure follows the symbols that may match "" one call deeper each
+  // (root ::= x x x ... with x nullable): bounded, as the closures' sizes
+  // are (n such symbols hold n^2 / 2 entries).
+  struct Nested {
+    int& depth;
+    explicit Nested(int& d) : depth(d) {
+      if (++depth > kMaxClosureDepth)
+        throw GrammarError("grammar: more than " + std::to_string(kMaxClosureDepth) +
+                           " symbols that may match nothing in a row");
+    }
+    ~Nested() { --depth; }
+  } nested(closure_depth_);
   std::vector<int32_t> out;
   const Stack s = stacks_[size_t(stack)];
   const int32_t sym = elems_[size_t(s.pos)];
@@ -356,6 +370,9 @@ const std::vector<int32_t>& CompiledGrammar::closure(int32_t stack) {
   }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
+  closure_entries_ += out.size();
+  if (closure_entries_ > kMaxClosureEntries)
+    throw GrammarError("grammar: its parse stacks' closures pass " + std::to_string(kMaxClosureEntries) + " entries");
   closures_[size_t(stack)] = std::move(out);
   closed_[size_t(stack)] = 1;
   return closures_[size_t(stack)];
@@ -444,6 +461,16 @@ bool CompiledGrammar::accepting(int state) {
 size_t CompiledGrammar::states() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return states_.size();
+}
+
+size_t CompiledGrammar::stacks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stacks_.size();
+}
+
+size_t CompiledGrammar::closure_entries() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return closure_entries_;
 }
 
 std::shared_ptr<const TokenMask> CompiledGrammar::mask(int state) {

@@ -183,6 +183,11 @@ struct TokenMask {
 constexpr int kMaxStackDepth = 1024;
 constexpr size_t kMaxStates = size_t(1) << 20;
 constexpr size_t kMaxStacks = size_t(1) << 22;
+// A stack's closure calls itself once per symbol that may match "" in a row
+// (each call a small frame), and all closures together hold at most this
+// many stacks.
+constexpr int kMaxClosureDepth = 8192;
+constexpr size_t kMaxClosureEntries = size_t(1) << 24;
 constexpr size_t kMaxCachedMasks = 1024;
 constexpr std::array<int, 3> kFrameDepths = {3, 5, 8};
 constexpr size_t kFrameFallback = 8;
@@ -229,6 +234,8 @@ class CompiledGrammar {
   const std::shared_ptr<const TokenMask>& end_only_mask() const { return end_only_; }
 
   size_t states() const;
+  size_t stacks() const;
+  size_t closure_entries() const;
 
  private:
   using PlainForm = std::vector<std::vector<uint8_t>>;  // plain_forms_'s
@@ -390,6 +397,8 @@ class CompiledGrammar {
   std::unordered_map<uint64_t, int32_t> stack_index_;
   std::vector<std::vector<int32_t>> closures_;
   std::vector<char> closed_;
+  int closure_depth_ = 0;       // closure()'s calls in progress
+  size_t closure_entries_ = 0;  // in closures_
   std::vector<State> states_;
   std::vector<int32_t> next_stacks_;  // next_locked's scratch
   struct VectorHash {

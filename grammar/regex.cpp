@@ -280,8 +280,9 @@ class RegexParser {
     return atom;
   }
 
-  // {m}, {m,}, {m,n} at pos_ (true, consumed), or false: a '{' that is
-  // itself (as Python reads "{" not followed by a bound).
+  // {m}, {m,}, {m,n} (and in Python's dialect {,n}) at pos_ (true,
+  // consumed), or false: a '{' that is itself (as Python reads "{" not
+  // followed by a bound).
   bool braces(int& min, int& max) {
     size_t i = pos_ + 1;
     auto number = [&](int& out) {
@@ -294,7 +295,11 @@ class RegexParser {
       out = int(v);
       return i > begin;
     };
-    if (!number(min)) return false;
+    if (!number(min)) {
+      // Python reads {,n} as {0,n} (and {,} as {0,}); ECMAScript as text.
+      if (dialect_ != Dialect::python_text || i >= p_.size() || p_[i] != ',') return false;
+      min = 0;
+    }
     max = min;
     if (i < p_.size() && p_[i] == ',') {
       ++i;

@@ -89,6 +89,33 @@ word ::= [a-z]+)";
   for (const std::string& text : texts) EXPECT_TRUE(std::regex_match(text, language)) << text;
 }
 
+// Sizes a short text could ask for that the checks of its rules do not see:
+// symbols that may match nothing, in a row (each one closure call deeper,
+// and n of them n^2 / 2 closure entries), and repetitions spelled out before
+// a rule holds them.
+TEST(Gbnf, WhatAShortTextWouldBlowUpIsRefused) {
+  auto row = [](int n) {
+    std::string text = "root ::=";
+    for (int i = 0; i < n; ++i) text += " x";
+    return text + "\nx ::= \"a\"?\n";
+  };
+  expect_texts(row(100), {"", "aaa", std::string(100, 'a')}, {std::string(101, 'a'), "b"});
+  try {
+    CompiledGrammar c(gbnf_grammar(row(10000)), stories_vocabulary());
+    ADD_FAILURE() << "10,000 symbols that may match nothing in a row compiled";
+  } catch (const GrammarError& e) {
+    EXPECT_NE(std::string(e.what()).find("may match nothing in a row"), std::string::npos) << e.what();
+  }
+  std::string spelled = "root ::=";
+  for (int i = 0; i < 5; ++i) spelled += " (\"a\"{1000}){1000}";
+  try {
+    gbnf_grammar(spelled);
+    ADD_FAILURE() << "five repetitions of a million symbols each compiled";
+  } catch (const GrammarError& e) {
+    EXPECT_NE(std::string(e.what()).find("repetitions spell out more than"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Gbnf, MalformedGrammarsAreRefusedWithTheirPlace) {
   expect_refused([](const std::string& source) { return gbnf_grammar(source); }, {
       {"root ::= answer", "line 1, column 10: rule 'answer' is used but never defined"},

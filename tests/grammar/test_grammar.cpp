@@ -558,6 +558,22 @@ TEST(Constraints, TheMaskDependsOnTheOutputAloneAndRefusesAForeignOutput) {
   EXPECT_THROW(fresh.mask("{\"rules\": 1}", history, 0), GrammarError);
 }
 
+// The cache's bound on compiled grammars bounds their memory: a grammar let
+// go is freed, its cached parses with it (they hold it too).
+TEST(Constraints, AGrammarTheCacheLetsGoIsFreedWithItsParses) {
+  const auto v = stories_vocabulary();
+  gpu::Constraints constraints(v);
+  const std::vector<int> prompt = {1, 100};
+  auto source = [](size_t i) { return gbnf_grammar("root ::= \"x" + std::to_string(i) + "\"").to_json(); };
+  std::weak_ptr<CompiledGrammar> first = constraints.compiled(source(0));
+  constraints.mask(source(0), prompt, 0);
+  for (size_t i = 1; i <= gpu::kMaxCompiledGrammars; ++i) constraints.mask(source(i), prompt, 0);
+  EXPECT_TRUE(first.expired()) << first.use_count() << " holders left";
+  // (and one still cached keeps its parses)
+  std::weak_ptr<CompiledGrammar> last = constraints.compiled(source(gpu::kMaxCompiledGrammars));
+  EXPECT_FALSE(last.expired());
+}
+
 // Sequences that share a Constraints (a decode worker's batch) each get
 // the masks of their own output: two outputs of the same grammar, of the
 // same lengths, stepped in turn, each mask equal to a replay from nothing.

@@ -100,6 +100,50 @@ TEST(JsonSchema, WhatItCannotCompileIsRefusedByName) {
       json::parse(R"({"type": "object", "properties": {"a": {}}, "required": ["a"], "additionalProperties": false})"), true));
 }
 
+// Schemas a client could send that would hang the compiler, nest it past
+// its stack, or build a grammar quadratic in their size; and allOf parts
+// that would overwrite each other's properties.
+TEST(JsonSchema, SchemasThatWouldHangOrBlowUpAreRefusedOrBuiltLinearly) {
+  auto refused = [](const json& schema, const std::string& why) {
+    try {
+      json_schema_grammar(schema);
+      ADD_FAILURE() << schema.dump().substr(0, 200) << " compiled";
+    } catch (const SchemaError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  refused(json::parse(R"({"$defs": {"a": {"$ref": "#/$defs/a"}}, "allOf": [{"$ref": "#/$defs/a"}]})"), "a cycle?");
+  json chain = {{"$ref", "#/$defs/d0"}};
+  for (int i = 0; i < 300; ++i) chain["$defs"]["d" + std::to_string(i)] = {{"$ref", "#/$defs/d" + std::to_string(i + 1)}};
+  chain["$defs"]["d300"] = {{"type", "integer"}};
+  refused(chain, "nested more than 256 deep");
+  // 2,000 optional properties: one alternative per member and one to skip it.
+  json many = {{"type", "object"}};
+  for (int i = 0; i < 2000; ++i) many["properties"]["p" + std::to_string(i)] = {{"type", "integer"}};
+  const Grammar g = json_schema_grammar(many);
+  EXPECT_LT(g.symbol_count(), size_t(200000));
+  CompiledGrammar c(g, stories_vocabulary());
+  for (const char* t : {"{}", R"({"p0": 1, "p1999": 2})", R"({"p7": 3})"}) EXPECT_TRUE(takes(c, t)) << t;
+  for (const char* t : {R"({"p1": 1, "p0": 2})", R"({"q": 1})", R"({"p7": "x"})"}) EXPECT_FALSE(takes(c, t)) << t;
+  // 20,000 prefixItems (built in a loop, not a call per item).
+  json prefix = {{"type", "array"}, {"items", false}, {"prefixItems", json::array()}};
+  for (int i = 0; i < 20000; ++i) prefix["prefixItems"].push_back({{"type", "integer"}});
+  expect_texts(prefix, {"[]", "[1, 2]"}, {R"([1, "a"])"});
+  // allOf: a part that only describes a property keeps the other's schema;
+  // two that constrain it are refused, as is an object part under another type.
+  expect_texts(json::parse(R"({"$defs": {"B": {"properties": {"n": {"type": "integer"}}}},
+                               "allOf": [{"$ref": "#/$defs/B"}, {"properties": {"n": {"description": "count"}}}],
+                               "required": ["n"]})"),
+               {R"({"n": 1})"}, {R"({"n": "x"})", "{}"});
+  refused(json::parse(R"({"allOf": [{"properties": {"n": {"type": "integer"}}}, {"properties": {"n": {"minimum": 3}}}]})"),
+          "has a schema in two parts");
+  refused(json::parse(R"({"type": "string", "allOf": [{"type": "object"}]})"), "only object schemas");
+  // An inclusive and an exclusive bound on one side: the tighter holds.
+  expect_texts(json::parse(R"({"type": "number", "minimum": 0, "exclusiveMinimum": 5})"), {"5.5", "6"}, {"0.5", "5", "0"});
+  expect_texts(json::parse(R"({"type": "number", "maximum": 10, "exclusiveMaximum": 1})"), {"0.5", "0", "-3"},
+               {"5.5", "1", "1.5"});
+}
+
 // ---- generation: random tokens under the mask, steered to an end.
 
 // Bytes from `state` to a state that may end, breadth first (memoised).

@@ -57,6 +57,18 @@ TEST(Regex, TheModelWritesOnlyMatches) {
   for (const std::string& text : texts) EXPECT_TRUE(std::regex_match(text, reference)) << text;
 }
 
+// Python reads {,n} as {0,n} and {,} as {0,} (and "{" without a bound as
+// itself).
+TEST(Regex, ABoundWithoutItsMinimumStartsAtZero) {
+  CompiledGrammar upto(regex_grammar("a{,3}b"), stories_vocabulary());
+  for (const char* t : {"b", "ab", "aaab"}) EXPECT_TRUE(takes(upto, t)) << t;
+  for (const char* t : {"aaaab", "a{,3}b"}) EXPECT_FALSE(takes(upto, t)) << t;
+  CompiledGrammar any(regex_grammar("a{,}b"), stories_vocabulary());
+  for (const char* t : {"b", "aaaaaaab"}) EXPECT_TRUE(takes(any, t)) << t;
+  CompiledGrammar text(regex_grammar("a{x}"), stories_vocabulary());
+  EXPECT_TRUE(takes(text, "a{x}"));
+}
+
 TEST(Regex, WhatIsNotRegularOrNotSupportedIsRefusedByName) {
   expect_refused([](const std::string& source) { return regex_grammar(source); }, {
       {"(a)\\1", "at offset 3: a backreference"},
