@@ -16,7 +16,7 @@ namespace disagg::grammar {
 
 namespace {
 
-using json = nlohmann::json;
+using json = nlohmann::ordered_json;  // (the properties' order is the output's)
 
 const std::set<std::string> kAnnotations = {"title",    "description", "default",  "examples", "deprecated",
                                             "readOnly", "writeOnly",   "$schema",  "$id",      "$comment"};
@@ -34,7 +34,7 @@ constexpr int64_t kMaxMagnitude = 9999999999999999;
 constexpr int kMaxRefHops = 32;
 
 // A schema that only annotates (true, {}, or a title or description alone).
-bool annotation_only(const nlohmann::json& s) {
+bool annotation_only(const nlohmann::ordered_json& s) {
   if (s.is_boolean()) return s.get<bool>();
   if (!s.is_object()) return false;
   for (const auto& [key, value] : s.items())
@@ -688,6 +688,10 @@ class Compiler {
 }  // namespace
 
 Grammar json_schema_grammar(const nlohmann::json& schema, bool strict) {
+  return json_schema_grammar(nlohmann::ordered_json(schema), strict);
+}
+
+Grammar json_schema_grammar(const nlohmann::ordered_json& schema, bool strict) {
   Grammar g;
   Compiler c(g, schema, strict);
   g.define(0, c.compile(schema, ""));

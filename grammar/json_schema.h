@@ -9,8 +9,9 @@
 //     const/enum property: anything else may overlap and is refused); allOf of object schemas without
 //     additionalProperties (merged);
 //     $ref to "#", "#/$defs/..." or "#/definitions/..." (recursion too);
-//   objects: properties (written in the order the parsed schema holds them:
-//     nlohmann::json's, by name), required, additionalProperties (false, true or a schema;
+//   objects: properties (written in the schema's order, as OpenAI's
+//     structured outputs write them: an ordered_json keeps it; a
+//     nlohmann::json holds them by name), required, additionalProperties (false, true or a schema;
 //     absent counts as false where properties are named: only they are
 //     written, which validates either way; an object schema naming none
 //     allows any members);
@@ -46,6 +47,7 @@ struct SchemaError : GrammarError {
 // require or allow (past this, maxItems/maxLength are refused).
 constexpr int kMaxBoundedRepeat = 1024;
 
+Grammar json_schema_grammar(const nlohmann::ordered_json& schema, bool strict = false);
 Grammar json_schema_grammar(const nlohmann::json& schema, bool strict = false);
 
 }  // namespace disagg::grammar

@@ -139,7 +139,7 @@ void refuse_unless(const json& body, const char* name, const std::function<bool(
 // response_format), any JSON object for {"type": "json_object"}, the
 // schema's for {"type": "json_schema", "json_schema": {"name", "schema",
 // "strict"}} (a schema it cannot compile: 400 naming the keyword).
-std::string response_format_grammar(const json& body) {
+std::string response_format_grammar(const json& body, const nlohmann::ordered_json& in_order) {
   const json* v = field(body, "response_format");
   if (!v || v->is_null()) return {};
   expect_type(v->is_object(), "response_format", "an object", *v);
@@ -162,8 +162,11 @@ std::string response_format_grammar(const json& body) {
     throw bad_request("response_format", "'response_format.json_schema.strict' must be a boolean");
   try {
     // No schema: any JSON value (OpenAI requires one; vLLM does not).
-    const grammar::Grammar g = grammar::json_schema_grammar(schema ? *schema : json(true),
-                                                            strict && strict->is_boolean() && strict->get<bool>());
+    // (the schema itself from the body in its keys' order)
+    const grammar::Grammar g =
+        grammar::json_schema_grammar(schema ? in_order.at("response_format").at("json_schema").at("schema")
+                                            : nlohmann::ordered_json(true),
+                                     strict && strict->is_boolean() && strict->get<bool>());
     return g.to_json();
   } catch (const grammar::GrammarError& e) {
     throw bad_request("response_format", std::string("response_format.json_schema: ") + e.what(), "unsupported");
@@ -174,7 +177,7 @@ std::string response_format_grammar(const json& body) {
 // (one of these texts, written as they are), guided_grammar (GBNF,
 // grammar/gbnf.h), guided_regex (the whole output matches it,
 // grammar/regex.h). One source of a grammar per request.
-std::string guided_grammar(const json& body) {
+std::string guided_grammar(const json& body, const nlohmann::ordered_json& in_order) {
   const json* schema = field(body, "guided_json");
   const json* choice = field(body, "guided_choice");
   const json* gbnf = field(body, "guided_grammar");
@@ -198,7 +201,8 @@ std::string guided_grammar(const json& body) {
   if (schema) {
     try {
       // (vLLM takes the schema as an object or as its JSON text)
-      const json parsed = schema->is_string() ? parse_json_limited(schema->get<std::string>()) : *schema;
+      const nlohmann::ordered_json parsed = schema->is_string() ? parse_ordered_json_limited(schema->get<std::string>())
+                                                                : in_order.at("guided_json");
       return grammar::json_schema_grammar(parsed).to_json();
     } catch (const JsonTooDeep&) {
       throw bad_request("guided_json", "'guided_json' nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
@@ -264,6 +268,11 @@ json parse_json_limited(const std::string& text) {
   // body's object: 0) before anything in it is parsed; nlohmann's parser
   // and destructor are iterative, so nothing here recurses on the input.
   return json::parse(text, [](int depth, json::parse_event_t event, json&) { return json_depth_guard(depth, event); });
+}
+
+nlohmann::ordered_json parse_ordered_json_limited(const std::string& text) {
+  return nlohmann::ordered_json::parse(
+      text, [](int depth, json::parse_event_t event, nlohmann::ordered_json&) { return json_depth_guard(depth, event); });
 }
 
 namespace {
@@ -493,8 +502,14 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   } else {
     r.sampling.seed = random_seed();
   }
-  r.sampling.grammar = response_format_grammar(body);
-  if (std::string guided = guided_grammar(body); !guided.empty()) {
+  // The fields that hold JSON schemas read them from the body parsed again
+  // keeping its keys' order (properties are written in their schema's order).
+  const nlohmann::ordered_json in_order =
+      field(body, "response_format") || field(body, "guided_json") || field(body, "tools")
+          ? parse_ordered_json_limited(text)
+          : nlohmann::ordered_json::object();
+  r.sampling.grammar = response_format_grammar(body, in_order);
+  if (std::string guided = guided_grammar(body, in_order); !guided.empty()) {
     if (!r.sampling.grammar.empty())
       throw bad_request("response_format", "'response_format' and vLLM's guided_* options exclude each other");
     r.sampling.grammar = std::move(guided);
@@ -502,7 +517,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   if (endpoint == Endpoint::chat) {
     r.reasoning = gpu::reasoning_syntax_of(gpu::to_string(chat.family));
     std::string calls;
-    r.tools = parse_tools(body, chat.family, calls);
+    r.tools = parse_tools(body, in_order, chat.family, calls);
     // A required or named call is this turn's output: its grammar rules, and
     // a response_format waits for a turn that answers in text (as OpenAI
     // and vLLM take both, and the Agents SDK sends both).

@@ -40,6 +40,9 @@ constexpr int kMaxJsonDepth = 64;
 // JsonTooDeep past the bound, json::exception when it is not JSON.
 struct JsonTooDeep {};
 json parse_json_limited(const std::string& text);
+// The same, keeping objects' keys in the text's order (a JSON schema's
+// properties are written in it).
+nlohmann::ordered_json parse_ordered_json_limited(const std::string& text);
 // Its parse callback, for a parse of any json type.
 inline bool json_depth_guard(int depth, nlohmann::json::parse_event_t event) {
   if (depth >= kMaxJsonDepth && (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))

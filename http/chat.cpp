@@ -84,9 +84,31 @@ std::string message_content(const json& m, size_t index, ChatTemplate family, co
   return out;
 }
 
+// `schema` moved to `pointer` inside another schema: its references to
+// itself ("#", "#/$defs/X") rewritten to point there. (Values that are data,
+// not schemas, are left as they are.)
+nlohmann::ordered_json rooted_at(const nlohmann::ordered_json& schema, const std::string& pointer) {
+  if (schema.is_array()) {
+    nlohmann::ordered_json out = nlohmann::ordered_json::array();
+    for (const json& v : schema) out.push_back(rooted_at(v, pointer));
+    return out;
+  }
+  if (!schema.is_object()) return schema;
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  for (const auto& [key, value] : schema.items()) {
+    if (key == "$ref" && value.is_string() && value.get_ref<const std::string&>().rfind('#', 0) == 0)
+      out[key] = pointer + value.get_ref<const std::string&>().substr(1);
+    else if (key == "const" || key == "enum" || key == "default" || key == "examples")
+      out[key] = value;
+    else
+      out[key] = rooted_at(value, pointer);
+  }
+  return out;
+}
+
 }  // namespace
 
-ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar) {
+ToolUse parse_tools(const json& body, const nlohmann::ordered_json& in_order, ChatTemplate family, std::string& grammar) {
   ToolUse use;
   const json* tools = field(body, "tools");
   const json* choice = field(body, "tool_choice");
@@ -100,7 +122,8 @@ ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar)
   expect_type(tools->is_array(), "tools", "an array of tools", *tools);
   if (tools->size() > kMaxTools)
     throw bad_request("tools", "at most " + std::to_string(kMaxTools) + " tools, got " + std::to_string(tools->size()));
-  std::vector<std::pair<std::string, json>> functions;  // name, parameters schema
+  // name, parameters schema (in the body's order: properties are written in it)
+  std::vector<std::pair<std::string, nlohmann::ordered_json>> functions;
   for (size_t i = 0; i < tools->size(); ++i) {
     const json& t = (*tools)[i];
     const std::string where = "tools[" + std::to_string(i) + "]";
@@ -114,8 +137,9 @@ ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar)
       throw bad_request("tools", where + ".function.name must be a string of 1 to 64 characters");
     for (const auto& [name, unused] : functions)
       if (name == f["name"]) throw bad_request("tools", where + ": a second tool named " + quote(f["name"]));
-    json parameters = f.contains("parameters") && !f["parameters"].is_null() ? f["parameters"]
-                                                                               : json{{"type", "object"}, {"properties", json::object()}};
+    nlohmann::ordered_json parameters = f.contains("parameters") && !f["parameters"].is_null()
+                                            ? in_order.at("tools").at(i).at("function").at("parameters")
+                                            : nlohmann::ordered_json{{"type", "object"}, {"properties", json::object()}};
     functions.emplace_back(f["name"].get<std::string>(), std::move(parameters));
   }
   use.syntax = gpu::tool_syntax_of(gpu::to_string(family));
@@ -141,14 +165,20 @@ ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar)
       for (const auto& [name, parameters] : functions)
         if (name == use.name) grammar = grammar::json_schema_grammar(parameters).to_json();
     } else if (use.choice == ToolUse::Choice::required) {
-      // [{"name": one of them, "arguments": its parameters}, ...]
-      json branches = json::array();
-      for (const auto& [name, parameters] : functions)
-        branches.push_back({{"type", "object"},
-                            {"properties", {{"name", {{"const", name}}}, {"arguments", parameters}}},
-                            {"required", {"name", "arguments"}},
-                            {"additionalProperties", false}});
-      json calls = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", branches}}}};
+      // [{"name": one of them, "arguments": its parameters}, ...]; each
+      // tool's parameters under $defs, their own references rooted there.
+      using ordered = nlohmann::ordered_json;
+      ordered branches = ordered::array(), defs = ordered::object();
+      for (size_t i = 0; i < functions.size(); ++i) {
+        const std::string at = "tool" + std::to_string(i);
+        defs[at] = rooted_at(functions[i].second, "#/$defs/" + at);
+        branches.push_back(ordered{{"type", "object"},
+                                   {"properties", ordered{{"name", ordered{{"const", functions[i].first}}},
+                                                          {"arguments", ordered{{"$ref", "#/$defs/" + at}}}}},
+                                   {"required", {"name", "arguments"}},
+                                   {"additionalProperties", false}});
+      }
+      ordered calls = {{"type", "array"}, {"minItems", 1}, {"items", ordered{{"anyOf", branches}}}, {"$defs", defs}};
       if (!parallel) calls["maxItems"] = 1;
       grammar = grammar::json_schema_grammar(calls).to_json();
     }

@@ -65,6 +65,6 @@ std::vector<int32_t> chat_prompt(const json& body, const std::string& text, cons
 // tools, tool_choice and parallel_tool_calls of a chat body, for the
 // family's call syntax; `grammar` gets the calls' grammar when the choice
 // is required or named. Throws ApiError.
-ToolUse parse_tools(const json& body, ChatTemplate family, std::string& grammar);
+ToolUse parse_tools(const json& body, const nlohmann::ordered_json& in_order, ChatTemplate family, std::string& grammar);
 
 }  // namespace disagg::http

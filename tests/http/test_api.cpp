@@ -5,8 +5,10 @@
 #include <chrono>
 #include <random>
 
+#include "grammar/grammar_texts.h"
 #include "grammar/json_grammar.h"
 #include "grammar/json_schema.h"
+#include "grammar/matcher.h"
 #include "http/api.h"
 #include "metrics/disagg_metrics.h"
 #include "support/adversarial_json.h"
@@ -634,6 +636,46 @@ TEST(HttpTools, ToolChoiceSetsTheGrammarOfTheCall) {
             "tools");
   EXPECT_EQ(error_of(Endpoint::chat, R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})").param,
             "tool_choice");
+}
+
+// tool_choice "required" puts every tool's parameters in one schema: their
+// own references ("#/$defs/X" as pydantic writes them, "#" for recursion)
+// still name what they named.
+TEST(HttpTools, ARequiredCallKeepsEachToolsReferencesToItself) {
+  const std::string tools = R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+      {"type": "function", "function": {"name": "city", "parameters": {"$defs": {"City": {"type": "string", "maxLength": 5}},
+        "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": false}}},
+      {"type": "function", "function": {"name": "tree", "parameters": {"type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "additionalProperties": false}}}]})";
+  const ApiRequest r = parse(Endpoint::chat, tools);
+  grammar::CompiledGrammar c(grammar::Grammar::from_json(r.sampling.grammar), grammar::stories_vocabulary());
+  for (const char* t : {R"([{"name": "city", "arguments": {"city": "Paris"}}])",
+                        R"([{"name": "tree", "arguments": {"kids": [{"kids": []}, {}]}}])"})
+    EXPECT_TRUE(grammar::takes(c, t)) << t;
+  for (const char* t : {R"([{"name": "city", "arguments": {"city": "Berlin"}}])",
+                        R"([{"name": "tree", "arguments": {"kids": [{"name": "tree", "arguments": {}}]}}])",
+                        R"([{"arguments": {"city": "Paris"}, "name": "city"}])"})  // the name comes first
+    EXPECT_FALSE(grammar::takes(c, t)) << t;
+}
+
+// A schema's properties are written in the order the request lists them
+// (as OpenAI's structured outputs write them), not by name.
+TEST(HttpTools, PropertiesAreWrittenInTheSchemasOrder) {
+  const std::string schema = R"({"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+                                 "required": ["zeta", "alpha"], "additionalProperties": false})";
+  const std::string in_order = R"({"zeta": 1, "alpha": 2})", by_name = R"({"alpha": 2, "zeta": 1})";
+  for (const std::string& body :
+       {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": )" +
+            schema + "}}}",
+        R"({"messages": [{"role": "user", "content": "x"}], "guided_json": )" + schema + "}",
+        R"({"messages": [{"role": "user", "content": "x"}], "guided_json": )" + json(schema).dump() + "}",
+        R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": )" + schema + "}}]}"}) {
+    const ApiRequest r = parse(Endpoint::chat, body);
+    grammar::CompiledGrammar c(grammar::Grammar::from_json(r.sampling.grammar), grammar::stories_vocabulary());
+    EXPECT_TRUE(grammar::takes(c, in_order)) << body;
+    EXPECT_FALSE(grammar::takes(c, by_name)) << body;
+  }
 }
 
 TEST(HttpTools, RepliesCarryTheCallsInOpenAisShape) {
