@@ -8,6 +8,7 @@
 
 #include "text/jinja.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -70,17 +71,25 @@ class Generation(Extension):
 BOUND = threading.local()  # this thread's render's output bound (renders of threads interleave)
 
 
+# The most bits an integer a template computes may have: one C call on big
+# integers (a power, a product) runs to its end whatever the watchdog says.
+INT_BITS = 1 << 16
+
+
 class Bounded(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**"])
 
     def call_binop(self, context, operator, left, right):
+        ints = isinstance(left, int) and isinstance(right, int)
         if operator == "*":
-            characters = BOUND.characters
+            characters = getattr(BOUND, "characters", 1 << 20)  # (compile time: constant folding)
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > characters:
                     raise LimitError("a repetition longer than the output bound of %d characters" % characters)
-        if operator == "**" and isinstance(right, int) and abs(right) > 4096:
-            raise LimitError("an exponent over 4096")
+            if ints and abs(left).bit_length() + abs(right).bit_length() > INT_BITS:
+                raise LimitError("a product of more than %d bits" % INT_BITS)
+        if operator == "**" and ints and abs(left) > 1 and right > 0 and (abs(left).bit_length() - 1 or 1) * right > INT_BITS:
+            raise LimitError("a power of more than %d bits (an exponent too large for its base)" % INT_BITS)
         return super().call_binop(context, operator, left, right)
 
 
@@ -111,6 +120,83 @@ def message(error):
         return "%s (line %d)" % (error.message, error.lineno)
     return str(error)
 )PY";
+
+// Python's heap, bounded: every block it allocates (all three domains) is
+// counted while it lives, its size in a header of its own; past
+// kPythonHeapBytes an allocation fails and Python raises MemoryError in the
+// template that asked. What it bounds is one C call the watchdog cannot
+// stop: a 40-byte template asking for gigabytes ('x' | indent(10**11),
+// '%0100000000000d' % 1, even folded as a constant while it compiles) or a
+// string doubled in a loop. (Python starts in 20-30 MB.)
+constexpr size_t kPythonHeapBytes = size_t(512) << 20;
+constexpr size_t kBlockHeader = 16;  // (keeps the blocks' 16-byte alignment)
+
+std::atomic<size_t> g_python_heap{0};
+PyMemAllocatorEx g_inner[3];  // raw, mem, obj: the allocators the counting ones wrap
+
+bool reserve(size_t bytes) {
+  if (g_python_heap.fetch_add(bytes) + bytes <= kPythonHeapBytes) return true;
+  g_python_heap.fetch_sub(bytes);
+  return false;
+}
+
+void* with_header(void* block, size_t size) {
+  if (!block) return nullptr;
+  *static_cast<size_t*>(block) = size;
+  return static_cast<char*>(block) + kBlockHeader;
+}
+
+void* counted_malloc(void* ctx, size_t size) {
+  auto* inner = static_cast<PyMemAllocatorEx*>(ctx);
+  if (size > kPythonHeapBytes || !reserve(size)) return nullptr;
+  void* block = with_header(inner->malloc(inner->ctx, size + kBlockHeader), size);
+  if (!block) g_python_heap.fetch_sub(size);
+  return block;
+}
+
+void* counted_calloc(void* ctx, size_t count, size_t each) {
+  auto* inner = static_cast<PyMemAllocatorEx*>(ctx);
+  if (each != 0 && count > kPythonHeapBytes / each) return nullptr;
+  const size_t size = count * each;
+  if (!reserve(size)) return nullptr;
+  void* block = with_header(inner->calloc(inner->ctx, 1, size + kBlockHeader), size);
+  if (!block) g_python_heap.fetch_sub(size);
+  return block;
+}
+
+void* counted_realloc(void* ctx, void* at, size_t size) {
+  if (!at) return counted_malloc(ctx, size);
+  auto* inner = static_cast<PyMemAllocatorEx*>(ctx);
+  char* block = static_cast<char*>(at) - kBlockHeader;
+  const size_t old = *reinterpret_cast<size_t*>(block);
+  if (size > kPythonHeapBytes || (size > old && !reserve(size - old))) return nullptr;
+  void* moved = with_header(inner->realloc(inner->ctx, block, size + kBlockHeader), size);
+  if (!moved) {
+    if (size > old) g_python_heap.fetch_sub(size - old);
+    return nullptr;
+  }
+  if (size < old) g_python_heap.fetch_sub(old - size);
+  return moved;
+}
+
+void counted_free(void* ctx, void* at) {
+  if (!at) return;
+  auto* inner = static_cast<PyMemAllocatorEx*>(ctx);
+  char* block = static_cast<char*>(at) - kBlockHeader;
+  g_python_heap.fetch_sub(*reinterpret_cast<size_t*>(block));
+  inner->free(inner->ctx, block);
+}
+
+// Between Python's preinitialization and its initialization (no block
+// exists yet that lacks a header).
+void count_python_heap() {
+  const PyMemAllocatorDomain domains[3] = {PYMEM_DOMAIN_RAW, PYMEM_DOMAIN_MEM, PYMEM_DOMAIN_OBJ};
+  for (int i = 0; i < 3; ++i) {
+    PyMem_GetAllocator(domains[i], &g_inner[i]);
+    PyMemAllocatorEx counting{&g_inner[i], counted_malloc, counted_calloc, counted_realloc, counted_free};
+    PyMem_SetAllocator(domains[i], &counting);
+  }
+}
 
 // The interpreter and the module's functions, made once per process.
 struct Python {
@@ -152,9 +238,17 @@ const Python& python() {
       // not read; no signal handlers are taken from the process. Its home
       // is the prefix of the libpython it was built with (else Python
       // would look for one beside the first python3 on PATH: a pyenv's).
+      PyPreConfig preconfig;
+      PyPreConfig_InitIsolatedConfig(&preconfig);
+      PyStatus status = Py_PreInitialize(&preconfig);
+      if (PyStatus_Exception(status)) {
+        py.error = std::string("cannot start Python: ") + (status.err_msg ? status.err_msg : "unknown");
+        return;
+      }
+      count_python_heap();
       PyConfig config;
       PyConfig_InitIsolatedConfig(&config);
-      PyStatus status = PyConfig_SetBytesString(&config, &config.home, DISAGG_PYTHON_HOME);
+      status = PyConfig_SetBytesString(&config, &config.home, DISAGG_PYTHON_HOME);
       if (!PyStatus_Exception(status)) status = Py_InitializeFromConfig(&config);
       PyConfig_Clear(&config);
       if (PyStatus_Exception(status)) {
@@ -315,7 +409,11 @@ std::string JinjaTemplate::render(const std::string& context_json, const JinjaLi
   Py_DECREF(context);
   Py_DECREF(characters);
   if (!rendered) {
+    const bool memory = PyErr_ExceptionMatches(PyExc_MemoryError);
     std::string error = take_error(py);
+    if (memory)
+      error = "the chat template needs more memory than templates may hold (" + std::to_string(kPythonHeapBytes >> 20) +
+              " MiB)";
     if (timed_out) error = "the chat template ran past its " + std::to_string(limits.time.count()) + " ms";
     throw ChatTemplateError{error};
   }

@@ -79,6 +79,25 @@ TEST(JinjaTemplate, ARenderPastItsTimeOrOutputBoundStopsWithAnError) {
   EXPECT_EQ(JinjaTemplate("{{ 'ab' * 3 }}").render("{}", small), "ababab");
 }
 
+// One C call the watchdog cannot interrupt: a big string (indent, '%'
+// with a width, doubling in a loop) ends at the bound on Python's heap, a
+// big integer at its bound on bits; the next render runs as usual.
+TEST(JinjaTemplate, WhatOneStepWouldMakeHugeIsRefused) {
+  for (const char* source : {"{{ 'x' | indent(600000000) }}", "{{ '%0600000000d' % 1 }}",
+                             "{% set ns = namespace(s='x' * 1000000) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+                             "{% endfor %}{{ ns.s | length }}",
+                             // (blocks of 100 MB each, too many together)
+                             "{% set ns = namespace(l=[]) %}{% for i in range(10) %}"
+                             "{% set ns.l = ns.l + ['%0100000000d' % i] %}{% endfor %}{{ ns.l | length }}"}) {
+    const std::string e = render_error(source);
+    EXPECT_NE(e.find("needs more memory than templates may hold"), std::string::npos) << source << ": " << e;
+  }
+  EXPECT_NE(render_error("{% set x = (9 ** 4096) ** 4096 %}").find("exponent too large"), std::string::npos);
+  EXPECT_NE(render_error("{{ (2 ** 40000) * (2 ** 40000) }}").find("a product of more than"), std::string::npos);
+  EXPECT_EQ(JinjaTemplate("{{ (2 ** 100) * 3 }}|{{ 1 ** 100000 }}|{{ 'ab' | indent(2, true) }}").render("{}"),
+            "3802951800684688204490109616128|1|  ab");
+}
+
 // A python3 first on PATH with a library of its own beside it (a pyenv's,
 // a virtualenv's) is not the embedded interpreter's home: it still finds
 // Debian's standard library and jinja2. (The test binary again, in a child
