@@ -2,6 +2,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
+#include <sstream>
+#include <vector>
+
 namespace disagg::gpu {
 
 namespace {
@@ -15,17 +19,40 @@ std::string trimmed(const std::string& s) {
   return s.substr(a, b - a + 1);
 }
 
+// Whether `j` nests at most kMaxCallDepth deep (walked with a stack of our
+// own: what handles a call later, dump() and copies, recurses, and a model
+// can write 100,000 brackets).
+bool shallow(const json& j) {
+  std::vector<std::pair<const json*, int>> todo{{&j, 1}};
+  while (!todo.empty()) {
+    const auto [v, depth] = todo.back();
+    todo.pop_back();
+    if (!v->is_structured()) continue;
+    if (depth > kMaxCallDepth) return false;
+    for (const json& child : *v) todo.emplace_back(&child, depth + 1);
+  }
+  return true;
+}
+
+// `text` as one JSON value, or nullopt (not JSON, or nested too deep).
+// (nlohmann's parser is iterative.)
+std::optional<json> parse_call(const std::string& text) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded() || !shallow(j)) return std::nullopt;
+  return j;
+}
+
 // {"name": string, "arguments"|"parameters": object} as a call.
 bool call_of(const json& j, ToolCall& out) {
   if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
   const json* args = nullptr;
   if (j.contains("arguments")) args = &j["arguments"];
   else if (j.contains("parameters")) args = &j["parameters"];
-  json parsed;
+  std::optional<json> parsed;
   if (args && args->is_string()) {  // (some models write the arguments as a JSON string)
-    parsed = json::parse(args->get<std::string>(), nullptr, false);
-    if (parsed.is_discarded()) return false;
-    args = &parsed;
+    parsed = parse_call(args->get<std::string>());
+    if (!parsed) return false;
+    args = &*parsed;
   }
   if (args && !args->is_object()) return false;
   out.name = j["name"].get<std::string>();
@@ -41,9 +68,9 @@ ParsedOutput hermes(const std::string& text) {
   for (size_t at = first; at != std::string::npos; at = text.find(open, at)) {
     const size_t body = at + open.size();
     const size_t end = text.find(close, body);
-    const json j = json::parse(text.substr(body, end == std::string::npos ? std::string::npos : end - body), nullptr, false);
+    const auto j = parse_call(text.substr(body, end == std::string::npos ? std::string::npos : end - body));
     ToolCall call;
-    if (j.is_discarded() || !call_of(j, call)) return {text, {}};
+    if (!j || !call_of(*j, call)) return {text, {}};
     out.calls.push_back(std::move(call));
     if (end == std::string::npos) break;
     at = end + close.size();
@@ -66,20 +93,19 @@ ParsedOutput llama3(const std::string& text) {
   ParsedOutput out;
   size_t at = 0;
   while (at < body.size()) {
-    // The shortest prefix from `at` that parses as an object ending a piece.
-    size_t end = body.size();
+    // The object from `at` (one parse that stops where it ends; a parse of
+    // each prefix ending in '}' was quadratic in the output).
+    std::istringstream in(body.substr(at));
     json j;
-    bool found = false;
-    for (size_t k = body.find('}', at); k != std::string::npos; k = body.find('}', k + 1)) {
-      j = json::parse(body.substr(at, k + 1 - at), nullptr, false);
-      if (!j.is_discarded()) {
-        end = k + 1;
-        found = true;
-        break;
-      }
+    try {
+      in >> j;
+    } catch (const json::exception&) {
+      return {text, {}};
     }
+    const std::streamoff used = in.tellg();
+    const size_t end = used < 0 ? body.size() : at + size_t(used);
     ToolCall call;
-    if (!found || !call_of(j, call)) return {text, {}};
+    if (!shallow(j) || !call_of(j, call)) return {text, {}};
     out.calls.push_back(std::move(call));
     at = body.find_first_not_of(" \t\r\n;", end);
     if (at == std::string::npos) break;
@@ -93,10 +119,10 @@ ParsedOutput mistral(const std::string& text) {
   static const std::string tag = "[TOOL_CALLS]";
   const size_t at = text.find(tag);
   if (at == std::string::npos) return {text, {}};
-  const json j = json::parse(trimmed(text.substr(at + tag.size())), nullptr, false);
-  if (j.is_discarded()) return {text, {}};
+  const auto j = parse_call(trimmed(text.substr(at + tag.size())));
+  if (!j) return {text, {}};
   ParsedOutput out;
-  for (const json& item : j.is_array() ? j : json::array({j})) {
+  for (const json& item : j->is_array() ? *j : json::array({*j})) {
     ToolCall call;
     if (!call_of(item, call)) return {text, {}};
     out.calls.push_back(std::move(call));

@@ -16,6 +16,9 @@ namespace disagg::gpu {
 
 enum class ToolSyntax { none, llama3, hermes, mistral };
 
+// A call's JSON nested deeper than this is taken for text, not a call.
+constexpr int kMaxCallDepth = 64;
+
 struct ToolCall {
   std::string name;
   std::string arguments;  // a JSON object's text, as OpenAI's function.arguments

@@ -60,6 +60,30 @@ TEST(ToolCalls, MistralToolCallsArray) {
   EXPECT_TRUE(parse_tool_calls(ToolSyntax::none, R"({"name": "a", "parameters": {}})").calls.empty());
 }
 
+// What a model writes is not checked by anyone first: arguments nested past
+// kMaxCallDepth stay text (their dump would recurse 100,000 deep), and a
+// long run of braces is read in one pass (a parse per '}' took minutes).
+TEST(ToolCalls, DeepOrLongOutputsAreReadInBoundedTimeAndStack) {
+  const std::string deep = "{\"name\": \"f\", \"arguments\": {\"a\": " + std::string(100000, '[') +
+                           std::string(100000, ']') + "}}";
+  for (ToolSyntax syntax : {ToolSyntax::hermes, ToolSyntax::llama3, ToolSyntax::mistral}) {
+    const std::string text = syntax == ToolSyntax::hermes    ? "<tool_call>" + deep + "</tool_call>"
+                             : syntax == ToolSyntax::mistral ? "[TOOL_CALLS]" + deep
+                                                             : deep;
+    const ParsedOutput out = parse_tool_calls(syntax, text);
+    EXPECT_TRUE(out.calls.empty());
+    EXPECT_EQ(out.content, text);
+  }
+  // Arguments written as a JSON string, nested as deep: text too.
+  json stringly = {{"name", "f"}, {"arguments", std::string(100000, '[') + std::string(100000, ']')}};
+  EXPECT_TRUE(parse_tool_calls(ToolSyntax::hermes, "<tool_call>" + stringly.dump() + "</tool_call>").calls.empty());
+  // 64 deep is still a call.
+  const std::string ok = "{\"name\": \"f\", \"arguments\": {\"a\": " + std::string(62, '[') + std::string(62, ']') + "}}";
+  EXPECT_EQ(parse_tool_calls(ToolSyntax::llama3, ok).calls.size(), 1u);
+  // (a million: hours of parsing, a test that times out, before)
+  EXPECT_TRUE(parse_tool_calls(ToolSyntax::llama3, "{\"" + std::string(1000000, '}')).calls.empty());
+}
+
 TEST(ToolCalls, TheSyntaxFollowsTheTemplatesFamily) {
   EXPECT_EQ(tool_syntax_of("llama3.2"), ToolSyntax::llama3);
   EXPECT_EQ(tool_syntax_of("qwen3"), ToolSyntax::hermes);
