@@ -39,8 +39,9 @@ void merge_greedily(std::vector<int>& ids, const MergeOf& merge_of) {
     next[size_t(i)] = i + 1 < n ? i + 1 : -1;
   }
   auto offer = [&](int left) {
+    if (left < 0) return;  // (the first symbol has none on its left)
     const int right = next[size_t(left)];
-    if (left < 0 || right < 0) return;
+    if (right < 0) return;
     if (std::optional<Merge> m = merge_of(ids[size_t(left)], ids[size_t(right)]))
       queue.push({m->priority, left, ids[size_t(left)], ids[size_t(right)], m->merged});
   };
