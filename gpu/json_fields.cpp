@@ -9,6 +9,15 @@ namespace disagg::gpu {
 
 using json = nlohmann::json;
 
+nlohmann::json parse_file_json(const char* begin, const char* end) {
+  return nlohmann::json::parse(begin, end, [](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
+    if (depth >= kMaxFileJsonDepth &&
+        (event == nlohmann::json::parse_event_t::object_start || event == nlohmann::json::parse_event_t::array_start))
+      throw JsonNestedTooDeep{};
+    return true;
+  });
+}
+
 std::optional<int64_t> exact_integer(const json& value) {
   if (value.is_number_unsigned()) {
     const uint64_t u = value.get<uint64_t>();

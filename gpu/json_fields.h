@@ -21,6 +21,15 @@
 
 namespace disagg::gpu {
 
+// JSON text of a model's file (or part of one: a safetensors header) parsed
+// with its nesting bounded while it is parsed, since what reads it later
+// (copies, dumps of a value for an error) recurses: throws
+// JsonNestedTooDeep past kMaxFileJsonDepth levels, json::exception when it
+// is not JSON. (A tokenizer.json nests about 6 deep.)
+constexpr int kMaxFileJsonDepth = 64;
+struct JsonNestedTooDeep {};
+nlohmann::json parse_file_json(const char* begin, const char* end);
+
 // The integer a JSON number stands for exactly: an integer within int64, or a
 // float with no fraction within int64 (4096.0). Nullopt for anything else (not
 // a number, a fraction, beyond int64).

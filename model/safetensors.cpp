@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpu/error.h"
+#include "gpu/json_fields.h"
 
 namespace disagg::gpu::safetensors {
 
@@ -29,7 +30,9 @@ std::map<std::string, Tensor> parse(const uint8_t* data, size_t size, const std:
                 std::to_string(size) + ", the limit is " + std::to_string(kMaxHeaderBytes) + ")");
   json j;
   try {
-    j = json::parse(reinterpret_cast<const char*>(data + 8), reinterpret_cast<const char*>(data + 8 + header));
+    j = parse_file_json(reinterpret_cast<const char*>(data + 8), reinterpret_cast<const char*>(data + 8 + header));
+  } catch (const JsonNestedTooDeep&) {
+    throw Error(path + ": the safetensors header nests deeper than " + std::to_string(kMaxFileJsonDepth) + " levels");
   } catch (const json::exception& e) {
     throw Error(path + ": the safetensors header is not JSON: " + e.what());
   }

@@ -39,7 +39,9 @@ bool has_byte_level(const json& pre) {
 json read_json_file(const std::string& path) {
   const std::string text = read_regular_file(path);  // a FIFO or device refused before anything blocks
   try {
-    return json::parse(text);
+    return parse_file_json(text.data(), text.data() + text.size());
+  } catch (const JsonNestedTooDeep&) {
+    throw Error(path + ": nested deeper than " + std::to_string(kMaxFileJsonDepth) + " levels");
   } catch (const json::exception& e) {
     throw Error(path + ": not JSON: " + e.what());
   }

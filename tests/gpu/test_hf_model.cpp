@@ -184,6 +184,20 @@ TEST(HfModel, BadDirectoriesGetAnErrorNamingTheFileAndKey) {
          t["model.embed_tokens.weight"] = {"I8", {300, 64}, std::vector<uint8_t>(300 * 64)};
          safetensors::write(d + "/model.safetensors", t);
        }, "tensor model.embed_tokens.weight: dtype I8 (F32, F16 and BF16 are read)"},
+      // Nesting a reader would recurse through (copies, dumps): bounded while it is parsed.
+      {"deep config", [&](const std::string& d) {
+         write_bytes(d + "/config.json", "{\"a\": " + std::string(100000, '[') + std::string(100000, ']') + "}");
+       }, "config.json: nested deeper than 64 levels"},
+      {"deep header", [&](const std::string& d) {
+         const std::string text = "{\"a\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+         std::string out(8, '\0');
+         const uint64_t n = text.size();
+         std::memcpy(out.data(), &n, 8);
+         write_bytes(d + "/model.safetensors", out + text);
+       }, "model.safetensors: the safetensors header nests deeper than 64 levels"},
+      {"deep tokenizer", [&](const std::string& d) {
+         write_bytes(d + "/tokenizer.json", "{\"pre_tokenizer\": " + std::string(100000, '[') + std::string(100000, ']') + "}");
+       }, "tokenizer.json: nested deeper than 64 levels"},
       {"shard outside", [&](const std::string& d) {
          fs::remove(d + "/model.safetensors");
          std::ofstream(d + "/model.safetensors.index.json") << R"({"weight_map": {"a": "../x.safetensors"}})";
