@@ -569,9 +569,11 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   // A reservation after a cancel of the same id is a new attempt of it (the
   // router restarts requests whose worker was lost; its messages to this
   // worker arrive in order): what was cancelled is gone, this one counts.
-  st.cancelled.erase(r.id);
+  // Unless the cancelled one is still held (its KV being stored): refused,
+  // and that one stays cancelled.
   if (st.requests.count(r.id))
     return reply(ErrorCode::invalid_request, "request " + std::to_string(r.id) + " is already held");
+  st.cancelled.erase(r.id);
   if (r.positions <= 0 || r.positions > st.seq_len || r.lease_ms <= 0)
     return reply(ErrorCode::invalid_request, "reservation of " + std::to_string(r.positions) +
                                                  " positions for " + std::to_string(r.lease_ms) +

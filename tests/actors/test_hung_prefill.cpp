@@ -36,6 +36,9 @@
 #include "actors/router.h"
 #include "caf/all.hpp"
 #include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/kv_format.h"
+#include "support/test_paths.h"
 
 namespace disagg::test {
 namespace {
@@ -668,6 +671,46 @@ TEST_F(HungPrefillTest, AStepsAnswerGoesToTheAttemptItWasAskedForNotALaterOne) {
   const RequestOutcome out = second.get();
   ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
   EXPECT_EQ(out.tokens, local.tokens) << "the held step's token went to the later attempt";
+}
+
+// A one-message KV held at the compute (Admitting) while its request is
+// cancelled and then reserved again under the same id, which is refused
+// (the id is still held): when the compute stores the KV, the cancelled
+// attempt stays cancelled (the refused reservation had taken the id off
+// the cancelled list, and the admission came back to life as a sequence
+// nobody wanted).
+TEST_F(HungPrefillTest, ACancelledAdmissionStaysCancelledWhenItsIdIsReservedAgain) {
+  caf::scoped_actor self{*system_};
+  const RequestId id = 0xC0FFEE;
+  auto reserve = [&] {
+    ReserveReply reply;
+    self->request(decode_, std::chrono::seconds(5), reserve_atom::value, KvReservation{id, 40, 60000})
+        .receive([&](ReserveReply& r) { reply = std::move(r); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    return reply;
+  };
+  ASSERT_EQ(reserve().code, ErrorCode::none);
+  KvTransfer t;
+  {
+    gpu::EngineOptions options;
+    options.backend = "cpu";
+    gpu::Engine engine(gpu::Checkpoint::open(shared_model()), options);
+    const gpu::PrefillOutput out = engine.prefill(kOnceUponATime);
+    t.id = id;
+    t.prompt_len = int32_t(kOnceUponATime.size());
+    t.max_new_tokens = 8;
+    t.first_token = 5;
+    t.bytes = gpu::serialize_kv(engine.fingerprint(), out.shape, out.kv.data());
+  }
+  caf::anon_send(decode_compute_, pause_atom::value);
+  self->send(decode_, kv_atom::value, std::move(t));  // (its KvAck comes back here)
+  self->send(decode_, cancel_atom::value, id);
+  const ReserveReply again = reserve();  // (after the two above: one sender's messages arrive in order)
+  EXPECT_EQ(again.code, ErrorCode::invalid_request) << again.message;
+  caf::anon_send(decode_compute_, resume_atom::value);
+  KvAck ack;
+  self->receive([&](KvAck& a) { ack = std::move(a); }, caf::after(std::chrono::seconds(10)) >> [&] { ADD_FAILURE() << "no KvAck"; });
+  EXPECT_EQ(ack.code, ErrorCode::cancelled) << ack.message;
+  EXPECT_TRUE(wait_pool_free());
 }
 
 // A compute that takes longer than compute-timeout-ms over a decode step.
