@@ -733,8 +733,9 @@ std::optional<Refusal> check_transfer(const DecodeState& st, const KvTransfer& t
     return Refusal{ErrorCode::invalid_request, "request " + std::to_string(id) + " is already held"};
   if (transfer.chunk != 0 || transfer.chunk_count != 1)
     return Refusal{ErrorCode::invalid_request, "chunked KV transfers are not supported yet"};
+  // (first_step: the tokens a migrated request made before, now part of its prompt)
   if (transfer.prompt_len <= 0 || transfer.max_new_tokens <= 0 || transfer.first_step < 0 ||
-      transfer.prompt_len >= st.seq_len)
+      transfer.first_step >= transfer.prompt_len || transfer.prompt_len >= st.seq_len)
     return Refusal{ErrorCode::invalid_request, "prompt_len " + std::to_string(transfer.prompt_len) +
                                                    ", max_new_tokens " + std::to_string(transfer.max_new_tokens) +
                                                    " do not fit seq_len " + std::to_string(st.seq_len)};

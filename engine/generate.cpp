@@ -111,7 +111,8 @@ std::vector<int> all_blocks(int n) {
 }  // namespace
 
 int kv_positions_needed(int prompt_len, int max_new_tokens, int seq_len) {
-  return std::min(seq_len, prompt_len + std::max(max_new_tokens, 1) - 1);
+  // (in 64 bits: a peer's max_new_tokens near INT32_MAX must not wrap past the check)
+  return int(std::min<int64_t>(seq_len, int64_t(prompt_len) + std::max(max_new_tokens, 1) - 1));
 }
 
 GenerateResult generate(Engine& engine, const std::vector<int>& prompt, int max_new_tokens,

@@ -3,6 +3,8 @@
 // arrives, the request is cancelled, or the reservation's lease ends.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <chrono>
 #include <future>
 #include <thread>
@@ -42,12 +44,13 @@ class ReservationTest : public ActorTest {
                  [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
     return reply;
   }
-  KvAck send_kv(RequestId id, int prompt_len) {
+  KvAck send_kv(RequestId id, int prompt_len, int max_new_tokens = 4, int first_step = 0) {
     caf::scoped_actor self{*system_};
     KvTransfer t;
     t.id = id;
     t.prompt_len = prompt_len;
-    t.max_new_tokens = 4;
+    t.max_new_tokens = max_new_tokens;
+    t.first_step = first_step;
     t.first_token = 5;
     KvAck ack;
     self->request(cluster_->decode_workers().at(0), 5s, kv_atom::value, std::move(t))
@@ -105,6 +108,13 @@ TEST_F(ReservationTest, KvNeedingMorePositionsThanReservedIsRefused) {
   ASSERT_EQ(reserve(9005, 10, 60000).code, ErrorCode::none);
   const KvAck ack = send_kv(9005, 30);  // 30 + 4 new tokens > 10 reserved
   EXPECT_EQ(ack.code, ErrorCode::invalid_request) << ack.message;
+  // A peer's numbers that would wrap the sum past the check, or a first step
+  // past the prompt (its tokens would index past the blocks).
+  const KvAck wrapped = send_kv(9005, 5, std::numeric_limits<int32_t>::max() - 2);
+  EXPECT_EQ(wrapped.code, ErrorCode::invalid_request) << wrapped.message;
+  EXPECT_NE(wrapped.message.find("positions"), std::string::npos) << wrapped.message;
+  const KvAck stepped = send_kv(9005, 5, 2, std::numeric_limits<int32_t>::max() - 1);
+  EXPECT_EQ(stepped.code, ErrorCode::invalid_request) << stepped.message;
   caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9005});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
 }
