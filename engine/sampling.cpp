@@ -94,6 +94,10 @@ std::string check_sampling(const SamplingParams& p, int vocab) {
   std::sort(seen.begin(), seen.end());
   if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) return "logit_bias names a token twice";
   if (p.stop.min_tokens < 0) return "min_tokens must be >= 0 (got " + std::to_string(p.stop.min_tokens) + ")";
+  // (a text the grammar has ended can only be followed by end tokens, which
+  // min_tokens would write out as text)
+  if (p.stop.min_tokens > 0 && !p.grammar.empty())
+    return "min_tokens with structured output (a grammar) is not supported: the grammar decides where the text ends";
   if (p.stop.stop_token_ids.size() > kMaxStopTokenIds)
     return "at most " + std::to_string(kMaxStopTokenIds) + " stop_token_ids (got " +
            std::to_string(p.stop.stop_token_ids.size()) + ")";

@@ -373,6 +373,11 @@ TEST(Sampling, CheckSamplingNamesWhatIsOutOfRange) {
   EXPECT_EQ(why([](SamplingParams&) {}), "");
   EXPECT_NE(why([](SamplingParams& p) { p.temperature = -1; }).find("temperature"), std::string::npos);
   EXPECT_NE(why([](SamplingParams& p) { p.top_p = 0; }).find("top_p"), std::string::npos);
+  EXPECT_NE(why([](SamplingParams& p) {
+              p.stop.min_tokens = 3;
+              p.grammar = "{}";
+            }).find("min_tokens with structured output"),
+            std::string::npos);
   EXPECT_NE(why([](SamplingParams& p) { p.top_k = -1; }).find("top_k"), std::string::npos);
   EXPECT_NE(why([](SamplingParams& p) { p.min_p = 1.5f; }).find("min_p"), std::string::npos);
   EXPECT_NE(why([](SamplingParams& p) { p.presence_penalty = 2.5f; }).find("presence_penalty"), std::string::npos);
