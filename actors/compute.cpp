@@ -96,8 +96,15 @@ void sample_first(const ComputeState& st, const PrefillWork& work, const float* 
     r.message = e.what();
     return;
   }
-  gpu::Sampled sampled = gpu::sample(logits, c.vocab_size, work.sampling, uint64_t(work.first_step), work.tokens,
-                                     c.end_tokens, mask.get());
+  gpu::Sampled sampled;
+  try {
+    sampled = gpu::sample(logits, c.vocab_size, work.sampling, uint64_t(work.first_step), work.tokens, c.end_tokens,
+                          mask.get());
+  } catch (const gpu::Error& e) {  // (the request's own: a grammar that allows no token here)
+    r.code = ErrorCode::invalid_request;
+    r.message = e.what();
+    return;
+  }
   r.first_token = sampled.token;
   r.first_logprobs = std::move(sampled.logprobs);
 }
@@ -551,8 +558,10 @@ StepResult run_step(ComputeState& st, DecodeStep& step) {
                                  [&](const std::vector<int>& h, uint64_t index) {
                                    return mask_of(st, s.sampling, h, int64_t(index));
                                  });
-      } catch (const grammar::GrammarError& e) {
-        // This sequence alone ends; the others of the batch go on.
+      } catch (const std::runtime_error& e) {
+        // (grammar::GrammarError, or gpu::Error from sampling this request:
+        // a grammar that allows no token here) This sequence alone ends;
+        // the others of the batch go on.
         r.slot_errors.resize(step.slots.size());
         r.slot_errors[i] = e.what();
         made.assign(1, gpu::Sampled{});
