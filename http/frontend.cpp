@@ -22,6 +22,7 @@
 
 #include "actors/client.h"
 #include "actors/log.h"
+#include "node/port_guard.h"
 #include "node/relay.h"
 #include "node/runtime.h"
 #include "actors/timing.h"
@@ -59,8 +60,6 @@ constexpr auto kHealthTimeout = 2s;
 // After SIGTERM: how long requests still in flight get to end (they are
 // cancelled first) before the process stops anyway.
 constexpr auto kShutdownDrain = 5s;
-// After a failed accept (e.g. no file descriptor left), the next try.
-constexpr auto kAcceptRetry = 100ms;
 // Hex digits of a response id ("cmpl-<id>").
 constexpr int kIdHexDigits = 16;
 
@@ -600,16 +599,6 @@ void accept(Frontend& fe) {
   });
 }
 
-// Each connection is a file descriptor: allow as many as the hard limit does
-// (thousands of idle keep-alive connections; the soft limit is often 1024).
-void raise_open_files_limit() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
-    limit.rlim_cur = limit.rlim_max;
-    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) node_log(LogLevel::warning, "cannot raise the open files limit");
-  }
-}
-
 }  // namespace
 
 namespace {
@@ -712,7 +701,6 @@ void drain_and_stop(std::unique_ptr<Frontend> fe, std::vector<std::thread>& thre
 }  // namespace
 
 int run_frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg) {
-  raise_open_files_limit();
   auto served = load_served(node, cfg);
   if (!served) return 1;
   auto fe = std::make_unique<Frontend>(system, node, cfg, served->model, std::move(*served->tokenizer), served->chat);

@@ -63,6 +63,7 @@ struct PortGuard::Impl {
   Log log;
   std::atomic<int> active{0};
   std::array<std::atomic<uint64_t>, kGuardRefusals> refusals{};
+  uint64_t accept_failures = 0;  // (the guard's thread only)
   int pending = 0;                            // sessions in their handshake
   std::map<std::string, std::vector<Session*>> pending_by_source;  // of them per address
   std::set<Session*> collecting;              // sessions holding a buffered message
@@ -393,8 +394,19 @@ void PortGuard::Impl::accept() {
         self->active++;
         std::make_shared<Session>(self, std::move(peer), source)->start();
       }
+      self->accept();
+      return;
     }
-    self->accept();
+    // (EMFILE: tried again at once, the same error comes back at once) The
+    // connections already open keep being served meanwhile.
+    const uint64_t n = ++self->accept_failures;
+    if (n == 1 || n % kLogEvery == 0)
+      self->log("accept failed: " + ec.message() + " (" + std::to_string(n) + " so far); trying again in " +
+                std::to_string(kAcceptRetry.count()) + " ms");
+    auto timer = std::make_shared<net::steady_timer>(self->io, kAcceptRetry);
+    timer->async_wait([self, timer](const boost::system::error_code& wait) {
+      if (!wait) self->accept();
+    });
   });
 }
 

@@ -64,6 +64,10 @@ constexpr uint32_t kStreamedMessageBytes = 64u << 10;
 // announcements must not hold the whole budget until message_timeout).
 constexpr std::chrono::milliseconds kStalledCollector{1000};
 
+// After a failed accept (no file descriptor left, ENFILE, ENOBUFS), the next
+// try: the guard's and the HTTP frontend's (at once, it spun a core).
+constexpr std::chrono::milliseconds kAcceptRetry{100};
+
 // The defaults are NodeOptions' (node/config.h), which sets every field.
 struct PortGuardOptions {
   std::string listen_host = "127.0.0.1";  // the public side

@@ -1,5 +1,7 @@
 #include "node/runtime.h"
 
+#include <sys/resource.h>
+
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -427,6 +429,14 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
 
 }  // namespace
 
+void raise_open_files_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) node_log(LogLevel::warning, "cannot raise the open files limit");
+  }
+}
+
 int node_main(int argc, char** argv, RoleRunner frontend) {
   NodeSystemConfig config;
   const NodeConfigResult loaded = load_node_config(config, argc, argv);
@@ -448,6 +458,7 @@ int node_main(int argc, char** argv, RoleRunner frontend) {
     return 2;
   }
 
+  raise_open_files_limit();
   std::signal(SIGINT, on_stop_signal);
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGPIPE, SIG_IGN);

@@ -26,6 +26,11 @@ namespace disagg {
 // links the actors): its exit code.
 using RoleRunner = std::function<int(caf::actor_system&, const NodeOptions&, const DisaggConfig&)>;
 
+// Each connection is a file descriptor (the port guard's three per guarded
+// connection, the frontend's keep-alive connections): every role raises its
+// soft limit to the hard one at start (the soft one is often 1024).
+void raise_open_files_limit();
+
 // The whole program: exit code 0 after a clean stop (or --help), 2 for a bad
 // configuration (every problem printed as "disagg-node: error: ..."), 1 when
 // the node cannot start or fails while running. `frontend` runs role frontend

@@ -5,11 +5,19 @@
 // handshake); on a TLS port a stalled TLS handshake is closed at the
 // deadline (not at its first byte), and authenticated connections outlive it.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <filesystem>
+#include <mutex>
 
 #include <thread>
 
@@ -138,6 +146,59 @@ TEST(PortGuard, EveryHeaderIsCheckedAgainstItsLimit) {
 // address, at most a quarter of max-connections in all; established ones
 // (here: replayed handshakes) up to max-connections. Clients of other
 // sources still connect while one source holds its share.
+// With no file descriptor left, accept fails at once, and again if tried at
+// once: the guard logs it and tries again a little later (it spun a core,
+// silently), and accepts again once descriptors are free.
+TEST(PortGuard, AnAcceptWithoutAFileDescriptorLeftIsTriedAgainLater) {
+  uint16_t caf_port = 0;
+  const int target = listen_on_loopback(caf_port);
+  ASSERT_GE(target, 0);
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<std::string> said;
+  PortGuardOptions o;
+  o.target_port = caf_port;
+  PortGuard guard(o, [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(m);
+    said.push_back(line);
+    cv.notify_all();
+  });
+  auto logged = [&](const std::string& what) {
+    std::unique_lock<std::mutex> lock(m);
+    return cv.wait_for(lock, 10s, [&] {
+      return std::any_of(said.begin(), said.end(), [&](const std::string& l) { return l.find(what) != std::string::npos; });
+    });
+  };
+  // Sockets made first; then no descriptor is left for this process (the
+  // guard's thread is in it), and they connect (which takes none).
+  std::vector<int> clients;
+  for (int i = 0; i < 4; ++i) clients.push_back(::socket(AF_INET, SOCK_STREAM, 0));
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+  rlimit none = before;
+  none.rlim_cur = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd"))
+    none.rlim_cur = std::max<rlim_t>(none.rlim_cur, std::stoul(entry.path().filename().string()) + 1);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &none), 0);
+  std::vector<int> fillers;  // the free numbers below the limit taken too
+  for (int fd; (fd = ::open("/dev/null", O_RDONLY)) >= 0;) fillers.push_back(fd);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(guard.port());
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  for (int fd : clients) ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to);
+  const bool failed = logged("accept failed");
+  close_all(fillers);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
+  EXPECT_TRUE(failed) << "no accept failure logged";
+  // Descriptors again: the connections waiting in the backlog are taken
+  // (each relayed to the target port, which accepts it).
+  pollfd p{target, POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 10000), 1) << "the guard never accepted again";
+  close_all(clients);
+  ::close(target);
+}
+
 TEST(PortGuard, StrangersHoldAtMostTheirShareOfTheSlots) {
   TestCluster cluster("guard-share");
   const std::string handshake = start_and_record_handshake(
