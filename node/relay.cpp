@@ -1,7 +1,15 @@
 #include "node/relay.h"
 
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <map>
 #include <optional>
@@ -21,6 +29,53 @@ using refresh_atom = caf::atom_constant<caf::atom("refresh")>;
 using endpoint_atom = caf::atom_constant<caf::atom("endpoint")>;
 using router_atom = caf::atom_constant<caf::atom("router")>;
 using retry_atom = caf::atom_constant<caf::atom("retry")>;
+using probed_atom = caf::atom_constant<caf::atom("probed")>;
+
+// How long a decode endpoint may take to answer a TCP connection before the
+// gate gives up on it for this round. CAF 0.17's middleman connects with a
+// blocking connect() inside its one actor: to an address that drops the
+// SYNs that took the kernel's retries (about 127 s), and every other
+// connection of the node (to other decode workers, to a restarted router)
+// waited behind it. So an endpoint is asked first, here, with a deadline.
+constexpr std::chrono::milliseconds kDialProbe{2000};
+
+// Whether host:port accepts a TCP connection within `limit` (`why` says
+// why not). Blocking: run on a thread of its own.
+bool answers_within(const std::string& host, uint16_t port, std::chrono::milliseconds limit, std::string& why) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int e = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found); e != 0) {
+    why = std::string("cannot resolve ") + host + ": " + ::gai_strerror(e);
+    return false;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  bool ok = false;
+  why = "no address";
+  for (addrinfo* a = found; a && !ok; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = std::string("socket: ") + std::strerror(errno);
+      continue;
+    }
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      ok = true;
+    } else if (errno == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const int ready = ::poll(&p, 1, int(std::max<int64_t>(0, left.count())));
+      int error = 0;
+      socklen_t length = sizeof error;
+      if (ready == 1 && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0) ok = true;
+      else why = ready == 0 ? "no answer within " + std::to_string(limit.count()) + " ms" : std::strerror(error ? error : errno);
+    } else {
+      why = std::strerror(errno);
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return ok;
+}
 
 // "host:port" -> (host, port); port 0 when malformed.
 std::pair<std::string, uint16_t> split_endpoint(const std::string& endpoint) {
@@ -37,6 +92,8 @@ std::pair<std::string, uint16_t> split_endpoint(const std::string& endpoint) {
 
 using gate_actor = prefill_actor::extend<caf::reacts_to<refresh_atom>,
                                          caf::reacts_to<router_atom, router_actor>,
+                                         // a dial's probe: endpoint, worker, whether it answered, why not
+                                         caf::reacts_to<probed_atom, std::string, std::string, bool, std::string>,
                                          // its prefill worker's KV events, passed on by the relay
                                          caf::reacts_to<kv_events_atom, KvEvents>>;
 
@@ -111,6 +168,17 @@ void dial(GateSelf self, const std::string& endpoint, const std::string& worker)
     return;
   }
   self->state.dialing.insert(endpoint);
+  // Asked first on a thread of its own (kDialProbe); the connection itself
+  // is made when it answers (connect_probed).
+  self->spawn<caf::detached>([gate = caf::actor_cast<gate_actor>(self), endpoint, worker, host = host, port = port](caf::blocking_actor* b) {
+    std::string why;
+    const bool answered = answers_within(host, port, kDialProbe, why);
+    b->send(gate, probed_atom::value, endpoint, worker, answered, why);
+  });
+}
+
+void connect_probed(GateSelf self, const std::string& endpoint, const std::string& worker) {
+  const auto [host, port] = split_endpoint(endpoint);
   auto mm = connection_manager(self->system());  // TLS when the node is configured for it
   self->request(mm, std::chrono::seconds(10), caf::connect_atom::value, host, port)
       .then(
@@ -216,6 +284,12 @@ gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
       [=](refresh_atom) {
         ask_router(self);
         self->delayed_send(self, self->state.refresh, refresh_atom::value);
+      },
+      [=](probed_atom, const std::string& endpoint, const std::string& worker, bool answered, const std::string& why) {
+        if (answered) return connect_probed(self, endpoint, worker);
+        self->state.dialing.erase(endpoint);
+        node_log("cannot connect to decode worker " + worker + " at " + endpoint + ": " + why);
+        settle(self);
       },
       [=](router_atom, router_actor& router) {
         // A question still out to the previous router may never be answered.

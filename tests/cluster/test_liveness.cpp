@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <future>
 #include <thread>
@@ -158,6 +160,45 @@ TEST(ClusterLiveness, ClientsHearAtOnceThatTheRouterIsGone) {
   const RequestOutcome out = pending.get();
   EXPECT_EQ(out.code, ErrorCode::worker_lost) << out.message;
   EXPECT_LT(std::chrono::steady_clock::now() - killed, 5s);
+}
+
+// A decode worker whose advertised endpoint drops every connection attempt
+// (no RST: a host gone, a firewall). CAF 0.17's middleman connects with a
+// blocking connect() in its one actor, which the kernel keeps retrying for
+// about 127 s: every other connection of the prefill node waited behind it,
+// so a decode worker that joined later was never reached and requests
+// failed. The gate asks an endpoint first, with a deadline.
+TEST(ClusterLiveness, AnEndpointThatDropsConnectionsHoldsUpNoOtherDial) {
+  TestCluster cluster("black-hole");
+  cluster.start_router();
+  cluster.start_node("decode", "decode-2", "advertise-host = \"127.0.0.3\"\n");
+  // Its advertised address: a listener whose backlog is full (one
+  // connection it never accepts), so the kernel drops every SYN to it.
+  const int hole = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(cluster.port_of("decode-2"));
+  ::inet_pton(AF_INET, "127.0.0.3", &at.sin_addr);
+  ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&at), sizeof at), 0) << std::strerror(errno);
+  ASSERT_EQ(::listen(hole, 0), 0);
+  const int filler = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_EQ(::connect(filler, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  cluster.start_node("prefill", "prefill-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  EXPECT_TRUE(cluster.node("prefill-1").log_says("cannot connect to decode worker decode-2", 15s)) << cluster.logs();
+  // That worker goes; one that can be reached comes: served, though the
+  // prefill node's dials of the first may still be out.
+  cluster.kill_node("decode-2");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  GenerateRequest request = short_request(0);
+  request.deadline_ms = 30000;
+  const RequestOutcome out = cluster.client().generate(request);
+  EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+  EXPECT_EQ(out.decode_worker, "decode-1");
+  ::close(filler);
+  ::close(hole);
+  EXPECT_TRUE(cluster.stop_all());
 }
 
 // A worker pointed at an address that accepts connections and never speaks
