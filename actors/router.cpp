@@ -1214,10 +1214,13 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         return admit(self, request, client);
       },
       [=](heartbeat_atom) {
-        if (!from_itself(self)) return;
         send_heartbeats(self);
-        self->delayed_send(self, std::chrono::milliseconds(self->state.config.heartbeat_interval_ms),
-                           heartbeat_atom::value);
+        // Only the router's own timer schedules the next round: a round asked
+        // for by anyone else (a test, an operator) starts no second chain
+        // (with heartbeats off, one such message started a 0 ms loop).
+        if (from_itself(self) && self->state.config.heartbeat_interval_ms > 0)
+          self->delayed_send(self, std::chrono::milliseconds(self->state.config.heartbeat_interval_ms),
+                             heartbeat_atom::value);
       },
       [=](cancel_atom, RequestId id) {
         fail(self, id, ErrorCode::cancelled, "cancelled by the client");

@@ -45,6 +45,7 @@ namespace {
 
 using pause_atom = caf::atom_constant<caf::atom("pause")>;
 using resume_atom = caf::atom_constant<caf::atom("resume")>;
+using pause_admissions_atom = caf::atom_constant<caf::atom("pauseadmit")>;
 using wake_atom = caf::atom_constant<caf::atom("wake")>;
 using fail_atom = caf::atom_constant<caf::atom("fail")>;
 
@@ -170,9 +171,10 @@ caf::behavior prefill_gate(caf::stateful_actor<GateState>* self, router_actor ro
 }
 
 // In front of a decode worker's compute actor: passes everything on, but
-// holds decode steps while paused.
+// holds decode steps while paused (and KV admissions while those are).
 struct ComputeGateState {
   bool paused = false;
+  bool admissions_paused = false;
   std::vector<std::function<void()>> held;
 };
 
@@ -180,14 +182,14 @@ struct ComputeGateState {
 // or when resumed if paused, in order with everything else held.
 template <class Result, class... Ts>
 caf::typed_response_promise<Result> pass_or_hold(caf::stateful_actor<ComputeGateState>* self,
-                                                 const compute_actor& compute, Ts... what) {
+                                                 const compute_actor& compute, bool hold, Ts... what) {
   auto promise = self->make_response_promise<Result>();
   auto pass_on = [=]() mutable {
     self->request(compute, caf::infinite, what...)
         .then([=](Result& r) mutable { promise.deliver(std::move(r)); },
               [=](caf::error& e) mutable { promise.deliver(e); });
   };
-  if (self->state.paused)
+  if (hold)
     self->state.held.push_back(pass_on);
   else
     pass_on();
@@ -199,14 +201,18 @@ caf::behavior compute_gate(caf::stateful_actor<ComputeGateState>* self, compute_
   auto& st = self->state;
   return {
       // (held too while paused: a compute busy with a step answers nothing before it)
-      [=](info_atom a) { return pass_or_hold<ModelInfo>(self, compute, a); },
+      [=](info_atom a) { return pass_or_hold<ModelInfo>(self, compute, self->state.paused, a); },
       [=](prefill_atom a, PrefillWork& w) { return self->delegate(compute, a, std::move(w)); },
-      [=](admit_atom a, KvAdmit& k) { return self->delegate(compute, a, std::move(k)); },
-      [=](step_atom a, DecodeStep& step) { return pass_or_hold<StepResult>(self, compute, a, step); },
+      [=](admit_atom a, KvAdmit& k) {
+        return pass_or_hold<AdmitResult>(self, compute, self->state.admissions_paused, a, std::move(k));
+      },
+      [=](step_atom a, DecodeStep& step) { return pass_or_hold<StepResult>(self, compute, self->state.paused, a, step); },
       [=](chunk_atom a) { self->send(compute, a); },
       [=, &st](pause_atom) { st.paused = true; },
+      [=, &st](pause_admissions_atom) { st.admissions_paused = true; },
       [=, &st](resume_atom) {
         st.paused = false;
+        st.admissions_paused = false;
         auto held = std::move(st.held);
         st.held.clear();
         for (auto& f : held) f();
@@ -701,7 +707,7 @@ TEST_F(HungPrefillTest, ACancelledAdmissionStaysCancelledWhenItsIdIsReservedAgai
     t.first_token = 5;
     t.bytes = gpu::serialize_kv(engine.fingerprint(), out.shape, out.kv.data());
   }
-  caf::anon_send(decode_compute_, pause_atom::value);
+  caf::anon_send(decode_compute_, pause_admissions_atom::value);
   self->send(decode_, kv_atom::value, std::move(t));  // (its KvAck comes back here)
   self->send(decode_, cancel_atom::value, id);
   const ReserveReply again = reserve();  // (after the two above: one sender's messages arrive in order)
