@@ -170,11 +170,13 @@ struct DecodeState {
   // blocks go back to the allocator (and to a stream's receiver) only after it.
   std::unordered_set<RequestId> in_step;
   std::vector<int32_t> release_after_step;
-  // Blocks of calls to the compute that timed out: it may still be running
-  // them and writing KV there, so they go back to the allocator only once the
-  // compute has answered a later call (it takes its calls in order: a
-  // barrier, re-sent at each timeout while it stays silent).
+  // Blocks of calls to the compute that timed out, and of cancelled local
+  // prefills: it may still be running them and writing KV there, so they go
+  // back to the allocator only once the compute has answered a later call
+  // (it takes its calls in order: a barrier, re-sent at each timeout while
+  // it stays silent).
   std::vector<int32_t> quarantined;
+  std::vector<int32_t> barrier_covers;  // quarantined blocks the call out now releases
   bool barrier_in_flight = false;
 };
 
@@ -348,26 +350,36 @@ bool step_over(Self self) {
   return true;
 }
 
-// Blocks a timed-out call to the compute may still write: held until the
-// compute answers a call made after it (DecodeState::quarantined).
+// Blocks the compute may still write (a timed-out call's, a cancelled local
+// prefill's): held until the compute answers a call made after they were
+// quarantined (DecodeState::quarantined). Blocks quarantined while a call
+// is out wait for the next one: that call may have been answered before
+// the write that holds them began.
 void quarantine(Self self, std::vector<int32_t> blocks) {
   auto& st = self->state;
   st.quarantined.insert(st.quarantined.end(), blocks.begin(), blocks.end());
   if (st.quarantined.empty() || st.barrier_in_flight) return;
   st.barrier_in_flight = true;
+  st.barrier_covers.insert(st.barrier_covers.end(), st.quarantined.begin(), st.quarantined.end());
+  st.quarantined.clear();
   auto release = [self] {
     auto& state = self->state;
     state.barrier_in_flight = false;
-    state.allocator->release(state.quarantined);
-    state.quarantined.clear();
+    state.allocator->release(state.barrier_covers);
+    state.barrier_covers.clear();
     report_load(self);
+    quarantine(self, {});  // (those quarantined meanwhile)
   };
   self->request(st.compute, std::chrono::milliseconds(st.config.compute_timeout_ms), info_atom::value)
       .then([=](ModelInfo&) { release(); },
             [=](caf::error& e) {
               if (e != caf::sec::request_timeout) return release();  // the compute is gone: nothing writes them
-              self->state.barrier_in_flight = false;
-              quarantine(self, {});  // still busy: ask again
+              // Still busy: ask again (covering those quarantined meanwhile too).
+              auto& state = self->state;
+              state.barrier_in_flight = false;
+              state.quarantined.insert(state.quarantined.end(), state.barrier_covers.begin(), state.barrier_covers.end());
+              state.barrier_covers.clear();
+              quarantine(self, {});
             });
 }
 
@@ -646,7 +658,13 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
   if (r.streaming()) st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
   if (r.local) st.kv.local->cancel(r.transfer_id);
   if (r.commit) r.commit->promise.deliver(make_ack(self, id, code, message));
-  st.allocator->release(r.blocks);
+  // A local prefill's chunk may be running into the blocks now (the compute
+  // looks at the registration only before each chunk): they wait for the
+  // compute's next answer. (Freed at once, a stream's receiver, which is no
+  // work of the compute, could be writing another request's KV into them
+  // while the chunk still wrote.)
+  if (r.local) quarantine(self, std::move(r.blocks));
+  else st.allocator->release(r.blocks);
   st.requests.erase(it);
   return true;
 }
