@@ -128,9 +128,20 @@ class Frontend {
     for (auto& [id, c] : in_flight_) c->cancel(id);
     return in_flight_.size();
   }
+  // GET /health's questions to the router out now: their answers post to a
+  // connection's executor, so shutdown waits for them too (they end within
+  // kHealthTimeout) before it stops the I/O threads and frees the context.
+  void probe_started() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++probes_;
+  }
+  void probe_ended() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --probes_;
+  }
   size_t in_flight() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return in_flight_.size();
+    return in_flight_.size() + probes_;
   }
 
  private:
@@ -138,6 +149,7 @@ class Frontend {
   std::shared_ptr<Client> client_;
   std::mt19937_64 random_;
   std::map<RequestId, std::shared_ptr<Client>> in_flight_;
+  size_t probes_ = 0;
 };
 
 // ---------------------------------------------------------------- one connection
@@ -291,8 +303,10 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
     }
     busy_ = true;
     auto self = shared_from_this();
+    fe_.probe_started();
     auto reply = [self](std::optional<RouterStatus> status) {
       net::post(self->stream_.get_executor(), [self, status] { self->on_health(status); });
+      self->fe_.probe_ended();  // (after the post: the drain waits for it)
     };
     fe_.system.spawn([router = client->router(), reply](caf::event_based_actor* actor) -> caf::behavior {
       actor->request(router, kHealthTimeout, status_atom::value)
