@@ -23,6 +23,8 @@ HostPort parse_address(const std::string& address) {
   if (out.host.front() == '[') {  // [v6]:port
     if (out.host.size() < 3 || out.host.back() != ']') throw bad("unbalanced brackets");
     out.host = out.host.substr(1, out.host.size() - 2);
+  } else if (out.host.find(':') != std::string::npos) {
+    throw bad("an IPv6 address needs brackets: [host]:port");  // (fe80::1:4700 names no port for sure)
   }
   const std::string port = address.substr(colon + 1);
   unsigned long value = 0;

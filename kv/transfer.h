@@ -273,6 +273,11 @@ class KvSender {
   // forgets the transfer. At `until` without a verdict: {timed_out}; if
   // pieces were still in flight then, the connection is cut first (a receiver
   // that holds a piece that long is stuck), so the memory is free either way.
+  // (Over shared memory UCX has no peer-failure handling and cannot cut a
+  // connection: after a short wait for the pieces it returns anyway. A
+  // stopped receiver that wakes later may then read memory the caller has
+  // reused; its checksum of each piece refuses what changed, so no wrong
+  // KV lands, and the broken connection takes no more pieces.)
   TransferResult wait(uint64_t id, Deadline until);
 
   // Gives up on transfer `id` without waiting for a verdict (the caller's

@@ -480,6 +480,15 @@ TEST(KvTransfer, BadCallsAreRefused) {
   auto context = KvContext::create(tcp_mode());
   EXPECT_THROW(KvSender(context, "no-port-here"), KvError);
   EXPECT_THROW(KvSender(context, "127.0.0.1:99999"), KvError);
+  // An IPv6 address without brackets: which colon starts the port is a guess.
+  for (const char* unbracketed : {"::1:4700", "2001:db8::1"}) {
+    try {
+      KvSender(context, unbracketed);
+      ADD_FAILURE() << unbracketed << " was taken";
+    } catch (const KvError& e) {
+      EXPECT_EQ(e.code(), KvErrc::invalid_argument) << unbracketed << ": " << e.what();
+    }
+  }
   EXPECT_THROW(KvContext::create({"no_such_transport_xyz", {}, true}), KvError);
   KvReceiver rx(context);
   std::vector<uint8_t> dst(16);
