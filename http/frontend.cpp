@@ -22,7 +22,7 @@
 
 #include "actors/client.h"
 #include "actors/log.h"
-#include "node/port_guard.h"
+#include "metrics/exposer.h"  // (metrics::kAcceptRetry)
 #include "node/relay.h"
 #include "node/runtime.h"
 #include "actors/timing.h"
@@ -608,7 +608,7 @@ void accept(Frontend& fe) {
     // Out of file descriptors (or another failure): try again a little later
     // instead of spinning; the connections already open keep being served.
     node_log(LogLevel::warning, "accept failed: " + ec.message());
-    auto timer = std::make_shared<net::steady_timer>(fe.ioc, kAcceptRetry);
+    auto timer = std::make_shared<net::steady_timer>(fe.ioc, metrics::kAcceptRetry);
     timer->async_wait([&fe, timer](beast::error_code) { accept(fe); });
   });
 }

@@ -1,6 +1,7 @@
 #include "metrics/exposer.h"
 
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
@@ -24,7 +25,12 @@ constexpr uint64_t kRequestBodyLimit = 4096;
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, const Registry& registry) : stream_(std::move(socket)), registry_(registry) {}
+  // `open` counts the sessions alive (the exposer's one thread only).
+  Session(tcp::socket socket, const Registry& registry, int& open)
+      : stream_(std::move(socket)), registry_(registry), open_(open) {
+    ++open_;
+  }
+  ~Session() { --open_; }
 
   void start() { read(); }
 
@@ -78,6 +84,7 @@ class Session : public std::enable_shared_from_this<Session> {
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   const Registry& registry_;
+  int& open_;
 };
 
 }  // namespace
@@ -90,10 +97,21 @@ struct Exposer::Impl {
 
   explicit Impl(const Registry& r) : registry(r) {}
 
+  int open = 0;  // sessions alive
+  net::steady_timer retry{ioc};
+
   void accept() {
     acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
       if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
-      if (!ec) std::make_shared<Session>(std::move(socket), registry)->start();
+      if (ec) {
+        retry.expires_after(kAcceptRetry);
+        retry.async_wait([this](beast::error_code wait) {
+          if (!wait) accept();
+        });
+        return;
+      }
+      if (open < kMaxScrapers) std::make_shared<Session>(std::move(socket), registry, open)->start();
+      // (else closed as `socket` goes)
       accept();
     });
   }
@@ -120,6 +138,7 @@ Exposer::~Exposer() {
   net::post(impl_->ioc, [this] {
     beast::error_code ignored;
     impl_->acceptor.close(ignored);
+    impl_->retry.cancel();
   });
   impl_->ioc.stop();
   if (impl_->thread.joinable()) impl_->thread.join();

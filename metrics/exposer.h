@@ -2,6 +2,7 @@
 // its own thread (Boost.Beast): a node's metrics port. Scrapes read the
 // atomics; they never wait for an actor.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -10,6 +11,14 @@
 #include "metrics/metrics.h"
 
 namespace disagg::metrics {
+
+// After a failed accept (no file descriptor left, ENFILE, ENOBUFS), the next
+// try: the exposer's, the port guard's and the HTTP frontend's. (At once,
+// the same error came back at once: a core spun.)
+constexpr std::chrono::milliseconds kAcceptRetry{100};
+// Scrapers connected at once; one more is closed as it comes (a scraper
+// that keeps its connection alive holds a file descriptor for good).
+constexpr int kMaxScrapers = 16;
 
 class Exposer {
  public:

@@ -402,8 +402,8 @@ void PortGuard::Impl::accept() {
     const uint64_t n = ++self->accept_failures;
     if (n == 1 || n % kLogEvery == 0)
       self->log("accept failed: " + ec.message() + " (" + std::to_string(n) + " so far); trying again in " +
-                std::to_string(kAcceptRetry.count()) + " ms");
-    auto timer = std::make_shared<net::steady_timer>(self->io, kAcceptRetry);
+                std::to_string(metrics::kAcceptRetry.count()) + " ms");
+    auto timer = std::make_shared<net::steady_timer>(self->io, metrics::kAcceptRetry);
     timer->async_wait([self, timer](const boost::system::error_code& wait) {
       if (!wait) self->accept();
     });

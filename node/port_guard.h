@@ -48,6 +48,8 @@
 #include <memory>
 #include <string>
 
+#include "metrics/exposer.h"  // (metrics::kAcceptRetry)
+
 namespace disagg {
 
 // The payload a peer's first message (its BASP handshake: node id, app
@@ -63,10 +65,6 @@ constexpr uint32_t kStreamedMessageBytes = 64u << 10;
 // (a real peer writes a message as fast as its link allows; a few stalled
 // announcements must not hold the whole budget until message_timeout).
 constexpr std::chrono::milliseconds kStalledCollector{1000};
-
-// After a failed accept (no file descriptor left, ENFILE, ENOBUFS), the next
-// try: the guard's and the HTTP frontend's (at once, it spun a core).
-constexpr std::chrono::milliseconds kAcceptRetry{100};
 
 // The defaults are NodeOptions' (node/config.h), which sets every field.
 struct PortGuardOptions {

@@ -9,7 +9,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <thread>
+#include <vector>
 
 #include "metrics/disagg_metrics.h"
 #include "metrics/exposer.h"
@@ -170,6 +172,46 @@ TEST(Metrics, ExposerServesMetricsAndNothingElse) {
   EXPECT_TRUE(contains(ok.body(), "served_total 7\n")) << ok.body();
   EXPECT_EQ(get("/other").result_int(), 404);
   EXPECT_THROW(Exposer("127.0.0.1", exposer.port(), r), std::runtime_error);  // port taken
+}
+
+// At most kMaxScrapers connections at once: one more is closed as it
+// comes, and once one goes, the next is served.
+TEST(Metrics, ExposerServesAtMostItsShareOfConnections) {
+  Registry r;
+  r.counter("served_total", "s").get().inc(1);
+  Exposer exposer("127.0.0.1", 0, r);
+  namespace net = boost::asio;
+  namespace http = boost::beast::http;
+  net::io_context ioc;
+  const net::ip::tcp::endpoint at(net::ip::make_address("127.0.0.1"), exposer.port());
+  // A scrape on a connection of its own: the status, or 0 when the exposer closed it.
+  auto scrape = [&](boost::beast::tcp_stream& stream) {
+    http::request<http::empty_body> req(http::verb::get, "/metrics", 11);
+    req.set(http::field::host, "127.0.0.1");
+    boost::beast::error_code ec;
+    http::write(stream, req, ec);
+    boost::beast::flat_buffer buffer;
+    http::response<http::string_body> res;
+    http::read(stream, buffer, res, ec);
+    return ec ? 0 : res.result_int();
+  };
+  std::vector<std::unique_ptr<boost::beast::tcp_stream>> held;
+  for (int i = 0; i < kMaxScrapers; ++i) {
+    held.push_back(std::make_unique<boost::beast::tcp_stream>(ioc));
+    held.back()->connect(at);
+    ASSERT_EQ(scrape(*held.back()), 200) << "connection " << i;  // (served: its session is alive, kept open)
+  }
+  boost::beast::tcp_stream extra(ioc);
+  extra.connect(at);
+  EXPECT_EQ(scrape(extra), 0) << "a connection past kMaxScrapers was served";
+  held.pop_back();  // one goes: the next is served (once the exposer has seen it go)
+  bool served = false;
+  for (int i = 0; i < 200 && !served; ++i) {
+    boost::beast::tcp_stream next(ioc);
+    next.connect(at);
+    served = scrape(next) == 200;
+  }
+  EXPECT_TRUE(served);
 }
 
 }  // namespace
