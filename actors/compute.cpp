@@ -708,7 +708,7 @@ std::shared_ptr<kv::KvPlane> make_kv_plane(const DisaggConfig& config, bool rece
   constexpr uint32_t kStreamInflightPieces = 1024;
   kv::PlaneOptions options;
   if (receive) options.listen_host = config.kv_host.empty() ? "127.0.0.1" : config.kv_host;
-  options.shared_memory = config.kv_transport == "shm";
+  options.shared_memory = config.kv_shared_memory();
   options.sender.max_inflight_pieces = kStreamInflightPieces;
   return std::make_shared<kv::KvPlane>(options);
 }

@@ -47,6 +47,11 @@ struct DisaggConfig {
   // The decode worker decides (it registers the memory); a prefill worker
   // set to message sends a message whatever the decode worker offers.
   std::string kv_transport = "tcp";
+  // Whether this node takes part in shared-memory KV (kv-transport shm): its
+  // plane has the transport, and a prefill worker tells its host's identity
+  // (without it, a decode worker set to shm picked shm for a prefill node
+  // that could not send it, and every transfer between them failed).
+  bool kv_shared_memory() const { return kv_transport == "shm"; }
   // Address a decode node's KV receivers listen on (reachable by the prefill
   // nodes, and by nothing else: UCX authenticates no one). Empty: the node's
   // own (node.host; node.advertise-host when node.host is a wildcard; the

@@ -534,7 +534,7 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
   std::vector<kv::Region> regions;
   for (const gpu::PoolSpan& span : st.kv.pool->stream_spans(plan, held.blocks))
     regions.push_back({span.data, span.floats * sizeof(float)});
-  held.transport = st.config.kv_transport == "shm" ? st.kv.plane->transport_for(r.prefill_host) : kv::Transport::tcp;
+  held.transport = st.config.kv_shared_memory() ? st.kv.plane->transport_for(r.prefill_host) : kv::Transport::tcp;
   held.transfer_id = kv::new_transfer_id();
   // (weak: the receiver's thread must never hold the last reference to this actor)
   const caf::actor_addr me = self->address();

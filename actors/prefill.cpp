@@ -184,7 +184,8 @@ void join(Self self, bool join_router) {
             info.block_size = self->state.config.block_size;
             // (a colocated unit's compute keeps its prefixes in its decode pool)
             info.cache_blocks = self->state.colocated.empty() ? self->state.config.prefill_cache_blocks_in_use() : 0;
-            info.host_id = kv::host_identity();
+            // (only where it can send over shared memory: the decode worker picks shm for a host_id like its own)
+            info.host_id = self->state.config.kv_shared_memory() ? kv::host_identity() : std::string();
             info.name = self->state.name;
             info.colocated = self->state.colocated;
             info.model = std::move(model);
@@ -210,13 +211,16 @@ std::optional<PrefillReport> refusal_of(const PrefillState& st, const PrefillJob
   if (!streams(st, job) || job.target.block_size <= 0 || job.prompt_tokens.empty()) return std::nullopt;
   uint64_t bytes = 0;
   try {
+    // (the target's runs too: the plan the compute will make must hold)
     bytes = gpu::KvStreamPlan(std::max(1, st.model.n_layers), std::max(1, st.model.n_kv_heads * st.model.head_dim),
-                              int(job.prompt_tokens.size()), job.target.block_size, {}, job.target.first_position)
+                              int(job.prompt_tokens.size()), job.target.block_size, job.target.runs,
+                              job.target.first_position)
                 .total_bytes();
-  } catch (const std::invalid_argument& e) {
+  } catch (const std::exception& e) {  // (invalid_argument, or length_error from a size a peer made up)
     return failure(job.id, ErrorCode::invalid_request, std::string("KV target: ") + e.what());
   }
-  if (int64_t(bytes) <= st.config.max_kv_transfer_bytes) return std::nullopt;
+  // A local target's KV crosses nothing: computed into its own pool's blocks.
+  if (job.target.local() || int64_t(bytes) <= st.config.max_kv_transfer_bytes) return std::nullopt;
   auto r = failure(job.id, ErrorCode::kv_too_large,
                    "KV of " + std::to_string(bytes) + " bytes exceeds max-kv-transfer-bytes " +
                        std::to_string(st.config.max_kv_transfer_bytes));
@@ -255,7 +259,14 @@ void start_job(Self self, PrefillJob& job, decode_actor& decode, caf::typed_resp
   const auto bound = time_left + std::chrono::milliseconds(st.config.compute_timeout_ms);
   self->request(st.compute, bound, prefill_atom::value, std::move(work))
       .then([=](PrefillResult& computed) { on_computed(self, serial, job, decode, computed); },
-            [=](caf::error& e) { finish(self, serial, failure(job.id, code_of(e), describe("prefill compute", e))); });
+            [=](caf::error& e) {
+              // (past the bound the compute may still be at it: told to stop at its next check, the
+              // report already given)
+              auto it = self->state.jobs.find(serial);
+              const auto stop = it != self->state.jobs.end() ? it->second.cancelled : nullptr;
+              finish(self, serial, failure(job.id, code_of(e), describe("prefill compute", e)));
+              if (stop) stop->store(true);
+            });
 }
 
 prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, compute_actor compute,

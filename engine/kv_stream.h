@@ -60,12 +60,12 @@ class KvStreamPlan {
       throw std::invalid_argument("KvStreamPlan: first position " + std::to_string(first_position) +
                                   " is not a whole number of blocks before the prompt's end");
     if (runs.empty()) runs.assign(size_t(blocks()), 1);
-    int covered = 0;
+    int64_t covered = 0;  // (in 64 bits: a peer's runs and block size may be anything)
     for (int32_t r : runs) {
       if (r <= 0) throw std::invalid_argument("KvStreamPlan: a run of " + std::to_string(r) + " blocks");
       if (covered >= blocks()) break;
       covered += r;
-      run_ends_.push_back(std::min(positions_, covered * block_size_));
+      run_ends_.push_back(int(std::min<int64_t>(positions_, covered * block_size_)));
     }
     if (covered < blocks())
       throw std::invalid_argument("KvStreamPlan: runs cover " + std::to_string(covered) + " of " +
@@ -87,7 +87,7 @@ class KvStreamPlan {
 
   int block_size() const { return block_size_; }  // B: the destination pool's positions per block
   int positions() const { return positions_; }  // P: the prompt padded to whole tiles
-  int blocks() const { return (positions_ + block_size_ - 1) / block_size_; }
+  int blocks() const { return int((int64_t(positions_) + block_size_ - 1) / block_size_); }
   int first_position() const { return skip_; }  // S: what the destination holds already
   size_t total_bytes() const {
     return sizeof(float) * 2 * size_t(layers_) * size_t(positions_ - skip_) * size_t(kv_dim_);

@@ -47,6 +47,7 @@ struct WorkerInfo {
   std::string endpoint;
   // kv::host_identity() of the worker's process: a prefill and a decode
   // worker with equal ids stream KV through shared memory (kv/plane.h).
+  // Empty from a prefill worker that does not send over shared memory.
   std::string host_id;
   // The cluster the worker's node belongs to (disagg.cluster), set by the
   // node's relay (node/relay.h); empty for an in-process worker.

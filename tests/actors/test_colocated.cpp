@@ -200,6 +200,19 @@ TEST_F(ActorTest, CancelledRequestsOnColocatedWorkersFreeTheirBlocks) {
 // Continuous batching on a colocated worker: a request that arrives while
 // another decodes is prefilled between two decode steps of it, so it starts
 // streaming before the first one ends (one worker, one compute thread).
+// A colocated prefill computes into its own pool: no KV crosses anything,
+// so max-kv-transfer-bytes does not refuse its prompt (kv_too_large did).
+TEST_F(ActorTest, AColocatedPromptIsNotRefusedForTheSizeOfAKvTransfer) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(0, 0);
+  options.config.max_kv_transfer_bytes = 1024;  // smaller than any prompt's KV
+  options.colocated_workers = 1;
+  start(std::move(options));
+  const RequestOutcome out = client_->generate(make_request(kTomHadARedBall, 4));
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.tokens, colocated(kTomHadARedBall, 4).tokens);
+}
+
 TEST_F(ActorTest, AColocatedWorkerPrefillsNewPromptsBetweenDecodeSteps) {
   LocalClusterOptions options;
   options.config = shared_model_config(0, 0);

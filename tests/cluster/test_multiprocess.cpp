@@ -165,6 +165,26 @@ TEST(MultiProcessCluster, KvBytesGoFromPrefillToDecodeNodesNotThroughTheRouter) 
   expect_kv_goes_prefill_to_decode("message");
 }
 
+// A decode node set to shm and a prefill node on the same host set to tcp:
+// the prefill node cannot send over shared memory, so the KV goes over TCP
+// (it told its host to the decode node all the same, which picked shm, and
+// every transfer between them failed).
+TEST(MultiProcessCluster, ADecodeNodeOnShmStreamsOverTcpFromAPrefillNodeWithout) {
+  TestCluster cluster("mixed-kv-transports");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1", "", "kv-transport = \"tcp\"\n");
+  cluster.start_node("decode", "decode-1", "", "kv-transport = \"shm\"\n");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  std::vector<int> prompt = {1};
+  for (int i = 0; i < 99; ++i) prompt.push_back(300 + i % 200);
+  const GenerateRequest request = token_request(prompt, 8);
+  const RequestOutcome out = cluster.client().generate(request);
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+  EXPECT_TRUE(out.timings.kv_streamed);
+  EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), request));
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // Conditional disaggregation with the default local-prefill-tokens (the
 // fixture's is 0): a short prompt is prefilled by the decode node chosen for
 // it, no KV travels; a prompt longer than that goes to the prefill node and

@@ -130,6 +130,21 @@ void write_piece(const std::vector<PoolSpan>& spans, size_t offset, const void* 
   FAIL() << "byte " << offset << " is past the transfer's " << start << " bytes";
 }
 
+// A target's block size and runs come from a peer: ones whose products
+// pass INT_MAX are not wrapped into a negative count (which threw
+// length_error out of the prefill worker) or a negative run end (read past).
+TEST(KvStreamPlan, APeersHugeBlockSizeOrRunsAreNotWrapped) {
+  const KvStreamPlan wide(2, 64, 17, 2147483632);  // (a multiple of 16 near INT_MAX)
+  EXPECT_EQ(wide.blocks(), 1);
+  const KvStreamPlan long_run(2, 64, 40, 16, {1 << 27});
+  size_t bytes = 0;
+  long_run.for_each_piece(0, 0, 48, [&](size_t, size_t, size_t n) { bytes += n; });
+  EXPECT_EQ(bytes, 2 * 48 * 64 * sizeof(float));
+  size_t floats = 0;  // (the regions a receiver registers: every layer's K and V of the 48 positions)
+  long_run.for_each_region([&](int, bool, int, size_t n) { floats += n; });
+  EXPECT_EQ(floats, size_t(2 * 2 * 48 * 64));
+}
+
 // The streamed KV transfer's arithmetic (engine/kv_stream.h): the pieces a
 // prefill hands out from its cache, each copied to its byte offset in the
 // spans of a decode pool's blocks (KvPool::stream_spans, what a receiver
