@@ -795,6 +795,7 @@ ToolReply read_tool_calls(const ToolUse& tools, const std::string& text, const s
 
 json tool_choice_json(int index, const ToolReply& reply, const std::string& id_prefix) {
   json message = {{"role", "assistant"}, {"content", nullable(reply.content)}};
+  if (!reply.reasoning.empty()) message["reasoning_content"] = reply.reasoning;
   if (!reply.calls.empty()) {
     json calls = json::array();
     for (size_t k = 0; k < reply.calls.size(); ++k)

@@ -194,6 +194,7 @@ struct ToolReply {
   std::string content;
   std::vector<gpu::ToolCall> calls;
   std::string finish_reason;
+  std::string reasoning;  // a thinking family's reasoning, split off before the calls were read (vLLM's order)
 };
 
 // A chat choice's text under tools, read as it comes (streamed) or whole

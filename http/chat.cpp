@@ -90,7 +90,7 @@ std::string message_content(const json& m, size_t index, ChatTemplate family, co
 nlohmann::ordered_json rooted_at(const nlohmann::ordered_json& schema, const std::string& pointer) {
   if (schema.is_array()) {
     nlohmann::ordered_json out = nlohmann::ordered_json::array();
-    for (const json& v : schema) out.push_back(rooted_at(v, pointer));
+    for (const nlohmann::ordered_json& v : schema) out.push_back(rooted_at(v, pointer));  // (not json: it sorts keys)
     return out;
   }
   if (!schema.is_object()) return schema;

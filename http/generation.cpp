@@ -117,7 +117,7 @@ void Generation::on_token(RequestId id, const TokenEvent& event) {
   c.last_token = now;
   const std::string piece = add_token(c, event.token, event.logprobs);
   if (request_.stream && !piece.empty()) {
-    if (c.tool_stream) send_tool_deltas(c, c.tool_stream->add(piece));
+    if (c.tool_stream) send_tool_text(c, piece);
     else send_text(c, piece);
   }
   if (c.index == 0) submit_others();
@@ -245,6 +245,16 @@ void Generation::send_text(Choice& c, const std::string& piece) {
   send_reasoned(c, c.thinking->add(piece));
 }
 
+// A piece under tools: a thinking family's reasoning goes out as reasoning,
+// and only the content is read for calls (vLLM's order: the calls a model
+// thinks about are not calls).
+void Generation::send_tool_text(Choice& c, const std::string& piece) {
+  if (!c.thinking) return send_tool_deltas(c, c.tool_stream->add(piece));
+  const gpu::Reasoned r = c.thinking->add(piece);
+  send_reasoned(c, gpu::Reasoned{r.reasoning, ""});
+  if (!r.content.empty()) send_tool_deltas(c, c.tool_stream->add(r.content));
+}
+
 void Generation::send_tool_deltas(Choice& c, const std::vector<ToolStream::Delta>& deltas) {
   for (const ToolStream::Delta& d : deltas) {
     if (d.kind != ToolStream::Delta::Kind::call && d.text.empty()) continue;
@@ -266,11 +276,23 @@ void Generation::send_reasoned(Choice& c, const gpu::Reasoned& piece) {
 void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
   c.finish = finish_reason;
   if (c.tool_stream) {
+    if (c.thinking) {  // (what the split held back)
+      const gpu::Reasoned rest = c.thinking->flush();
+      send_reasoned(c, gpu::Reasoned{rest.reasoning, ""});
+      if (!rest.content.empty()) send_tool_deltas(c, c.tool_stream->add(rest.content));
+    }
     std::vector<ToolStream::Delta> owed;
     c.tools = c.tool_stream->finish(finish_reason, owed);
     send_tool_deltas(c, owed);
   } else if (request_.tools.active()) {
-    c.tools = read_tool_calls(request_.tools, c.text->text(), finish_reason);
+    // Whole: the reasoning split off first, the calls read from the content.
+    if (request_.reasoning != gpu::ReasoningSyntax::none) {
+      const gpu::Reasoned split = gpu::split_reasoning(request_.reasoning, c.text->text());
+      c.tools = read_tool_calls(request_.tools, split.content, finish_reason);
+      c.tools->reasoning = split.reasoning;
+    } else {
+      c.tools = read_tool_calls(request_.tools, c.text->text(), finish_reason);
+    }
   }
   if (c.tools) c.finish = c.tools->finish_reason;
   context_.metrics.success(c.finish).inc();

@@ -105,6 +105,8 @@ class Generation {
   // content for a thinking family (ReasoningStream), else as it is.
   void send_text(Choice& c, const std::string& piece);
   void send_reasoned(Choice& c, const gpu::Reasoned& piece);
+  // A piece under tools: reasoning apart (a thinking family), the content read for calls.
+  void send_tool_text(Choice& c, const std::string& piece);
   void send_tool_deltas(Choice& c, const std::vector<ToolStream::Delta>& deltas);
   void finish_choice(Choice& c, const std::string& finish_reason);
   void complete();

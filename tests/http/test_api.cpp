@@ -670,11 +670,19 @@ TEST(HttpTools, PropertiesAreWrittenInTheSchemasOrder) {
         R"({"messages": [{"role": "user", "content": "x"}], "guided_json": )" + schema + "}",
         R"({"messages": [{"role": "user", "content": "x"}], "guided_json": )" + json(schema).dump() + "}",
         R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "f"}},
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": )" + schema + "}}]}"}) {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": )" + schema + "}}]}",
+        // (required: the calls' schema holds each tool's, objects inside arrays too)
+        R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+            {"v": {"anyOf": [)" + schema + R"(]}}, "required": ["v"], "additionalProperties": false}}}]})"}) {
     const ApiRequest r = parse(Endpoint::chat, body);
     grammar::CompiledGrammar c(grammar::Grammar::from_json(r.sampling.grammar), grammar::stories_vocabulary());
-    EXPECT_TRUE(grammar::takes(c, in_order)) << body;
-    EXPECT_FALSE(grammar::takes(c, by_name)) << body;
+    const bool call = body.find("\"required\"") != std::string::npos && body.find("tool_choice\": \"required") != std::string::npos;
+    auto as_output = [&](const std::string& v) {
+      return call ? R"([{"name": "f", "arguments": {"v": )" + v + "}}]" : v;
+    };
+    EXPECT_TRUE(grammar::takes(c, as_output(in_order))) << body;
+    EXPECT_FALSE(grammar::takes(c, as_output(by_name))) << body;
   }
 }
 
