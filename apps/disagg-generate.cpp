@@ -106,6 +106,8 @@ int run(const Options& o) {
   auto checkpoint = Checkpoint::open(o.model, o.weight_cache);
   const Tokenizer tokenizer = load_tokenizer(*checkpoint, o.tokenizer);
   const std::vector<int> prompt = o.gen.has_prompt ? tokenizer.encode(o.gen.prompt) : o.gen.prompt_tokens;
+  // (a tokenizer that adds no BOS encodes "" to nothing: there is no last token to go on from)
+  if (prompt.empty()) throw Error("the prompt is empty (no tokens): give --prompt some text or --prompt-tokens");
 
   EngineOptions engine_options;
   engine_options.backend = o.backend;

@@ -108,6 +108,8 @@ Options parse_args(int argc, char** argv) {
   if ((o.config.arch != disagg::gpu::Architecture::llama || o.config.rms_epsilon != 1e-5f || o.config.head_dim != 0) &&
       !o.gguf)
     throw UsageError{"--arch, --rms-epsilon and --head-dim need --format gguf (a llama2.c checkpoint is llama2.c's)"};
+  // (validated before the factors are made: they loop over the head size)
+  if (std::string problem = disagg::gpu::validate(o.config); !problem.empty()) throw UsageError{problem};
   if (o.rope_freqs) o.config.rope_factors = disagg::gpu::llama3_rope_factors(o.config, 32.0f, 1.0f, 4.0f, 8192);
   if (std::string problem = disagg::gpu::validate(o.config); !problem.empty()) throw UsageError{problem};
   // Checked here so that a bad vocabulary leaves no model without its tokenizer.

@@ -103,6 +103,10 @@ TEST(MakeModelApp, RejectsBadArguments) {
   EXPECT_EQ(run_command(make_model_app() + out + " --format gguf --type q3 2>/dev/null").second, 2);  // no such type
   EXPECT_EQ(run_command(make_model_app() + out + " --type q8_0 2>/dev/null").second, 2);     // llama2.c is f32
   EXPECT_EQ(run_command(make_model_app() + " --out /proc/no-such-dir 2>/dev/null").second, 1);  // cannot write
+  // A head size past the limit is refused before the rope factors loop over it (4 GiB of them, an int wrapped).
+  EXPECT_EQ(run_command(make_model_app() + out + " --format gguf --rope-freqs llama3 --dim 2147483647 --heads 1 2>/dev/null")
+                .second,
+            2);
   EXPECT_FALSE(std::filesystem::exists(dir + "/m/model.bin"));
   std::filesystem::remove_all(dir);
 }
