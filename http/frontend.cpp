@@ -464,12 +464,22 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
     if (closed_) return;
     const bool stream_event = out.kind == Out::chunk;
     if (out.kind != Out::raw && !chunked_) out.kind = Out::raw;  // HTTP/1.0 stream: plain bytes
+    // A streaming client that reads too slowly: its request is cancelled and
+    // the connection closed, so one slow reader holds no more than this
+    // (and one burst). What counts is what was queued when the burst this
+    // event belongs to began (the events one handler makes at once, which no
+    // write can drain meanwhile): a burst is never refused for its own size
+    // (a tool call's last chunk carries every token's log probabilities;
+    // cut there, a stream lost its end and [DONE] with a reader keeping up).
+    // (A whole response, e.g. /metrics, is queued at once, whatever its size.)
+    if (!in_burst_) {
+      in_burst_ = true;
+      queued_before_burst_ = queued_bytes_;
+      net::post(stream_.get_executor(), [self = shared_from_this()] { self->in_burst_ = false; });
+    }
+    if (stream_event && queued_before_burst_ > size_t(fe_.node.http_stream_buffer_bytes)) return client_gone();
     queued_bytes_ += out.data.size();
     queue_.push_back(std::move(out));
-    // A streaming client that reads too slowly: its request is cancelled and
-    // the connection closed, so one slow reader holds no more than this.
-    // (A whole response, e.g. /metrics, is queued at once, whatever its size.)
-    if (stream_event && queued_bytes_ > size_t(fe_.node.http_stream_buffer_bytes)) return client_gone();
     if (!writing_) write_next();
   }
 
@@ -561,6 +571,8 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   unsigned version_ = 11;
   bool keep_alive_ = true;
   bool busy_ = false;               // a request is being answered
+  bool in_burst_ = false;           // events are being queued by one handler (enqueue)
+  size_t queued_before_burst_ = 0;  // queued_bytes_ when that began
   bool watching_ = false;           // the watch read is pending
   bool writing_ = false;
   bool response_complete_ = false;  // the queue ends with the response's last bytes

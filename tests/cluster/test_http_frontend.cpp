@@ -644,6 +644,37 @@ TEST(HttpFrontend, StreamedRequestsOnAKeepAliveConnectionDoNotWaitForDelayedAcks
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// The stream buffer bounds what waits for a slow reader, not one event: a
+// named tool call's last chunk carries every token's log probabilities
+// (its deltas carry none), larger than the buffer here (64 KiB; the token
+// batches' deltas queue less); a reader keeping up
+// gets it, the finish and [DONE] (the stream was cut there).
+TEST(HttpFrontend, AnEventLargerThanTheStreamBufferReachesAReaderKeepingUp) {
+  TestCluster cluster("http-big-event");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  cluster.start_node("frontend", "frontend", "http-stream-buffer-bytes = 65536\n");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  const json body = json::parse(R"({"messages": [{"role": "user", "content": "Weather in Paris?"}],
+      "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "minLength": 150, "maxLength": 200}}, "required": ["city"], "additionalProperties": false}}}],
+      "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "logprobs": true, "top_logprobs": 20, "max_tokens": 250, "temperature": 0, "stream": true})");
+  const Reply r = post(port, "/v1/chat/completions", body);
+  ASSERT_EQ(r.status, 200) << r.body;
+  bool done = false;
+  const std::vector<json> events = sse_events(r.body, &done);
+  EXPECT_TRUE(done) << "the stream lost its end\n" << cluster.logs();
+  ASSERT_FALSE(events.empty());
+  const json& last = events.back()["choices"][0];
+  EXPECT_FALSE(last["finish_reason"].is_null()) << events.back().dump();
+  EXPECT_GT(events.back().dump().size(), 65536u) << "precondition: the last chunk is larger than the buffer";
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
   TestCluster cluster("http-disconnect");
   const uint16_t router_metrics = free_loopback_port();
