@@ -99,7 +99,12 @@ std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string
     // again (the soak found 6-9 file descriptors left per restart).
     for (auto it = senders_.begin(); it != senders_.end();)
       it = it->first != key && it->second && !it->second->connected() ? senders_.erase(it) : std::next(it);
-    slot = std::make_shared<KvSender>(context, address, options_.sender);
+    try {
+      slot = std::make_shared<KvSender>(context, address, options_.sender);
+    } catch (...) {
+      senders_.erase(key);  // (an unreachable address leaves no empty entry behind)
+      throw;
+    }
   }
   return slot;
 }

@@ -551,6 +551,10 @@ TEST(KvPlaneSenders, OpeningAConnectionClosesTheBrokenOnesToOtherAddresses) {
   KvPlane second(receiving);
   ASSERT_TRUE(plane.sender(Transport::tcp, second.address(Transport::tcp))->connected());
   EXPECT_EQ(plane.senders(), 1u) << "the broken connection to the old address is still kept";
+  // An address nobody listens on: refused, and nothing kept for it.
+  RefusingPort refusing;
+  EXPECT_THROW(plane.sender(Transport::tcp, "127.0.0.1:" + std::to_string(refusing.port)), KvError);
+  EXPECT_EQ(plane.senders(), 1u) << "an empty entry was left for the unreachable address";
 }
 
 }  // namespace
