@@ -122,7 +122,10 @@ void Generation::on_token(RequestId id, const TokenEvent& event) {
   }
   if (c.index == 0) submit_others();
   if (c.text->stopped()) {
-    client_->cancel(c.id);  // the rest is not wanted; the cancelled outcome is ignored
+    // The rest is not wanted; the cancelled outcome is ignored. Except
+    // choice 0's when the prompt's log probabilities are asked for (echo):
+    // they come with its outcome, which a cancel would bring without them.
+    if (!(c.index == 0 && request_.sampling.prompt_logprobs >= 0)) client_->cancel(c.id);
     finish_choice(c, "stop");
   }
 }
@@ -131,7 +134,20 @@ void Generation::on_outcome(RequestId id, RequestOutcome outcome) {
   Choice* found = choice(id);
   if (!found) return;
   Choice& c = *found;
+  const bool waited_for = waits_for_prompt_logprobs(c);
   c.outcome_in = true;
+  if (waited_for && !done_) {  // choice 0 ended early by a stop string; the reply waited for this
+    if (!outcome.ok() || outcome.prompt_logprobs.size() + 1 != request_.prompt_tokens.size()) {
+      record_end(to_string(outcome.ok() ? ErrorCode::worker_lost : outcome.code));
+      fail(error_for_outcome(outcome.ok() ? ErrorCode::worker_lost : outcome.code,
+                             outcome.ok() ? "the prompt's log probabilities were lost with a decode worker; try again"
+                                          : outcome.message));
+      return;
+    }
+    c.prompt_logprobs = std::move(outcome.prompt_logprobs);
+    if (all_finished()) complete();
+    return;
+  }
   if (done_ || !c.finish.empty()) {  // stopped by a stop string, or the reply is over
     if (done_ && all_outcomes_in()) record_end("");
     return;
@@ -307,6 +323,7 @@ std::string Generation::tool_call_id_prefix(const Choice& c) const { return "cal
 // The reply of a request whose choices have all ended. best_of: the n of
 // highest cumulative log probability (ties: the lower index), in that order.
 void Generation::complete() {
+  if (waits_for_prompt_logprobs(choices_[0])) return;  // (on_outcome completes it)
   done_ = true;
   const int64_t prompt = int64_t(request_.prompt_tokens.size()), completion = completion_tokens();
   if (all_outcomes_in()) record_end("");
@@ -354,7 +371,14 @@ void Generation::fail(const ApiError& e) {
 
 void Generation::cancel_running() {
   for (Choice& c : choices_)
-    if (c.submitted && !c.outcome_in && c.finish.empty()) client_->cancel(c.id);  // its blocks are freed at once
+    if (c.submitted && !c.outcome_in && (c.finish.empty() || waits_for_prompt_logprobs(c)))
+      client_->cancel(c.id);  // its blocks are freed at once
+}
+
+// Choice 0 ended by a stop string while the prompt's log probabilities, which
+// come with its outcome, are asked for and not in yet.
+bool Generation::waits_for_prompt_logprobs(const Choice& c) const {
+  return c.index == 0 && request_.sampling.prompt_logprobs >= 0 && !c.finish.empty() && !c.outcome_in;
 }
 
 }  // namespace disagg::http

@@ -92,6 +92,9 @@ class Generation {
   Choice* choice(RequestId id);
   const Choice* choice(RequestId id) const;
   bool all_finished() const;
+  // Choice 0 ended by a stop string while the prompt's log probabilities
+  // (echo), which come with its outcome, are not in yet: the reply waits.
+  bool waits_for_prompt_logprobs(const Choice& c) const;
   int64_t completion_tokens() const;
 
   void submit(Choice& c);

@@ -675,6 +675,37 @@ TEST(HttpFrontend, AnEventLargerThanTheStreamBufferReachesAReaderKeepingUp) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// echo with logprobs: the prompt's log probabilities come with choice 0's
+// outcome. A stop string ended the choice early, and its cancelled outcome
+// brought none: the prompt's came out null. The reply now waits for them.
+TEST(HttpFrontend, EchoedLogprobsSurviveAStopString) {
+  TestCluster cluster("http-echo-stop");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1");
+  cluster.start_node("decode", "decode-1");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  cluster.start_node("frontend", "frontend");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  const std::string prompt = "Once upon a time";
+  const std::string whole = generate_reference({"--prompt", prompt, "--max-new-tokens", "40"}).text;
+  ASSERT_NE(whole.find(" ", 1), std::string::npos) << "precondition: the completion has a space to stop at";
+  const Reply r = post(port, "/v1/completions", {{"prompt", prompt}, {"echo", true}, {"logprobs", 1}, {"stop", {" "}},
+                                                 {"max_tokens", 40}, {"temperature", 0}});
+  ASSERT_EQ(r.status, 200) << r.body << "\n" << cluster.logs();
+  const json c = json::parse(r.body)["choices"][0];
+  EXPECT_EQ(c["finish_reason"], "stop");
+  const std::string text = c["text"];
+  ASSERT_EQ(text.rfind(prompt, 0), 0u) << text;
+  EXPECT_LT(text.size(), prompt.size() + whole.size()) << "precondition: the stop string ended it early";
+  const json& lp = c["logprobs"]["token_logprobs"];
+  const size_t prompt_tokens = gpu::Tokenizer::load(shared_tokenizer(), 512).encode(prompt).size();
+  ASSERT_GE(lp.size(), prompt_tokens) << c.dump();
+  EXPECT_TRUE(lp[0].is_null());
+  for (size_t i = 1; i < prompt_tokens; ++i) EXPECT_TRUE(lp[i].is_number()) << i << ": " << c["logprobs"].dump();
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
   TestCluster cluster("http-disconnect");
   const uint16_t router_metrics = free_loopback_port();
