@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -488,12 +489,17 @@ void set_relay_endpoint(const router_actor& relay, const std::string& endpoint) 
 }
 
 bool write_ready_file(const std::string& path, const std::string& content) {
-  const std::string temp = path + ".tmp";
+  // A name of its own per write: a colocated node's two relays may write at
+  // once, on two threads (one temporary name mixed their bytes, or one
+  // rename found the file gone).
+  static std::atomic<uint64_t> writes{0};
+  const std::string temp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(++writes);
   FILE* f = std::fopen(temp.c_str(), "w");
   if (!f) return false;
   const bool written = std::fputs((content + "\n").c_str(), f) >= 0;
-  if (std::fclose(f) != 0 || !written) return false;
-  return std::rename(temp.c_str(), path.c_str()) == 0;
+  if (std::fclose(f) == 0 && written && std::rename(temp.c_str(), path.c_str()) == 0) return true;
+  std::remove(temp.c_str());
+  return false;
 }
 
 }  // namespace disagg
