@@ -174,7 +174,7 @@ void Generation::on_outcome(RequestId id, RequestOutcome outcome) {
   // the outcome, any that no event brought)
   const std::string rest = c.text->flush();
   if (request_.stream && !rest.empty()) {
-    if (c.tool_stream) send_tool_deltas(c, c.tool_stream->add(rest));
+    if (c.tool_stream) send_tool_text(c, rest);
     else send_text(c, rest);
   }
   finish_choice(c, outcome.finish == FinishReason::eos ? "stop" : "length");

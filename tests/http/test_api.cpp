@@ -10,6 +10,8 @@
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
 #include "http/api.h"
+#include "http/generation.h"
+#include "caf/all.hpp"
 #include "metrics/disagg_metrics.h"
 #include "support/adversarial_json.h"
 
@@ -846,6 +848,87 @@ TEST(HttpTools, HistoryWithToolCallsAndResultsRenders) {
 
 namespace disagg::http {
 namespace {
+
+// A reply's events and whole response, as the frontend's connection gets them.
+class RecordingSink : public ReplySink {
+ public:
+  void reply_json(int, const json& body) override { whole = body; }
+  void reply_error(const ApiError& e) override { error = e.message; }
+  void open_events() override {}
+  void event(std::string data) override { events.push_back(std::move(data)); }
+  void end_events() override { ended = true; }
+  json whole;
+  std::string error;
+  std::vector<std::string> events;
+  bool ended = false;
+};
+
+// A thinking family's reply under tools: the reasoning goes apart
+// (reasoning_content) and only what follows it is read for calls, vLLM's
+// order: a call the model thinks about is no call, and the thinking never
+// reached content (it did: the text went to the tool reader whole).
+TEST(HttpReasoning, AThinkingFamilysToolCallsAreReadAfterItsReasoning) {
+  const std::string text =
+      "<think>\nI could call <tool_call>{\"name\": \"now\", \"arguments\": {}}</tool_call> here\n</think>\n\n"
+      "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+  // (SentencePiece writes a space before the first word: that token left
+  // out, the text starts at its "<" as a model's does)
+  std::vector<int> tokens = tokenizer().encode(text, false);
+  ASSERT_EQ(tokenizer().decode(100, tokens[0]), " ") << "precondition: the first token is the space alone";
+  tokens.erase(tokens.begin());
+  ASSERT_EQ(tokenizer().decode_all(100, tokens), text);
+  caf::actor_system_config config;
+  caf::actor_system system{config};
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    const std::string body = std::string(R"({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [)") +
+                             kWeatherTool + "]" + (stream ? R"(, "stream": true)" : "") + "}";
+    const ApiRequest request = parse(Endpoint::chat, body, ChatTemplate::qwen3);
+    ASSERT_TRUE(request.tools.active());
+    ASSERT_EQ(request.reasoning, gpu::ReasoningSyntax::qwen3);
+    RecordingSink sink;
+    const ServedModel served = model();
+    const GenerationContext context{served, tokenizer(), metrics::disagg_metrics()};
+    RequestId id = 0;
+    Generation generation(context, sink, std::make_shared<Client>(system, router_actor{}), request, "chatcmpl-t",
+                          [&](GenerateRequest r) { id = r.id; });
+    generation.start();
+    ASSERT_NE(id, RequestId{0});
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      TokenEvent e;
+      e.id = id;
+      e.index = int32_t(i);
+      e.token = tokens[i];
+      generation.on_token(id, e);
+    }
+    RequestOutcome outcome;
+    outcome.id = id;
+    outcome.tokens.assign(tokens.begin(), tokens.end());
+    outcome.finish = FinishReason::eos;
+    generation.on_outcome(id, outcome);
+    ASSERT_TRUE(generation.done()) << sink.error;
+    std::string reasoning, content;
+    std::vector<std::string> names;
+    if (!stream) {
+      const json& message = sink.whole["choices"][0]["message"];
+      reasoning = message.value("reasoning_content", "");
+      content = message["content"].is_string() ? message["content"].get<std::string>() : "";
+      for (const json& call : message.value("tool_calls", json::array())) names.push_back(call["function"]["name"]);
+    } else {
+      for (const std::string& event : sink.events) {
+        if (event.find("data: {") != 0) continue;
+        const json delta = json::parse(event.substr(6))["choices"][0]["delta"];
+        reasoning += delta.value("reasoning_content", "");
+        if (delta.contains("content") && delta["content"].is_string()) content += delta["content"].get<std::string>();
+        for (const json& call : delta.value("tool_calls", json::array()))
+          if (call.contains("function") && call["function"].contains("name")) names.push_back(call["function"]["name"]);
+      }
+    }
+    EXPECT_NE(reasoning.find("I could call"), std::string::npos) << reasoning;
+    EXPECT_EQ(content.find("think>"), std::string::npos) << content;
+    EXPECT_EQ(names, std::vector<std::string>{"get_weather"});
+  }
+}
 
 // Qwen3's thinking: the reply's reasoning apart (reasoning_content), and
 // chat_template_kwargs' enable_thinking passed to the template.
