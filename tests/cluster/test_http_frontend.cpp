@@ -114,6 +114,15 @@ std::string scrape(uint16_t port) { return scrape_metrics(port); }
 
 std::string metrics_port_line(uint16_t port) { return "metrics-port = " + std::to_string(port) + "\n"; }
 
+// A 1 prefill + 1 decode cluster with a frontend (`frontend_options` in its
+// [node] group) answering /health 200; `port` is the frontend's.
+void start_with_frontend(TestCluster& cluster, uint16_t& port, const std::string& frontend_options = "") {
+  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
+  cluster.start_node("frontend", "frontend", frontend_options);
+  port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+}
+
 TEST(HttpFrontend, HealthThenCompletionsAndChatEqualDisaggGenerate) {
   TestCluster cluster("http-frontend");
   std::map<std::string, uint16_t> metrics_ports;
@@ -651,13 +660,8 @@ TEST(HttpFrontend, StreamedRequestsOnAKeepAliveConnectionDoNotWaitForDelayedAcks
 // gets it, the finish and [DONE] (the stream was cut there).
 TEST(HttpFrontend, AnEventLargerThanTheStreamBufferReachesAReaderKeepingUp) {
   TestCluster cluster("http-big-event");
-  cluster.start_router();
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
-  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
-  cluster.start_node("frontend", "frontend", "http-stream-buffer-bytes = 65536\n");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port, "http-stream-buffer-bytes = 65536\n"));
   const json body = json::parse(R"({"messages": [{"role": "user", "content": "Weather in Paris?"}],
       "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
         "properties": {"city": {"type": "string", "minLength": 150, "maxLength": 200}}, "required": ["city"], "additionalProperties": false}}}],
@@ -680,13 +684,8 @@ TEST(HttpFrontend, AnEventLargerThanTheStreamBufferReachesAReaderKeepingUp) {
 // brought none: the prompt's came out null. The reply now waits for them.
 TEST(HttpFrontend, EchoedLogprobsSurviveAStopString) {
   TestCluster cluster("http-echo-stop");
-  cluster.start_router();
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
-  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
-  cluster.start_node("frontend", "frontend");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
   const std::string prompt = "Once upon a time";
   const std::string whole = generate_reference({"--prompt", prompt, "--max-new-tokens", "40"}).text;
   ASSERT_NE(whole.find(" ", 1), std::string::npos) << "precondition: the completion has a space to stop at";
@@ -742,14 +741,10 @@ TEST(HttpFrontend, AClientThatDisconnectsCancelsItsRequest) {
 // socket buffers, or cut off at node.http-stream-buffer-bytes and cancelled).
 TEST(HttpFrontend, AStreamNobodyReadsHoldsUpNoOne) {
   TestCluster cluster("http-slow-reader");
-  cluster.start_router();
-  cluster.start_node("prefill", "prefill-1");
-  cluster.start_node("decode", "decode-1");
-  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
   constexpr int kStreamBuffer = 2048;
-  cluster.start_node("frontend", "frontend", "http-stream-buffer-bytes = " + std::to_string(kStreamBuffer) + "\n");
-  const uint16_t port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(
+      start_with_frontend(cluster, port, "http-stream-buffer-bytes = " + std::to_string(kStreamBuffer) + "\n"));
 
   net::io_context ioc;
   net::ip::tcp::socket socket(ioc);
@@ -916,14 +911,6 @@ std::string npm_package_missing(const std::string& dir, const std::string& packa
 }
 std::string openai_client_missing(const std::string& dir, std::string& node) { return npm_package_missing(dir, "openai", node); }
 
-// A 1 prefill + 1 decode cluster with a frontend answering /health 200;
-// `port` is the frontend's.
-void start_with_frontend(TestCluster& cluster, uint16_t& port) {
-  ASSERT_NO_FATAL_FAILURE(cluster.start_all(1, 1));
-  cluster.start_node("frontend", "frontend");
-  port = cluster.port_of("frontend");
-  ASSERT_TRUE(wait_for_health(port, 200, "")) << cluster.logs();
-}
 
 // The official `openai` Node.js package (tests/openai, pinned by its
 // package-lock.json, installed by scripts/install-deps) as the client.
