@@ -41,6 +41,28 @@ constexpr size_t kMaxGrammarBytes = size_t(1) << 20;
 // body overflowed the stack and ended the server).
 constexpr int kMaxNesting = 256;
 
+// One more level of a recursion bounded at `limit`, for the guard's life:
+// past the bound the level is given back and an `Error` thrown with
+// message() (so an object that outlives the throw, a compiled grammar,
+// keeps its count right).
+template <class Error>
+class NestingGuard {
+ public:
+  template <class Message>
+  NestingGuard(int& depth, int limit, Message&& message) : depth_(depth) {
+    if (++depth_ > limit) {
+      --depth_;
+      throw Error(message());
+    }
+  }
+  ~NestingGuard() { --depth_; }
+  NestingGuard(const NestingGuard&) = delete;
+  NestingGuard& operator=(const NestingGuard&) = delete;
+
+ private:
+  int& depth_;
+};
+
 class ByteSet {
  public:
   ByteSet() = default;

@@ -49,17 +49,9 @@ class Compiler {
   Expr compile(const json& s, const std::string& at) {
     // Schemas nest through properties, items and $refs (a chain of $refs to
     // new targets nests without bound in the schema's own depth).
-    struct Nested {
-      int& depth;
-      Nested(int& d, const std::string& at) : depth(d) {
-        if (++depth > kMaxNesting) {
-          --depth;
-          throw SchemaError("the schema at " + where(at) + " is nested more than " + std::to_string(kMaxNesting) +
-                            " deep");
-        }
-      }
-      ~Nested() { --depth; }
-    } nested(depth_, at);
+    const NestingGuard<SchemaError> nested(depth_, kMaxNesting, [&] {
+      return "the schema at " + where(at) + " is nested more than " + std::to_string(kMaxNesting) + " deep";
+    });
     if (s.is_boolean()) {
       if (s.get<bool>()) return json_.value();
       throw SchemaError("schema " + where(at) + " is false: nothing validates against it");

@@ -341,15 +341,9 @@ const std::vector<int32_t>& CompiledGrammar::closure(int32_t stack) {
   // A closure follows the symbols that may match "" one call deeper each
   // (root ::= x x x ... with x nullable): bounded, as the closures' sizes
   // are (n such symbols hold n^2 / 2 entries).
-  struct Nested {
-    int& depth;
-    explicit Nested(int& d) : depth(d) {
-      if (++depth > kMaxClosureDepth)
-        throw GrammarError("grammar: more than " + std::to_string(kMaxClosureDepth) +
-                           " symbols that may match nothing in a row");
-    }
-    ~Nested() { --depth; }
-  } nested(closure_depth_);
+  const NestingGuard<GrammarError> nested(closure_depth_, kMaxClosureDepth, [] {
+    return "grammar: more than " + std::to_string(kMaxClosureDepth) + " symbols that may match nothing in a row";
+  });
   std::vector<int32_t> out;
   const Stack s = stacks_[size_t(stack)];
   const int32_t sym = elems_[size_t(s.pos)];
