@@ -6,6 +6,7 @@ namespace {
 
 const std::string kOpen = "<think>";
 const std::string kClose = "</think>";
+const char* const kSpaces = " \n";
 
 std::string without_leading_newlines(const std::string& s) {
   const size_t a = s.find_first_not_of('\n');
@@ -25,13 +26,23 @@ ReasoningSyntax reasoning_syntax_of(const std::string& name) {
   return name == "qwen3" ? ReasoningSyntax::qwen3 : ReasoningSyntax::none;
 }
 
-Reasoned split_reasoning(ReasoningSyntax syntax, const std::string& text) {
+bool prompt_opens_thought(ReasoningSyntax syntax, const std::string& tail) {
+  if (syntax == ReasoningSyntax::none) return false;
+  const size_t end = tail.find_last_not_of(kSpaces);
+  return end != std::string::npos && end + 1 >= kOpen.size() && tail.compare(end + 1 - kOpen.size(), kOpen.size(), kOpen) == 0;
+}
+
+Reasoned split_reasoning(ReasoningSyntax syntax, const std::string& text, bool opened) {
   if (syntax == ReasoningSyntax::none) return {{}, text};
-  const bool opened = text.rfind(kOpen, 0) == 0;
-  const size_t close = text.find(kClose);
-  if (close == std::string::npos) return opened ? Reasoned{text.substr(kOpen.size()), {}} : Reasoned{{}, text};
-  return {text.substr(opened ? kOpen.size() : 0, close - (opened ? kOpen.size() : 0)),
-          without_leading_newlines(text.substr(close + kClose.size()))};
+  size_t from = 0;
+  if (!opened) {
+    const size_t lead = text.find_first_not_of(kSpaces);
+    if (lead == std::string::npos || text.compare(lead, kOpen.size(), kOpen) != 0) return {{}, text};
+    from = lead + kOpen.size();
+  }
+  const size_t close = text.find(kClose, from);
+  if (close == std::string::npos) return {text.substr(from), {}};
+  return {text.substr(from, close - from), without_leading_newlines(text.substr(close + kClose.size()))};
 }
 
 Reasoned ReasoningStream::add(const std::string& piece) {
@@ -40,15 +51,20 @@ Reasoned ReasoningStream::add(const std::string& piece) {
   Reasoned out;
   for (;;) {
     switch (phase_) {
-      case Phase::start:
-        if (pending_.size() < kOpen.size() && kOpen.compare(0, pending_.size(), pending_) == 0) return out;
-        if (pending_.rfind(kOpen, 0) == 0) {
-          pending_ = pending_.substr(kOpen.size());
+      case Phase::start: {
+        // (spaces and newlines, then what may be <think>, wait)
+        const size_t lead = pending_.find_first_not_of(kSpaces);
+        if (lead == std::string::npos) return out;
+        const size_t rest = pending_.size() - lead;
+        if (rest < kOpen.size() && kOpen.compare(0, rest, pending_, lead, rest) == 0) return out;
+        if (pending_.compare(lead, kOpen.size(), kOpen) == 0) {
+          pending_ = pending_.substr(lead + kOpen.size());
           phase_ = Phase::thinking;
         } else {
           phase_ = Phase::answer;
         }
         continue;
+      }
       case Phase::thinking: {
         const size_t close = pending_.find(kClose);
         if (close != std::string::npos) {
