@@ -11,10 +11,7 @@ using json = nlohmann::json;
 
 nlohmann::json parse_file_json(const char* begin, const char* end) {
   return nlohmann::json::parse(begin, end, [](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
-    if (depth >= kMaxFileJsonDepth &&
-        (event == nlohmann::json::parse_event_t::object_start || event == nlohmann::json::parse_event_t::array_start))
-      throw JsonNestedTooDeep{};
-    return true;
+    return json_within_depth(depth, event, kMaxFileJsonDepth);
   });
 }
 

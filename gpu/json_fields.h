@@ -21,13 +21,22 @@
 
 namespace disagg::gpu {
 
-// JSON text of a model's file (or part of one: a safetensors header) parsed
-// with its nesting bounded while it is parsed, since what reads it later
-// (copies, dumps of a value for an error) recurses: throws
-// JsonNestedTooDeep past kMaxFileJsonDepth levels, json::exception when it
-// is not JSON. (A tokenizer.json nests about 6 deep.)
-constexpr int kMaxFileJsonDepth = 64;
+// The nesting bound of a JSON parse, checked while it parses (nothing deeper
+// is built): as a parse callback, throws JsonNestedTooDeep when a container
+// opens `limit` levels deep. What reads parsed JSON later (copies, dump)
+// recurses. The one guard of a model's files (below) and of a request's
+// JSON (http/api.h).
 struct JsonNestedTooDeep {};
+template <class Event>
+bool json_within_depth(int depth, Event event, int limit) {
+  if (depth >= limit && (event == Event::object_start || event == Event::array_start)) throw JsonNestedTooDeep{};
+  return true;
+}
+
+// JSON text of a model's file (or part of one: a safetensors header) parsed
+// with its nesting bounded at kMaxFileJsonDepth; json::exception when it is
+// not JSON. (A tokenizer.json nests about 6 deep.)
+constexpr int kMaxFileJsonDepth = 64;
 nlohmann::json parse_file_json(const char* begin, const char* end);
 
 // The integer a JSON number stands for exactly: an integer within int64, or a

@@ -405,6 +405,8 @@ json prompt_logprobs_json(const gpu::Tokenizer& tokenizer, const std::vector<int
 
 namespace {
 
+std::vector<int32_t> control_markers(const gpu::Tokenizer& tokenizer, gpu::ToolSyntax syntax);
+
 // The prompt's tokens: completions' `prompt`, or chat's `messages` rendered;
 // shorter than the context.
 std::vector<int32_t> request_prompt(const json& body, const std::string& text, Endpoint endpoint, const ServedModel& model,
@@ -516,8 +518,14 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   }
   if (endpoint == Endpoint::chat) {
     r.reasoning = gpu::reasoning_syntax_of(gpu::to_string(chat.family));
+    if (r.reasoning != gpu::ReasoningSyntax::none) {
+      const size_t tail = std::min<size_t>(r.prompt_tokens.size(), 8);  // <think> and a few newlines
+      const std::vector<int> last(r.prompt_tokens.end() - std::ptrdiff_t(tail), r.prompt_tokens.end());
+      r.thought_opened = gpu::prompt_opens_thought(r.reasoning, tokenizer.decode_all(-1, last));
+    }
     std::string calls;
     r.tools = parse_tools(body, in_order, chat.family, calls);
+    if (r.tools.choice == ToolUse::Choice::automatic) r.tools.marker_tokens = control_markers(tokenizer, r.tools.syntax);
     // A required or named call is this turn's output: its grammar rules, and
     // a response_format waits for a turn that answers in text (as OpenAI
     // and vLLM take both, and the Agents SDK sends both).
@@ -561,8 +569,9 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
 
 // ---------------------------------------------------------------- TextAssembler
 
-TextAssembler::TextAssembler(const gpu::Tokenizer& tokenizer, std::vector<std::string> stop, int32_t last_prompt_token)
-    : tokenizer_(tokenizer), stop_(std::move(stop)), previous_(last_prompt_token) {}
+TextAssembler::TextAssembler(const gpu::Tokenizer& tokenizer, std::vector<std::string> stop, int32_t last_prompt_token,
+                             std::vector<int32_t> shown)
+    : tokenizer_(tokenizer), stop_(std::move(stop)), shown_(std::move(shown)), previous_(last_prompt_token) {}
 
 std::string TextAssembler::release(size_t upto) {
   std::string out = pending_.substr(0, upto);
@@ -575,7 +584,10 @@ std::string TextAssembler::add(int32_t token) {
   ++tokens_;
   if (stopped_) return {};
   try {
-    pending_ += tokenizer_.decode(previous_, token);
+    if (std::find(shown_.begin(), shown_.end(), token) != shown_.end())
+      pending_ += tokenizer_.vocabulary().pieces.at(size_t(token));
+    else
+      pending_ += tokenizer_.decode(previous_, token);
   } catch (const std::exception&) {
     // an id the tokenizer lacks: no text (the router checked the vocabulary)
   }
@@ -646,6 +658,16 @@ const std::vector<std::string>& call_markers(gpu::ToolSyntax syntax) {
     case gpu::ToolSyntax::none: break;
   }
   return none;
+}
+
+// The syntax's markers that this vocabulary makes one control token each.
+std::vector<int32_t> control_markers(const gpu::Tokenizer& tokenizer, gpu::ToolSyntax syntax) {
+  std::vector<int32_t> ids;
+  for (const std::string& marker : call_markers(syntax)) {
+    const std::vector<int> t = tokenizer.encode(marker, false);
+    if (t.size() == 1 && tokenizer.type_of(t[0]) == gpu::TokenType::control) ids.push_back(t[0]);
+  }
+  return ids;
 }
 
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; }

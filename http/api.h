@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gpu/json_fields.h"
 #include "text/tokenizer.h"
 #include "text/chat_template.h"
 #include "text/reasoning.h"
@@ -38,16 +39,14 @@ constexpr int kMaxJsonDepth = 64;
 // later (dump, copies, the schema compiler) recurses: a JSON text nested
 // 300,000 deep in a string of 600 KB overflowed the stack. Throws
 // JsonTooDeep past the bound, json::exception when it is not JSON.
-struct JsonTooDeep {};
+using JsonTooDeep = gpu::JsonNestedTooDeep;
 json parse_json_limited(const std::string& text);
 // The same, keeping objects' keys in the text's order (a JSON schema's
 // properties are written in it).
 nlohmann::ordered_json parse_ordered_json_limited(const std::string& text);
 // Its parse callback, for a parse of any json type.
 inline bool json_depth_guard(int depth, nlohmann::json::parse_event_t event) {
-  if (depth >= kMaxJsonDepth && (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))
-    throw JsonTooDeep{};
-  return true;
+  return gpu::json_within_depth(depth, event, kMaxJsonDepth);
 }
 // - an error message quotes at most this many bytes of an offending value;
 constexpr size_t kMaxQuotedBytes = 64;
@@ -100,6 +99,11 @@ struct ToolUse {
   enum class Choice { none, automatic, required, named } choice = Choice::none;
   std::string name;  // named: the function
   gpu::ToolSyntax syntax = gpu::ToolSyntax::none;
+  // automatic: the call markers that are control tokens of this vocabulary
+  // (Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>), written out in the
+  // reply's text so that the calls can be read (control tokens have no text
+  // otherwise; vLLM's tool parsers turn skip_special_tokens off for them).
+  std::vector<int32_t> marker_tokens;
   bool active() const { return choice != Choice::none; }
 };
 
@@ -112,6 +116,7 @@ struct ApiRequest {
   // chat with a thinking family's template (qwen3): the reply's reasoning
   // apart from its content (text/reasoning.h).
   gpu::ReasoningSyntax reasoning = gpu::ReasoningSyntax::none;
+  bool thought_opened = false;  // the rendered prompt ends inside a thought (gpu::prompt_opens_thought)
   std::vector<int32_t> prompt_tokens;
   int32_t max_tokens = 0;
   bool max_tokens_defaulted = false;  // chat without max_tokens: the rest of the context, as much as fits
@@ -151,10 +156,12 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& body, const Serve
 // Turns a request's token events into text: each token's piece after its
 // predecessor (the first after the prompt's last token, as disagg-generate
 // does), held back while it could be the start of a stop string or ends in
-// an incomplete UTF-8 character; cut before the first stop string.
+// an incomplete UTF-8 character; cut before the first stop string. The
+// control tokens in `shown` are written as their pieces (ToolUse::marker_tokens).
 class TextAssembler {
  public:
-  TextAssembler(const gpu::Tokenizer& tokenizer, std::vector<std::string> stop, int32_t last_prompt_token);
+  TextAssembler(const gpu::Tokenizer& tokenizer, std::vector<std::string> stop, int32_t last_prompt_token,
+                std::vector<int32_t> shown = {});
   // The token's text, returns what may be sent now (possibly empty).
   std::string add(int32_t token);
   // Whatever is held back, at the end of a request that did not stop.
@@ -167,6 +174,7 @@ class TextAssembler {
   std::string release(size_t upto);
   const gpu::Tokenizer& tokenizer_;
   std::vector<std::string> stop_;
+  std::vector<int32_t> shown_;
   int32_t previous_;
   std::string pending_;  // decoded, not yet returned
   std::string text_;

@@ -34,8 +34,9 @@ Generation::Generation(const GenerationContext& context, ReplySink& sink, std::s
   choices_.resize(size_t(request_.best_of));
   for (size_t i = 0; i < choices_.size(); ++i) {
     choices_[i].index = int(i);
-    choices_[i].text.emplace(context_.tokenizer, request_.stop, request_.prompt_tokens.back());
-    if (request_.stream && request_.reasoning != gpu::ReasoningSyntax::none) choices_[i].thinking.emplace(request_.reasoning);
+    choices_[i].text.emplace(context_.tokenizer, request_.stop, request_.prompt_tokens.back(), request_.tools.marker_tokens);
+    if (request_.stream && request_.reasoning != gpu::ReasoningSyntax::none)
+      choices_[i].thinking.emplace(request_.reasoning, request_.thought_opened);
     if (request_.stream && request_.tools.active()) choices_[i].tool_stream.emplace(request_.tools);
   }
 }
@@ -303,7 +304,7 @@ void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
   } else if (request_.tools.active()) {
     // Whole: the reasoning split off first, the calls read from the content.
     if (request_.reasoning != gpu::ReasoningSyntax::none) {
-      const gpu::Reasoned split = gpu::split_reasoning(request_.reasoning, c.text->text());
+      const gpu::Reasoned split = gpu::split_reasoning(request_.reasoning, c.text->text(), request_.thought_opened);
       c.tools = read_tool_calls(request_.tools, split.content, finish_reason);
       c.tools->reasoning = split.reasoning;
     } else {
@@ -348,7 +349,9 @@ void Generation::complete() {
     if (c.tools)
       choices.push_back(with_token_data(c, tool_choice_json(i, *c.tools, tool_call_id_prefix(c)), false));
     else if (request_.reasoning != gpu::ReasoningSyntax::none)
-      choices.push_back(with_token_data(c, reasoned_choice_json(i, gpu::split_reasoning(request_.reasoning, text), c.finish), false));
+      choices.push_back(with_token_data(
+          c, reasoned_choice_json(i, gpu::split_reasoning(request_.reasoning, text, request_.thought_opened), c.finish),
+          false));
     else
       choices.push_back(with_token_data(c, choice_json(request_.endpoint, i, text, c.finish), false));
   }

@@ -14,6 +14,7 @@
 #include "caf/all.hpp"
 #include "metrics/disagg_metrics.h"
 #include "support/adversarial_json.h"
+#include "text/jinja.h"
 
 namespace disagg::http {
 namespace {
@@ -863,6 +864,66 @@ class RecordingSink : public ReplySink {
   bool ended = false;
 };
 
+// What a reply said, whole or streamed: its reasoning, content, calls' names.
+struct Said {
+  std::string reasoning, content, finish;
+  std::vector<std::string> names;
+};
+
+// Drives a Generation of `request` with scripted `tokens` (ending in EOS)
+// and reads its reply as a client would.
+Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const std::vector<int>& tokens) {
+  caf::actor_system_config config;
+  caf::actor_system system{config};
+  RecordingSink sink;
+  ServedModel served = model();
+  served.vocab_size = t.vocab_size();
+  const GenerationContext context{served, t, metrics::disagg_metrics()};
+  RequestId id = 0;
+  Generation generation(context, sink, std::make_shared<Client>(system, router_actor{}), request, "chatcmpl-t",
+                        [&](GenerateRequest r) { id = r.id; });
+  generation.start();
+  EXPECT_NE(id, RequestId{0});
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    TokenEvent e;
+    e.id = id;
+    e.index = int32_t(i);
+    e.token = tokens[i];
+    generation.on_token(id, e);
+  }
+  RequestOutcome outcome;
+  outcome.id = id;
+  outcome.tokens.assign(tokens.begin(), tokens.end());
+  outcome.finish = FinishReason::eos;
+  generation.on_outcome(id, outcome);
+  EXPECT_TRUE(generation.done()) << sink.error;
+  EXPECT_EQ(sink.error, "");
+  // (a string field, or "" where it is null or absent)
+  auto text_of = [](const json& j, const char* key) {
+    return j.contains(key) && j[key].is_string() ? j[key].get<std::string>() : std::string();
+  };
+  Said said;
+  if (!request.stream) {
+    const json& message = sink.whole["choices"][0]["message"];
+    said.reasoning = text_of(message, "reasoning_content");
+    said.content = text_of(message, "content");
+    said.finish = text_of(sink.whole["choices"][0], "finish_reason");
+    for (const json& call : message.value("tool_calls", json::array())) said.names.push_back(call["function"]["name"]);
+    return said;
+  }
+  for (const std::string& event : sink.events) {
+    if (event.find("data: {") != 0) continue;
+    const json choice = json::parse(event.substr(6))["choices"][0];
+    const json& delta = choice["delta"];
+    said.reasoning += text_of(delta, "reasoning_content");
+    said.content += text_of(delta, "content");
+    for (const json& call : delta.value("tool_calls", json::array()))
+      if (call.contains("function") && call["function"].contains("name")) said.names.push_back(call["function"]["name"]);
+    if (choice["finish_reason"].is_string()) said.finish = text_of(choice, "finish_reason");
+  }
+  return said;
+}
+
 // A thinking family's reply under tools: the reasoning goes apart
 // (reasoning_content) and only what follows it is read for calls, vLLM's
 // order: a call the model thinks about is no call, and the thinking never
@@ -877,8 +938,6 @@ TEST(HttpReasoning, AThinkingFamilysToolCallsAreReadAfterItsReasoning) {
   ASSERT_EQ(tokenizer().decode(100, tokens[0]), " ") << "precondition: the first token is the space alone";
   tokens.erase(tokens.begin());
   ASSERT_EQ(tokenizer().decode_all(100, tokens), text);
-  caf::actor_system_config config;
-  caf::actor_system system{config};
   for (const bool stream : {false, true}) {
     SCOPED_TRACE(stream ? "streamed" : "whole");
     const std::string body = std::string(R"({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [)") +
@@ -886,47 +945,76 @@ TEST(HttpReasoning, AThinkingFamilysToolCallsAreReadAfterItsReasoning) {
     const ApiRequest request = parse(Endpoint::chat, body, ChatTemplate::qwen3);
     ASSERT_TRUE(request.tools.active());
     ASSERT_EQ(request.reasoning, gpu::ReasoningSyntax::qwen3);
-    RecordingSink sink;
-    const ServedModel served = model();
-    const GenerationContext context{served, tokenizer(), metrics::disagg_metrics()};
-    RequestId id = 0;
-    Generation generation(context, sink, std::make_shared<Client>(system, router_actor{}), request, "chatcmpl-t",
-                          [&](GenerateRequest r) { id = r.id; });
-    generation.start();
-    ASSERT_NE(id, RequestId{0});
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      TokenEvent e;
-      e.id = id;
-      e.index = int32_t(i);
-      e.token = tokens[i];
-      generation.on_token(id, e);
-    }
-    RequestOutcome outcome;
-    outcome.id = id;
-    outcome.tokens.assign(tokens.begin(), tokens.end());
-    outcome.finish = FinishReason::eos;
-    generation.on_outcome(id, outcome);
-    ASSERT_TRUE(generation.done()) << sink.error;
-    std::string reasoning, content;
-    std::vector<std::string> names;
-    if (!stream) {
-      const json& message = sink.whole["choices"][0]["message"];
-      reasoning = message.value("reasoning_content", "");
-      content = message["content"].is_string() ? message["content"].get<std::string>() : "";
-      for (const json& call : message.value("tool_calls", json::array())) names.push_back(call["function"]["name"]);
-    } else {
-      for (const std::string& event : sink.events) {
-        if (event.find("data: {") != 0) continue;
-        const json delta = json::parse(event.substr(6))["choices"][0]["delta"];
-        reasoning += delta.value("reasoning_content", "");
-        if (delta.contains("content") && delta["content"].is_string()) content += delta["content"].get<std::string>();
-        for (const json& call : delta.value("tool_calls", json::array()))
-          if (call.contains("function") && call["function"].contains("name")) names.push_back(call["function"]["name"]);
-      }
-    }
-    EXPECT_NE(reasoning.find("I could call"), std::string::npos) << reasoning;
-    EXPECT_EQ(content.find("think>"), std::string::npos) << content;
-    EXPECT_EQ(names, std::vector<std::string>{"get_weather"});
+    const Said said = generate_scripted(tokenizer(), request, tokens);
+    EXPECT_NE(said.reasoning.find("I could call"), std::string::npos) << said.reasoning;
+    EXPECT_EQ(said.content.find("think>"), std::string::npos) << said.content;
+    EXPECT_EQ(said.names, std::vector<std::string>{"get_weather"});
+  }
+}
+
+// A template that opens the thought in the prompt (Qwen3's thinking-only
+// ones end with "<think>\n"): the reply is reasoning until </think>, streamed
+// and whole alike; after a prompt that did not open it, a </think> in the
+// reply is content both ways (the whole reply took it for reasoning while
+// the stream, which cannot know, sent it all as content).
+TEST(HttpReasoning, AThoughtOpenedByThePromptSplitsTheSameStreamedAndWhole) {
+  ChatFormat opening(ChatTemplate::qwen3);
+  opening.jinja = std::make_shared<const gpu::JinjaTemplate>(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "<|im_start|>assistant\n<think>\n");
+  const std::vector<int> tokens = tokenizer().encode("the user adds</think>\n\nFour", false);
+  const std::string text = tokenizer().decode_all(100, tokens);
+  ASSERT_EQ(text, " the user adds</think>\n\nFour");  // (SentencePiece's leading space)
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    const std::string body = std::string(R"({"messages": [{"role": "user", "content": "2+2?"}])") +
+                             (stream ? R"(, "stream": true)" : "") + "}";
+    const ApiRequest builtin = parse(Endpoint::chat, body, ChatTemplate::qwen3);  // (it opens none)
+    const ApiRequest r = parse_request(Endpoint::chat, body, model(), tokenizer(), opening, [] { return uint64_t(42); });
+    ASSERT_EQ(r.reasoning, gpu::ReasoningSyntax::qwen3);
+    EXPECT_TRUE(r.thought_opened);
+    EXPECT_FALSE(builtin.thought_opened);
+    const Said in_thought = generate_scripted(tokenizer(), r, tokens);
+    EXPECT_EQ(in_thought.reasoning, " the user adds");
+    EXPECT_EQ(in_thought.content, "Four");
+    const Said plain = generate_scripted(tokenizer(), builtin, tokens);
+    EXPECT_EQ(plain.reasoning, "");
+    EXPECT_EQ(plain.content, text);
+  }
+}
+
+// A call marker that the vocabulary makes a control token (Mistral's
+// [TOOL_CALLS]) has no text as other control tokens have none, so the calls
+// after it were never found: under automatic tools it is written out, and
+// only then (a reply without tools still skips it).
+TEST(HttpTools, AMarkerThatIsAControlTokenIsWrittenOutUnderTools) {
+  gpu::Vocabulary v = tokenizer().vocabulary();
+  const std::string after = "[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}]";
+  const std::vector<int> rest = tokenizer().encode(after, false);  // " [{...}]": SentencePiece's leading space
+  const int marker = 511;
+  ASSERT_EQ(std::count(rest.begin(), rest.end(), marker), 0) << "precondition: the call's text does not use the token";
+  v.types.assign(v.pieces.size(), gpu::TokenType::normal);
+  v.pieces[size_t(marker)] = "[TOOL_CALLS]";
+  v.types[size_t(marker)] = gpu::TokenType::control;
+  const gpu::Tokenizer t = gpu::Tokenizer::from_vocabulary(v, "mistral-like");
+  ASSERT_EQ(t.encode("[TOOL_CALLS]", false), std::vector<int>{marker});
+  std::vector<int> tokens = {marker};
+  tokens.insert(tokens.end(), rest.begin(), rest.end());
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    const std::string messages = R"({"messages": [{"role": "user", "content": "Weather in Paris?"}])";
+    const std::string streamed = stream ? R"(, "stream": true)" : "";
+    const ApiRequest with_tools = parse_request(Endpoint::chat, messages + R"(, "tools": [)" + kWeatherTool + "]" + streamed + "}",
+                                                model(), t, ChatTemplate::mistral, [] { return uint64_t(42); });
+    ASSERT_EQ(with_tools.tools.syntax, gpu::ToolSyntax::mistral);
+    const Said called = generate_scripted(t, with_tools, tokens);
+    EXPECT_EQ(called.names, std::vector<std::string>{"get_weather"}) << called.content;
+    EXPECT_EQ(called.finish, "tool_calls");
+    const ApiRequest plain = parse_request(Endpoint::chat, messages + streamed + "}", model(), t, ChatTemplate::mistral,
+                                           [] { return uint64_t(42); });
+    const Said text = generate_scripted(t, plain, tokens);
+    EXPECT_EQ(text.content, t.decode_all(marker, rest)) << "without tools, control tokens have no text";
+    EXPECT_TRUE(text.names.empty());
   }
 }
 
