@@ -473,7 +473,7 @@ AdmitResult run_admit(ComputeState& st, KvAdmit& admit) {
     if (int64_t(admit.blocks.size()) * st.pool->block_size() < positions)
       throw gpu::Error("admit: " + std::to_string(admit.blocks.size()) + " blocks cannot hold " +
                        std::to_string(positions) + " positions");
-    st.pool->write(admit.blocks, view);
+    st.pool->write(admit.blocks, view, admit.first_position);
   } catch (const gpu::KvFormatError& e) {
     r.code = ErrorCode::incompatible_kv;
     r.message = e.what();

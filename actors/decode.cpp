@@ -102,6 +102,15 @@ struct Admitting {};
 using RequestPhase = std::variant<Reservation, Admitting, Sequence>;
 using Requests = std::map<RequestId, RequestPhase>;
 
+// What a sequence takes from its reservation: its blocks and what puts them
+// in the prefix cache (the reservation's are moved out).
+void take_blocks(Sequence& seq, Reservation& held) {
+  seq.blocks = std::move(held.blocks);
+  seq.prompt = std::move(held.prompt);
+  seq.hash_seed = held.hash_seed;
+  seq.hashes = std::move(held.hashes);
+}
+
 // What a sequence takes from its commit and its reservation's answer.
 void continue_from(Sequence& seq, const KvTransfer& t, const client_actor& client, int32_t pool_cached,
                    int32_t seq_len, const gpu::SpeculationParams& configured) {
@@ -704,10 +713,7 @@ void settle_stream(Self self, RequestId id) {
   }
   const KvTransfer& t = commit.transfer;
   Sequence seq;
-  seq.blocks = std::move(held.blocks);
-  seq.prompt = std::move(held.prompt);
-  seq.hash_seed = held.hash_seed;
-  seq.hashes = std::move(held.hashes);
+  take_blocks(seq, held);
   continue_from(seq, t, held.client, held.cached, st.seq_len, st.config.speculation_params());
   activate(self, id, std::move(seq), t.first_token, t.first_logprobs, commit.promise);
 }
@@ -788,10 +794,6 @@ std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer
   if (positions > held->positions)
     return Refusal{ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
                                                    std::to_string(held->positions) + " were reserved"};
-  // A one-message KV writes every position, the shared blocks' too.
-  if (transfer.transfer_id == 0 && held->cached > 0)
-    return Refusal{ErrorCode::invalid_request, "request " + std::to_string(transfer.id) +
-                                                   " shares cached KV blocks: its KV must be streamed into the rest"};
   return std::nullopt;
 }
 
@@ -808,14 +810,17 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
     r.verdict = KvLanded{r.transfer_id, uint8_t(kv::TransferStatus::cancelled), 0, {}};
   }
   if (r.local) st.kv.local->cancel(r.transfer_id);
-  std::vector<int32_t> blocks = std::move(r.blocks);
+  // (a one-message KV holds every position: those of the shared cached
+  // blocks, the same KV, are not written)
+  const int32_t cached = r.cached;
   Sequence seq;
-  seq.blocks = blocks;
+  take_blocks(seq, r);
+  std::vector<int32_t> blocks = seq.blocks;
   continue_from(seq, transfer, r.client, r.cached, st.seq_len, st.config.speculation_params());
-  held->second = Admitting{};
+  held->second = Admitting{};  // (r is gone)
   const int32_t first_token = transfer.first_token;
   TokenLogprobs first_logprobs = transfer.first_logprobs;
-  KvAdmit request{std::move(transfer), std::move(blocks)};
+  KvAdmit request{std::move(transfer), std::move(blocks), cached};
   self->request(st.compute, std::chrono::milliseconds(st.config.compute_timeout_ms),
                 admit_atom::value, std::move(request))
       .then(

@@ -126,7 +126,7 @@ size_t KvPool::floats() const {
   return size_t(model_.n_layers) * 2 * size_t(num_blocks_) * size_t(block_size_) * model_.kv_dim();
 }
 
-void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
+void KvPool::write(const std::vector<int>& blocks, const KvView& view, int first) {
   const KvShape& shape = view.header.shape;
   const KvShape expected{model_.n_layers, model_.n_kv_heads, model_.head_dim, shape.n_positions};
   if (!(shape == expected))
@@ -140,6 +140,10 @@ void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
     throw Error("KvPool::write: " + std::to_string(n) + " positions exceed seq_len " +
                 std::to_string(model_.n_positions));
   if (!view.payload) throw Error("KvPool::write: KV view without payload");
+  if (first < 0 || first > n || first % block_size_ != 0)
+    throw Error("KvPool::write: first position " + std::to_string(first) + " is not a block's start within " +
+                std::to_string(n) + " positions");
+  if (first == n) return;
   const int needed = blocks_for(n, block_size_);
   if (int(blocks.size()) < needed)
     throw Error("KvPool::write: " + std::to_string(n) + " positions need " + std::to_string(needed) +
@@ -150,7 +154,7 @@ void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
                   std::to_string(num_blocks_));
 
   // Stage the contiguous cache on the backend, then scatter each layer's
-  // positions 0..n-1 into the blocks with the decode step's own kv_write.
+  // positions first..n-1 into the blocks with the decode step's own kv_write.
   Backend& b = backend_;
   DeviceArray<float> staged(b);
   staged.upload(view.payload, shape.floats());
@@ -168,9 +172,10 @@ void KvPool::write(const std::vector<int>& blocks, const KvView& view) {
   kv.tables = ints.get() + n;
   kv.table_stride = 0;
   const size_t plane = size_t(n) * shape.kv_dim();  // one layer's K (or V)
+  const size_t skipped = size_t(first) * shape.kv_dim();
   for (uint32_t l = 0; l < shape.n_layers; ++l) {
     const float* k = staged.get() + 2 * l * plane;
-    b.kv_write(kv, int(l), k, k + plane, ints.get(), n);
+    b.kv_write(kv, int(l), k + skipped, k + plane + skipped, ints.get() + first, n - first);
   }
   b.synchronize();
 }

@@ -99,8 +99,10 @@ class KvPool {
   int num_blocks() const { return num_blocks_; }
   static int blocks_for(int positions, int block_size) { return (positions + block_size - 1) / block_size; }
 
-  // Copies positions [0, view.shape.n_positions) of a received KV cache into blocks.
-  void write(const std::vector<int>& blocks, const KvView& view);
+  // Copies positions [first, view.shape.n_positions) of a received KV cache
+  // into blocks (those before `first`, a whole number of blocks, are left as
+  // they are: shared blocks of the prefix cache that hold the same KV).
+  void write(const std::vector<int>& blocks, const KvView& view, int first = 0);
 
   // Where a prompt's KV streamed by `plan` goes when its blocks are `blocks`
   // (the first plan.blocks() of them, with the runs the plan was made with):

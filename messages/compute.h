@@ -65,6 +65,7 @@ struct PrefillResult {
 struct KvAdmit {
   KvTransfer transfer;
   std::vector<int32_t> blocks;
+  int32_t first_position = 0;  // the positions before it are in shared prefix-cache blocks, not written
 };
 
 struct AdmitResult {
@@ -131,7 +132,7 @@ typename Inspector::result_type inspect(Inspector& f, PrefillResult& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvAdmit& x) {
-  return f(caf::meta::type_name("KvAdmit"), x.transfer, x.blocks);
+  return f(caf::meta::type_name("KvAdmit"), x.transfer, x.blocks, x.first_position);
 }
 
 template <class Inspector>

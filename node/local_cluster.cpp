@@ -112,8 +112,10 @@ LocalCluster::LocalCluster(caf::actor_system& system, LocalClusterOptions option
   // Engines first (they throw on failure), then the actors.
   Engines engines = spawn_engines(system_, options_, checkpoints, plane);
   router_ = spawn_router(system_, cfg, tokenizer, model_info(*checkpoints.get(cfg.model)));
+  DisaggConfig prefill_cfg = cfg;
+  if (!options_.prefill_kv_transport.empty()) prefill_cfg.kv_transport = options_.prefill_kv_transport;
   for (int i = 0; i < cfg.prefill_workers; ++i)
-    prefill_.push_back(spawn_prefill(system_, cfg, engines.prefill[size_t(i)], router_,
+    prefill_.push_back(spawn_prefill(system_, prefill_cfg, engines.prefill[size_t(i)], router_,
                                      "prefill-" + std::to_string(i)));
   for (int i = 0; i < cfg.decode_workers; ++i) {
     const ComputeUnit& c = engines.decode[size_t(i)];

@@ -44,6 +44,10 @@ struct LocalClusterOptions {
   // a decode worker of unit "worker-<i>", which prefill_workers() and
   // decode_workers() list after the disaggregated ones.
   int colocated_workers = 0;
+  // The disaggregated prefill workers' kv-transport when not config's (empty):
+  // a mixed cluster, as nodes configured apart may be ("message" beside
+  // decode workers that stream).
+  std::string prefill_kv_transport;
   std::chrono::milliseconds ready_timeout{30000};
 };
 

@@ -43,6 +43,7 @@ RequestOutcome generate(Client& client, std::vector<int32_t> prompt, int max_new
 enum class Rest {
   decode_worker,   // the decode worker itself (conditional disaggregation)
   prefill_worker,  // a prefill worker, which sends only the positions after the cached blocks
+  prefill_message,  // a prefill worker on kv-transport = message: all the KV in one message
 };
 
 // A conversation: turn 1, then turn 2 = turn 1's prompt + its answer + new
@@ -70,7 +71,8 @@ void expect_second_turn_cached(Client& client, const Sampling& sampling, Rest re
     EXPECT_NE(two.prefill_worker, two.decode_worker);
     // Only the positions after the cached blocks travel (a colocated unit's
     // prefill worker counts what a stream would have carried).
-    EXPECT_EQ(two.timings.kv_bytes, stream_bytes_for(int(second.size())) - stream_bytes_for(6 * kBlock));
+    if (rest == Rest::prefill_worker)
+      EXPECT_EQ(two.timings.kv_bytes, stream_bytes_for(int(second.size())) - stream_bytes_for(6 * kBlock));
   }
 }
 
@@ -170,6 +172,20 @@ TEST_F(ActorTest, WithoutLocalPrefillTheRestIsStreamedAfterTheCachedBlocks) {
   options.config.local_prefill_tokens = 0;
   start(std::move(options));
   expect_second_turn_cached(*client_, Sampling{}, Rest::prefill_worker);
+}
+
+// A prefill worker on kv-transport = message beside a decode worker that
+// streams sends every position in one message; the decode worker writes
+// those after its cached blocks (the shared ones hold the same KV: fixed
+// arithmetic) and caches the sequence's blocks as a streamed one's. Such a
+// request was refused ("its KV must be streamed into the rest").
+TEST_F(ActorTest, AOneMessageKvFillsOnlyTheBlocksAfterTheCachedOnes) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.local_prefill_tokens = 0;
+  options.prefill_kv_transport = "message";
+  start(std::move(options));
+  expect_second_turn_cached(*client_, Sampling{0.9f, 0.95f, 1234}, Rest::prefill_message);
 }
 
 TEST_F(ActorTest, AColocatedWorkerPrefillsOnlyAfterItsCachedBlocks) {

@@ -377,6 +377,35 @@ TEST(Engine, KvPoolWriteScattersThePrefillCacheIntoItsBlocks) {
   expect_same_bits(from_written, from_stepwise, "decode after KvPool::write vs after stepwise prefill");
 }
 
+// From a first position (a prefix cache's shared blocks before it): the
+// positions after it land, the blocks before it are not touched (another
+// sequence may be reading them).
+TEST(Engine, KvPoolWriteFromAFirstPositionLeavesTheBlocksBeforeIt) {
+  Engine engine(shared_checkpoint());
+  const std::vector<int> prompt = twenty_tokens();
+  const PrefillOutput prefilled = engine.prefill(prompt);
+  const std::vector<int> other = {1, 9, 8, 7, 6, 5, 4, 3, 2, 10, 11, 12, 13, 14, 15, 16, 17};
+  KvPool pool = kv_pool_for(engine, 16, 8);
+  const std::vector<int> blocks = {5, 2};
+  pool.write(blocks, view_of(engine, engine.prefill(other)));  // block 5: another prompt's first 16 positions
+  const std::vector<float> shared_before = gather_kv(pool, {5}, 16);
+  pool.write(blocks, view_of(engine, prefilled), 16);
+  EXPECT_EQ(gather_kv(pool, {5}, 16), shared_before) << "a block before the first position was written";
+  KvPool whole = kv_pool_for(engine, 16, 8);
+  whole.write(blocks, view_of(engine, prefilled));
+  const std::vector<float> all = gather_kv(whole, blocks, int(prompt.size()));
+  const std::vector<float> written = gather_kv(pool, blocks, int(prompt.size()));
+  EXPECT_NE(written, all) << "precondition: the two prompts' first blocks differ";
+  // (gather_kv lays positions out per layer: compare the positions past 16)
+  const size_t kv_dim = pool.model().kv_dim();
+  const size_t plane = prompt.size() * kv_dim;
+  for (size_t p = 0; p < 2 * size_t(pool.model().n_layers); ++p)
+    for (size_t i = 16 * kv_dim; i < plane; ++i)
+      ASSERT_EQ(written[p * plane + i], all[p * plane + i]) << "plane " << p << ", float " << i;
+  EXPECT_THROW(pool.write(blocks, view_of(engine, prefilled), 8), Error);   // not a block's start
+  EXPECT_THROW(pool.write(blocks, view_of(engine, prefilled), 32), Error);  // past the positions
+}
+
 TEST(Engine, KvPoolWriteRejectsMismatchedInput) {
   Engine engine(shared_checkpoint());
   const PrefillOutput prefilled = engine.prefill(twenty_tokens());
