@@ -91,22 +91,27 @@ std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string
     throw KvError(KvErrc::invalid_argument, "shared-memory KV transfers are off on this node (kv-shared-memory)");
   std::lock_guard<std::mutex> lock(senders_mu_);
   const std::pair<Transport, std::string> key{transport, address};
-  auto& slot = senders_[key];
-  if (!slot || !slot->connected()) {
-    slot.reset();  // a broken connection is closed before its replacement opens
-    // Broken connections to other addresses go too: a decode node started
-    // again listens on a new port, and its old address is never asked for
-    // again (the soak found 6-9 file descriptors left per restart).
-    for (auto it = senders_.begin(); it != senders_.end();)
-      it = it->first != key && it->second && !it->second->connected() ? senders_.erase(it) : std::next(it);
+  const auto now = std::chrono::steady_clock::now();
+  Kept& slot = senders_[key];
+  if (!slot.sender || !slot.sender->connected()) {
+    slot.sender.reset();  // a broken connection is closed before its replacement opens
+    // Broken and idle connections to other addresses go too: a decode node
+    // started again listens on a new port, and its old address is never
+    // asked for again (the soak found 6-9 file descriptors left per restart).
+    for (auto it = senders_.begin(); it != senders_.end();) {
+      const bool gone = it->first != key && it->second.sender &&
+                        (!it->second.sender->connected() || now - it->second.asked >= options_.idle_sender);
+      it = gone ? senders_.erase(it) : std::next(it);
+    }
     try {
-      slot = std::make_shared<KvSender>(context, address, options_.sender);
+      slot.sender = std::make_shared<KvSender>(context, address, options_.sender);
     } catch (...) {
       senders_.erase(key);  // (an unreachable address leaves no empty entry behind)
       throw;
     }
   }
-  return slot;
+  slot.asked = now;
+  return slot.sender;
 }
 
 size_t KvPlane::senders() const {

@@ -13,6 +13,7 @@
 // (host_identity()) and both allow it, else tcp.
 #pragma once
 #include <cstdint>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -33,6 +34,11 @@ struct PlaneOptions {
   // Offer and use the same-host path. Off: always TCP.
   bool shared_memory = true;
   SenderOptions sender;  // for every connection this process opens
+  // A connection not asked for this long is closed when another is opened:
+  // shared memory has no peer-failure detection, so one to a decode node
+  // that is gone never breaks (a node started again listens on a new port,
+  // and its old address is never asked for again).
+  std::chrono::milliseconds idle_sender{std::chrono::minutes(10)};
 };
 
 class KvPlane {
@@ -56,7 +62,8 @@ class KvPlane {
   // The connection to the receiver at `address` over `transport`, opened on
   // first use and opened again after it broke. Throws KvError when the
   // receiver cannot be reached (unreachable, timed_out). Thread-safe.
-  // Opening one closes the broken connections to other addresses.
+  // Opening one closes the broken connections to other addresses, and those
+  // idle longer than options().idle_sender (a transfer using one keeps it).
   std::shared_ptr<KvSender> sender(Transport transport, const std::string& address);
   size_t senders() const;  // connections kept
 
@@ -65,7 +72,11 @@ class KvPlane {
   std::shared_ptr<KvContext> tcp_context_, shm_context_;
   std::unique_ptr<KvReceiver> tcp_receiver_, shm_receiver_;
   mutable std::mutex senders_mu_;
-  std::map<std::pair<Transport, std::string>, std::shared_ptr<KvSender>> senders_;
+  struct Kept {
+    std::shared_ptr<KvSender> sender;
+    std::chrono::steady_clock::time_point asked;  // when sender() last returned it
+  };
+  std::map<std::pair<Transport, std::string>, Kept> senders_;
 };
 
 // Why UCX could not use this process's network interfaces, or "": UCX finds

@@ -557,5 +557,31 @@ TEST(KvPlaneSenders, OpeningAConnectionClosesTheBrokenOnesToOtherAddresses) {
   EXPECT_EQ(plane.senders(), 1u) << "an empty entry was left for the unreachable address";
 }
 
+// Shared memory has no peer-failure detection: a connection to a receiver
+// that is gone stays "connected" for ever. One not asked for within
+// idle_sender is closed when another opens (a decode node started again
+// listens at a new address; the old one is never asked for again).
+TEST(KvPlaneSenders, AnIdleConnectionIsClosedWhenAnotherOpens) {
+  PlaneOptions receiving;
+  receiving.listen_host = "127.0.0.1";
+  for (const bool idle_at_once : {false, true}) {
+    SCOPED_TRACE(idle_at_once ? "idle at once" : "the default idle time");
+    PlaneOptions sending;
+    if (idle_at_once) sending.idle_sender = std::chrono::milliseconds(0);
+    KvPlane plane(sending);
+    {
+      KvPlane first(receiving);
+      const std::shared_ptr<KvSender> old = plane.sender(Transport::shm, first.address(Transport::shm));
+      ASSERT_TRUE(old->connected());
+    }  // (the first receiver's process is gone)
+    KvPlane second(receiving);
+    const std::shared_ptr<KvSender> now = plane.sender(Transport::shm, second.address(Transport::shm));
+    ASSERT_TRUE(now->connected());
+    EXPECT_EQ(plane.senders(), idle_at_once ? 1u : 2u);
+    // The connection asked for now is kept (idle from now on, it goes at the next opening).
+    EXPECT_EQ(plane.sender(Transport::shm, second.address(Transport::shm)), now);
+  }
+}
+
 }  // namespace
 }  // namespace disagg::kv
