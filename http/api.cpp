@@ -551,6 +551,17 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   }
   if (r.stream && r.best_of > r.n)
     throw bad_request("best_of", "'best_of' greater than 'n' cannot be streamed (the best are known at the end)");
+  if (!r.stream && r.logprobs >= 0) {
+    const int64_t tokens = int64_t(r.max_tokens) + (r.echo ? int64_t(r.prompt_tokens.size()) : 0);
+    const int64_t most = int64_t(r.n) * tokens * (r.logprobs + 1);
+    if (most > kMaxReplyLogprobs)
+      throw bad_request(endpoint == Endpoint::chat ? "top_logprobs" : "logprobs",
+                        "a reply of " + std::to_string(r.n) + " choice(s) of up to " + std::to_string(tokens) +
+                            " tokens with " + std::to_string(r.logprobs) + " alternatives each carries up to " +
+                            std::to_string(most) + " log probabilities, more than the " +
+                            std::to_string(kMaxReplyLogprobs) +
+                            " a whole reply may; stream it, or ask for fewer tokens, choices or alternatives");
+  }
   // best_of ranks its samples by their log probabilities: computed, shown only when asked.
   if (r.best_of > r.n) r.sampling.logprobs = std::max(r.sampling.logprobs, 0);
   if (const json* options = field(body, "stream_options")) {

@@ -59,6 +59,13 @@ constexpr size_t kMaxStopBytes = 256;
 // its own to the router, holding its own KV blocks.
 constexpr int kMaxChoices = 16;
 
+// The most log probabilities (each token's and its alternatives') a whole
+// reply may carry: it is built in memory, ~0.5 KB each as a JSON tree (n =
+// 16, top_logprobs = 20 and a long max_tokens asked for gigabytes). A
+// request that could exceed it, n x (max_tokens + echoed prompt) x
+// (top_logprobs + 1), is refused (400) unless streamed.
+constexpr int64_t kMaxReplyLogprobs = int64_t(1) << 20;
+
 // An error reply: {"error": {"message", "type", "param", "code"}} with `status`.
 struct ApiError {
   int status = 400;

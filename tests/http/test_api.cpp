@@ -283,6 +283,46 @@ TEST(HttpApi, LogprobsShapes) {
   EXPECT_EQ(first["top_logprobs"][1]["logprob"], -4.0f);
 }
 
+// A whole reply is built in memory: n x tokens x (alternatives + 1) log
+// probabilities at most kMaxReplyLogprobs (16 x 3120 x 21 fit, 3121 do not;
+// an echoed prompt counts); streamed, the same request is taken.
+TEST(HttpApi, AWholeReplysLogProbabilitiesAreBounded) {
+  ServedModel m = model();
+  m.seq_len = 65536;
+  auto parse_long = [&](Endpoint e, const std::string& body) {
+    return parse_request(e, body, m, tokenizer(), ChatTemplate::llama2, [] { return uint64_t(42); });
+  };
+  const int64_t fit = kMaxReplyLogprobs / (16 * 21);
+  auto chat = [](int64_t max_tokens, const char* more = "") {
+    return R"({"messages": [{"role": "user", "content": "hi"}], "n": 16, "logprobs": true, "top_logprobs": 20, "max_tokens": )" +
+           std::to_string(max_tokens) + more + "}";
+  };
+  EXPECT_EQ(parse_long(Endpoint::chat, chat(fit)).max_tokens, fit);
+  try {
+    parse_long(Endpoint::chat, chat(fit + 1));
+    ADD_FAILURE() << "no error past the bound";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "top_logprobs");
+    EXPECT_NE(e.message.find("stream it"), std::string::npos) << e.message;
+  }
+  EXPECT_TRUE(parse_long(Endpoint::chat, chat(fit + 1, R"(, "stream": true)")).stream);
+  EXPECT_NO_THROW(parse_long(Endpoint::chat, chat(60000, R"(, "logprobs": false, "top_logprobs": null)")));
+  // completions: the echoed prompt's tokens count too.
+  const ApiRequest alone = parse_long(Endpoint::completions, R"({"prompt": "Once upon a time", "logprobs": 20, "max_tokens": 10})");
+  const int64_t room = kMaxReplyLogprobs / 21 - int64_t(alone.prompt_tokens.size());
+  auto completion = [](int64_t max_tokens) {
+    return R"({"prompt": "Once upon a time", "logprobs": 20, "echo": true, "max_tokens": )" + std::to_string(max_tokens) + "}";
+  };
+  EXPECT_NO_THROW(parse_long(Endpoint::completions, completion(room)));
+  try {
+    parse_long(Endpoint::completions, completion(room + 1));
+    ADD_FAILURE() << "no error past the bound with the echoed prompt";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.param, "logprobs");
+  }
+}
+
 TEST(HttpApi, TokenizeAndDetokenizeRoundTrip) {
   const json t = json::parse(dump(tokenize_response(R"({"prompt":"Once upon a time","return_token_strs":true})", model(),
                                                     tokenizer(), ChatTemplate::llama2)));
