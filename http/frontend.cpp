@@ -620,8 +620,7 @@ void accept(Frontend& fe) {
     // Out of file descriptors (or another failure): try again a little later
     // instead of spinning; the connections already open keep being served.
     node_log(LogLevel::warning, "accept failed: " + ec.message());
-    auto timer = std::make_shared<net::steady_timer>(fe.ioc, metrics::kAcceptRetry);
-    timer->async_wait([&fe, timer](beast::error_code) { accept(fe); });
+    metrics::accept_later(fe.ioc.get_executor(), [&fe] { accept(fe); });
   });
 }
 

@@ -98,18 +98,11 @@ struct Exposer::Impl {
   explicit Impl(const Registry& r) : registry(r) {}
 
   int open = 0;  // sessions alive
-  net::steady_timer retry{ioc};
 
   void accept() {
     acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
       if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
-      if (ec) {
-        retry.expires_after(kAcceptRetry);
-        retry.async_wait([this](beast::error_code wait) {
-          if (!wait) accept();
-        });
-        return;
-      }
+      if (ec) return accept_later(ioc.get_executor(), [this] { accept(); });
       if (open < kMaxScrapers) std::make_shared<Session>(std::move(socket), registry, open)->start();
       // (else closed as `socket` goes)
       accept();
@@ -137,8 +130,7 @@ Exposer::Exposer(const std::string& host, uint16_t port, const Registry& registr
 Exposer::~Exposer() {
   net::post(impl_->ioc, [this] {
     beast::error_code ignored;
-    impl_->acceptor.close(ignored);
-    impl_->retry.cancel();
+    impl_->acceptor.close(ignored);  // (a retry that fires later finds it closed)
   });
   impl_->ioc.stop();
   if (impl_->thread.joinable()) impl_->thread.join();

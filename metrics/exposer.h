@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include <boost/asio/steady_timer.hpp>
+
 #include "metrics/metrics.h"
 
 namespace disagg::metrics {
@@ -16,6 +18,16 @@ namespace disagg::metrics {
 // try: the exposer's, the port guard's and the HTTP frontend's. (At once,
 // the same error came back at once: a core spun.)
 constexpr std::chrono::milliseconds kAcceptRetry{100};
+
+// Runs `accept_again` on `executor` kAcceptRetry from now (not when the wait
+// is cancelled: the acceptor is closing).
+template <class Executor, class F>
+void accept_later(const Executor& executor, F accept_again) {
+  auto timer = std::make_shared<boost::asio::steady_timer>(executor, kAcceptRetry);
+  timer->async_wait([timer, accept_again](const boost::system::error_code& cancelled) {
+    if (!cancelled) accept_again();
+  });
+}
 // Scrapers connected at once; one more is closed as it comes (a scraper
 // that keeps its connection alive holds a file descriptor for good).
 constexpr int kMaxScrapers = 16;

@@ -403,10 +403,7 @@ void PortGuard::Impl::accept() {
     if (n == 1 || n % kLogEvery == 0)
       self->log("accept failed: " + ec.message() + " (" + std::to_string(n) + " so far); trying again in " +
                 std::to_string(metrics::kAcceptRetry.count()) + " ms");
-    auto timer = std::make_shared<net::steady_timer>(self->io, metrics::kAcceptRetry);
-    timer->async_wait([self, timer](const boost::system::error_code& wait) {
-      if (!wait) self->accept();
-    });
+    metrics::accept_later(self->io.get_executor(), [self] { self->accept(); });
   });
 }
 
