@@ -605,9 +605,11 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   const bool into_blocks = (colocated || can_stream(st)) && r.prompt_len > 0 && r.prompt_len <= r.positions;
   // The prefix cache: the prompt's leading full blocks that this pool holds
   // are shared, and only the rest is computed or sent. At least the last
-  // prompt position is always computed (its logits give token 0). Only a KV
-  // that goes into the blocks (stream or local) can leave the shared ones
-  // alone; a one-message KV writes every position.
+  // prompt position is always computed (its logits give token 0). A worker
+  // that takes its KV in one message only (kv-transport "message") caches
+  // nothing; one that streams also takes a one-message KV from a prefill
+  // node on "message", and writes only the positions after the shared
+  // blocks (admit_message).
   Reservation held;
   const bool cacheable = st.config.prefix_caching && into_blocks && int(r.prompt_tokens.size()) == r.prompt_len;
   if (cacheable) {
@@ -794,6 +796,12 @@ std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer
   if (positions > held->positions)
     return Refusal{ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
                                                    std::to_string(held->positions) + " were reserved"};
+  // A one-message KV (no stream id to say which attempt it is) must be of
+  // the prompt reserved: its blocks go to the prefix cache under that
+  // prompt's hashes, and the shared ones are taken as its first positions.
+  if (transfer.transfer_id == 0 && !held->prompt.empty() && transfer.context != held->prompt)
+    return Refusal{ErrorCode::invalid_request, "request " + std::to_string(transfer.id) +
+                                                   ": the KV is of another prompt than the one its blocks were reserved for"};
   return std::nullopt;
 }
 

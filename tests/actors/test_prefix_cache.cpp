@@ -188,6 +188,44 @@ TEST_F(ActorTest, AOneMessageKvFillsOnlyTheBlocksAfterTheCachedOnes) {
   expect_second_turn_cached(*client_, Sampling{0.9f, 0.95f, 1234}, Rest::prefill_message);
 }
 
+// A one-message KV has no stream id saying which attempt it is for: one of
+// another prompt than the blocks were reserved for (a late message of an
+// earlier attempt) is refused; taken, it would have published the shared
+// blocks under the reserved prompt's hashes with another prompt's KV after them.
+TEST_F(ActorTest, AOneMessageKvOfAnotherPromptThanReservedIsRefused) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.local_prefill_tokens = 0;
+  start(std::move(options));
+  const std::vector<int32_t> prompt = prompt_of(70, 5);
+  ASSERT_TRUE(generate(*client_, prompt, 8).ok());
+  caf::scoped_actor self{*system_};
+  const decode_actor decode = cluster_->decode_workers().at(0);
+  KvReservation r;
+  r.id = 777;
+  r.positions = 80;
+  r.lease_ms = 60000;
+  r.prompt_len = int32_t(prompt.size());
+  r.prompt_tokens = prompt;
+  ReserveReply reply;
+  self->request(decode, std::chrono::seconds(5), reserve_atom::value, r)
+      .receive([&](ReserveReply& got) { reply = std::move(got); }, [&](caf::error& e) { FAIL() << system_->render(e); });
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  ASSERT_EQ(reply.cached_tokens, 4 * kBlock) << "precondition: the prompt's blocks are cached";
+  KvTransfer t;
+  t.id = 777;
+  t.prompt_len = int32_t(prompt.size());
+  t.max_new_tokens = 4;
+  t.first_token = 5;
+  t.context = prompt_of(70, 6);  // another prompt of that length
+  KvAck ack;
+  self->request(decode, std::chrono::seconds(5), kv_atom::value, t)
+      .receive([&](KvAck& got) { ack = std::move(got); }, [&](caf::error& e) { FAIL() << system_->render(e); });
+  EXPECT_EQ(ack.code, ErrorCode::invalid_request) << ack.message;
+  EXPECT_NE(ack.message.find("another prompt"), std::string::npos) << ack.message;
+  caf::anon_send(decode, cancel_atom::value, RequestId{777});
+}
+
 TEST_F(ActorTest, AColocatedWorkerPrefillsOnlyAfterItsCachedBlocks) {
   LocalClusterOptions options;
   options.config = shared_model_config(0, 0);
