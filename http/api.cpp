@@ -532,6 +532,8 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
     if (!calls.empty()) r.sampling.grammar = std::move(calls);
     // (auto with a response_format: the format rules, the output is content)
     if (r.tools.choice == ToolUse::Choice::automatic && !r.sampling.grammar.empty()) r.tools.choice = ToolUse::Choice::none;
+    // (under a grammar the output is what it rules, content: no </think> can close a thought the prompt opened)
+    if (!r.sampling.grammar.empty()) r.thought_opened = false;
   }
   parse_sampling(body, endpoint, model, r.max_tokens, r.sampling);
   r.logprobs = r.sampling.logprobs;
@@ -552,7 +554,12 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   if (r.stream && r.best_of > r.n)
     throw bad_request("best_of", "'best_of' greater than 'n' cannot be streamed (the best are known at the end)");
   if (!r.stream && r.logprobs >= 0) {
-    const int64_t tokens = int64_t(r.max_tokens) + (r.echo ? int64_t(r.prompt_tokens.size()) : 0);
+    const int64_t echoed = r.echo ? int64_t(r.prompt_tokens.size()) : 0;
+    // (chat without max_tokens: as many as fit, the bound included)
+    const int64_t fit = kMaxReplyLogprobs / (int64_t(r.n) * (r.logprobs + 1)) - echoed;
+    if (r.max_tokens_defaulted && r.max_tokens > fit && fit >= std::max<int64_t>(1, r.sampling.stop.min_tokens))
+      r.max_tokens = int32_t(fit);
+    const int64_t tokens = int64_t(r.max_tokens) + echoed;
     const int64_t most = int64_t(r.n) * tokens * (r.logprobs + 1);
     if (most > kMaxReplyLogprobs)
       throw bad_request(endpoint == Endpoint::chat ? "top_logprobs" : "logprobs",

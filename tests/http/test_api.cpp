@@ -307,6 +307,11 @@ TEST(HttpApi, AWholeReplysLogProbabilitiesAreBounded) {
     EXPECT_NE(e.message.find("stream it"), std::string::npos) << e.message;
   }
   EXPECT_TRUE(parse_long(Endpoint::chat, chat(fit + 1, R"(, "stream": true)")).stream);
+  // Chat without max_tokens (the rest of the context): as many as fit.
+  const ApiRequest defaulted = parse_long(
+      Endpoint::chat, R"({"messages": [{"role": "user", "content": "hi"}], "n": 16, "logprobs": true, "top_logprobs": 20})");
+  EXPECT_TRUE(defaulted.max_tokens_defaulted);
+  EXPECT_EQ(defaulted.max_tokens, fit);
   EXPECT_NO_THROW(parse_long(Endpoint::chat, chat(60000, R"(, "logprobs": false, "top_logprobs": null)")));
   // completions: the echoed prompt's tokens count too.
   const ApiRequest alone = parse_long(Endpoint::completions, R"({"prompt": "Once upon a time", "logprobs": 20, "max_tokens": 10})");
@@ -1021,6 +1026,12 @@ TEST(HttpReasoning, AThoughtOpenedByThePromptSplitsTheSameStreamedAndWhole) {
     EXPECT_EQ(plain.reasoning, "");
     EXPECT_EQ(plain.content, text);
   }
+  // Under a grammar (a response_format, a required or named call) no
+  // </think> can come: the output is content, the thought opened or not.
+  const std::string formatted =
+      R"({"messages": [{"role": "user", "content": "2+2?"}], "response_format": {"type": "json_object"}})";
+  EXPECT_FALSE(parse_request(Endpoint::chat, formatted, model(), tokenizer(), opening, [] { return uint64_t(42); })
+                   .thought_opened);
 }
 
 // A call marker that the vocabulary makes a control token (Mistral's
