@@ -92,16 +92,21 @@ std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string
   std::lock_guard<std::mutex> lock(senders_mu_);
   const std::pair<Transport, std::string> key{transport, address};
   const auto now = std::chrono::steady_clock::now();
+  // Idle connections to other addresses go at every call: a decode node
+  // started again listens on a new port, and its old address is never asked
+  // for again (shared memory: a connection to it never breaks).
+  for (auto it = senders_.begin(); it != senders_.end();) {
+    const bool idle = it->first != key && it->second.sender && now - it->second.asked >= options_.idle_sender;
+    it = idle ? senders_.erase(it) : std::next(it);
+  }
   Kept& slot = senders_[key];
   if (!slot.sender || !slot.sender->connected()) {
     slot.sender.reset();  // a broken connection is closed before its replacement opens
-    // Broken and idle connections to other addresses go too: a decode node
-    // started again listens on a new port, and its old address is never
-    // asked for again (the soak found 6-9 file descriptors left per restart).
+    // Broken connections to other addresses go too (the soak found 6-9 file
+    // descriptors left per restart).
     for (auto it = senders_.begin(); it != senders_.end();) {
-      const bool gone = it->first != key && it->second.sender &&
-                        (!it->second.sender->connected() || now - it->second.asked >= options_.idle_sender);
-      it = gone ? senders_.erase(it) : std::next(it);
+      const bool broken = it->first != key && it->second.sender && !it->second.sender->connected();
+      it = broken ? senders_.erase(it) : std::next(it);
     }
     try {
       slot.sender = std::make_shared<KvSender>(context, address, options_.sender);

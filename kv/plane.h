@@ -34,10 +34,10 @@ struct PlaneOptions {
   // Offer and use the same-host path. Off: always TCP.
   bool shared_memory = true;
   SenderOptions sender;  // for every connection this process opens
-  // A connection not asked for this long is closed when another is opened:
-  // shared memory has no peer-failure detection, so one to a decode node
-  // that is gone never breaks (a node started again listens on a new port,
-  // and its old address is never asked for again).
+  // A connection not asked for this long is closed at the next sender()
+  // call: shared memory has no peer-failure detection, so one to a decode
+  // node that is gone never breaks (a node started again listens on a new
+  // port, and its old address is never asked for again).
   std::chrono::milliseconds idle_sender{std::chrono::minutes(10)};
 };
 
@@ -62,8 +62,9 @@ class KvPlane {
   // The connection to the receiver at `address` over `transport`, opened on
   // first use and opened again after it broke. Throws KvError when the
   // receiver cannot be reached (unreachable, timed_out). Thread-safe.
-  // Opening one closes the broken connections to other addresses, and those
-  // idle longer than options().idle_sender (a transfer using one keeps it).
+  // Each call closes the connections to other addresses idle longer than
+  // options().idle_sender (a transfer using one keeps it), and opening one
+  // closes the broken ones.
   std::shared_ptr<KvSender> sender(Transport transport, const std::string& address);
   size_t senders() const;  // connections kept
 

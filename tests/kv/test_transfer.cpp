@@ -578,7 +578,7 @@ TEST(KvPlaneSenders, AnIdleConnectionIsClosedWhenAnotherOpens) {
     const std::shared_ptr<KvSender> now = plane.sender(Transport::shm, second.address(Transport::shm));
     ASSERT_TRUE(now->connected());
     EXPECT_EQ(plane.senders(), idle_at_once ? 1u : 2u);
-    // The connection asked for now is kept (idle from now on, it goes at the next opening).
+    // The connection asked for is kept, however idle it was (others go at each call).
     EXPECT_EQ(plane.sender(Transport::shm, second.address(Transport::shm)), now);
   }
 }
