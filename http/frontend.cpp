@@ -30,6 +30,7 @@
 #include "model/checkpoint.h"
 #include "http/api.h"
 #include "http/generation.h"
+#include "http/responses.h"
 #include "metrics/disagg_metrics.h"
 
 namespace disagg::http {
@@ -245,6 +246,8 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
     if (path == "/v1/completions" || path == "/v1/chat/completions") {
       if (only(bhttp::verb::post))
         start_generation(path == "/v1/completions" ? Endpoint::completions : Endpoint::chat, req.body());
+    } else if (path == "/v1/responses") {  // OpenAI's Responses API, as the chat request it stands for
+      if (only(bhttp::verb::post)) start_generation(Endpoint::chat, req.body(), true);
     } else if (path == "/tokenize" || path == "/detokenize") {  // vLLM's: at the root
       if (only(bhttp::verb::post)) {
         try {
@@ -350,10 +353,12 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   }
 
   // ---- generation (http/generation.h)
-  void start_generation(Endpoint endpoint, const std::string& body) {
+  void start_generation(Endpoint endpoint, const std::string& body, bool responses = false) {
     ApiRequest request;
     try {
-      request = parse_request(endpoint, body, fe_.model, fe_.tokenizer, fe_.chat, [this] { return fe_.random_u64(); });
+      const std::string chat = responses ? chat_body_of_responses(body) : std::string();
+      request = parse_request(endpoint, responses ? chat : body, fe_.model, fe_.tokenizer, fe_.chat,
+                              [this] { return fe_.random_u64(); });
     } catch (const ApiError& e) {
       fe_.metrics.error("invalid_request").inc();
       send_error(e);
@@ -373,9 +378,17 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
       return;
     }
     if (gen_) gen_->record_end("");  // stopped by a stop string; its outcome never came
+    gen_.reset();  // (before the sink it may write to)
+    responses_.reset();
     const std::string id = fe_.new_id(request.endpoint == Endpoint::completions ? "cmpl-" : "chatcmpl-");
+    ReplySink* sink = this;
+    if (responses) {
+      responses_ = std::make_unique<ResponsesSink>(static_cast<ReplySink&>(*this), fe_.new_id("resp_"), unix_now(),
+                                                   fe_.model.name, body);
+      sink = responses_.get();
+    }
     busy_ = true;
-    gen_ = std::make_unique<Generation>(fe_.generation, static_cast<ReplySink&>(*this), client, std::move(request), id,
+    gen_ = std::make_unique<Generation>(fe_.generation, *sink, client, std::move(request), id,
                                         [this, client](GenerateRequest r) { submit(client, std::move(r)); });
     gen_->start();
     watch();
@@ -580,6 +593,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   bool chunked_ = true;             // streaming body in chunks (HTTP/1.1)
   std::deque<Out> queue_;
   size_t queued_bytes_ = 0;
+  std::unique_ptr<ResponsesSink> responses_;  // /v1/responses: the generation writes through it (outlives gen_)
   std::unique_ptr<Generation> gen_;
   net::steady_timer write_timer_;
 };

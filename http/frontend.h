@@ -4,7 +4,7 @@
 // It encodes prompts and decodes tokens itself, so the router's single actor
 // does neither for HTTP traffic.
 //
-//   POST /v1/completions, POST /v1/chat/completions (JSON or SSE stream)
+//   POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (JSON or SSE stream)
 //   GET  /v1/models, GET /health, GET /metrics
 //
 // Every accepted request gets exactly one reply: its outcome, or the
