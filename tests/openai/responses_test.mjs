@@ -11,15 +11,11 @@
 //   node tests/openai/responses_test.mjs http://127.0.0.1:8000/v1
 import OpenAI from "openai";
 
+import { person } from "./schemas.mjs";
+
 const [baseURL] = process.argv.slice(2);
 const client = new OpenAI({ baseURL, apiKey: "none", maxRetries: 0, timeout: 60_000 });
 
-const person = {
-  type: "object",
-  properties: { name: { type: "string", maxLength: 8 }, age: { type: "integer", minimum: 0, maximum: 120 } },
-  required: ["name", "age"],
-  additionalProperties: false,
-};
 const weather = {
   type: "function",
   name: "get_weather",
