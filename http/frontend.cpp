@@ -361,7 +361,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
                               [this] { return fe_.random_u64(); });
     } catch (const ApiError& e) {
       fe_.metrics.error("invalid_request").inc();
-      send_error(e);
+      send_error(responses ? as_responses_error(e) : e);
       return;
     } catch (const std::exception& e) {  // a bug of ours (parse_request throws ApiError only): this request fails, not the node
       node_log(LogLevel::error, std::string("internal error parsing a request: ") + e.what());
@@ -419,7 +419,10 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   void on_outcome(RequestId id, RequestOutcome outcome) {
     if (!gen_ || !gen_->owns(id)) return;
     gen_->on_outcome(id, std::move(outcome));
-    if (gen_->done() && gen_->all_outcomes_in() && !busy_) gen_.reset();  // replied already
+    if (gen_->done() && gen_->all_outcomes_in() && !busy_) {  // replied already
+      gen_.reset();
+      responses_.reset();
+    }
   }
 
   // ReplySink: the generation's reply.
@@ -537,6 +540,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
     if (gen_ && gen_->done() && gen_->all_outcomes_in()) {
       gen_->record_end("");
       gen_.reset();
+      responses_.reset();
     }
     if (!keep_alive_) return linger_close();
     if (watching_) {

@@ -68,11 +68,14 @@ void add_input(const ojson& input, ojson& messages) {
         throw bad_request(param, "'" + param + "' (a function_call) must have string call_id, name and arguments",
                           "invalid_type");
       ojson call = {{"id", *call_id}, {"type", "function"}, {"function", {{"name", *name}, {"arguments", *arguments}}}};
-      // Calls in a row are one assistant turn's.
-      if (!messages.empty() && messages.back()["role"] == "assistant" && messages.back().contains("tool_calls"))
-        messages.back()["tool_calls"].push_back(std::move(call));
-      else
+      // Calls after an assistant message (its text, or calls) are that turn's.
+      if (!messages.empty() && messages.back()["role"] == "assistant") {
+        ojson& turn = messages.back();
+        if (!turn.contains("tool_calls")) turn["tool_calls"] = ojson::array();
+        turn["tool_calls"].push_back(std::move(call));
+      } else {
         messages.push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", ojson::array({std::move(call)})}});
+      }
     } else if (kind == "function_call_output") {
       const ojson* call_id = get(item, "call_id");
       const ojson* output = get(item, "output");
@@ -168,13 +171,28 @@ std::string chat_body_of_responses(const std::string& text) {
   for (const char* same : {"model", "temperature", "top_p", "seed", "user", "parallel_tool_calls", "stream", "top_k",
                            "min_p", "repetition_penalty", "cache_salt"})
     if (const ojson* v = get(body, same)) chat[same] = *v;
+  // (the router's session affinity key: user, or its Responses successors)
+  if (!chat.contains("user"))
+    for (const char* key : {"prompt_cache_key", "safety_identifier"})
+      if (const ojson* v = get(body, key); v && v->is_string()) {
+        chat["user"] = *v;
+        break;
+      }
   if (const ojson* max = get(body, "max_output_tokens")) chat["max_tokens"] = *max;
   if (const ojson* tools = get(body, "tools")) chat["tools"] = chat_tools(*tools);
   if (const ojson* choice = get(body, "tool_choice")) chat["tool_choice"] = chat_tool_choice(*choice);
   if (const ojson* t = get(body, "text"))
     if (ojson format = chat_response_format(*t); !format.is_null()) chat["response_format"] = std::move(format);
-  if (chat.value("stream", false) == true) chat["stream_options"] = {{"include_usage", true}};
+  if (chat.contains("stream") && chat["stream"] == true) chat["stream_options"] = {{"include_usage", true}};
   return chat.dump();
+}
+
+ApiError as_responses_error(ApiError e) {
+  auto starts = [&](const char* prefix) { return e.param.rfind(prefix, 0) == 0; };
+  if (starts("messages")) e.param = "input";
+  else if (e.param == "max_tokens") e.param = "max_output_tokens";
+  else if (starts("response_format")) e.param = "text.format";
+  return e;
 }
 
 // ---------------------------------------------------------------- the reply
@@ -195,11 +213,14 @@ ResponsesSink::ResponsesSink(ReplySink& out, std::string id, int64_t created_at,
   echo("max_output_tokens", nullptr);
   echo("metadata", json::object());
   echo("parallel_tool_calls", true);
+  echo("reasoning", nullptr);
+  echo("store", false);
   echo("temperature", 1.0);
   echo("text", {{"format", {{"type", "text"}}}});
   echo("tool_choice", "auto");
   echo("tools", json::array());
   echo("top_p", 1.0);
+  echo("truncation", "disabled");
   echo("user", nullptr);
 }
 
@@ -213,9 +234,6 @@ json ResponsesSink::response(const std::string& status) const {
             {"model", model_},
             {"output", output_},
             {"previous_response_id", nullptr},
-            {"reasoning", nullptr},
-            {"store", false},
-            {"truncation", "disabled"},
             {"usage", nullptr}};
   r.update(request_);
   if (status == "incomplete") r["incomplete_details"] = {{"reason", "max_output_tokens"}};
@@ -298,7 +316,7 @@ void ResponsesSink::open_events() {
 }
 
 void ResponsesSink::add_item(json item, Open open) {
-  close_item();
+  close_item("completed");
   const size_t index = output_.size();
   emit("response.output_item.added", {{"output_index", index}, {"item", item}});
   if (open == Open::message)
@@ -308,7 +326,7 @@ void ResponsesSink::add_item(json item, Open open) {
   open_ = open;
 }
 
-void ResponsesSink::close_item() {
+void ResponsesSink::close_item(const char* status) {
   if (open_ == Open::none) return;
   const size_t index = output_.size() - 1;
   json& item = output_[index];
@@ -317,8 +335,8 @@ void ResponsesSink::close_item() {
     const std::string text = item["content"][0]["text"];
     emit("response.reasoning_text.done", {{"item_id", item_id}, {"output_index", index}, {"content_index", 0}, {"text", text}});
   } else if (open_ == Open::message) {
-    const std::string text = item["text_so_far"];
-    item.erase("text_so_far");
+    const std::string text = std::move(text_);
+    text_.clear();
     item["content"] = json::array({output_text(text)});
     emit("response.output_text.done", {{"item_id", item_id}, {"output_index", index}, {"content_index", 0},
                                        {"text", text}, {"logprobs", json::array()}});
@@ -328,7 +346,7 @@ void ResponsesSink::close_item() {
     emit("response.function_call_arguments.done", {{"item_id", item_id}, {"output_index", index},
                                                    {"name", item["name"]}, {"arguments", item["arguments"]}});
   }
-  item["status"] = "completed";
+  item["status"] = status;
   emit("response.output_item.done", {{"output_index", index}, {"item", item}});
   open_ = Open::none;
 }
@@ -354,13 +372,9 @@ void ResponsesSink::on_chunk(const json& chunk) {
                                            {"content_index", 0}, {"delta", piece}});
   }
   if (const std::string piece = string_at(delta, "content"); !piece.empty()) {
-    if (open_ != Open::message) {
-      json item = message_item(item_id("msg_", id_, output_.size()), "", "in_progress");
-      item["text_so_far"] = "";
-      add_item(std::move(item), Open::message);
-    }
+    if (open_ != Open::message) add_item(message_item(item_id("msg_", id_, output_.size()), "", "in_progress"), Open::message);
     const size_t index = output_.size() - 1;
-    output_[index]["text_so_far"] = output_[index]["text_so_far"].get<std::string>() + piece;
+    text_ += piece;
     emit("response.output_text.delta", {{"item_id", output_[index]["id"]}, {"output_index", index},
                                         {"content_index", 0}, {"delta", piece}, {"logprobs", json::array()}});
   }
@@ -376,7 +390,8 @@ void ResponsesSink::on_chunk(const json& chunk) {
         known = calls_.emplace(at, output_.size() - 1).first;
       }
       const std::string piece = string_at(function, "arguments");
-      if (piece.empty()) continue;
+      // (a call's arguments follow its head, before any other item opens)
+      if (piece.empty() || open_ != Open::call || known->second + 1 != output_.size()) continue;
       json& item = output_[known->second];
       item["arguments"] = item["arguments"].get<std::string>() + piece;
       emit("response.function_call_arguments.delta", {{"item_id", item["id"]}, {"output_index", known->second},
@@ -396,7 +411,8 @@ void ResponsesSink::event(std::string data) {
 }
 
 void ResponsesSink::end_events() {
-  close_item();
+  // (an item the end cut short, by an error or max_output_tokens: incomplete)
+  close_item(error_.is_null() && finish_ != "length" ? "completed" : "incomplete");
   if (!error_.is_null()) emit("response.failed", {{"response", response("failed")}});
   else if (finish_ == "length") emit("response.incomplete", {{"response", response("incomplete")}});
   else emit("response.completed", {{"response", response("completed")}});

@@ -48,6 +48,12 @@ namespace disagg::http {
 // shape, an input item or tool type other than the ones above, stored state.
 std::string chat_body_of_responses(const std::string& responses_body);
 
+// A 400 of the chat request (parse_request) naming the Responses field it
+// came from: messages -> input (an item of it may have become two
+// messages, or none: the whole of it is named), max_tokens ->
+// max_output_tokens, response_format -> text.format.
+ApiError as_responses_error(ApiError e);
+
 // A generation's reply (a chat reply, http/generation.h) written to `out`
 // as the response `id` to the Responses request `request` (its body).
 class ResponsesSink : public ReplySink {
@@ -65,7 +71,7 @@ class ResponsesSink : public ReplySink {
   json response(const std::string& status) const;  // the response object as it stands
   void emit(const std::string& type, json fields);
   void add_item(json item, Open open);  // an output item, in progress
-  void close_item();                    // the open one, done
+  void close_item(const char* status);  // the open one, done ("completed", or "incomplete": cut short)
   void on_chunk(const json& chunk);
 
   ReplySink& out_;
@@ -78,6 +84,7 @@ class ResponsesSink : public ReplySink {
   std::string finish_;  // the chat choice's finish_reason
   json error_;          // an in-band error's body
   Open open_ = Open::none;
+  std::string text_;  // the open message's text so far
   std::map<int, size_t> calls_;  // a chat tool call's index -> its output item
   int64_t sequence_ = 0;
 };

@@ -73,6 +73,20 @@ TEST(Responses, ARequestIsTheChatRequestItStandsFor) {
   EXPECT_FALSE(simple.contains("stream_options"));
   EXPECT_EQ(chat_of(R"({"input": "hi", "text": {"format": {"type": "json_object"}}})")["response_format"]["type"],
             "json_object");
+  // A turn's text and its calls after it (the reasoning between them left
+  // out) are one assistant message, as the model wrote them.
+  const ojson turn = chat_of(R"({"input": [{"role": "user", "content": "Weather?"},
+      {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed", "content": [{"type": "output_text", "text": "Let me check.", "annotations": []}]},
+      {"type": "reasoning", "id": "rs_1", "summary": []},
+      {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": "{}"}]})");
+  ASSERT_EQ(turn["messages"].size(), 2u) << turn.dump(1);
+  EXPECT_EQ(turn["messages"][1]["content"], "Let me check.");
+  EXPECT_EQ(turn["messages"][1]["tool_calls"][0]["id"], "call_a");
+  // Responses' successors of user (the router's session affinity key).
+  EXPECT_EQ(chat_of(R"({"input": "hi", "prompt_cache_key": "s1"})")["user"], "s1");
+  EXPECT_EQ(chat_of(R"({"input": "hi", "user": "u", "prompt_cache_key": "s1"})")["user"], "u");
+  // A stream that is not a boolean goes on to chat's check (a 400 there, not an exception here).
+  EXPECT_EQ(chat_of(R"({"input": "hi", "stream": "yes"})")["stream"], "yes");
   // Not JSON: passed on as it is (parse_request reports it as for any endpoint).
   EXPECT_EQ(chat_body_of_responses("{not json"), "{not json");
 }
@@ -92,6 +106,15 @@ TEST(Responses, WhatNeedsStoredStateOrOtherToolsIsA400NamingTheField) {
   EXPECT_EQ(error_of(R"({"input": "hi", "tool_choice": {"type": "file_search"}})").param, "tool_choice");
   EXPECT_EQ(error_of(R"({"input": "hi", "text": {"format": {"type": "grammar"}}})").param, "text.format");
   EXPECT_EQ(error_of(R"({"input": "hi", "instructions": 7})").param, "instructions");
+  // The chat request's own 400s name the Responses field.
+  ApiError chat = bad_request("messages[3].content", "x");
+  EXPECT_EQ(as_responses_error(chat).param, "input");
+  chat.param = "max_tokens";
+  EXPECT_EQ(as_responses_error(chat).param, "max_output_tokens");
+  chat.param = "response_format.json_schema.schema";
+  EXPECT_EQ(as_responses_error(chat).param, "text.format");
+  chat.param = "temperature";
+  EXPECT_EQ(as_responses_error(chat).param, "temperature");
 }
 
 // What a response writes to its connection.
@@ -215,7 +238,9 @@ TEST(Responses, AChatStreamIsTheResponsesStreamsEvents) {
   ASSERT_EQ(done["output"].size(), 3u) << done.dump(1);
   EXPECT_EQ(done["output"][0]["content"][0]["text"], "hm");
   EXPECT_EQ(done["output"][1]["content"][0]["text"], "Let me.");
-  EXPECT_FALSE(done["output"][1].contains("text_so_far"));
+  // An item as it opens is its fields in progress, nothing of ours.
+  const json added = events[6]["item"];
+  EXPECT_EQ(added, json::parse(R"({"type": "message", "id": "msg_s_1", "status": "in_progress", "role": "assistant", "content": []})"));
   EXPECT_EQ(done["output"][2]["arguments"], "{\"city\":\"Oslo\"}");
   EXPECT_EQ(done["output"][2]["status"], "completed");
   EXPECT_EQ(done["usage"]["output_tokens"], 4);
@@ -224,6 +249,23 @@ TEST(Responses, AChatStreamIsTheResponsesStreamsEvents) {
     if (e["type"] == "response.output_item.done") EXPECT_EQ(e["item"], done["output"][e["output_index"].get<size_t>()]);
   // The text's deltas add up to its done text.
   EXPECT_EQ(events[10]["text"], "Let me.");
+}
+
+// Cut by max_output_tokens: the item cut short and the response are incomplete.
+TEST(Responses, AStreamCutByMaxOutputTokensIsIncomplete) {
+  Recording out;
+  ResponsesSink sink(out, "resp_l", 5, "m", R"({"input": "x", "max_output_tokens": 2})");
+  sink.open_events();
+  sink.event(chunk(R"({"content": "ab"})"));
+  sink.event(chunk(R"({})", "length"));
+  sink.event(kSseDone);
+  sink.end_events();
+  const std::vector<json> events = out.data();
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back()["type"], "response.incomplete");
+  EXPECT_EQ(events.back()["response"]["incomplete_details"]["reason"], "max_output_tokens");
+  EXPECT_EQ(events.back()["response"]["output"][0]["status"], "incomplete");
+  EXPECT_EQ(events[events.size() - 2]["item"]["status"], "incomplete");
 }
 
 TEST(Responses, AnErrorAfterTheStreamBeganFailsTheResponse) {
@@ -242,6 +284,7 @@ TEST(Responses, AnErrorAfterTheStreamBeganFailsTheResponse) {
   bool error_event = false;
   for (const json& e : events) error_event |= e["type"] == "error" && e["message"] == "the worker was lost";
   EXPECT_TRUE(error_event);
+  EXPECT_EQ(events.back()["response"]["output"][0]["status"], "incomplete") << "a message cut by the error";
 }
 
 }  // namespace
