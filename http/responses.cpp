@@ -14,7 +14,10 @@ const ojson* get(const ojson& o, const char* name) {
   return it == o.end() || it->is_null() ? nullptr : &*it;
 }
 
-std::string kind_of(const ojson& v) { return v.is_string() ? "\"" + v.get<std::string>().substr(0, kMaxQuotedBytes) + "\"" : v.type_name(); }
+// A value as an error names it: a string quoted (cut short), else its type.
+std::string kind_of(const ojson& v) {
+  return v.is_string() ? "\"" + v.get<std::string>().substr(0, kMaxQuotedBytes) + "\"" : v.type_name();
+}
 
 // A message's content as text: a string, or an array of text parts
 // (input_text, output_text, text).
@@ -82,7 +85,8 @@ void add_input(const ojson& input, ojson& messages) {
       if (!call_id || !call_id->is_string() || !output)
         throw bad_request(param, "'" + param + "' (a function_call_output) must have a string call_id and an output",
                           "invalid_type");
-      messages.push_back({{"role", "tool"}, {"tool_call_id", *call_id}, {"content", content_text(*output, param + ".output")}});
+      messages.push_back(
+          {{"role", "tool"}, {"tool_call_id", *call_id}, {"content", content_text(*output, param + ".output")}});
     } else if (kind == "reasoning") {
       // (a thinking model's earlier reasoning: chat templates write none back)
     } else {
@@ -179,6 +183,13 @@ std::string chat_body_of_responses(const std::string& text) {
         break;
       }
   if (const ojson* max = get(body, "max_output_tokens")) chat["max_tokens"] = *max;
+  // Log probabilities: asked for by include's "message.output_text.logprobs", top_logprobs alternatives each.
+  if (const ojson* include = get(body, "include"); include && include->is_array())
+    for (const ojson& what : *include)
+      if (what == "message.output_text.logprobs") {
+        chat["logprobs"] = true;
+        if (const ojson* top = get(body, "top_logprobs")) chat["top_logprobs"] = *top;
+      }
   if (const ojson* tools = get(body, "tools")) chat["tools"] = chat_tools(*tools);
   if (const ojson* choice = get(body, "tool_choice")) chat["tool_choice"] = chat_tool_choice(*choice);
   if (const ojson* t = get(body, "text"))
@@ -258,13 +269,21 @@ json reasoning_item(const std::string& id, const std::string& text, const char* 
           {"content", json::array({{{"type", "reasoning_text"}, {"text", text}}})}, {"status", status}};
 }
 
-json output_text(const std::string& text) {
-  return {{"type", "output_text"}, {"text", text}, {"annotations", json::array()}, {"logprobs", json::array()}};
+json output_text(const std::string& text, json logprobs = json::array()) {
+  return {{"type", "output_text"}, {"text", text}, {"annotations", json::array()}, {"logprobs", std::move(logprobs)}};
 }
 
-json message_item(const std::string& id, const std::string& text, const char* status) {
+// A chat choice's log probabilities (choice.logprobs.content: the same
+// shape as output_text's), or none.
+json logprobs_of(const json& choice) {
+  if (!choice.contains("logprobs") || !choice["logprobs"].is_object()) return json::array();
+  const json& content = choice["logprobs"].value("content", json());
+  return content.is_array() ? content : json::array();
+}
+
+json message_item(const std::string& id, const std::string& text, const char* status, json logprobs = json::array()) {
   json content = json::array();
-  if (status == std::string("completed")) content.push_back(output_text(text));
+  if (status == std::string("completed")) content.push_back(output_text(text, std::move(logprobs)));
   return {{"type", "message"}, {"id", id}, {"status", status}, {"role", "assistant"}, {"content", std::move(content)}};
 }
 
@@ -292,7 +311,7 @@ void ResponsesSink::reply_json(int status, const json& chat) {
   if (const std::string reasoning = string_at(message, "reasoning_content"); !reasoning.empty())
     output_.push_back(reasoning_item(item_id("rs_", id_, output_.size()), reasoning, "completed"));
   if (const std::string content = string_at(message, "content"); !content.empty())
-    output_.push_back(message_item(item_id("msg_", id_, output_.size()), content, "completed"));
+    output_.push_back(message_item(item_id("msg_", id_, output_.size()), content, "completed", logprobs_of(choice)));
   if (message.contains("tool_calls"))
     for (const json& call : message["tool_calls"])
       output_.push_back(call_item(item_id("fc_", id_, output_.size()), string_at(call, "id"),
@@ -333,15 +352,18 @@ void ResponsesSink::close_item(const char* status) {
   const json item_id = item["id"];
   if (open_ == Open::reasoning) {
     const std::string text = item["content"][0]["text"];
-    emit("response.reasoning_text.done", {{"item_id", item_id}, {"output_index", index}, {"content_index", 0}, {"text", text}});
+    emit("response.reasoning_text.done",
+         {{"item_id", item_id}, {"output_index", index}, {"content_index", 0}, {"text", text}});
   } else if (open_ == Open::message) {
     const std::string text = std::move(text_);
     text_.clear();
-    item["content"] = json::array({output_text(text)});
+    json logprobs = std::move(logprobs_);
+    logprobs_ = json::array();
+    item["content"] = json::array({output_text(text, logprobs)});
     emit("response.output_text.done", {{"item_id", item_id}, {"output_index", index}, {"content_index", 0},
-                                       {"text", text}, {"logprobs", json::array()}});
+                                       {"text", text}, {"logprobs", logprobs}});
     emit("response.content_part.done", {{"item_id", item_id}, {"output_index", index}, {"content_index", 0},
-                                        {"part", output_text(text)}});
+                                        {"part", output_text(text, logprobs)}});
   } else {
     emit("response.function_call_arguments.done", {{"item_id", item_id}, {"output_index", index},
                                                    {"name", item["name"]}, {"arguments", item["arguments"]}});
@@ -365,18 +387,25 @@ void ResponsesSink::on_chunk(const json& chunk) {
   if (const std::string finish = string_at(choice, "finish_reason"); !finish.empty()) finish_ = finish;
   const json& delta = choice.value("delta", json::object());
   if (const std::string piece = string_at(delta, "reasoning_content"); !piece.empty()) {
-    if (open_ != Open::reasoning) add_item(reasoning_item(item_id("rs_", id_, output_.size()), "", "in_progress"), Open::reasoning);
+    if (open_ != Open::reasoning)
+      add_item(reasoning_item(item_id("rs_", id_, output_.size()), "", "in_progress"), Open::reasoning);
     const size_t index = output_.size() - 1;
     output_[index]["content"][0]["text"] = output_[index]["content"][0]["text"].get<std::string>() + piece;
     emit("response.reasoning_text.delta", {{"item_id", output_[index]["id"]}, {"output_index", index},
                                            {"content_index", 0}, {"delta", piece}});
   }
-  if (const std::string piece = string_at(delta, "content"); !piece.empty()) {
-    if (open_ != Open::message) add_item(message_item(item_id("msg_", id_, output_.size()), "", "in_progress"), Open::message);
+  if (const std::string piece = string_at(delta, "content"); piece.empty() && open_ == Open::message) {
+    const json logprobs = logprobs_of(choice);  // (tokens whose text came earlier, or none)
+    logprobs_.insert(logprobs_.end(), logprobs.begin(), logprobs.end());
+  } else if (!piece.empty()) {
+    if (open_ != Open::message)
+      add_item(message_item(item_id("msg_", id_, output_.size()), "", "in_progress"), Open::message);
     const size_t index = output_.size() - 1;
     text_ += piece;
+    const json logprobs = logprobs_of(choice);
+    logprobs_.insert(logprobs_.end(), logprobs.begin(), logprobs.end());
     emit("response.output_text.delta", {{"item_id", output_[index]["id"]}, {"output_index", index},
-                                        {"content_index", 0}, {"delta", piece}, {"logprobs", json::array()}});
+                                        {"content_index", 0}, {"delta", piece}, {"logprobs", logprobs}});
   }
   if (delta.contains("tool_calls") && delta["tool_calls"].is_array())
     for (const json& call : delta["tool_calls"]) {

@@ -18,6 +18,7 @@
 //   tool_choice {type: function, name}       tool_choice {type: function, function: {name}}
 //   text.format json_schema / json_object    response_format
 //   temperature, top_p, seed, user, parallel_tool_calls, stream: as they are
+//   include: [message.output_text.logprobs], top_logprobs   logprobs: true, top_logprobs
 //
 //   chat reply                               response.output
 //   message.reasoning_content                {type: reasoning, summary: [], content: [reasoning_text]}
@@ -84,7 +85,8 @@ class ResponsesSink : public ReplySink {
   std::string finish_;  // the chat choice's finish_reason
   json error_;          // an in-band error's body
   Open open_ = Open::none;
-  std::string text_;  // the open message's text so far
+  std::string text_;                 // the open message's text so far
+  json logprobs_ = json::array();    // and its tokens' log probabilities
   std::map<int, size_t> calls_;  // a chat tool call's index -> its output item
   int64_t sequence_ = 0;
 };

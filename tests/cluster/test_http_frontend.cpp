@@ -1043,6 +1043,17 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientResponses) {
   EXPECT_EQ(types[2], "response.output_item.added");
   EXPECT_EQ(types.back(), whole["status"] == "completed" ? "response.completed" : "response.incomplete");
   EXPECT_EQ(got["helper"]["text"], text) << out;
+  // include's log probabilities: one entry a token, each with 2 alternatives.
+  EXPECT_EQ(got["scored"]["text"], text) << out;
+  const json& logprobs = got["scored"]["logprobs"];
+  ASSERT_EQ(logprobs.size(), got["scored"]["tokens"].get<size_t>()) << out;
+  std::string spelled;
+  for (const json& e : logprobs) {
+    EXPECT_LE(e["logprob"].get<double>(), 0.0) << e;
+    EXPECT_EQ(e["top_logprobs"].size(), 2u) << e;
+    spelled += e["token"].get<std::string>();
+  }
+  EXPECT_EQ(spelled, text);
   // json_schema: the text is an object of the schema.
   const json person = json::parse(got["structured"]["text"].get<std::string>());
   EXPECT_TRUE(person["name"].is_string() && person["name"].get<std::string>().size() <= 8) << person;

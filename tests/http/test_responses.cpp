@@ -87,6 +87,11 @@ TEST(Responses, ARequestIsTheChatRequestItStandsFor) {
   EXPECT_EQ(chat_of(R"({"input": "hi", "user": "u", "prompt_cache_key": "s1"})")["user"], "u");
   // A stream that is not a boolean goes on to chat's check (a 400 there, not an exception here).
   EXPECT_EQ(chat_of(R"({"input": "hi", "stream": "yes"})")["stream"], "yes");
+  // Log probabilities: include's message.output_text.logprobs, top_logprobs alternatives.
+  const ojson lp = chat_of(R"({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3})");
+  EXPECT_EQ(lp["logprobs"], true);
+  EXPECT_EQ(lp["top_logprobs"], 3);
+  EXPECT_FALSE(chat_of(R"({"input": "hi", "top_logprobs": 3})").contains("logprobs"));
   // Not JSON: passed on as it is (parse_request reports it as for any endpoint).
   EXPECT_EQ(chat_body_of_responses("{not json"), "{not json");
 }
@@ -185,6 +190,14 @@ TEST(Responses, AWholeChatReplyIsAResponseObject) {
   EXPECT_EQ(ids.size(), 3u) << "items share an id";
   EXPECT_EQ(r["usage"], json::parse(R"({"input_tokens": 20, "input_tokens_details": {"cached_tokens": 16},
       "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 29})"));
+  // Log probabilities (chat's logprobs.content) go with the text.
+  Recording lp;
+  ResponsesSink lp_sink(lp, "resp_lp", 1, "m", R"({"input": "x"})");
+  const json entries = json::parse(R"([{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []},
+                                       {"token": "b", "logprob": -1.5, "bytes": [98], "top_logprobs": []}])");
+  lp_sink.reply_json(200, {{"choices", json::array({{{"message", {{"content", "ab"}}}, {"logprobs", {{"content", entries}}},
+                                                     {"finish_reason", "stop"}}})}});
+  EXPECT_EQ(lp.whole["output"][0]["content"][0]["logprobs"], entries);
   // Cut by max_output_tokens: incomplete, saying why.
   Recording cut;
   ResponsesSink cut_sink(cut, "resp_c", 1, "m", R"({"input": "x", "max_output_tokens": 2})");
@@ -249,6 +262,31 @@ TEST(Responses, AChatStreamIsTheResponsesStreamsEvents) {
     if (e["type"] == "response.output_item.done") EXPECT_EQ(e["item"], done["output"][e["output_index"].get<size_t>()]);
   // The text's deltas add up to its done text.
   EXPECT_EQ(events[10]["text"], "Let me.");
+}
+
+// Streamed log probabilities: each delta's, and all of them at the end.
+TEST(Responses, StreamedLogProbabilitiesGoWithTheirDeltas) {
+  Recording out;
+  ResponsesSink sink(out, "resp_p", 5, "m", R"({"input": "x"})");
+  sink.open_events();
+  auto with_logprobs = [](const std::string& piece, const std::string& token, const std::string& finish = "") {
+    json c = json::parse(chunk(json({{"content", piece}}).dump(), finish).substr(6));
+    c["choices"][0]["logprobs"] = {{"content", json::array({{{"token", token}, {"logprob", -1.0}}})}};
+    return sse_event(c);
+  };
+  sink.event(with_logprobs("a", "a"));
+  sink.event(with_logprobs("", "\xe2"));  // (a token whose text waits for the next one's)
+  sink.event(with_logprobs("b", "b", "stop"));
+  sink.end_events();
+  const std::vector<json> events = out.data();
+  std::vector<json> delta_logprobs;
+  for (const json& e : events)
+    if (e["type"] == "response.output_text.delta") delta_logprobs.push_back(e["logprobs"]);
+  ASSERT_EQ(delta_logprobs.size(), 2u);
+  EXPECT_EQ(delta_logprobs[0][0]["token"], "a");
+  const json& final_part = events.back()["response"]["output"][0]["content"][0];
+  ASSERT_EQ(final_part["logprobs"].size(), 3u) << final_part;
+  EXPECT_EQ(final_part["logprobs"][2]["token"], "b");
 }
 
 // Cut by max_output_tokens: the item cut short and the response are incomplete.

@@ -1,7 +1,7 @@
 // The official `openai` Node.js client's Responses API (client.responses)
 // against a disagg frontend: a reply whole, streamed event by event, and
-// through the client's stream helper (all greedy: the same text); a
-// json_schema text format; a required function call (its output sent back
+// through the client's stream helper (all greedy: the same text); its log
+// probabilities asked for by include; a json_schema text format; a required function call (its output sent back
 // needs a template that takes tool messages, which stories260K's llama2 one
 // does not: HttpFrontend/AgentsSdk.*Responses* do it on a Qwen3 template).
 // Prints one JSON object; test_cluster
@@ -48,6 +48,8 @@ async function main() {
     if (event.type === "response.completed" || event.type === "response.incomplete") streamed = event.response;
   }
   const helper = await client.responses.stream(ask).finalResponse();
+  const scored = await client.responses.create({ ...ask, include: ["message.output_text.logprobs"], top_logprobs: 2 });
+  const scored_part = scored.output.find((item) => item.type === "message").content[0];
   const structured = await client.responses.create({
     model,
     input: "A person:",
@@ -71,6 +73,7 @@ async function main() {
       whole: { id: whole.id, object: whole.object, status: whole.status, text: whole.output_text, usage: whole.usage },
       streamed: { status: streamed?.status, text: streamed ? text_of(streamed) : null, deltas, types },
       helper: { status: helper.status, text: text_of(helper) },
+      scored: { text: scored.output_text, tokens: scored.usage.output_tokens, logprobs: scored_part.logprobs },
       structured: { status: structured.status, text: structured.output_text },
       called: { status: called.status, call },
     }),
