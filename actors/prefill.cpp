@@ -261,7 +261,9 @@ void start_job(Self self, PrefillJob& job, decode_actor& decode, caf::typed_resp
       .then([=](PrefillResult& computed) { on_computed(self, serial, job, decode, computed); },
             [=](caf::error& e) {
               // (past the bound the compute may still be at it: told to stop at its next check, the
-              // report already given)
+              // report already given) Its answer carried the prefix cache's events since the last
+              // one: a number skipped, so the router's next batch shows the gap and asks for a snapshot.
+              ++self->state.events_seq;
               auto it = self->state.jobs.find(serial);
               const auto stop = it != self->state.jobs.end() ? it->second.cancelled : nullptr;
               finish(self, serial, failure(job.id, code_of(e), describe("prefill compute", e)));
