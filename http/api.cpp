@@ -553,22 +553,7 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   }
   if (r.stream && r.best_of > r.n)
     throw bad_request("best_of", "'best_of' greater than 'n' cannot be streamed (the best are known at the end)");
-  if (!r.stream && r.logprobs >= 0) {
-    const int64_t echoed = r.echo ? int64_t(r.prompt_tokens.size()) : 0;
-    // (chat without max_tokens: as many as fit, the bound included)
-    const int64_t fit = kMaxReplyLogprobs / (int64_t(r.n) * (r.logprobs + 1)) - echoed;
-    if (r.max_tokens_defaulted && r.max_tokens > fit && fit >= std::max<int64_t>(1, r.sampling.stop.min_tokens))
-      r.max_tokens = int32_t(fit);
-    const int64_t tokens = int64_t(r.max_tokens) + echoed;
-    const int64_t most = int64_t(r.n) * tokens * (r.logprobs + 1);
-    if (most > kMaxReplyLogprobs)
-      throw bad_request(endpoint == Endpoint::chat ? "top_logprobs" : "logprobs",
-                        "a reply of " + std::to_string(r.n) + " choice(s) of up to " + std::to_string(tokens) +
-                            " tokens with " + std::to_string(r.logprobs) + " alternatives each carries up to " +
-                            std::to_string(most) + " log probabilities, more than the " +
-                            std::to_string(kMaxReplyLogprobs) +
-                            " a whole reply may; stream it, or ask for fewer tokens, choices or alternatives");
-  }
+  if (!r.stream) fit_reply_logprobs(r);
   // best_of ranks its samples by their log probabilities: computed, shown only when asked.
   if (r.best_of > r.n) r.sampling.logprobs = std::max(r.sampling.logprobs, 0);
   if (const json* options = field(body, "stream_options")) {
@@ -583,6 +568,25 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   r.return_token_ids = boolean(body, "return_token_ids", false);
   r.cache_salt = string_of(body, "cache_salt");
   return r;
+}
+
+void fit_reply_logprobs(ApiRequest& r) {
+  if (r.logprobs < 0) return;
+  const int64_t echoed = r.echo ? int64_t(r.prompt_tokens.size()) : 0;
+  // (chat without max_tokens: as many as fit, the bound included)
+  const int64_t fit = kMaxReplyLogprobs / (int64_t(r.n) * (r.logprobs + 1)) - echoed;
+  if (r.max_tokens_defaulted && r.max_tokens > fit && fit >= std::max<int64_t>(1, r.sampling.stop.min_tokens))
+    r.max_tokens = int32_t(fit);
+  const int64_t tokens = int64_t(r.max_tokens) + echoed;
+  const int64_t most = int64_t(r.n) * tokens * (r.logprobs + 1);
+  if (most > kMaxReplyLogprobs)
+    throw bad_request(r.endpoint == Endpoint::chat ? "top_logprobs" : "logprobs",
+                      "a reply of " + std::to_string(r.n) + " choice(s) of up to " + std::to_string(tokens) +
+                          " tokens with " + std::to_string(r.logprobs) + " alternatives each carries up to " +
+                          std::to_string(most) + " log probabilities, more than the " +
+                          std::to_string(kMaxReplyLogprobs) +
+                          " a reply kept whole may; ask for fewer tokens, choices or alternatives" +
+                          (r.stream ? "" : ", or stream it"));
 }
 
 // ---------------------------------------------------------------- TextAssembler

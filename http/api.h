@@ -65,6 +65,12 @@ constexpr int kMaxChoices = 16;
 // request that could exceed it, n x (max_tokens + echoed prompt) x
 // (top_logprobs + 1), is refused (400) unless streamed.
 constexpr int64_t kMaxReplyLogprobs = int64_t(1) << 20;
+struct ApiRequest;
+// That bound on `r` (parse_request applies it unless streamed; a reply that
+// keeps a stream's log probabilities whole, /v1/responses', too): a
+// defaulted max_tokens lowered to what fits, else a 400. No-op without
+// log probabilities.
+void fit_reply_logprobs(ApiRequest& r);
 
 // An error reply: {"error": {"message", "type", "param", "code"}} with `status`.
 struct ApiError {

@@ -359,6 +359,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
       const std::string chat = responses ? chat_body_of_responses(body) : std::string();
       request = parse_request(endpoint, responses ? chat : body, fe_.model, fe_.tokenizer, fe_.chat,
                               [this] { return fe_.random_u64(); });
+      if (responses) fit_reply_logprobs(request);  // (a Responses stream ends with the whole response)
     } catch (const ApiError& e) {
       fe_.metrics.error("invalid_request").inc();
       send_error(responses ? as_responses_error(e) : e);

@@ -310,8 +310,11 @@ void ResponsesSink::reply_json(int status, const json& chat) {
   const json& message = choice["message"];
   if (const std::string reasoning = string_at(message, "reasoning_content"); !reasoning.empty())
     output_.push_back(reasoning_item(item_id("rs_", id_, output_.size()), reasoning, "completed"));
+  // (the log probabilities are of every token: those of the text alone only without reasoning and calls)
+  const bool text_alone = string_at(message, "reasoning_content").empty() && !message.contains("tool_calls");
   if (const std::string content = string_at(message, "content"); !content.empty())
-    output_.push_back(message_item(item_id("msg_", id_, output_.size()), content, "completed", logprobs_of(choice)));
+    output_.push_back(message_item(item_id("msg_", id_, output_.size()), content, "completed",
+                                   text_alone ? logprobs_of(choice) : json::array()));
   if (message.contains("tool_calls"))
     for (const json& call : message["tool_calls"])
       output_.push_back(call_item(item_id("fc_", id_, output_.size()), string_at(call, "id"),
@@ -386,6 +389,12 @@ void ResponsesSink::on_chunk(const json& chunk) {
   const json& choice = chunk["choices"][0];
   if (const std::string finish = string_at(choice, "finish_reason"); !finish.empty()) finish_ = finish;
   const json& delta = choice.value("delta", json::object());
+  // (log probabilities come for tokens, the text's among reasoning and calls: after either, none are shown)
+  if (!string_at(delta, "reasoning_content").empty() || delta.contains("tool_calls")) {
+    text_alone_ = false;
+    logprobs_ = json::array();
+  }
+  const json logprobs = text_alone_ ? logprobs_of(choice) : json::array();
   if (const std::string piece = string_at(delta, "reasoning_content"); !piece.empty()) {
     if (open_ != Open::reasoning)
       add_item(reasoning_item(item_id("rs_", id_, output_.size()), "", "in_progress"), Open::reasoning);
@@ -395,14 +404,12 @@ void ResponsesSink::on_chunk(const json& chunk) {
                                            {"content_index", 0}, {"delta", piece}});
   }
   if (const std::string piece = string_at(delta, "content"); piece.empty() && open_ == Open::message) {
-    const json logprobs = logprobs_of(choice);  // (tokens whose text came earlier, or none)
-    logprobs_.insert(logprobs_.end(), logprobs.begin(), logprobs.end());
+    logprobs_.insert(logprobs_.end(), logprobs.begin(), logprobs.end());  // (tokens whose text came earlier)
   } else if (!piece.empty()) {
     if (open_ != Open::message)
       add_item(message_item(item_id("msg_", id_, output_.size()), "", "in_progress"), Open::message);
     const size_t index = output_.size() - 1;
     text_ += piece;
-    const json logprobs = logprobs_of(choice);
     logprobs_.insert(logprobs_.end(), logprobs.begin(), logprobs.end());
     emit("response.output_text.delta", {{"item_id", output_[index]["id"]}, {"output_index", index},
                                         {"content_index", 0}, {"delta", piece}, {"logprobs", logprobs}});

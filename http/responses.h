@@ -87,6 +87,7 @@ class ResponsesSink : public ReplySink {
   Open open_ = Open::none;
   std::string text_;                 // the open message's text so far
   json logprobs_ = json::array();    // and its tokens' log probabilities
+  bool text_alone_ = true;           // no reasoning or call so far (log probabilities align with the text)
   std::map<int, size_t> calls_;  // a chat tool call's index -> its output item
   int64_t sequence_ = 0;
 };

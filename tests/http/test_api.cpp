@@ -306,7 +306,15 @@ TEST(HttpApi, AWholeReplysLogProbabilitiesAreBounded) {
     EXPECT_EQ(e.param, "top_logprobs");
     EXPECT_NE(e.message.find("stream it"), std::string::npos) << e.message;
   }
-  EXPECT_TRUE(parse_long(Endpoint::chat, chat(fit + 1, R"(, "stream": true)")).stream);
+  ApiRequest streamed = parse_long(Endpoint::chat, chat(fit + 1, R"(, "stream": true)"));
+  EXPECT_TRUE(streamed.stream);
+  // A stream whose log probabilities are kept whole all the same (/v1/responses') is bounded on demand.
+  try {
+    fit_reply_logprobs(streamed);
+    ADD_FAILURE() << "no error past the bound for a stream kept whole";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.message.find("stream it"), std::string::npos) << e.message;
+  }
   // Chat without max_tokens (the rest of the context): as many as fit.
   const ApiRequest defaulted = parse_long(
       Endpoint::chat, R"({"messages": [{"role": "user", "content": "hi"}], "n": 16, "logprobs": true, "top_logprobs": 20})");

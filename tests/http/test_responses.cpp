@@ -198,6 +198,12 @@ TEST(Responses, AWholeChatReplyIsAResponseObject) {
   lp_sink.reply_json(200, {{"choices", json::array({{{"message", {{"content", "ab"}}}, {"logprobs", {{"content", entries}}},
                                                      {"finish_reason", "stop"}}})}});
   EXPECT_EQ(lp.whole["output"][0]["content"][0]["logprobs"], entries);
+  // With reasoning (or calls) the tokens' log probabilities are not the text's alone: none.
+  Recording thought;
+  ResponsesSink thought_sink(thought, "resp_t", 1, "m", R"({"input": "x"})");
+  thought_sink.reply_json(200, {{"choices", json::array({{{"message", {{"content", "ab"}, {"reasoning_content", "hm"}}},
+                                                         {"logprobs", {{"content", entries}}}, {"finish_reason", "stop"}}})}});
+  EXPECT_EQ(thought.whole["output"][1]["content"][0]["logprobs"], json::array());
   // Cut by max_output_tokens: incomplete, saying why.
   Recording cut;
   ResponsesSink cut_sink(cut, "resp_c", 1, "m", R"({"input": "x", "max_output_tokens": 2})");
@@ -287,6 +293,17 @@ TEST(Responses, StreamedLogProbabilitiesGoWithTheirDeltas) {
   const json& final_part = events.back()["response"]["output"][0]["content"][0];
   ASSERT_EQ(final_part["logprobs"].size(), 3u) << final_part;
   EXPECT_EQ(final_part["logprobs"][2]["token"], "b");
+  // After reasoning, none (its tokens' and the </think>'s would come with the text's).
+  Recording thought;
+  ResponsesSink thought_sink(thought, "resp_q", 5, "m", R"({"input": "x"})");
+  thought_sink.open_events();
+  thought_sink.event(chunk(R"({"reasoning_content": "hm"})"));
+  thought_sink.event(with_logprobs("a", "</think>a", "stop"));
+  thought_sink.end_events();
+  const std::vector<json> thought_events = thought.data();
+  for (const json& e : thought_events)
+    if (e["type"] == "response.output_text.delta") EXPECT_EQ(e["logprobs"], json::array()) << e;
+  EXPECT_EQ(thought_events.back()["response"]["output"][1]["content"][0]["logprobs"], json::array());
 }
 
 // Cut by max_output_tokens: the item cut short and the response are incomplete.
