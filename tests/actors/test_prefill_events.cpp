@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,7 @@ caf::behavior silent_then_storing_compute(caf::event_based_actor* self, ModelInf
       [=](prefill_atom, PrefillWork& work) {
         caf::response_promise promise = self->make_response_promise();
         if ((*calls)++ == 0) {
+          std::lock_guard<std::mutex> lock(seen->mutex);
           seen->never_answered.push_back(promise);
           return promise;
         }
@@ -83,13 +85,27 @@ TEST(PrefillEvents, AComputeAnswerLostPastItsBoundSkipsItsEventsNumber) {
   caf::actor_system system{system_config};
   DisaggConfig config = shared_model_config(1, 1);
   config.kv_transport = "message";
-  config.compute_timeout_ms = 100;
+  config.compute_timeout_ms = 1000;  // (also the bound of its model and registration requests)
   auto seen = std::make_shared<Seen>();
   const ModelInfo model = model_info(*gpu::Checkpoint::open(config.model));
   auto compute = caf::actor_cast<compute_actor>(system.spawn(silent_then_storing_compute, model, seen));
   auto router = caf::actor_cast<router_actor>(system.spawn(recording_router, seen));
   auto decode = caf::actor_cast<decode_actor>(system.spawn(acking_decode));
   const prefill_actor prefill = spawn_prefill(system, config, compute, router, "prefill-events");
+  // Whatever the test's end: the held answer given, every actor told to go (the system waits for them).
+  struct Stop {
+    std::function<void()> f;
+    ~Stop() { f(); }
+  } stop{[&] {
+    {
+      std::lock_guard<std::mutex> lock(seen->mutex);
+      for (auto& p : seen->never_answered) p.deliver(caf::make_error(caf::sec::request_timeout));
+      seen->never_answered.clear();
+    }
+    for (const caf::actor& a : {caf::actor_cast<caf::actor>(prefill), caf::actor_cast<caf::actor>(compute),
+                                caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(decode)})
+      caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+  }};
   ASSERT_EQ(seen->registered.get_future().wait_for(10s), std::future_status::ready);
   caf::scoped_actor self{system};
   auto run = [&](RequestId id, int64_t deadline_ms) {
@@ -112,11 +128,6 @@ TEST(PrefillEvents, AComputeAnswerLostPastItsBoundSkipsItsEventsNumber) {
   ASSERT_EQ(seen->events.get_future().wait_for(10s), std::future_status::ready);
   std::lock_guard<std::mutex> lock(seen->mutex);
   EXPECT_EQ(seen->event_numbers, std::vector<uint64_t>{2}) << "no gap for the events the lost answer carried";
-  for (auto& p : seen->never_answered) p.deliver(caf::make_error(caf::sec::request_timeout));
-  seen->never_answered.clear();
-  for (const caf::actor& a : {caf::actor_cast<caf::actor>(prefill), caf::actor_cast<caf::actor>(compute),
-                              caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(decode)})
-    caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
 }
 
 }  // namespace
