@@ -911,6 +911,21 @@ std::string npm_package_missing(const std::string& dir, const std::string& packa
 }
 std::string openai_client_missing(const std::string& dir, std::string& node) { return npm_package_missing(dir, "openai", node); }
 
+// A client script of tests/openai (`node` runs it) against `cluster`, started
+// here with a frontend: the frontend's URL + `path`, then `args`; `got` is
+// the JSON object the script prints.
+void run_openai_script(TestCluster& cluster, const std::string& node, const std::string& script, const std::string& path,
+                       const std::vector<std::string>& args, json& got) {
+  uint16_t port = 0;
+  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
+  std::vector<std::string> command = {node, std::string(DISAGG_SOURCE_DIR) + "/tests/openai/" + script,
+                                      "http://127.0.0.1:" + std::to_string(port) + path};
+  command.insert(command.end(), args.begin(), args.end());
+  std::string out, err;
+  ASSERT_EQ(run_to_completion(command, out, err, kReplyTimeout), 0) << out << err << cluster.logs();
+  got = json::parse(out);
+}
+
 
 // The official `openai` Node.js package (tests/openai, pinned by its
 // package-lock.json, installed by scripts/install-deps) as the client.
@@ -919,18 +934,10 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
   std::string node;
   if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai");
-  uint16_t port = 0;
-  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
-
   const std::string prompt = "Once upon a time";
   const int max_tokens = 40;
-  std::string out, err;
-  ASSERT_EQ(run_to_completion({node, dir + "/client_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1", prompt,
-                               std::to_string(max_tokens)},
-                              out, err, kReplyTimeout),
-            0)
-      << out << err << cluster.logs();
-  const json got = json::parse(out);
+  json got;
+  ASSERT_NO_FATAL_FAILURE(run_openai_script(cluster, node, "client_test.mjs", "/v1", {prompt, std::to_string(max_tokens)}, got));
   const ReferenceCase want = generate_reference({"--prompt", prompt, "--max-new-tokens", std::to_string(max_tokens)});
   EXPECT_EQ(got["model"], "stories260K");
   EXPECT_EQ(got["completion"], want.text);
@@ -1015,38 +1022,32 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientResponses) {
   std::string node;
   if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-responses");
-  uint16_t port = 0;
-  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
-  std::string out, err;
-  ASSERT_EQ(run_to_completion({node, dir + "/responses_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1"},
-                              out, err, kReplyTimeout),
-            0)
-      << out << err << cluster.logs();
-  const json got = json::parse(out);
+  json got;
+  ASSERT_NO_FATAL_FAILURE(run_openai_script(cluster, node, "responses_test.mjs", "/v1", {}, got));
   const json& whole = got["whole"];
   EXPECT_EQ(whole["object"], "response");
   EXPECT_EQ(whole["id"].get<std::string>().rfind("resp_", 0), 0u) << whole;
   const std::string text = whole["text"];
-  EXPECT_FALSE(text.empty()) << out;
-  EXPECT_TRUE(whole["status"] == "completed" || whole["status"] == "incomplete") << out;
-  EXPECT_GT(whole["usage"]["input_tokens"].get<int>(), 0) << out;
-  EXPECT_GT(whole["usage"]["output_tokens"].get<int>(), 0) << out;
+  EXPECT_FALSE(text.empty()) << got;
+  EXPECT_TRUE(whole["status"] == "completed" || whole["status"] == "incomplete") << got;
+  EXPECT_GT(whole["usage"]["input_tokens"].get<int>(), 0) << got;
+  EXPECT_GT(whole["usage"]["output_tokens"].get<int>(), 0) << got;
   EXPECT_EQ(whole["usage"]["total_tokens"], whole["usage"]["input_tokens"].get<int>() + whole["usage"]["output_tokens"].get<int>());
   // Streamed: the same text, as deltas and in the final response.
-  EXPECT_EQ(got["streamed"]["deltas"], text) << out;
-  EXPECT_EQ(got["streamed"]["text"], text) << out;
-  EXPECT_EQ(got["streamed"]["status"], whole["status"]) << out;
+  EXPECT_EQ(got["streamed"]["deltas"], text) << got;
+  EXPECT_EQ(got["streamed"]["text"], text) << got;
+  EXPECT_EQ(got["streamed"]["status"], whole["status"]) << got;
   const json& types = got["streamed"]["types"];
-  ASSERT_GE(types.size(), 6u) << out;
+  ASSERT_GE(types.size(), 6u) << got;
   EXPECT_EQ(types[0], "response.created");
   EXPECT_EQ(types[1], "response.in_progress");
   EXPECT_EQ(types[2], "response.output_item.added");
   EXPECT_EQ(types.back(), whole["status"] == "completed" ? "response.completed" : "response.incomplete");
-  EXPECT_EQ(got["helper"]["text"], text) << out;
+  EXPECT_EQ(got["helper"]["text"], text) << got;
   // include's log probabilities: one entry a token, each with 2 alternatives.
-  EXPECT_EQ(got["scored"]["text"], text) << out;
+  EXPECT_EQ(got["scored"]["text"], text) << got;
   const json& logprobs = got["scored"]["logprobs"];
-  ASSERT_EQ(logprobs.size(), got["scored"]["tokens"].get<size_t>()) << out;
+  ASSERT_EQ(logprobs.size(), got["scored"]["tokens"].get<size_t>()) << got;
   std::string spelled;
   for (const json& e : logprobs) {
     EXPECT_LE(e["logprob"].get<double>(), 0.0) << e;
@@ -1060,9 +1061,9 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientResponses) {
   EXPECT_TRUE(person["age"].is_number_integer() && person["age"] >= 0 && person["age"] <= 120) << person;
   // The required call.
   const json& call = got["called"]["call"];
-  EXPECT_EQ(call["type"], "function_call") << out;
-  EXPECT_EQ(call["name"], "get_weather") << out;
-  EXPECT_EQ(call["call_id"].get<std::string>().empty(), false) << out;
+  EXPECT_EQ(call["type"], "function_call") << got;
+  EXPECT_EQ(call["name"], "get_weather") << got;
+  EXPECT_EQ(call["call_id"].get<std::string>().empty(), false) << got;
   const json arguments = json::parse(call["arguments"].get<std::string>());
   EXPECT_TRUE(arguments["city"].is_string() && arguments["city"].get<std::string>().size() <= 10) << arguments;
   EXPECT_TRUE(cluster.stop_all());
@@ -1076,18 +1077,12 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientStructuredOutputAndTools) {
   std::string node;
   if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-structured");
-  uint16_t port = 0;
-  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
-  std::string out, err;
-  ASSERT_EQ(run_to_completion({node, dir + "/structured_test.mjs", "http://127.0.0.1:" + std::to_string(port) + "/v1"}, out,
-                              err, kReplyTimeout),
-            0)
-      << out << err << cluster.logs();
-  const json got = json::parse(out);
+  json got;
+  ASSERT_NO_FATAL_FAILURE(run_openai_script(cluster, node, "structured_test.mjs", "/v1", {}, got));
   // json_schema, parsed by the client
-  ASSERT_EQ(got["parsed_finish"], "stop") << out;
-  EXPECT_TRUE(got["parsed"]["name"].is_string() && got["parsed"]["name"].get<std::string>().size() <= 8) << out;
-  EXPECT_TRUE(got["parsed"]["age"].is_number_integer() && got["parsed"]["age"] >= 0 && got["parsed"]["age"] <= 120) << out;
+  ASSERT_EQ(got["parsed_finish"], "stop") << got;
+  EXPECT_TRUE(got["parsed"]["name"].is_string() && got["parsed"]["name"].get<std::string>().size() <= 8) << got;
+  EXPECT_TRUE(got["parsed"]["age"].is_number_integer() && got["parsed"]["age"] >= 0 && got["parsed"]["age"] <= 120) << got;
   // json_object, streamed: a prefix of an object, whole when it ended
   const std::string object = got["json_object"];
   ASSERT_FALSE(object.empty());
@@ -1099,28 +1094,28 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientStructuredOutputAndTools) {
     EXPECT_TRUE(a["city"].is_string() && a["city"].get<std::string>().size() <= 10) << a;
     EXPECT_TRUE(a["unit"] == "celsius" || a["unit"] == "fahrenheit") << a;
   };
-  ASSERT_EQ(got["named_finish"], "tool_calls") << out;
-  EXPECT_TRUE(got["named"]["content"].is_null()) << out;
-  ASSERT_EQ(got["named"]["tool_calls"].size(), 1u) << out;
+  ASSERT_EQ(got["named_finish"], "tool_calls") << got;
+  EXPECT_TRUE(got["named"]["content"].is_null()) << got;
+  ASSERT_EQ(got["named"]["tool_calls"].size(), 1u) << got;
   EXPECT_EQ(got["named"]["tool_calls"][0]["type"], "function");
   EXPECT_EQ(got["named"]["tool_calls"][0]["function"]["name"], "get_weather");
   expect_weather(got["named"]["tool_calls"][0]["function"]["arguments"]);
   // the same, streamed: the same call assembled from its deltas, which came in pieces
-  ASSERT_EQ(got["streamed_named_finish"], "tool_calls") << out;
-  ASSERT_EQ(got["streamed_named"].size(), 1u) << out;
+  ASSERT_EQ(got["streamed_named_finish"], "tool_calls") << got;
+  ASSERT_EQ(got["streamed_named"].size(), 1u) << got;
   EXPECT_EQ(got["streamed_named"][0]["name"], "get_weather");
   EXPECT_FALSE(got["streamed_named"][0]["id"].get<std::string>().empty());
   EXPECT_EQ(got["streamed_named"][0]["arguments"], got["named"]["tool_calls"][0]["function"]["arguments"])
       << "the same seed: the same call, to the byte";
   EXPECT_GT(got["streamed_named"][0]["pieces"].get<int>(), 1) << "the arguments stream as they are generated";
   // required: at least one call, each of a defined tool
-  ASSERT_EQ(got["required_finish"], "tool_calls") << out;
-  ASSERT_GE(got["required"]["tool_calls"].size(), 1u) << out;
+  ASSERT_EQ(got["required_finish"], "tool_calls") << got;
+  ASSERT_GE(got["required"]["tool_calls"].size(), 1u) << got;
   for (const json& call : got["required"]["tool_calls"]) {
     const std::string name = call["function"]["name"];
-    EXPECT_TRUE(name == "get_weather" || name == "now") << out;
+    EXPECT_TRUE(name == "get_weather" || name == "now") << got;
     if (name == "get_weather") expect_weather(call["function"]["arguments"]);
-    else EXPECT_TRUE(json::parse(call["function"]["arguments"].get<std::string>()).is_object()) << out;
+    else EXPECT_TRUE(json::parse(call["function"]["arguments"].get<std::string>()).is_object()) << got;
   }
   EXPECT_TRUE(cluster.stop_all());
 }
@@ -1222,22 +1217,15 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientSamplingAndLogprobs) {
   std::string node;
   if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai-sampling");
-  uint16_t port = 0;
-  ASSERT_NO_FATAL_FAILURE(start_with_frontend(cluster, port));
-
   const std::string prompt = "Once upon a time";
   const int max_tokens = 24;
   const json controls = {{"temperature", 0.8},      {"seed", 7},          {"top_p", 0.95},
                          {"top_k", 40},             {"min_p", 0.02},      {"presence_penalty", 0.5},
                          {"frequency_penalty", 0.5}, {"repetition_penalty", 1.2}, {"logit_bias", {{"400", 3}}},
                          {"min_tokens", 5},         {"stop_token_ids", {13}}};
-  std::string out, err;
-  ASSERT_EQ(run_to_completion({node, dir + "/sampling_test.mjs", "http://127.0.0.1:" + std::to_string(port), prompt,
-                               std::to_string(max_tokens), controls.dump()},
-                              out, err, kReplyTimeout),
-            0)
-      << out << err << cluster.logs();
-  const json got = json::parse(out);
+  json got;
+  ASSERT_NO_FATAL_FAILURE(
+      run_openai_script(cluster, node, "sampling_test.mjs", "", {prompt, std::to_string(max_tokens), controls.dump()}, got));
 
   // completions' logprobs: one entry per token, the text in pieces, the
   // greedy token the most probable of its alternatives, streamed the same.
