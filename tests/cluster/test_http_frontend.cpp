@@ -909,7 +909,10 @@ std::string npm_package_missing(const std::string& dir, const std::string& packa
     return "the " + package + " npm package is not installed in " + dir + " (scripts/install-deps runs npm ci there)";
   return {};
 }
-std::string openai_client_missing(const std::string& dir, std::string& node) { return npm_package_missing(dir, "openai", node); }
+// Why tests/openai's client cannot run (empty: it can, with `node`).
+std::string openai_client_missing(std::string& node) {
+  return npm_package_missing(std::string(DISAGG_SOURCE_DIR) + "/tests/openai", "openai", node);
+}
 
 // A client script of tests/openai (`node` runs it) against `cluster`, started
 // here with a frontend: the frontend's URL + `path`, then `args`; `got` is
@@ -930,9 +933,8 @@ void run_openai_script(TestCluster& cluster, const std::string& node, const std:
 // The official `openai` Node.js package (tests/openai, pinned by its
 // package-lock.json, installed by scripts/install-deps) as the client.
 TEST(HttpFrontend, OfficialOpenAiNodeClient) {
-  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
   std::string node;
-  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
+  if (const std::string missing = openai_client_missing(node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai");
   const std::string prompt = "Once upon a time";
   const int max_tokens = 40;
@@ -1018,9 +1020,8 @@ INSTANTIATE_TEST_SUITE_P(HttpFrontend, AgentsSdk, ::testing::Values("chat", "res
 // greedy text, the stream's events in their order, a json_schema format, a
 // required call.
 TEST(HttpFrontend, OfficialOpenAiNodeClientResponses) {
-  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
   std::string node;
-  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
+  if (const std::string missing = openai_client_missing(node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-responses");
   json got;
   ASSERT_NO_FATAL_FAILURE(run_openai_script(cluster, node, "responses_test.mjs", "/v1", {}, got));
@@ -1073,9 +1074,8 @@ TEST(HttpFrontend, OfficialOpenAiNodeClientResponses) {
 // structured_test.mjs): every schema-constrained answer and every forced
 // call's arguments parse and keep to their schema.
 TEST(HttpFrontend, OfficialOpenAiNodeClientStructuredOutputAndTools) {
-  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
   std::string node;
-  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
+  if (const std::string missing = openai_client_missing(node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-structured");
   json got;
   ASSERT_NO_FATAL_FAILURE(run_openai_script(cluster, node, "structured_test.mjs", "/v1", {}, got));
@@ -1213,9 +1213,8 @@ TEST(HttpFrontend, OneRequestsChoicesNeitherFillTheQueueNorHoldOthersBack) {
 // agree with each other and with the greedy tokens; the sampling controls
 // equal to disagg-generate with the same flags; /tokenize and /detokenize.
 TEST(HttpFrontend, OfficialOpenAiNodeClientSamplingAndLogprobs) {
-  const std::string dir = std::string(DISAGG_SOURCE_DIR) + "/tests/openai";
   std::string node;
-  if (const std::string missing = openai_client_missing(dir, node); !missing.empty()) GTEST_SKIP() << missing;
+  if (const std::string missing = openai_client_missing(node); !missing.empty()) GTEST_SKIP() << missing;
   TestCluster cluster("http-openai-sampling");
   const std::string prompt = "Once upon a time";
   const int max_tokens = 24;
