@@ -92,22 +92,21 @@ std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string
   std::lock_guard<std::mutex> lock(senders_mu_);
   const std::pair<Transport, std::string> key{transport, address};
   const auto now = std::chrono::steady_clock::now();
-  // Idle connections to other addresses go at every call: a decode node
-  // started again listens on a new port, and its old address is never asked
-  // for again (shared memory: a connection to it never breaks).
-  for (auto it = senders_.begin(); it != senders_.end();) {
-    const bool idle = it->first != key && it->second.sender && now - it->second.asked >= options_.idle_sender;
-    it = idle ? senders_.erase(it) : std::next(it);
-  }
   Kept& slot = senders_[key];
-  if (!slot.sender || !slot.sender->connected()) {
-    slot.sender.reset();  // a broken connection is closed before its replacement opens
-    // Broken connections to other addresses go too (the soak found 6-9 file
-    // descriptors left per restart).
-    for (auto it = senders_.begin(); it != senders_.end();) {
-      const bool broken = it->first != key && it->second.sender && !it->second.sender->connected();
-      it = broken ? senders_.erase(it) : std::next(it);
-    }
+  const bool opening = !slot.sender || !slot.sender->connected();
+  if (opening) slot.sender.reset();  // (a broken connection is closed before its replacement opens)
+  // Connections to other addresses go when idle, at every call, and when
+  // broken, at an opening: a decode node started again listens on a new
+  // port, and its old address is never asked for again (the soak found 6-9
+  // file descriptors left per restart; over shared memory a connection to it
+  // never breaks).
+  for (auto it = senders_.begin(); it != senders_.end();) {
+    const Kept& other = it->second;
+    const bool idle = other.sender && now - other.asked >= options_.idle_sender;
+    const bool broken = opening && other.sender && !other.sender->connected();
+    it = it->first != key && (idle || broken) ? senders_.erase(it) : std::next(it);
+  }
+  if (opening) {
     try {
       slot.sender = std::make_shared<KvSender>(context, address, options_.sender);
     } catch (...) {
