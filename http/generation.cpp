@@ -302,14 +302,10 @@ void Generation::finish_choice(Choice& c, const std::string& finish_reason) {
     c.tools = c.tool_stream->finish(finish_reason, owed);
     send_tool_deltas(c, owed);
   } else if (request_.tools.active()) {
-    // Whole: the reasoning split off first, the calls read from the content.
-    if (request_.reasoning != gpu::ReasoningSyntax::none) {
-      const gpu::Reasoned split = gpu::split_reasoning(request_.reasoning, c.text->text(), request_.thought_opened);
-      c.tools = read_tool_calls(request_.tools, split.content, finish_reason);
-      c.tools->reasoning = split.reasoning;
-    } else {
-      c.tools = read_tool_calls(request_.tools, c.text->text(), finish_reason);
-    }
+    // Whole: the reasoning split off first (none without a thinking family), the calls read from the content.
+    const gpu::Reasoned split = gpu::split_reasoning(request_.reasoning, c.text->text(), request_.thought_opened);
+    c.tools = read_tool_calls(request_.tools, split.content, finish_reason);
+    c.tools->reasoning = split.reasoning;
   }
   if (c.tools) c.finish = c.tools->finish_reason;
   context_.metrics.success(c.finish).inc();
