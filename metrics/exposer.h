@@ -28,6 +28,7 @@ void accept_later(const Executor& executor, F accept_again) {
     if (!cancelled) accept_again();
   });
 }
+
 // Scrapers connected at once; one more is closed as it comes (a scraper
 // that keeps its connection alive holds a file descriptor for good).
 constexpr int kMaxScrapers = 16;
