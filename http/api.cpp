@@ -553,7 +553,9 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   }
   if (r.stream && r.best_of > r.n)
     throw bad_request("best_of", "'best_of' greater than 'n' cannot be streamed (the best are known at the end)");
-  if (!r.stream) fit_reply_logprobs(r);
+  // (streamed, each chunk carries its tokens' log probabilities and they are
+  // let go; under tools they wait for the calls, read when the choice ends)
+  if (!r.stream || r.tools.active()) fit_reply_logprobs(r);
   // best_of ranks its samples by their log probabilities: computed, shown only when asked.
   if (r.best_of > r.n) r.sampling.logprobs = std::max(r.sampling.logprobs, 0);
   if (const json* options = field(body, "stream_options")) {
@@ -574,19 +576,21 @@ void fit_reply_logprobs(ApiRequest& r) {
   if (r.logprobs < 0) return;
   const int64_t echoed = r.echo ? int64_t(r.prompt_tokens.size()) : 0;
   // (chat without max_tokens: as many as fit, the bound included)
-  const int64_t fit = kMaxReplyLogprobs / (int64_t(r.n) * (r.logprobs + 1)) - echoed;
+  // (best_of: every sample's are held until the best are known)
+  const int64_t samples = std::max(r.n, r.best_of);
+  const int64_t fit = kMaxReplyLogprobs / (samples * (r.logprobs + 1)) - echoed;
   if (r.max_tokens_defaulted && r.max_tokens > fit && fit >= std::max<int64_t>(1, r.sampling.stop.min_tokens))
     r.max_tokens = int32_t(fit);
   const int64_t tokens = int64_t(r.max_tokens) + echoed;
-  const int64_t most = int64_t(r.n) * tokens * (r.logprobs + 1);
+  const int64_t most = samples * tokens * (r.logprobs + 1);
   if (most > kMaxReplyLogprobs)
     throw bad_request(r.endpoint == Endpoint::chat ? "top_logprobs" : "logprobs",
-                      "a reply of " + std::to_string(r.n) + " choice(s) of up to " + std::to_string(tokens) +
+                      "a reply of " + std::to_string(samples) + " sample(s) of up to " + std::to_string(tokens) +
                           " tokens with " + std::to_string(r.logprobs) + " alternatives each carries up to " +
                           std::to_string(most) + " log probabilities, more than the " +
                           std::to_string(kMaxReplyLogprobs) +
                           " a reply kept whole may; ask for fewer tokens, choices or alternatives" +
-                          (r.stream ? "" : ", or stream it"));
+                          (r.stream || r.best_of > r.n || r.tools.active() ? "" : ", or stream it"));
 }
 
 // ---------------------------------------------------------------- TextAssembler
@@ -939,8 +943,8 @@ json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t p
   if (from > 0 && from <= ids.size()) previous = ids[from - 1];
   json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array(),
        content = json::array();
-  for (size_t i = from; i < ids.size() && i < logprobs.size(); ++i) {
-    const TokenLogprobs& lp = logprobs[i];
+  for (size_t i = from; i < ids.size() && i - from < logprobs.size(); ++i) {
+    const TokenLogprobs& lp = logprobs[i - from];
     const std::string text = piece_after(tokenizer, previous, ids[i]);
     if (endpoint == Endpoint::completions) {
       tokens.push_back(text);

@@ -62,11 +62,14 @@ constexpr int kMaxChoices = 16;
 // The most log probabilities (each token's and its alternatives') a whole
 // reply may carry: it is built in memory, ~0.5 KB each as a JSON tree (n =
 // 16, top_logprobs = 20 and a long max_tokens asked for gigabytes). A
-// request that could exceed it, n x (max_tokens + echoed prompt) x
-// (top_logprobs + 1), is refused (400) unless streamed.
+// request that could exceed it, max(n, best_of) x (max_tokens + echoed
+// prompt) x (top_logprobs + 1), is refused (400) unless streamed; best_of's
+// samples all count (each is held until the best are known), and so does a
+// stream under tools (its log probabilities come with the calls, at the end).
+// A stream's other chunks carry theirs and let them go.
 constexpr int64_t kMaxReplyLogprobs = int64_t(1) << 20;
 struct ApiRequest;
-// That bound on `r` (parse_request applies it unless streamed; a reply that
+// That bound on `r` (parse_request applies it unless streamed as above; a reply that
 // keeps a stream's log probabilities whole, /v1/responses', too): a
 // defaulted max_tokens lowered to what fits, else a 400. No-op without
 // log probabilities.
@@ -302,7 +305,7 @@ json tokenize_response(const std::string& body, const ServedModel& model, const 
 json detokenize_response(const std::string& body, const ServedModel& model, const gpu::Tokenizer& tokenizer);
 
 // The "logprobs" of a choice for tokens ids[from..] with their log
-// probabilities (`logprobs`, parallel to ids), each decoded after its
+// probabilities (`logprobs[i - from]` ids[i]'s), each decoded after its
 // predecessor (`previous`: the token before ids[0]).
 //   completions: {tokens, token_logprobs, top_logprobs: [{text: logprob}]
 //     (the top N and the sampled token, as OpenAI's), text_offset: from

@@ -20,10 +20,10 @@ double seconds_between(Clock::time_point from, Clock::time_point to) {
 
 }  // namespace
 
-double Generation::Choice::cumulative_logprob() const {
-  double sum = 0.0;
-  for (const TokenLogprobs& lp : logprobs) sum += double(lp.logprob);
-  return sum;
+size_t Generation::held_logprobs() const {
+  size_t held = 0;
+  for (const Choice& c : choices_) held += c.logprobs.size();
+  return held;
 }
 
 Generation::Generation(const GenerationContext& context, ReplySink& sink, std::shared_ptr<Client> client,
@@ -206,7 +206,8 @@ void Generation::record_end(const std::string& error) {
 // The next token's text (held back, maybe: TextAssembler).
 std::string Generation::add_token(Choice& c, int32_t token, TokenLogprobs logprobs) {
   c.ids.push_back(token);
-  c.logprobs.push_back(std::move(logprobs));
+  c.cumulative_logprob += double(logprobs.logprob);
+  if (request_.logprobs >= 0) c.logprobs.push_back(std::move(logprobs));
   return c.text->add(token);
 }
 
@@ -232,7 +233,10 @@ json Generation::with_token_data(Choice& c, json choice, bool streamed) {
         choice["logprobs"][key] = std::move(values);
       }
   }
-  if (streamed) c.ids_streamed = c.ids.size();
+  if (streamed) {
+    c.ids_streamed = c.ids.size();
+    c.logprobs.clear();  // (carried)
+  }
   return choice;
 }
 
@@ -336,7 +340,7 @@ void Generation::complete() {
   for (Choice& c : choices_) order.push_back(&c);
   if (request_.best_of > request_.n)
     std::stable_sort(order.begin(), order.end(), [](const Choice* a, const Choice* b) {
-      return a->cumulative_logprob() > b->cumulative_logprob();
+      return a->cumulative_logprob > b->cumulative_logprob;
     });
   json choices = json::array();
   for (int i = 0; i < request_.n; ++i) {

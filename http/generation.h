@@ -65,6 +65,8 @@ class Generation {
   void abandon();
 
   bool done() const { return done_; }
+  // Tokens whose log probabilities are held (the bound's test).
+  size_t held_logprobs() const;
   bool all_outcomes_in() const;
   // Its metrics, once: `error` empty for a success.
   void record_end(const std::string& error);
@@ -81,12 +83,14 @@ class Generation {
     std::optional<gpu::ReasoningStream> thinking;  // streamed chat of a thinking family: its reasoning apart
     std::optional<TextAssembler> text;
     std::vector<int32_t> ids;   // its tokens so far (return_token_ids, logprobs)
-    std::vector<TokenLogprobs> logprobs;  // theirs (Sampling::logprobs >= 0)
+    // Their log probabilities when asked for (ApiRequest::logprobs >= 0): those of
+    // ids[ids_streamed..] (a streamed chunk lets go of those it carried).
+    std::vector<TokenLogprobs> logprobs;
     std::vector<TokenLogprobs> prompt_logprobs;  // echo with logprobs: the outcome's (choice 0 computes them)
     size_t ids_streamed = 0;    // of them, those a streamed chunk carried
+    double cumulative_logprob = 0.0;  // the sum of its tokens' (best_of ranks by it)
     int64_t text_offset = 0;    // completions' logprobs: where the next streamed token's text begins
     std::optional<Clock::time_point> last_token;
-    double cumulative_logprob() const;
   };
 
   Choice* choice(RequestId id);

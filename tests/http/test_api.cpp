@@ -19,6 +19,11 @@
 namespace disagg::http {
 namespace {
 
+const char* kWeatherTool =
+    R"({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                       "required": ["city"], "additionalProperties": false}}})";
+
 using test::adversarial_bodies;
 using test::nested_arrays;
 using test::nested_objects;
@@ -273,7 +278,8 @@ TEST(HttpApi, LogprobsShapes) {
   EXPECT_EQ(text, "Once upon");
   EXPECT_EQ(offset, int64_t(text.size())) << "the offset advances past the tokens";
   int64_t unused = 0;
-  const json tail = logprobs_json(Endpoint::chat, tokenizer(), ids[0], tokens, lp, 1, unused);
+  const json tail = logprobs_json(Endpoint::chat, tokenizer(), ids[0], tokens,
+                                  std::vector<TokenLogprobs>(lp.begin() + 1, lp.end()), 1, unused);
   ASSERT_EQ(tail["content"].size(), tokens.size() - 1) << "from: the tokens no chunk carried";
   const json& first = tail["content"][0];
   const std::string piece = tokenizer().decode(tokens[0], tokens[1]);
@@ -321,6 +327,25 @@ TEST(HttpApi, AWholeReplysLogProbabilitiesAreBounded) {
   EXPECT_TRUE(defaulted.max_tokens_defaulted);
   EXPECT_EQ(defaulted.max_tokens, fit);
   EXPECT_NO_THROW(parse_long(Endpoint::chat, chat(60000, R"(, "logprobs": false, "top_logprobs": null)")));
+  // Held whole all the same: best_of's samples (each is kept until the best are
+  // known: all of them count) and a stream under tools (the calls come at the end).
+  auto best_of = [](int64_t max_tokens) {
+    return R"({"prompt": "Once", "best_of": 16, "logprobs": 20, "max_tokens": )" + std::to_string(max_tokens) + "}";
+  };
+  EXPECT_NO_THROW(parse_long(Endpoint::completions, best_of(fit)));
+  try {
+    parse_long(Endpoint::completions, best_of(fit + 1));
+    ADD_FAILURE() << "no error past the bound for best_of's samples";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.param, "logprobs");
+    EXPECT_EQ(e.message.find("stream it"), std::string::npos) << "best_of cannot be streamed: " << e.message;
+  }
+  const std::string tools = std::string(R"(, "stream": true, "tools": [)") + kWeatherTool + "]";
+  const std::string one = R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 20, "max_tokens": )";
+  EXPECT_NO_THROW(parse_long(Endpoint::chat, one + std::to_string(kMaxReplyLogprobs / 21) + tools + "}"));
+  EXPECT_THROW(parse_long(Endpoint::chat, one + std::to_string(kMaxReplyLogprobs / 21 + 1) + tools + "}"), ApiError);
+  EXPECT_NO_THROW(parse_long(Endpoint::chat, one + std::to_string(kMaxReplyLogprobs / 21 + 1) + R"(, "stream": true})"))
+      << "a stream without tools lets them go";
   // completions: the echoed prompt's tokens count too.
   const ApiRequest alone = parse_long(Endpoint::completions, R"({"prompt": "Once upon a time", "logprobs": 20, "max_tokens": 10})");
   const int64_t room = kMaxReplyLogprobs / 21 - int64_t(alone.prompt_tokens.size());
@@ -649,11 +674,6 @@ TEST(HttpApi, ResponseShapes) {
 namespace disagg::http {
 namespace {
 
-const char* kWeatherTool =
-    R"({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-                       "required": ["city"], "additionalProperties": false}}})";
-
 std::string chat_with_tools(const std::string& extra) {
   return std::string(R"({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [)") + kWeatherTool +
          R"(, {"type": "function", "function": {"name": "now"}}])" + extra + "}";
@@ -921,11 +941,13 @@ class RecordingSink : public ReplySink {
 struct Said {
   std::string reasoning, content, finish;
   std::vector<std::string> names;
+  size_t logprobs = 0;  // tokens with log probabilities (chat's logprobs.content)
 };
 
 // Drives a Generation of `request` with scripted `tokens` (ending in EOS)
-// and reads its reply as a client would.
-Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const std::vector<int>& tokens) {
+// and reads its reply as a client would; `after_token` looks at it after each.
+Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const std::vector<int>& tokens,
+                       const std::function<void(const Generation&)>& after_token = {}) {
   caf::actor_system_config config;
   caf::actor_system system{config};
   RecordingSink sink;
@@ -942,7 +964,9 @@ Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const
     e.id = id;
     e.index = int32_t(i);
     e.token = tokens[i];
+    if (request.logprobs >= 0) e.logprobs = {-0.25f, {tokens[i]}, {-0.25f}};
     generation.on_token(id, e);
+    if (after_token) after_token(generation);
   }
   RequestOutcome outcome;
   outcome.id = id;
@@ -961,6 +985,8 @@ Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const
     said.reasoning = text_of(message, "reasoning_content");
     said.content = text_of(message, "content");
     said.finish = text_of(sink.whole["choices"][0], "finish_reason");
+    if (sink.whole["choices"][0]["logprobs"].is_object())
+      said.logprobs = sink.whole["choices"][0]["logprobs"]["content"].size();
     for (const json& call : message.value("tool_calls", json::array())) said.names.push_back(call["function"]["name"]);
     return said;
   }
@@ -973,8 +999,38 @@ Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const
     for (const json& call : delta.value("tool_calls", json::array()))
       if (call.contains("function") && call["function"].contains("name")) said.names.push_back(call["function"]["name"]);
     if (choice["finish_reason"].is_string()) said.finish = text_of(choice, "finish_reason");
+    if (choice.contains("logprobs") && choice["logprobs"].is_object())
+      said.logprobs += choice["logprobs"]["content"].size();
   }
   return said;
+}
+
+// A stream's chunks carry their tokens' log probabilities and let them go,
+// so a long stream holds a token's or two at a time (those whose text is
+// held back); a whole reply holds every token's until it is built.
+TEST(HttpLogprobs, AStreamLetsGoOfThoseItCarried) {
+  const std::string text = "Once upon a time there was a little girl named Lily. She liked to play in the park.";
+  const std::vector<int> tokens = tokenizer().encode(text, false);
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    const ApiRequest request =
+        parse(Endpoint::chat, std::string(R"({"messages": [{"role": "user", "content": "A story"}], "logprobs": true)") +
+                                  (stream ? R"(, "stream": true)" : "") + "}");
+    size_t most = 0, last = 0;
+    const Said said = generate_scripted(tokenizer(), request, tokens, [&](const Generation& g) {
+      last = g.held_logprobs();
+      most = std::max(most, last);
+    });
+    EXPECT_NE(said.content.find(text), std::string::npos) << said.content;
+    EXPECT_EQ(said.logprobs, tokens.size()) << "every token's, once";
+    if (stream) EXPECT_LE(most, 2u) << "held after they were sent";
+    else EXPECT_EQ(last, tokens.size());
+  }
+  // Not asked for: none held (best_of sums what it ranks by as it goes).
+  size_t held = 0;
+  generate_scripted(tokenizer(), parse(Endpoint::chat, R"({"messages": [{"role": "user", "content": "A story"}]})"),
+                    tokens, [&](const Generation& g) { held = std::max(held, g.held_logprobs()); });
+  EXPECT_EQ(held, 0u);
 }
 
 // A thinking family's reply under tools: the reasoning goes apart
