@@ -1,6 +1,7 @@
 #include "http/api.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <tuple>
 
@@ -937,6 +938,10 @@ json models_response(const ServedModel& model) {
                                  {"max_model_len", model.seq_len}}})}};
 }
 
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids,
                    const std::vector<TokenLogprobs>& logprobs, size_t from, int64_t& text_offset) {

@@ -314,6 +314,9 @@ json detokenize_response(const std::string& body, const ServedModel& model, cons
 json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids,
                    const std::vector<TokenLogprobs>& logprobs, size_t from, int64_t& text_offset);
 
+// Seconds since the Unix epoch: a reply's `created`.
+int64_t unix_now();
+
 // "data: {json}\n\n" (invalid UTF-8 replaced by U+FFFD) and the final "data: [DONE]\n\n".
 std::string sse_event(const json& payload);
 inline constexpr const char* kSseDone = "data: [DONE]\n\n";

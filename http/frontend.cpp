@@ -64,10 +64,6 @@ constexpr auto kShutdownDrain = 5s;
 // Hex digits of a response id ("cmpl-<id>").
 constexpr int kIdHexDigits = 16;
 
-int64_t unix_now() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 // ---------------------------------------------------------------- shared state
 
 class Frontend {
