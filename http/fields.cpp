@@ -2,26 +2,7 @@
 
 namespace disagg::http {
 
-// The field `name` of `body`, or nullptr when it is absent or null.
-const json* field(const json& body, const char* name) {
-  auto it = body.find(name);
-  return it == body.end() || it->is_null() ? nullptr : &*it;
-}
-
 std::string type_words(const json& v) { return std::string(v.type_name()); }
-
-// A value as an error message quotes it: scalars as JSON, at most
-// kMaxQuotedBytes of a string; a container by its type and size, never
-// dumped (dump() recurses, and the value may be most of the body).
-std::string quote(const json& v) {
-  if (v.is_array()) return "an array of " + std::to_string(v.size()) + " elements";
-  if (v.is_object()) return "an object of " + std::to_string(v.size()) + " members";
-  if (v.is_string()) {
-    const auto& text = v.get_ref<const std::string&>();
-    if (text.size() > kMaxQuotedBytes) return dump(json(text.substr(0, kMaxQuotedBytes))) + "...";
-  }
-  return dump(v);
-}
 
 void expect_type(bool ok, const char* name, const char* wanted, const json& v) {
   if (!ok) throw bad_request(name, std::string("'") + name + "' must be " + wanted + ", got " + type_words(v), "invalid_type");

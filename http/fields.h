@@ -9,14 +9,27 @@
 
 namespace disagg::http {
 
-// The field `name` of `body`, or nullptr when it is absent or null.
-const json* field(const json& body, const char* name);
+// The field `name` of `body`, or nullptr when it is absent or null (`json`,
+// or the `nlohmann::ordered_json` /v1/responses reads, keeping schemas' key order).
+template <class Json>
+const Json* field(const Json& body, const char* name) {
+  auto it = body.find(name);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
 // JSON's name of v's type ("string", "object", ...).
 std::string type_words(const json& v);
 // A value as an error message quotes it: scalars as JSON, at most
 // kMaxQuotedBytes of a string; a container by its type and size, never
 // dumped (dump() recurses, and the value may be most of the body).
-std::string quote(const json& v);
+template <class Json>
+std::string quote(const Json& v) {
+  if (v.is_array()) return "an array of " + std::to_string(v.size()) + " elements";
+  if (v.is_object()) return "an object of " + std::to_string(v.size()) + " members";
+  const auto text = [](const Json& scalar) { return scalar.dump(-1, ' ', false, Json::error_handler_t::replace); };
+  if (v.is_string() && v.template get_ref<const std::string&>().size() > kMaxQuotedBytes)
+    return text(Json(v.template get_ref<const std::string&>().substr(0, kMaxQuotedBytes))) + "...";
+  return text(v);
+}
 // Throws the 400 "'name' must be <wanted>, got <type>" unless `ok`.
 void expect_type(bool ok, const char* name, const char* wanted, const json& v);
 // A number in [lo, hi] ((lo, hi] with lo_open), an integer in [lo, hi]

@@ -2,38 +2,29 @@
 
 #include <utility>
 
+#include "http/fields.h"
+
 namespace disagg::http {
 
 using ojson = nlohmann::ordered_json;
 
 namespace {
 
-// The field `name` of an object, or nullptr when it is absent or null.
-const ojson* get(const ojson& o, const char* name) {
-  auto it = o.find(name);
-  return it == o.end() || it->is_null() ? nullptr : &*it;
-}
-
-// A value as an error names it: a string quoted (cut short), else its type.
-std::string kind_of(const ojson& v) {
-  return v.is_string() ? "\"" + v.get<std::string>().substr(0, kMaxQuotedBytes) + "\"" : v.type_name();
-}
-
 // A message's content as text: a string, or an array of text parts
 // (input_text, output_text, text).
 std::string content_text(const ojson& content, const std::string& param) {
   if (content.is_string()) return content.get<std::string>();
   if (!content.is_array())
-    throw bad_request(param, "'" + param + "' must be a string or an array of text parts, got " + kind_of(content),
+    throw bad_request(param, "'" + param + "' must be a string or an array of text parts, got " + quote(content),
                       "invalid_type");
   std::string text;
   for (const ojson& part : content) {
-    const ojson* type = part.is_object() ? get(part, "type") : nullptr;
-    const ojson* t = part.is_object() ? get(part, "text") : nullptr;
+    const ojson* type = part.is_object() ? field(part, "type") : nullptr;
+    const ojson* t = part.is_object() ? field(part, "text") : nullptr;
     const bool textual = type && (*type == "input_text" || *type == "output_text" || *type == "text");
     if (!textual || !t || !t->is_string())
       throw bad_request(param, "'" + param + "' may hold text parts only (input_text, output_text), got " +
-                                   (type ? kind_of(*type) : std::string("a part without a type")),
+                                   (type ? quote(*type) : std::string("a part without a type")),
                         "unsupported");
     text += t->get<std::string>();
   }
@@ -47,26 +38,26 @@ void add_input(const ojson& input, ojson& messages) {
     return;
   }
   if (!input.is_array())
-    throw bad_request("input", "'input' must be a string or an array of input items, got " + kind_of(input),
+    throw bad_request("input", "'input' must be a string or an array of input items, got " + quote(input),
                       "invalid_type");
   for (size_t i = 0; i < input.size(); ++i) {
     const ojson& item = input[i];
     const std::string param = "input[" + std::to_string(i) + "]";
     if (!item.is_object()) throw bad_request(param, "'" + param + "' must be an object", "invalid_type");
-    const ojson* type = get(item, "type");
+    const ojson* type = field(item, "type");
     const std::string kind = type && type->is_string() ? type->get<std::string>() : "message";
     if (kind == "message") {
-      const ojson* role = get(item, "role");
-      const ojson* content = get(item, "content");
+      const ojson* role = field(item, "role");
+      const ojson* content = field(item, "content");
       if (!role || !role->is_string() || !content)
         throw bad_request(param, "'" + param + "' must have a role and a content", "missing");
       std::string r = role->get<std::string>();
       if (r == "developer") r = "system";
       messages.push_back({{"role", r}, {"content", content_text(*content, param + ".content")}});
     } else if (kind == "function_call") {
-      const ojson* call_id = get(item, "call_id");
-      const ojson* name = get(item, "name");
-      const ojson* arguments = get(item, "arguments");
+      const ojson* call_id = field(item, "call_id");
+      const ojson* name = field(item, "name");
+      const ojson* arguments = field(item, "arguments");
       if (!call_id || !call_id->is_string() || !name || !name->is_string() || !arguments || !arguments->is_string())
         throw bad_request(param, "'" + param + "' (a function_call) must have string call_id, name and arguments",
                           "invalid_type");
@@ -80,8 +71,8 @@ void add_input(const ojson& input, ojson& messages) {
         messages.push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", ojson::array({std::move(call)})}});
       }
     } else if (kind == "function_call_output") {
-      const ojson* call_id = get(item, "call_id");
-      const ojson* output = get(item, "output");
+      const ojson* call_id = field(item, "call_id");
+      const ojson* output = field(item, "output");
       if (!call_id || !call_id->is_string() || !output)
         throw bad_request(param, "'" + param + "' (a function_call_output) must have a string call_id and an output",
                           "invalid_type");
@@ -99,18 +90,18 @@ void add_input(const ojson& input, ojson& messages) {
 
 // Responses' flat function tools as chat's.
 ojson chat_tools(const ojson& tools) {
-  if (!tools.is_array()) throw bad_request("tools", "'tools' must be an array, got " + kind_of(tools), "invalid_type");
+  if (!tools.is_array()) throw bad_request("tools", "'tools' must be an array, got " + quote(tools), "invalid_type");
   ojson out = ojson::array();
   for (size_t i = 0; i < tools.size(); ++i) {
     const ojson& t = tools[i];
     const std::string param = "tools[" + std::to_string(i) + "]";
-    const ojson* type = t.is_object() ? get(t, "type") : nullptr;
+    const ojson* type = t.is_object() ? field(t, "type") : nullptr;
     if (!type || *type != "function")
-      throw bad_request(param, "only function tools are supported, got " + (type ? kind_of(*type) : std::string("none")),
+      throw bad_request(param, "only function tools are supported, got " + (type ? quote(*type) : std::string("none")),
                         "unsupported");
     ojson function = ojson::object();
     for (const char* key : {"name", "description", "parameters", "strict"})
-      if (const ojson* v = get(t, key)) function[key] = *v;
+      if (const ojson* v = field(t, key)) function[key] = *v;
     out.push_back({{"type", "function"}, {"function", std::move(function)}});
   }
   return out;
@@ -118,8 +109,8 @@ ojson chat_tools(const ojson& tools) {
 
 ojson chat_tool_choice(const ojson& choice) {
   if (choice.is_object()) {
-    const ojson* type = get(choice, "type");
-    const ojson* name = get(choice, "name");
+    const ojson* type = field(choice, "type");
+    const ojson* name = field(choice, "name");
     if (!type || *type != "function" || !name)
       throw bad_request("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or a function "
                                        "{\"type\": \"function\", \"name\"}", "unsupported");
@@ -130,18 +121,18 @@ ojson chat_tool_choice(const ojson& choice) {
 
 // text.format as chat's response_format (none for plain text).
 ojson chat_response_format(const ojson& text) {
-  const ojson* format = text.is_object() ? get(text, "format") : nullptr;
+  const ojson* format = text.is_object() ? field(text, "format") : nullptr;
   if (!format) return nullptr;
-  const ojson* type = format->is_object() ? get(*format, "type") : nullptr;
+  const ojson* type = format->is_object() ? field(*format, "type") : nullptr;
   if (!type || !type->is_string())
     throw bad_request("text.format", "'text.format' must be an object with a type", "invalid_type");
   if (*type == "text") return nullptr;
   if (*type == "json_object") return {{"type", "json_object"}};
   if (*type != "json_schema")
-    throw bad_request("text.format", "'text.format' of type " + kind_of(*type) + " is not supported", "unsupported");
+    throw bad_request("text.format", "'text.format' of type " + quote(*type) + " is not supported", "unsupported");
   ojson schema = ojson::object();
   for (const char* key : {"name", "description", "schema", "strict"})
-    if (const ojson* v = get(*format, key)) schema[key] = *v;
+    if (const ojson* v = field(*format, key)) schema[key] = *v;
   return {{"type", "json_schema"}, {"json_schema", std::move(schema)}};
 }
 
@@ -156,43 +147,43 @@ std::string chat_body_of_responses(const std::string& text) {
   }
   if (!body.is_object()) return text;
   for (const char* stored : {"previous_response_id", "conversation", "prompt"})
-    if (get(body, stored))
+    if (field(body, stored))
       throw bad_request(stored, std::string("'") + stored + "' needs stored responses; this server stores none",
                         "unsupported");
-  if (const ojson* background = get(body, "background"); background && *background == true)
+  if (const ojson* background = field(body, "background"); background && *background == true)
     throw bad_request("background", "background responses are not supported", "unsupported");
   ojson chat = ojson::object();
   ojson messages = ojson::array();
-  if (const ojson* instructions = get(body, "instructions")) {
+  if (const ojson* instructions = field(body, "instructions")) {
     if (!instructions->is_string())
-      throw bad_request("instructions", "'instructions' must be a string, got " + kind_of(*instructions), "invalid_type");
+      throw bad_request("instructions", "'instructions' must be a string, got " + quote(*instructions), "invalid_type");
     messages.push_back({{"role", "system"}, {"content", *instructions}});
   }
-  const ojson* input = get(body, "input");
+  const ojson* input = field(body, "input");
   if (!input) throw bad_request("input", "'input' is required", "missing");
   add_input(*input, messages);
   chat["messages"] = std::move(messages);
   for (const char* same : {"model", "temperature", "top_p", "seed", "user", "parallel_tool_calls", "stream", "top_k",
                            "min_p", "repetition_penalty", "cache_salt"})
-    if (const ojson* v = get(body, same)) chat[same] = *v;
+    if (const ojson* v = field(body, same)) chat[same] = *v;
   // (the router's session affinity key: user, or its Responses successors)
   if (!chat.contains("user"))
     for (const char* key : {"prompt_cache_key", "safety_identifier"})
-      if (const ojson* v = get(body, key); v && v->is_string()) {
+      if (const ojson* v = field(body, key); v && v->is_string()) {
         chat["user"] = *v;
         break;
       }
-  if (const ojson* max = get(body, "max_output_tokens")) chat["max_tokens"] = *max;
+  if (const ojson* max = field(body, "max_output_tokens")) chat["max_tokens"] = *max;
   // Log probabilities: asked for by include's "message.output_text.logprobs", top_logprobs alternatives each.
-  if (const ojson* include = get(body, "include"); include && include->is_array())
+  if (const ojson* include = field(body, "include"); include && include->is_array())
     for (const ojson& what : *include)
       if (what == "message.output_text.logprobs") {
         chat["logprobs"] = true;
-        if (const ojson* top = get(body, "top_logprobs")) chat["top_logprobs"] = *top;
+        if (const ojson* top = field(body, "top_logprobs")) chat["top_logprobs"] = *top;
       }
-  if (const ojson* tools = get(body, "tools")) chat["tools"] = chat_tools(*tools);
-  if (const ojson* choice = get(body, "tool_choice")) chat["tool_choice"] = chat_tool_choice(*choice);
-  if (const ojson* t = get(body, "text"))
+  if (const ojson* tools = field(body, "tools")) chat["tools"] = chat_tools(*tools);
+  if (const ojson* choice = field(body, "tool_choice")) chat["tool_choice"] = chat_tool_choice(*choice);
+  if (const ojson* t = field(body, "text"))
     if (ojson format = chat_response_format(*t); !format.is_null()) chat["response_format"] = std::move(format);
   if (chat.contains("stream") && chat["stream"] == true) chat["stream_options"] = {{"include_usage", true}};
   return chat.dump();
