@@ -654,11 +654,13 @@ std::string TextAssembler::flush() {
 
 // ---------------------------------------------------------------- responses
 
-json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
-  return {{"prompt_tokens", prompt_tokens},
-          {"completion_tokens", completion_tokens},
-          {"total_tokens", prompt_tokens + completion_tokens},
-          {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens, int64_t reasoning_tokens) {
+  json usage = {{"prompt_tokens", prompt_tokens},
+                {"completion_tokens", completion_tokens},
+                {"total_tokens", prompt_tokens + completion_tokens},
+                {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
+  if (reasoning_tokens >= 0) usage["completion_tokens_details"] = {{"reasoning_tokens", reasoning_tokens}};
+  return usage;
 }
 
 json choice_json(Endpoint endpoint, int index, const std::string& text, const std::string& finish_reason) {
@@ -889,13 +891,13 @@ json reasoned_chunk(const std::string& id, int64_t created, const std::string& m
 }
 
 json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,
-                   int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
+                   int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens, int64_t reasoning_tokens) {
   return {{"id", id},
           {"object", endpoint == Endpoint::completions ? kCompletionObject : kChatObject},
           {"created", created},
           {"model", model},
           {"choices", std::move(choices)},
-          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens)}};
+          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}};
 }
 
 json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, int index,
@@ -919,13 +921,13 @@ json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, con
 }
 
 json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
-                 int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
+                 int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens, int64_t reasoning_tokens) {
   return {{"id", id},
           {"object", endpoint == Endpoint::completions ? kCompletionObject : kChatChunkObject},
           {"created", created},
           {"model", model},
           {"choices", json::array()},
-          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens)}};
+          {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}};
 }
 
 json models_response(const ServedModel& model) {
@@ -941,6 +943,18 @@ json models_response(const ServedModel& model) {
 
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+int64_t tokens_within(const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids, size_t bytes) {
+  size_t at = 0;
+  int64_t n = 0;
+  for (const int32_t id : ids) {
+    if (at >= bytes) break;
+    at += piece_after(tokenizer, previous, id).size();
+    previous = id;
+    ++n;
+  }
+  return n;
 }
 
 json logprobs_json(Endpoint endpoint, const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids,

@@ -200,8 +200,11 @@ class TextAssembler {
 
 // The response bodies (OpenAI's shapes). finish_reason: "stop" or "length";
 // an empty string writes null.
-// cached_tokens: of the prompt, in the prefix cache (usage.prompt_tokens_details.cached_tokens, as vLLM).
-json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
+// cached_tokens: of the prompt, in the prefix cache (usage.prompt_tokens_details.cached_tokens, as vLLM);
+// reasoning_tokens: of the completion, its thoughts' (completion_tokens_details.reasoning_tokens, as
+// OpenAI's; a chat request of a thinking family), or -1: not reported.
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0,
+                int64_t reasoning_tokens = -1);
 // One choice: completions {index, text, logprobs: null, finish_reason}; chat
 // {index, message: {role: "assistant", content}, logprobs: null, finish_reason}.
 json choice_json(Endpoint endpoint, int index, const std::string& text, const std::string& finish_reason);
@@ -275,15 +278,21 @@ json tool_delta_chunk(const std::string& id, int64_t created, const std::string&
                       const ToolStream::Delta& delta, const std::string& id_prefix, bool include_usage);
 // A reply ("text_completion" or "chat.completion") with its choices (choice_json) and usage.
 json response_json(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, json choices,
-                   int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
+                   int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0,
+                   int64_t reasoning_tokens = -1);
 // One streamed chunk of choice `index`; for chat, `first` adds role
 // "assistant" to the delta. With include_usage every chunk carries "usage":
 // null (the last one the counts).
 json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model, int index,
                   const std::string& text, const std::string& finish_reason, bool first, bool include_usage);
 json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
-                 int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0);
+                 int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0,
+                 int64_t reasoning_tokens = -1);
 json models_response(const ServedModel& model);
+
+// Of `ids` (decoded one after another from `previous`), how many begin
+// within the text's first `bytes` (a thought's tokens: usage's reasoning_tokens).
+int64_t tokens_within(const gpu::Tokenizer& tokenizer, int32_t previous, const std::vector<int32_t>& ids, size_t bytes);
 
 // The text of prompt tokens, BOS and EOS skipped (/detokenize, echo).
 std::string prompt_text(const gpu::Tokenizer& tokenizer, const std::vector<int32_t>& tokens);

@@ -64,6 +64,19 @@ int64_t Generation::completion_tokens() const {
   return n;
 }
 
+// A choice's thought is the text before its content (text/reasoning.h's
+// split, its markup included); its tokens are those that begin there.
+int64_t Generation::reasoning_tokens() const {
+  if (request_.endpoint != Endpoint::chat || request_.reasoning == gpu::ReasoningSyntax::none) return -1;
+  int64_t n = 0;
+  for (const Choice& c : choices_) {
+    const std::string& text = c.text->text();
+    const gpu::Reasoned split = gpu::split_reasoning(request_.reasoning, text, request_.thought_opened);
+    n += tokens_within(context_.tokenizer, request_.prompt_tokens.back(), c.ids, text.size() - split.content.size());
+  }
+  return n;
+}
+
 // Choice c's request to the router: the sampling of choice 0 with the
 // choice's own seed (gpu::sample_seed), and one session for all choices,
 // so they share the decode worker that holds their prompt.
@@ -327,7 +340,7 @@ void Generation::complete() {
   if (request_.stream) {
     if (request_.include_usage)
       sink_.event(sse_event(usage_chunk(request_.endpoint, response_id_, created_, context_.model.name, prompt,
-                                        completion, cached_tokens_)));
+                                        completion, cached_tokens_, reasoning_tokens())));
     sink_.event(kSseDone);
     sink_.end_events();
     return;
@@ -352,7 +365,7 @@ void Generation::complete() {
       choices.push_back(with_token_data(c, choice_json(request_.endpoint, i, text, c.finish), false));
   }
   sink_.reply_json(200, response_json(request_.endpoint, response_id_, created_, context_.model.name,
-                                      std::move(choices), prompt, completion, cached_tokens_));
+                                      std::move(choices), prompt, completion, cached_tokens_, reasoning_tokens()));
 }
 
 // The reply is an error: every choice still running is cancelled.

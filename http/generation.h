@@ -100,6 +100,8 @@ class Generation {
   // (echo), which come with its outcome, are not in yet: the reply waits.
   bool waits_for_prompt_logprobs(const Choice& c) const;
   int64_t completion_tokens() const;
+  // Of them, the thoughts' (a thinking family's chat; else -1: not reported).
+  int64_t reasoning_tokens() const;
 
   void submit(Choice& c);
   void submit_others();

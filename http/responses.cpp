@@ -241,13 +241,15 @@ json ResponsesSink::response(const std::string& status) const {
   if (status == "incomplete") r["incomplete_details"] = {{"reason", "max_output_tokens"}};
   if (usage_.is_object()) {
     const int64_t in = usage_.value("prompt_tokens", int64_t(0)), out = usage_.value("completion_tokens", int64_t(0));
-    int64_t cached = 0;
-    if (usage_.contains("prompt_tokens_details") && usage_["prompt_tokens_details"].is_object())
-      cached = usage_["prompt_tokens_details"].value("cached_tokens", int64_t(0));
+    // (the chat usage's details: usage_json's)
+    auto detail = [&](const char* details, const char* key) {
+      const json* d = field(usage_, details);
+      return d && d->is_object() ? d->value(key, int64_t(0)) : int64_t(0);
+    };
     r["usage"] = {{"input_tokens", in},
-                  {"input_tokens_details", {{"cached_tokens", cached}}},
+                  {"input_tokens_details", {{"cached_tokens", detail("prompt_tokens_details", "cached_tokens")}}},
                   {"output_tokens", out},
-                  {"output_tokens_details", {{"reasoning_tokens", 0}}},
+                  {"output_tokens_details", {{"reasoning_tokens", detail("completion_tokens_details", "reasoning_tokens")}}},
                   {"total_tokens", in + out}};
   }
   return r;

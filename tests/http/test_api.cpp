@@ -942,6 +942,7 @@ struct Said {
   std::string reasoning, content, finish;
   std::vector<std::string> names;
   size_t logprobs = 0;  // tokens with log probabilities (chat's logprobs.content)
+  json usage;           // the whole reply's, or the stream's usage chunk's (include_usage)
 };
 
 // Drives a Generation of `request` with scripted `tokens` (ending in EOS)
@@ -985,6 +986,7 @@ Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const
     said.reasoning = text_of(message, "reasoning_content");
     said.content = text_of(message, "content");
     said.finish = text_of(sink.whole["choices"][0], "finish_reason");
+    said.usage = sink.whole["usage"];
     if (sink.whole["choices"][0]["logprobs"].is_object())
       said.logprobs = sink.whole["choices"][0]["logprobs"]["content"].size();
     for (const json& call : message.value("tool_calls", json::array())) said.names.push_back(call["function"]["name"]);
@@ -992,7 +994,10 @@ Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const
   }
   for (const std::string& event : sink.events) {
     if (event.find("data: {") != 0) continue;
-    const json choice = json::parse(event.substr(6))["choices"][0];
+    const json chunk = json::parse(event.substr(6));
+    if (chunk.contains("usage") && chunk["usage"].is_object()) said.usage = chunk["usage"];
+    if (chunk["choices"].empty()) continue;
+    const json choice = chunk["choices"][0];
     const json& delta = choice["delta"];
     said.reasoning += text_of(delta, "reasoning_content");
     said.content += text_of(delta, "content");
@@ -1003,6 +1008,36 @@ Said generate_scripted(const gpu::Tokenizer& t, const ApiRequest& request, const
       said.logprobs += choice["logprobs"]["content"].size();
   }
   return said;
+}
+
+// A thinking family's usage counts its thought's tokens (the markup and the
+// newlines before the answer included), whole and streamed alike; all of
+// them when it is cut inside the thought; other families report none.
+TEST(HttpReasoning, UsageCountsTheThoughtsTokens) {
+  std::vector<int> thought = tokenizer().encode("<think>\nLet me see: two and two.\n</think>\n\n", false);
+  ASSERT_EQ(tokenizer().decode(100, thought[0]), " ") << "precondition: the first token is the space alone";
+  thought.erase(thought.begin());
+  const std::vector<int> answer = tokenizer().encode("Four.", false);
+  std::vector<int> tokens = thought;
+  tokens.insert(tokens.end(), answer.begin(), answer.end());
+  auto reasoning_tokens = [](const json& usage) {
+    return usage.contains("completion_tokens_details") ? usage["completion_tokens_details"].value("reasoning_tokens", -2)
+                                                       : -1;
+  };
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    const std::string body = std::string(R"({"messages": [{"role": "user", "content": "2+2?"}])") +
+                             (stream ? R"(, "stream": true, "stream_options": {"include_usage": true})" : "") + "}";
+    const Said said = generate_scripted(tokenizer(), parse(Endpoint::chat, body, ChatTemplate::qwen3), tokens);
+    EXPECT_NE(said.content.find("Four."), std::string::npos) << said.content;
+    EXPECT_EQ(said.usage["completion_tokens"], int64_t(tokens.size()));
+    EXPECT_EQ(reasoning_tokens(said.usage), int64_t(thought.size())) << said.usage.dump();
+    const std::vector<int> cut(thought.begin(), thought.end() - 3);  // (before </think>)
+    const Said inside = generate_scripted(tokenizer(), parse(Endpoint::chat, body, ChatTemplate::qwen3), cut);
+    EXPECT_EQ(reasoning_tokens(inside.usage), int64_t(cut.size())) << inside.usage.dump();
+    const Said plain = generate_scripted(tokenizer(), parse(Endpoint::chat, body), tokens);
+    EXPECT_EQ(reasoning_tokens(plain.usage), -1) << "not a thinking family: " << plain.usage.dump();
+  }
 }
 
 // A stream's chunks carry their tokens' log probabilities and let them go,

@@ -162,7 +162,8 @@ TEST(Responses, AWholeChatReplyIsAResponseObject) {
       "message": {"role": "assistant", "content": "Let me look.", "reasoning_content": "The user wants weather.",
         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
       "finish_reason": "tool_calls"}],
-    "usage": {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29, "prompt_tokens_details": {"cached_tokens": 16}}})"));
+    "usage": {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29, "prompt_tokens_details": {"cached_tokens": 16},
+              "completion_tokens_details": {"reasoning_tokens": 6}}})"));
   ASSERT_EQ(out.status, 200);
   const json& r = out.whole;
   EXPECT_EQ(r["id"], "resp_abc");
@@ -189,7 +190,7 @@ TEST(Responses, AWholeChatReplyIsAResponseObject) {
   for (const json& item : r["output"]) ids.insert(item["id"].get<std::string>());
   EXPECT_EQ(ids.size(), 3u) << "items share an id";
   EXPECT_EQ(r["usage"], json::parse(R"({"input_tokens": 20, "input_tokens_details": {"cached_tokens": 16},
-      "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 29})"));
+      "output_tokens": 9, "output_tokens_details": {"reasoning_tokens": 6}, "total_tokens": 29})"));
   // Log probabilities (chat's logprobs.content) go with the text.
   Recording lp;
   ResponsesSink lp_sink(lp, "resp_lp", 1, "m", R"({"input": "x"})");
