@@ -52,7 +52,6 @@ struct Header {
 static_assert(offsetof(Header, layout) == 48 && offsetof(Header, header_checksum) == kCheckedHeader,
               "the header's layout is the one weight_cache.h draws");
 
-std::string errno_text() { return std::strerror(errno); }
 
 // The data's checksum: each kChunkBytes chunk hashed on its own (in parallel:
 // a load reads the file at memory speed), then the chunks' hashes in order.

@@ -16,15 +16,14 @@ bool acceptable(mode_t mode, Accept accept) {
   return S_ISREG(mode) || (accept == Accept::regular_file_or_directory && S_ISDIR(mode));
 }
 
-// errno in words, read before anything else can change it.
-std::string system_error() { return std::strerror(errno); }
-
 Error refused(const std::string& path, mode_t mode, Accept accept) {
   return Error(path + (accept == Accept::regular_file ? ": not a regular file (" : ": not a regular file or a directory (") +
                file_type_name(mode) + ")");
 }
 
 }  // namespace
+
+std::string errno_text() { return std::strerror(errno); }
 
 std::string file_type_name(mode_t mode) {
   if (S_ISREG(mode)) return "a regular file";
@@ -51,12 +50,12 @@ InputFile InputFile::open(const std::string& path, Accept accept) {
   do fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
   while (fd < 0 && errno == EINTR);
   if (fd < 0) {
-    const std::string why = system_error();
+    const std::string why = errno_text();
     throw Error(path + ": cannot open: " + why);
   }
   InputFile file(path, fd, named);  // closes fd if anything below throws
   if (::fstat(fd, &file.status_) != 0) {
-    const std::string why = system_error();
+    const std::string why = errno_text();
     throw Error(path + ": cannot stat: " + why);
   }
   if (!acceptable(file.status_.st_mode, accept)) throw refused(path, file.status_.st_mode, accept);
@@ -64,7 +63,7 @@ InputFile InputFile::open(const std::string& path, Accept accept) {
   // descriptor is an ordinary one for whoever reads or maps it.
   const int flags = ::fcntl(fd, F_GETFL);
   if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
-    const std::string why = system_error();
+    const std::string why = errno_text();
     throw Error(path + ": cannot clear O_NONBLOCK: " + why);
   }
   return file;
@@ -91,7 +90,7 @@ std::string InputFile::read_all() const {
     } else if (n == 0) {
       return bytes;
     } else if (errno != EINTR) {
-      const std::string why = system_error();
+      const std::string why = errno_text();
       throw Error(path_ + ": cannot read: " + why);
     }
   }
@@ -108,6 +107,48 @@ std::string file_problem(const std::string& path, Accept accept) {
     const std::string prefix = path + ": ";
     return what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what;
   }
+}
+
+OutputFile OutputFile::create(const std::string& path) {
+  std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  ::unlink(temporary.c_str());  // (one an earlier process of this pid left: it died writing)
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+  if (fd < 0) {
+    const std::string why = errno_text();
+    throw Error(path + ": cannot create: " + why);
+  }
+  std::FILE* file = ::fdopen(fd, "wb");
+  if (!file) {
+    const std::string why = errno_text();
+    ::close(fd);
+    ::unlink(temporary.c_str());
+    throw Error(path + ": cannot create: " + why);
+  }
+  return OutputFile(path, std::move(temporary), file);
+}
+
+OutputFile::OutputFile(OutputFile&& other) noexcept
+    : path_(std::move(other.path_)), temporary_(std::move(other.temporary_)), file_(other.file_) {
+  other.file_ = nullptr;
+  other.temporary_.clear();
+}
+
+OutputFile::~OutputFile() {
+  if (file_) std::fclose(file_);
+  if (!temporary_.empty()) ::unlink(temporary_.c_str());
+}
+
+void OutputFile::commit() {
+  const bool written = !std::ferror(file_);
+  const int closed = std::fclose(file_);
+  file_ = nullptr;
+  const std::string why = errno_text();
+  if (!written || closed != 0) throw Error(path_ + ": write failed: " + (written ? why : "a write failed"));
+  if (::rename(temporary_.c_str(), path_.c_str()) != 0) {
+    const std::string why_rename = errno_text();
+    throw Error(path_ + ": write failed: cannot rename " + temporary_ + ": " + why_rename);
+  }
+  temporary_.clear();
 }
 
 }  // namespace disagg::gpu

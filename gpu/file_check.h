@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 
 #include <cstddef>
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -63,6 +64,38 @@ std::string read_regular_file(const std::string& path);
 // file (a FIFO)", .... For a file a library then opens by its name (OpenSSL's
 // certificate loading, CAF's config reader), checked just before.
 std::string file_problem(const std::string& path, Accept accept = Accept::regular_file);
+
+// A file written whole or not at all (a model file, a fingerprint memo):
+// written as `<path>.tmp.<pid>` and renamed over `path` by commit(), so no
+// reader ever finds a half-written one under `path`, and a file being
+// replaced stays whole for whoever has it open or mapped (a node serving it,
+// or a writer whose input it is: `disagg-convert --model m.gguf --out m.gguf`).
+// Destroyed uncommitted (an error, an exception), the temporary file is removed.
+class OutputFile {
+ public:
+  // Throws Error "<path>: cannot create: <reason>".
+  static OutputFile create(const std::string& path);
+
+  OutputFile(OutputFile&& other) noexcept;
+  OutputFile& operator=(OutputFile&&) = delete;
+  OutputFile(const OutputFile&) = delete;
+  ~OutputFile();
+
+  std::FILE* stream() const { return file_; }
+  // Closes the stream and renames the file into place. Throws Error
+  // "<path>: write failed: <reason>" (the temporary file removed) if a write
+  // failed, the close did or the rename.
+  void commit();
+
+ private:
+  OutputFile(std::string path, std::string temporary, std::FILE* file)
+      : path_(std::move(path)), temporary_(std::move(temporary)), file_(file) {}
+  std::string path_, temporary_;
+  std::FILE* file_ = nullptr;
+};
+
+// errno in words (read it before anything else can change it).
+std::string errno_text();
 
 // A file type in words: "a FIFO", "a socket", "a character device", "a block
 // device", "a directory", "a regular file", "a file of unknown type".

@@ -74,7 +74,6 @@ uint64_t fingerprint_bytes(const std::vector<std::pair<const void*, size_t>>& bu
 }
 uint64_t fingerprint_bytes(void* mapping, size_t size) { return fingerprint_bytes({{mapping, size}}); }
 
-std::string errno_text() { return std::strerror(errno); }
 
 // The file's name without its directory and extension.
 std::string stem_of(const std::string& path) {
@@ -318,6 +317,9 @@ constexpr int64_t kRacyNs = 1000000000;
 // the memo only saves time).
 uint64_t file_fingerprint(const std::string& path, int fd, void* mapping, size_t size, const std::string& folder) {
   const std::string memo = model_side_file(path, folder, ".fingerprint");
+  // (the time the identity is read at: the racy rule below compares the last change with it)
+  timespec read_at {};
+  ::clock_gettime(CLOCK_REALTIME, &read_at);
   const nlohmann::json identity = file_identity(fd);
   if (memo.empty() || identity.is_null()) return fingerprint_bytes(mapping, size);
   constexpr size_t kMemoBytes = 4096;  // a memo is ~150 bytes; anything larger is not one
@@ -333,20 +335,19 @@ uint64_t file_fingerprint(const std::string& path, int fd, void* mapping, size_t
   }
   const uint64_t fingerprint = fingerprint_bytes(mapping, size);
   // A file changed within the clock's tick of its last change keeps its
-  // times: no memo of one changed this recently (git's "racy" rule).
-  timespec now {};
-  ::clock_gettime(CLOCK_REALTIME, &now);
-  if (int64_t(now.tv_sec) * 1000000000 + now.tv_nsec - identity.at("ctime_ns").get<int64_t>() < kRacyNs)
+  // times: no memo of one changed this recently before its identity was read
+  // (git's "racy" rule; a change while it was hashed would leave the same
+  // identity beside other bytes).
+  if (int64_t(read_at.tv_sec) * 1000000000 + read_at.tv_nsec - identity.at("ctime_ns").get<int64_t>() < kRacyNs)
     return fingerprint;
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fingerprint));
   const std::string text = nlohmann::json{{"file", identity}, {"fingerprint", hex}}.dump() + "\n";
   if (folder != "model") ::mkdir(std::filesystem::path(memo).parent_path().c_str(), 0755);  // (perhaps not made yet)
-  const std::string tmp = memo + ".tmp." + std::to_string(::getpid());
-  if (FILE* f = std::fopen(tmp.c_str(), "wx")) {
-    const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    if (std::fclose(f) == 0 && written && ::rename(tmp.c_str(), memo.c_str()) == 0) return fingerprint;
-    ::unlink(tmp.c_str());
+  try {
+    OutputFile file = OutputFile::create(memo);
+    if (std::fwrite(text.data(), 1, text.size(), file.stream()) == text.size()) file.commit();
+  } catch (const Error&) {  // (no memo: the next start hashes again)
   }
   return fingerprint;
 }

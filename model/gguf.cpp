@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "gpu/error.h"
+#include "gpu/file_check.h"
 
 namespace disagg::gpu::gguf {
 
@@ -19,6 +20,12 @@ constexpr int kMaxArrayNesting = 4;      // arrays of arrays of ...: deeper is r
 // 100x the file's size in memory. Real files hold under 1 M (a vocabulary's
 // tokens, scores, types and merges).
 constexpr uint64_t kMaxArrayValues = uint64_t(1) << 22;
+// Top-level metadata entries and tensors: each also costs ~10x its fewest
+// bytes in memory (a map node and its key, a TensorInfo), so their counts
+// are bounded as the array values are. Real files hold under 100 entries
+// (a vocabulary is one) and under 10,000 tensors.
+constexpr uint64_t kMaxMetadataEntries = uint64_t(1) << 16;
+constexpr uint64_t kMaxTensors = uint64_t(1) << 16;
 // The fewest bytes one metadata entry / tensor info can take (an empty
 // key or name, the smallest value, one dimension): what a count is checked
 // against before anything is reserved for it.
@@ -284,6 +291,11 @@ File File::parse(const uint8_t* data, size_t size, const std::string& path) {
     r.fail("GGUF version " + std::to_string(f.version_) + " (versions 2 and 3 are read)");
   const uint64_t tensor_count = r.scalar<uint64_t>("tensor count");
   const uint64_t metadata_count = r.scalar<uint64_t>("metadata count");
+  if (metadata_count > kMaxMetadataEntries)
+    r.fail(std::to_string(metadata_count) + " metadata entries are more than the " +
+           std::to_string(kMaxMetadataEntries) + " read");
+  if (tensor_count > kMaxTensors)
+    r.fail(std::to_string(tensor_count) + " tensors are more than the " + std::to_string(kMaxTensors) + " read");
   if (metadata_count > r.left() / kMinMetadataBytes)
     r.fail(std::to_string(metadata_count) + " metadata entries cannot fit in the file");
   if (tensor_count > r.left() / kMinTensorInfoBytes)
@@ -296,10 +308,15 @@ File File::parse(const uint8_t* data, size_t size, const std::string& path) {
     Value v = r.value(ValueType(type), key, 0);
     if (!f.metadata_.emplace(key, std::move(v)).second) r.fail("metadata " + key + " appears twice");
   }
-  if (const Value* a = f.find("general.alignment")) {
-    if (!a->is_integer() || a->u == 0 || (a->u & (a->u - 1)) != 0 || a->u > (1u << 20))
+  if (f.find("general.alignment")) {
+    uint64_t alignment = 0;  // (any integer type, as every other integer of the file)
+    try {
+      alignment = f.uint("general.alignment");
+    } catch (const Error&) {  // (not a non-negative integer: refused below)
+    }
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > (1u << 20))
       r.fail("general.alignment must be a power of two of at most 1 MiB");
-    f.alignment_ = a->u;
+    f.alignment_ = alignment;
   } else {
     f.alignment_ = kDefaultAlignment;
   }
@@ -513,20 +530,10 @@ struct Out {
 }  // namespace
 
 void Writer::write(const std::string& path) const {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) throw Error(path + ": cannot create");
-  // Unless the file was written whole, it is removed: a half-written model
-  // must never be left behind looking like one.
-  struct Closer {
-    std::FILE*& f;
-    const std::string& path;
-    ~Closer() {
-      if (f) {
-        std::fclose(f);
-        std::remove(path.c_str());
-      }
-    }
-  } closer{f, path};
+  // (written whole or not at all: a half-written model must never be left
+  // behind looking like one, nor the file it replaces cut while it is read)
+  OutputFile file = OutputFile::create(path);
+  std::FILE* f = file.stream();
   {
     Out out{f, path};
     out.scalar<uint32_t>(kMagic);
@@ -563,12 +570,7 @@ void Writer::write(const std::string& path) const {
                     std::to_string(t.bytes));
     }
   }
-  const int closed = std::fclose(f);
-  f = nullptr;
-  if (closed != 0) {
-    std::remove(path.c_str());
-    throw Error(path + ": write failed");
-  }
+  file.commit();
 }
 
 }  // namespace disagg::gpu::gguf

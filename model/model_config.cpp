@@ -23,6 +23,8 @@ std::string validate(const ModelConfig& c) {
            std::to_string(c.n_heads) + ", kv heads " + std::to_string(c.n_kv_heads) + ", vocab " +
            std::to_string(c.vocab_size) + ", seq_len " + std::to_string(c.seq_len) + ")";
   }
+  if (c.seq_len > kMaxSeqLen)
+    return "context of " + std::to_string(c.seq_len) + " positions is above " + std::to_string(kMaxSeqLen);
   if (c.head_dim < 0) return "head_dim " + std::to_string(c.head_dim) + " is negative";
   if (c.head_dim == 0 && c.dim % c.n_heads != 0)
     return "dim " + std::to_string(c.dim) + " is not divisible by n_heads " + std::to_string(c.n_heads);

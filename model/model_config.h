@@ -62,6 +62,12 @@ std::vector<float> llama3_rope_factors(const ModelConfig& config, float factor, 
 // widths) before its tensors' shapes are checked.
 constexpr int kMaxHeadSize = 1 << 14;
 
+// The longest context a config may have (2,097,152 positions): the engine
+// computes RoPE's angles for every position at load (seq_len x head size
+// floats: 1 GiB at 2^21 x 128), so a file's context_length must not size
+// that table unchecked. Longer than any model this CPU engine could serve.
+constexpr int kMaxSeqLen = 1 << 21;
+
 // Empty string when the config is usable, else what is wrong with it.
 std::string validate(const ModelConfig& config);
 

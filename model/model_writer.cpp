@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gpu/error.h"
+#include "gpu/file_check.h"
 #include "model/safetensors.h"
 #include "gpu/fixed_math.h"
 #include "model/gguf.h"
@@ -177,7 +178,13 @@ class RandomSource final : public WeightSource {
   uint64_t state0_;
 };
 
-std::string errno_text() { return std::strerror(errno); }
+// A small file of a model directory, written whole or not at all.
+void write_text(const std::string& path, const std::string& text) {
+  OutputFile file = OutputFile::create(path);
+  if (std::fwrite(text.data(), 1, text.size(), file.stream()) != text.size())
+    throw Error(path + ": write failed: " + errno_text());
+  file.commit();
+}
 
 }  // namespace
 
@@ -215,7 +222,7 @@ void write_hf_directory(const WeightSource& weights, const std::string& dir, Fil
                         {"tie_word_embeddings", c.shared_classifier},
                         {"head_dim", c.head_size()},
                         {"torch_dtype", type == FileType::f32 ? "float32" : type == FileType::f16 ? "float16" : "bfloat16"}};
-  std::ofstream(std::filesystem::path(dir) / "config.json") << config.dump(2);
+  write_text((std::filesystem::path(dir) / "config.json").string(), config.dump(2));
 
   // Each tensor's bytes, rows in Hugging Face's order.
   std::vector<std::pair<std::string, safetensors::Input>> all;
@@ -253,7 +260,7 @@ void write_hf_directory(const WeightSource& weights, const std::string& dir, Fil
     }
     safetensors::write((std::filesystem::path(dir) / file).string(), part);
   }
-  if (shards > 1) std::ofstream(std::filesystem::path(dir) / "model.safetensors.index.json") << index.dump(2);
+  if (shards > 1) write_text((std::filesystem::path(dir) / "model.safetensors.index.json").string(), index.dump(2));
 }
 
 // ---------------------------------------------------------------- GGUF
@@ -348,22 +355,10 @@ void write_random_checkpoint(const std::string& path, const ModelConfig& config,
   if (layout.file_bytes() == std::numeric_limits<size_t>::max()) throw Error(path + ": model too large to write");
   const RandomSource weights(config, seed);
 
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) throw Error(path + ": cannot create: " + errno_text());
-  // Unless the file was written whole, it is removed: a half-written
-  // checkpoint must never be left behind looking like a model.
-  bool done = false;
-  struct Closer {
-    std::FILE* f;
-    const std::string& path;
-    bool& done;
-    ~Closer() {
-      if (!done) {
-        std::fclose(f);
-        std::remove(path.c_str());
-      }
-    }
-  } closer{f, path, done};
+  // (written whole or not at all: a half-written checkpoint must never be
+  // left behind looking like a model)
+  OutputFile file = OutputFile::create(path);
+  std::FILE* f = file.stream();
   auto bytes = [&](const void* data, size_t n) {
     if (std::fwrite(data, 1, n, f) != n) throw Error(path + ": write failed: " + errno_text());
   };
@@ -388,11 +383,7 @@ void write_random_checkpoint(const std::string& path, const ModelConfig& config,
         bytes(values.data(), values.size() * sizeof(float));
       }
   }
-  done = true;
-  if (std::fclose(f) != 0) {
-    std::remove(path.c_str());
-    throw Error(path + ": write failed: " + errno_text());
-  }
+  file.commit();
 }
 
 }  // namespace disagg::gpu

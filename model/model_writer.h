@@ -54,11 +54,6 @@ std::unique_ptr<WeightSource> checkpoint_weights(std::shared_ptr<const Checkpoin
 // seed gives the same model in either format.
 std::unique_ptr<WeightSource> random_weights(const ModelConfig& config, uint64_t seed);
 
-// A GGUF v3 file of the llama architecture (tensor names and metadata as
-// llama.cpp's converter writes them, general.name `name`) with `vocabulary`
-// (SentencePiece as `llama`, byte-level BPE as `gpt2`, with its chat
-// template) and the config's rope_factors as rope_freqs.weight. Throws
-// Error; a file not written whole is removed.
 // A Hugging Face model directory of `weights`: config.json and
 // model.safetensors (or `shards` files and model.safetensors.index.json),
 // matrices in `type` (f32, f16 or bf16; vectors f32), a llama model's q/k
@@ -67,11 +62,17 @@ std::unique_ptr<WeightSource> random_weights(const ModelConfig& config, uint64_t
 // other types are not written).
 void write_hf_directory(const WeightSource& weights, const std::string& dir, FileType type, int shards = 1);
 
+// A GGUF v3 file of the llama architecture (tensor names and metadata as
+// llama.cpp's converter writes them, general.name `name`) with `vocabulary`
+// (SentencePiece as `llama`, byte-level BPE as `gpt2`, with its chat
+// template) and the config's rope_factors as rope_freqs.weight. Throws
+// Error. Every writer here writes a file whole or not at all
+// (gpu::OutputFile): the file it replaces stays whole until the new one is
+// renamed over it, so `weights` may be read from that very file.
 void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const std::string& name,
                 const std::string& path, FileType type = FileType::f32);
 
-// A llama2.c checkpoint of random_weights(config, seed). Throws Error; a
-// file not written whole is removed.
+// A llama2.c checkpoint of random_weights(config, seed). Throws Error.
 void write_random_checkpoint(const std::string& path, const ModelConfig& config, uint64_t seed);
 
 }  // namespace disagg::gpu

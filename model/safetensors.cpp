@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpu/error.h"
+#include "gpu/file_check.h"
 #include "gpu/json_fields.h"
 
 namespace disagg::gpu::safetensors {
@@ -100,16 +101,13 @@ void write(const std::string& path, const std::map<std::string, Input>& tensors)
   }
   std::string text = header.dump();
   while (text.size() % 8 != 0) text += ' ';  // the data 8-byte aligned, as the reference writer pads
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) throw Error(path + ": cannot create");
+  OutputFile file = OutputFile::create(path);  // (whole or not at all)
+  std::FILE* f = file.stream();
   const uint64_t n = text.size();
   bool ok = std::fwrite(&n, 8, 1, f) == 1 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
   for (const auto& [name, t] : tensors) ok = ok && std::fwrite(t.data.data(), 1, t.data.size(), f) == t.data.size();
-  ok = std::fclose(f) == 0 && ok;
-  if (!ok) {
-    std::remove(path.c_str());
-    throw Error(path + ": write failed");
-  }
+  if (!ok) throw Error(path + ": write failed: " + errno_text());
+  file.commit();
 }
 
 }  // namespace disagg::gpu::safetensors

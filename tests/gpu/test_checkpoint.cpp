@@ -374,8 +374,8 @@ TEST_F(CheckpointFiles, HugeDimensionsReportTruncationNotOverflow) {
   // Products of these overflow 64 bits; the loader must still say "truncated".
   const std::string p = with_header_int(0, 1 << 30);
   auto bytes = read_bytes(p);
-  // (heads of 2^14 values: as wide as a head may be, model_config.h kMaxHeadSize)
-  const int32_t big[] = {1 << 30, 1 << 30, 1 << 30, 1 << 16, 1 << 16, 1 << 30, 1 << 30};
+  // (heads of 2^14 values: as wide as a head may be, model_config.h kMaxHeadSize; the longest context, kMaxSeqLen)
+  const int32_t big[] = {1 << 30, 1 << 30, 1 << 30, 1 << 16, 1 << 16, 1 << 30, kMaxSeqLen};
   std::memcpy(bytes.data(), big, sizeof big);
   write_bytes(p, bytes);
   expect_open_error(p, "truncated");

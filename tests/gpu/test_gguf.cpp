@@ -177,8 +177,10 @@ TEST(Gguf, BadFilesGetAnErrorNamingTheProblem) {
       {"magic", Bytes().put<uint32_t>(0x67676d6c).put<uint32_t>(3).b, "not a GGUF file"},
       {"version 1", Bytes().header(0, 0, 1).b, "GGUF version 1"},
       {"version 4", Bytes().header(0, 0, 4).b, "GGUF version 4"},
-      {"tensor count", Bytes().header(uint64_t(1) << 60, 0).b, "tensors cannot fit in the file"},
-      {"metadata count", Bytes().header(0, ~uint64_t(0)).b, "metadata entries cannot fit in the file"},
+      {"tensor count", Bytes().header(40000, 0).b, "tensors cannot fit in the file"},
+      {"metadata count", Bytes().header(0, 40000).b, "metadata entries cannot fit in the file"},
+      {"tensors in all", Bytes().header(uint64_t(1) << 60, 0).b, "1152921504606846976 tensors are more than the 65536 read"},
+      {"metadata in all", Bytes().header(0, 65537).zeros(65537 * 13).b, "65537 metadata entries are more than the 65536 read"},
       {"key length", Bytes().header(0, 1).put<uint64_t>(uint64_t(1) << 62).zeros(16).b,
        "metadata key of 4611686018427387904 bytes runs past the end"},
       {"value type", Bytes().header(0, 1).str("k").put<uint32_t>(13).zeros(8).b, "metadata k: unknown value type 13"},
@@ -203,6 +205,8 @@ TEST(Gguf, BadFilesGetAnErrorNamingTheProblem) {
        "metadata k appears twice"},
       {"alignment", Bytes().header(0, 1).str("general.alignment").put<uint32_t>(4).put<uint32_t>(48).b,
        "general.alignment must be a power of two"},
+      {"negative alignment", Bytes().header(0, 1).str("general.alignment").put<uint32_t>(5).put<int32_t>(-32).b,
+       "general.alignment must be a power of two"},
       {"no dims", Bytes().header(1, 0).tensor("w", {}, 0, 0).zeros(64).b, "tensor w: 0 dimensions"},
       {"five dims", Bytes().header(1, 0).tensor("w", {1, 1, 1, 1, 1}, 0, 0).zeros(64).b, "tensor w: 5 dimensions"},
       {"zero dim", Bytes().header(1, 0).tensor("w", {4, 0}, 0, 0).zeros(64).b, "tensor w: dimension 0 is zero"},
@@ -226,6 +230,15 @@ TEST(Gguf, BadFilesGetAnErrorNamingTheProblem) {
     const std::string e = error_of(c.bytes);
     EXPECT_EQ(e.rfind("bad.gguf: ", 0), 0u) << c.what << ": " << e;
     EXPECT_NE(e.find(c.expected), std::string::npos) << c.what << ": " << e;
+  }
+}
+
+// general.alignment as any integer type, as every other integer of the file
+// (a signed one was refused as "not a power of two").
+TEST(Gguf, TheAlignmentMayBeASignedInteger) {
+  for (const uint32_t type : {4u, 5u}) {  // u32, i32
+    const auto bytes = Bytes().header(0, 1).str("general.alignment").put<uint32_t>(type).put<uint32_t>(64).b;
+    EXPECT_EQ(File::parse(bytes.data(), bytes.size(), "a.gguf").alignment(), 64u) << "type " << type;
   }
 }
 
@@ -484,6 +497,8 @@ TEST(GgufModel, BadModelsGetAnErrorNamingTheKeyOrTensor) {
        }, "metadata llama.rope.freq_base = 1e+300 is out of range"},
       {"wide heads", [](ModelFile& m) { m.set("llama.attention.key_length", gguf::Writer::u32(1u << 30)); },
        "head size 1073741824 is above 16384"},
+      {"long context", [](ModelFile& m) { m.set("llama.context_length", gguf::Writer::u32(2147483647u)); },
+       "context of 2147483647 positions is above 2097152"},
       {"shape", [](ModelFile& m) { m.tensor("blk.0.attn_q.weight").dims = {64, 32}; },
        "tensor blk.0.attn_q.weight: shape [64, 32], the metadata says [64, 64]"},
       {"quantized norm", [](ModelFile& m) { m.tensor("blk.1.ffn_norm.weight").type = uint32_t(gguf::TensorType::q8_0); },

