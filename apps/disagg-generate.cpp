@@ -122,7 +122,7 @@ int run(const Options& o) {
     draft = std::make_unique<Engine>(Checkpoint::open(o.draft_model, o.weight_cache), engine_options);
     if (const std::string why = check_draft(engine.config(), draft->config()); !why.empty())
       throw Error("--draft-model: " + why);
-    spec = Speculation{draft_proposer(*draft, int(prompt.size()) + o.gen.max_new_tokens), o.speculation.num_tokens};
+    spec = Speculation{draft_proposer(*draft, int(prompt.size()), o.gen.max_new_tokens), o.speculation.num_tokens};
   }
   SpeculationStats stats;
   // Without --json the text streams: the prompt, then each token's piece as

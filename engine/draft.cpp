@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "engine/generate.h"
 #include "engine/sampling.h"
 
 namespace disagg::gpu {
@@ -16,8 +17,8 @@ std::string check_draft(const ModelConfig& target, const ModelConfig& draft) {
   return {};
 }
 
-DraftSequence::DraftSequence(Engine& draft, KvPool& pool, std::vector<int> blocks)
-    : engine_(&draft), pool_(&pool), blocks_(std::move(blocks)) {
+DraftSequence::DraftSequence(Engine& draft, KvPool& pool, std::vector<int> blocks, int catch_up)
+    : engine_(&draft), pool_(&pool), blocks_(std::move(blocks)), catch_up_(std::max(1, catch_up)) {
   capacity_ = std::min(int(blocks_.size()) * pool.block_size(), draft.config().seq_len);
 }
 
@@ -29,6 +30,12 @@ std::vector<int> DraftSequence::propose(const std::vector<int>& tokens, int max)
   // What it fed before and still holds, less the last token (whose logits it needs).
   const size_t same = size_t(std::mismatch(fed_.begin(), fed_.end(), tokens.begin(), tokens.end()).first - fed_.begin());
   const int from = std::min(int(same), len - 1);
+  if (len - from > catch_up_) {  // (far behind: a part now, the guesses at a later step)
+    engine_->prefill_chunk(*pool_, std::vector<int>(tokens.begin() + from, tokens.begin() + from + catch_up_), from,
+                           blocks_);
+    fed_.assign(tokens.begin(), tokens.begin() + from + catch_up_);
+    return {};
+  }
   std::vector<float> logits = engine_->prefill_chunk(
       *pool_, std::vector<int>(tokens.begin() + from, tokens.end()), from, blocks_);
   fed_.assign(tokens.begin(), tokens.end());
@@ -43,8 +50,9 @@ std::vector<int> DraftSequence::propose(const std::vector<int>& tokens, int max)
   return out;
 }
 
-Proposer draft_proposer(Engine& draft, int positions) {
+Proposer draft_proposer(Engine& draft, int prompt_len, int max_new_tokens) {
   const int bs = kDefaultBlockSize;
+  const int positions = kv_positions_needed(prompt_len, max_new_tokens, draft.config().seq_len);
   const int n = KvPool::blocks_for(std::max(1, positions), bs);
   auto pool = std::make_shared<KvPool>(draft.backend(), draft.kv_shape(draft.config().seq_len), bs, n);
   std::vector<int> blocks(static_cast<size_t>(n));

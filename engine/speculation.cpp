@@ -2,6 +2,7 @@
 #include "engine/speculation.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "engine/stop_rule.h"
 
@@ -165,9 +166,18 @@ std::vector<Sampled> verify_draft(const float* logits, int vocab, const std::vec
   const bool keep_history = sampling.uses_history();
   for (size_t i = 0; i <= draft.size(); ++i) {
     const uint64_t index = step + i;
-    std::shared_ptr<const grammar::TokenMask> mask;
-    if (!sampling.grammar.empty()) mask = mask_for(history, index);
-    made.push_back(sample(logits + i * size_t(vocab), vocab, sampling, index, history, end_tokens, mask.get()));
+    try {
+      std::shared_ptr<const grammar::TokenMask> mask;
+      if (!sampling.grammar.empty()) mask = mask_for(history, index);
+      made.push_back(sample(logits + i * size_t(vocab), vocab, sampling, index, history, end_tokens, mask.get()));
+    } catch (const std::runtime_error&) {
+      // (a grammar that allows no token here, say) Plain decoding makes
+      // the tokens before it, each in a step of its own, and fails here; so
+      // do we: what was made stands, and the next step, from the same
+      // history and logits, fails at its first row.
+      if (i == 0) throw;
+      return made;
+    }
     const int token = made.back().token;
     if (keep_history) history.push_back(token);
     const bool ends = index >= uint64_t(sampling.stop.min_tokens) && ends_generation(end_tokens, sampling.stop, token);

@@ -157,7 +157,10 @@ using MaskFor = std::function<std::shared_ptr<const grammar::TokenMask>(const st
 // the generation (engine/stop_rule.h: an end or stop token once min_tokens
 // are out). `history` (the request's tokens so far, when the sampling
 // reads them) gets each made token appended. The tokens made, 1..k+1 of
-// them: the caller applies the stop rule to each, in order.
+// them: the caller applies the stop rule to each, in order. A row whose
+// mask or sampling throws (a grammar that allows nothing there) throws if it
+// is the first; a later one ends the tokens made before it, as plain
+// decoding makes them before it fails at that row in a step of its own.
 std::vector<Sampled> verify_draft(const float* logits, int vocab, const std::vector<int>& draft,
                                   const SamplingParams& sampling, uint64_t step, std::vector<int>& history,
                                   const std::vector<int>& end_tokens, const MaskFor& mask_for);

@@ -4,6 +4,8 @@
 // wrong, random, n-gram lookup), greedy and sampled, with penalties, bias,
 // min_tokens and a grammar, on f32 and quantized weights.
 #include <gtest/gtest.h>
+
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include <memory>
@@ -374,9 +376,67 @@ TEST(DraftModel, GuessesAfterCorrectionsAreAFreshDraftsGuesses) {
   EXPECT_TRUE(running.propose(std::vector<int>(257, 5), 4).empty());
 }
 
+// A sequence far behind (a new one's prompt, a migrated one's output) is fed
+// `catch_up` tokens a call, guessing nothing until the rest fits in one, so no
+// step carries a whole prompt's draft prefill; its guesses then are those of
+// a draft that fed it all at once (the chunks' KV is the whole prefill's).
+TEST(DraftModel, AFarBehindSequenceCatchesUpOverSeveralSteps) {
+  Engine draft(stories());
+  KvPool pool = kv_pool_for(draft, 16, 32);
+  std::vector<int> a_blocks(16), b_blocks(16);
+  std::iota(a_blocks.begin(), a_blocks.end(), 0);
+  std::iota(b_blocks.begin(), b_blocks.end(), 16);
+  std::vector<int> tokens = test::load_all_reference_cases().front().prompt_tokens;
+  while (tokens.size() < 60) tokens.insert(tokens.end(), tokens.begin() + 1, tokens.end());
+  tokens.resize(60);
+  DraftSequence chunked(draft, pool, a_blocks, 16);
+  int empty = 0;
+  std::vector<int> guesses;
+  while ((guesses = chunked.propose(tokens, 4)).empty() && empty < 10) ++empty;
+  ASSERT_FALSE(guesses.empty());
+  EXPECT_EQ(empty, 3) << "59 tokens to feed before the last: 16, 16, 16, then 11 and the guesses";
+  DraftSequence whole(draft, pool, b_blocks);
+  EXPECT_EQ(guesses, whole.propose(tokens, 4));
+}
+
 // The target model as its own draft guesses right every time (greedy); a
 // draft with random weights mostly wrong: the tokens are plain decoding's
 // either way.
+// A row whose grammar allows nothing (its mask throws): plain decoding
+// makes the tokens before it, each in a step of its own, then fails there;
+// a verification makes the same tokens (they were dropped with the error)
+// and fails only when that row is its first.
+TEST(Verification, ARowThatFailsEndsTheTokensMadeBeforeIt) {
+  constexpr int kVocab = 8;
+  const std::vector<int> draft = {3, 5, 1};
+  std::vector<float> logits(size_t(kVocab) * (draft.size() + 1), 0.0f);
+  for (size_t i = 0; i < draft.size(); ++i) logits[i * kVocab + size_t(draft[i])] = 4.0f;  // (greedy: every guess right)
+  logits[draft.size() * kVocab + 6] = 4.0f;
+  SamplingParams greedy;
+  greedy.grammar = "(any)";
+  auto all = std::make_shared<grammar::TokenMask>();
+  all->bits.assign(1, (uint64_t(1) << kVocab) - 1);
+  all->allowed = kVocab;
+  for (const uint64_t failing : {uint64_t(12), uint64_t(10), uint64_t(99)}) {
+    SCOPED_TRACE(failing);
+    std::vector<int> history;
+    const MaskFor mask_for = [&](const std::vector<int>&, uint64_t index) -> std::shared_ptr<const grammar::TokenMask> {
+      if (index == failing) throw Error("the grammar allows no token here");
+      return all;
+    };
+    if (failing == 10) {
+      EXPECT_THROW(verify_draft(logits.data(), kVocab, draft, greedy, 10, history, {}, mask_for), Error)
+          << "its first row: the step fails, as plain decoding's";
+      continue;
+    }
+    const std::vector<Sampled> made = verify_draft(logits.data(), kVocab, draft, greedy, 10, history, {}, mask_for);
+    std::vector<int> tokens;
+    for (const Sampled& m : made) tokens.push_back(m.token);
+    EXPECT_EQ(tokens, failing == 12 ? std::vector<int>({3, 5}) : std::vector<int>({3, 5, 1, 6}));
+    EXPECT_EQ(history, tokens);
+  }
+}
+
 TEST(DraftModel, AnyDraftGivesThePlainTokens) {
   Engine engine(stories());
   Engine same(stories());
@@ -396,8 +456,7 @@ TEST(DraftModel, AnyDraftGivesThePlainTokens) {
       }
       const GenerateResult plain = generate(engine, c.prompt_tokens, 60, s);
       for (Engine* draft : {&same, &other}) {
-        const int positions = int(c.prompt_tokens.size()) + 60;
-        const Speculation spec{draft_proposer(*draft, positions), 4};
+        const Speculation spec{draft_proposer(*draft, int(c.prompt_tokens.size()), 60), 4};
         SpeculationStats stats;
         expect_same(plain, generate_speculative(engine, c.prompt_tokens, 60, s, &spec, nullptr, &stats));
         if (draft == &same && !sampled) EXPECT_EQ(stats.accepted, stats.proposed) << "its own draft is always right";
@@ -405,6 +464,12 @@ TEST(DraftModel, AnyDraftGivesThePlainTokens) {
       }
     }
   }
+  // Sized by the draft's context, not by what a user asks for (its pool was
+  // prompt + max_new_tokens positions: terabytes, or a wrapped int, at INT_MAX).
+  const Speculation unbounded{draft_proposer(other, 8, std::numeric_limits<int>::max()), 4};
+  const std::vector<int> prompt = test::load_all_reference_cases().front().prompt_tokens;
+  expect_same(generate(engine, prompt, 20, SamplingParams{}),
+              generate_speculative(engine, prompt, 20, SamplingParams{}, &unbounded));
   ModelConfig fewer = shape;
   fewer.vocab_size = 300;
   EXPECT_NE(check_draft(engine.config(), fewer), "");
