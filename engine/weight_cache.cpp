@@ -149,14 +149,31 @@ int lock_file(const std::string& path, std::string* why) {
   return fd;
 }
 
-// Temporary files (`<name>.tmp.<pid>`) a builder that died left behind.
-// Called under the lock, when no builder can be writing one.
-void remove_leftovers(const std::string& folder, const std::string& name) {
+// Temporary files (`<name>.tmp.<pid>`, each the size of a whole cache) a
+// builder that died left behind: this cache's (called under its lock, when
+// no builder can be writing one), and those of the same model file's other
+// caches (an earlier version's fingerprint, an earlier layout: nobody would
+// build those again) that nobody has written for longer than a build may take
+// (kBuildWait: then a builder is given up on; one of them may be building
+// under its own lock).
+void remove_leftovers(const std::string& folder, const std::string& name, const std::string& model_name) {
   DIR* dir = ::opendir(folder.c_str());
   if (!dir) return;
-  const std::string prefix = name + ".tmp.";
-  while (const dirent* e = ::readdir(dir))
-    if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) ::unlink((folder + "/" + e->d_name).c_str());
+  const std::string ours = name + ".tmp.", theirs = model_name + ".", temporary = ".wcache.tmp.";
+  const auto now = std::chrono::system_clock::now();
+  while (const dirent* e = ::readdir(dir)) {
+    const std::string file = e->d_name, at = folder + "/" + file;
+    if (file.compare(0, ours.size(), ours) == 0) {
+      ::unlink(at.c_str());
+      continue;
+    }
+    struct stat st {};
+    if (file.compare(0, theirs.size(), theirs) != 0 || file.find(temporary, theirs.size()) == std::string::npos ||
+        ::lstat(at.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+      continue;
+    const auto written = std::chrono::system_clock::time_point(std::chrono::seconds(st.st_mtim.tv_sec));
+    if (now - written > kBuildWait) ::unlink(at.c_str());
+  }
   ::closedir(dir);
 }
 
@@ -228,7 +245,7 @@ std::unique_ptr<WeightCache> WeightCache::open(const std::string& folder, const 
   if (try_existing(true)) return mapped();
 
   const std::string name = std::filesystem::path(path).filename().string();
-  remove_leftovers(dir, name);
+  remove_leftovers(dir, name, std::filesystem::path(model_side_file(key.model_path, folder, "")).filename().string());
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {

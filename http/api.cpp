@@ -294,17 +294,11 @@ json parse_body(const std::string& text, const ServedModel& model) {
 
   if (const json* m = field(body, "model")) {
     expect_type(m->is_string(), "model", "a string", *m);
-    if (m->get_ref<const std::string&>() != model.name) {
-      ApiError e;
-      e.status = 404;
-      e.message = "The model " + quote(*m) + " does not exist (this server serves `" + model.name + "`).";
-      e.param = "model";
-      e.code = "model_not_found";
-      throw e;
-    }
+    if (m->get_ref<const std::string&>() != model.name) throw model_not_found(m->get_ref<const std::string&>(), model);
   }
   return body;
 }
+
 
 // A token's text after `previous` ("" for an id the tokenizer lacks).
 std::string piece_after(const gpu::Tokenizer& tokenizer, int32_t previous, int32_t token) {
@@ -930,14 +924,29 @@ json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, cons
           {"usage", usage_json(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}};
 }
 
-json models_response(const ServedModel& model) {
-  return {{"object", "list"},
-          {"data", json::array({{{"id", model.name},
-                                 {"object", "model"},
-                                 {"created", model.created},
-                                 {"owned_by", "disagg"},
-                                 {"root", model.name},
-                                 {"max_model_len", model.seq_len}}})}};
+ApiError model_not_found(const std::string& asked, const ServedModel& model) {
+  ApiError e;
+  e.status = 404;
+  e.message = "The model " + quote(json(asked)) + " does not exist (this server serves `" + model.name + "`).";
+  e.param = "model";
+  e.code = "model_not_found";
+  return e;
+}
+
+json model_json(const ServedModel& model) {
+  return {{"id", model.name},
+          {"object", "model"},
+          {"created", model.created},
+          {"owned_by", "disagg"},
+          {"root", model.name},
+          {"max_model_len", model.seq_len}};
+}
+
+json models_response(const ServedModel& model) { return {{"object", "list"}, {"data", json::array({model_json(model)})}}; }
+
+json model_response(const ServedModel& model, const std::string& id) {
+  if (id != model.name) throw model_not_found(id, model);
+  return model_json(model);
 }
 
 

@@ -288,7 +288,12 @@ json stream_chunk(Endpoint endpoint, const std::string& id, int64_t created, con
 json usage_chunk(Endpoint endpoint, const std::string& id, int64_t created, const std::string& model,
                  int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens = 0,
                  int64_t reasoning_tokens = -1);
+// GET /v1/models: the list of the one served model; GET /v1/models/{id}:
+// that model (OpenAI's model object), or 404 model_not_found for another id.
 json models_response(const ServedModel& model);
+json model_response(const ServedModel& model, const std::string& id);
+// The 404 of a request for a model this server does not serve ("model").
+ApiError model_not_found(const std::string& asked, const ServedModel& model);
 
 // Of `ids` (decoded one after another from `previous`), how many begin
 // within the text's first `bytes` (a thought's tokens: usage's reasoning_tokens).

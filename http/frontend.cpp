@@ -31,6 +31,7 @@
 #include "http/api.h"
 #include "http/generation.h"
 #include "http/responses.h"
+#include "http/target.h"
 #include "metrics/disagg_metrics.h"
 
 namespace disagg::http {
@@ -61,6 +62,9 @@ constexpr auto kHealthTimeout = 2s;
 // After SIGTERM: how long requests still in flight get to end (they are
 // cancelled first) before the process stops anyway.
 constexpr auto kShutdownDrain = 5s;
+// GET kModelPath + an id: that model's object.
+const std::string kModelPath = "/v1/models/";
+
 // Hex digits of a response id ("cmpl-<id>").
 constexpr int kIdHexDigits = 16;
 
@@ -255,6 +259,15 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
       }
     } else if (path == "/v1/models") {
       if (only(bhttp::verb::get)) send_json(200, models_response(fe_.model));
+    } else if (path.rfind(kModelPath, 0) == 0) {  // OpenAI's "retrieve model": the id may be an encoded "org/name"
+      if (only(bhttp::verb::get)) {
+        try {
+          const std::optional<std::string> decoded = decoded_path(target);
+          send_json(200, model_response(fe_.model, decoded ? decoded->substr(kModelPath.size()) : std::string()));
+        } catch (const ApiError& e) {
+          send_error(e);
+        }
+      }
     } else if (path == "/health") {
       if (only(bhttp::verb::get)) health();
     } else if (path == "/metrics") {

@@ -959,6 +959,11 @@ TEST(HttpFrontend, OfficialOpenAiNodeClient) {
   EXPECT_EQ(got["streamed_chat_role"], "assistant");
   EXPECT_EQ(got["not_found"]["status"], 404);
   EXPECT_EQ(got["not_found"]["code"], "model_not_found");
+  EXPECT_EQ(got["retrieved"], json::parse(R"({"id": "stories260K", "object": "model"})"));
+  EXPECT_EQ(got["retrieve_not_found"]["status"], 404);
+  EXPECT_EQ(got["retrieve_not_found"]["code"], "model_not_found");
+  EXPECT_NE(got["retrieve_not_found"]["message"].get<std::string>().find("\"org/no-such-model\""), std::string::npos)
+      << "the id decoded: " << got["retrieve_not_found"];
   EXPECT_TRUE(cluster.stop_all());
 }
 

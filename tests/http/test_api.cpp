@@ -11,6 +11,7 @@
 #include "grammar/matcher.h"
 #include "http/api.h"
 #include "http/generation.h"
+#include "http/target.h"
 #include "caf/all.hpp"
 #include "metrics/disagg_metrics.h"
 #include "support/adversarial_json.h"
@@ -359,6 +360,24 @@ TEST(HttpApi, AWholeReplysLogProbabilitiesAreBounded) {
   } catch (const ApiError& e) {
     EXPECT_EQ(e.param, "logprobs");
   }
+}
+
+// GET /v1/models/{id}: the served model's object, another id a 404; the id
+// is read from the target percent-decoded (an "org/name" comes encoded).
+TEST(HttpApi, RetrievingAModel) {
+  const ServedModel m = model();
+  EXPECT_EQ(model_response(m, m.name), models_response(m)["data"][0]);
+  try {
+    model_response(m, "org/other");
+    ADD_FAILURE() << "no error for another model";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 404);
+    EXPECT_EQ(e.code, "model_not_found");
+    EXPECT_NE(e.message.find("\"org/other\""), std::string::npos) << e.message;
+  }
+  EXPECT_EQ(decoded_path("/v1/models/org%2Fname?x=%2F"), "/v1/models/org/name");
+  EXPECT_EQ(decoded_path("/v1/models/plain"), "/v1/models/plain");
+  EXPECT_EQ(decoded_path("no target"), std::nullopt);
 }
 
 TEST(HttpApi, TokenizeAndDetokenizeRoundTrip) {

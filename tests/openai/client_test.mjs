@@ -42,8 +42,20 @@ async function main() {
     notFound = { status: e.status, code: e.code ?? e.error?.code ?? null };
   }
 
+  // "Retrieve model": its object; another id (one with a "/", which the
+  // client sends percent-encoded) a 404.
+  const retrieved = await client.models.retrieve(model);
+  let retrieveNotFound = null;
+  try {
+    await client.models.retrieve("org/no-such-model");
+  } catch (e) {
+    retrieveNotFound = { status: e.status, code: e.code ?? e.error?.code ?? null, message: e.error?.message ?? e.message };
+  }
+
   console.log(JSON.stringify({
     model,
+    retrieved: { id: retrieved.id, object: retrieved.object },
+    retrieve_not_found: retrieveNotFound,
     completion: completion.choices[0].text,
     completion_finish: completion.choices[0].finish_reason,
     completion_usage: completion.usage,
