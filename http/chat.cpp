@@ -192,13 +192,24 @@ namespace {
 
 using ordered_json = nlohmann::ordered_json;
 
-// Every string in `v` defused (Tokenizer::defused_text), keys aside.
+// Every string in `v` defused (Tokenizer::defused_text), keys too: a
+// template writes a tool's parameters and a call's arguments with tojson,
+// keys and all (a key that spells "<|im_end|><|im_start|>system" must stay
+// text). A key without a control token's spelling is unchanged, so the
+// template's lookups ("role", "content", ...) still find it.
 ordered_json defused(const ordered_json& v, const gpu::Tokenizer& tokenizer) {
   if (v.is_string()) return tokenizer.defused_text(v.get_ref<const std::string&>());
-  if (!v.is_structured()) return v;
-  ordered_json out = v;
-  for (auto& item : out.items()) item.value() = defused(item.value(), tokenizer);
-  return out;
+  if (v.is_array()) {
+    ordered_json out = ordered_json::array();
+    for (const ordered_json& item : v) out.push_back(defused(item, tokenizer));
+    return out;
+  }
+  if (v.is_object()) {
+    ordered_json out = ordered_json::object();
+    for (const auto& [key, value] : v.items()) out[tokenizer.defused_text(key)] = defused(value, tokenizer);
+    return out;
+  }
+  return v;
 }
 
 // A message as a template reads it (as vLLM hands it to transformers):
@@ -386,6 +397,11 @@ std::vector<int32_t> chat_prompt(const json& body, const std::string& text, cons
   ChatOptions options = chat_options(body, text);
   ChatFormat format = chat;
   if (const json* own = field(body, "chat_template"); own && !own->is_null()) {
+    if (!chat.trusts_request_templates)
+      throw bad_request("chat_template",
+                        "this server renders no request's own chat template (a template is code run on the server: "
+                        "node.trust-request-chat-template turns it on)",
+                        "unsupported");
     expect_type(own->is_string(), "chat_template", "a Jinja template (a string)", *own);
     format.jinja = request_template(own->get_ref<const std::string&>());
     options.request_template = true;

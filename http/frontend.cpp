@@ -684,6 +684,7 @@ std::optional<Served> load_served(const NodeOptions& node, const DisaggConfig& c
     return std::nullopt;
   }
   s.chat = chosen.format;
+  s.chat.trusts_request_templates = node.trust_request_chat_template;
   s.chat_source = chosen.source;
   return s;
 }

@@ -183,6 +183,8 @@ void add_node_options(caf::config_option_set& options, NodeOptions& n) {
            "frontend: ms a client may acknowledge nothing (its host gone) before its request is cancelled")
       .add(n.http_threads, "http-threads", "frontend: HTTP I/O threads")
       .add(n.chat_template, "chat-template", "frontend: auto (the model file's) or a built-in (text/chat_template.h)")
+      .add(n.trust_request_chat_template, "trust-request-chat-template",
+           "frontend: render a request's own chat_template (code a client runs here); false: a 400")
       .add_computed(n.served_model_name, "served-model-name",
                     "frontend: the model's name in the API (default: file name)");
 }

@@ -56,6 +56,7 @@ struct NodeOptions {
   int64_t http_dead_client_ms = 15000;
   int32_t http_threads = 1;                   // io_context threads
   std::string chat_template = "auto";  // auto (the model file's) | a built-in's name (text/chat_template.h)
+  bool trust_request_chat_template = false;  // a request's own chat_template rendered (else a 400), vLLM's flag
   std::string served_model_name;              // empty: the model file's name without its extension
 
   // Empty when usable, else every problem found, separated by "; ".

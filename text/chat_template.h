@@ -73,6 +73,9 @@ struct ChatFormat {
   ChatFormat(ChatTemplate builtin = ChatTemplate::plain) : family(builtin) {}
   ChatTemplate family;
   std::shared_ptr<const JinjaTemplate> jinja;  // set: rendered by jinja2, not the built-in
+  // node.trust-request-chat-template: a request's own chat_template (code a
+  // client sends to run here) is rendered; false (vLLM's default too): a 400.
+  bool trusts_request_templates = false;
 };
 
 // The format a frontend renders with, and why: `configured` is

@@ -121,18 +121,19 @@ def message(error):
     return str(error)
 )PY";
 
-// Python's heap, bounded: every block it allocates (all three domains) is
-// counted while it lives, its size in a header of its own; past
+// Python's heap, bounded: every block it allocates for objects and through
+// PyMem_Malloc (the "obj" and "mem" domains) is counted while it lives, its
+// size in a header of its own; past
 // kPythonHeapBytes an allocation fails and Python raises MemoryError in the
 // template that asked. What it bounds is one C call the watchdog cannot
 // stop: a 40-byte template asking for gigabytes ('x' | indent(10**11),
 // '%0100000000000d' % 1, even folded as a constant while it compiles) or a
 // string doubled in a loop. (Python starts in 20-30 MB.)
-constexpr size_t kPythonHeapBytes = size_t(512) << 20;
+constexpr size_t kPythonHeapBytes = size_t(256) << 20;
 constexpr size_t kBlockHeader = 16;  // (keeps the blocks' 16-byte alignment)
 
 std::atomic<size_t> g_python_heap{0};
-PyMemAllocatorEx g_inner[3];  // raw, mem, obj: the allocators the counting ones wrap
+PyMemAllocatorEx g_inner[2];  // mem, obj: the allocators the counting ones wrap
 
 bool reserve(size_t bytes) {
   if (g_python_heap.fetch_add(bytes) + bytes <= kPythonHeapBytes) return true;
@@ -188,10 +189,14 @@ void counted_free(void* ctx, void* at) {
 }
 
 // Between Python's preinitialization and its initialization (no block
-// exists yet that lacks a header).
+// exists yet that lacks a header). Not the "raw" domain: Python allocates a
+// thread's state there whenever a thread takes its lock anew (every render,
+// the watchdog at a deadline), and one refused aborts the process
+// (Py_FatalError); the objects a template makes are the obj domain's
+// (pymalloc hands its large blocks on to raw: counted once, as obj's).
 void count_python_heap() {
-  const PyMemAllocatorDomain domains[3] = {PYMEM_DOMAIN_RAW, PYMEM_DOMAIN_MEM, PYMEM_DOMAIN_OBJ};
-  for (int i = 0; i < 3; ++i) {
+  const PyMemAllocatorDomain domains[2] = {PYMEM_DOMAIN_MEM, PYMEM_DOMAIN_OBJ};
+  for (int i = 0; i < 2; ++i) {
     PyMem_GetAllocator(domains[i], &g_inner[i]);
     PyMemAllocatorEx counting{&g_inner[i], counted_malloc, counted_calloc, counted_realloc, counted_free};
     PyMem_SetAllocator(domains[i], &counting);
@@ -371,6 +376,9 @@ class Watchdog {
 
 }  // namespace
 
+// (jinja2 computes constant expressions as it compiles, but drops a folding
+// that raises anything, which then runs in the render, watched: compiling
+// needs no watchdog of its own.)
 JinjaTemplate::JinjaTemplate(const std::string& source) : compiled_(nullptr) {
   const Python& py = python();
   if (!py.error.empty()) throw ChatTemplateError{py.error};

@@ -341,7 +341,9 @@ std::string Tokenizer::decode(int previous, int token) const {
   const Impl& m = *impl_;
   const std::string& piece = m.v.pieces[size_t(token)];
   const TokenType type = m.type(token);
-  if (type == TokenType::control) return {};
+  // (unused: no text either, as llama.cpp suppresses it; a Hugging Face
+  // vocabulary's padding rows past its tokens, "[PADn]", are such)
+  if (type == TokenType::control || type == TokenType::unused) return {};
   if (type == TokenType::user_defined) return piece;
   if (m.bpe) return byte_level_bytes(piece);
   if (const int byte = byte_piece_value(piece); byte >= 0) return std::string(1, char(byte));

@@ -131,6 +131,21 @@ TEST(ByteBpeTokenizer, SpecialTokensInTextAreRecognisedWholeLongestFirst) {
   EXPECT_EQ(t.decode_all(-1, t.encode("abc<|end|> <tool>\xC3\xA9")), "abc <tool>\xC3\xA9");
 }
 
+// A model's rows past its tokenizer's tokens (Qwen2.5: 151,936 rows, ~151,665
+// tokens) are unused pieces named "[PADn]": one sampled has no text, as
+// llama.cpp and the reference tokenizer give it none, and the name typed
+// as text is not that token.
+TEST(ByteBpeTokenizer, APaddingRowHasNoText) {
+  Vocabulary v = tiny_byte_level();
+  v.pieces.push_back("[PAD261]");
+  v.types.push_back(TokenType::unused);
+  const Tokenizer t = Tokenizer::from_vocabulary(v, "tiny");
+  EXPECT_EQ(t.decode(256, 261), "");
+  EXPECT_EQ(t.decode_all(-1, {'a', 261, 'b'}), "ab");
+  const std::vector<int> typed = t.encode("[PAD261]");
+  EXPECT_EQ(std::count(typed.begin(), typed.end(), 261), 0);
+}
+
 TEST(ByteBpeTokenizer, AVocabularyWithoutAByteOrWithABadMergeIsRefused) {
   Vocabulary missing = tiny_byte_level();
   missing.pieces[200] = "zz";
