@@ -976,6 +976,7 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
       [=](kv_atom, KvTransfer& transfer) { return admit(self, transfer); },
       [=](prefill_atom, PrefillJob& job) { return prefill_here(self, job); },
       [=](lease_atom, RequestId id, uint64_t serial) {
+        if (!from_itself(self)) return;  // (a peer's: only this worker's own timer ends a lease)
         auto it = find_in<Reservation>(self->state, id);
         if (it == self->state.requests.end() || std::get<Reservation>(it->second).serial != serial)
           return;  // filled or gone

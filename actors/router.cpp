@@ -670,7 +670,9 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
       a.prefill_key = 0;
       a.local_prefill = true;
     }
+    const bool slot_freed = a.local_prefill;
     send_prefill_job(self, id, std::move(reply.target));
+    if (slot_freed) dispatch(self);  // (a request that waits for that prefill slot goes now)
     return;
   }
   // Refused or unanswered: no job went out.
@@ -1181,10 +1183,6 @@ void on_kv_events(Self self, KvEvents& events) {
 
 // A request's deadline: its attempt (serial) still running fails, unless
 // only a report was missing and its tokens are final.
-// Whether the message being handled is one of the router's own timers
-// (delayed_send to itself): the interface lets anyone send them.
-bool from_itself(Self self) { return self->current_sender() == self->ctrl(); }
-
 void on_deadline(Self self, RequestId id, uint64_t serial) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end() || it->second.serial != serial) return;

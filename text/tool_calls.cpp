@@ -42,12 +42,16 @@ std::optional<json> parse_call(const std::string& text) {
   return j;
 }
 
-// {"name": string, "arguments"|"parameters": object} as a call.
+// {"name": string, "arguments"|"parameters": object} as a call; {"name":
+// string} alone as one without arguments. Another object with a "name"
+// ({"name": "Bob", "age": 3}: data the model wrote) is no call, as vLLM's
+// parsers, which need the arguments, take it.
 bool call_of(const json& j, ToolCall& out) {
   if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
   const json* args = nullptr;
   if (j.contains("arguments")) args = &j["arguments"];
   else if (j.contains("parameters")) args = &j["parameters"];
+  else if (j.size() != 1) return false;
   std::optional<json> parsed;
   if (args && args->is_string()) {  // (some models write the arguments as a JSON string)
     parsed = parse_call(args->get<std::string>());
@@ -92,10 +96,14 @@ ParsedOutput llama3(const std::string& text) {
   // One object, or several separated by ";" or newlines.
   ParsedOutput out;
   size_t at = 0;
+  // (one copy of the body, each object read from where the last ended: a
+  // copy of the rest per object was quadratic in a long run of calls)
+  std::istringstream in(body);
   while (at < body.size()) {
     // The object from `at` (one parse that stops where it ends; a parse of
     // each prefix ending in '}' was quadratic in the output).
-    std::istringstream in(body.substr(at));
+    in.clear();
+    in.seekg(std::streamoff(at));
     json j;
     try {
       in >> j;
@@ -103,7 +111,7 @@ ParsedOutput llama3(const std::string& text) {
       return {text, {}};
     }
     const std::streamoff used = in.tellg();
-    const size_t end = used < 0 ? body.size() : at + size_t(used);
+    const size_t end = used < 0 ? body.size() : size_t(used);
     ToolCall call;
     if (!shallow(j) || !call_of(j, call)) return {text, {}};
     out.calls.push_back(std::move(call));

@@ -389,6 +389,43 @@ TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
+// A decode worker's lease timer (lease_atom) is its own too: from a peer,
+// for every serial, it ends no reservation (else any holder of the worker's
+// handle could drop live reservations, their commits then refused).
+TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
+  const DisaggConfig config = shared_model_config(1, 1);
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  ComputeSpec spec;
+  spec.checkpoint = gpu::Checkpoint::open(shared_model());
+  spec.pool_block_size = 16;
+  spec.pool_blocks = 64;
+  const decode_actor worker = spawn_decode(*system_, config, spawn_compute(*system_, spec), router, "leased");
+  caf::scoped_actor outsider{*system_};
+  auto free_blocks = [&] {
+    int32_t free = -1;
+    outsider->request(worker, std::chrono::seconds(5), status_atom::value)
+        .receive([&](const DecodeLoad& l) { free = l.free_blocks; }, [](caf::error&) {});
+    return free;
+  };
+  const int32_t all = free_blocks();
+  KvReservation r;
+  r.id = 0x1EA5E;
+  r.positions = 40;  // 3 blocks
+  r.prompt_len = 8;
+  r.lease_ms = 60000;
+  bool reserved = false;
+  outsider->request(worker, std::chrono::seconds(5), reserve_atom::value, r)
+      .receive([&](const ReserveReply& reply) { reserved = reply.code == ErrorCode::none; }, [](caf::error&) {});
+  ASSERT_TRUE(reserved);
+  ASSERT_EQ(free_blocks(), all - 3);
+  for (uint64_t serial = 0; serial < 64; ++serial) outsider->send(worker, lease_atom::value, r.id, serial);
+  EXPECT_EQ(free_blocks(), all - 3) << "(one sender's messages arrive in order: the status comes after them)";
+  outsider->send(worker, cancel_atom::value, r.id);
+  EXPECT_EQ(free_blocks(), all);
+  caf::anon_send_exit(worker, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
+}
+
 TEST_F(ActorTest, InvalidRequestsAreRejected) {
   start(1, 1);
   struct Case {

@@ -30,7 +30,12 @@ TEST(ToolCalls, Llama3JsonCallsWithAndWithoutThePythonTag) {
   // Braces inside strings do not end the object early.
   expect_calls(parse_tool_calls(ToolSyntax::llama3, R"({"name": "echo", "parameters": {"text": "} {"}})"),
                {{"echo", {{"text", "} {"}}}});
-  for (const char* content : {"The answer is {42}.", R"({"no_name": 1})", R"({"name": "x", "parameters": [1]})", "plain text"}) {
+  // A name alone is a call without arguments; a name among other data is none.
+  expect_calls(parse_tool_calls(ToolSyntax::llama3, R"({"name": "now"})"), {{"now", json::object()}});
+  expect_calls(parse_tool_calls(ToolSyntax::llama3, R"({"name": "a", "arguments": {}};{"name": "b"} {"name": "c", "parameters": {"y": 2}})"),
+               {{"a", json::object()}, {"b", json::object()}, {"c", {{"y", 2}}}});
+  for (const char* content : {"The answer is {42}.", R"({"no_name": 1})", R"({"name": "x", "parameters": [1]})", "plain text",
+                              R"({"name": "Bob", "age": 3})"}) {
     const ParsedOutput out = parse_tool_calls(ToolSyntax::llama3, content);
     EXPECT_TRUE(out.calls.empty()) << content;
     EXPECT_EQ(out.content, content);
