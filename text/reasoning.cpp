@@ -53,8 +53,12 @@ Reasoned ReasoningStream::add(const std::string& piece) {
     switch (phase_) {
       case Phase::start: {
         // (spaces and newlines, then what may be <think>, wait)
-        const size_t lead = pending_.find_first_not_of(kSpaces);
-        if (lead == std::string::npos) return out;
+        // (from the first not seen before: a long run of them is read once)
+        const size_t lead = pending_.find_first_not_of(kSpaces, spaces_);
+        if (lead == std::string::npos) {
+          spaces_ = pending_.size();
+          return out;
+        }
         const size_t rest = pending_.size() - lead;
         if (rest < kOpen.size() && kOpen.compare(0, rest, pending_, lead, rest) == 0) return out;
         if (pending_.compare(lead, kOpen.size(), kOpen) == 0) {

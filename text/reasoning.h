@@ -44,6 +44,7 @@ class ReasoningStream {
   ReasoningSyntax syntax_;
   Phase phase_;
   std::string pending_;
+  size_t spaces_ = 0;  // start: how many of pending_'s first bytes are known spaces and newlines
 };
 
 }  // namespace disagg::gpu

@@ -169,7 +169,12 @@ class SpecialTokens {
 
 struct Tokenizer::Impl {
   Vocabulary v;
-  std::unordered_map<std::string, int> lookup;  // sentencepiece: piece -> id
+  // sentencepiece: piece -> id, of the pieces text is spelled and merged
+  // into: not control, unknown, byte or unused ones (where the vocabulary
+  // says which), which SentencePiece never makes from text; so text that
+  // spells "</s>" or "<0x0A>" stays that text, as the reference tokenizers
+  // have it (and a defused control token's spelling cannot merge back into it).
+  std::unordered_map<std::string, int> lookup;
   SpecialTokens special;
   std::unique_ptr<ByteBpe> bpe;
 
@@ -198,7 +203,11 @@ Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary, const std::string& p
         throw Error(path + ": piece " + std::to_string(b + kByteTokenOffset) + " should be the byte piece for " +
                     std::to_string(b));
     impl->lookup.reserve(v.pieces.size());
-    for (int i = 0; i < n; ++i) impl->lookup.emplace(v.pieces[size_t(i)], i);  // first id wins on duplicates
+    for (int i = 0; i < n; ++i) {
+      const TokenType type = impl->type(i);
+      if (type == TokenType::normal || type == TokenType::user_defined)
+        impl->lookup.emplace(v.pieces[size_t(i)], i);  // first id wins on duplicates
+    }
   } else {
     impl->bpe = std::make_unique<ByteBpe>(v.pieces, v.merges, pre_tokenizer(v.pre), path);
   }

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -218,6 +219,42 @@ TEST(DefusedText, ControlTokenTextInAMessageIsEncodedAsPlainText) {
   EXPECT_EQ(std::count(ids.begin(), ids.end(), 128006), 1);  // <|start_header_id|>: the template's
   EXPECT_EQ(std::count(ids.begin(), ids.end(), 128009), 1);  // <|eot_id|>: the template's
   EXPECT_EQ(ids.front(), 128000);
+}
+
+// SentencePiece makes no control, unknown or byte piece from text: a
+// vocabulary whose normal pieces "</" and "s>" merge into the spelling of
+// its control "</s>", or "<0x" and "0A>" into a byte piece's, keeps them
+// apart, so a defused "</s>" stays text (it merged back into the control
+// id once its marks were gone) and "<0x0A>" typed is not a newline.
+TEST(DefusedText, SentencePieceMergesMakeNoControlOrBytePiece) {
+  Vocabulary v;
+  v.model = TokenizerModel::sentencepiece;
+  v.pieces = {"<unk>", "<s>", "</s>"};
+  v.types = {TokenType::unknown, TokenType::control, TokenType::control};
+  for (int b = 0; b < 256; ++b) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "<0x%02X>", b);
+    v.pieces.push_back(hex);
+    v.types.push_back(TokenType::byte);
+  }
+  for (const char* p : {" ", "<", "/", "s", ">", "0", "x", "A", "</", "s>", "<0", "<0x", "0A", "0A>"}) {
+    v.pieces.push_back(p);
+    v.types.push_back(TokenType::normal);
+  }
+  v.scores.assign(v.pieces.size(), 0.0f);
+  for (size_t i = 259; i < v.pieces.size(); ++i) v.scores[i] = float(v.pieces[i].size());  // (longer merges first)
+  v.bos = 1;
+  v.eos = 2;
+  const Tokenizer t = Tokenizer::from_vocabulary(v, "made");
+  const std::vector<int> whole = t.encode("</s>", false);
+  EXPECT_EQ(std::count(whole.begin(), whole.end(), 2), 1) << "read whole as the control token, unmarked";
+  for (const std::string& text : {std::string("</s>"), std::string("<0x0A>")}) {
+    SCOPED_TRACE(text);
+    const std::vector<int> ids = t.encode(t.defused_text(text), false, true);
+    for (int id : ids) EXPECT_EQ(t.type_of(id), TokenType::normal) << id;
+    const std::string back = t.decode_all(1, ids);
+    EXPECT_NE(back.find(text), std::string::npos) << back;
+  }
 }
 
 TEST(DefusedText, MarksRoundTripWhateverTheTextHolds) {
