@@ -400,7 +400,22 @@ TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   spec.pool_block_size = 16;
   spec.pool_blocks = 64;
   const decode_actor worker = spawn_decode(*system_, config, spawn_compute(*system_, spec), router, "leased");
+  struct Stop {  // (whatever the test's end: the system waits for its actors)
+    caf::actor_system& system;
+    decode_actor worker;
+    router_actor router;
+    ~Stop() {
+      caf::anon_send_exit(worker, caf::exit_reason::user_shutdown);
+      caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
+    }
+  } stop{*system_, worker, router};
   caf::scoped_actor outsider{*system_};
+  int decode_workers = 0;  // registered: it takes reservations from then on
+  for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       decode_workers == 0 && std::chrono::steady_clock::now() < deadline;)
+    outsider->request(router, std::chrono::seconds(5), status_atom::value)
+        .receive([&](const RouterStatus& s) { decode_workers = s.count(WorkerRole::decode); }, [](caf::error&) {});
+  ASSERT_EQ(decode_workers, 1);
   auto free_blocks = [&] {
     int32_t free = -1;
     outsider->request(worker, std::chrono::seconds(5), status_atom::value)
@@ -413,17 +428,16 @@ TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   r.positions = 40;  // 3 blocks
   r.prompt_len = 8;
   r.lease_ms = 60000;
-  bool reserved = false;
+  std::string refused = "no answer";
   outsider->request(worker, std::chrono::seconds(5), reserve_atom::value, r)
-      .receive([&](const ReserveReply& reply) { reserved = reply.code == ErrorCode::none; }, [](caf::error&) {});
-  ASSERT_TRUE(reserved);
+      .receive([&](const ReserveReply& reply) { refused = reply.code == ErrorCode::none ? "" : reply.message; },
+               [](caf::error&) {});
+  ASSERT_EQ(refused, "");
   ASSERT_EQ(free_blocks(), all - 3);
   for (uint64_t serial = 0; serial < 64; ++serial) outsider->send(worker, lease_atom::value, r.id, serial);
   EXPECT_EQ(free_blocks(), all - 3) << "(one sender's messages arrive in order: the status comes after them)";
   outsider->send(worker, cancel_atom::value, r.id);
   EXPECT_EQ(free_blocks(), all);
-  caf::anon_send_exit(worker, caf::exit_reason::user_shutdown);
-  caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
 }
 
 TEST_F(ActorTest, InvalidRequestsAreRejected) {
