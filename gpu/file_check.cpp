@@ -3,8 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include "gpu/error.h"
 
@@ -110,7 +112,14 @@ std::string file_problem(const std::string& path, Accept accept) {
 }
 
 OutputFile OutputFile::create(const std::string& path) {
-  std::string temporary = path + ".tmp." + std::to_string(::getpid());
+  // A link is written through (its target replaced, as writing to it did),
+  // and each writer of the process has a name of its own (two threads
+  // writing one file's memo at once must not share a temporary file).
+  std::error_code ec;
+  const std::filesystem::path resolved = std::filesystem::canonical(path, ec);
+  const std::string target = ec ? path : resolved.string();
+  static std::atomic<uint64_t> writers{0};
+  std::string temporary = target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(writers++);
   ::unlink(temporary.c_str());  // (one an earlier process of this pid left: it died writing)
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
   if (fd < 0) {
@@ -124,7 +133,7 @@ OutputFile OutputFile::create(const std::string& path) {
     ::unlink(temporary.c_str());
     throw Error(path + ": cannot create: " + why);
   }
-  return OutputFile(path, std::move(temporary), file);
+  return OutputFile(target, std::move(temporary), file);
 }
 
 OutputFile::OutputFile(OutputFile&& other) noexcept

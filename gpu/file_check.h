@@ -66,7 +66,8 @@ std::string read_regular_file(const std::string& path);
 std::string file_problem(const std::string& path, Accept accept = Accept::regular_file);
 
 // A file written whole or not at all (a model file, a fingerprint memo):
-// written as `<path>.tmp.<pid>` and renamed over `path` by commit(), so no
+// written as `<path>.tmp.<pid>.<n>` (n: the process's nth writer) and
+// renamed over `path` (a link's target, where `path` is a link) by commit(), so no
 // reader ever finds a half-written one under `path`, and a file being
 // replaced stays whole for whoever has it open or mapped (a node serving it,
 // or a writer whose input it is: `disagg-convert --model m.gguf --out m.gguf`).

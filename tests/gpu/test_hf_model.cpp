@@ -6,6 +6,8 @@
 // tokens are read, and bad directories get errors naming the file and key.
 #include <gtest/gtest.h>
 
+#include <iterator>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +20,7 @@
 #include "gpu/error.h"
 #include "engine/generate.h"
 #include "model/model_writer.h"
+#include "gpu/file_check.h"
 #include "model/safetensors.h"
 #include "support/test_paths.h"
 
@@ -122,6 +125,31 @@ TEST(HfModel, AModelFileIsReplacedWholeOrNotAtAll) {
   for (const auto& entry : fs::recursive_directory_iterator(dir))
     EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
   EXPECT_EQ(greedy(path, prompt).size(), tokens.size());
+  fs::remove_all(dir);
+}
+
+// Two writers of one file in a process at once (two threads writing a
+// model's fingerprint memo) each write a temporary file of their own, and the
+// last to commit is the file; a path that is a link is written through it.
+TEST(OutputFile, WritersOfOneFileAtOnceAndLinks) {
+  const std::string dir = test::make_temp_dir("output-file");
+  const std::string path = dir + "/f";
+  OutputFile a = OutputFile::create(path), b = OutputFile::create(path);
+  std::fputs("from a", a.stream());
+  std::fputs("from b", b.stream());
+  b.commit();
+  a.commit();
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "from a");
+  fs::create_symlink(path, dir + "/link");
+  OutputFile through = OutputFile::create(dir + "/link");
+  std::fputs("through", through.stream());
+  through.commit();
+  EXPECT_TRUE(fs::is_symlink(dir + "/link")) << "the link stays a link";
+  std::ifstream target(path);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(target)), std::istreambuf_iterator<char>()), "through");
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 2) << "no temporary left";
   fs::remove_all(dir);
 }
 
