@@ -160,4 +160,13 @@ void OutputFile::commit() {
   temporary_.clear();
 }
 
+void write_regular_file(const std::string& path, const std::string& text) {
+  OutputFile file = OutputFile::create(path);
+  if (std::fwrite(text.data(), 1, text.size(), file.stream()) != text.size()) {
+    const std::string why = errno_text();
+    throw Error(path + ": write failed: " + why);
+  }
+  file.commit();
+}
+
 }  // namespace disagg::gpu

@@ -95,6 +95,10 @@ class OutputFile {
   std::FILE* file_ = nullptr;
 };
 
+// `text` as the file at `path`, whole or not at all (OutputFile). Throws
+// Error "<path>: cannot create: ..." or "<path>: write failed: ...".
+void write_regular_file(const std::string& path, const std::string& text);
+
 // errno in words (read it before anything else can change it).
 std::string errno_text();
 

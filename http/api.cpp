@@ -949,7 +949,6 @@ json model_response(const ServedModel& model, const std::string& id) {
   return model_json(model);
 }
 
-
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -1030,8 +1029,6 @@ json detokenize_response(const std::string& text, const ServedModel& model, cons
   }
   return {{"prompt", prompt_text(tokenizer, std::vector<int32_t>(ids.begin(), ids.end()))}};
 }
-
-std::string dump(const json& value) { return value.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 std::string sse_event(const json& payload) { return "data: " + dump(payload) + "\n\n"; }
 

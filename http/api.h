@@ -334,7 +334,11 @@ int64_t unix_now();
 // "data: {json}\n\n" (invalid UTF-8 replaced by U+FFFD) and the final "data: [DONE]\n\n".
 std::string sse_event(const json& payload);
 inline constexpr const char* kSseDone = "data: [DONE]\n\n";
-// A compact JSON text, invalid UTF-8 replaced (never throws on token bytes).
-std::string dump(const json& value);
+// A compact JSON text, invalid UTF-8 replaced (never throws on token bytes);
+// of a `json` or an `nlohmann::ordered_json`.
+template <class Json>
+std::string dump(const Json& value) {
+  return value.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
 
 }  // namespace disagg::http

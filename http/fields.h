@@ -25,10 +25,9 @@ template <class Json>
 std::string quote(const Json& v) {
   if (v.is_array()) return "an array of " + std::to_string(v.size()) + " elements";
   if (v.is_object()) return "an object of " + std::to_string(v.size()) + " members";
-  const auto text = [](const Json& scalar) { return scalar.dump(-1, ' ', false, Json::error_handler_t::replace); };
   if (v.is_string() && v.template get_ref<const std::string&>().size() > kMaxQuotedBytes)
-    return text(Json(v.template get_ref<const std::string&>().substr(0, kMaxQuotedBytes))) + "...";
-  return text(v);
+    return dump(Json(v.template get_ref<const std::string&>().substr(0, kMaxQuotedBytes))) + "...";
+  return dump(v);
 }
 // Throws the 400 "'name' must be <wanted>, got <type>" unless `ok`.
 void expect_type(bool ok, const char* name, const char* wanted, const json& v);

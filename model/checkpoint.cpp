@@ -345,8 +345,7 @@ uint64_t file_fingerprint(const std::string& path, int fd, void* mapping, size_t
   const std::string text = nlohmann::json{{"file", identity}, {"fingerprint", hex}}.dump() + "\n";
   if (folder != "model") ::mkdir(std::filesystem::path(memo).parent_path().c_str(), 0755);  // (perhaps not made yet)
   try {
-    OutputFile file = OutputFile::create(memo);
-    if (std::fwrite(text.data(), 1, text.size(), file.stream()) == text.size()) file.commit();
+    write_regular_file(memo, text);
   } catch (const Error&) {  // (no memo: the next start hashes again)
   }
   return fingerprint;

@@ -178,14 +178,6 @@ class RandomSource final : public WeightSource {
   uint64_t state0_;
 };
 
-// A small file of a model directory, written whole or not at all.
-void write_text(const std::string& path, const std::string& text) {
-  OutputFile file = OutputFile::create(path);
-  if (std::fwrite(text.data(), 1, text.size(), file.stream()) != text.size())
-    throw Error(path + ": write failed: " + errno_text());
-  file.commit();
-}
-
 }  // namespace
 
 std::unique_ptr<WeightSource> checkpoint_weights(std::shared_ptr<const Checkpoint> checkpoint) {
@@ -222,7 +214,7 @@ void write_hf_directory(const WeightSource& weights, const std::string& dir, Fil
                         {"tie_word_embeddings", c.shared_classifier},
                         {"head_dim", c.head_size()},
                         {"torch_dtype", type == FileType::f32 ? "float32" : type == FileType::f16 ? "float16" : "bfloat16"}};
-  write_text((std::filesystem::path(dir) / "config.json").string(), config.dump(2));
+  write_regular_file((std::filesystem::path(dir) / "config.json").string(), config.dump(2));
 
   // Each tensor's bytes, rows in Hugging Face's order.
   std::vector<std::pair<std::string, safetensors::Input>> all;
@@ -260,7 +252,8 @@ void write_hf_directory(const WeightSource& weights, const std::string& dir, Fil
     }
     safetensors::write((std::filesystem::path(dir) / file).string(), part);
   }
-  if (shards > 1) write_text((std::filesystem::path(dir) / "model.safetensors.index.json").string(), index.dump(2));
+  if (shards > 1)
+    write_regular_file((std::filesystem::path(dir) / "model.safetensors.index.json").string(), index.dump(2));
 }
 
 // ---------------------------------------------------------------- GGUF
