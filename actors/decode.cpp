@@ -51,6 +51,7 @@ struct Reservation {
   std::optional<KvLanded> verdict;      // the stream is over
   std::optional<PendingCommit> commit;  // arrived before the verdict
   client_actor client;                  // KvReservation::client: its tokens go there too
+  uint64_t attempt = 0;                 // KvReservation::attempt: its tokens and done name it
   bool streaming() const { return transfer_id != 0 && !verdict && !local; }
 };
 
@@ -81,14 +82,20 @@ struct Sequence {
   // answer goes only to the sequence it was asked for, not to a later attempt
   // of the same request admitted here while the step ran.
   uint64_t serial = 0;
+  uint64_t attempt = 0;  // the router's (KvReservation::attempt), in its tokens and done
   bool speculates() const {
     return sampling.speculation.method != gpu::SpeculationMethod::off && !context.empty();
   }
 };
 
 // The KV arrived as one message and the compute actor is storing it in the
-// blocks (the Sequence-to-be waits in the admission's callback).
-struct Admitting {};
+// blocks (the Sequence-to-be, blocks and all, waits in the admission's
+// callback). A cancel ends it here at once, so that a new attempt of the
+// request may reserve meanwhile: the callback, finding no Admitting of its
+// serial, frees the blocks when the compute has answered.
+struct Admitting {
+  uint64_t serial = 0;
+};
 
 // A request's phase at this worker, the one entry it has:
 //
@@ -98,7 +105,7 @@ struct Admitting {};
 //                                              (the compute stores it)
 //   Reservation --(cancel, the lease's end, a failed stream)--> gone (blocks freed)
 //   Sequence --(cancel)--> gone (blocks freed after the step in flight)
-//   Admitting --(cancel)--> gone when the compute answers (refused then)
+//   Admitting --(cancel)--> gone (its blocks freed when the compute answers; refused then)
 using RequestPhase = std::variant<Reservation, Admitting, Sequence>;
 using Requests = std::map<RequestId, RequestPhase>;
 
@@ -109,6 +116,7 @@ void take_blocks(Sequence& seq, Reservation& held) {
   seq.prompt = std::move(held.prompt);
   seq.hash_seed = held.hash_seed;
   seq.hashes = std::move(held.hashes);
+  seq.attempt = held.attempt;
 }
 
 // What a sequence takes from its commit and its reservation's answer.
@@ -319,6 +327,7 @@ void finish_sequence(Self self, Requests::iterator it, ErrorCode code, std::stri
   done.decode_us = micros_since(seq.admitted);
   done.first_step = seq.first_step;
   done.prompt_logprobs = std::move(seq.prompt_logprobs);
+  done.attempt = seq.attempt;
   st.requests.erase(it);
   self->send(st.router, done_atom::value, std::move(done));
 }
@@ -334,14 +343,14 @@ bool accept_token(Self self, Requests::iterator it, int32_t token, TokenLogprobs
     record_decoded_token();
     // (with the log probabilities: the router's outcome carries them too,
     // for tokens whose event a client missed)
-    self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0, logprobs});
+    self->state.tokens_out.events.push_back(TokenEvent{it->first, index, token, {}, 0, logprobs, seq.attempt});
     // The attempt's first token tells the router this worker has the KV (a
     // late prefill error no longer fails the request): it goes there before
     // the client can see it.
     if (seq.tokens.size() == 1) flush_tokens(self);
     if (seq.client)
       self->send(seq.client, token_atom::value,
-                 TokenEvent{it->first, index, token, {}, seq.cached_tokens, std::move(logprobs)});
+                 TokenEvent{it->first, index, token, {}, seq.cached_tokens, std::move(logprobs), seq.attempt});
   }
   if (stop) finish_sequence(self, it, ErrorCode::none, {}, *stop);
   return stop.has_value();
@@ -589,9 +598,9 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   };
   // A reservation after a cancel of the same id is a new attempt of it (the
   // router restarts requests whose worker was lost; its messages to this
-  // worker arrive in order): what was cancelled is gone, this one counts.
-  // Unless the cancelled one is still held (its KV being stored): refused,
-  // and that one stays cancelled.
+  // worker arrive in order): what was cancelled is gone (an admission's
+  // blocks come back when its compute answers), this one counts. An id held
+  // and never cancelled is refused.
   if (st.requests.count(r.id))
     return reply(ErrorCode::invalid_request, "request " + std::to_string(r.id) + " is already held");
   st.cancelled.erase(r.id);
@@ -628,6 +637,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   held.blocks.insert(held.blocks.end(), fresh.begin(), fresh.end());
   held.positions = r.positions;
   held.client = r.client;
+  held.attempt = r.attempt;
   held.serial = st.next_serial++;
   const uint64_t serial = held.serial;
   ReserveReply answer = reply(ErrorCode::none, {});
@@ -805,6 +815,14 @@ std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer
   return std::nullopt;
 }
 
+// Whether the request's entry is still the admission of `serial` (not
+// cancelled meanwhile, nor replaced by a later attempt's reservation).
+bool admitting(const DecodeState& st, RequestId id, uint64_t serial) {
+  auto it = st.requests.find(id);
+  return it != st.requests.end() && std::holds_alternative<Admitting>(it->second) &&
+         std::get<Admitting>(it->second).serial == serial;
+}
+
 // A one-message KV: the reservation's blocks become the sequence's, the
 // compute actor validates and stores the KV, and the ack waits for it.
 void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
@@ -825,7 +843,8 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
   take_blocks(seq, r);
   std::vector<int32_t> blocks = seq.blocks;
   continue_from(seq, transfer, r.client, r.cached, st.seq_len, st.config.speculation_params());
-  held->second = Admitting{};  // (r is gone)
+  const uint64_t serial = st.next_serial++;
+  held->second = Admitting{serial};  // (r is gone)
   const int32_t first_token = transfer.first_token;
   TokenLogprobs first_logprobs = transfer.first_logprobs;
   KvAdmit request{std::move(transfer), std::move(blocks), cached};
@@ -834,12 +853,13 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
       .then(
           [=](AdmitResult& result) mutable {
             auto& state = self->state;  // (not the outer `st`: lambdas must not copy it)
-            if (result.code == ErrorCode::none && state.cancelled.contains(id)) {
+            const bool current = admitting(state, id, serial);
+            if (result.code == ErrorCode::none && !current) {
               result.code = ErrorCode::cancelled;
               result.message = "request was cancelled";
             }
             if (result.code != ErrorCode::none) {
-              state.requests.erase(id);  // (Admitting)
+              if (current) state.requests.erase(id);
               state.allocator->release(seq.blocks);
               promise.deliver(make_ack(self, id, result.code, std::move(result.message)));
               report_load(self);
@@ -848,7 +868,7 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
             activate(self, id, std::move(seq), first_token, std::move(first_logprobs), promise);
           },
           [=](caf::error& e) mutable {
-            self->state.requests.erase(id);  // (Admitting)
+            if (admitting(self->state, id, serial)) self->state.requests.erase(id);
             // Timed out, the compute may still be writing the KV in.
             if (e == caf::sec::request_timeout) quarantine(self, seq.blocks);
             else self->state.allocator->release(seq.blocks);
@@ -945,11 +965,12 @@ void cancel_request(Self self, RequestId id) {
   state.cancelled.add(id);
   if (state.local_prefill) self->send(state.local_prefill, cancel_atom::value, id);
   drop_reservation(self, id);
-  auto it = find_in<Sequence>(state, id);
-  if (it != state.requests.end()) {
+  if (auto it = find_in<Sequence>(state, id); it != state.requests.end()) {
     release_sequence_blocks(self, id, std::get<Sequence>(it->second));
     state.requests.erase(it);
   }
+  // (its admission's callback holds the blocks, and frees them)
+  if (auto it = find_in<Admitting>(state, id); it != state.requests.end()) state.requests.erase(it);
   // Also when it held nothing (never arrived, or admitting: refused when
   // compute answers): the router gives back what it had reserved here
   // and needs the real load to count on again.

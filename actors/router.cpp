@@ -134,9 +134,10 @@ struct Request {
   int retries = 0;
   int worker_retries = 0;  // restarts after a lost or hung worker (max-worker-retries)
   std::vector<WorkerKey> excluded;  // decode workers that answered overloaded
-  // Decode workers of attempts that failed (a lost worker, a broken KV
-  // stream: the link between its workers may be cut): a restart goes to
-  // another while another could hold the request.
+  // Decode workers of attempts that failed (a lost or silent decode worker,
+  // a broken KV stream: the link between its workers may be cut, an
+  // unanswered reservation): a restart goes to another while another could
+  // hold the request.
   std::vector<WorkerKey> avoided;
   // streaming:
   std::vector<int32_t> streamed;  // tokens forwarded to the client, every attempt's
@@ -202,6 +203,15 @@ int job_new_tokens(const Request& r) { return r.request.max_new_tokens - int(r.e
 // Whether the request still needs its prefill worker (see Decoding).
 bool prefill_holds(const Request& r) {
   return std::holds_alternative<Reserving>(r.phase) || std::holds_alternative<Prefilling>(r.phase);
+}
+
+// Whether the request's prefill worker may still hold its job: it has not
+// reported (in Decoding too: the decode worker has the KV, but the job
+// waits for its ack until then, and a new attempt's job of the same id
+// would be refused there as "already in prefill").
+bool prefill_unreported(const Request& r) {
+  const auto* d = std::get_if<Decoding>(&r.phase);
+  return prefill_holds(r) || (d && !d->prefill_report && !d->prefill_over);
 }
 
 // Accepted requests waiting for dispatch, oldest first (a request back from
@@ -320,16 +330,19 @@ void release_prefill_slot(Self self, WorkerKey prefill_key, int64_t prompt_token
   }
 }
 
-// The request `id` when the current message comes from its decode worker:
-// token and done messages of anybody else (e.g. a late one of an earlier
-// request with the same id from another worker) must not touch it.
-Request* from_its_decode_worker(Self self, RequestId id) {
+// The request `id` when the current message comes from its decode worker
+// and names its current attempt: token and done messages of anybody else
+// (e.g. a late one of an earlier request with the same id from another
+// worker), or of an earlier attempt on the same worker (sent through its
+// node's relay, they can arrive after that worker's answer to the new
+// reservation), must not touch it.
+Request* from_its_decode_worker(Self self, RequestId id, uint64_t attempt) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end()) return nullptr;  // already finished (e.g. cancelled)
   Request& r = it->second;
   // Queued: no decode worker holds it. Reserving: the job that brings the
   // KV is not out yet, so nothing of this attempt can come from there.
-  if (is_queued(r) || std::holds_alternative<Reserving>(r.phase)) return nullptr;
+  if (is_queued(r) || std::holds_alternative<Reserving>(r.phase) || attempt_of(r)->serial != attempt) return nullptr;
   const Worker* d = find_worker(self, attempt_of(r)->decode_key);
   if (!d || d->address != caf::actor_cast<caf::actor_addr>(self->current_sender())) return nullptr;
   return &r;
@@ -343,7 +356,7 @@ void end_attempt(Self self, Request& r, bool tell) {
   const RequestId id = r.request.id;
   const Attempt* a = attempt_of(r);
   if (!a) return;
-  if (tell && prefill_holds(r))
+  if (tell && prefill_unreported(r))
     if (Worker* p = find_worker(self, a->prefill_key)) self->send(p->prefill, cancel_atom::value, id);
   if (tell && !done_of(r))
     if (Worker* d = find_worker(self, a->decode_key)) self->send(d->decode, cancel_atom::value, id);
@@ -529,9 +542,9 @@ void score_prefixes(Self self, Request& r, std::vector<DecodeCandidate>& decodes
 }
 
 void dispatch(Self self);
-void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report);
+void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report, WorkerKey silent);
 enum class Rescue { retried, completed, failed };
-Rescue retry_or_fail(Self self, RequestId id, const std::string& why);
+Rescue retry_or_fail(Self self, RequestId id, const std::string& why, WorkerKey lost);
 void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply reply);
 
 // Milliseconds left of the request's deadline (at least 1).
@@ -572,6 +585,7 @@ void start(Self self, RequestId id, WorkerKey prefill_key, WorkerKey decode_key)
   reservation.cache_salt = r.request.cache_salt;
   reservation.local_prefill_tokens = st.config.local_prefill_tokens;
   if (streams_direct(st.config, bool(st.tokenizer), r)) reservation.client = r.client;
+  reservation.attempt = a.serial;
   const uint64_t attempt = a.serial;
   self->request(d.decode, std::chrono::milliseconds(st.config.ack_timeout_ms), reserve_atom::value, reservation)
       .then([=](ReserveReply& reply) { on_reservation(self, id, attempt, std::move(reply)); },
@@ -606,6 +620,7 @@ void send_prefill_job(Self self, RequestId id, KvTarget target) {
   if (p && !a.local_prefill && p->info.cache_blocks > 0) predict_prefix(self, r, *p);
   const uint64_t attempt = a.serial;
   const WorkerKey prefill_key = a.prefill_key;
+  const WorkerKey decode_key = a.decode_key;
   const int64_t prompt_tokens = job_prompt_len(r);
   // The router's own deadline timer fires first; this bound only guarantees
   // that the response handler itself never waits forever.
@@ -613,7 +628,7 @@ void send_prefill_job(Self self, RequestId id, KvTarget target) {
   const bool local = a.local_prefill;
   auto on_report = [=](PrefillReport& report) {
     release_prefill_slot(self, prefill_key, prompt_tokens);  // (none booked for a local prefill)
-    on_prefill_report(self, id, attempt, std::move(report));
+    on_prefill_report(self, id, attempt, std::move(report), 0);
   };
   auto on_error = [=](caf::error& e) {
     release_prefill_slot(self, prefill_key, prompt_tokens);
@@ -621,7 +636,7 @@ void send_prefill_job(Self self, RequestId id, KvTarget target) {
     report.id = id;
     report.code = code_of(e);
     report.message = describe(local ? "decode worker (its own prefill)" : "prefill worker", e);
-    on_prefill_report(self, id, attempt, std::move(report));
+    on_prefill_report(self, id, attempt, std::move(report), local ? decode_key : prefill_key);
   };
   if (local)
     self->request(d->decode, bound, prefill_atom::value, std::move(job)).then(on_report, on_error);
@@ -642,6 +657,12 @@ void requeue_elsewhere(Self self, Request& r) {
   r.excluded.push_back(attempt_of(r)->decode_key);
   r.retries += 1;
   back_to_queue(self, r);
+}
+
+// Later attempts go to another decode worker than `key` while another could
+// hold the request (Request::avoided).
+void avoid(Request& r, WorkerKey key) {
+  if (std::find(r.avoided.begin(), r.avoided.end(), key) == r.avoided.end()) r.avoided.push_back(key);
 }
 
 // The decode worker's answer to a reservation.
@@ -687,10 +708,14 @@ void on_reservation(Self self, RequestId id, uint64_t attempt, ReserveReply repl
     back_to_queue(self, r);
   } else if ((reply.code == ErrorCode::timeout || reply.code == ErrorCode::worker_lost) &&
              r.retries < st.config.max_decode_retries) {
-    // Unanswered: it may hold the blocks after all; try another worker.
+    // Unanswered: it may hold the blocks after all; try another worker (or,
+    // when no other could hold the request, this one again: it said no
+    // "no room"), within max-decode-retries.
     if (Worker* d = find_worker(self, a.decode_key)) self->send(d->decode, cancel_atom::value, id);
     release_prefill_slot(self, a.prefill_key, job_prompt_len(r));
-    requeue_elsewhere(self, r);
+    avoid(r, a.decode_key);
+    r.retries += 1;
+    back_to_queue(self, r);
   } else {
     fail(self, id, reply.code, std::move(reply.message));  // finish() frees the slot and the blocks
   }
@@ -743,7 +768,9 @@ void dispatch(Self self) {
 }
 
 // The prefill worker's answer to a job (its slot is already released).
-void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report) {
+// `silent`: the worker that did not answer it (the report is the router's
+// own, from the request's error), 0 when a worker did.
+void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport report, WorkerKey silent) {
   auto& st = self->state;
   auto it = st.requests.find(id);
   Attempt* a = it == st.requests.end() ? nullptr : current_attempt(it->second, attempt);
@@ -774,12 +801,14 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
     // nothing is held there then, so try another one.
     if (Worker* d = find_worker(self, a->decode_key))
       if (report.decode_load.total_blocks > 0) d->room.reported(report.decode_load);
+    end_attempt(self, r, true);  // (should it hold them after all)
     requeue_elsewhere(self, r);
   } else if (report.code == ErrorCode::worker_lost) {
     // The prefill worker lost its KV stream to the decode worker (that node
-    // died, and the router may not have heard yet): a lost worker, so the
-    // request starts over as when the router sees one go (max-worker-retries).
-    retry_or_fail(self, id, report.message);
+    // died, and the router may not have heard yet), or the job's worker is
+    // gone (`silent`): a lost worker, so the request starts over as when the
+    // router sees one go (max-worker-retries).
+    retry_or_fail(self, id, report.message, silent);
   } else {
     fail(self, id, report.code, std::move(report.message));
   }
@@ -967,8 +996,10 @@ size_t let_go_of_prefill_worker(Self self, WorkerKey key) {
 // fixed arithmetic and sampling stateless per step, the continuation is
 // exactly the tokens the lost worker would have made; the client's stream
 // goes on at index k, with no gap and no duplicate. A request whose tokens
-// are all there (tokens_final) completes instead.
-Rescue retry_or_fail(Self self, RequestId id, const std::string& why) {
+// are all there (tokens_final) completes instead. `lost`: the worker that
+// went down or silent; 0: the link between the attempt's two workers. The
+// next attempt avoids the decode worker unless it was the prefill worker's.
+Rescue retry_or_fail(Self self, RequestId id, const std::string& why, WorkerKey lost) {
   auto& st = self->state;
   Request& r = st.requests.at(id);
   if (tokens_final(self, r)) {
@@ -984,7 +1015,7 @@ Rescue retry_or_fail(Self self, RequestId id, const std::string& why) {
   r.worker_retries += 1;
   r.earlier = r.streamed;
   if (const Attempt* a = attempt_of(r))
-    if (std::find(r.avoided.begin(), r.avoided.end(), a->decode_key) == r.avoided.end()) r.avoided.push_back(a->decode_key);
+    if (lost == 0 || lost == a->decode_key) avoid(r, a->decode_key);
   // Both workers drop what they hold of this attempt (a hung one when it
   // wakes); their late answers name an old attempt and are ignored.
   end_attempt(self, r, true);
@@ -1020,7 +1051,7 @@ void remove_worker(Self self, const caf::actor_addr& address) {
   RescueCount count;
   count.handed_over = let_go_of_prefill_worker(self, key);
   for (RequestId id : lost)
-    if (st.requests.count(id)) count.add(retry_or_fail(self, id, "worker " + name + " went down"));
+    if (st.requests.count(id)) count.add(retry_or_fail(self, id, "worker " + name + " went down", key));
   node_log(LogLevel::error, "lost worker " + name + " (" + std::to_string(lost.size()) +
                                 " requests needed it: " + count.describe() + ")");
   st.sessions.forget_worker(key);
@@ -1058,7 +1089,7 @@ void on_heartbeat_silence(Self self, WorkerKey key) {
   RescueCount count;
   count.handed_over = let_go_of_prefill_worker(self, key);
   for (RequestId id : stuck)
-    if (self->state.requests.count(id)) count.add(retry_or_fail(self, id, "worker " + name + " stopped answering"));
+    if (self->state.requests.count(id)) count.add(retry_or_fail(self, id, "worker " + name + " stopped answering", key));
   node_log(LogLevel::error, "worker " + name + " did not answer a heartbeat within " +
                                 std::to_string(self->state.config.heartbeat_timeout_ms) + " ms: no new work (" +
                                 std::to_string(stuck.size()) + " requests need it: " + count.describe() + ")");
@@ -1109,12 +1140,11 @@ RouterStatus status_of(Self self) {
 // continues from, the text, metrics) and, unless that worker streams to the
 // client itself, forwarded to it; once per index, in order.
 void forward_token(Self self, TokenEvent& event) {
-  Request* found = from_its_decode_worker(self, event.id);
+  Request* found = from_its_decode_worker(self, event.id, event.attempt);
   if (!found) return;
   Request& r = *found;
-  // Each index once, in order: after a migration a late token of the
-  // earlier attempt and the new attempt's may both carry an index (the
-  // same token, by determinism); the first to come counts.
+  // Each index once, in order (an attempt's tokens start where the earlier
+  // ones' stopped: a worker that sends another index breaks the protocol).
   if (event.index != int32_t(r.streamed.size())) return;
   if (self->state.tokenizer && r.request.token_text) {
     try {
@@ -1153,10 +1183,9 @@ void on_down(Self self, caf::down_msg& down) {
 // A decode worker's last word on a request: the end of its tokens, or its
 // failure (which may come after every token had already streamed).
 void on_decode_done(Self self, DecodeDone& done) {
-  Request* found = from_its_decode_worker(self, done.id);
+  Request* found = from_its_decode_worker(self, done.id, done.attempt);
   if (!found) return;
   Request& r = *found;
-  if (done.first_step != int32_t(r.earlier.size())) return;  // of an attempt before a migration
   if (done.code != ErrorCode::none && tokens_final(self, r)) {
     release_reservations(self, r);  // freed at the decode worker
     complete(self, done.id);  // every token had streamed

@@ -131,6 +131,7 @@ struct FakeSequence {
   int32_t blocks = 0;
   std::vector<int32_t> tokens;
   client_actor client;  // KvReservation::client: where its tokens go too
+  uint64_t attempt = 0;  // KvReservation::attempt: its tokens and done name it
 };
 
 struct FakeDecodeState {
@@ -138,6 +139,7 @@ struct FakeDecodeState {
   std::chrono::milliseconds step{16};
   std::unordered_map<RequestId, int32_t> reserved;  // id -> blocks
   std::unordered_map<RequestId, client_actor> clients;  // KvReservation::client of each reservation
+  std::unordered_map<RequestId, uint64_t> attempts;     // KvReservation::attempt of each reservation
   std::unordered_map<RequestId, FakeSequence> active;
   int32_t free_blocks = kPoolBlocks;
   bool ticking = false;
@@ -157,6 +159,7 @@ void fake_release(FakeDecodeState& st, RequestId id) {
     st.reserved.erase(r);
   }
   st.clients.erase(id);
+  st.attempts.erase(id);
 }
 
 // One decode step: a token for every sequence (one message, as a decode
@@ -169,7 +172,7 @@ void fake_step(FakeDecodeSelf self) {
   for (auto& [id, seq] : st.active) {
     const int32_t token = stamp_now();
     seq.tokens.push_back(token);
-    TokenEvent event{id, seq.next_index++, token, {}, 0};
+    TokenEvent event{id, seq.next_index++, token, {}, 0, {}, seq.attempt};
     if (seq.client) self->send(seq.client, token_atom::value, event);  // the router's record still follows
     batch.events.push_back(std::move(event));
     if (seq.next_index >= seq.limit) finished.push_back(id);
@@ -181,6 +184,7 @@ void fake_step(FakeDecodeSelf self) {
     done.id = id;
     done.tokens = std::move(it->second.tokens);
     done.first_step = it->second.first_step;
+    done.attempt = it->second.attempt;
     self->send(st.router, done_atom::value, std::move(done));
     fake_release(st, id);
     st.active.erase(it);
@@ -200,6 +204,7 @@ fake_decode_actor::behavior_type fake_decode(FakeDecodeSelf self,
         const int32_t blocks = (r.positions + kBlockSize - 1) / kBlockSize;
         st.reserved[r.id] = blocks;
         st.clients[r.id] = r.client;
+        st.attempts[r.id] = r.attempt;
         st.free_blocks -= blocks;
         ReserveReply reply{r.id, ErrorCode::none, {}, fake_load(st), {}, 0};
         reply.target.transfer_id = st.serial++;
@@ -215,6 +220,7 @@ fake_decode_actor::behavior_type fake_decode(FakeDecodeSelf self,
         seq.first_step = kv.first_step;
         seq.limit = kv.first_step + kv.max_new_tokens;
         seq.client = st.clients[kv.id];
+        seq.attempt = st.attempts[kv.id];
         st.active.emplace(kv.id, std::move(seq));
         if (!st.ticking) {
           st.ticking = true;

@@ -86,7 +86,11 @@
 //      text piece and forwards each event to the client. The client library
 //      passes each index on once, in order, and takes from a completed
 //      outcome any token no event brought (disagg_tokens_from_outcome_total).
-//      Token and done messages count only from the request's decode worker.
+//      Token and done messages count only from the request's decode worker
+//      and only when they name the router's current attempt
+//      (KvReservation::attempt, echoed in TokenEvent::attempt and
+//      DecodeDone::attempt): a decode node's relay may deliver an earlier
+//      attempt's after the worker's answer to a new reservation.
 //   8. decode  -> router  (done_atom, DecodeDone) after the last token; the
 //      decode worker frees the request's blocks (also on cancel or error).
 //   9. router  -> client  RequestOutcome (the reply to step 1) once it has both
@@ -105,8 +109,9 @@
 //   A worker that goes down, or leaves the router's heartbeat
 //   ((status_atom) every heartbeat-interval-ms, self-timed by heartbeat_atom)
 //   unanswered for heartbeat-timeout-ms, does not end its requests: each
-//   starts over on other workers (cancel to the old ones; their late answers
-//   name an old attempt and are ignored). One whose decode worker was lost
+//   starts over on other workers (cancel to the old ones, the prefill worker
+//   too while it has not reported, so a new job of the id is not refused
+//   there; their late answers name an old attempt and are ignored). One whose decode worker was lost
 //   after tokens were streamed migrates: PrefillJob.prompt_tokens = prompt +
 //   those tokens, first_step = their count, so the continuation is exactly
 //   the original (sampling is stateless per step) and its token events go on

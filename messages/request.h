@@ -90,6 +90,7 @@ struct TokenEvent {
   int32_t cached_tokens = 0;
   // Sampling::logprobs >= 0: the token's log probability and the top alternatives'.
   TokenLogprobs logprobs;
+  uint64_t attempt = 0;  // the dispatch that made it (KvReservation::attempt)
 };
 
 // Whoever submitted a request: receives its token events as they are
@@ -187,7 +188,7 @@ typename Inspector::result_type inspect(Inspector& f, GenerateRequest& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, TokenEvent& x) {
-  return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text, x.cached_tokens, x.logprobs);
+  return f(caf::meta::type_name("TokenEvent"), x.id, x.index, x.token, x.text, x.cached_tokens, x.logprobs, x.attempt);
 }
 
 template <class Inspector>

@@ -36,6 +36,11 @@ struct KvReservation {
   // Where the decode worker streams the request's tokens itself (the router
   // only records them); invalid: the router forwards them (it adds text).
   client_actor client;
+  // The router's serial of this dispatch: the worker's tokens and done for
+  // it name it (TokenEvent::attempt, DecodeDone::attempt), so a late message
+  // of an earlier attempt of the same request on this worker is not taken
+  // for this one's.
+  uint64_t attempt = 0;
 };
 
 // Where a prefill worker streams a request's KV (kv/plane.h): the decode
@@ -179,12 +184,13 @@ struct DecodeDone {
   int64_t decode_us = 0;
   int32_t first_step = 0;  // KvTransfer::first_step: tokens[0] is output token number first_step
   std::vector<TokenLogprobs> prompt_logprobs;  // KvTransfer::prompt_logprobs
+  uint64_t attempt = 0;  // KvReservation::attempt
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
   return f(caf::meta::type_name("KvReservation"), x.id, x.positions, x.lease_ms, x.prompt_len, x.prefill_host,
-           x.prompt_tokens, x.cache_salt, x.local_prefill_tokens, x.client);
+           x.prompt_tokens, x.cache_salt, x.local_prefill_tokens, x.client, x.attempt);
 }
 
 template <class Inspector>
@@ -230,7 +236,7 @@ typename Inspector::result_type inspect(Inspector& f, KvAck& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, DecodeDone& x) {
   return f(caf::meta::type_name("DecodeDone"), x.id, x.code, x.message, x.tokens, x.finish,
-           x.decode_us, x.first_step, x.prompt_logprobs);
+           x.decode_us, x.first_step, x.prompt_logprobs, x.attempt);
 }
 
 }  // namespace disagg

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -438,6 +439,309 @@ TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   EXPECT_EQ(free_blocks(), all - 3) << "(one sender's messages arrive in order: the status comes after them)";
   outsider->send(worker, cancel_atom::value, r.id);
   EXPECT_EQ(free_blocks(), all);
+}
+
+// A decode worker of the test's that takes every reservation and, at the
+// second one for a request, sends the router a token of the first attempt
+// right after its answer: a token its node's relay held back and delivered
+// late (its answers to reservations go straight to the router).
+struct LateTokenState {
+  std::vector<uint64_t> attempts;  // KvReservation::attempt of each reservation
+};
+
+decode_actor::behavior_type late_token_decode(decode_actor::stateful_pointer<LateTokenState> self,
+                                              router_actor router) {
+  WorkerInfo info;
+  info.role = WorkerRole::decode;
+  info.name = "late-token";
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
+  info.block_size = 16;
+  info.total_blocks = 1024;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
+      .then([](caf::ok_atom) {});
+  const DecodeLoad load{1000, 1024, 16, 0};
+  return {
+      [=](reserve_atom, const KvReservation& r) {
+        auto& attempts = self->state.attempts;
+        attempts.push_back(r.attempt);
+        auto promise = self->make_response_promise<ReserveReply>();
+        promise.deliver(ReserveReply{r.id, ErrorCode::none, {}, load});
+        if (attempts.size() == 2)
+          self->send(router, token_atom::value, TokenBatch{{TokenEvent{r.id, 0, 7, {}, 0, {}, attempts.front()}}});
+        return promise;
+      },
+      [=](kv_atom, KvTransfer& t) { return KvAck{t.id, ErrorCode::internal, "the test's", load}; },
+      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
+      [](cancel_atom, RequestId) {},
+      [](lease_atom, RequestId, uint64_t) {},
+      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
+      [=](status_atom) { return load; },
+      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+  };
+}
+
+// A prefill worker of the test's whose first job's KV link breaks (the
+// request starts over) and whose second job fails.
+prefill_actor::behavior_type failing_prefill(prefill_actor::stateful_pointer<LateTokenState> self,
+                                             router_actor router) {
+  WorkerInfo info;
+  info.role = WorkerRole::prefill;
+  info.name = "failing-prefill";
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
+  info.block_size = 16;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
+      .then([](caf::ok_atom) {});
+  return {
+      [=](prefill_atom, PrefillJob& job, decode_actor&) {
+        self->state.attempts.push_back(0);
+        return self->state.attempts.size() == 1
+                   ? PrefillReport{job.id, ErrorCode::worker_lost, "KV stream: the test's broken link"}
+                   : PrefillReport{job.id, ErrorCode::internal, "the test's prefill failure"};
+      },
+      [](cancel_atom, RequestId) {},
+      [](status_atom) { return PrefillLoad{}; },
+      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+  };
+}
+
+// A restart that comes back to the same decode worker (the only one) while a
+// token of its first attempt is still on the way: that token is no sign that
+// the worker has the new attempt's KV, so the new attempt's prefill failure
+// fails the request at once (taken for the new attempt's, the token had the
+// router ignore that failure and wait for the deadline: tokens and done name
+// their attempt).
+TEST_F(ActorTest, ALateTokenOfAnEarlierAttemptOnTheSameWorkerIsIgnored) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto decode = system_->spawn(late_token_decode, router);
+  auto prefill = system_->spawn(failing_prefill, router);
+  Client client(*system_, router);
+  struct Stop {  // (whatever the test's end: the system waits for its actors)
+    std::vector<caf::actor> actors;
+    ~Stop() {
+      for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    }
+  } stop{{caf::actor_cast<caf::actor>(decode), caf::actor_cast<caf::actor>(prefill),
+          caf::actor_cast<caf::actor>(router)}};
+  auto request = make_request(kOnceUponATime, 8);
+  request.deadline_ms = 5000;
+  const RequestOutcome out = client.generate(request);
+  EXPECT_EQ(out.code, ErrorCode::internal) << to_string(out.code) << ": " << out.message;
+  EXPECT_NE(out.message.find("the test's prefill failure"), std::string::npos) << out.message;
+}
+
+// A decode worker of the test's that the router tries first (a pool it
+// claims to be huge) and that goes down right after it took a request's KV
+// and streamed its first token, its ack to the prefill worker never sent (the
+// prefill worker waits for it up to ack-timeout-ms, as for a node that died).
+decode_actor::behavior_type dying_decode(decode_actor::stateful_pointer<LateTokenState> self, router_actor router,
+                                         std::shared_ptr<std::vector<caf::typed_response_promise<KvAck>>> acks) {
+  WorkerInfo info;
+  info.role = WorkerRole::decode;
+  info.name = "dying";
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
+  info.block_size = 16;
+  info.total_blocks = 1 << 20;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
+      .then([](caf::ok_atom) {});
+  const DecodeLoad load{1 << 20, 1 << 20, 16, 0};
+  return {
+      [=](reserve_atom, const KvReservation& r) {
+        self->state.attempts.push_back(r.attempt);
+        return ReserveReply{r.id, ErrorCode::none, {}, load};
+      },
+      [=](kv_atom, KvTransfer& t) {
+        acks->push_back(self->make_response_promise<KvAck>());  // (never delivered)
+        self->send(router, token_atom::value,
+                   TokenBatch{{TokenEvent{t.id, t.first_step, t.first_token, {}, 0, t.first_logprobs,
+                                          self->state.attempts.back()}}});
+        self->quit(caf::exit_reason::kill);
+        return acks->back();
+      },
+      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
+      [](cancel_atom, RequestId) {},
+      [](lease_atom, RequestId, uint64_t) {},
+      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
+      [=](status_atom) { return load; },
+      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+  };
+}
+
+// The decode worker goes down after its first token while the prefill
+// worker still waits for its ack: the request migrates, and its new job
+// comes to the same prefill worker, which must have been told to drop the
+// old one (it refused the new job as "already in prefill", and the request
+// failed).
+TEST_F(ActorTest, AMigrationBackToAPrefillWorkerStillWaitingForItsAckIsServed) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.ack_timeout_ms = 60000;  // (the old job's wait outlasts the test)
+  start(std::move(options));
+  auto acks = std::make_shared<std::vector<caf::typed_response_promise<KvAck>>>();
+  auto dying = system_->spawn(dying_decode, cluster_->router(), acks);
+  wait_for_decode_workers(*client_, 2);
+  const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 24));
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.decode_worker, "decode-0");
+  EXPECT_EQ(out.tokens, colocated(kOnceUponATime, 24).tokens);
+  caf::anon_send_exit(dying, caf::exit_reason::kill);
+}
+
+// A decode worker of the test's that never answers a reservation (it keeps
+// the promises) and counts them.
+decode_actor::behavior_type silent_decode(decode_actor::stateful_pointer<LateTokenState> self, router_actor router,
+                                          std::shared_ptr<std::vector<caf::typed_response_promise<ReserveReply>>> held,
+                                          std::shared_ptr<std::atomic<int>> reservations) {
+  WorkerInfo info;
+  info.role = WorkerRole::decode;
+  info.name = "silent";
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
+  info.block_size = 16;
+  info.total_blocks = 1024;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
+      .then([](caf::ok_atom) {});
+  const DecodeLoad load{1024, 1024, 16, 0};
+  return {
+      [=](reserve_atom, const KvReservation&) {
+        reservations->fetch_add(1);
+        held->push_back(self->make_response_promise<ReserveReply>());
+        return held->back();
+      },
+      [=](kv_atom, KvTransfer& t) { return KvAck{t.id, ErrorCode::internal, "the test's", load}; },
+      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
+      [](cancel_atom, RequestId) {},
+      [](lease_atom, RequestId, uint64_t) {},
+      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
+      [=](status_atom) { return load; },
+      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+  };
+}
+
+// The only decode worker that could hold a request leaves its reservations
+// unanswered: it is asked again within max-decode-retries (an unanswered
+// reservation is no "no room"), and the request then fails with the
+// reservation's timeout, not as if every worker had answered overloaded.
+TEST_F(ActorTest, AnUnansweredReservationIsRetriedThenFailsWithItsTimeout) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  config.ack_timeout_ms = 300;  // the bound of a reservation's answer
+  config.max_decode_retries = 1;
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto held = std::make_shared<std::vector<caf::typed_response_promise<ReserveReply>>>();
+  auto reservations = std::make_shared<std::atomic<int>>(0);
+  auto decode = system_->spawn(silent_decode, router, held, reservations);
+  auto prefill = system_->spawn(failing_prefill, router);
+  Client client(*system_, router);
+  struct Stop {
+    std::vector<caf::actor> actors;
+    ~Stop() {
+      for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    }
+  } stop{{caf::actor_cast<caf::actor>(decode), caf::actor_cast<caf::actor>(prefill),
+          caf::actor_cast<caf::actor>(router)}};
+  auto request = make_request(kOnceUponATime, 8);
+  request.deadline_ms = 20000;
+  const RequestOutcome out = client.generate(request);
+  EXPECT_EQ(out.code, ErrorCode::timeout) << to_string(out.code) << ": " << out.message;
+  EXPECT_NE(out.message.find("reservation"), std::string::npos) << out.message;
+  EXPECT_EQ(reservations->load(), 2);
+}
+
+// Which decode worker took each reservation, in order (shared by the test's workers).
+struct ReservationLog {
+  std::mutex mutex;
+  std::vector<std::string> workers;
+  std::atomic<int> jobs{0};
+};
+
+// A decode worker of the test's that takes every reservation and logs it.
+decode_actor::behavior_type logging_decode(decode_actor::pointer self, router_actor router, std::string name,
+                                           std::shared_ptr<ReservationLog> log) {
+  WorkerInfo info;
+  info.role = WorkerRole::decode;
+  info.name = name;
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
+  info.block_size = 16;
+  info.total_blocks = 1024;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
+      .then([](caf::ok_atom) {});
+  const DecodeLoad load{1024, 1024, 16, 0};
+  return {
+      [=](reserve_atom, const KvReservation& r) {
+        std::lock_guard<std::mutex> lock(log->mutex);
+        log->workers.push_back(name);
+        return ReserveReply{r.id, ErrorCode::none, {}, load};
+      },
+      [=](kv_atom, KvTransfer& t) { return KvAck{t.id, ErrorCode::internal, "the test's", load}; },
+      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
+      [](cancel_atom, RequestId) {},
+      [](lease_atom, RequestId, uint64_t) {},
+      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
+      [=](status_atom) { return load; },
+      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+  };
+}
+
+// A prefill worker of the test's: the first job any of them gets takes its
+// worker down with it; later ones fail.
+prefill_actor::behavior_type first_job_kills(prefill_actor::pointer self, router_actor router, std::string name,
+                                             std::shared_ptr<ReservationLog> log) {
+  WorkerInfo info;
+  info.role = WorkerRole::prefill;
+  info.name = name;
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
+  info.block_size = 16;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
+      .then([](caf::ok_atom) {});
+  return {
+      [=](prefill_atom, PrefillJob& job, decode_actor&) -> caf::result<PrefillReport> {
+        if (log->jobs.fetch_add(1) == 0) {
+          self->quit(caf::exit_reason::kill);
+          return caf::sec::request_receiver_down;
+        }
+        return PrefillReport{job.id, ErrorCode::internal, "the test's prefill failure"};
+      },
+      [](cancel_atom, RequestId) {},
+      [](status_atom) { return PrefillLoad{}; },
+      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+  };
+}
+
+// A prefill worker goes down under a request: it starts over, and its next
+// attempt may go to the same decode worker (here the one its session keeps
+// to), which did nothing wrong (it was avoided, as after a decode worker's
+// failure).
+TEST_F(ActorTest, ARestartAfterALostPrefillWorkerKeepsItsDecodeWorker) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto log = std::make_shared<ReservationLog>();
+  std::vector<caf::actor> actors{caf::actor_cast<caf::actor>(router)};
+  for (const char* name : {"decode-a", "decode-b"})
+    actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(logging_decode, router, name, log)));
+  for (const char* name : {"prefill-a", "prefill-b"})
+    actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(first_job_kills, router, name, log)));
+  struct Stop {
+    std::vector<caf::actor> actors;
+    ~Stop() {
+      for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    }
+  } stop{actors};
+  Client client(*system_, router);
+  for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       std::chrono::steady_clock::now() < deadline;) {
+    const auto status = client.status();
+    if (status && status->workers.size() == 4) break;
+  }
+  auto request = make_request(kOnceUponATime, 8);
+  request.session = "one user";
+  request.deadline_ms = 10000;
+  const RequestOutcome out = client.generate(request);
+  EXPECT_EQ(out.code, ErrorCode::internal) << to_string(out.code) << ": " << out.message;
+  std::lock_guard<std::mutex> lock(log->mutex);
+  ASSERT_GE(log->workers.size(), 2u);
+  for (const std::string& worker : log->workers) EXPECT_EQ(worker, log->workers[0]);
 }
 
 TEST_F(ActorTest, InvalidRequestsAreRejected) {

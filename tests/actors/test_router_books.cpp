@@ -97,16 +97,20 @@ TEST_F(ActorTest, UpToCapacityRequestsAreLoweredToTheLargestPool) {
 }
 
 // Sends a forged token event and a failed DecodeDone for `id` to the router
-// whenever told to: an actor the router knows nothing about.
+// whenever told to, naming every attempt serial a test's few requests can
+// have: an actor the router knows nothing about.
 caf::behavior forger(caf::event_based_actor* self, router_actor router) {
   return {
       [=](RequestId id) {
-        self->send(router, token_atom::value, TokenBatch{{TokenEvent{id, 0, 7, {}}}});
-        DecodeDone forged;
-        forged.id = id;
-        forged.code = ErrorCode::internal;
-        forged.message = "forged";
-        self->send(router, done_atom::value, std::move(forged));
+        for (uint64_t attempt = 0; attempt < 64; ++attempt) {
+          self->send(router, token_atom::value, TokenBatch{{TokenEvent{id, 0, 7, {}, 0, {}, attempt}}});
+          DecodeDone forged;
+          forged.id = id;
+          forged.code = ErrorCode::internal;
+          forged.message = "forged";
+          forged.attempt = attempt;
+          self->send(router, done_atom::value, std::move(forged));
+        }
       },
   };
 }
