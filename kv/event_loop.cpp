@@ -38,7 +38,13 @@ EventLoop::EventLoop(ucp_context_h context) {
 
 EventLoop::~EventLoop() {
   stop();
-  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  destroy_worker();  // (an owner's that did not: no request can be pending then)
+}
+
+void EventLoop::destroy_worker() {
+  if (worker_ == nullptr) return;
+  ucp_worker_destroy(worker_);
+  worker_ = nullptr;
 }
 
 void EventLoop::start(const std::string& thread_name) {

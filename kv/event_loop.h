@@ -37,7 +37,8 @@ void set_am_handler(ucp_worker_h worker, unsigned id, ucp_am_recv_callback_t cb,
 class EventLoop {
  public:
   explicit EventLoop(ucp_context_h context);
-  virtual ~EventLoop();  // the owner must have called stop() (its members die first)
+  // The owner must have called stop() and destroy_worker() (its members die first).
+  virtual ~EventLoop();
   EventLoop(const EventLoop&) = delete;
   EventLoop& operator=(const EventLoop&) = delete;
 
@@ -72,6 +73,11 @@ class EventLoop {
   // thread after each round of progress; returns true when it did something
   // (the loop then progresses again before it sleeps).
   virtual bool after_progress(Deadline now) = 0;
+  // After stop(), while the owner's members live: destroying the worker
+  // completes its requests still pending (a flush-close that never ended,
+  // sends to a peer that stopped reading: shared memory has no peer-failure
+  // detection) with their callbacks, which touch the owner's members.
+  void destroy_worker();
   // When after_progress must run next even without network events.
   virtual Deadline next_timer() const { return Deadline::max(); }
 

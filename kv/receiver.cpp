@@ -128,6 +128,7 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
     call([this] { shut_down(); });
     stop_verifier();
     stop();
+    destroy_worker();  // (receives still pending complete into the transfers and ops: alive until then)
   }
 
   // ---------------------------------------------------------------- public side (via call)

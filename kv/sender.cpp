@@ -88,7 +88,10 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
     }
   }
 
-  ~Impl() override { tear_down(); }
+  ~Impl() override {
+    tear_down();
+    destroy_worker();  // (its pending sends complete into slots_ and transfers_: alive until then)
+  }
 
   // ---------------------------------------------------------------- public side
 
@@ -242,6 +245,10 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
         while (ucp_worker_progress(worker()) != 0) {
         }
         after_progress(Clock::now());
+      }
+      if (close_request_ != nullptr) {  // given up on: UCX frees it when it ends (at the worker's destruction)
+        ucp_request_free(close_request_);
+        close_request_ = nullptr;
       }
     });
     stop();
