@@ -205,8 +205,8 @@ std::string guided_grammar(const json& body, const nlohmann::ordered_json& in_or
       const nlohmann::ordered_json parsed = schema->is_string() ? parse_ordered_json_limited(schema->get<std::string>())
                                                                 : in_order.at("guided_json");
       return grammar::json_schema_grammar(parsed).to_json();
-    } catch (const JsonTooDeep&) {
-      throw bad_request("guided_json", "'guided_json' nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    } catch (const JsonOutOfBounds& e) {
+      throw bad_request("guided_json", std::string("'guided_json' ") + e.what());
     } catch (const grammar::GrammarError& e) {
       throw bad_request("guided_json", std::string("guided_json: ") + e.what(), "unsupported");
     } catch (const json::exception&) {
@@ -264,16 +264,45 @@ std::vector<int32_t> parse_prompt(const json& p, const ServedModel& model, const
 
 }  // namespace
 
-json parse_json_limited(const std::string& text) {
-  // The callback sees each container open at the depth of its parent (the
-  // body's object: 0) before anything in it is parsed; nlohmann's parser
-  // and destructor are iterative, so nothing here recurses on the input.
-  return json::parse(text, [](int depth, json::parse_event_t event, json&) { return json_depth_guard(depth, event); });
+namespace {
+
+// The parse callback of a request's JSON text: it sees each container open
+// at the depth of its parent (the body's object: 0) before anything in it
+// is parsed, and each key before its value, so neither bound is passed by
+// anything built; nlohmann's parser and destructor are iterative, so nothing
+// here recurses on the input.
+class JsonGuard {
+ public:
+  bool operator()(int depth, json::parse_event_t event) {
+    using Event = json::parse_event_t;
+    try {
+      gpu::json_within_depth(depth, event, kMaxJsonDepth);
+    } catch (const gpu::JsonNestedTooDeep&) {
+      throw JsonOutOfBounds("nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+    }
+    if (event == Event::object_start || event == Event::array_start) members_.push_back(0);
+    if ((event == Event::object_end || event == Event::array_end) && !members_.empty()) members_.pop_back();
+    if (event == Event::key && !members_.empty() && ++members_.back() > kMaxJsonMembers)
+      throw JsonOutOfBounds("holds an object of more than " + std::to_string(kMaxJsonMembers) + " members");
+    return true;
+  }
+
+ private:
+  std::vector<size_t> members_;  // of each container open (an array's stay 0)
+};
+
+template <class Json>
+Json parse_guarded(const std::string& text) {
+  JsonGuard guard;
+  return Json::parse(text, [&guard](int depth, json::parse_event_t event, Json&) { return guard(depth, event); });
 }
 
+}  // namespace
+
+json parse_json_limited(const std::string& text) { return parse_guarded<json>(text); }
+
 nlohmann::ordered_json parse_ordered_json_limited(const std::string& text) {
-  return nlohmann::ordered_json::parse(
-      text, [](int depth, json::parse_event_t event, nlohmann::ordered_json&) { return json_depth_guard(depth, event); });
+  return parse_guarded<nlohmann::ordered_json>(text);
 }
 
 namespace {
@@ -284,9 +313,8 @@ json parse_body(const std::string& text, const ServedModel& model) {
   json body;
   try {
     body = parse_json_limited(text);
-  } catch (const JsonTooDeep&) {
-    throw bad_request("", "malformed JSON: nested deeper than " + std::to_string(kMaxJsonDepth) + " levels",
-                      "invalid_json");
+  } catch (const JsonOutOfBounds& e) {
+    throw bad_request("", std::string("malformed JSON: the body ") + e.what(), "invalid_json");
   } catch (const json::exception& e) {  // parse_error, and out_of_range 406: a number beyond a double
     throw bad_request("", "malformed JSON: " + clip(e.what(), kMaxParseMessageBytes), "invalid_json");
   }

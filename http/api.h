@@ -34,20 +34,23 @@ constexpr double kMaxTemperature = 100.0;
 //   parse (nothing deeper is built; OpenAI's shapes nest 4 deep, a
 //   response_format JSON schema rarely 20);
 constexpr int kMaxJsonDepth = 64;
+// - objects of more members than this: the same (a key-ordered parse, which
+//   JSON schemas, tools and chat templates need, looks each key up in a list:
+//   quadratic in an object's members; logit_bias's most fit);
+constexpr size_t kMaxJsonMembers = gpu::kMaxLogitBiasEntries;
 // JSON text of a request (its body, or a string field that holds JSON: a tool
-// call's arguments, guided_json) parsed with that bound, since what walks it
+// call's arguments, guided_json) parsed with those bounds, since what walks it
 // later (dump, copies, the schema compiler) recurses: a JSON text nested
 // 300,000 deep in a string of 600 KB overflowed the stack. Throws
-// JsonTooDeep past the bound, json::exception when it is not JSON.
-using JsonTooDeep = gpu::JsonNestedTooDeep;
+// JsonOutOfBounds past a bound (what(): "nests deeper ..." or "holds an object ..."), json::exception when it is
+// not JSON.
+struct JsonOutOfBounds : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 json parse_json_limited(const std::string& text);
 // The same, keeping objects' keys in the text's order (a JSON schema's
 // properties are written in it).
 nlohmann::ordered_json parse_ordered_json_limited(const std::string& text);
-// Its parse callback, for a parse of any json type.
-inline bool json_depth_guard(int depth, nlohmann::json::parse_event_t event) {
-  return gpu::json_within_depth(depth, event, kMaxJsonDepth);
-}
 // - an error message quotes at most this many bytes of an offending value;
 constexpr size_t kMaxQuotedBytes = 64;
 // - more stop strings than this, or one longer than kMaxStopBytes: 400 (each

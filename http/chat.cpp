@@ -56,9 +56,8 @@ std::string message_content(const json& m, size_t index, ChatTemplate family, co
       if (a.is_string()) {
         try {
           arguments = parse_json_limited(a.get<std::string>());
-        } catch (const JsonTooDeep&) {
-          throw bad_request("messages", where + ": function.arguments nests deeper than " +
-                                            std::to_string(kMaxJsonDepth) + " levels");
+        } catch (const JsonOutOfBounds& e) {
+          throw bad_request("messages", where + ": function.arguments " + e.what());
         } catch (const json::exception&) {
           arguments = json();  // (not JSON: refused below)
         }
@@ -227,9 +226,7 @@ ordered_json template_message(const ordered_json& m) {
     for (ordered_json& call : out["tool_calls"]) {
       ordered_json& function = call["function"];
       if (function.contains("arguments") && function["arguments"].is_string())
-        function["arguments"] = ordered_json::parse(
-            function["arguments"].get<std::string>(),
-            [](int depth, json::parse_event_t event, ordered_json&) { return json_depth_guard(depth, event); });
+        function["arguments"] = parse_ordered_json_limited(function["arguments"].get<std::string>());
     }
   return out;
 }

@@ -416,9 +416,9 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
           net::post(self->stream_.get_executor(), [self, id, event] { self->on_token(id, event); });
         },
         [self, id, fe = &fe_](RequestOutcome outcome) {
-          fe->untrack(id);
           net::post(self->stream_.get_executor(),
                     [self, id, outcome = std::move(outcome)]() mutable { self->on_outcome(id, std::move(outcome)); });
+          fe->untrack(id);  // (after the post: the drain waits for it, then stops the I/O threads)
         });
   }
 

@@ -107,6 +107,29 @@ TEST(HttpApi, JsonInsideAStringIsNestedNoDeeperThanTheBody) {
   EXPECT_EQ(e.message, "'guided_json' nests deeper than 64 levels");
 }
 
+// An object of a request's JSON has at most kMaxJsonMembers members (a
+// key-ordered parse, which schemas, tools and templates need, is quadratic in
+// them: an object of 100,000 keys held the I/O thread for seconds), in the
+// body and in JSON inside a string; logit_bias's most fit.
+TEST(HttpApi, AnObjectHasAtMostSoManyMembers) {
+  auto object = [](size_t members) {
+    json o = json::object();
+    for (size_t i = 0; i < members; ++i) o[std::to_string(i)] = 0;
+    return o;
+  };
+  EXPECT_NO_THROW(parse(Endpoint::completions, json{{"prompt", "x"}, {"metadata", object(kMaxJsonMembers)}}.dump()));
+  ApiError e = error_of(Endpoint::completions, json{{"prompt", "x"}, {"metadata", object(kMaxJsonMembers + 1)}}.dump());
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.code, "invalid_json");
+  EXPECT_EQ(e.message, "malformed JSON: the body holds an object of more than 1024 members");
+  // (an array's elements are no members)
+  EXPECT_NO_THROW(parse(Endpoint::completions, json{{"prompt", json::array({1, 2})}, {"x", json::array({object(2), object(2), object(2)})}}.dump()));
+  e = error_of(Endpoint::completions,
+               json{{"prompt", "x"}, {"guided_json", json{{"properties", object(kMaxJsonMembers + 1)}}.dump()}}.dump());
+  EXPECT_EQ(e.param, "guided_json");
+  EXPECT_EQ(e.message, "'guided_json' holds an object of more than 1024 members");
+}
+
 TEST(HttpApi, CompletionDefaultsAndFields) {
   const ApiRequest r = parse(Endpoint::completions, R"({"model":"stories260K","prompt":"Once upon a time"})");
   EXPECT_EQ(r.prompt_tokens, encode("Once upon a time"));
