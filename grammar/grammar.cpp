@@ -184,14 +184,9 @@ int Grammar::declare() {
 
 void Grammar::define(int rule, const Expr& e) {
   if (rule < 0 || size_t(rule) >= rules_.size()) throw GrammarError("grammar: no rule " + std::to_string(rule));
+  for (const Alternative& a : rules_[size_t(rule)]) symbols_ -= a.size();
   rules_[size_t(rule)] = e.alternatives;
-}
-
-size_t Grammar::symbol_count() const {
-  size_t n = 0;
-  for (const auto& r : rules_)
-    for (const auto& a : r) n += a.size();
-  return n;
+  for (const Alternative& a : e.alternatives) symbols_ += a.size();
 }
 
 // ---------------------------------------------------------------- checks
@@ -305,6 +300,7 @@ Grammar Grammar::from_json(std::string_view text) {
       g.rules_[r].push_back(std::move(a));
     }
   }
+  g.symbols_ = symbols;
   g.check();
   return g;
 }

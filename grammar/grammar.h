@@ -124,7 +124,8 @@ class Grammar {
   // ---- reading
   size_t rule_count() const { return rules_.size(); }
   const std::vector<Alternative>& alternatives(int rule) const { return rules_[size_t(rule)]; }
-  size_t symbol_count() const;
+  // (kept as the rules change: the parsers check it after every atom)
+  size_t symbol_count() const { return symbols_; }
   // Per rule, whether it may match "" (rules referred to must exist: check()).
   std::vector<char> nullable_rules() const;
 
@@ -142,6 +143,7 @@ class Grammar {
   // An expression as one symbol: itself when it is one symbol, else a rule.
   Symbol as_symbol(const Expr& e);
   std::vector<std::vector<Alternative>> rules_;
+  size_t symbols_ = 0;  // in rules_
   size_t spelled_ = 0;  // symbols repeat() spelled out (kMaxSpelledSymbols)
 };
 

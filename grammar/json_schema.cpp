@@ -5,10 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <optional>
 #include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "grammar/json_grammar.h"
 
@@ -121,18 +125,43 @@ class Compiler {
     return out;
   }
 
+  // A value's text such that two values JSON Schema holds equal (1 and 1.0,
+  // 0 and -0.0, objects whose keys come in other orders) have the same one.
+  static std::string canonical_text(const json& v) {
+    if (v.is_number()) {
+      const double d = v.get<double>();
+      char text[32];
+      std::snprintf(text, sizeof text, "%.17g", d == 0 ? 0.0 : d);
+      return text;
+    }
+    if (v.is_array()) {
+      std::string out = "[";
+      for (const json& e : v) out += canonical_text(e) + ",";
+      return out + "]";
+    }
+    if (v.is_object()) {
+      std::vector<std::string> members;
+      for (const auto& [key, e] : v.items()) members.push_back(json(key).dump() + ":" + canonical_text(e));
+      std::sort(members.begin(), members.end());
+      std::string out = "{";
+      for (const std::string& m : members) out += m + ",";
+      return out + "}";
+    }
+    return v.dump(-1, ' ', false, json::error_handler_t::replace);
+  }
+
   // The values a required property of an object schema is pinned to (its
   // const or enum), or none.
   std::optional<std::vector<json>> pinned(const json& s, const std::string& name, const std::string& at) {
-    const json o = s.is_object() && s.contains("$ref") ? resolve(s, at) : s;
+    const json& o = s.is_object() && s.contains("$ref") ? resolve(s, at) : s;  // (no copies: called per property)
     if (!o.is_object() || !o.contains("properties") || !o["properties"].contains(name) || !o.contains("required")) return {};
     const json& req = o["required"];
     if (std::find(req.begin(), req.end(), json(name)) == req.end()) return {};
-    json p = o["properties"][name];
-    if (p.is_object() && p.contains("$ref")) p = resolve(p, at);
-    if (!p.is_object()) return {};
-    if (p.contains("const")) return std::vector<json>{p["const"]};
-    if (p.contains("enum") && p["enum"].is_array()) return std::vector<json>(p["enum"].begin(), p["enum"].end());
+    const json* p = &o["properties"][name];
+    if (p->is_object() && p->contains("$ref")) p = &resolve(*p, at);
+    if (!p->is_object()) return {};
+    if (p->contains("const")) return std::vector<json>{(*p)["const"]};
+    if (p->contains("enum") && (*p)["enum"].is_array()) return std::vector<json>((*p)["enum"].begin(), (*p)["enum"].end());
     return {};
   }
 
@@ -148,7 +177,7 @@ class Compiler {
         for (const std::string& t : types[i])
           if (types[j].count(t)) by_type = false;
     if (by_type) return true;
-    const json first = branches[0].is_object() && branches[0].contains("$ref") ? resolve(branches[0], at) : branches[0];
+    const json& first = branches[0].is_object() && branches[0].contains("$ref") ? resolve(branches[0], at) : branches[0];
     if (!first.is_object() || !first.contains("properties") || !first["properties"].is_object()) return false;
     for (const auto& [name, unused] : first["properties"].items()) {
       std::vector<std::vector<json>> values;
@@ -158,11 +187,17 @@ class Compiler {
         values.push_back(*v);
       }
       if (values.size() != branches.size()) continue;
+      // (each value once, by its canonical text: linear in the values)
+      std::unordered_map<std::string, size_t> branch_of;
       bool apart = true;
       for (size_t i = 0; i < values.size() && apart; ++i)
-        for (size_t j = i + 1; j < values.size() && apart; ++j)
-          for (const json& v : values[i])
-            if (std::find(values[j].begin(), values[j].end(), v) != values[j].end()) apart = false;
+        for (const json& v : values[i]) {
+          const auto [seen, fresh] = branch_of.emplace(canonical_text(v), i);
+          if (!fresh && seen->second != i) {
+            apart = false;
+            break;
+          }
+        }
       if (apart) return true;
     }
     return false;
@@ -246,7 +281,7 @@ class Compiler {
     return merged;
   }
 
-  json resolve(const json& s, const std::string& at) {
+  const json& resolve(const json& s, const std::string& at) {
     const json& r = s["$ref"];
     if (!r.is_string() || r.get<std::string>().empty() || r.get<std::string>()[0] != '#')
       throw SchemaError("$ref at " + where(at) + " is not a reference inside the schema");

@@ -18,6 +18,7 @@
 #include "grammar/json_schema.h"
 #include "grammar/grammar_texts.h"
 #include "grammar/matcher.h"
+#include "grammar/regex.h"
 #include "support/test_paths.h"
 #include "text/hf_tokenizer.h"
 #include "text/tokenizer.h"
@@ -125,6 +126,34 @@ TEST(Grammar, TheJsonFormRoundTripsAndRefusesWhatCannotBeRun) {
     }
   }
   EXPECT_THROW(Grammar::from_json(std::string(kMaxGrammarBytes + 1, ' ')), GrammarError);
+}
+
+// The symbol count the parsers check after every atom is kept as rules are
+// defined (and redefined: a declared rule, then its body), not recounted:
+// it is the rules' own count, whatever made them.
+TEST(Grammar, TheSymbolCountIsTheRulesOwn) {
+  auto counted = [](const Grammar& g) {
+    size_t n = 0;
+    for (size_t r = 0; r < g.rule_count(); ++r)
+      for (const auto& a : g.alternatives(int(r))) n += a.size();
+    return n;
+  };
+  const std::vector<Grammar> grammars = {
+      nested(), gbnf_grammar("root ::= item (\",\" item)*\nitem ::= [a-z]+ | \"(\" root \")\""),
+      regex_grammar("(ab|c)*d{2,5}[0-9]?"),
+      json_schema_grammar(nlohmann::json::parse(R"({"type":"object","properties":{"a":{"type":"integer"}}})")),
+      Grammar::from_json(nested().to_json())};
+  for (const Grammar& g : grammars) {
+    EXPECT_GT(g.symbol_count(), 0u);
+    EXPECT_EQ(g.symbol_count(), counted(g)) << g.to_json().substr(0, 200);
+  }
+  Grammar g;
+  const int later = g.declare();
+  g.define(later, Grammar::literal("abc"));
+  g.define(0, Grammar::ref(later));
+  g.define(later, Grammar::literal("de"));  // (redefined: its old body's symbols go)
+  EXPECT_EQ(g.symbol_count(), counted(g));
+  EXPECT_EQ(g.symbol_count(), 3u);
 }
 
 // Every byte string over the grammar's alphabet up to a length: the compiled

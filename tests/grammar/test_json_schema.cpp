@@ -103,6 +103,28 @@ TEST(JsonSchema, WhatItCannotCompileIsRefusedByName) {
 // Schemas a client could send that would hang the compiler, nest it past
 // its stack, or build a grammar quadratic in their size; and allOf parts
 // that would overwrite each other's properties.
+// oneOf compiles only where no value can be valid for two branches: pinned
+// values are told apart as JSON Schema compares them (1 and 1.0 are one
+// value, and so are objects whose keys come in other orders).
+TEST(JsonSchema, OneOfsPinnedValuesAreComparedAsTheSchemaDoes) {
+  auto branches = [](const std::string& a, const std::string& b) {
+    return R"({"oneOf": [{"type": "object", "properties": {"k": {"const": )" + a +
+           R"(}}, "required": ["k"]}, {"type": "object", "properties": {"k": {"enum": [7, )" + b +
+           R"(]}}, "required": ["k"]}]})";
+  };
+  EXPECT_NO_THROW(json_schema_grammar(nlohmann::ordered_json::parse(branches("1", "2"))));
+  EXPECT_NO_THROW(json_schema_grammar(nlohmann::ordered_json::parse(branches(R"({"a": 1})", R"({"a": 2})"))));
+  for (const auto& [a, b] : std::vector<std::pair<std::string, std::string>>{
+           {"1", "1.0"}, {"0", "-0.0"}, {R"({"a": 1, "b": [2]})", R"({"b": [2.0], "a": 1})"}, {R"("x")", R"("x")"}}) {
+    try {
+      json_schema_grammar(nlohmann::ordered_json::parse(branches(a, b)));
+      ADD_FAILURE() << a << " and " << b << " were told apart";
+    } catch (const SchemaError& e) {
+      EXPECT_NE(std::string(e.what()).find("may overlap"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(JsonSchema, SchemasThatWouldHangOrBlowUpAreRefusedOrBuiltLinearly) {
   auto refused = [](const json& schema, const std::string& why) {
     try {
