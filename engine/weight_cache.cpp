@@ -11,6 +11,8 @@
 #include <xxh_x86dispatch.h>  // Debian's libxxhash picks AVX2/AVX-512 at run time
 #endif
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -155,11 +157,21 @@ int lock_file(const std::string& path, std::string* why) {
 // caches (an earlier version's fingerprint, an earlier layout: nobody would
 // build those again) that nobody has written for longer than a build may take
 // (kBuildWait: then a builder is given up on; one of them may be building
-// under its own lock).
+// under its own lock). Another model's whose name begins with this one's
+// (`m.gguf.old` beside `m.gguf`) are not this model's: after the model's
+// name come the fingerprint's 16 hex digits (path_for).
+bool of_model(const std::string& file, const std::string& model_name) {
+  const size_t at = model_name.size() + 1;  // (after "<model>.")
+  if (file.size() <= at + 16 || file.compare(0, at - 1, model_name) != 0 || file[at - 1] != '.' || file[at + 16] != '.')
+    return false;
+  return std::all_of(file.begin() + ptrdiff_t(at), file.begin() + ptrdiff_t(at + 16),
+                     [](char c) { return std::isxdigit(static_cast<unsigned char>(c)) != 0; });
+}
+
 void remove_leftovers(const std::string& folder, const std::string& name, const std::string& model_name) {
   DIR* dir = ::opendir(folder.c_str());
   if (!dir) return;
-  const std::string ours = name + ".tmp.", theirs = model_name + ".", temporary = ".wcache.tmp.";
+  const std::string ours = name + ".tmp.", temporary = ".wcache.tmp.";
   const auto now = std::chrono::system_clock::now();
   while (const dirent* e = ::readdir(dir)) {
     const std::string file = e->d_name, at = folder + "/" + file;
@@ -168,7 +180,7 @@ void remove_leftovers(const std::string& folder, const std::string& name, const 
       continue;
     }
     struct stat st {};
-    if (file.compare(0, theirs.size(), theirs) != 0 || file.find(temporary, theirs.size()) == std::string::npos ||
+    if (!of_model(file, model_name) || file.find(temporary, model_name.size()) == std::string::npos ||
         ::lstat(at.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
       continue;
     const auto written = std::chrono::system_clock::time_point(std::chrono::seconds(st.st_mtim.tv_sec));

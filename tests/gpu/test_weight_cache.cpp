@@ -191,20 +191,24 @@ TEST_F(WeightCacheFile, LeftoversOfADeadBuilderAreRemoved) {
 // A dead builder's temporary file of another cache of this model (an earlier
 // version's fingerprint, an earlier layout: never built again, so never
 // cleaned under its own lock) goes once nobody has written it for a build's
-// longest wait; a fresh one (a builder at work) and other models' stay.
+// longest wait; a fresh one (a builder at work) and other models' stay,
+// a model's whose name begins with this one's too.
 TEST_F(WeightCacheFile, AnotherVersionsAbandonedTemporaryFileIsRemoved) {
   const std::string old_version = dir_ + "/model.gguf.00000000000000aa.test-layout-1.wcache.tmp.999999";
   const std::string old_layout = dir_ + "/model.gguf.1234abcd5678ef00.test-layout-0.wcache.tmp.999998";
   const std::string building = dir_ + "/model.gguf.00000000000000bb.test-layout-1.wcache.tmp.999997";
   const std::string other_model = dir_ + "/other.gguf.00000000000000aa.test-layout-1.wcache.tmp.999996";
-  for (const std::string& f : {old_version, old_layout, building, other_model}) std::ofstream(f) << "half a cache";
+  const std::string longer_name = dir_ + "/model.gguf.old.00000000000000aa.test-layout-1.wcache.tmp.999995";
+  for (const std::string& f : {old_version, old_layout, building, other_model, longer_name})
+    std::ofstream(f) << "half a cache";
   const auto hour_ago = fs::file_time_type::clock::now() - std::chrono::hours(1);
-  for (const std::string& f : {old_version, old_layout, other_model}) fs::last_write_time(f, hour_ago);
+  for (const std::string& f : {old_version, old_layout, other_model, longer_name}) fs::last_write_time(f, hour_ago);
   ASSERT_TRUE(open(key_));
   EXPECT_FALSE(fs::exists(old_version));
   EXPECT_FALSE(fs::exists(old_layout));
   EXPECT_TRUE(fs::exists(building)) << "written within the wait: a builder may be at work";
   EXPECT_TRUE(fs::exists(other_model));
+  EXPECT_TRUE(fs::exists(longer_name)) << "model.gguf.old's";
 }
 
 TEST_F(WeightCacheFile, AFolderIsMadeWithItsParents) {
