@@ -26,10 +26,19 @@ JsonPieces::JsonPieces(Grammar& g) : g_(g) {
   const Expr hex = Grammar::bytes(ByteSet().add('0', '9').add('a', 'f').add('A', 'F'));
   space_ = g.rule(Grammar::alt({Grammar::empty(), Grammar::literal(" "),
                                 g.seq({Grammar::literal("\n"), g.repeat(Grammar::bytes(ByteSet().add(' ', ' ').add('\t', '\t')), 0, 20)})}));
+  // \uXXXX: a code point outside the surrogates, or a surrogate pair, which
+  // is one character (as minLength counts them); a lone surrogate is none
+  // (a strict parser refuses it, and it is no UTF-8).
+  const Expr d = Grammar::bytes(ByteSet().add('d', 'd').add('D', 'D'));
+  const Expr not_d = Grammar::bytes(ByteSet().add('0', '9').add('a', 'c').add('e', 'f').add('A', 'C').add('E', 'F'));
+  const Expr code_point = Grammar::alt({g.seq({not_d, hex, hex, hex}), g.seq({d, Grammar::bytes(bytes('0', '7')), hex, hex})});
+  const Expr high = g.seq({d, Grammar::bytes(ByteSet().add('8', '9').add('a', 'b').add('A', 'B')), hex, hex});
+  const Expr low = g.seq({d, Grammar::bytes(ByteSet().add('c', 'f').add('C', 'F')), hex, hex});
   const Expr escape = g.seq({Grammar::literal("\\"),
                              Grammar::alt({Grammar::bytes(ByteSet().add('"', '"').add('\\', '\\').add('/', '/').add('b', 'b')
                                                               .add('f', 'f').add('n', 'n').add('r', 'r').add('t', 't')),
-                                           g.seq({Grammar::literal("u"), hex, hex, hex, hex})})});
+                                           g.seq({Grammar::literal("u"), code_point}),
+                                           g.seq({Grammar::literal("u"), high, Grammar::literal("\\u"), low})})});
   char_ = g.rule(Grammar::alt({utf8_char(g), escape}));
   string_ = g.rule(g.seq({Grammar::literal("\""), g.star(string_char()), Grammar::literal("\"")}));
   const Expr natural = Grammar::alt({Grammar::literal("0"), g.seq({Grammar::bytes(bytes('1', '9')), g.repeat(digit, 0, 15)})});

@@ -445,12 +445,16 @@ class Compiler {
       ByteSet leave = ByteSet().add(0x20, 0x21).add(0x23, 0x5B).add(0x5D, 0x7E).add(0xC2, 0xF4);
       for (int b = 0; b < 256; ++b)
         if (taken.has(uint8_t(b)) && leave.has(uint8_t(b))) leave = without(leave, uint8_t(b));
-      // An escape leaves too, unless a name has one here (then only by the tree).
+      // An escape leaves too, unless a name has one here (then only by the
+      // tree): only one of a character JSON must escape (a quote, a
+      // backslash, a control character), since one of any other (`\u0061`
+      // is "a") would spell a named property's key otherwise.
       std::vector<Expr> other{utf8_from(leave)};
       if (!taken.has('\\')) {
-        other.push_back(g_.seq({Grammar::literal("\\"), Grammar::bytes(ByteSet().add('"', '"').add('\\', '\\').add('/', '/').add('b', 'b')
+        other.push_back(g_.seq({Grammar::literal("\\"), Grammar::bytes(ByteSet().add('"', '"').add('\\', '\\').add('b', 'b')
                                                              .add('f', 'f').add('n', 'n').add('r', 'r').add('t', 't'))}));
-        other.push_back(g_.seq({Grammar::literal("\\u"), g_.repeat(Grammar::bytes(ByteSet().add('0', '9').add('a', 'f').add('A', 'F')), 4, 4)}));
+        other.push_back(g_.seq({Grammar::literal("\\u00"), Grammar::bytes(ByteSet().add('0', '1')),
+                                Grammar::bytes(ByteSet().add('0', '9').add('a', 'f').add('A', 'F'))}));
       }
       const Expr escape_or_other = Grammar::alt(other);
       options.push_back(g_.seq({escape_or_other, any_rest}));

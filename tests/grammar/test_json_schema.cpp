@@ -103,6 +103,23 @@ TEST(JsonSchema, WhatItCannotCompileIsRefusedByName) {
 // Schemas a client could send that would hang the compiler, nest it past
 // its stack, or build a grammar quadratic in their size; and allOf parts
 // that would overwrite each other's properties.
+// A string's \u escapes: a surrogate pair is one character (minLength
+// counts code points, as a validator does), a lone surrogate none (a strict
+// parser refuses it); an additional property's key cannot spell a named one
+// with escapes (parsers keep the last of two equal keys, so the named one's
+// schema would not hold).
+TEST(JsonSchema, EscapesCountAsTheCharactersTheyWrite) {
+  expect_texts(json::parse(R"({"type": "string", "minLength": 2})"),
+               {R"("\ud83d\ude00x")", R"("\u00e9\u00e9")", R"("ab")", R"("\uD83D\uDE00\ud7ff")"},
+               {R"("\ud83d\ude00")", R"("\ud800ab")", R"("ab\udc00")", R"("\ud83dx")", R"("a")"});
+  expect_texts(json::parse(R"({"type": "string"})"), {R"("\ud83d\ude00")", R"("\uffff")"},
+               {R"("\udbff")", R"("\ude00\ud83d")"});
+  expect_texts(json::parse(R"({"type": "object", "properties": {"a": {"type": "integer"}, "ab": {"type": "integer"}},
+                               "additionalProperties": {"type": "string"}})"),
+               {R"({"a": 1, "b": "x"})", R"({"\n": "x"})", R"({"a\"": "x"})", R"({"abc": "x"})"},
+               {R"({"a": 1, "\u0061": "x"})", R"({"\u0061": "x"})", R"({"a\u0062": "x"})", R"({"\/": "x"})"});
+}
+
 // oneOf compiles only where no value can be valid for two branches: pinned
 // values are told apart as JSON Schema compares them (1 and 1.0 are one
 // value, and so are objects whose keys come in other orders).
