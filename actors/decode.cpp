@@ -40,6 +40,7 @@ struct PendingCommit {
 struct Reservation {
   std::vector<int32_t> blocks;  // the first `cached` of them shared from the prefix cache
   int32_t positions = 0;
+  int32_t prompt_len = 0;       // KvReservation::prompt_len: the positions a stream fills
   uint64_t serial = 0;
   int32_t cached = 0;           // prompt positions those shared blocks hold
   std::vector<int32_t> prompt;  // KvReservation::prompt_tokens (empty: not cached)
@@ -636,6 +637,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   }
   held.blocks.insert(held.blocks.end(), fresh.begin(), fresh.end());
   held.positions = r.positions;
+  held.prompt_len = r.prompt_len;
   held.client = r.client;
   held.attempt = r.attempt;
   held.serial = st.next_serial++;
@@ -806,10 +808,16 @@ std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer
   if (positions > held->positions)
     return Refusal{ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
                                                    std::to_string(held->positions) + " were reserved"};
-  // A one-message KV (no stream id to say which attempt it is) must be of
-  // the prompt reserved: its blocks go to the prefix cache under that
-  // prompt's hashes, and the shared ones are taken as its first positions.
-  if (transfer.transfer_id == 0 && !held->prompt.empty() && transfer.context != held->prompt)
+  // A KV must be of the prompt reserved: its blocks go to the prefix cache
+  // under that prompt's hashes, and the shared ones are taken as its first
+  // positions. A stream's commit (whose bytes fill exactly the reserved
+  // prompt's positions, whatever prompt they were made from) is also of the
+  // prompt's length: a longer one would read positions never written.
+  if (transfer.transfer_id != 0 && transfer.prompt_len != held->prompt_len)
+    return Refusal{ErrorCode::invalid_request, "request " + std::to_string(transfer.id) + ": a KV stream of " +
+                                                   std::to_string(held->prompt_len) + " prompt positions committed as " +
+                                                   std::to_string(transfer.prompt_len)};
+  if (!held->prompt.empty() && transfer.context != held->prompt)
     return Refusal{ErrorCode::invalid_request, "request " + std::to_string(transfer.id) +
                                                    ": the KV is of another prompt than the one its blocks were reserved for"};
   return std::nullopt;

@@ -51,11 +51,13 @@ class KvStreamTest : public ActorTest {
     return reply;
   }
 
-  KvAck commit(RequestId id, uint64_t transfer_id, uint64_t fingerprint) {
+  KvAck commit(RequestId id, uint64_t transfer_id, uint64_t fingerprint, int32_t prompt_len = kPromptLen,
+               std::vector<int32_t> context = {}) {
     caf::scoped_actor self{*system_};
     KvTransfer t;
     t.id = id;
-    t.prompt_len = kPromptLen;
+    t.prompt_len = prompt_len;
+    t.context = std::move(context);
     t.max_new_tokens = 4;
     t.first_token = 5;
     t.transfer_id = transfer_id;
@@ -177,10 +179,38 @@ TEST_F(KvStreamTest, ACommitOfAnotherStreamOrModelIsRefused) {
   const KvAck wrong_stream = commit(9141, reply.target.transfer_id + 1, fingerprint_);
   EXPECT_EQ(wrong_stream.code, ErrorCode::invalid_request) << wrong_stream.message;
   EXPECT_EQ(free_blocks_when(total_ - 3), total_ - 3) << "a stray commit must not end the reservation";
+  // (its stream's bytes fill the reserved prompt's positions: a commit of a
+  // longer prompt would decode positions never written)
+  const KvAck wrong_prompt = commit(9141, reply.target.transfer_id, fingerprint_, kPromptLen + 2);
+  EXPECT_EQ(wrong_prompt.code, ErrorCode::invalid_request) << wrong_prompt.message;
+  EXPECT_EQ(free_blocks_when(total_ - 3), total_ - 3);
   const KvAck wrong_model = commit(9141, reply.target.transfer_id, fingerprint_ ^ 1);
   EXPECT_EQ(wrong_model.code, ErrorCode::incompatible_kv) << wrong_model.message;
   EXPECT_EQ(free_blocks_when(total_), total_);
   EXPECT_EQ(receiver(reply.target).pending_transfers(), 0u);
+}
+
+// A reservation that names its prompt (the prefix cache's): a stream's
+// commit of another prompt of the same length is refused too (its blocks
+// would go to the cache under the reserved prompt's hashes, another
+// client's later prompt then decoding over this KV).
+TEST_F(KvStreamTest, AStreamsCommitOfAnotherPromptIsRefused) {
+  std::vector<int32_t> prompt(size_t(kPromptLen), 7);
+  prompt[0] = 1;
+  caf::scoped_actor self{*system_};
+  KvReservation r{9151, kPositions, 60000, kPromptLen, kv::host_identity(), prompt};
+  ReserveReply reply;
+  self->request(cluster_->decode_workers().at(0), 5s, reserve_atom::value, r)
+      .receive([&](ReserveReply& got) { reply = std::move(got); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  ASSERT_NE(reply.target.transfer_id, 0u);
+  std::vector<int32_t> other = prompt;
+  other.back() = 8;
+  const KvAck refused = commit(9151, reply.target.transfer_id, fingerprint_, kPromptLen, other);
+  EXPECT_EQ(refused.code, ErrorCode::invalid_request) << refused.message;
+  EXPECT_EQ(free_blocks_when(total_ - 3), total_ - 3) << "a stray commit must not end the reservation";
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9151});
+  EXPECT_EQ(free_blocks_when(total_), total_);
 }
 
 }  // namespace
