@@ -35,6 +35,7 @@ class BlockPool {
   int num_blocks() const { return num_blocks_; }
   int free_blocks() const { return int(free_.size() + lru_.size()); }
   int cached_blocks() const { return int(by_hash_.size()); }  // blocks with a hash, held or not
+  bool holds(uint64_t hash) const { return by_hash_.count(hash) != 0; }  // some block, held or not
   int refs(int block) const { return refs_.at(size_t(block)); }
 
   // n blocks, each held once, or an empty vector when fewer than n are free

@@ -21,7 +21,11 @@ PrefixCache::Lookup PrefixCache::lookup(const std::vector<int32_t>& tokens, cons
 }
 
 void PrefixCache::keep(Lookup& l) {
-  const int have = int(l.prefix.blocks.size());
+  // (past the blocks the lookup took, those the pool holds already: the last
+  // block of a prompt of whole blocks, never taken, is the usual one; making
+  // it again would evict another prompt's block for nothing)
+  int have = int(l.prefix.blocks.size());
+  while (have < int(l.hashes.size()) && blocks_.holds(l.hashes[size_t(have)])) ++have;
   const int want = std::min(int(l.hashes.size()) - have, blocks_.free_blocks());
   std::vector<int> fresh;
   if (want > 0) fresh = blocks_.allocate(want);

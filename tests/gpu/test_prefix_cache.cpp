@@ -172,6 +172,30 @@ TEST(PrefixCache, EvictionAndHeldBlocksNeverGiveWrongKv) {
   cache.drop(lb3);
 }
 
+// A prompt of whole blocks again, all of them cached: its last block (never
+// taken: it gives the logits) is not made and kept a second time, which
+// evicted another prompt's block from a full cache for nothing.
+TEST(PrefixCache, AWholeBlockPromptAgainEvictsNothing) {
+  Engine engine(small_model());
+  PrefixCache cache(engine, kBlock, 13);
+  const std::vector<int> a = prompt_of(12 * kBlock, 1), b = prompt_of(kBlock + 4, 2);
+  for (const auto* p : {&b, &a}) {
+    PrefixCache::Lookup l = cache.lookup(*p, "");
+    engine.prefill(*p, {}, l.prefix);
+    cache.keep(l);
+  }
+  ASSERT_EQ(cache.cached_blocks(), 13) << "precondition: the cache is full";
+  cache.take_events();
+  PrefixCache::Lookup again = cache.lookup(a, "");
+  ASSERT_EQ(again.prefix.positions(), 11 * kBlock);
+  engine.prefill(a, {}, again.prefix);
+  cache.keep(again);
+  for (const BlockEvent& e : cache.take_events()) EXPECT_TRUE(e.stored) << "evicted " << e.hash;
+  PrefixCache::Lookup lb = cache.lookup(b, "");
+  EXPECT_EQ(lb.prefix.positions(), kBlock) << "b's block was evicted";
+  cache.drop(lb);
+}
+
 TEST(PrefixCache, APrefixTheEngineCannotUseIsRefused) {
   Engine engine(small_model());
   Engine other(small_model());
