@@ -114,7 +114,7 @@ void add_disagg_options(caf::config_option_set& options, DisaggConfig& c) {
       .add(c.default_deadline_ms, "default-deadline-ms", "deadline of a request that sets none")
       .add(c.max_prompt_bytes, "max-prompt-bytes", "longest text prompt the router encodes (longer: invalid_request)")
       .add(c.session_affinity_size, "session-affinity-size", "sessions the router remembers")
-      .add(c.max_decode_retries, "max-decode-retries", "other decode workers tried after an overloaded reply")
+      .add(c.max_decode_retries, "max-decode-retries", "reservations tried again after an unanswered one")
       .add(c.max_worker_retries, "max-worker-retries",
            "restarts of a request that has no token yet when a worker is lost or stops answering")
       .add(c.heartbeat_interval_ms, "heartbeat-interval-ms", "how often the router checks every worker (0: never)")

@@ -131,7 +131,7 @@ struct DisaggConfig {
   // ~55 ms; 256 KiB is ~65K Llama 3 tokens.
   int64_t max_prompt_bytes = 256 * 1024;
   int session_affinity_size = 4096;  // sessions remembered (least recently used evicted)
-  int max_decode_retries = 2;        // other decode workers tried after overloaded
+  int max_decode_retries = 2;        // reservations tried again after an unanswered one
   int max_worker_retries = 2;        // restarts of a request before its first token when a worker is lost or hung
   int64_t heartbeat_interval_ms = 1000;  // the router asks every worker whether it is alive (0: never)
   int64_t heartbeat_timeout_ms = 3000;   // ... and gives it no work while it has not answered in this time
