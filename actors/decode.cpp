@@ -804,6 +804,10 @@ std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer
   if (!held)
     return Refusal{ErrorCode::timeout, "no KV blocks reserved for request " + std::to_string(transfer.id) +
                                            " (its reservation's lease ended, or none was made)"};
+  if (transfer.attempt != held->attempt)
+    return Refusal{ErrorCode::cancelled, "request " + std::to_string(transfer.id) + ": the KV of attempt " +
+                                             std::to_string(transfer.attempt) + ", the blocks are attempt " +
+                                             std::to_string(held->attempt) + "'s"};
   const int positions = gpu::kv_positions_needed(transfer.prompt_len, transfer.max_new_tokens, st.seq_len);
   if (positions > held->positions)
     return Refusal{ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +

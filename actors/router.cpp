@@ -208,10 +208,12 @@ bool prefill_holds(const Request& r) {
 // Whether the request's prefill worker may still hold its job: it has not
 // reported (in Decoding too: the decode worker has the KV, but the job
 // waits for its ack until then, and a new attempt's job of the same id
-// would be refused there as "already in prefill").
+// would be refused there as "already in prefill"; also when the router no
+// longer waits for the report, the worker having been silent: it may
+// answer again).
 bool prefill_unreported(const Request& r) {
   const auto* d = std::get_if<Decoding>(&r.phase);
-  return prefill_holds(r) || (d && !d->prefill_report && !d->prefill_over);
+  return prefill_holds(r) || (d && !d->prefill_report);
 }
 
 // Accepted requests waiting for dispatch, oldest first (a request back from
@@ -617,6 +619,7 @@ void send_prefill_job(Self self, RequestId id, KvTarget target) {
   job.deadline_ms = time_left_ms(r);
   job.target = std::move(target);
   job.cache_salt = r.request.cache_salt;
+  job.attempt = a.serial;
   if (p && !a.local_prefill && p->info.cache_blocks > 0) predict_prefix(self, r, *p);
   const uint64_t attempt = a.serial;
   const WorkerKey prefill_key = a.prefill_key;

@@ -95,6 +95,7 @@ struct PrefillJob {
   // counts only what is left), so the continuation is exactly the original.
   int32_t first_step = 0;
   std::string cache_salt;  // GenerateRequest::cache_salt (the prefill worker's prefix cache)
+  uint64_t attempt = 0;    // KvReservation::attempt: passed on in KvTransfer::attempt
 };
 
 // Prefill -> router: the reply to PrefillJob. code none: the decode worker
@@ -142,6 +143,10 @@ struct KvTransfer {
   // peer that sends none: then the request must not need it, and does not
   // speculate.
   std::vector<int32_t> context;
+  // PrefillJob::attempt: the decode worker takes it only into the
+  // reservation of that attempt (a late KV of an earlier attempt, as one
+  // message, would fill a retry's reservation of the same prompt).
+  uint64_t attempt = 0;
 };
 
 // The prompt positions a prefix cache held, as a request's outcome (the
@@ -207,7 +212,7 @@ typename Inspector::result_type inspect(Inspector& f, ReserveReply& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
   return f(caf::meta::type_name("PrefillJob"), x.id, x.prompt_tokens, x.max_new_tokens, x.sampling,
-           x.deadline_ms, x.target, x.first_step, x.cache_salt);
+           x.deadline_ms, x.target, x.first_step, x.cache_salt, x.attempt);
 }
 
 template <class Inspector>
@@ -220,7 +225,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
   return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
            x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint, x.first_step,
-           x.cached_tokens, x.first_logprobs, x.context, x.prompt_logprobs);
+           x.cached_tokens, x.first_logprobs, x.context, x.prompt_logprobs, x.attempt);
 }
 
 template <class Inspector>

@@ -679,6 +679,35 @@ TEST_F(HungPrefillTest, AStepsAnswerGoesToTheAttemptItWasAskedForNotALaterOne) {
   EXPECT_EQ(out.tokens, local.tokens) << "the held step's token went to the later attempt";
 }
 
+// The prefill worker goes silent after its commit (the router waits for its
+// report no longer), then the decode worker is lost mid-generation: the
+// restart tells the silent prefill worker to drop the job it may still hold
+// (a wait for an ack that never comes); else, answering again, it refused
+// the restart's job as "already in prefill" and the request failed.
+TEST_F(HungPrefillTest, ARestartTellsASilentPrefillWorkerToDropItsJob) {
+  expect_pool_free_ = false;  // (the pool goes with its worker)
+  caf::anon_send(decode_compute_, pause_atom::value);
+  TokenLog log;
+  std::promise<void> first_token;
+  auto future = submit(300, Sampling{}, log, nullptr, &first_token);
+  log_->committed.get_future().wait();
+  first_token.get_future().wait();
+  relay_log_->first_batch.get_future().wait();  // the router saw it too: Decoding
+  heartbeat_round();                            // left unanswered
+  ASSERT_TRUE(wait_for([](const RouterStatus& s) {
+    const WorkerStatus* w = prefill_status(s);
+    return w && !w->responsive;
+  }));
+  ASSERT_FALSE(log_->was_cancelled(victim_));
+  caf::anon_send_exit(decode_, caf::exit_reason::kill);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!log_->was_cancelled(victim_) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // (a poll, bounded)
+  EXPECT_TRUE(log_->was_cancelled(victim_)) << "the silent prefill worker was not told to drop the old job";
+  client_->cancel(victim_);
+  ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+}
+
 // A one-message KV held at the compute (Admitting) while its request is
 // cancelled and then reserved again under the same id (as a restart may come
 // back to the same worker): the new reservation is taken (it was refused as

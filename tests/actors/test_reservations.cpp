@@ -36,18 +36,21 @@ int free_blocks_when(LocalCluster& cluster, int expected) {
 
 class ReservationTest : public ActorTest {
  protected:
-  ReserveReply reserve(RequestId id, int positions, int64_t lease_ms) {
+  ReserveReply reserve(RequestId id, int positions, int64_t lease_ms, uint64_t attempt = 0) {
     caf::scoped_actor self{*system_};
     ReserveReply reply;
-    self->request(cluster_->decode_workers().at(0), 5s, reserve_atom::value, KvReservation{id, positions, lease_ms})
+    KvReservation r{id, positions, lease_ms};
+    r.attempt = attempt;
+    self->request(cluster_->decode_workers().at(0), 5s, reserve_atom::value, r)
         .receive([&](ReserveReply& r) { reply = std::move(r); },
                  [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
     return reply;
   }
-  KvAck send_kv(RequestId id, int prompt_len, int max_new_tokens = 4, int first_step = 0) {
+  KvAck send_kv(RequestId id, int prompt_len, int max_new_tokens = 4, int first_step = 0, uint64_t attempt = 0) {
     caf::scoped_actor self{*system_};
     KvTransfer t;
     t.id = id;
+    t.attempt = attempt;
     t.prompt_len = prompt_len;
     t.max_new_tokens = max_new_tokens;
     t.first_step = first_step;
@@ -116,6 +119,23 @@ TEST_F(ReservationTest, KvNeedingMorePositionsThanReservedIsRefused) {
   const KvAck stepped = send_kv(9005, 5, 2, std::numeric_limits<int32_t>::max() - 1);
   EXPECT_EQ(stepped.code, ErrorCode::invalid_request) << stepped.message;
   caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9005});
+  EXPECT_EQ(free_blocks_when(*cluster_, total), total);
+}
+
+// The KV of another attempt of the request (a late one message of an
+// earlier attempt, its prefill worker slow, the retry back on this worker
+// with the same prompt) does not fill this attempt's blocks: refused as
+// cancelled, the reservation kept for its own.
+TEST_F(ReservationTest, KvOfAnotherAttemptIsRefusedAndTheReservationKept) {
+  start(1, 1);
+  const int total = cluster_->decode_loads().at(0).total_blocks;
+  ASSERT_EQ(reserve(9006, 10, 60000, 12).code, ErrorCode::none);
+  const KvAck earlier = send_kv(9006, 30, 4, 0, 11);
+  EXPECT_EQ(earlier.code, ErrorCode::cancelled) << earlier.message;
+  EXPECT_EQ(free_blocks_when(*cluster_, total - 1), total - 1) << "the reservation was given up";
+  const KvAck own = send_kv(9006, 30, 4, 0, 12);  // (past the attempt: refused for its size)
+  EXPECT_EQ(own.code, ErrorCode::invalid_request) << own.message;
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9006});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
 }
 
