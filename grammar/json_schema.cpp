@@ -126,12 +126,18 @@ class Compiler {
   }
 
   // A value's text such that two values JSON Schema holds equal (1 and 1.0,
-  // 0 and -0.0, objects whose keys come in other orders) have the same one.
+  // 0 and -0.0, objects whose keys come in other orders) have the same one,
+  // and two it holds apart (integers past 2^53 too) different ones.
   static std::string canonical_text(const json& v) {
+    if (v.is_number_unsigned()) return std::to_string(v.get<uint64_t>());
+    if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
     if (v.is_number()) {
       const double d = v.get<double>();
+      // (a float with an integer's value is that integer: 2^63 is past int64)
+      if (std::trunc(d) == d && d >= -9223372036854775808.0 && d < 9223372036854775808.0)
+        return std::to_string(int64_t(d));
       char text[32];
-      std::snprintf(text, sizeof text, "%.17g", d == 0 ? 0.0 : d);
+      std::snprintf(text, sizeof text, "%.17g", d);
       return text;
     }
     if (v.is_array()) {

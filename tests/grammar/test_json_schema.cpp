@@ -131,8 +131,11 @@ TEST(JsonSchema, OneOfsPinnedValuesAreComparedAsTheSchemaDoes) {
   };
   EXPECT_NO_THROW(json_schema_grammar(nlohmann::ordered_json::parse(branches("1", "2"))));
   EXPECT_NO_THROW(json_schema_grammar(nlohmann::ordered_json::parse(branches(R"({"a": 1})", R"({"a": 2})"))));
+  EXPECT_NO_THROW(json_schema_grammar(nlohmann::ordered_json::parse(branches("9007199254740993", "9007199254740992"))))
+      << "integers past 2^53 are told apart";
+  EXPECT_NO_THROW(json_schema_grammar(nlohmann::ordered_json::parse(branches("0.1", "0.30000000000000004"))));
   for (const auto& [a, b] : std::vector<std::pair<std::string, std::string>>{
-           {"1", "1.0"}, {"0", "-0.0"}, {R"({"a": 1, "b": [2]})", R"({"b": [2.0], "a": 1})"}, {R"("x")", R"("x")"}}) {
+           {"1", "1.0"}, {"0", "-0.0"}, {"-3", "-3.0"}, {"18446744073709551615", "18446744073709551615"}, {R"({"a": 1, "b": [2]})", R"({"b": [2.0], "a": 1})"}, {R"("x")", R"("x")"}}) {
     try {
       json_schema_grammar(nlohmann::ordered_json::parse(branches(a, b)));
       ADD_FAILURE() << a << " and " << b << " were told apart";
