@@ -314,7 +314,7 @@ json parse_body(const std::string& text, const ServedModel& model) {
   try {
     body = parse_json_limited(text);
   } catch (const JsonOutOfBounds& e) {
-    throw bad_request("", std::string("malformed JSON: the body ") + e.what(), "invalid_json");
+    throw bad_request("", std::string("the request's JSON ") + e.what(), "invalid_json");
   } catch (const json::exception& e) {  // parse_error, and out_of_range 406: a number beyond a double
     throw bad_request("", "malformed JSON: " + clip(e.what(), kMaxParseMessageBytes), "invalid_json");
   }

@@ -110,7 +110,7 @@ TEST(HttpApi, JsonInsideAStringIsNestedNoDeeperThanTheBody) {
 // An object of a request's JSON has at most kMaxJsonMembers members (a
 // key-ordered parse, which schemas, tools and templates need, is quadratic in
 // them: an object of 100,000 keys held the I/O thread for seconds), in the
-// body and in JSON inside a string; logit_bias's most fit.
+// body and in JSON inside a string; OpenAI's most (a schema's properties) fit.
 TEST(HttpApi, AnObjectHasAtMostSoManyMembers) {
   auto object = [](size_t members) {
     json o = json::object();
@@ -121,13 +121,13 @@ TEST(HttpApi, AnObjectHasAtMostSoManyMembers) {
   ApiError e = error_of(Endpoint::completions, json{{"prompt", "x"}, {"metadata", object(kMaxJsonMembers + 1)}}.dump());
   EXPECT_EQ(e.status, 400);
   EXPECT_EQ(e.code, "invalid_json");
-  EXPECT_EQ(e.message, "malformed JSON: the body holds an object of more than 1024 members");
+  EXPECT_EQ(e.message, "the request's JSON holds an object of more than 5000 members");
   // (an array's elements are no members)
   EXPECT_NO_THROW(parse(Endpoint::completions, json{{"prompt", json::array({1, 2})}, {"x", json::array({object(2), object(2), object(2)})}}.dump()));
   e = error_of(Endpoint::completions,
                json{{"prompt", "x"}, {"guided_json", json{{"properties", object(kMaxJsonMembers + 1)}}.dump()}}.dump());
   EXPECT_EQ(e.param, "guided_json");
-  EXPECT_EQ(e.message, "'guided_json' holds an object of more than 1024 members");
+  EXPECT_EQ(e.message, "'guided_json' holds an object of more than 5000 members");
 }
 
 TEST(HttpApi, CompletionDefaultsAndFields) {
