@@ -9,6 +9,8 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 #include "actors/actor_fixture.h"
 #include "actors/compute.h"
@@ -262,21 +264,37 @@ TEST_F(ActorTest, RequestNoDecodeWorkerCanHoldIsOverloaded) {
   EXPECT_TRUE(client_->generate(make_request(kOnceUponATime, 20)).ok());
 }
 
+// A worker of the test's joins `router` as any worker does (by message),
+// with the cluster's model: its role from its handle's type.
+template <class Handle, class Self>
+void join_as(Self self, const router_actor& router, std::string name, int32_t total_blocks = 0) {
+  WorkerInfo info;
+  info.role = std::is_same_v<Handle, decode_actor> ? WorkerRole::decode : WorkerRole::prefill;
+  info.name = std::move(name);
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));  // the cluster's model: it may join
+  info.block_size = 16;
+  info.total_blocks = total_blocks;
+  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<Handle>(self))
+      .then([](caf::ok_atom) {});
+}
+
+// Ends the actors a test spawned, whatever its end (the system waits for them).
+struct StopAll {
+  std::vector<caf::actor> actors;
+  template <class... Handles>
+  explicit StopAll(const Handles&... handles) : actors{caf::actor_cast<caf::actor>(handles)...} {}
+  ~StopAll() {
+    for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+  }
+};
+
 // A decode worker that registers like any other (by message) but never has
 // room: it claims a huge pool, so the router tries it first. It counts the KV
 // transfers it is sent: with the receiver reserving first, there are none.
 decode_actor::behavior_type always_full_decode(decode_actor::pointer self, router_actor router,
                                                std::shared_ptr<std::atomic<int>> kv_sent,
                                                std::shared_ptr<std::atomic<int>> reservations) {
-  WorkerInfo info;
-  info.role = WorkerRole::decode;
-  info.name = "always-full";
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));  // the cluster's model: it may join
-  info.block_size = 16;
-  info.total_blocks = 1 << 20;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info,
-                caf::actor_cast<decode_actor>(self))
-      .then([](caf::ok_atom) {});
+  join_as<decode_actor>(self, router, "always-full", 1 << 20);
   return {
       [=](reserve_atom, const KvReservation& r) {
         reservations->fetch_add(1);
@@ -401,15 +419,7 @@ TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   spec.pool_block_size = 16;
   spec.pool_blocks = 64;
   const decode_actor worker = spawn_decode(*system_, config, spawn_compute(*system_, spec), router, "leased");
-  struct Stop {  // (whatever the test's end: the system waits for its actors)
-    caf::actor_system& system;
-    decode_actor worker;
-    router_actor router;
-    ~Stop() {
-      caf::anon_send_exit(worker, caf::exit_reason::user_shutdown);
-      caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
-    }
-  } stop{*system_, worker, router};
+  const StopAll stop(worker, router);
   caf::scoped_actor outsider{*system_};
   int decode_workers = 0;  // registered: it takes reservations from then on
   for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -451,14 +461,7 @@ struct LateTokenState {
 
 decode_actor::behavior_type late_token_decode(decode_actor::stateful_pointer<LateTokenState> self,
                                               router_actor router) {
-  WorkerInfo info;
-  info.role = WorkerRole::decode;
-  info.name = "late-token";
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
-  info.block_size = 16;
-  info.total_blocks = 1024;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
-      .then([](caf::ok_atom) {});
+  join_as<decode_actor>(self, router, "late-token", 1024);
   const DecodeLoad load{1000, 1024, 16, 0};
   return {
       [=](reserve_atom, const KvReservation& r) {
@@ -484,13 +487,7 @@ decode_actor::behavior_type late_token_decode(decode_actor::stateful_pointer<Lat
 // request starts over) and whose second job fails.
 prefill_actor::behavior_type failing_prefill(prefill_actor::stateful_pointer<LateTokenState> self,
                                              router_actor router) {
-  WorkerInfo info;
-  info.role = WorkerRole::prefill;
-  info.name = "failing-prefill";
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
-  info.block_size = 16;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
-      .then([](caf::ok_atom) {});
+  join_as<prefill_actor>(self, router, "failing-prefill");
   return {
       [=](prefill_atom, PrefillJob& job, decode_actor&) {
         self->state.attempts.push_back(0);
@@ -517,13 +514,7 @@ TEST_F(ActorTest, ALateTokenOfAnEarlierAttemptOnTheSameWorkerIsIgnored) {
   auto decode = system_->spawn(late_token_decode, router);
   auto prefill = system_->spawn(failing_prefill, router);
   Client client(*system_, router);
-  struct Stop {  // (whatever the test's end: the system waits for its actors)
-    std::vector<caf::actor> actors;
-    ~Stop() {
-      for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-    }
-  } stop{{caf::actor_cast<caf::actor>(decode), caf::actor_cast<caf::actor>(prefill),
-          caf::actor_cast<caf::actor>(router)}};
+  const StopAll stop(decode, prefill, router);
   auto request = make_request(kOnceUponATime, 8);
   request.deadline_ms = 5000;
   const RequestOutcome out = client.generate(request);
@@ -537,14 +528,7 @@ TEST_F(ActorTest, ALateTokenOfAnEarlierAttemptOnTheSameWorkerIsIgnored) {
 // prefill worker waits for it up to ack-timeout-ms, as for a node that died).
 decode_actor::behavior_type dying_decode(decode_actor::stateful_pointer<LateTokenState> self, router_actor router,
                                          std::shared_ptr<std::vector<caf::typed_response_promise<KvAck>>> acks) {
-  WorkerInfo info;
-  info.role = WorkerRole::decode;
-  info.name = "dying";
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
-  info.block_size = 16;
-  info.total_blocks = 1 << 20;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
-      .then([](caf::ok_atom) {});
+  join_as<decode_actor>(self, router, "dying", 1 << 20);
   const DecodeLoad load{1 << 20, 1 << 20, 16, 0};
   return {
       [=](reserve_atom, const KvReservation& r) {
@@ -593,14 +577,7 @@ TEST_F(ActorTest, AMigrationBackToAPrefillWorkerStillWaitingForItsAckIsServed) {
 decode_actor::behavior_type silent_decode(decode_actor::stateful_pointer<LateTokenState> self, router_actor router,
                                           std::shared_ptr<std::vector<caf::typed_response_promise<ReserveReply>>> held,
                                           std::shared_ptr<std::atomic<int>> reservations) {
-  WorkerInfo info;
-  info.role = WorkerRole::decode;
-  info.name = "silent";
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
-  info.block_size = 16;
-  info.total_blocks = 1024;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
-      .then([](caf::ok_atom) {});
+  join_as<decode_actor>(self, router, "silent", 1024);
   const DecodeLoad load{1024, 1024, 16, 0};
   return {
       [=](reserve_atom, const KvReservation&) {
@@ -633,13 +610,7 @@ TEST_F(ActorTest, AnUnansweredReservationIsRetriedThenFailsWithItsTimeout) {
   auto decode = system_->spawn(silent_decode, router, held, reservations);
   auto prefill = system_->spawn(failing_prefill, router);
   Client client(*system_, router);
-  struct Stop {
-    std::vector<caf::actor> actors;
-    ~Stop() {
-      for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-    }
-  } stop{{caf::actor_cast<caf::actor>(decode), caf::actor_cast<caf::actor>(prefill),
-          caf::actor_cast<caf::actor>(router)}};
+  const StopAll stop(decode, prefill, router);
   auto request = make_request(kOnceUponATime, 8);
   request.deadline_ms = 20000;
   const RequestOutcome out = client.generate(request);
@@ -658,14 +629,7 @@ struct ReservationLog {
 // A decode worker of the test's that takes every reservation and logs it.
 decode_actor::behavior_type logging_decode(decode_actor::pointer self, router_actor router, std::string name,
                                            std::shared_ptr<ReservationLog> log) {
-  WorkerInfo info;
-  info.role = WorkerRole::decode;
-  info.name = name;
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
-  info.block_size = 16;
-  info.total_blocks = 1024;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
-      .then([](caf::ok_atom) {});
+  join_as<decode_actor>(self, router, name, 1024);
   const DecodeLoad load{1024, 1024, 16, 0};
   return {
       [=](reserve_atom, const KvReservation& r) {
@@ -687,13 +651,7 @@ decode_actor::behavior_type logging_decode(decode_actor::pointer self, router_ac
 // worker down with it; later ones fail.
 prefill_actor::behavior_type first_job_kills(prefill_actor::pointer self, router_actor router, std::string name,
                                              std::shared_ptr<ReservationLog> log) {
-  WorkerInfo info;
-  info.role = WorkerRole::prefill;
-  info.name = name;
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
-  info.block_size = 16;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
-      .then([](caf::ok_atom) {});
+  join_as<prefill_actor>(self, router, name);
   return {
       [=](prefill_atom, PrefillJob& job, decode_actor&) -> caf::result<PrefillReport> {
         if (log->jobs.fetch_add(1) == 0) {
@@ -722,12 +680,8 @@ TEST_F(ActorTest, ARestartAfterALostPrefillWorkerKeepsItsDecodeWorker) {
     actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(logging_decode, router, name, log)));
   for (const char* name : {"prefill-a", "prefill-b"})
     actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(first_job_kills, router, name, log)));
-  struct Stop {
-    std::vector<caf::actor> actors;
-    ~Stop() {
-      for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-    }
-  } stop{actors};
+  StopAll stop;
+  stop.actors = actors;
   Client client(*system_, router);
   for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
        std::chrono::steady_clock::now() < deadline;) {
