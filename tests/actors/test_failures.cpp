@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -483,21 +484,26 @@ decode_actor::behavior_type late_token_decode(decode_actor::stateful_pointer<Lat
   };
 }
 
-// A prefill worker of the test's whose first job's KV link breaks (the
-// request starts over) and whose second job fails.
-prefill_actor::behavior_type failing_prefill(prefill_actor::stateful_pointer<LateTokenState> self,
-                                             router_actor router) {
-  join_as<prefill_actor>(self, router, "failing-prefill");
+// A prefill worker of the test's: each job answered by its script.
+using PrefillScript = std::function<caf::result<PrefillReport>(prefill_actor::pointer, const PrefillJob&)>;
+
+prefill_actor::behavior_type scripted_prefill(prefill_actor::pointer self, router_actor router, std::string name,
+                                              PrefillScript answer) {
+  join_as<prefill_actor>(self, router, std::move(name));
   return {
-      [=](prefill_atom, PrefillJob& job, decode_actor&) {
-        self->state.attempts.push_back(0);
-        return self->state.attempts.size() == 1
-                   ? PrefillReport{job.id, ErrorCode::worker_lost, "KV stream: the test's broken link"}
-                   : PrefillReport{job.id, ErrorCode::internal, "the test's prefill failure"};
-      },
+      [=](prefill_atom, PrefillJob& job, decode_actor&) { return answer(self, job); },
       [](cancel_atom, RequestId) {},
       [](status_atom) { return PrefillLoad{}; },
       [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+  };
+}
+
+// The first job's KV link breaks (the request starts over); later jobs fail.
+PrefillScript link_breaks_then_fails() {
+  auto jobs = std::make_shared<int>(0);
+  return [jobs](prefill_actor::pointer, const PrefillJob& job) -> caf::result<PrefillReport> {
+    return ++*jobs == 1 ? PrefillReport{job.id, ErrorCode::worker_lost, "KV stream: the test's broken link"}
+                        : PrefillReport{job.id, ErrorCode::internal, "the test's prefill failure"};
   };
 }
 
@@ -512,7 +518,7 @@ TEST_F(ActorTest, ALateTokenOfAnEarlierAttemptOnTheSameWorkerIsIgnored) {
   config.heartbeat_interval_ms = 0;
   const router_actor router = spawn_router(*system_, config, nullptr);
   auto decode = system_->spawn(late_token_decode, router);
-  auto prefill = system_->spawn(failing_prefill, router);
+  auto prefill = system_->spawn(scripted_prefill, router, "failing-prefill", link_breaks_then_fails());
   Client client(*system_, router);
   const StopAll stop(decode, prefill, router);
   auto request = make_request(kOnceUponATime, 8);
@@ -608,7 +614,7 @@ TEST_F(ActorTest, AnUnansweredReservationIsRetriedThenFailsWithItsTimeout) {
   auto held = std::make_shared<std::vector<caf::typed_response_promise<ReserveReply>>>();
   auto reservations = std::make_shared<std::atomic<int>>(0);
   auto decode = system_->spawn(silent_decode, router, held, reservations);
-  auto prefill = system_->spawn(failing_prefill, router);
+  auto prefill = system_->spawn(scripted_prefill, router, "failing-prefill", link_breaks_then_fails());
   Client client(*system_, router);
   const StopAll stop(decode, prefill, router);
   auto request = make_request(kOnceUponATime, 8);
@@ -647,22 +653,15 @@ decode_actor::behavior_type logging_decode(decode_actor::pointer self, router_ac
   };
 }
 
-// A prefill worker of the test's: the first job any of them gets takes its
-// worker down with it; later ones fail.
-prefill_actor::behavior_type first_job_kills(prefill_actor::pointer self, router_actor router, std::string name,
-                                             std::shared_ptr<ReservationLog> log) {
-  join_as<prefill_actor>(self, router, name);
-  return {
-      [=](prefill_atom, PrefillJob& job, decode_actor&) -> caf::result<PrefillReport> {
-        if (log->jobs.fetch_add(1) == 0) {
-          self->quit(caf::exit_reason::kill);
-          return caf::sec::request_receiver_down;
-        }
-        return PrefillReport{job.id, ErrorCode::internal, "the test's prefill failure"};
-      },
-      [](cancel_atom, RequestId) {},
-      [](status_atom) { return PrefillLoad{}; },
-      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+// The first job any worker sharing `log` gets takes its worker down with it;
+// later ones fail.
+PrefillScript first_job_kills(std::shared_ptr<ReservationLog> log) {
+  return [log](prefill_actor::pointer self, const PrefillJob& job) -> caf::result<PrefillReport> {
+    if (log->jobs.fetch_add(1) == 0) {
+      self->quit(caf::exit_reason::kill);
+      return caf::sec::request_receiver_down;
+    }
+    return PrefillReport{job.id, ErrorCode::internal, "the test's prefill failure"};
   };
 }
 
@@ -679,7 +678,7 @@ TEST_F(ActorTest, ARestartAfterALostPrefillWorkerKeepsItsDecodeWorker) {
   for (const char* name : {"decode-a", "decode-b"})
     actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(logging_decode, router, name, log)));
   for (const char* name : {"prefill-a", "prefill-b"})
-    actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(first_job_kills, router, name, log)));
+    actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(scripted_prefill, router, name, first_job_kills(log))));
   StopAll stop;
   stop.actors = actors;
   Client client(*system_, router);

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <future>
 #include <memory>
@@ -54,6 +55,7 @@ struct GateLog {
   std::atomic<int> jobs{0};  // prefill jobs the router sent it
   std::mutex mutex;
   std::vector<RequestId> cancelled;  // requests the router told it to drop
+  std::condition_variable cancel_seen;  // (each cancel)
   std::atomic<bool> stop_after_report{true};
   // Jobs still to be answered worker_lost at once, unrun (as a prefill
   // worker whose KV connection to the decode worker broke).
@@ -64,6 +66,13 @@ struct GateLog {
   bool was_cancelled(RequestId id) {
     std::lock_guard<std::mutex> lock(mutex);
     return std::find(cancelled.begin(), cancelled.end(), id) != cancelled.end();
+  }
+  // Whether the router tells it to drop `id` within `within`.
+  bool cancelled_within(RequestId id, std::chrono::milliseconds within) {
+    std::unique_lock<std::mutex> lock(mutex);
+    return cancel_seen.wait_for(lock, within, [&] {
+      return std::find(cancelled.begin(), cancelled.end(), id) != cancelled.end();
+    });
   }
 };
 
@@ -129,6 +138,7 @@ caf::behavior prefill_gate(caf::stateful_actor<GateState>* self, router_actor ro
           std::lock_guard<std::mutex> lock(log->mutex);
           log->cancelled.push_back(id);
         }
+        log->cancel_seen.notify_all();
         auto pass_on = [=, &st] { self->send(st.worker, cancel_atom::value, id); };
         if (st.stopped)
           st.unread.push_back(pass_on);
@@ -700,10 +710,8 @@ TEST_F(HungPrefillTest, ARestartTellsASilentPrefillWorkerToDropItsJob) {
   }));
   ASSERT_FALSE(log_->was_cancelled(victim_));
   caf::anon_send_exit(decode_, caf::exit_reason::kill);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (!log_->was_cancelled(victim_) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // (a poll, bounded)
-  EXPECT_TRUE(log_->was_cancelled(victim_)) << "the silent prefill worker was not told to drop the old job";
+  EXPECT_TRUE(log_->cancelled_within(victim_, std::chrono::seconds(5)))
+      << "the silent prefill worker was not told to drop the old job";
   client_->cancel(victim_);
   ASSERT_EQ(future.wait_for(std::chrono::seconds(10)), std::future_status::ready);
 }
