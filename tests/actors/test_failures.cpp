@@ -289,38 +289,55 @@ struct StopAll {
   }
 };
 
-// A decode worker that registers like any other (by message) but never has
-// room: it claims a huge pool, so the router tries it first. It counts the KV
-// transfers it is sent: with the receiver reserving first, there are none.
-decode_actor::behavior_type always_full_decode(decode_actor::pointer self, router_actor router,
-                                               std::shared_ptr<std::atomic<int>> kv_sent,
-                                               std::shared_ptr<std::atomic<int>> reservations) {
-  join_as<decode_actor>(self, router, "always-full", 1 << 20);
+// A decode worker of the test's: it joins like any other (by message) with
+// a pool of `total` blocks, `free` of them free (the router tries the
+// roomiest first); its reservations and KV are answered by the script (a KV
+// refused where it has none), and the rest idle.
+struct DecodeScript {
+  std::string name;
+  int32_t free = 1024;
+  int32_t total = 1024;
+  std::function<caf::result<ReserveReply>(decode_actor::pointer, const KvReservation&)> reserve;
+  std::function<caf::result<KvAck>(decode_actor::pointer, KvTransfer&)> kv;
+  std::function<void(decode_actor::pointer)> on_status;  // before the load is answered
+  DecodeLoad load() const { return DecodeLoad{free, total, 16, 0}; }
+};
+
+decode_actor::behavior_type scripted_decode(decode_actor::pointer self, router_actor router, DecodeScript script) {
+  join_as<decode_actor>(self, router, script.name, script.total);
   return {
-      [=](reserve_atom, const KvReservation& r) {
-        reservations->fetch_add(1);
-        return ReserveReply{r.id, ErrorCode::overloaded, "always full", DecodeLoad{0, 1 << 20, 16, 0}};
+      [=](reserve_atom, const KvReservation& r) { return script.reserve(self, r); },
+      [=](kv_atom, KvTransfer& t) -> caf::result<KvAck> {
+        if (script.kv) return script.kv(self, t);
+        return KvAck{t.id, ErrorCode::internal, "the test's", script.load()};
       },
-      [=](kv_atom, KvTransfer& transfer) {
-        kv_sent->fetch_add(1);
-        return KvAck{transfer.id, ErrorCode::overloaded, "always full", DecodeLoad{0, 1 << 20, 16, 0}};
-      },
-      [](prefill_atom, PrefillJob& job) {
-        PrefillReport r;
-        r.id = job.id;
-        r.code = ErrorCode::overloaded;
-        return r;
-      },
+      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
       [](cancel_atom, RequestId) {},
       [](lease_atom, RequestId, uint64_t) {},
       [](landed_atom, RequestId, uint64_t, KvLanded&) {},
-      [](status_atom) { return DecodeLoad{0, 1 << 20, 16, 0}; },
-      [](kv_events_atom) {
-        KvEvents nothing;
-        nothing.snapshot = true;
-        return nothing;
+      [=](status_atom) {
+        if (script.on_status) script.on_status(self);
+        return script.load();
       },
+      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
   };
+}
+
+// A decode worker that never has room: it claims a huge pool, so the router
+// tries it first. It counts the reservations and the KV transfers it is sent
+// (with the receiver reserving first, there are none of the latter).
+DecodeScript always_full(std::shared_ptr<std::atomic<int>> kv_sent, std::shared_ptr<std::atomic<int>> reservations) {
+  DecodeScript script{"always-full", 0, 1 << 20, {}, {}, {}};
+  const DecodeLoad load = script.load();
+  script.reserve = [=](decode_actor::pointer, const KvReservation& r) -> caf::result<ReserveReply> {
+    reservations->fetch_add(1);
+    return ReserveReply{r.id, ErrorCode::overloaded, "always full", load};
+  };
+  script.kv = [=](decode_actor::pointer, KvTransfer& t) -> caf::result<KvAck> {
+    kv_sent->fetch_add(1);
+    return KvAck{t.id, ErrorCode::overloaded, "always full", load};
+  };
+  return script;
 }
 
 void wait_for_decode_workers(Client& client, int n) {
@@ -336,7 +353,7 @@ void wait_for_decode_workers(Client& client, int n) {
 TEST_F(ActorTest, DecodeWithoutRoomIsRetriedOnAnotherWorkerBeforeAnyPrefill) {
   start(1, 1);
   auto kv_sent = std::make_shared<std::atomic<int>>(0);
-  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent, std::make_shared<std::atomic<int>>(0));
+  auto full = system_->spawn(scripted_decode, cluster_->router(), always_full(kv_sent, std::make_shared<std::atomic<int>>(0)));
   wait_for_decode_workers(*client_, 2);
   const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 8));
   EXPECT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
@@ -359,7 +376,7 @@ TEST_F(ActorTest, ARequestWithoutDecodeRoomWaitsForItInsteadOfFailing) {
   auto first = client_->submit(make_request(kOnceUponATime, 300));  // 305 positions: 20 of the 24 blocks
   auto kv_sent = std::make_shared<std::atomic<int>>(0);
   auto reservations = std::make_shared<std::atomic<int>>(0);
-  auto full = system_->spawn(always_full_decode, cluster_->router(), kv_sent, reservations);
+  auto full = system_->spawn(scripted_decode, cluster_->router(), always_full(kv_sent, reservations));
   wait_for_decode_workers(*client_, 2);
   // 7 blocks: the full worker refuses, the real one has 4 free until the first ends.
   const RequestOutcome second = client_->generate(make_request(kOnceUponATime, 100));
@@ -384,8 +401,8 @@ TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
   options.config = shared_model_config(1, 1);
   options.config.pool_blocks = 2;  // 32 positions: too few for the request below
   start(std::move(options));
-  auto full = system_->spawn(always_full_decode, cluster_->router(), std::make_shared<std::atomic<int>>(0),
-                             std::make_shared<std::atomic<int>>(0));
+  auto full = system_->spawn(scripted_decode, cluster_->router(), always_full(std::make_shared<std::atomic<int>>(0),
+                                                                               std::make_shared<std::atomic<int>>(0)));
   wait_for_decode_workers(*client_, 2);
   GenerateRequest request = make_request(kOnceUponATime, 100);
   request.id = 0x5EED;
@@ -452,58 +469,59 @@ TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   EXPECT_EQ(free_blocks(), all);
 }
 
-// A decode worker of the test's that takes every reservation and, at the
-// second one for a request, sends the router a token of the first attempt
-// right after its answer: a token its node's relay held back and delivered
-// late (its answers to reservations go straight to the router).
-struct LateTokenState {
-  std::vector<uint64_t> attempts;  // KvReservation::attempt of each reservation
-};
-
-decode_actor::behavior_type late_token_decode(decode_actor::stateful_pointer<LateTokenState> self,
-                                              router_actor router) {
-  join_as<decode_actor>(self, router, "late-token", 1024);
-  const DecodeLoad load{1000, 1024, 16, 0};
-  return {
-      [=](reserve_atom, const KvReservation& r) {
-        auto& attempts = self->state.attempts;
-        attempts.push_back(r.attempt);
-        auto promise = self->make_response_promise<ReserveReply>();
-        promise.deliver(ReserveReply{r.id, ErrorCode::none, {}, load});
-        if (attempts.size() == 2)
-          self->send(router, token_atom::value, TokenBatch{{TokenEvent{r.id, 0, 7, {}, 0, {}, attempts.front()}}});
-        return promise;
-      },
-      [=](kv_atom, KvTransfer& t) { return KvAck{t.id, ErrorCode::internal, "the test's", load}; },
-      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
-      [](cancel_atom, RequestId) {},
-      [](lease_atom, RequestId, uint64_t) {},
-      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
-      [=](status_atom) { return load; },
-      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+// A decode worker of the test's that takes every reservation and, asked for
+// its status by another than the router after its second reservation, first
+// sends the router a token of the first attempt: a token its node's relay
+// held back and delivered late (its answers go straight to the router).
+DecodeScript late_token(router_actor router) {
+  DecodeScript script{"late-token", 1000, 1024, {}, {}, {}};
+  const DecodeLoad load = script.load();
+  auto attempts = std::make_shared<std::vector<uint64_t>>();  // KvReservation::attempt of each
+  auto id = std::make_shared<RequestId>(0);
+  script.reserve = [=](decode_actor::pointer, const KvReservation& r) -> caf::result<ReserveReply> {
+    attempts->push_back(r.attempt);
+    *id = r.id;
+    return ReserveReply{r.id, ErrorCode::none, {}, load};
   };
+  auto sent = std::make_shared<bool>(false);
+  script.on_status = [=](decode_actor::pointer self) {
+    if (attempts->size() < 2 || *sent || self->current_sender() == caf::actor_cast<caf::strong_actor_ptr>(router))
+      return;
+    *sent = true;
+    self->send(router, token_atom::value, TokenBatch{{TokenEvent{*id, 0, 7, {}, 0, {}, attempts->front()}}});
+  };
+  return script;
 }
 
 // A prefill worker of the test's: each job answered by its script.
-using PrefillScript = std::function<caf::result<PrefillReport>(prefill_actor::pointer, const PrefillJob&)>;
+using PrefillScript =
+    std::function<caf::result<PrefillReport>(prefill_actor::pointer, const PrefillJob&, const decode_actor&)>;
 
 prefill_actor::behavior_type scripted_prefill(prefill_actor::pointer self, router_actor router, std::string name,
                                               PrefillScript answer) {
   join_as<prefill_actor>(self, router, std::move(name));
   return {
-      [=](prefill_atom, PrefillJob& job, decode_actor&) { return answer(self, job); },
+      [=](prefill_atom, PrefillJob& job, decode_actor& decode) { return answer(self, job, decode); },
       [](cancel_atom, RequestId) {},
       [](status_atom) { return PrefillLoad{}; },
       [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
   };
 }
 
-// The first job's KV link breaks (the request starts over); later jobs fail.
+// The first job's KV link breaks (the request starts over); later jobs fail
+// once their decode worker has answered a status (so what it sends the
+// router before is there before the failure: one mailbox, in order).
 PrefillScript link_breaks_then_fails() {
   auto jobs = std::make_shared<int>(0);
-  return [jobs](prefill_actor::pointer, const PrefillJob& job) -> caf::result<PrefillReport> {
-    return ++*jobs == 1 ? PrefillReport{job.id, ErrorCode::worker_lost, "KV stream: the test's broken link"}
-                        : PrefillReport{job.id, ErrorCode::internal, "the test's prefill failure"};
+  return [jobs](prefill_actor::pointer self, const PrefillJob& job,
+                const decode_actor& decode) -> caf::result<PrefillReport> {
+    if (++*jobs == 1) return PrefillReport{job.id, ErrorCode::worker_lost, "KV stream: the test's broken link"};
+    auto report = self->make_response_promise<PrefillReport>();
+    const PrefillReport failed{job.id, ErrorCode::internal, "the test's prefill failure"};
+    self->request(decode, std::chrono::seconds(5), status_atom::value)
+        .then([=](const DecodeLoad&) mutable { report.deliver(failed); },
+              [=](caf::error&) mutable { report.deliver(failed); });
+    return report;
   };
 }
 
@@ -517,7 +535,7 @@ TEST_F(ActorTest, ALateTokenOfAnEarlierAttemptOnTheSameWorkerIsIgnored) {
   DisaggConfig config = shared_model_config(1, 1);
   config.heartbeat_interval_ms = 0;
   const router_actor router = spawn_router(*system_, config, nullptr);
-  auto decode = system_->spawn(late_token_decode, router);
+  auto decode = system_->spawn(scripted_decode, router, late_token(router));
   auto prefill = system_->spawn(scripted_prefill, router, "failing-prefill", link_breaks_then_fails());
   Client client(*system_, router);
   const StopAll stop(decode, prefill, router);
@@ -532,30 +550,22 @@ TEST_F(ActorTest, ALateTokenOfAnEarlierAttemptOnTheSameWorkerIsIgnored) {
 // claims to be huge) and that goes down right after it took a request's KV
 // and streamed its first token, its ack to the prefill worker never sent (the
 // prefill worker waits for it up to ack-timeout-ms, as for a node that died).
-decode_actor::behavior_type dying_decode(decode_actor::stateful_pointer<LateTokenState> self, router_actor router,
-                                         std::shared_ptr<std::vector<caf::typed_response_promise<KvAck>>> acks) {
-  join_as<decode_actor>(self, router, "dying", 1 << 20);
-  const DecodeLoad load{1 << 20, 1 << 20, 16, 0};
-  return {
-      [=](reserve_atom, const KvReservation& r) {
-        self->state.attempts.push_back(r.attempt);
-        return ReserveReply{r.id, ErrorCode::none, {}, load};
-      },
-      [=](kv_atom, KvTransfer& t) {
-        acks->push_back(self->make_response_promise<KvAck>());  // (never delivered)
-        self->send(router, token_atom::value,
-                   TokenBatch{{TokenEvent{t.id, t.first_step, t.first_token, {}, 0, t.first_logprobs,
-                                          self->state.attempts.back()}}});
-        self->quit(caf::exit_reason::kill);
-        return acks->back();
-      },
-      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
-      [](cancel_atom, RequestId) {},
-      [](lease_atom, RequestId, uint64_t) {},
-      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
-      [=](status_atom) { return load; },
-      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+DecodeScript dies_after_its_first_token(router_actor router, std::shared_ptr<std::vector<caf::typed_response_promise<KvAck>>> acks) {
+  DecodeScript script{"dying", 1 << 20, 1 << 20, {}, {}, {}};
+  const DecodeLoad load = script.load();
+  auto attempt = std::make_shared<uint64_t>(0);  // of the last reservation
+  script.reserve = [=](decode_actor::pointer, const KvReservation& r) -> caf::result<ReserveReply> {
+    *attempt = r.attempt;
+    return ReserveReply{r.id, ErrorCode::none, {}, load};
   };
+  script.kv = [=](decode_actor::pointer self, KvTransfer& t) -> caf::result<KvAck> {
+    acks->push_back(self->make_response_promise<KvAck>());  // (never delivered)
+    self->send(router, token_atom::value,
+               TokenBatch{{TokenEvent{t.id, t.first_step, t.first_token, {}, 0, t.first_logprobs, *attempt}}});
+    self->quit(caf::exit_reason::kill);
+    return acks->back();
+  };
+  return script;
 }
 
 // The decode worker goes down after its first token while the prefill
@@ -569,7 +579,7 @@ TEST_F(ActorTest, AMigrationBackToAPrefillWorkerStillWaitingForItsAckIsServed) {
   options.config.ack_timeout_ms = 60000;  // (the old job's wait outlasts the test)
   start(std::move(options));
   auto acks = std::make_shared<std::vector<caf::typed_response_promise<KvAck>>>();
-  auto dying = system_->spawn(dying_decode, cluster_->router(), acks);
+  auto dying = system_->spawn(scripted_decode, cluster_->router(), dies_after_its_first_token(cluster_->router(), acks));
   wait_for_decode_workers(*client_, 2);
   const RequestOutcome out = client_->generate(make_request(kOnceUponATime, 24));
   ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
@@ -580,25 +590,15 @@ TEST_F(ActorTest, AMigrationBackToAPrefillWorkerStillWaitingForItsAckIsServed) {
 
 // A decode worker of the test's that never answers a reservation (it keeps
 // the promises) and counts them.
-decode_actor::behavior_type silent_decode(decode_actor::stateful_pointer<LateTokenState> self, router_actor router,
-                                          std::shared_ptr<std::vector<caf::typed_response_promise<ReserveReply>>> held,
-                                          std::shared_ptr<std::atomic<int>> reservations) {
-  join_as<decode_actor>(self, router, "silent", 1024);
-  const DecodeLoad load{1024, 1024, 16, 0};
-  return {
-      [=](reserve_atom, const KvReservation&) {
-        reservations->fetch_add(1);
-        held->push_back(self->make_response_promise<ReserveReply>());
-        return held->back();
-      },
-      [=](kv_atom, KvTransfer& t) { return KvAck{t.id, ErrorCode::internal, "the test's", load}; },
-      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
-      [](cancel_atom, RequestId) {},
-      [](lease_atom, RequestId, uint64_t) {},
-      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
-      [=](status_atom) { return load; },
-      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+DecodeScript silent(std::shared_ptr<std::vector<caf::typed_response_promise<ReserveReply>>> held,
+                    std::shared_ptr<std::atomic<int>> reservations) {
+  DecodeScript script{"silent", 1024, 1024, {}, {}, {}};
+  script.reserve = [=](decode_actor::pointer self, const KvReservation&) -> caf::result<ReserveReply> {
+    reservations->fetch_add(1);
+    held->push_back(self->make_response_promise<ReserveReply>());
+    return held->back();
   };
+  return script;
 }
 
 // The only decode worker that could hold a request leaves its reservations
@@ -613,7 +613,7 @@ TEST_F(ActorTest, AnUnansweredReservationIsRetriedThenFailsWithItsTimeout) {
   const router_actor router = spawn_router(*system_, config, nullptr);
   auto held = std::make_shared<std::vector<caf::typed_response_promise<ReserveReply>>>();
   auto reservations = std::make_shared<std::atomic<int>>(0);
-  auto decode = system_->spawn(silent_decode, router, held, reservations);
+  auto decode = system_->spawn(scripted_decode, router, silent(held, reservations));
   auto prefill = system_->spawn(scripted_prefill, router, "failing-prefill", link_breaks_then_fails());
   Client client(*system_, router);
   const StopAll stop(decode, prefill, router);
@@ -633,30 +633,21 @@ struct ReservationLog {
 };
 
 // A decode worker of the test's that takes every reservation and logs it.
-decode_actor::behavior_type logging_decode(decode_actor::pointer self, router_actor router, std::string name,
-                                           std::shared_ptr<ReservationLog> log) {
-  join_as<decode_actor>(self, router, name, 1024);
-  const DecodeLoad load{1024, 1024, 16, 0};
-  return {
-      [=](reserve_atom, const KvReservation& r) {
-        std::lock_guard<std::mutex> lock(log->mutex);
-        log->workers.push_back(name);
-        return ReserveReply{r.id, ErrorCode::none, {}, load};
-      },
-      [=](kv_atom, KvTransfer& t) { return KvAck{t.id, ErrorCode::internal, "the test's", load}; },
-      [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
-      [](cancel_atom, RequestId) {},
-      [](lease_atom, RequestId, uint64_t) {},
-      [](landed_atom, RequestId, uint64_t, KvLanded&) {},
-      [=](status_atom) { return load; },
-      [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
+DecodeScript logging(std::string name, std::shared_ptr<ReservationLog> log) {
+  DecodeScript script{name, 1024, 1024, {}, {}, {}};
+  const DecodeLoad load = script.load();
+  script.reserve = [=](decode_actor::pointer, const KvReservation& r) -> caf::result<ReserveReply> {
+    std::lock_guard<std::mutex> lock(log->mutex);
+    log->workers.push_back(name);
+    return ReserveReply{r.id, ErrorCode::none, {}, load};
   };
+  return script;
 }
 
 // The first job any worker sharing `log` gets takes its worker down with it;
 // later ones fail.
 PrefillScript first_job_kills(std::shared_ptr<ReservationLog> log) {
-  return [log](prefill_actor::pointer self, const PrefillJob& job) -> caf::result<PrefillReport> {
+  return [log](prefill_actor::pointer self, const PrefillJob& job, const decode_actor&) -> caf::result<PrefillReport> {
     if (log->jobs.fetch_add(1) == 0) {
       self->quit(caf::exit_reason::kill);
       return caf::sec::request_receiver_down;
@@ -676,7 +667,7 @@ TEST_F(ActorTest, ARestartAfterALostPrefillWorkerKeepsItsDecodeWorker) {
   auto log = std::make_shared<ReservationLog>();
   std::vector<caf::actor> actors{caf::actor_cast<caf::actor>(router)};
   for (const char* name : {"decode-a", "decode-b"})
-    actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(logging_decode, router, name, log)));
+    actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(scripted_decode, router, logging(name, log))));
   for (const char* name : {"prefill-a", "prefill-b"})
     actors.push_back(caf::actor_cast<caf::actor>(system_->spawn(scripted_prefill, router, name, first_job_kills(log))));
   StopAll stop;
