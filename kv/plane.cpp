@@ -57,6 +57,7 @@ KvPlane::KvPlane(const PlaneOptions& options) : options_(options) {
   if (!options_.listen_host.empty()) {
     ReceiverOptions listen;
     listen.host = options_.listen_host;
+    listen.idle_connection = 2 * options_.idle_sender;  // (closed after our senders open a new one)
     tcp_receiver_ = std::make_unique<KvReceiver>(tcp_context_, listen);
     if (shm_context_) shm_receiver_ = std::make_unique<KvReceiver>(shm_context_, listen);
   }
@@ -93,7 +94,11 @@ std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string
   const std::pair<Transport, std::string> key{transport, address};
   const auto now = std::chrono::steady_clock::now();
   Kept& slot = senders_[key];
-  const bool opening = !slot.sender || !slot.sender->connected();
+  // One not asked for within idle_sender is opened anew: a receiver closes
+  // connections silent for twice that (ReceiverOptions::idle_connection),
+  // and over shared memory we would not learn that it did.
+  const bool stale = slot.sender && now - slot.asked >= options_.idle_sender;
+  const bool opening = !slot.sender || !slot.sender->connected() || stale;
   if (opening) slot.sender.reset();  // (a broken connection is closed before its replacement opens)
   // Connections to other addresses go when idle, at every call, and when
   // broken, at an opening: a decode node started again listens on a new

@@ -35,9 +35,12 @@ struct PlaneOptions {
   bool shared_memory = true;
   SenderOptions sender;  // for every connection this process opens
   // A connection not asked for this long is closed at the next sender()
-  // call: shared memory has no peer-failure detection, so one to a decode
-  // node that is gone never breaks (a node started again listens on a new
-  // port, and its old address is never asked for again).
+  // call, or opened anew when it is the one asked for: shared memory has no
+  // peer-failure detection, so one to a decode node that is gone never
+  // breaks (a node started again listens on a new port, and its old address
+  // is never asked for again), and our receivers close connections silent
+  // for twice this (ReceiverOptions::idle_connection: a sender killed
+  // without its bye), which a sender over shared memory would not learn.
   std::chrono::milliseconds idle_sender{std::chrono::minutes(10)};
 };
 
@@ -60,7 +63,7 @@ class KvPlane {
   std::string address(Transport transport) const;
 
   // The connection to the receiver at `address` over `transport`, opened on
-  // first use and opened again after it broke. Throws KvError when the
+  // first use and opened again after it broke or sat idle (idle_sender). Throws KvError when the
   // receiver cannot be reached (unreachable, timed_out). Thread-safe.
   // Each call closes the connections to other addresses idle longer than
   // options().idle_sender (a transfer using one keeps it), and opening one

@@ -48,7 +48,11 @@ struct Connection {
   KvReceiver::Impl* owner = nullptr;
   ucp_ep_h ep = nullptr;
   bool failed = false;
+  Deadline heard;  // its handshake or its last piece (ReceiverOptions::idle_connection)
 };
+
+// The longest idle_connection taken: a later point would overflow the clock.
+constexpr auto kLongestIdle = std::chrono::hours(24 * 365);
 
 struct Transfer {
   uint64_t id = 0;
@@ -95,6 +99,7 @@ struct ContextHolder {  // first base: the context outlives the worker
 struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
   Impl(std::shared_ptr<KvContext> ctx, const ReceiverOptions& options)
       : ContextHolder{std::move(ctx)}, EventLoop(context->native()), options_(options) {
+    options_.idle_connection = std::min<std::chrono::milliseconds>(options_.idle_connection, kLongestIdle);
     set_handler(wire::kHello, &Impl::on_hello_am);
     set_handler(wire::kPiece, &Impl::on_piece_am);
     set_handler(wire::kBye, &Impl::on_bye_am);
@@ -184,6 +189,7 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
 
   const std::string& address() const { return address_; }
   size_t pending_count() const { return pending_count_.load(); }
+  size_t connection_count() { return call([this] { return connections_.size(); }); }
 
  private:
   // ---------------------------------------------------------------- UCX callbacks (record, defer)
@@ -234,6 +240,7 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
       auto it = connections_.find(param->reply_ep);
       if (it != connections_.end()) source = it->second.get();
     }
+    if (source) source->heard = Clock::now();
     if (header_length != sizeof(PieceHeader)) return refuse;  // cannot even name the transfer
     PieceHeader h;
     std::memcpy(&h, raw_header, sizeof h);
@@ -508,6 +515,7 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
     for (ucp_ep_h ep : hello_acks_) {
       auto it = connections_.find(ep);
       if (it == connections_.end()) continue;
+      it->second->heard = now;
       outgoing_.push_back({ep, wire::kHelloAck, new OutMessage});
     }
     hello_acks_.clear();
@@ -578,6 +586,8 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
       params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
     }
     if (ucp_ep_create(worker(), &params, &conn->ep) != UCS_OK) return;  // the peer's handshake fails
+    conn->heard = Clock::now();
+    next_timer_ = std::min(next_timer_, conn->heard + options_.idle_connection);
     connections_.emplace(conn->ep, std::move(conn));
   }
 
@@ -616,6 +626,37 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
       any = true;
     }
     return any;
+  }
+
+  // Closes the connections silent for idle_connection that feed no
+  // transfer (a sender killed without its bye: shared memory never breaks
+  // its connection); returns when to look again.
+  Deadline close_idle_connections(Deadline now) {
+    Deadline next = Deadline::max();
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      Connection* conn = it->second.get();
+      const Deadline quiet_until = conn->heard + options_.idle_connection;
+      if (conn->failed) {
+        ++it;  // (the sweep's)
+      } else if (now < quiet_until) {
+        next = std::min(next, quiet_until);
+        ++it;
+      } else if (feeds_a_transfer(conn)) {
+        next = std::min(next, now + options_.idle_connection);
+        ++it;
+      } else {
+        drop_source(conn, "the sender's connection was idle");  // (finished transfers' verdicts forget it)
+        close(std::move(it->second), /*force=*/true);
+        it = connections_.erase(it);
+      }
+    }
+    return next;
+  }
+
+  bool feeds_a_transfer(const Connection* conn) const {
+    for (const auto& [id, t] : transfers_)
+      if (std::find(t->sources.begin(), t->sources.end(), conn) != t->sources.end()) return true;
+    return false;
   }
 
   // A connection is gone: transfers it fed fail (others continue).
@@ -665,6 +706,7 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
         ++it;
       }
     }
+    next = std::min(next, close_idle_connections(now));
     std::vector<Transfer*> expired, stuck;
     for (auto& [id, t] : transfers_) {
       if (t->failure == TransferStatus::pending) {
@@ -806,5 +848,6 @@ TransferResult KvReceiver::wait(uint64_t id, Deadline until) { return impl_->wai
 bool KvReceiver::cancel(uint64_t id) { return impl_->cancel(id); }
 
 size_t KvReceiver::pending_transfers() const { return impl_->pending_count(); }
+size_t KvReceiver::connections() const { return impl_->connection_count(); }
 
 }  // namespace disagg::kv

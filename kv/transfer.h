@@ -172,6 +172,12 @@ struct ReceiverOptions {
   // receiving, and for shared memory the copy). Off: the progress thread
   // hashes too (one thread per receiver in all).
   bool verify_thread = true;
+  // A connection that has sent nothing for this long and feeds no transfer
+  // is closed: over shared memory one whose sender died without its bye
+  // (killed) never breaks, and each holds a UCX endpoint and its memory. A
+  // KvPlane's receivers take twice its senders' idle_sender, after which a
+  // sender opens a new connection instead of using a connection closed here.
+  std::chrono::milliseconds idle_connection{std::chrono::minutes(20)};
 };
 
 class KvReceiver {
@@ -213,6 +219,8 @@ class KvReceiver {
 
   // Transfers currently expected (not final), for tests and metrics.
   size_t pending_transfers() const;
+  // Senders' connections open now, for tests and metrics.
+  size_t connections() const;
 
   struct Impl;
 

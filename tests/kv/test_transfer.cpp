@@ -423,6 +423,45 @@ TEST(KvTransfer, ASenderThatGoesAwayFailsItsTransfersAtOnce) {
   EXPECT_LT(Clock::now() - start, 5s);  // not the 20 s deadline
 }
 
+// A sender that stays silent has its connection closed after
+// idle_connection (over shared memory one killed without its bye looks the
+// same: that connection never breaks, and each holds a UCX endpoint); one
+// that keeps sending, or feeds a transfer, is kept however long it lives or
+// pauses.
+TEST(KvTransfer, AConnectionSilentPastItsIdleBoundIsClosedUnlessItFeedsATransfer) {
+  for (const bool shm : {false, true}) {
+    SCOPED_TRACE(shm ? "shm" : "tcp");
+    ReceiverOptions options;
+    options.idle_connection = 1s;
+    Pair p(shm ? shm_mode() : tcp_mode(), {}, options);
+    for (int i = 0; i < 6; ++i) {  // a transfer every 400 ms: past the bound since the handshake
+      std::vector<uint8_t> got(1000);
+      const auto sent = random_bytes(got.size(), i);
+      const uint64_t id = new_transfer_id();
+      p.rx.expect(id, got.data(), got.size(), soon());
+      ASSERT_TRUE(p.tx.send(id, 0, 0, sent.data(), sent.size()));
+      ASSERT_EQ(p.tx.wait(id, soon()).status, TransferStatus::complete) << "transfer " << i;
+      ASSERT_EQ(p.rx.wait(id, soon()).status, TransferStatus::complete) << "transfer " << i;
+      std::this_thread::sleep_for(400ms);  // (the pauses are the case, not waits for something)
+    }
+    EXPECT_EQ(p.rx.connections(), 1u);
+    std::vector<uint8_t> dst(2000);
+    const auto src = random_bytes(dst.size(), 5);
+    const uint64_t id = new_transfer_id();
+    p.rx.expect(id, dst.data(), dst.size(), soon());
+    ASSERT_TRUE(p.tx.send(id, 0, 0, src.data(), 1000));
+    std::this_thread::sleep_for(2500ms);  // (the pause is the case, not a wait for something)
+    EXPECT_EQ(p.rx.connections(), 1u);
+    ASSERT_TRUE(p.tx.send(id, 1, 1000, src.data() + 1000, 1000));
+    EXPECT_EQ(p.tx.wait(id, soon()).status, TransferStatus::complete);
+    EXPECT_EQ(p.rx.wait(id, soon()).status, TransferStatus::complete);
+    EXPECT_EQ(dst, src);
+    const auto deadline = Clock::now() + 10s;
+    while (p.rx.connections() != 0 && Clock::now() < deadline) std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(p.rx.connections(), 0u) << "a silent connection feeding nothing was kept";
+  }
+}
+
 // ---------------------------------------------------------------- connecting
 
 // A port on 127.0.0.1 that refuses connections: bound, never listening.
@@ -578,8 +617,15 @@ TEST(KvPlaneSenders, AnIdleConnectionIsClosedWhenAnotherOpens) {
     const std::shared_ptr<KvSender> now = plane.sender(Transport::shm, second.address(Transport::shm));
     ASSERT_TRUE(now->connected());
     EXPECT_EQ(plane.senders(), idle_at_once ? 1u : 2u);
-    // The connection asked for is kept, however idle it was (others go at each call).
-    EXPECT_EQ(plane.sender(Transport::shm, second.address(Transport::shm)), now);
+    // The connection asked for is kept while it is not idle, and opened anew
+    // once it was (the receiver closes a connection silent for twice that).
+    const std::shared_ptr<KvSender> again = plane.sender(Transport::shm, second.address(Transport::shm));
+    if (idle_at_once) {
+      EXPECT_NE(again, now);
+    } else {
+      EXPECT_EQ(again, now);
+    }
+    EXPECT_TRUE(again->connected());
   }
 }
 
