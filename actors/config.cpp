@@ -22,7 +22,10 @@ std::string DisaggConfig::validate() const {
   require(prefill_workers >= 0, "prefill-workers must be >= 0");
   require(decode_workers >= 0, "decode-workers must be >= 0");
   require(max_kv_transfer_bytes > 0, "max-kv-transfer-bytes must be > 0");
-  require(ack_timeout_ms > 0, "ack-timeout-ms must be > 0");
+  // (Each timeout at most a request's longest deadline: a reservation's
+  // lease, its deadline plus ack-timeout-ms, stays within kMaxLeaseMs.)
+  const std::string day = ", " + std::to_string(kMaxDeadlineMs) + "] (24 h)";
+  require(ack_timeout_ms > 0 && ack_timeout_ms <= kMaxDeadlineMs, "ack-timeout-ms must be in [1" + day);
   require(kv_transport == "tcp" || kv_transport == "shm" || kv_transport == "message",
           "kv-transport must be tcp, shm or message (got '" + kv_transport + "')");
   require(block_size >= 1 && block_size % gpu::kv_layout::kTile == 0,
@@ -46,15 +49,16 @@ std::string DisaggConfig::validate() const {
   require(prefill_chunk >= 0, "prefill-chunk must be >= 0");
   require(queue_capacity >= 0, "queue-capacity must be >= 0");
   require(max_prefill_inflight >= 1, "max-prefill-inflight must be >= 1");
-  require(default_deadline_ms > 0 && default_deadline_ms <= kMaxDeadlineMs,
-          "default-deadline-ms must be in [1, " + std::to_string(kMaxDeadlineMs) + "] (24 h)");
+  require(default_deadline_ms > 0 && default_deadline_ms <= kMaxDeadlineMs, "default-deadline-ms must be in [1" + day);
   require(max_prompt_bytes >= 1, "max-prompt-bytes must be >= 1");
   require(session_affinity_size >= 0, "session-affinity-size must be >= 0");
   require(max_decode_retries >= 0, "max-decode-retries must be >= 0");
   require(max_worker_retries >= 0, "max-worker-retries must be >= 0");
-  require(heartbeat_interval_ms >= 0, "heartbeat-interval-ms must be >= 0");
-  require(heartbeat_timeout_ms > 0, "heartbeat-timeout-ms must be > 0");
-  require(compute_timeout_ms > 0, "compute-timeout-ms must be > 0");
+  require(heartbeat_interval_ms >= 0 && heartbeat_interval_ms <= kMaxDeadlineMs,
+          "heartbeat-interval-ms must be in [0" + day);
+  require(heartbeat_timeout_ms > 0 && heartbeat_timeout_ms <= kMaxDeadlineMs,
+          "heartbeat-timeout-ms must be in [1" + day);
+  require(compute_timeout_ms > 0 && compute_timeout_ms <= kMaxDeadlineMs, "compute-timeout-ms must be in [1" + day);
   return problems;
 }
 

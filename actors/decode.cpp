@@ -562,13 +562,23 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
   st.kv.plane->receiver(held.transport)
       .expect(held.transfer_id, std::move(regions), kv::Clock::now() + std::chrono::milliseconds(r.lease_ms),
               [me, id, serial](const kv::TransferResult& result) {
-                if (auto decode = caf::actor_cast<decode_actor>(me))
-                  caf::anon_send(decode, landed_atom::value, id, serial,
-                                 KvLanded{result.transfer_id, uint8_t(result.status), result.bytes_received,
-                                          result.detail});
+                if (auto decode = caf::actor_cast<decode_actor>(me))  // (as itself: a peer's is ignored)
+                  caf::send_as(decode, decode, landed_atom::value, id, serial,
+                               KvLanded{result.transfer_id, uint8_t(result.status), result.bytes_received,
+                                        result.detail});
               });
   return KvTarget{held.transfer_id, uint8_t(held.transport), st.kv.plane->address(held.transport), bs,
                   std::move(runs)};
+}
+
+// Where a local reservation's prompt KV goes, as this worker planned it:
+// the prompt's blocks as runs, after the positions its prefix cache holds.
+KvTarget local_target(const DecodeState& st, const Reservation& held) {
+  const int bs = st.config.block_size;
+  const int prompt_blocks = gpu::KvPool::blocks_for(gpu::kv_layout::padded(held.prompt_len), bs);
+  KvTarget target{held.transfer_id, kLocalKvTransport, {}, bs, gpu::KvStreamPlan::runs_of(held.blocks, prompt_blocks)};
+  target.first_position = held.cached;
+  return target;
 }
 
 // A colocated worker's reservation: the prompt's blocks are registered for
@@ -578,8 +588,7 @@ KvTarget open_stream(Self self, const KvReservation& r, Reservation& held) {
 // prefill worker commits).
 KvTarget open_local(Self self, const KvReservation& r, Reservation& held) {
   auto& st = self->state;
-  const int bs = st.config.block_size;
-  const int prompt_blocks = gpu::KvPool::blocks_for(gpu::kv_layout::padded(r.prompt_len), bs);
+  const int prompt_blocks = gpu::KvPool::blocks_for(gpu::kv_layout::padded(r.prompt_len), st.config.block_size);
   if (size_t(prompt_blocks) > held.blocks.size())
     throw std::invalid_argument(std::to_string(r.prompt_len) + " prompt positions need " +
                                 std::to_string(prompt_blocks) + " blocks");
@@ -587,7 +596,7 @@ KvTarget open_local(Self self, const KvReservation& r, Reservation& held) {
   held.transfer_id = kv::new_transfer_id();
   st.kv.local->expect(held.transfer_id,
                       std::vector<int32_t>(held.blocks.begin(), held.blocks.begin() + prompt_blocks));
-  return KvTarget{held.transfer_id, kLocalKvTransport, {}, bs, gpu::KvStreamPlan::runs_of(held.blocks, prompt_blocks)};
+  return local_target(st, held);
 }
 
 // The answer to the router's reservation: the receiver allocates before any
@@ -605,7 +614,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   if (st.requests.count(r.id))
     return reply(ErrorCode::invalid_request, "request " + std::to_string(r.id) + " is already held");
   st.cancelled.erase(r.id);
-  if (r.positions <= 0 || r.positions > st.seq_len || r.lease_ms <= 0)
+  if (r.positions <= 0 || r.positions > st.seq_len || r.lease_ms <= 0 || r.lease_ms > kMaxLeaseMs)
     return reply(ErrorCode::invalid_request, "reservation of " + std::to_string(r.positions) +
                                                  " positions for " + std::to_string(r.lease_ms) +
                                                  " ms (seq_len " + std::to_string(st.seq_len) + ")");
@@ -808,6 +817,12 @@ std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer
     return Refusal{ErrorCode::cancelled, "request " + std::to_string(transfer.id) + ": the KV of attempt " +
                                              std::to_string(transfer.attempt) + ", the blocks are attempt " +
                                              std::to_string(held->attempt) + "'s"};
+  // A stream's commit waits here for its verdict: a KV sent as one message
+  // now would take the blocks from under it, its ack never sent.
+  if (transfer.transfer_id == 0 && held->commit)
+    return Refusal{ErrorCode::invalid_request, "request " + std::to_string(transfer.id) +
+                                                   ": its KV stream's commit is waiting for the stream; a KV sent as "
+                                                   "one message is refused"};
   const int positions = gpu::kv_positions_needed(transfer.prompt_len, transfer.max_new_tokens, st.seq_len);
   if (positions > held->positions)
     return Refusal{ErrorCode::invalid_request, "the KV needs " + std::to_string(positions) + " positions, " +
@@ -939,17 +954,35 @@ void join_cluster(Self self, const compute_actor& compute, const router_actor& r
 }
 
 // A prompt for this worker's own prefill actor (a local cluster's decode
-// worker that also prefills); any other decode worker refuses it.
+// worker that also prefills), into a local reservation of its own only, as
+// it planned it: the job's target names the reservation, and its blocks and
+// first position come from here, not from the message (a wrong first
+// position wrote blocks the prefix cache shares with other sequences). Any
+// other decode worker, or a job for no such reservation, is refused before
+// the compute does anything.
 caf::result<PrefillReport> prefill_here(Self self, PrefillJob& job) {
-  if (!self->state.local_prefill) {
-    PrefillReport refused;
-    refused.id = job.id;
-    refused.code = ErrorCode::invalid_request;
-    refused.message = self->state.name + " prefills no prompt itself";
-    return refused;
-  }
-  return self->delegate(self->state.local_prefill, prefill_atom::value, std::move(job),
-                        caf::actor_cast<decode_actor>(self));
+  auto& st = self->state;
+  auto refused = [&](ErrorCode code, std::string why) {
+    PrefillReport report;
+    report.id = job.id;
+    report.code = code;
+    report.message = std::move(why);
+    return report;
+  };
+  if (!st.local_prefill) return refused(ErrorCode::invalid_request, st.name + " prefills no prompt itself");
+  const std::string request = "request " + std::to_string(job.id) + ": ";
+  auto it = find_in<Reservation>(st, job.id);
+  if (it == st.requests.end())
+    return refused(ErrorCode::timeout, request + "no KV blocks reserved for its prefill here (its reservation's "
+                                                 "lease ended, or none was made)");
+  const Reservation& held = std::get<Reservation>(it->second);
+  if (job.attempt != held.attempt)
+    return refused(ErrorCode::cancelled, request + "a prefill of attempt " + std::to_string(job.attempt) +
+                                             ", the blocks are attempt " + std::to_string(held.attempt) + "'s");
+  if (!held.local || !job.target.local() || job.target.transfer_id != held.transfer_id)
+    return refused(ErrorCode::invalid_request, request + "the prefill's target is not the local one reserved here");
+  job.target = local_target(st, held);
+  return self->delegate(st.local_prefill, prefill_atom::value, std::move(job), caf::actor_cast<decode_actor>(self));
 }
 
 // The transport's verdict on a reservation's KV stream: with the commit
@@ -1017,7 +1050,9 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         report_load(self);
       },
       [=](landed_atom, RequestId id, uint64_t serial, KvLanded& verdict) {
-        on_landed(self, id, serial, verdict);
+        // (a peer's: only this worker's receiver says its KV landed, else any
+        // holder of its handle could free blocks a stream still writes into)
+        if (from_itself(self)) on_landed(self, id, serial, verdict);
       },
       [=](cancel_atom, RequestId id) { cancel_request(self, id); },
       [=](status_atom) { return load_of(self); },

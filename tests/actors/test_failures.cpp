@@ -22,6 +22,7 @@
 #include "model/model_writer.h"
 #include "metrics/disagg_metrics.h"
 #include "grammar/json_grammar.h"
+#include "kv/transfer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -426,9 +427,11 @@ TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
-// A decode worker's lease timer (lease_atom) is its own too: from a peer,
-// for every serial, it ends no reservation (else any holder of the worker's
-// handle could drop live reservations, their commits then refused).
+// A decode worker's lease timer (lease_atom) and its receiver's verdict
+// (landed_atom) are its own too: from a peer, for every serial, they end no
+// reservation (else any holder of the worker's handle could drop live
+// reservations, their commits then refused, or free blocks a stream still
+// writes into).
 TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   const DisaggConfig config = shared_model_config(1, 1);
   const router_actor router = spawn_router(*system_, config, nullptr);
@@ -458,13 +461,22 @@ TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   r.prompt_len = 8;
   r.lease_ms = 60000;
   std::string refused = "no answer";
+  uint64_t transfer_id = 0;
   outsider->request(worker, std::chrono::seconds(5), reserve_atom::value, r)
-      .receive([&](const ReserveReply& reply) { refused = reply.code == ErrorCode::none ? "" : reply.message; },
-               [](caf::error&) {});
+      .receive(
+          [&](const ReserveReply& reply) {
+            refused = reply.code == ErrorCode::none ? "" : reply.message;
+            transfer_id = reply.target.transfer_id;
+          },
+          [](caf::error&) {});
   ASSERT_EQ(refused, "");
   ASSERT_EQ(free_blocks(), all - 3);
   for (uint64_t serial = 0; serial < 64; ++serial) outsider->send(worker, lease_atom::value, r.id, serial);
   EXPECT_EQ(free_blocks(), all - 3) << "(one sender's messages arrive in order: the status comes after them)";
+  for (uint64_t serial = 0; serial < 64; ++serial)
+    outsider->send(worker, landed_atom::value, r.id, serial,
+                   KvLanded{transfer_id, uint8_t(kv::TransferStatus::expired), 0, "the test's forged verdict"});
+  EXPECT_EQ(free_blocks(), all - 3) << "a peer's verdict freed the blocks";
   outsider->send(worker, cancel_atom::value, r.id);
   EXPECT_EQ(free_blocks(), all);
 }

@@ -190,6 +190,34 @@ TEST_F(KvStreamTest, ACommitOfAnotherStreamOrModelIsRefused) {
   EXPECT_EQ(receiver(reply.target).pending_transfers(), 0u);
 }
 
+// A stream's commit that waits for its stream keeps the reservation: a KV
+// sent as one message for the same request meanwhile is refused (it took
+// the blocks, and the waiting commit was never answered), and the commit is
+// answered when the reservation ends.
+TEST_F(KvStreamTest, AOneMessageKvWhileAStreamsCommitWaitsIsRefused) {
+  const ReserveReply reply = reserve(9161, 60000, kv::host_identity());
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  caf::scoped_actor prefill{*system_};
+  KvTransfer streamed;
+  streamed.id = 9161;
+  streamed.prompt_len = kPromptLen;
+  streamed.max_new_tokens = 4;
+  streamed.first_token = 5;
+  streamed.transfer_id = reply.target.transfer_id;
+  streamed.fingerprint = fingerprint_;
+  auto waiting = prefill->request(cluster_->decode_workers().at(0), 10s, kv_atom::value, streamed);  // (no bytes yet)
+  const KvAck message = commit(9161, 0, fingerprint_);
+  EXPECT_EQ(message.code, ErrorCode::invalid_request) << message.message;
+  EXPECT_NE(message.message.find("waiting"), std::string::npos) << message.message;
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9161});
+  KvAck ended;
+  ended.code = ErrorCode::none;
+  std::move(waiting).receive([&](KvAck& a) { ended = std::move(a); },
+                             [&](caf::error& e) { ADD_FAILURE() << "the waiting commit: " << system_->render(e); });
+  EXPECT_EQ(ended.code, ErrorCode::cancelled) << ended.message;
+  EXPECT_EQ(free_blocks_when(total_), total_);
+}
+
 // A reservation that names its prompt (the prefix cache's): a stream's
 // commit of another prompt of the same length is refused too (its blocks
 // would go to the cache under the reserved prompt's hashes, another

@@ -528,5 +528,63 @@ TEST_F(ActorTest, APrefillJobWithAnImpossibleTargetIsRefusedAndTheWorkerServesOn
   EXPECT_EQ(out.tokens, colocated(p, 4).tokens);
 }
 
+// A decode worker's own prefill runs a job only into a local reservation of
+// its own, as that worker planned it: a job for no reservation here, of
+// another attempt or with another target is refused, and one whose target
+// claims the positions the prefix cache shares writes only the reserved ones
+// (it wrote the shared blocks, which another request's cached prompt then
+// decoded over).
+TEST_F(ActorTest, ADecodeWorkersOwnPrefillTakesOnlyItsReservationsPlan) {
+  start(with_local_prefill(1 << 20));
+  const std::vector<int32_t> cached = prompt_of(70, 3);
+  ASSERT_TRUE(generate(*client_, cached, 8).ok());
+  const decode_actor worker = cluster_->decode_workers().at(0);
+  caf::scoped_actor self{*system_};
+  std::vector<int32_t> longer = cached;
+  for (int t : {11, 12, 13, 14, 15}) longer.push_back(t);
+  KvReservation r{0x10CA1, 96, 60000, int32_t(longer.size()), {}, longer, {}, 1 << 20, {}, 0};
+  ReserveReply reply;
+  self->request(worker, std::chrono::seconds(5), reserve_atom::value, r)
+      .receive([&](ReserveReply& got) { reply = std::move(got); }, [&](caf::error& e) { FAIL() << system_->render(e); });
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  ASSERT_TRUE(reply.target.local());
+  ASSERT_GT(reply.target.first_position, 0) << "precondition: the prompt's first blocks are shared from the cache";
+  auto run = [&](PrefillJob job) {
+    PrefillReport report;
+    report.code = ErrorCode::internal;
+    self->request(worker, std::chrono::seconds(30), prefill_atom::value, std::move(job))
+        .receive([&](PrefillReport& got) { report = std::move(got); },
+                 [&](caf::error& e) { report.message = system_->render(e); });
+    return report;
+  };
+  PrefillJob job;
+  job.id = r.id;
+  job.prompt_tokens = prompt_of(int(longer.size()), 4);  // (another prompt: its KV differs everywhere)
+  job.max_new_tokens = 4;
+  job.deadline_ms = 20000;
+  job.target = reply.target;
+  PrefillJob unknown = job;
+  unknown.id = 0x10CA2;
+  const PrefillReport no_reservation = run(unknown);
+  EXPECT_EQ(no_reservation.code, ErrorCode::timeout) << no_reservation.message;
+  PrefillJob other_attempt = job;
+  other_attempt.attempt = 7;
+  const PrefillReport late = run(other_attempt);  // (refused before any compute, not at its commit)
+  EXPECT_EQ(late.code, ErrorCode::cancelled) << late.message;
+  EXPECT_NE(late.message.find("a prefill of attempt 7"), std::string::npos) << late.message;
+  PrefillJob other_target = job;
+  other_target.target.transfer_id ^= 1;
+  const PrefillReport stray = run(other_target);
+  EXPECT_EQ(stray.code, ErrorCode::invalid_request) << stray.message;
+  EXPECT_NE(stray.message.find("not the local one reserved here"), std::string::npos) << stray.message;
+  job.target.first_position = 0;
+  run(job);  // (its commit is refused: another prompt than the reserved one)
+  self->send(worker, cancel_atom::value, r.id);
+  const RequestOutcome again = generate(*client_, cached, 8);
+  ASSERT_TRUE(again.ok()) << again.message;
+  EXPECT_GT(again.timings.cached_tokens, 0);
+  EXPECT_EQ(again.tokens, colocated(cached, 8).tokens) << "the shared blocks were written";
+}
+
 }  // namespace
 }  // namespace disagg::test

@@ -119,7 +119,13 @@ TEST(Config, DefaultsAreValidAndBadValuesAreNamed) {
   config.max_prompt_bytes = 0;
   config.default_deadline_ms = kMaxDeadlineMs + 1;
   config.prefill_chunk = -1;
+  config.ack_timeout_ms = kMaxDeadlineMs + 1;
+  config.heartbeat_timeout_ms = kMaxDeadlineMs + 1;
+  config.compute_timeout_ms = kMaxDeadlineMs + 1;
+  config.heartbeat_interval_ms = kMaxDeadlineMs + 1;
   const std::string problems = config.validate();
+  for (const char* timeout : {"ack-timeout-ms", "heartbeat-timeout-ms", "compute-timeout-ms", "heartbeat-interval-ms"})
+    EXPECT_NE(problems.find(timeout), std::string::npos) << timeout << ": " << problems;
   EXPECT_NE(problems.find("block-size"), std::string::npos) << problems;
   EXPECT_NE(problems.find("max-prompt-bytes"), std::string::npos) << problems;
   EXPECT_NE(problems.find("default-deadline-ms"), std::string::npos) << problems;

@@ -103,6 +103,11 @@ TEST_F(ReservationTest, NoRoomIsOverloadedAndHoldsNothing) {
   EXPECT_EQ(reserve(9003, 16, 60000).code, ErrorCode::invalid_request);  // already held
   caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9003});
   EXPECT_EQ(free_blocks_when(*cluster_, 4), 4);
+  // A lease past any request's deadline plus the ack timeout holds nothing
+  // (its timer and the stream's deadline would overflow the clock).
+  EXPECT_EQ(reserve(9005, 16, kMaxLeaseMs + 1).code, ErrorCode::invalid_request);
+  EXPECT_EQ(reserve(9006, 16, std::numeric_limits<int64_t>::max()).code, ErrorCode::invalid_request);
+  EXPECT_EQ(free_blocks_when(*cluster_, 4), 4);
 }
 
 TEST_F(ReservationTest, KvNeedingMorePositionsThanReservedIsRefused) {
