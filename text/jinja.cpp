@@ -8,8 +8,10 @@
 
 #include "text/jinja.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <initializer_list>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -42,6 +44,13 @@ class LimitError(Exception):
     pass
 
 
+class Interrupted(BaseException):
+    """Raised by the watchdog in a compile or render past its time (and again
+    until it returns): a BaseException, which no `except Exception` of
+    jinja2's (constant folding, the sandbox's getitem) or a filter's
+    swallows."""
+
+
 def raise_exception(message):
     raise TemplateError(message)
 
@@ -68,7 +77,7 @@ class Generation(Extension):
         return caller()
 
 
-BOUND = threading.local()  # this thread's render's output bound (renders of threads interleave)
+BOUND = threading.local()  # this thread's output bound (renders of threads interleave), set before any call
 
 
 # The most bits an integer a template computes may have: one C call on big
@@ -82,7 +91,7 @@ class Bounded(ImmutableSandboxedEnvironment):
     def call_binop(self, context, operator, left, right):
         ints = isinstance(left, int) and isinstance(right, int)
         if operator == "*":
-            characters = getattr(BOUND, "characters", 1 << 20)  # (compile time: constant folding)
+            characters = BOUND.characters
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > characters:
                     raise LimitError("a repetition longer than the output bound of %d characters" % characters)
@@ -99,7 +108,8 @@ ENV.globals["strftime_now"] = strftime_now
 ENV.filters["tojson"] = tojson
 
 
-def compile_template(source):
+def compile_template(source, characters):
+    BOUND.characters = characters  # (constant folding runs filters as it compiles)
     return ENV.from_string(source)
 
 
@@ -205,9 +215,10 @@ void count_python_heap() {
 
 // The interpreter and the module's functions, made once per process.
 struct Python {
-  PyObject* compile = nullptr;  // compile_template(source)
+  PyObject* compile = nullptr;  // compile_template(source, characters)
   PyObject* render = nullptr;   // render(template, context_json, characters)
   PyObject* message = nullptr;  // message(error)
+  PyObject* interrupted = nullptr;  // the class Interrupted, which the watchdog raises
   std::string error;            // non-empty: Python or jinja2 could not be loaded
 };
 
@@ -272,9 +283,11 @@ const Python& python() {
       py.compile = PyDict_GetItemString(globals, "compile_template");
       py.render = PyDict_GetItemString(globals, "render");
       py.message = PyDict_GetItemString(globals, "message");
+      py.interrupted = PyDict_GetItemString(globals, "Interrupted");
       Py_XINCREF(py.compile);
       Py_XINCREF(py.render);
       Py_XINCREF(py.message);
+      Py_XINCREF(py.interrupted);
     }
     Py_DECREF(globals);
     PyGILState_Release(gil);
@@ -296,14 +309,19 @@ class Gil {
   PyGILState_STATE state_;
 };
 
-// Interrupts renders that run past their time: one thread for the process
-// (a render is a watch() and an unwatch(), no thread of its own), waiting
-// for the earliest deadline of the renders it watches. At a deadline it
-// takes Python's lock and, unless that render has returned, raises
-// TimeoutError in the rendering thread (Python checks for it between two of
-// its steps). Both sides touch a render's entry only with Python's lock
-// held (then the watchdog's mutex), so it never fires at a render that has
-// returned; the watchdog waits for deadlines without Python's lock.
+// How often the watchdog interrupts a call again once it passed its time
+// (until it returns: whatever caught the first one).
+constexpr auto kInterruptAgain = std::chrono::milliseconds(50);
+
+// Interrupts compiles and renders that run past their time: one thread for
+// the process (a call is a watch() and an unwatch(), no thread of its own),
+// waiting for the earliest deadline of the calls it watches. At a deadline
+// it takes Python's lock and, unless that call has returned, raises
+// Interrupted in its thread (Python checks for it between two of its
+// steps), and again every kInterruptAgain. Both sides touch a call's entry
+// only with Python's lock held (then the watchdog's mutex), so it never
+// fires at a call that has returned; the watchdog waits for deadlines
+// without Python's lock.
 class Watchdog {
  public:
   // The one watchdog (its thread started at first use; never ended: it
@@ -334,8 +352,8 @@ class Watchdog {
  private:
   struct Render {
     unsigned long thread;  // Python's id of the rendering thread
-    std::chrono::steady_clock::time_point deadline;
-    bool fired = false;
+    std::chrono::steady_clock::time_point deadline;  // the next interruption
+    bool fired = false;  // interrupted at least once
   };
 
   Watchdog() { std::thread([this] { run(); }).detach(); }
@@ -343,10 +361,10 @@ class Watchdog {
   void run() {
     std::unique_lock<std::mutex> lock(m_);
     for (;;) {
-      // The earliest deadline not yet acted on (none: until a render comes).
+      // The earliest deadline (none: until a render comes).
       auto due = renders_.end();
       for (auto it = renders_.begin(); it != renders_.end(); ++it)
-        if (!it->second.fired && (due == renders_.end() || it->second.deadline < due->second.deadline)) due = it;
+        if (due == renders_.end() || it->second.deadline < due->second.deadline) due = it;
       if (due == renders_.end()) {
         cv_.wait(lock);
         continue;
@@ -359,9 +377,10 @@ class Watchdog {
         Gil gil;
         std::lock_guard<std::mutex> again(m_);
         const auto it = renders_.find(ticket);
-        if (it != renders_.end() && !it->second.fired) {  // (gone: it returned meanwhile)
+        if (it != renders_.end()) {  // (gone: it returned meanwhile)
           it->second.fired = true;
-          PyThreadState_SetAsyncExc(it->second.thread, PyExc_TimeoutError);
+          it->second.deadline = std::chrono::steady_clock::now() + kInterruptAgain;
+          PyThreadState_SetAsyncExc(it->second.thread, python().interrupted);
         }
       }
       lock.lock();
@@ -374,20 +393,55 @@ class Watchdog {
   uint64_t last_ = 0;
 };
 
+// Calls the module's `function` with `args` (Python's lock held), watched:
+// past limits.time it is interrupted. Returns its result, or throws
+// ChatTemplateError saying which bound ended it (`doing`: the call, in words).
+PyObject* call_watched(const Python& py, PyObject* function, std::initializer_list<PyObject*> args,
+                       const JinjaLimits& limits, const char* doing) {
+  PyObject* tuple = PyTuple_New(Py_ssize_t(args.size()));
+  Py_ssize_t i = 0;
+  for (PyObject* arg : args) {
+    Py_XINCREF(arg);
+    if (tuple) PyTuple_SET_ITEM(tuple, i++, arg);
+  }
+  PyObject* result = nullptr;
+  bool timed_out = false;
+  if (tuple && std::all_of(args.begin(), args.end(), [](PyObject* a) { return a != nullptr; })) {
+    Watchdog& watchdog = Watchdog::instance();
+    const uint64_t ticket = watchdog.watch(PyThread_get_thread_ident(), limits.time);
+    result = PyObject_Call(function, tuple, nullptr);
+    PyThreadState_SetAsyncExc(PyThread_get_thread_ident(), nullptr);  // one raised after the last step: dropped
+    timed_out = watchdog.unwatch(ticket);
+  }
+  Py_XDECREF(tuple);
+  if (result) return result;
+  const bool memory = PyErr_ExceptionMatches(PyExc_MemoryError);
+  std::string error = take_error(py);
+  if (memory)
+    error = "the chat template needs more memory than templates may hold (" + std::to_string(kPythonHeapBytes >> 20) +
+            " MiB)";
+  if (timed_out) error = "the chat template ran past its " + std::to_string(limits.time.count()) + " ms" + doing;
+  throw ChatTemplateError{error};
+}
+
+// Owns a new reference for a scope.
+struct Ref {
+  PyObject* p;
+  ~Ref() { Py_XDECREF(p); }
+};
+
 }  // namespace
 
-// (jinja2 computes constant expressions as it compiles, but drops a folding
-// that raises anything, which then runs in the render, watched: compiling
-// needs no watchdog of its own.)
-JinjaTemplate::JinjaTemplate(const std::string& source) : compiled_(nullptr) {
+// (jinja2 computes constant expressions as it compiles, filters included: a
+// compile is watched and bounded as a render is.)
+JinjaTemplate::JinjaTemplate(const std::string& source, const JinjaLimits& limits) : compiled_(nullptr) {
   const Python& py = python();
   if (!py.error.empty()) throw ChatTemplateError{py.error};
   Gil gil;
-  PyObject* text = PyUnicode_FromStringAndSize(source.data(), Py_ssize_t(source.size()));
-  PyObject* compiled = text ? PyObject_CallOneArg(py.compile, text) : nullptr;
-  Py_XDECREF(text);
-  if (!compiled) throw ChatTemplateError{take_error(py)};
-  compiled_ = compiled;
+  const Ref text{PyUnicode_FromStringAndSize(source.data(), Py_ssize_t(source.size()))};
+  if (!text.p) throw ChatTemplateError{"the chat template is not UTF-8: " + take_error(py)};
+  const Ref characters{PyLong_FromSize_t(limits.characters)};
+  compiled_ = call_watched(py, py.compile, {text.p, characters.p}, limits, " while it compiled");
 }
 
 JinjaTemplate::~JinjaTemplate() {
@@ -399,41 +453,15 @@ JinjaTemplate::~JinjaTemplate() {
 std::string JinjaTemplate::render(const std::string& context_json, const JinjaLimits& limits) const {
   const Python& py = python();
   Gil gil;
-  PyObject* context = PyUnicode_FromStringAndSize(context_json.data(), Py_ssize_t(context_json.size()));
-  if (!context) throw ChatTemplateError{"the template's context is not UTF-8: " + take_error(py)};
-  PyObject* characters = PyLong_FromSize_t(limits.characters);
-  PyObject* rendered = nullptr;
-  bool timed_out = false;
-  {
-    // The watchdog takes Python's lock at the deadline (Python lets go of it
-    // between steps); the render's entry goes with the lock held, so it
-    // never fires at a render that has returned.
-    Watchdog& watchdog = Watchdog::instance();
-    const uint64_t ticket = watchdog.watch(PyThread_get_thread_ident(), limits.time);
-    rendered = PyObject_CallFunctionObjArgs(py.render, static_cast<PyObject*>(compiled_), context, characters, nullptr);
-    PyThreadState_SetAsyncExc(PyThread_get_thread_ident(), nullptr);  // one raised after the last step: dropped
-    timed_out = watchdog.unwatch(ticket);
-  }
-  Py_DECREF(context);
-  Py_DECREF(characters);
-  if (!rendered) {
-    const bool memory = PyErr_ExceptionMatches(PyExc_MemoryError);
-    std::string error = take_error(py);
-    if (memory)
-      error = "the chat template needs more memory than templates may hold (" + std::to_string(kPythonHeapBytes >> 20) +
-              " MiB)";
-    if (timed_out) error = "the chat template ran past its " + std::to_string(limits.time.count()) + " ms";
-    throw ChatTemplateError{error};
-  }
+  const Ref context{PyUnicode_FromStringAndSize(context_json.data(), Py_ssize_t(context_json.size()))};
+  if (!context.p) throw ChatTemplateError{"the template's context is not UTF-8: " + take_error(py)};
+  const Ref characters{PyLong_FromSize_t(limits.characters)};
+  const Ref rendered{
+      call_watched(py, py.render, {static_cast<PyObject*>(compiled_), context.p, characters.p}, limits, "")};
   Py_ssize_t size = 0;
-  const char* utf8 = PyUnicode_AsUTF8AndSize(rendered, &size);
-  if (!utf8) {
-    Py_DECREF(rendered);
-    throw ChatTemplateError{"the chat template rendered text that is not UTF-8: " + take_error(py)};
-  }
-  std::string out(utf8, size_t(size));
-  Py_DECREF(rendered);
-  return out;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(rendered.p, &size);
+  if (!utf8) throw ChatTemplateError{"the chat template rendered text that is not UTF-8: " + take_error(py)};
+  return std::string(utf8, size_t(size));
 }
 
 }  // namespace disagg::gpu

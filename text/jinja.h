@@ -14,8 +14,9 @@
 // and chat_template_kwargs' keys: the caller builds it).
 //
 // Bounds, because the template comes from a file and the context from a
-// request: a render stops with an error past `JinjaLimits::time` (the
-// render's thread is interrupted between two Python steps) or when its
+// request: a compile or render stops with an error past `JinjaLimits::time`
+// (its thread is interrupted between two Python steps, by an exception no
+// `except Exception` takes, and again until it returns) or when its
 // output passes `JinjaLimits::characters`; a repetition (`*`) that would
 // make a string or list longer than that, and an integer power with an
 // exponent over 4096, are refused before they run. Renders of one process
@@ -35,10 +36,11 @@ struct JinjaLimits {
 
 class JinjaTemplate {
  public:
-  // Compiles `source`; throws ChatTemplateError (text/chat_template.h) with
-  // jinja2's message for a template it cannot parse, or when Python or
-  // jinja2 cannot be loaded.
-  explicit JinjaTemplate(const std::string& source);
+  // Compiles `source` within `limits` (jinja2 folds constant expressions
+  // as it compiles, filters included); throws ChatTemplateError
+  // (text/chat_template.h) with jinja2's message for a template it cannot
+  // parse, the bound it passed, or when Python or jinja2 cannot be loaded.
+  explicit JinjaTemplate(const std::string& source, const JinjaLimits& limits = {});
   ~JinjaTemplate();
   JinjaTemplate(const JinjaTemplate&) = delete;
   JinjaTemplate& operator=(const JinjaTemplate&) = delete;

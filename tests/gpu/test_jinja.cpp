@@ -31,7 +31,7 @@ using nlohmann::json;
 // The message a render ends with (its ChatTemplateError's), or "" when it rendered.
 std::string render_error(const std::string& source, const json& context = json::object(), JinjaLimits limits = {}) {
   try {
-    JinjaTemplate(source).render(context.dump(), limits);
+    JinjaTemplate(source, limits).render(context.dump(), limits);
     return "";
   } catch (const ChatTemplateError& e) {
     return e.message.empty() ? "(empty message)" : e.message;
@@ -80,6 +80,29 @@ TEST(JinjaTemplate, ARenderPastItsTimeOrOutputBoundStopsWithAnError) {
   EXPECT_EQ(JinjaTemplate("{{ 'ab' * 3 }}").render("{}", small), "ababab");
 }
 
+// jinja2 folds constant expressions as it compiles, filters included, and
+// drops a folding that raises an Exception (to run it in the render): a
+// compile is watched too, and its interruption is no Exception. (Six
+// replaces make a megabyte of 'x' that wordwrap(1) takes seconds on.)
+TEST(JinjaTemplate, ACompileThatFoldsForTooLongStopsWithAnError) {
+  std::string source = "{{ 'x'";
+  for (int i = 0; i < 6; ++i) source += " | replace('x', 'xxxxxxxxxx')";
+  source += " | wordwrap(1) }}";
+  JinjaLimits quick;
+  quick.time = std::chrono::milliseconds(200);
+  quick.characters = size_t(4) << 20;
+  const auto start = std::chrono::steady_clock::now();
+  std::string e;
+  try {
+    JinjaTemplate(source, quick).render("{}", quick);
+  } catch (const ChatTemplateError& error) {
+    e = error.message;
+  }
+  EXPECT_NE(e.find("ran past its 200 ms while it compiled"), std::string::npos) << e;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  EXPECT_EQ(JinjaTemplate("{{ 'x' | replace('x', 'xy') | wordwrap(1) }}", quick).render("{}"), "x\ny");
+}
+
 // One C call the watchdog cannot interrupt: a big string (indent, '%'
 // with a width, doubling in a loop) ends at the bound on Python's heap, a
 // big integer at its bound on bits; the next render runs as usual.
@@ -90,7 +113,9 @@ TEST(JinjaTemplate, WhatOneStepWouldMakeHugeIsRefused) {
                              // (blocks of 100 MB each, too many together)
                              "{% set ns = namespace(l=[]) %}{% for i in range(10) %}"
                              "{% set ns.l = ns.l + ['%0100000000d' % i] %}{% endfor %}{{ ns.l | length }}"}) {
-    const std::string e = render_error(source);
+    JinjaLimits patient;  // (the memory bound is the case: a doubling to it takes ~1 s here)
+    patient.time = std::chrono::seconds(20);
+    const std::string e = render_error(source, json::object(), patient);
     EXPECT_NE(e.find("needs more memory than templates may hold"), std::string::npos) << source << ": " << e;
   }
   EXPECT_NE(render_error("{% set x = (9 ** 4096) ** 4096 %}").find("exponent too large"), std::string::npos);
