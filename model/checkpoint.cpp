@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <cerrno>
 #include <cmath>
@@ -554,6 +555,10 @@ HfConfig read_hf_config(const std::string& dir) {
   return out;
 }
 
+// The most shards a Hugging Face index may name (each is a file mapped and
+// held open; Llama 3.1 405B has 191).
+constexpr size_t kMaxShards = 4096;
+
 // The weight files of a Hugging Face directory: model.safetensors, or the
 // shards its index names (sorted, each once, each a file of the directory).
 std::vector<std::string> hf_weight_files(const std::string& dir) {
@@ -566,14 +571,16 @@ std::vector<std::string> hf_weight_files(const std::string& dir) {
   } else if (fs::exists(index)) {
     const nlohmann::json ix = read_json_file(index);
     if (!ix.contains("weight_map") || !ix["weight_map"].is_object()) throw Error(index + ": no weight_map");
+    std::set<std::string> shards;  // (sorted, each once)
     for (const auto& [name, file] : ix["weight_map"].items()) {
       if (!file.is_string()) throw Error(index + ": weight_map[" + name + "] is not a file name");
       const std::string f = file.get<std::string>();
       if (f.find('/') != std::string::npos || f == "..") throw Error(index + ": shard \"" + f + "\" is not a file of the directory");
-      const std::string shard = (fs::path(dir) / f).string();
-      if (std::find(files.begin(), files.end(), shard) == files.end()) files.push_back(shard);
+      shards.insert((fs::path(dir) / f).string());
+      if (shards.size() > kMaxShards)
+        throw Error(index + ": more than " + std::to_string(kMaxShards) + " shards (each a file held open)");
     }
-    std::sort(files.begin(), files.end());
+    files.assign(shards.begin(), shards.end());
   } else {
     throw Error(dir + ": neither model.safetensors nor model.safetensors.index.json");
   }

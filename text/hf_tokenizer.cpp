@@ -75,6 +75,9 @@ Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_
     }
     if (by_id.empty()) throw Error(path + ": model.vocab holds nothing");
     const int rows = vocab_size > 0 ? vocab_size : by_id.rbegin()->first + 1;
+    if (rows > kMaxVocabSize)  // (checked before the padding is made)
+      throw Error(path + ": a vocabulary of " + std::to_string(rows) + " tokens, more than a vocabulary may have (" +
+                  std::to_string(kMaxVocabSize) + ")");
     if (by_id.rbegin()->first >= rows)
       throw Error(path + ": token id " + std::to_string(by_id.rbegin()->first) + " does not fit a vocabulary of " +
                   std::to_string(rows));

@@ -21,10 +21,19 @@ namespace {
 // SentencePiece's word boundary (U+2581), which llama2.c's pieces spell ' '.
 constexpr const char* kSentencePieceSpace = "\xe2\x96\x81";
 
-// `s` with every `from` replaced by `to`.
-std::string replace_all(std::string s, const std::string& from, const std::string& to) {
-  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
-  return s;
+// `s` with every `from` replaced by `to`, in one pass (replacing in place
+// moved the rest of the string at every hit: quadratic in a long piece).
+std::string replace_all(const std::string& s, const std::string& from, const std::string& to) {
+  std::string out;
+  out.reserve(s.size());
+  size_t at = 0;
+  for (size_t hit = s.find(from); hit != std::string::npos; hit = s.find(from, at)) {
+    out.append(s, at, hit - at);
+    out += to;
+    at = hit + from.size();
+  }
+  out.append(s, at, std::string::npos);
+  return out;
 }
 
 }  // namespace
@@ -186,6 +195,13 @@ Tokenizer Tokenizer::from_vocabulary(Vocabulary vocabulary, const std::string& p
   auto impl = std::make_shared<Impl>();
   Vocabulary& v = impl->v;
   v = std::move(vocabulary);
+  if (v.pieces.size() > size_t(kMaxVocabSize))
+    throw Error(path + ": " + std::to_string(v.pieces.size()) + " tokens, more than a vocabulary may have (" +
+                std::to_string(kMaxVocabSize) + ")");
+  for (size_t i = 0; i < v.pieces.size(); ++i)
+    if (v.pieces[i].size() > kMaxPieceBytes)
+      throw Error(path + ": token " + std::to_string(i) + " is " + std::to_string(v.pieces[i].size()) +
+                  " bytes long, more than a token may be (" + std::to_string(kMaxPieceBytes) + ")");
   const int n = int(v.pieces.size());
   if (!v.types.empty() && v.types.size() != v.pieces.size())
     throw Error(path + ": " + std::to_string(n) + " pieces but " + std::to_string(v.types.size()) + " token types");

@@ -11,6 +11,13 @@ namespace disagg::gpu {
 
 constexpr int kBosToken = 1;  // llama2.c's <s>, which ends a llama2.c generation
 
+// What a vocabulary may hold, whatever its file says (each piece costs a
+// trie node per byte when it is a special token, and every id a table
+// entry): 2^22 tokens, 16x the largest real ones (Gemma 3's 262,144), and
+// pieces of 64 KiB (real ones are at most a few hundred bytes).
+constexpr int kMaxVocabSize = 1 << 22;
+constexpr size_t kMaxPieceBytes = size_t(64) << 10;
+
 // A model's vocabulary, as a model file carries it (GGUF `tokenizer.ggml.*`,
 // a Hugging Face tokenizer.json) or a llama2.c tokenizer file.
 enum class TokenizerModel {

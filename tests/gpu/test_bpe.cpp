@@ -161,6 +161,44 @@ TEST(ByteBpeTokenizer, AVocabularyWithoutAByteOrWithABadMergeIsRefused) {
   }
 }
 
+// A vocabulary's size and its pieces' lengths are bounded whatever the file
+// says (a special token costs a trie node per byte: a 100 MB one cost
+// gigabytes), checked before anything is built from them.
+TEST(ByteBpeTokenizer, AHugeTokenOrVocabularyIsRefused) {
+  Vocabulary longest = tiny_byte_level();
+  longest.pieces[260] = std::string(kMaxPieceBytes, 'x');
+  EXPECT_EQ(Tokenizer::from_vocabulary(longest, "tiny").encode(longest.pieces[260]), (std::vector<int>{260}));
+  longest.pieces[260] += 'x';
+  try {
+    Tokenizer::from_vocabulary(longest, "tiny");
+    ADD_FAILURE() << "a token of " << longest.pieces[260].size() << " bytes was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token 260 is 65537 bytes long"), std::string::npos) << e.what();
+  }
+  Vocabulary many = tiny_byte_level();
+  many.pieces.resize(size_t(kMaxVocabSize) + 1);
+  many.types.resize(many.pieces.size(), TokenType::unused);
+  try {
+    Tokenizer::from_vocabulary(many, "tiny");
+    ADD_FAILURE() << "a vocabulary of " << many.pieces.size() << " tokens was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than a vocabulary may have"), std::string::npos) << e.what();
+  }
+}
+
+// SentencePiece's word boundary and llama2.c's space, respelled both ways,
+// a long run too (in one pass: replacing in place was quadratic in it).
+TEST(SentencePieceSpelling, SpacesAndMarksTradePlaces) {
+  const std::string mark = "\xe2\x96\x81";
+  EXPECT_EQ(sentencepiece_spelling(" a  b "), mark + "a" + mark + mark + "b" + mark);
+  EXPECT_EQ(llama2c_spelling(mark + "a" + mark + mark + "b" + mark), " a  b ");
+  EXPECT_EQ(llama2c_spelling("\xe2\x96" + mark + "\x81"), "\xe2\x96 \x81");  // (a mark's bytes around one)
+  std::string marks;
+  for (int i = 0; i < 100000; ++i) marks += mark;
+  EXPECT_EQ(llama2c_spelling(marks), std::string(100000, ' '));
+  EXPECT_EQ(sentencepiece_spelling(std::string(100000, ' ')), marks);
+}
+
 TEST(ByteBpeTokenizer, EndTokensAreTheNamedOnesAndTheFamiliesEndOfTurn) {
   Vocabulary v = tiny_byte_level();
   EXPECT_EQ(end_tokens_of(v, {}), (std::vector<int>{258}));  // <|end|>, a control token

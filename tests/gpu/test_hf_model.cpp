@@ -276,6 +276,15 @@ TEST(HfModel, BadDirectoriesGetAnErrorNamingTheFileAndKey) {
          fs::remove(d + "/model.safetensors");
          std::ofstream(d + "/model.safetensors.index.json") << R"({"weight_map": {"a": "../x.safetensors"}})";
        }, "shard \"../x.safetensors\" is not a file of the directory"},
+      {"too many shards", [&](const std::string& d) {
+         fs::remove(d + "/model.safetensors");
+         json index = {{"weight_map", json::object()}};
+         for (int i = 0; i <= 4096; ++i) {  // (each named twice: counted once)
+           index["weight_map"]["w" + std::to_string(i)] = "s" + std::to_string(i) + ".safetensors";
+           index["weight_map"]["v" + std::to_string(i)] = "s" + std::to_string(i) + ".safetensors";
+         }
+         std::ofstream(d + "/model.safetensors.index.json") << index.dump();
+       }, "more than 4096 shards"},
   };
   int k = 0;
   for (const Case& c : cases) {
