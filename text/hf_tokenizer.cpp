@@ -26,12 +26,59 @@ std::string split_pattern(const json& pre) {
   return {};
 }
 
-bool has_byte_level(const json& pre) {
-  if (!pre.is_object()) return false;
-  if (pre.value("type", "") == "ByteLevel") return true;
-  for (const json& p : pre.value("pretokenizers", json::array()))
-    if (has_byte_level(p)) return true;
-  return false;
+// The ByteLevel step of a pre_tokenizer (alone or in a Sequence), or nullptr.
+const json* byte_level(const json& pre) {
+  if (!pre.is_object()) return nullptr;
+  if (pre.value("type", "") == "ByteLevel") return &pre;
+  if (const auto steps = pre.find("pretokenizers"); steps != pre.end() && steps->is_array())
+    for (const json& p : *steps)
+      if (const json* found = byte_level(p)) return found;
+  return nullptr;
+}
+
+bool has_byte_level(const json& pre) { return byte_level(pre) != nullptr; }
+
+// Whether `key` of `object` is absent, null or `plain` (its default).
+bool unset_or(const json& object, const char* key, const json& plain) {
+  const auto it = object.find(key);
+  return it == object.end() || it->is_null() || *it == plain;
+}
+
+// The settings this reader takes from the split regex's family (its
+// PreTokenizer: ignore_merges, NFC) or does not implement, read from the
+// file and checked: a file that says otherwise is refused, never encoded
+// differently from the reference tokenizer.
+void check_settings(const std::string& path, const json& top, const json& model, const json& pre_tokenizer,
+                    const PreTokenizer& pre) {
+  auto refuse = [&](const std::string& what) {
+    throw Error(path + ": " + what + " (this reader encodes byte-level BPE with the " + pre.name +
+                " family's settings only)");
+  };
+  const auto ignore = model.find("ignore_merges");
+  const bool ignore_merges = ignore != model.end() && ignore->is_boolean() && ignore->get<bool>();
+  if (!unset_or(model, "ignore_merges", ignore_merges) || ignore_merges != pre.ignore_merges)
+    refuse("model.ignore_merges is " + (ignore == model.end() ? std::string("unset") : ignore->dump()) +
+           ", the split regex's family has " + (pre.ignore_merges ? "true" : "false"));
+  const auto normalizer = top.find("normalizer");
+  const bool none = normalizer == top.end() || normalizer->is_null();
+  const bool nfc = !none && *normalizer == json{{"type", "NFC"}};
+  if ((!none && !nfc) || nfc != pre.nfc)
+    refuse("normalizer " + (none ? std::string("null") : normalizer->dump()) + ", the split regex's family has " +
+           (pre.nfc ? "{\"type\": \"NFC\"}" : "none"));
+  if (!unset_or(model, "dropout", 0.0)) refuse("model.dropout is " + model["dropout"].dump());
+  if (!unset_or(model, "byte_fallback", false)) refuse("model.byte_fallback is set");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (!unset_or(model, key, "")) refuse(std::string("model.") + key + " is " + model[key].dump());
+  if (const json* step = byte_level(pre_tokenizer)) {  // (add_prefix_space defaults to true)
+    const auto adds = step->find("add_prefix_space");
+    if (adds == step->end() || !adds->is_boolean() || adds->get<bool>())
+      refuse("the ByteLevel pre-tokenizer's add_prefix_space is not false");
+  }
+  if (const auto added = top.find("added_tokens"); added != top.end() && added->is_array())
+    for (size_t k = 0; k < added->size(); ++k)
+      for (const char* key : {"lstrip", "rstrip", "single_word"})
+        if (!unset_or((*added)[k], key, false))
+          refuse("added_tokens[" + std::to_string(k) + "]." + key + " is set");
 }
 
 }  // namespace
@@ -60,6 +107,7 @@ Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_
     const std::string pattern = split_pattern(pre_tokenizer);
     const PreTokenizer* pre = pre_tokenizer_with_pattern(pattern);
     if (!pre) throw Error(path + ": pre_tokenizer: the split regex " + json(pattern).dump() + " is not one this reader knows");
+    check_settings(path, t, model.value(), pre_tokenizer, *pre);
 
     const int64_t max_id = std::numeric_limits<int32_t>::max() - 1;
     std::map<int, std::pair<std::string, TokenType>> by_id;

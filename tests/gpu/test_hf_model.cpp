@@ -311,11 +311,14 @@ void edit_json(const std::string& path, const std::function<void(json&)>& change
 }
 
 // The smallest tokenizer.json the reader takes: byte-level BPE, the
-// llama-bpe split regex, three pieces, one merge and one special token.
+// llama-bpe split regex with Llama 3's settings, three pieces, one merge and
+// one special token.
 json tiny_tokenizer() {
   json split{{"type", "Split"}, {"pattern", {{"Regex", pre_tokenizer("llama-bpe").pattern}}}};
-  json pre{{"type", "Sequence"}, {"pretokenizers", json::array({split, json{{"type", "ByteLevel"}}})}};
-  json model{{"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 1}, {"ab", 2}}}, {"merges", json::array({"a b"})}};
+  json byte_level{{"type", "ByteLevel"}, {"add_prefix_space", false}};
+  json pre{{"type", "Sequence"}, {"pretokenizers", json::array({split, byte_level})}};
+  json model{{"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 1}, {"ab", 2}}}, {"merges", json::array({"a b"})},
+             {"ignore_merges", true}, {"dropout", nullptr}, {"continuing_subword_prefix", nullptr}};
   json added = json::array({json{{"id", 3}, {"content", "<|end|>"}, {"special", true}}});
   return json{{"model", model}, {"pre_tokenizer", pre}, {"added_tokens", added}};
 }
@@ -485,10 +488,13 @@ TEST(HfModel, ConfigIntegersAreRangeCheckedBeforeConversion) {
 
 // A value of the wrong type gets an error naming the file, the key and the
 // type expected, in the project's words (issue 44: "cannot use at() with
-// string", "type must be number, but is string").
+// string", "type must be number, but is string"); a tokenizer setting this
+// reader does not encode is refused (it was ignored: other tokens than the
+// reference's, without a word).
 TEST(HfModel, TypeErrorsNameTheFileKeyAndExpectedType) {
   const std::string root = test::make_temp_dir("hf-types");
   const auto weights = random_weights(configs()[0], 4);
+  const std::string kFamilyOnly = " (this reader encodes byte-level BPE with the llama-bpe family's settings only)";
   const struct {
     const char* file;
     std::function<void(json&)> change;
@@ -523,6 +529,19 @@ TEST(HfModel, TypeErrorsNameTheFileKeyAndExpectedType) {
        "tokenizer.json: added_tokens[0].content = 3: expected a string"},
       {"tokenizer.json", [](json& j) { j["model"]["merges"] = json::array({json::array({"a", 1})}); },
        "tokenizer.json: model.merges[0] = [\"a\",1]: expected a string \"a b\" or a pair of strings"},
+      // Settings the reader takes from the split regex's family, or does not implement.
+      {"tokenizer.json", [](json& j) { j["model"]["ignore_merges"] = false; },
+       "tokenizer.json: model.ignore_merges is false, the split regex's family has true" + kFamilyOnly},
+      {"tokenizer.json", [](json& j) { j["normalizer"] = json{{"type", "NFC"}}; },
+       "tokenizer.json: normalizer {\"type\":\"NFC\"}, the split regex's family has none" + kFamilyOnly},
+      {"tokenizer.json", [](json& j) { j["pre_tokenizer"]["pretokenizers"][1].erase("add_prefix_space"); },
+       "tokenizer.json: the ByteLevel pre-tokenizer's add_prefix_space is not false" + kFamilyOnly},
+      {"tokenizer.json", [](json& j) { j["model"]["dropout"] = 0.1; },
+       "tokenizer.json: model.dropout is 0.1" + kFamilyOnly},
+      {"tokenizer.json", [](json& j) { j["model"]["continuing_subword_prefix"] = "##"; },
+       "tokenizer.json: model.continuing_subword_prefix is \"##\"" + kFamilyOnly},
+      {"tokenizer.json", [](json& j) { j["added_tokens"][0]["rstrip"] = true; },
+       "tokenizer.json: added_tokens[0].rstrip is set" + kFamilyOnly},
       {"tokenizer_config.json", [](json& j) { j["add_bos_token"] = "yes"; },
        "tokenizer_config.json: add_bos_token = \"yes\": expected true or false"},
       {"tokenizer_config.json", [](json& j) { j["eos_token"] = 3; },
