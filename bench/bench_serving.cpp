@@ -104,7 +104,10 @@ Sequential run_sequential(const std::shared_ptr<const disagg::gpu::Checkpoint>& 
   disagg::gpu::Engine engine(checkpoint);
   const auto start = Clock::now();
   for (int i = 0; i < requests; ++i) {
-    const disagg::gpu::SamplingParams sampling{0.8f, 0.9f, uint64_t(i)};
+    disagg::gpu::SamplingParams sampling;
+    sampling.temperature = 0.8f;
+    sampling.top_p = 0.9f;
+    sampling.seed = uint64_t(i);
     out.tokens[size_t(i)] = disagg::gpu::generate(engine, prompt_of(i, vocab), new_tokens, sampling).tokens;
     out.count += out.tokens[size_t(i)].size();
   }
@@ -147,7 +150,9 @@ int run(const Options& opt) {
     const auto prompt = prompt_of(i, vocab);
     request.prompt_tokens.assign(prompt.begin(), prompt.end());
     request.max_new_tokens = new_tokens;
-    request.sampling = disagg::Sampling{0.8f, 0.9f, uint64_t(i)};
+    request.sampling.temperature = 0.8f;
+    request.sampling.top_p = 0.9f;
+    request.sampling.seed = uint64_t(i);
     futures.push_back(client.submit(std::move(request), [&, i](const disagg::TokenEvent&) {
       std::lock_guard<std::mutex> lock(mutex);
       if (!seen[i]) first_token[i] = Clock::now(), seen[i] = true;

@@ -125,7 +125,9 @@ bool same_tokens(const Run& plain, const Run& spec, const char* what) {
 
 int run(const Options& o) {
   auto checkpoint = Checkpoint::open(o.model);
-  Engine engine(checkpoint, EngineOptions{"cpu"});
+  EngineOptions cpu;
+  cpu.backend = "cpu";
+  Engine engine(checkpoint, cpu);
   const ModelConfig& c = engine.config();
   const int vocab = c.vocab_size;
   const int context = std::min(o.context, c.seq_len - 16);

@@ -821,7 +821,7 @@ void ToolStream::scan_array(std::vector<Delta>& out) {
 }
 
 ToolReply ToolStream::finish(const std::string& finish_reason, std::vector<Delta>& deltas) {
-  ToolReply reply{text_, {}, finish_reason};
+  ToolReply reply{text_, {}, finish_reason, {}};
   switch (tools_.choice) {
     case ToolUse::Choice::none: break;
     case ToolUse::Choice::named: {

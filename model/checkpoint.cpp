@@ -84,7 +84,6 @@ std::string stem_of(const std::string& path) {
   return dot == std::string::npos || dot == 0 ? name : name.substr(0, dot);
 }
 
-constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF", little-endian
 std::string shape_text(const std::vector<int64_t>& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
@@ -157,7 +156,7 @@ Vocabulary read_vocabulary(const gguf::File& f, const std::string& path, int voc
   v.bos = f.find("tokenizer.ggml.bos_token_id") ? token_id(f, path, "tokenizer.ggml.bos_token_id", vocab_size)
           : v.model == TokenizerModel::sentencepiece ? kBosToken : -1;
   v.eos = f.find("tokenizer.ggml.eos_token_id") ? token_id(f, path, "tokenizer.ggml.eos_token_id", vocab_size)
-          : v.model == TokenizerModel::sentencepiece ? 2 : -1;
+          : v.model == TokenizerModel::sentencepiece ? kEosToken : -1;
   if (f.find("tokenizer.chat_template")) v.chat_template = f.string("tokenizer.chat_template");
   v.add_bos = flag(f, path, "tokenizer.ggml.add_bos_token", v.model == TokenizerModel::sentencepiece) && v.bos >= 0;
   if (v.model == TokenizerModel::sentencepiece && v.bos != kBosToken)
@@ -212,8 +211,8 @@ ModelConfig read_gguf_config(const gguf::File& f, const uint8_t* bytes, const st
   c.vocab_size = int(embedding.dims[1]);
   c.shared_classifier = f.tensor("output.weight") == nullptr;
   // Range-checked as a double: a float conversion of an f64 past float's range is undefined.
-  const double rope_theta = f.number(p + "rope.freq_base", 10000.0);
-  if (!(rope_theta > 1.0 && rope_theta <= double(std::numeric_limits<float>::max()))) {
+  const double rope_theta = f.number(p + "rope.freq_base", double(ModelConfig{}.rope_theta));
+  if (!rope_theta_in_range(rope_theta)) {
     char text[32];
     std::snprintf(text, sizeof text, "%g", rope_theta);
     throw Error(path + ": metadata " + p + "rope.freq_base = " + text + " is out of range");
@@ -242,7 +241,7 @@ ModelConfig read_gguf_config(const gguf::File& f, const uint8_t* bytes, const st
     throw Error(path + ": metadata " + p + "rope.dimension_count = " + std::to_string(rotary) +
                 ": only whole heads (" + std::to_string(c.head_size()) + ") are rotated so far");
   const double eps = f.number(p + "attention.layer_norm_rms_epsilon", double(c.rms_epsilon));
-  if (!(eps > 0.0 && eps <= 1e-2))
+  if (!rms_epsilon_in_range(eps))
     throw Error(path + ": metadata " + p + "attention.layer_norm_rms_epsilon = " + std::to_string(eps) +
                 " is out of range (0, 0.01]");
   c.rms_epsilon = float(eps);
@@ -397,7 +396,7 @@ std::shared_ptr<const Checkpoint> Checkpoint::open(const std::string& path, cons
     cp->mapping_size_ = file_size;
     return cp;
   };
-  if (uint32_t(header[0]) == kGgufMagic) {
+  if (uint32_t(header[0]) == gguf::kMagic) {
     std::shared_ptr<Checkpoint> cp = mapped();
     cp->load_gguf(file_size);
     cp->fingerprint_ = file_fingerprint(path, fd, cp->mapping_, file_size, fingerprint_memo);  // as for llama2.c
@@ -520,10 +519,10 @@ HfConfig read_hf_config(const std::string& dir) {
     if (int64_t(head_dim) * c.n_heads != c.dim) c.head_dim = head_dim;
   }
   // Range-checked as doubles: a float conversion of 1e300 is undefined.
-  const double rope_theta = cfg.number("rope_theta", 10000.0), rms_epsilon = cfg.number("rms_norm_eps", 1e-5);
-  if (!(rope_theta > 1.0 && rope_theta <= double(std::numeric_limits<float>::max())))
-    cfg.wrong("rope_theta", "a number above 1 that fits a float");
-  if (!(rms_epsilon > 0.0 && rms_epsilon <= 1e-2)) cfg.wrong("rms_norm_eps", "a number above 0 and at most 0.01");
+  const double rope_theta = cfg.number("rope_theta", double(ModelConfig{}.rope_theta));
+  const double rms_epsilon = cfg.number("rms_norm_eps", double(ModelConfig{}.rms_epsilon));
+  if (!rope_theta_in_range(rope_theta)) cfg.wrong("rope_theta", "a number above 1 that fits a float");
+  if (!rms_epsilon_in_range(rms_epsilon)) cfg.wrong("rms_norm_eps", "a number above 0 and at most 0.01");
   c.rope_theta = float(rope_theta);
   c.rms_epsilon = float(rms_epsilon);
   c.shared_classifier = cfg.boolean("tie_word_embeddings", false);

@@ -11,8 +11,6 @@ namespace disagg::gpu::gguf {
 
 namespace {
 
-constexpr uint32_t kMagic = 0x46554747;  // "GGUF" read as a little-endian u32
-constexpr uint64_t kDefaultAlignment = 32;
 constexpr uint32_t kMaxDims = 4;         // GGML_MAX_DIMS
 constexpr int kMaxArrayNesting = 4;      // arrays of arrays of ...: deeper is refused
 // Array values in all the metadata: each becomes a Value of ~100 bytes, so

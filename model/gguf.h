@@ -28,6 +28,9 @@
 
 namespace disagg::gpu::gguf {
 
+constexpr uint32_t kMagic = 0x46554747;    // "GGUF" read as a little-endian u32
+constexpr uint64_t kDefaultAlignment = 32;  // general.alignment when a file names none
+
 enum class ValueType : uint32_t {
   u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7, string = 8, array = 9,
   u64 = 10, i64 = 11, f64 = 12,
@@ -108,7 +111,7 @@ class File {
  private:
   std::string path_;
   uint32_t version_ = 0;
-  uint64_t alignment_ = 32;
+  uint64_t alignment_ = kDefaultAlignment;
   uint64_t data_offset_ = 0;
   std::map<std::string, Value> metadata_;
   std::vector<TensorInfo> tensors_;
@@ -121,7 +124,7 @@ class File {
 // stream each tensor's bytes, so a large model never needs to be in memory.
 class Writer {
  public:
-  explicit Writer(uint64_t alignment = 32) : alignment_(alignment) {}
+  explicit Writer(uint64_t alignment = kDefaultAlignment) : alignment_(alignment) {}
   void add(const std::string& key, Value value);
   // Convenience values.
   static Value u32(uint32_t v);

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -27,9 +28,9 @@ struct ModelConfig {
   int seq_len = 0;      // maximum positions
   bool shared_classifier = true;  // wcls == token_embedding
   Architecture arch = Architecture::llama;
-  float rms_epsilon = 1e-5f;      // RMSNorm: w * x / sqrt(mean(x^2) + rms_epsilon) (llama2.c's 1e-5; Qwen 1e-6)
+  float rms_epsilon = 1e-5f;      // RMSNorm: w * x / sqrt(mean(x^2) + rms_epsilon) (llama2.c's 1e-5; Qwen 1e-6): rms_epsilon_in_range
   int head_dim = 0;               // per head (GGUF attention.key_length); 0: dim / n_heads
-  float rope_theta = 10000.0f;    // RoPE base: pair i of a head turns by pos * theta^(-2i/head_size)
+  float rope_theta = 10000.0f;    // RoPE base: pair i of a head turns by pos * theta^(-2i/head_size): rope_theta_in_range
   // Llama 3.1's frequency factors (GGUF tensor rope_freqs.weight, [head_size/2]):
   // pair i turns by pos * theta^(-2i/head_size) / rope_factors[i]; empty: none.
   std::vector<float> rope_factors{};
@@ -70,5 +71,11 @@ constexpr int kMaxSeqLen = 1 << 21;
 
 // Empty string when the config is usable, else what is wrong with it.
 std::string validate(const ModelConfig& config);
+
+// The ranges a model file's RoPE base and RMSNorm epsilon must be in,
+// checked on the file's number (a double) before its float conversion,
+// which is undefined past a float's range.
+inline bool rope_theta_in_range(double theta) { return theta > 1.0 && theta <= double(std::numeric_limits<float>::max()); }
+inline bool rms_epsilon_in_range(double epsilon) { return epsilon > 0.0 && epsilon <= 1e-2; }
 
 }  // namespace disagg::gpu

@@ -290,9 +290,14 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
   std::vector<int32_t> types;
   for (size_t i = 0; i < v.pieces.size(); ++i) {
     // SentencePiece's spelling has U+2581 for spaces; a llama2.c vocabulary
-    // has no types: 2 unknown, 3 control, 6 byte, 1 normal by position.
+    // has no types: <unk>, <s> and </s>, then the bytes, then the rest.
     tokens.push_back(spm ? sentencepiece_spelling(v.pieces[i]) : v.pieces[i]);
-    types.push_back(!v.types.empty() ? int32_t(v.types[i]) : i == 0 ? 2 : i < 3 ? 3 : i < 3 + 256 ? 6 : 1);
+    const int id = int(i);
+    const TokenType by_position = id == 0                        ? TokenType::unknown
+                                  : id < kByteTokenOffset        ? TokenType::control
+                                  : id < kByteTokenOffset + 256  ? TokenType::byte
+                                                                 : TokenType::normal;
+    types.push_back(int32_t(v.types.empty() ? by_position : v.types[i]));
   }
   w.add("tokenizer.ggml.model", gguf::Writer::str(spm ? "llama" : "gpt2"));
   if (!spm) w.add("tokenizer.ggml.pre", gguf::Writer::str(v.pre));
@@ -341,8 +346,9 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
 
 void write_random_checkpoint(const std::string& path, const ModelConfig& config, uint64_t seed) {
   if (std::string problem = validate(config); !problem.empty()) throw Error(path + ": " + problem);
-  if (config.arch != Architecture::llama || config.rms_epsilon != 1e-5f || !config.rope_factors.empty() ||
-      config.rope_theta != 10000.0f || config.head_dim != 0)
+  const ModelConfig llama2c;  // (its constants are ModelConfig's defaults)
+  if (config.arch != Architecture::llama || config.rms_epsilon != llama2c.rms_epsilon || !config.rope_factors.empty() ||
+      config.rope_theta != llama2c.rope_theta || config.head_dim != 0)
     throw Error(path + ": a llama2.c checkpoint holds the llama architecture with llama2.c's constants only");
   const Llama2cLayout layout(config);
   if (layout.file_bytes() == std::numeric_limits<size_t>::max()) throw Error(path + ": model too large to write");

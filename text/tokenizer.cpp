@@ -40,7 +40,6 @@ std::string replace_all(const std::string& s, const std::string& from, const std
 
 namespace {
 
-constexpr int kByteTokenOffset = 3;  // <0xHH> is token HH + 3 (after <unk>, <s>, </s>)
 constexpr int kMinVocab = kByteTokenOffset + 256;
 
 // Reads little-endian fields from a byte buffer, naming the file on underflow.

@@ -10,6 +10,8 @@
 namespace disagg::gpu {
 
 constexpr int kBosToken = 1;  // llama2.c's <s>, which ends a llama2.c generation
+constexpr int kEosToken = 2;  // llama2.c's </s>: a SentencePiece vocabulary's end when its file names none
+constexpr int kByteTokenOffset = 3;  // a SentencePiece vocabulary's <0xHH> is token HH + 3 (after <unk>, <s>, </s>)
 
 // What a vocabulary may hold, whatever its file says (each piece costs a
 // trie node per byte when it is a special token, and every id a table
@@ -40,7 +42,7 @@ struct Vocabulary {
   std::string pre;                  // byte_bpe: the pre-tokenizer (tokenizer.ggml.pre)
   int bos = kBosToken;              // the beginning-of-sequence id, -1 for none
   bool add_bos = true;              // encode() puts BOS first
-  int eos = 2;                      // the end-of-sequence id, -1 for none
+  int eos = kEosToken;              // the end-of-sequence id, -1 for none
   std::string chat_template;        // the file's Jinja chat template (tokenizer.chat_template), or empty
 };
 
