@@ -94,10 +94,11 @@ std::shared_ptr<KvSender> KvPlane::sender(Transport transport, const std::string
   const std::pair<Transport, std::string> key{transport, address};
   const auto now = std::chrono::steady_clock::now();
   Kept& slot = senders_[key];
-  // One not asked for within idle_sender is opened anew: a receiver closes
-  // connections silent for twice that (ReceiverOptions::idle_connection),
-  // and over shared memory we would not learn that it did.
-  const bool stale = slot.sender && now - slot.asked >= options_.idle_sender;
+  // One that sent no piece within idle_sender is opened anew: a receiver
+  // closes connections silent for twice that (ReceiverOptions::idle_connection,
+  // counted from the last piece it got), and over shared memory we would not
+  // learn that it did.
+  const bool stale = slot.sender && now - slot.sender->last_sent() >= options_.idle_sender;
   const bool opening = !slot.sender || !slot.sender->connected() || stale;
   if (opening) slot.sender.reset();  // (a broken connection is closed before its replacement opens)
   // Connections to other addresses go when idle, at every call, and when

@@ -35,7 +35,8 @@ struct PlaneOptions {
   bool shared_memory = true;
   SenderOptions sender;  // for every connection this process opens
   // A connection not asked for this long is closed at the next sender()
-  // call, or opened anew when it is the one asked for: shared memory has no
+  // call, and one that sent no piece for this long is opened anew when it is
+  // the one asked for: shared memory has no
   // peer-failure detection, so one to a decode node that is gone never
   // breaks (a node started again listens on a new port, and its old address
   // is never asked for again), and our receivers close connections silent

@@ -646,7 +646,9 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
         ++it;
       } else {
         drop_source(conn, "the sender's connection was idle");  // (finished transfers' verdicts forget it)
-        close(std::move(it->second), /*force=*/true);
+        // (forced only with peer-failure handling, as UCX requires: an idle
+        // connection has nothing in flight, so its flush ends at once)
+        close(std::move(it->second), context->options().peer_failure_detection);
         it = connections_.erase(it);
       }
     }

@@ -126,6 +126,7 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
     slot.bytes = bytes;
     inflight_bytes_ += bytes;
     ++t.outstanding;
+    last_sent_ = Clock::now();
     const bool was_idle = submit_.empty();
     submit_.push_back(index);
     lock.unlock();
@@ -189,6 +190,10 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
   bool connected() const {
     std::lock_guard<std::mutex> lock(mu_);
     return !broken_;
+  }
+  Deadline last_sent() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_sent_;
   }
 
  private:
@@ -406,6 +411,7 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
   std::unordered_map<uint64_t, SentTransfer> transfers_;
   bool hello_acked_ = false;
   bool broken_ = false;
+  Deadline last_sent_ = Clock::now();  // (guarded by mu_) last_sent()
   std::string reason_;
 };
 
@@ -437,5 +443,6 @@ TransferResult KvSender::wait(uint64_t id, Deadline until) { return impl_->wait(
 void KvSender::abandon(uint64_t id, Deadline until) { impl_->abandon(id, until); }
 
 bool KvSender::connected() const { return impl_->connected(); }
+Deadline KvSender::last_sent() const { return impl_->last_sent(); }
 
 }  // namespace disagg::kv

@@ -13,15 +13,15 @@
 
 namespace disagg {
 
+// The longest lease a decode worker takes: the router's is a request's
+// time left plus ack-timeout-ms, each at most kMaxDeadlineMs (24 h).
+constexpr int64_t kMaxLeaseMs = 2 * kMaxDeadlineMs;
+
 // Router -> decode, sent as request(reserve_atom, KvReservation) before any
 // prefill work starts: the receiver allocates first. The decode worker takes
 // the blocks of `positions` (gpu::kv_positions_needed: prompt + new tokens)
 // and holds them for the request until its KV arrives, it is cancelled, or
 // the lease ends (so a prefill that never comes cannot strand them).
-// The longest lease a decode worker takes: the router's is a request's
-// time left plus ack-timeout-ms, each at most kMaxDeadlineMs (24 h).
-constexpr int64_t kMaxLeaseMs = 2 * kMaxDeadlineMs;
-
 struct KvReservation {
   RequestId id = 0;
   int32_t positions = 0;

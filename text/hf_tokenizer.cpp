@@ -26,16 +26,17 @@ std::string split_pattern(const json& pre) {
   return {};
 }
 
-// The ByteLevel step of a pre_tokenizer (alone or in a Sequence), or nullptr.
-const json* byte_level(const json& pre) {
+// The first step of `type` of a pre_tokenizer (alone or in a Sequence), or nullptr.
+const json* step_of(const json& pre, const std::string& type) {
   if (!pre.is_object()) return nullptr;
-  if (pre.value("type", "") == "ByteLevel") return &pre;
+  if (const auto t = pre.find("type"); t != pre.end() && *t == type) return &pre;
   if (const auto steps = pre.find("pretokenizers"); steps != pre.end() && steps->is_array())
     for (const json& p : *steps)
-      if (const json* found = byte_level(p)) return found;
+      if (const json* found = step_of(p, type)) return found;
   return nullptr;
 }
 
+const json* byte_level(const json& pre) { return step_of(pre, "ByteLevel"); }
 bool has_byte_level(const json& pre) { return byte_level(pre) != nullptr; }
 
 // Whether `key` of `object` is absent, null or `plain` (its default).
@@ -69,10 +70,18 @@ void check_settings(const std::string& path, const json& top, const json& model,
   if (!unset_or(model, "byte_fallback", false)) refuse("model.byte_fallback is set");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (!unset_or(model, key, "")) refuse(std::string("model.") + key + " is " + model[key].dump());
-  if (const json* step = byte_level(pre_tokenizer)) {  // (add_prefix_space defaults to true)
-    const auto adds = step->find("add_prefix_space");
-    if (adds == step->end() || !adds->is_boolean() || adds->get<bool>())
-      refuse("the ByteLevel pre-tokenizer's add_prefix_space is not false");
+  // (ByteLevel's add_prefix_space and use_regex default to true: a prefix
+  // space, and GPT-2's split again after the family's)
+  if (const json* step = byte_level(pre_tokenizer)) {
+    for (const char* key : {"add_prefix_space", "use_regex"}) {
+      const auto value = step->find(key);
+      if (value == step->end() || !value->is_boolean() || value->get<bool>())
+        refuse(std::string("the ByteLevel pre-tokenizer's ") + key + " is not false");
+    }
+  }
+  if (const json* split = step_of(pre_tokenizer, "Split")) {
+    if (!unset_or(*split, "invert", false) || split->value("behavior", json()) != "Isolated")
+      refuse("the Split pre-tokenizer is not an isolating one (behavior \"Isolated\", not inverted)");
   }
   if (const auto added = top.find("added_tokens"); added != top.end() && added->is_array())
     for (size_t k = 0; k < added->size(); ++k)

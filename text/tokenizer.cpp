@@ -104,6 +104,8 @@ Tokenizer Tokenizer::load(const std::string& path, int expected_vocab) {
   // The file does not store the piece count: pieces run to the end of the file.
   Vocabulary v;
   while (r.remaining() > 0) {
+    if (v.pieces.size() >= size_t(kMaxVocabSize))  // (before each piece: an empty one is 8 bytes of file)
+      throw Error(path + ": more than " + std::to_string(kMaxVocabSize) + " pieces, more than a vocabulary may have");
     const std::string index = std::to_string(v.pieces.size());
     const float score = r.read<float>("score of a piece");
     const int32_t length = r.read<int32_t>("length of a piece");

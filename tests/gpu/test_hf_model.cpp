@@ -314,8 +314,9 @@ void edit_json(const std::string& path, const std::function<void(json&)>& change
 // llama-bpe split regex with Llama 3's settings, three pieces, one merge and
 // one special token.
 json tiny_tokenizer() {
-  json split{{"type", "Split"}, {"pattern", {{"Regex", pre_tokenizer("llama-bpe").pattern}}}};
-  json byte_level{{"type", "ByteLevel"}, {"add_prefix_space", false}};
+  json split{{"type", "Split"}, {"pattern", {{"Regex", pre_tokenizer("llama-bpe").pattern}}},
+             {"behavior", "Isolated"}, {"invert", false}};
+  json byte_level{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}};
   json pre{{"type", "Sequence"}, {"pretokenizers", json::array({split, byte_level})}};
   json model{{"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 1}, {"ab", 2}}}, {"merges", json::array({"a b"})},
              {"ignore_merges", true}, {"dropout", nullptr}, {"continuing_subword_prefix", nullptr}};
@@ -536,6 +537,11 @@ TEST(HfModel, TypeErrorsNameTheFileKeyAndExpectedType) {
        "tokenizer.json: normalizer {\"type\":\"NFC\"}, the split regex's family has none" + kFamilyOnly},
       {"tokenizer.json", [](json& j) { j["pre_tokenizer"]["pretokenizers"][1].erase("add_prefix_space"); },
        "tokenizer.json: the ByteLevel pre-tokenizer's add_prefix_space is not false" + kFamilyOnly},
+      {"tokenizer.json", [](json& j) { j["pre_tokenizer"]["pretokenizers"][1].erase("use_regex"); },
+       "tokenizer.json: the ByteLevel pre-tokenizer's use_regex is not false" + kFamilyOnly},
+      {"tokenizer.json", [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; },
+       "tokenizer.json: the Split pre-tokenizer is not an isolating one (behavior \"Isolated\", not inverted)" +
+           kFamilyOnly},
       {"tokenizer.json", [](json& j) { j["model"]["dropout"] = 0.1; },
        "tokenizer.json: model.dropout is 0.1" + kFamilyOnly},
       {"tokenizer.json", [](json& j) { j["model"]["continuing_subword_prefix"] = "##"; },

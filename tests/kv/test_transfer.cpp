@@ -432,9 +432,9 @@ TEST(KvTransfer, AConnectionSilentPastItsIdleBoundIsClosedUnlessItFeedsATransfer
   for (const bool shm : {false, true}) {
     SCOPED_TRACE(shm ? "shm" : "tcp");
     ReceiverOptions options;
-    options.idle_connection = 1s;
+    options.idle_connection = 2s;
     Pair p(shm ? shm_mode() : tcp_mode(), {}, options);
-    for (int i = 0; i < 6; ++i) {  // a transfer every 400 ms: past the bound since the handshake
+    for (int i = 0; i < 9; ++i) {  // a transfer every 300 ms: past the bound since the handshake
       std::vector<uint8_t> got(1000);
       const auto sent = random_bytes(got.size(), i);
       const uint64_t id = new_transfer_id();
@@ -442,7 +442,7 @@ TEST(KvTransfer, AConnectionSilentPastItsIdleBoundIsClosedUnlessItFeedsATransfer
       ASSERT_TRUE(p.tx.send(id, 0, 0, sent.data(), sent.size()));
       ASSERT_EQ(p.tx.wait(id, soon()).status, TransferStatus::complete) << "transfer " << i;
       ASSERT_EQ(p.rx.wait(id, soon()).status, TransferStatus::complete) << "transfer " << i;
-      std::this_thread::sleep_for(400ms);  // (the pauses are the case, not waits for something)
+      std::this_thread::sleep_for(300ms);  // (the pauses are the case, not waits for something)
     }
     EXPECT_EQ(p.rx.connections(), 1u);
     std::vector<uint8_t> dst(2000);
@@ -450,7 +450,7 @@ TEST(KvTransfer, AConnectionSilentPastItsIdleBoundIsClosedUnlessItFeedsATransfer
     const uint64_t id = new_transfer_id();
     p.rx.expect(id, dst.data(), dst.size(), soon());
     ASSERT_TRUE(p.tx.send(id, 0, 0, src.data(), 1000));
-    std::this_thread::sleep_for(2500ms);  // (the pause is the case, not a wait for something)
+    std::this_thread::sleep_for(4500ms);  // (the pause is the case, not a wait for something)
     EXPECT_EQ(p.rx.connections(), 1u);
     ASSERT_TRUE(p.tx.send(id, 1, 1000, src.data() + 1000, 1000));
     EXPECT_EQ(p.tx.wait(id, soon()).status, TransferStatus::complete);
@@ -627,6 +627,28 @@ TEST(KvPlaneSenders, AnIdleConnectionIsClosedWhenAnotherOpens) {
     }
     EXPECT_TRUE(again->connected());
   }
+}
+
+// Asking for a connection is no sign that it is alive at the receiver,
+// which counts from the last piece it got: one that sent nothing for
+// idle_sender is opened anew, however often it was asked for (a prefill
+// that failed before its first piece asked, and kept a connection the
+// receiver then closed).
+TEST(KvPlaneSenders, AConnectionThatSentNothingForItsIdleTimeIsOpenedAnew) {
+  PlaneOptions receiving;
+  receiving.listen_host = "127.0.0.1";
+  receiving.shared_memory = false;
+  KvPlane receiver(receiving);
+  PlaneOptions sending;
+  sending.shared_memory = false;
+  sending.idle_sender = std::chrono::milliseconds(1000);
+  KvPlane plane(sending);
+  const std::string address = receiver.address(Transport::tcp);
+  const std::shared_ptr<KvSender> first = plane.sender(Transport::tcp, address);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // (the pauses are the case)
+  EXPECT_EQ(plane.sender(Transport::tcp, address), first);  // (asked again, nothing sent)
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  EXPECT_NE(plane.sender(Transport::tcp, address), first);
 }
 
 }  // namespace
