@@ -20,18 +20,35 @@ namespace {
 // outcome's tokens that no event brought (late, or lost with a worker) are
 // passed on before the outcome.
 client_actor::behavior_type request_behavior(client_actor::pointer self, router_actor router,
-                                             GenerateRequest request, TokenCallback on_token,
-                                             OutcomeCallback result, std::chrono::milliseconds wait) {
+                                             GenerateRequest request, TokenCallback on_token_callback,
+                                             OutcomeCallback outcome_callback, std::chrono::milliseconds wait) {
   const RequestId id = request.id;
   auto next = std::make_shared<int32_t>(0);  // the index of the next token to pass on
+  // The caller's callbacks, held once (the handlers share them): both are
+  // destroyed as the outcome is passed on, the token callback before it, so
+  // what they hold (a connection of the HTTP frontend) is released by then,
+  // not whenever this actor's handlers are destroyed after it quits.
+  struct Callbacks {
+    TokenCallback on_token;
+    OutcomeCallback result;
+  };
+  auto callbacks = std::make_shared<Callbacks>(Callbacks{std::move(on_token_callback), std::move(outcome_callback)});
+  auto on_token = [callbacks](const TokenEvent& event) {
+    if (callbacks->on_token) callbacks->on_token(event);
+  };
+  auto result = [callbacks](RequestOutcome outcome) {
+    callbacks->on_token = nullptr;
+    OutcomeCallback once = std::move(callbacks->result);
+    callbacks->result = nullptr;
+    if (once) once(std::move(outcome));
+  };
   auto deliver = [=](RequestOutcome outcome) {
     if (outcome.ok() && size_t(*next) < outcome.tokens.size()) {
       record_tokens_from_outcome(outcome.tokens.size() - size_t(*next));
       for (; size_t(*next) < outcome.tokens.size(); ++*next)
-        if (on_token)
-          on_token(TokenEvent{id, *next, outcome.tokens[size_t(*next)], {}, outcome.timings.cached_tokens,
-                              size_t(*next) < outcome.logprobs.size() ? outcome.logprobs[size_t(*next)]
-                                                                      : TokenLogprobs{}});
+        on_token(TokenEvent{id, *next, outcome.tokens[size_t(*next)], {}, outcome.timings.cached_tokens,
+                            size_t(*next) < outcome.logprobs.size() ? outcome.logprobs[size_t(*next)]
+                                                                    : TokenLogprobs{}});
     }
     result(std::move(outcome));
   };
@@ -58,7 +75,7 @@ client_actor::behavior_type request_behavior(client_actor::pointer self, router_
         // (an index past the next one: an earlier one was lost; the outcome brings them all)
         if (event.id != id || event.index != *next) return;
         ++*next;
-        if (on_token) on_token(event);
+        on_token(event);
       },
   };
 }

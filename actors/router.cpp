@@ -409,9 +409,11 @@ void complete(Self self, RequestId id) {
   const auto* decoding = std::get_if<Decoding>(&r.phase);
   RequestOutcome out;
   out.prompt_tokens = r.prompt;
+  const ptrdiff_t allowed = token_allowance(self, r);
   if (const DecodeDone* done = done_of(r)) {
     out.tokens = r.earlier;  // a migrated request: what its lost decode worker had streamed
     out.tokens.insert(out.tokens.end(), done->tokens.begin(), done->tokens.end());
+    if (ptrdiff_t(out.tokens.size()) > allowed) out.tokens.resize(size_t(allowed));  // (nor a worker's past it)
     out.finish = done->finish;
     out.timings.decode_us = done->decode_us;
     // (a migrated attempt's cover the earlier output too: the prompt's come first)
@@ -419,7 +421,6 @@ void complete(Self self, RequestId id) {
                                done->prompt_logprobs.begin() +
                                    std::min(done->prompt_logprobs.size(), r.prompt.empty() ? 0 : r.prompt.size() - 1));
   } else {
-    const ptrdiff_t allowed = token_allowance(self, r);
     out.tokens.assign(r.streamed.begin(),
                       r.streamed.begin() + std::min<ptrdiff_t>(ptrdiff_t(r.streamed.size()), allowed));
     out.finish = FinishReason::length;
@@ -863,10 +864,17 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   dispatch(self);
   // Still waiting, and the waiting room was already full: turn it away now.
   auto it = st.requests.find(id);
-  if (it != st.requests.end() && is_queued(it->second) && !AdmissionQueue::further_choice(it->second) &&
+  const bool further = it != st.requests.end() && AdmissionQueue::further_choice(it->second);
+  if (it != st.requests.end() && is_queued(it->second) && !further &&
       st.queue.counted() > size_t(st.config.queue_capacity)) {
     fail(self, id, ErrorCode::overloaded,
          "admission queue full (" + std::to_string(st.config.queue_capacity) + " waiting)");
+  } else if (further && is_queued(it->second) &&
+             st.queue.choices.size() > size_t(st.config.queue_capacity) * size_t(kMaxChoices - 1)) {
+    // (they wait behind every request of their own; a client naming first
+    // choices that are not there must not grow their line without bound)
+    fail(self, id, ErrorCode::overloaded,
+         "admission queue full (" + std::to_string(st.queue.choices.size() - 1) + " further choices waiting)");
   } else if (it != st.requests.end()) {
     self->delayed_send(self, deadline, deadline_atom::value, id, serial);
   }
@@ -897,6 +905,15 @@ std::optional<Refusal> refusal(Self self, const WorkerInfo& info, const caf::act
   for (const auto& kv : st.workers)
     if (kv.second.info.name == info.name && kv.second.address != address)
       return Refusal{kRegistrationNameHeld, "the name \"" + info.name + "\" is taken by another worker"};
+  // Registered again (its relay's retry): what the router's books were made
+  // from (its role, its pool, its partner, its host) cannot change under them.
+  if (auto known = st.by_address.find(address); known != st.by_address.end()) {
+    const WorkerInfo& was = st.workers.at(known->second).info;
+    if (info.role != was.role || info.block_size != was.block_size || info.total_blocks != was.total_blocks ||
+        info.cache_blocks != was.cache_blocks || info.colocated != was.colocated || info.host_id != was.host_id)
+      return Refusal{kRegistrationRefused, "it registered before as another " + to_string(was.role) +
+                                               " worker (its role, block size, blocks, colocated unit or host)"};
+  }
   return std::nullopt;
 }
 
@@ -1147,8 +1164,9 @@ void forward_token(Self self, TokenEvent& event) {
   if (!found) return;
   Request& r = *found;
   // Each index once, in order (an attempt's tokens start where the earlier
-  // ones' stopped: a worker that sends another index breaks the protocol).
-  if (event.index != int32_t(r.streamed.size())) return;
+  // ones' stopped: a worker that sends another index breaks the protocol),
+  // and none past the request's allowance (nor does such a worker's).
+  if (event.index != int32_t(r.streamed.size()) || event.index >= token_allowance(self, r)) return;
   if (self->state.tokenizer && r.request.token_text) {
     try {
       event.text = self->state.tokenizer->decode(r.previous_token, event.token);
@@ -1169,18 +1187,19 @@ void forward_token(Self self, TokenEvent& event) {
 
 // A client gone: its requests are cancelled, their blocks freed now, not at
 // their deadlines (a client that got its reply has quit normally: nothing of
-// it is left). Anything else that went down is a worker.
+// it is left). A worker gone is removed, also when it was named as some
+// request's client too (anyone may name any actor as one).
 void on_down(Self self, caf::down_msg& down) {
   auto& clients = self->state.clients;
   std::vector<RequestId> orphans;
   auto [first, last] = clients.equal_range(down.source);
   for (auto c = first; c != last; ++c) orphans.push_back(c->second);
-  if (!orphans.empty()) {
-    for (RequestId id : orphans) fail(self, id, ErrorCode::cancelled, "the client went away");
+  for (RequestId id : orphans) fail(self, id, ErrorCode::cancelled, "the client went away");
+  if (self->state.by_address.count(down.source)) {
+    remove_worker(self, down.source);
+  } else if (!orphans.empty()) {
     dispatch(self);
-    return;
   }
-  remove_worker(self, down.source);
 }
 
 // A decode worker's last word on a request: the end of its tokens, or its

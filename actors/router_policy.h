@@ -169,9 +169,14 @@ class PrefixHolders {
 // numbered batches applied in order.
 // Only a hint for routing: the worker itself decides what it shares, so a
 // stale or forged event can misroute a request but never give it wrong KV.
+// The cache's blocks are the worker's own claim: at most kMaxIndexedBlocks
+// are followed (2^22: 64 M positions at 16 a block; a claim of 2^31 let a
+// worker push that many hashes into the router's memory).
+constexpr size_t kMaxIndexedBlocks = size_t(1) << 22;
+
 class PrefixIndex {
  public:
-  explicit PrefixIndex(size_t capacity) : capacity_(capacity) {}
+  explicit PrefixIndex(size_t capacity) : capacity_(std::min(capacity, kMaxIndexedBlocks)) {}
   enum class Applied {
     applied,  // the index follows the worker
     ignored,  // an old batch, or one while waiting for a snapshot

@@ -60,9 +60,8 @@ constexpr size_t kMaxQuotedBytes = 64;
 constexpr size_t kMaxStopStrings = 16;
 constexpr size_t kMaxStopBytes = 256;
 
-// The most choices a request may ask for (n, best_of): each is a request of
-// its own to the router, holding its own KV blocks.
-constexpr int kMaxChoices = 16;
+// The most choices a request may ask for (n, best_of): kMaxChoices
+// (messages/request.h), each a request of its own to the router.
 
 // The most log probabilities (each token's and its alternatives') a whole
 // reply may carry: it is built in memory, ~0.5 KB each as a JSON tree (n =

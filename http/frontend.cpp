@@ -314,11 +314,16 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
       return;
     }
     busy_ = true;
-    auto self = shared_from_this();
     fe_.probe_started();
-    auto reply = [self](std::optional<RouterStatus> status) {
-      net::post(self->stream_.get_executor(), [self, status] { self->on_health(status); });
-      self->fe_.probe_ended();  // (after the post: the drain waits for it)
+    // (the reference goes before probe_ended, as a request's before its
+    // untrack: the probe's actor destroys its handlers whenever it likes)
+    auto holder = std::make_shared<std::shared_ptr<Session>>(shared_from_this());
+    auto reply = [holder, fe = &fe_](std::optional<RouterStatus> status) {
+      std::shared_ptr<Session> session = std::move(*holder);
+      if (!session) return;
+      net::post(session->stream_.get_executor(), [session, status] { session->on_health(status); });
+      session.reset();
+      fe->probe_ended();  // (after the post: the drain waits for it)
     };
     fe_.system.spawn([router = client->router(), reply](caf::event_based_actor* actor) -> caf::behavior {
       actor->request(router, kHealthTimeout, status_atom::value)
@@ -415,9 +420,16 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
         [self, id](const TokenEvent& event) {
           net::post(self->stream_.get_executor(), [self, id, event] { self->on_token(id, event); });
         },
-        [self, id, fe = &fe_](RequestOutcome outcome) {
-          net::post(self->stream_.get_executor(),
-                    [self, id, outcome = std::move(outcome)]() mutable { self->on_outcome(id, std::move(outcome)); });
+        [self, id, fe = &fe_](RequestOutcome outcome) mutable {
+          // This closure's reference goes before the untrack: the shutdown's
+          // drain ends at it and frees the I/O context, which no reference
+          // to a connection may outlive (the Client destroys the callbacks
+          // as the outcome comes; the token callback's went before).
+          std::shared_ptr<Session> session = std::move(self);
+          net::post(session->stream_.get_executor(), [session, id, outcome = std::move(outcome)]() mutable {
+            session->on_outcome(id, std::move(outcome));
+          });
+          session.reset();
           fe->untrack(id);  // (after the post: the drain waits for it, then stops the I/O threads)
         });
   }

@@ -42,6 +42,12 @@ using Sampling = gpu::SamplingParams;
 using gpu::TokenBias;
 using gpu::TokenLogprobs;
 
+// The most choices one client request may have (OpenAI's n, best_of): each
+// is a request of its own to the router, holding its own KV blocks; further
+// choices wait for dispatch in a line of their own, at most kMaxChoices - 1
+// for each request queue-capacity counts.
+constexpr int kMaxChoices = 16;
+
 // The longest deadline a request may ask for: 24 hours. The router refuses
 // more (invalid_request), so no deadline arithmetic can overflow.
 constexpr int64_t kMaxDeadlineMs = int64_t{24} * 60 * 60 * 1000;
@@ -70,8 +76,8 @@ struct GenerateRequest {
   // Keeps this request's prompt out of the prefix cache entries of requests
   // with another salt (a tenant's own cache, vLLM's cache_salt); "" shares.
   std::string cache_salt;
-  // A further choice (OpenAI's n, best_of) of the client request whose first
-  // choice has this id; 0: a request of its own. Further choices count with
+  // A further choice (OpenAI's n, best_of: at most kMaxChoices in all) of
+  // the client request whose first choice has this id; 0: a request of its own. Further choices count with
   // their first against the router's queue-capacity and wait for dispatch
   // behind every request of its own (actors/router.cpp, AdmissionQueue), so
   // one client's n cannot fill the queue or hold others back.

@@ -83,5 +83,38 @@ TEST(ClientStream, TokensNoEventBroughtComeFromTheOutcomeBeforeIt) {
   EXPECT_EQ(metrics::disagg_metrics().tokens_from_outcome.value() - before, 5);
 }
 
+// What the callbacks hold (the HTTP frontend's connection, which must not
+// outlive its I/O context) is released as the outcome is passed on: the
+// token callback's before the outcome callback runs, the outcome callback's
+// by the callback itself (it may move what it holds out), not whenever the
+// request's actor destroys its handlers after it quit.
+TEST(ClientStream, TheCallbacksAreReleasedAsTheOutcomeComes) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+  auto router = caf::actor_cast<router_actor>(system.spawn(scripted_router, std::vector<std::pair<int32_t, int32_t>>{{0, 50}},
+                                                           std::vector<int32_t>{50, 51}));
+  Client client(system, router);
+  auto held_by_tokens = std::make_shared<int>(1);
+  auto held_by_outcome = std::make_shared<int>(2);
+  const std::weak_ptr<int> tokens_ref = held_by_tokens, outcome_ref = held_by_outcome;
+  std::promise<bool> token_callback_gone;
+  std::promise<bool> outcome_callback_gone;
+  GenerateRequest request;
+  request.prompt_tokens = {1, 2};
+  request.max_new_tokens = 8;
+  client.submit_async(
+      request, [held = std::move(held_by_tokens)](const TokenEvent&) {},
+      [&, held = std::move(held_by_outcome)](RequestOutcome) mutable {
+        token_callback_gone.set_value(tokens_ref.expired());
+        held.reset();  // (what the frontend's callback does with its connection)
+        outcome_callback_gone.set_value(outcome_ref.expired());
+      });
+  auto gone = token_callback_gone.get_future();
+  ASSERT_EQ(gone.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  EXPECT_TRUE(gone.get()) << "the token callback still held its captures when the outcome came";
+  EXPECT_TRUE(outcome_callback_gone.get_future().get()) << "a copy of the outcome callback held its captures";
+  caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
+}
+
 }  // namespace
 }  // namespace disagg::test

@@ -268,15 +268,22 @@ TEST_F(ActorTest, RequestNoDecodeWorkerCanHoldIsOverloaded) {
 
 // A worker of the test's joins `router` as any worker does (by message),
 // with the cluster's model: its role from its handle's type.
-template <class Handle, class Self>
-void join_as(Self self, const router_actor& router, std::string name, int32_t total_blocks = 0) {
+// The registration a worker of the test's sends: the cluster's model (it may join).
+template <class Handle>
+WorkerInfo info_of(std::string name, int32_t total_blocks) {
   WorkerInfo info;
   info.role = std::is_same_v<Handle, decode_actor> ? WorkerRole::decode : WorkerRole::prefill;
   info.name = std::move(name);
-  info.model = model_info(*gpu::Checkpoint::open(shared_model()));  // the cluster's model: it may join
+  info.model = model_info(*gpu::Checkpoint::open(shared_model()));
   info.block_size = 16;
   info.total_blocks = total_blocks;
-  self->request(router, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<Handle>(self))
+  return info;
+}
+
+template <class Handle, class Self>
+void join_as(Self self, const router_actor& router, std::string name, int32_t total_blocks = 0) {
+  self->request(router, std::chrono::seconds(5), register_atom::value, info_of<Handle>(std::move(name), total_blocks),
+                caf::actor_cast<Handle>(self))
       .then([](caf::ok_atom) {});
 }
 
@@ -698,6 +705,164 @@ TEST_F(ActorTest, ARestartAfterALostPrefillWorkerKeepsItsDecodeWorker) {
   std::lock_guard<std::mutex> lock(log->mutex);
   ASSERT_GE(log->workers.size(), 2u);
   for (const std::string& worker : log->workers) EXPECT_EQ(worker, log->workers[0]);
+}
+
+// The router's status, once `done` says it is what the test waits for (or
+// the last one after 10 s).
+RouterStatus status_when(Client& client, const std::function<bool(const RouterStatus&)>& done) {
+  RouterStatus seen;
+  for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       std::chrono::steady_clock::now() < deadline;) {
+    if (auto status = client.status()) {
+      seen = *status;
+      if (done(seen)) break;
+    }
+  }
+  return seen;
+}
+
+int32_t total_blocks_of(const RouterStatus& status, const std::string& name) {
+  for (const auto& w : status.workers)
+    if (w.name == name) return w.total_blocks;
+  return -1;
+}
+
+// A worker registered again (its relay's retry) keeps the shape the
+// router's books were made from: another pool size is refused (it was
+// taken, the books kept, and with 0 blocks every request then failed "no
+// decode worker can hold it"); the same registration again is taken.
+TEST_F(ActorTest, ARegistrationAgainWithAnotherShapeIsRefused) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto decode = system_->spawn(scripted_decode, router, logging("reshaped", std::make_shared<ReservationLog>()));
+  const StopAll stop(decode, router);
+  Client client(*system_, router);
+  ASSERT_EQ(total_blocks_of(status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 1; }),
+                            "reshaped"),
+            1024);
+  caf::scoped_actor outsider{*system_};
+  auto register_again = [&](int32_t blocks) {
+    std::string refused;
+    outsider->request(router, std::chrono::seconds(5), register_atom::value, info_of<decode_actor>("reshaped", blocks),
+                      decode)
+        .receive([](caf::ok_atom) {}, [&](caf::error& e) { refused = system_->render(e); });
+    return refused;
+  };
+  EXPECT_NE(register_again(0).find("registered before as another decode worker"), std::string::npos);
+  EXPECT_EQ(total_blocks_of(*client.status(), "reshaped"), 1024);
+  EXPECT_EQ(register_again(1024), "");
+}
+
+// A worker that some request named as its client (anyone may name any
+// actor) is still removed when it dies: its requests were failed and the
+// worker kept, counted as serving, its name held for good.
+TEST_F(ActorTest, AWorkerNamedAsARequestsClientIsRemovedWhenItDies) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto decode = system_->spawn(scripted_decode, router, logging("named-client", std::make_shared<ReservationLog>()));
+  const StopAll stop(router);
+  Client client(*system_, router);
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 1; })
+                .count(WorkerRole::decode),
+            1);
+  caf::scoped_actor outsider{*system_};
+  auto request = make_request(kOnceUponATime, 8);  // (no prefill worker: it waits)
+  request.id = 0xC11E47;
+  outsider->send(router, generate_atom::value, request, caf::actor_cast<client_actor>(decode));
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 1; }).queued, 1);
+  caf::anon_send_exit(decode, caf::exit_reason::kill);
+  const RouterStatus after = status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 0; });
+  EXPECT_EQ(after.count(WorkerRole::decode), 0);
+  EXPECT_EQ(after.queued, 0);
+}
+
+// A decode worker that streams past a request's allowance (max_tokens):
+// the router passes on none of the extra tokens (it forwarded them all,
+// the outcome alone cut to the allowance).
+DecodeScript streams_too_many(router_actor router) {
+  DecodeScript script{"too-many", 1024, 1024, {}, {}, {}};
+  const DecodeLoad load = script.load();
+  auto held = std::make_shared<std::pair<RequestId, uint64_t>>(0, 0);  // the reservation's id and attempt
+  script.reserve = [=](decode_actor::pointer, const KvReservation& r) -> caf::result<ReserveReply> {
+    *held = {r.id, r.attempt};
+    return ReserveReply{r.id, ErrorCode::none, {}, load};
+  };
+  script.on_status = [=](decode_actor::pointer self) {
+    if (held->first == 0 || self->current_sender() == caf::actor_cast<caf::strong_actor_ptr>(router)) return;
+    TokenBatch batch;
+    for (int32_t i = 0; i < 6; ++i) batch.events.push_back(TokenEvent{held->first, i, 100 + i, {}, 0, {}, held->second});
+    self->send(router, token_atom::value, std::move(batch));
+    DecodeDone done;
+    done.id = held->first;
+    done.tokens = {100, 101, 102, 103, 104, 105};
+    done.attempt = held->second;
+    self->send(router, done_atom::value, std::move(done));
+    held->first = 0;
+  };
+  return script;
+}
+
+// Its prefill: the report first, then a status asked of the decode worker
+// (whose tokens so come after the report: one mailbox, in order).
+PrefillScript reports_then_asks() {
+  return [](prefill_actor::pointer self, const PrefillJob& job, const decode_actor& decode) -> caf::result<PrefillReport> {
+    auto report = self->make_response_promise<PrefillReport>();
+    report.deliver(PrefillReport{job.id, ErrorCode::none});
+    self->request(decode, std::chrono::seconds(5), status_atom::value).then([](const DecodeLoad&) {}, [](caf::error&) {});
+    return report;
+  };
+}
+
+TEST_F(ActorTest, TokensPastTheRequestsAllowanceAreNotPassedOn) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  config.direct_token_streams = false;  // (the router passes the tokens on)
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto decode = system_->spawn(scripted_decode, router, streams_too_many(router));
+  auto prefill = system_->spawn(scripted_prefill, router, "reporting", reports_then_asks());
+  Client client(*system_, router);
+  const StopAll stop(decode, prefill, router);
+  status_when(client, [](const RouterStatus& s) { return s.workers.size() == 2; });
+  std::mutex mutex;
+  std::vector<int32_t> events;
+  const RequestOutcome out = client.generate(make_request(kOnceUponATime, 2), [&](const TokenEvent& e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    events.push_back(e.index);
+  });
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.tokens, (std::vector<int32_t>{100, 101}));
+  std::lock_guard<std::mutex> lock(mutex);
+  EXPECT_EQ(events, (std::vector<int32_t>{0, 1}));
+}
+
+// Further choices wait in a line of their own, not counted against
+// queue-capacity one by one but bounded by it: kMaxChoices - 1 for each
+// request it counts (a client naming first choices that are not there grew
+// that line without bound).
+TEST_F(ActorTest, FurtherChoicesWaitingAreBoundedByTheQueuesCapacity) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  config.queue_capacity = 1;
+  const router_actor router = spawn_router(*system_, config, nullptr);  // (no workers: all of them wait)
+  const StopAll stop(router);
+  Client client(*system_, router);
+  auto further_choice = [](RequestId id) {
+    GenerateRequest r = make_request(kOnceUponATime, 8);
+    r.id = id;
+    r.first_choice = 0xF1257;
+    r.deadline_ms = 20000;
+    return r;
+  };
+  std::vector<std::future<RequestOutcome>> waiting;
+  for (int i = 0; i < kMaxChoices - 1; ++i) waiting.push_back(client.submit(further_choice(0xC4010 + i)));
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == kMaxChoices - 1; }).queued,
+            kMaxChoices - 1);
+  const RequestOutcome refused = client.generate(further_choice(0xC4010 + kMaxChoices));
+  EXPECT_EQ(refused.code, ErrorCode::overloaded) << refused.message;
+  for (int i = 0; i < kMaxChoices - 1; ++i) client.cancel(0xC4010 + i);
+  for (auto& w : waiting) EXPECT_EQ(w.get().code, ErrorCode::cancelled);
 }
 
 TEST_F(ActorTest, InvalidRequestsAreRejected) {

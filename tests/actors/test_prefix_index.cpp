@@ -2,6 +2,8 @@
 // PrefixIndex) and the KV-aware pick (pick_decode's compute_cost).
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <numeric>
 #include <random>
 
 #include "actors/router_policy.h"
@@ -57,6 +59,21 @@ TEST(PrefixIndex, ABatchThatDoesNotFitThePoolIsNotTrusted) {
 // Predicted blocks (a prompt just sent there) count as held until the
 // worker's events say otherwise, bounded, whether or not the index is
 // synced: they are about requests in flight.
+// A worker's claim of its cache's size bounds its index, up to
+// kMaxIndexedBlocks whatever it claims.
+TEST(PrefixIndex, AWorkersClaimOfItsCacheIsBounded) {
+  PrefixIndex index(std::numeric_limits<size_t>::max());
+  KvEvents snapshot;
+  snapshot.snapshot = true;
+  snapshot.stored.resize(kMaxIndexedBlocks + 1);
+  std::iota(snapshot.stored.begin(), snapshot.stored.end(), uint64_t(1));
+  index.apply(snapshot);
+  EXPECT_EQ(index.held(), 0u) << "more blocks than any index follows were taken";
+  snapshot.stored.resize(3);
+  index.apply(snapshot);
+  EXPECT_EQ(index.held(), 3u);
+}
+
 TEST(PrefixIndex, PredictedBlocksCountUntilTheWorkersEventsSpeak) {
   PrefixIndex index(4);
   index.predict({1, 2});
