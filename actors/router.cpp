@@ -1258,6 +1258,17 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
   if (st.config.heartbeat_interval_ms > 0)
     self->delayed_send(self, std::chrono::milliseconds(st.config.heartbeat_interval_ms), heartbeat_atom::value);
   self->set_down_handler([=](caf::down_msg& down) { on_down(self, down); });
+  // Asked to stop (its node shuts down): every request still here gets its
+  // terminal reply now (a promise destroyed unanswered sends nothing in CAF
+  // 0.17: a requester that does not monitor the router waited out its own
+  // timeout), and its workers are told to drop it.
+  self->set_exit_handler([=](caf::exit_msg& exit) {
+    if (exit.reason == caf::exit_reason::normal) return;  // (CAF's default: only another reason ends an actor)
+    std::vector<RequestId> held;
+    for (const auto& entry : self->state.requests) held.push_back(entry.first);
+    for (RequestId id : held) fail(self, id, ErrorCode::worker_lost, "the router shut down");
+    self->quit(exit.reason);
+  });
   return {
       [=](generate_atom, GenerateRequest& request, client_actor& client) {
         return admit(self, request, client);

@@ -755,8 +755,8 @@ TEST_F(ActorTest, ARegistrationAgainWithAnotherShapeIsRefused) {
 }
 
 // A worker that some request named as its client (anyone may name any
-// actor) is still removed when it dies: its requests were failed and the
-// worker kept, counted as serving, its name held for good.
+// actor) is removed when it dies, and that request failed (the router
+// monitors it twice, as a worker and as a client: either down does both).
 TEST_F(ActorTest, AWorkerNamedAsARequestsClientIsRemovedWhenItDies) {
   DisaggConfig config = shared_model_config(1, 1);
   config.heartbeat_interval_ms = 0;
@@ -863,6 +863,28 @@ TEST_F(ActorTest, FurtherChoicesWaitingAreBoundedByTheQueuesCapacity) {
   EXPECT_EQ(refused.code, ErrorCode::overloaded) << refused.message;
   for (int i = 0; i < kMaxChoices - 1; ++i) client.cancel(0xC4010 + i);
   for (auto& w : waiting) EXPECT_EQ(w.get().code, ErrorCode::cancelled);
+}
+
+// The router asked to stop answers every request it holds, at once (a
+// promise destroyed unanswered sends nothing in CAF 0.17: a requester that
+// does not monitor the router waited out its own timeout).
+TEST_F(ActorTest, ARouterThatStopsAnswersEveryRequestItHolds) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  const router_actor router = spawn_router(*system_, config, nullptr);  // (no workers: it waits)
+  Client client(*system_, router);
+  caf::scoped_actor requester{*system_};
+  auto request = make_request(kOnceUponATime, 8);
+  request.id = 0x5709;
+  auto reply = requester->request(router, std::chrono::seconds(30), generate_atom::value, request, client_actor{});
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 1; }).queued, 1);
+  const auto stopped = std::chrono::steady_clock::now();
+  caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
+  RequestOutcome out;
+  std::move(reply).receive([&](RequestOutcome& o) { out = std::move(o); },
+                           [&](caf::error& e) { out = make_failure(request.id, ErrorCode::internal, system_->render(e)); });
+  EXPECT_EQ(out.code, ErrorCode::worker_lost) << out.message;
+  EXPECT_LT(std::chrono::steady_clock::now() - stopped, std::chrono::seconds(10));
 }
 
 TEST_F(ActorTest, InvalidRequestsAreRejected) {
