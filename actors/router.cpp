@@ -413,8 +413,11 @@ void complete(Self self, RequestId id) {
   if (const DecodeDone* done = done_of(r)) {
     out.tokens = r.earlier;  // a migrated request: what its lost decode worker had streamed
     out.tokens.insert(out.tokens.end(), done->tokens.begin(), done->tokens.end());
-    if (ptrdiff_t(out.tokens.size()) > allowed) out.tokens.resize(size_t(allowed));  // (nor a worker's past it)
     out.finish = done->finish;
+    if (ptrdiff_t(out.tokens.size()) > allowed) {  // (nor a worker's past it: cut at the length)
+      out.tokens.resize(size_t(allowed));
+      out.finish = FinishReason::length;
+    }
     out.timings.decode_us = done->decode_us;
     // (a migrated attempt's cover the earlier output too: the prompt's come first)
     out.prompt_logprobs.assign(done->prompt_logprobs.begin(),
@@ -1266,7 +1269,12 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
     if (exit.reason == caf::exit_reason::normal) return;  // (CAF's default: only another reason ends an actor)
     std::vector<RequestId> held;
     for (const auto& entry : self->state.requests) held.push_back(entry.first);
-    for (RequestId id : held) fail(self, id, ErrorCode::worker_lost, "the router shut down");
+    for (RequestId id : held) {
+      if (tokens_final(self, self->state.requests.at(id)))
+        complete(self, id);  // (all its tokens are in: only a report was missing)
+      else
+        fail(self, id, ErrorCode::worker_lost, "the router shut down");
+    }
     self->quit(exit.reason);
   });
   return {

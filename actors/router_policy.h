@@ -163,17 +163,17 @@ class PrefixHolders {
   std::unordered_map<uint64_t, std::vector<WorkerKey>> holders_;
 };
 
-// The router's view of one worker's prefix cache (a decode pool, a prefill
-// worker's own cache), from the worker's KV events (messages/worker.h
-// KvEvents): bounded by the cache's blocks (it cannot hold more than it has),
-// numbered batches applied in order.
-// Only a hint for routing: the worker itself decides what it shares, so a
-// stale or forged event can misroute a request but never give it wrong KV.
-// The cache's blocks are the worker's own claim: at most kMaxIndexedBlocks
-// are followed (2^22: 64 M positions at 16 a block; a claim of 2^31 let a
-// worker push that many hashes into the router's memory).
+// The most blocks one worker's prefix index follows: a cache's size is the
+// worker's own claim (2^22: 64 M positions at 16 a block; a claim of 2^31
+// let a worker push that many hashes into the router's memory).
 constexpr size_t kMaxIndexedBlocks = size_t(1) << 22;
 
+// The router's view of one worker's prefix cache (a decode pool, a prefill
+// worker's own cache), from the worker's KV events (messages/worker.h
+// KvEvents): bounded by the cache's blocks (it cannot hold more than it has,
+// nor more than kMaxIndexedBlocks), numbered batches applied in order.
+// Only a hint for routing: the worker itself decides what it shares, so a
+// stale or forged event can misroute a request but never give it wrong KV.
 class PrefixIndex {
  public:
   explicit PrefixIndex(size_t capacity) : capacity_(std::min(capacity, kMaxIndexedBlocks)) {}

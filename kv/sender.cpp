@@ -309,6 +309,7 @@ struct KvSender::Impl : ContextHolder, detail::EventLoop {
     if (!wire::read_header(header, header_length, &hello)) return UCS_OK;
     std::lock_guard<std::mutex> lock(self->mu_);
     self->hello_acked_ = true;
+    self->last_sent_ = Clock::now();  // (the receiver counts its silence from the handshake)
     self->cv_.notify_all();
     return UCS_OK;
   }

@@ -298,7 +298,7 @@ class KvSender {
 
   // False once the connection is broken; every later send() throws.
   bool connected() const;
-  // When this connection last handed a piece to UCX (its opening, before any).
+  // When this connection last handed a piece to UCX (its handshake, before any).
   Deadline last_sent() const;
 
   struct Impl;

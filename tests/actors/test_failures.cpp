@@ -266,9 +266,8 @@ TEST_F(ActorTest, RequestNoDecodeWorkerCanHoldIsOverloaded) {
   EXPECT_TRUE(client_->generate(make_request(kOnceUponATime, 20)).ok());
 }
 
-// A worker of the test's joins `router` as any worker does (by message),
-// with the cluster's model: its role from its handle's type.
-// The registration a worker of the test's sends: the cluster's model (it may join).
+// The registration a worker of the test's sends: the cluster's model (it
+// may join), its role from its handle's type.
 template <class Handle>
 WorkerInfo info_of(std::string name, int32_t total_blocks) {
   WorkerInfo info;
@@ -280,6 +279,7 @@ WorkerInfo info_of(std::string name, int32_t total_blocks) {
   return info;
 }
 
+// A worker of the test's joins `router` as any worker does (by message).
 template <class Handle, class Self>
 void join_as(Self self, const router_actor& router, std::string name, int32_t total_blocks = 0) {
   self->request(router, std::chrono::seconds(5), register_atom::value, info_of<Handle>(std::move(name), total_blocks),
@@ -779,8 +779,8 @@ TEST_F(ActorTest, AWorkerNamedAsARequestsClientIsRemovedWhenItDies) {
 }
 
 // A decode worker that streams past a request's allowance (max_tokens):
-// the router passes on none of the extra tokens (it forwarded them all,
-// the outcome alone cut to the allowance).
+// the router passes on none of the extra tokens and keeps none of its
+// done's (it forwarded them all, and the outcome had them).
 DecodeScript streams_too_many(router_actor router) {
   DecodeScript script{"too-many", 1024, 1024, {}, {}, {}};
   const DecodeLoad load = script.load();

@@ -56,9 +56,6 @@ TEST(PrefixIndex, ABatchThatDoesNotFitThePoolIsNotTrusted) {
   EXPECT_EQ(index.size(), 0u) << "nor a snapshot larger than the pool";
 }
 
-// Predicted blocks (a prompt just sent there) count as held until the
-// worker's events say otherwise, bounded, whether or not the index is
-// synced: they are about requests in flight.
 // A worker's claim of its cache's size bounds its index, up to
 // kMaxIndexedBlocks whatever it claims.
 TEST(PrefixIndex, AWorkersClaimOfItsCacheIsBounded) {
@@ -74,6 +71,9 @@ TEST(PrefixIndex, AWorkersClaimOfItsCacheIsBounded) {
   EXPECT_EQ(index.held(), 3u);
 }
 
+// Predicted blocks (a prompt just sent there) count as held until the
+// worker's events say otherwise, bounded, whether or not the index is
+// synced: they are about requests in flight.
 TEST(PrefixIndex, PredictedBlocksCountUntilTheWorkersEventsSpeak) {
   PrefixIndex index(4);
   index.predict({1, 2});

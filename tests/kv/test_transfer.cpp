@@ -641,13 +641,13 @@ TEST(KvPlaneSenders, AConnectionThatSentNothingForItsIdleTimeIsOpenedAnew) {
   KvPlane receiver(receiving);
   PlaneOptions sending;
   sending.shared_memory = false;
-  sending.idle_sender = std::chrono::milliseconds(1000);
+  sending.idle_sender = std::chrono::milliseconds(2000);
   KvPlane plane(sending);
   const std::string address = receiver.address(Transport::tcp);
   const std::shared_ptr<KvSender> first = plane.sender(Transport::tcp, address);
   std::this_thread::sleep_for(std::chrono::milliseconds(600));  // (the pauses are the case)
   EXPECT_EQ(plane.sender(Transport::tcp, address), first);  // (asked again, nothing sent)
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1600));
   EXPECT_NE(plane.sender(Transport::tcp, address), first);
 }
 
