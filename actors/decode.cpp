@@ -807,16 +807,23 @@ std::optional<Refusal> check_transfer(const DecodeState& st, const KvTransfer& t
   return std::nullopt;
 }
 
+// Why `what` (the KV, a prefill) of request `id`'s attempt `attempt` has
+// no blocks here, if it has none (`held`: its reservation, or nullptr).
+std::optional<Refusal> check_held(RequestId id, uint64_t attempt, const Reservation* held, const std::string& what) {
+  if (!held)
+    return Refusal{ErrorCode::timeout, "no KV blocks reserved for request " + std::to_string(id) +
+                                           " (its reservation's lease ended, or none was made)"};
+  if (attempt != held->attempt)
+    return Refusal{ErrorCode::cancelled, "request " + std::to_string(id) + ": " + what + " of attempt " +
+                                             std::to_string(attempt) + ", the blocks are attempt " +
+                                             std::to_string(held->attempt) + "'s"};
+  return std::nullopt;
+}
+
 // Why the request's reservation cannot take the transfer, if it cannot
 // (`held`: its reservation, or nullptr when none is held).
 std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer& transfer, const Reservation* held) {
-  if (!held)
-    return Refusal{ErrorCode::timeout, "no KV blocks reserved for request " + std::to_string(transfer.id) +
-                                           " (its reservation's lease ended, or none was made)"};
-  if (transfer.attempt != held->attempt)
-    return Refusal{ErrorCode::cancelled, "request " + std::to_string(transfer.id) + ": the KV of attempt " +
-                                             std::to_string(transfer.attempt) + ", the blocks are attempt " +
-                                             std::to_string(held->attempt) + "'s"};
+  if (auto refusal = check_held(transfer.id, transfer.attempt, held, "the KV")) return refusal;
   // A stream's commit waits here for its verdict: a KV sent as one message
   // now would take the blocks from under it, its ack never sent.
   if (transfer.transfer_id == 0 && held->commit)
@@ -970,18 +977,14 @@ caf::result<PrefillReport> prefill_here(Self self, PrefillJob& job) {
     return report;
   };
   if (!st.local_prefill) return refused(ErrorCode::invalid_request, st.name + " prefills no prompt itself");
-  const std::string request = "request " + std::to_string(job.id) + ": ";
   auto it = find_in<Reservation>(st, job.id);
-  if (it == st.requests.end())
-    return refused(ErrorCode::timeout, request + "no KV blocks reserved for its prefill here (its reservation's "
-                                                 "lease ended, or none was made)");
-  const Reservation& held = std::get<Reservation>(it->second);
-  if (job.attempt != held.attempt)
-    return refused(ErrorCode::cancelled, request + "a prefill of attempt " + std::to_string(job.attempt) +
-                                             ", the blocks are attempt " + std::to_string(held.attempt) + "'s");
-  if (!held.local || !job.target.local() || job.target.transfer_id != held.transfer_id)
-    return refused(ErrorCode::invalid_request, request + "the prefill's target is not the local one reserved here");
-  job.target = local_target(st, held);
+  const Reservation* held = it == st.requests.end() ? nullptr : &std::get<Reservation>(it->second);
+  if (auto refusal = check_held(job.id, job.attempt, held, "a prefill"))
+    return refused(refusal->code, std::move(refusal->message));
+  if (!held->local || !job.target.local() || job.target.transfer_id != held->transfer_id)
+    return refused(ErrorCode::invalid_request,
+                   "request " + std::to_string(job.id) + ": the prefill's target is not the local one reserved here");
+  job.target = local_target(st, *held);
   return self->delegate(st.local_prefill, prefill_atom::value, std::move(job), caf::actor_cast<decode_actor>(self));
 }
 

@@ -1235,17 +1235,21 @@ void on_kv_events(Self self, KvEvents& events) {
     request_snapshot(self, key);
 }
 
-// A request's deadline: its attempt (serial) still running fails, unless
-// only a report was missing and its tokens are final.
+// A request ended from outside (its deadline, the router's stop): it
+// completes when its tokens are final (only a report was missing), else
+// fails with `code`.
+void end_request(Self self, RequestId id, ErrorCode code, std::string why) {
+  if (tokens_final(self, self->state.requests.at(id)))
+    complete(self, id);
+  else
+    fail(self, id, code, std::move(why));
+}
+
+// A request's deadline: its attempt (serial) still running ends.
 void on_deadline(Self self, RequestId id, uint64_t serial) {
   auto it = self->state.requests.find(id);
   if (it == self->state.requests.end() || it->second.serial != serial) return;
-  if (tokens_final(self, it->second)) {
-    complete(self, id);
-    dispatch(self);
-    return;
-  }
-  fail(self, id, ErrorCode::timeout, "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
+  end_request(self, id, ErrorCode::timeout, "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
   dispatch(self);
 }
 
@@ -1269,12 +1273,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
     if (exit.reason == caf::exit_reason::normal) return;  // (CAF's default: only another reason ends an actor)
     std::vector<RequestId> held;
     for (const auto& entry : self->state.requests) held.push_back(entry.first);
-    for (RequestId id : held) {
-      if (tokens_final(self, self->state.requests.at(id)))
-        complete(self, id);  // (all its tokens are in: only a report was missing)
-      else
-        fail(self, id, ErrorCode::worker_lost, "the router shut down");
-    }
+    for (RequestId id : held) end_request(self, id, ErrorCode::worker_lost, "the router shut down");
     self->quit(exit.reason);
   });
   return {

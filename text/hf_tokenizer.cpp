@@ -15,17 +15,6 @@ namespace {
 
 using json = nlohmann::json;
 
-// The Split regex of a pre_tokenizer (alone or in a Sequence), or "".
-std::string split_pattern(const json& pre) {
-  if (!pre.is_object()) return {};
-  if (pre.value("type", "") == "Split" && pre.contains("pattern") && pre["pattern"].contains("Regex"))
-    return pre["pattern"]["Regex"].get<std::string>();
-  if (pre.value("type", "") == "Sequence")
-    for (const json& p : pre.value("pretokenizers", json::array()))
-      if (std::string s = split_pattern(p); !s.empty()) return s;
-  return {};
-}
-
 // The first step of `type` of a pre_tokenizer (alone or in a Sequence), or nullptr.
 const json* step_of(const json& pre, const std::string& type) {
   if (!pre.is_object()) return nullptr;
@@ -37,6 +26,13 @@ const json* step_of(const json& pre, const std::string& type) {
 }
 
 const json* byte_level(const json& pre) { return step_of(pre, "ByteLevel"); }
+
+// The regex of a pre_tokenizer's Split step, or "".
+std::string split_pattern(const json& pre) {
+  const json* split = step_of(pre, "Split");
+  if (!split || !split->contains("pattern") || !(*split)["pattern"].contains("Regex")) return {};
+  return (*split)["pattern"]["Regex"].get<std::string>();
+}
 bool has_byte_level(const json& pre) { return byte_level(pre) != nullptr; }
 
 // Whether `key` of `object` is absent, null or `plain` (its default).

@@ -348,14 +348,24 @@ DecodeScript always_full(std::shared_ptr<std::atomic<int>> kv_sent, std::shared_
   return script;
 }
 
-void wait_for_decode_workers(Client& client, int n) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (std::chrono::steady_clock::now() < deadline) {
-    const auto status = client.status();
-    if (status && status->count(WorkerRole::decode) == n) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+// The router's status, once `done` says it is what the test waits for (or
+// the last one after 10 s).
+RouterStatus status_when(Client& client, const std::function<bool(const RouterStatus&)>& done) {
+  RouterStatus seen;
+  for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       std::chrono::steady_clock::now() < deadline;) {
+    if (auto status = client.status()) {
+      seen = *status;
+      if (done(seen)) break;
+    }
   }
-  FAIL() << "decode workers did not register";
+  return seen;
+}
+
+void wait_for_decode_workers(Client& client, int n) {
+  const int seen = status_when(client, [n](const RouterStatus& s) { return s.count(WorkerRole::decode) == n; })
+                       .count(WorkerRole::decode);
+  ASSERT_EQ(seen, n) << "decode workers did not register";
 }
 
 TEST_F(ActorTest, DecodeWithoutRoomIsRetriedOnAnotherWorkerBeforeAnyPrefill) {
@@ -692,11 +702,7 @@ TEST_F(ActorTest, ARestartAfterALostPrefillWorkerKeepsItsDecodeWorker) {
   StopAll stop;
   stop.actors = actors;
   Client client(*system_, router);
-  for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-       std::chrono::steady_clock::now() < deadline;) {
-    const auto status = client.status();
-    if (status && status->workers.size() == 4) break;
-  }
+  status_when(client, [](const RouterStatus& s) { return s.workers.size() == 4; });
   auto request = make_request(kOnceUponATime, 8);
   request.session = "one user";
   request.deadline_ms = 10000;
@@ -705,20 +711,6 @@ TEST_F(ActorTest, ARestartAfterALostPrefillWorkerKeepsItsDecodeWorker) {
   std::lock_guard<std::mutex> lock(log->mutex);
   ASSERT_GE(log->workers.size(), 2u);
   for (const std::string& worker : log->workers) EXPECT_EQ(worker, log->workers[0]);
-}
-
-// The router's status, once `done` says it is what the test waits for (or
-// the last one after 10 s).
-RouterStatus status_when(Client& client, const std::function<bool(const RouterStatus&)>& done) {
-  RouterStatus seen;
-  for (const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-       std::chrono::steady_clock::now() < deadline;) {
-    if (auto status = client.status()) {
-      seen = *status;
-      if (done(seen)) break;
-    }
-  }
-  return seen;
 }
 
 int32_t total_blocks_of(const RouterStatus& status, const std::string& name) {

@@ -645,7 +645,9 @@ TEST(KvPlaneSenders, AConnectionThatSentNothingForItsIdleTimeIsOpenedAnew) {
   KvPlane plane(sending);
   const std::string address = receiver.address(Transport::tcp);
   const std::shared_ptr<KvSender> first = plane.sender(Transport::tcp, address);
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // (the pauses are the case)
+  // (the pauses are the case, not waits: a longer one can only fail the
+  // EXPECT_EQ below, never make the test pass wrongly)
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
   EXPECT_EQ(plane.sender(Transport::tcp, address), first);  // (asked again, nothing sent)
   std::this_thread::sleep_for(std::chrono::milliseconds(1600));
   EXPECT_NE(plane.sender(Transport::tcp, address), first);
