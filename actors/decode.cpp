@@ -36,7 +36,7 @@ struct PendingCommit {
 // KV arrives (then they become the Sequence's), it is cancelled, or the lease
 // timer with this serial fires. With a stream open (transfer_id != 0 and no
 // verdict yet) the KV receiver may write into the blocks: they are freed only
-// after the receiver gave them back (cancel).
+// after the receiver gave them back (DecodeState::draining).
 struct Reservation {
   std::vector<int32_t> blocks;  // the first `cached` of them shared from the prefix cache
   int32_t positions = 0;
@@ -196,15 +196,33 @@ struct DecodeState {
   std::vector<int32_t> quarantined;
   std::vector<int32_t> barrier_covers;  // quarantined blocks the call out now releases
   bool barrier_in_flight = false;
+  // Blocks of streams dropped while pieces still wrote into them (a sender
+  // that stalls mid-piece over shared memory, where the receiver cannot cut
+  // its connection, writes for as long as it stalls): by transfer id, freed
+  // at the receiver's verdict on it (which always comes). This actor never
+  // waits for a receiver.
+  struct Draining {
+    kv::Transport transport;
+    std::vector<int32_t> blocks;
+  };
+  std::unordered_map<uint64_t, Draining> draining;
 };
 
-// An actor that ends with streams open gives their memory back first.
+// An actor that ends with streams open gives their memory back first (the
+// pool may go with it): here it waits for the receivers.
 DecodeState::~DecodeState() {
   for (auto& [id, phase] : requests)
     if (auto* r = std::get_if<Reservation>(&phase)) {
       if (r->streaming()) kv.plane->receiver(r->transport).cancel(r->transfer_id);
       if (r->local) kv.local->cancel(r->transfer_id);
     }
+  for (auto& [transfer_id, d] : draining) kv.plane->receiver(d.transport).cancel(transfer_id);
+}
+
+// Drops a reservation's open stream; true when its receiver still writes
+// into the blocks (they go to DecodeState::draining, not the allocator).
+bool drop_stream(DecodeState& st, const Reservation& r) {
+  return r.streaming() && st.kv.plane->receiver(r.transport).drop(r.transfer_id) == kv::Dropped::draining;
 }
 
 using Self = decode_actor::stateful_pointer<DecodeState>;
@@ -678,16 +696,16 @@ ReserveReply reserve(Self self, const KvReservation& r) {
 }
 
 // Gives a reservation's blocks back (cancel, lease end, failed stream): a
-// stream still open is cancelled first (its receiver no longer writes into
-// the blocks once cancel returns), a commit waiting for it is refused with
-// `code`. False when nothing was reserved.
+// stream still open is dropped first (blocks its receiver still writes into
+// wait for its verdict), a commit waiting for it is refused with `code`.
+// False when nothing was reserved.
 bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cancelled,
                       const std::string& message = "request was cancelled") {
   auto& st = self->state;
   auto it = find_in<Reservation>(st, id);
   if (it == st.requests.end()) return false;
   Reservation& r = std::get<Reservation>(it->second);
-  if (r.streaming()) st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
+  const bool draining = drop_stream(st, r);
   if (r.local) st.kv.local->cancel(r.transfer_id);
   if (r.commit) r.commit->promise.deliver(make_ack(self, id, code, message));
   // A local prefill's chunk may be running into the blocks now (the compute
@@ -696,6 +714,7 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
   // work of the compute, could be writing another request's KV into them
   // while the chunk still wrote.)
   if (r.local) quarantine(self, std::move(r.blocks));
+  else if (draining) st.draining.emplace(r.transfer_id, DecodeState::Draining{r.transport, std::move(r.blocks)});
   else st.allocator->release(r.blocks);
   st.requests.erase(it);
   return true;
@@ -864,11 +883,18 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
   auto& st = self->state;
   const RequestId id = transfer.id;
   Reservation& r = std::get<Reservation>(held->second);
-  // A stream offered for this reservation is not used.
-  if (r.streaming()) {
-    st.kv.plane->receiver(r.transport).cancel(r.transfer_id);
-    r.verdict = KvLanded{r.transfer_id, uint8_t(kv::TransferStatus::cancelled), 0, {}};
+  // A stream offered for this reservation is not used; one whose pieces
+  // still write into the blocks leaves them to nothing else until its
+  // verdict (a prefill that sent both): the message is refused.
+  if (drop_stream(st, r)) {
+    st.draining.emplace(r.transfer_id, DecodeState::Draining{r.transport, std::move(r.blocks)});
+    st.requests.erase(held);
+    promise.deliver(make_ack(self, id, ErrorCode::invalid_request,
+                             "request " + std::to_string(id) + ": its KV stream still writes into the blocks"));
+    report_load(self);
+    return;
   }
+  if (r.streaming()) r.verdict = KvLanded{r.transfer_id, uint8_t(kv::TransferStatus::cancelled), 0, {}};
   if (r.local) st.kv.local->cancel(r.transfer_id);
   // (a one-message KV holds every position: those of the shared cached
   // blocks, the same KV, are not written)
@@ -989,8 +1015,16 @@ caf::result<PrefillReport> prefill_here(Self self, PrefillJob& job) {
 }
 
 // The transport's verdict on a reservation's KV stream: with the commit
-// already here it settles the stream; a failed one frees the blocks now.
+// already here it settles the stream; a failed one frees the blocks now. On
+// a stream dropped while it wrote, it frees the blocks it held.
 void on_landed(Self self, RequestId id, uint64_t serial, KvLanded& verdict) {
+  auto& st = self->state;
+  if (auto d = st.draining.find(verdict.transfer_id); d != st.draining.end()) {
+    st.allocator->release(d->second.blocks);  // a dropped stream's: no piece writes into them now
+    st.draining.erase(d);
+    report_load(self);
+    return;
+  }
   auto it = find_in<Reservation>(self->state, id);
   if (it == self->state.requests.end()) return;  // the reservation ended meanwhile
   Reservation& held = std::get<Reservation>(it->second);

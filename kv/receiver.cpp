@@ -176,6 +176,24 @@ struct KvReceiver::Impl : ContextHolder, detail::EventLoop {
     return found;
   }
 
+  Dropped drop(uint64_t id) {
+    return call([&] {
+      auto it = transfers_.find(id);
+      if (it == transfers_.end()) return Dropped::unknown;
+      Transfer& t = *it->second;
+      fail(t, TransferStatus::cancelled, "cancelled by the receiver");
+      return t.inflight == 0 ? Dropped::released : Dropped::draining;  // (released: finished, out of the table)
+    });
+  }
+
+  size_t receives_in_flight() {
+    return call([this] {
+      size_t n = 0;
+      for (const auto& [id, t] : transfers_) n += t->inflight;
+      return n;
+    });
+  }
+
   TransferResult wait(uint64_t id, Deadline until) {
     std::unique_lock<std::mutex> lock(results_mu_);
     if (!results_cv_.wait_until(lock, until, [&] { return results_.count(id) != 0; })) {
@@ -848,6 +866,8 @@ void KvReceiver::expect(uint64_t id, void* dest, size_t bytes, Deadline deadline
 TransferResult KvReceiver::wait(uint64_t id, Deadline until) { return impl_->wait(id, until); }
 
 bool KvReceiver::cancel(uint64_t id) { return impl_->cancel(id); }
+Dropped KvReceiver::drop(uint64_t id) { return impl_->drop(id); }
+size_t KvReceiver::receives_in_flight() const { return impl_->receives_in_flight(); }
 
 size_t KvReceiver::pending_transfers() const { return impl_->pending_count(); }
 size_t KvReceiver::connections() const { return impl_->connection_count(); }

@@ -180,6 +180,8 @@ struct ReceiverOptions {
   std::chrono::milliseconds idle_connection{std::chrono::minutes(20)};
 };
 
+enum class Dropped { unknown, released, draining };  // KvReceiver::drop
+
 class KvReceiver {
  public:
   using DoneCallback = std::function<void(const TransferResult&)>;
@@ -216,6 +218,18 @@ class KvReceiver {
   // when the id is not expected (unknown, or already final). Called from an
   // on_done callback it does not wait for in-flight pieces.
   bool cancel(uint64_t id);
+
+  // The same, without waiting (for an owner that must not block: a stalled
+  // sender over shared memory, where connections cannot be cut, holds a
+  // cancel() for as long as it stalls): `released` when no piece writes into
+  // the transfer's memory (the memory is the caller's now), `draining` when
+  // some still do (the memory is the caller's once the transfer's result is
+  // out, to on_done or wait(): it always comes, once), `unknown` when the id
+  // is not expected.
+  Dropped drop(uint64_t id);
+
+  // Pieces being written into (or hashed from) transfers' memory now, for tests.
+  size_t receives_in_flight() const;
 
   // Transfers currently expected (not final), for tests and metrics.
   size_t pending_transfers() const;

@@ -14,6 +14,7 @@
 #include "model/checkpoint.h"
 #include "engine/kv_stream.h"
 #include "kv/plane.h"
+#include "support/raw_kv_peer.h"
 #include "support/test_paths.h"
 
 namespace disagg::test {
@@ -146,6 +147,50 @@ TEST_F(KvStreamTest, CancellingAHalfSentStreamFreesItsBlocksAndTheSenderHearsIt)
                 verdict.status == kv::TransferStatus::unknown_transfer)
         << kv::to_string(verdict.status) << ": " << verdict.detail;
   }
+}
+
+TEST_F(KvStreamTest, ACancelNeverWaitsForAStalledSenderItsBlocksFollowTheVerdict) {
+  // A sender that stalls mid-piece writes into the blocks until the
+  // receiver cuts its connection (TCP: at the drain deadline, a second;
+  // shared memory: never). The worker does not wait for that: it answers
+  // at once with the blocks still held, and frees them at the verdict.
+  const ReserveReply reply = reserve(9141, 60000, "another-host/boot");  // TCP
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  kv::ContextOptions tcp;
+  tcp.transports = "tcp";
+  tcp.peer_failure_detection = true;
+  RawKvPeer peer(kv::KvContext::create(tcp), reply.target.address);
+  std::vector<float> layer0(plan_->total_bytes() / sizeof(float), 1.0f);
+  const auto* source = reinterpret_cast<const uint8_t*>(layer0.data());
+  struct Piece {
+    kv::PieceHeader header;
+    const uint8_t* data;
+  };
+  std::vector<Piece> pieces;  // layer 0's
+  plan_->for_each_piece(0, 0, kPromptLen, [&](size_t offset, size_t from, size_t bytes) {
+    kv::PieceHeader h;
+    h.transfer_id = reply.target.transfer_id;
+    h.piece_index = uint32_t(pieces.size());
+    h.offset = offset;
+    h.length = bytes;
+    h.checksum = kv::piece_checksum(source + from, bytes, offset);
+    pieces.push_back({h, source + from});
+  });
+  ASSERT_GE(pieces.size(), 2u);
+  ASSERT_EQ(peer.send(kv::wire::kPiece, pieces[0].header, pieces[0].data, pieces[0].header.length,
+                      UCP_AM_SEND_FLAG_REPLY, kv::Clock::now() + 5s),
+            UCS_OK);
+  peer.start_stalled(pieces[1].header, pieces[1].data, pieces[1].header.length);
+  kv::KvReceiver& rx = receiver(reply.target);
+  const auto give_up = kv::Clock::now() + 5s;
+  while (rx.receives_in_flight() == 0 && kv::Clock::now() < give_up) std::this_thread::yield();
+  ASSERT_EQ(rx.receives_in_flight(), 1u) << "the receiver never started the stalled piece's receive";
+  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9141});
+  const auto loads = cluster_->decode_loads();  // (asked after the cancel: answered after it)
+  ASSERT_EQ(loads.size(), 1u);
+  EXPECT_EQ(loads[0].free_blocks, total_ - 3) << "freed while the stalled piece could still write, or waited for it";
+  EXPECT_EQ(free_blocks_when(total_), total_) << "the verdict did not free the blocks";
+  EXPECT_EQ(rx.receives_in_flight(), 0u);
 }
 
 TEST_F(KvStreamTest, ACorruptPieceFailsTheStreamAndFreesItsBlocksAtOnce) {

@@ -24,6 +24,7 @@
 #include "kv/plane.h"
 #include "kv/transfer.h"
 #include "kv/wire.h"
+#include "support/raw_kv_peer.h"
 
 namespace disagg::kv {
 namespace {
@@ -238,58 +239,6 @@ TEST(KvTransfer, PiecesOfAnUnknownTransferAreRefused) {
   EXPECT_EQ(sent.status, TransferStatus::unknown_transfer) << sent.detail;
 }
 
-// A peer on raw UCX: what a sender of another build, or a hostile one, can
-// put on the wire that ours never does.
-struct RawPeer {
-  RawPeer(const std::shared_ptr<KvContext>& context, const std::string& address) {
-    ucp_worker_params_t wp{};
-    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-    if (ucp_worker_create(context->native(), &wp, &worker) != UCS_OK) throw std::runtime_error("ucp_worker_create");
-    const size_t colon = address.rfind(':');
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(uint16_t(std::stoi(address.substr(colon + 1))));
-    inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr);
-    ucp_ep_params_t ep_params{};
-    ep_params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-    ep_params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-    ep_params.sockaddr.addr = reinterpret_cast<const sockaddr*>(&a);
-    ep_params.sockaddr.addrlen = sizeof a;
-    ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    if (ucp_ep_create(worker, &ep_params, &ep) != UCS_OK) throw std::runtime_error("ucp_ep_create");
-  }
-  ~RawPeer() {
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    finish(ucp_ep_close_nbx(ep, &param), soon());
-    ucp_worker_destroy(worker);
-  }
-  // Sends one active message (this thread progresses the worker) and returns
-  // the send's status once UCX is done with it, or UCS_INPROGRESS at `until`.
-  ucs_status_t send(unsigned id, const PieceHeader& header, const void* data, size_t bytes, uint32_t flags,
-                    Deadline until) {
-    ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = flags;
-    return finish(ucp_am_send_nbx(ep, id, &header, sizeof header, data, bytes, &param), until);
-  }
-  ucs_status_t finish(ucs_status_ptr_t request, Deadline until) {
-    if (request == nullptr) return UCS_OK;
-    if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
-    ucs_status_t status = UCS_INPROGRESS;
-    while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS && Clock::now() < until) {
-      ucp_worker_progress(worker);
-    }
-    if (status == UCS_INPROGRESS) ucp_request_cancel(worker, request);
-    ucp_request_free(request);
-    return status;
-  }
-  ucp_worker_h worker = nullptr;
-  ucp_ep_h ep = nullptr;
-};
-
 TEST(KvTransfer, ALargePieceFromAConnectionThatCannotBeNamedIsRefused) {
   // The drain deadline ends a failed transfer's receives by cutting the
   // connections its pieces came from; a rendezvous piece sent without
@@ -303,7 +252,7 @@ TEST(KvTransfer, ALargePieceFromAConnectionThatCannotBeNamedIsRefused) {
   PieceHeader h;
   h.length = src.size();
   h.checksum = piece_checksum(src.data(), src.size(), 0);
-  RawPeer peer(context, rx.address());
+  test::RawKvPeer peer(context, rx.address());
   for (const bool reply : {false, true}) {
     SCOPED_TRACE(reply ? "with a reply endpoint" : "without one");
     h.transfer_id = new_transfer_id();
@@ -403,6 +352,54 @@ TEST(KvTransfer, CancelDuringATransferReturnsWithTheMemoryFree) {
   } else {  // the whole transfer beat the cancel on this machine
     EXPECT_TRUE(sent.ok());
   }
+}
+
+TEST(KvTransfer, DropNeverWaitsForAStalledPieceAndTheResultSaysWhenTheMemoryIsFree) {
+  // A sender that stalls mid-piece (its rendezvous announced, its data never
+  // sent) holds the transfer's memory until the drain deadline cuts its
+  // connection (TCP with peer-failure handling; over shared memory nothing
+  // can). drop() returns at once all the same, saying the memory is still
+  // written into; the transfer's result, when the cut ends the receive, says
+  // it is free.
+  auto context = KvContext::create(tcp_mode());
+  ReceiverOptions options;
+  options.drain_timeout = 300ms;
+  KvReceiver rx(context, options);
+  const auto src = random_bytes(1 << 20, 13);
+  std::vector<uint8_t> dst(src.size(), 0x5A);
+  const uint64_t id = new_transfer_id();
+  std::promise<TransferResult> done;
+  auto result = done.get_future();
+  rx.expect(id, dst.data(), dst.size(), soon(), [&](const TransferResult& r) { done.set_value(r); });
+  test::RawKvPeer peer(context, rx.address());
+  PieceHeader first;
+  first.transfer_id = id;
+  first.length = 4096;
+  first.checksum = piece_checksum(src.data(), first.length, 0);
+  ASSERT_EQ(peer.send(wire::kPiece, first, src.data(), first.length, UCP_AM_SEND_FLAG_REPLY, soon()), UCS_OK);
+  PieceHeader rest = first;
+  rest.piece_index = 1;
+  rest.offset = first.length;
+  rest.length = src.size() - first.length;
+  rest.checksum = piece_checksum(src.data() + rest.offset, rest.length, rest.offset);
+  peer.start_stalled(rest, src.data() + rest.offset, rest.length);
+  const auto give_up = Clock::now() + 5s;
+  while (rx.receives_in_flight() == 0 && Clock::now() < give_up) std::this_thread::yield();
+  ASSERT_EQ(rx.receives_in_flight(), 1u) << "the receiver never started the stalled piece's receive";
+  EXPECT_EQ(rx.drop(id), Dropped::draining);
+  EXPECT_EQ(rx.pending_transfers(), 1u);  // (still writing)
+  ASSERT_EQ(result.wait_until(soon()), std::future_status::ready) << "no result after the drain deadline";
+  const TransferResult got = result.get();
+  EXPECT_EQ(got.status, TransferStatus::cancelled) << got.detail;
+  EXPECT_EQ(got.bytes_received, first.length);
+  EXPECT_EQ(rx.receives_in_flight(), 0u);
+  EXPECT_EQ(rx.drop(id), Dropped::unknown);
+  EXPECT_TRUE(std::equal(src.begin(), src.begin() + first.length, dst.begin()));
+  // A transfer with nothing in flight is the caller's again at once.
+  const uint64_t idle = new_transfer_id();
+  rx.expect(idle, dst.data(), dst.size(), soon());
+  EXPECT_EQ(rx.drop(idle), Dropped::released);
+  EXPECT_EQ(rx.wait(idle, soon()).status, TransferStatus::cancelled);
 }
 
 TEST(KvTransfer, ASenderThatGoesAwayFailsItsTransfersAtOnce) {
