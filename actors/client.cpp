@@ -21,7 +21,8 @@ namespace {
 // passed on before the outcome.
 client_actor::behavior_type request_behavior(client_actor::pointer self, router_actor router,
                                              GenerateRequest request, TokenCallback on_token_callback,
-                                             OutcomeCallback outcome_callback, std::chrono::milliseconds wait) {
+                                             OutcomeCallback outcome_callback, std::chrono::milliseconds wait,
+                                             std::shared_ptr<LiveRequests> live, uint64_t ticket) {
   const RequestId id = request.id;
   auto next = std::make_shared<int32_t>(0);  // the index of the next token to pass on
   // The caller's callbacks, held once (the handlers share them): both are
@@ -36,7 +37,8 @@ client_actor::behavior_type request_behavior(client_actor::pointer self, router_
   auto on_token = [callbacks](const TokenEvent& event) {
     if (callbacks->on_token) callbacks->on_token(event);
   };
-  auto result = [callbacks](RequestOutcome outcome) {
+  auto result = [callbacks, live, id, ticket](RequestOutcome outcome) {
+    live->close(id, ticket);
     callbacks->on_token = nullptr;
     OutcomeCallback once = std::move(callbacks->result);
     callbacks->result = nullptr;
@@ -70,6 +72,8 @@ client_actor::behavior_type request_behavior(client_actor::pointer self, router_
             result(make_failure(id, code_of(e), describe("router", e)));
             self->quit();
           });
+  // (after the request: a cancel from this actor reaches the router behind it)
+  if (live->attach(id, ticket, caf::actor_cast<client_actor>(self))) self->send(router, cancel_atom::value, id);
   return {
       [=](token_atom, TokenEvent& event) {
         // (an index past the next one: an earlier one was lost; the outcome brings them all)
@@ -107,14 +111,57 @@ void Client::submit_async(GenerateRequest request, TokenCallback on_token, Outco
   // once); clamped here so the wait itself cannot overflow.
   const auto wait = std::chrono::milliseconds(std::clamp<int64_t>(request.deadline_ms, 0, kMaxDeadlineMs) +
                                               options_.grace_ms);
-  system_.spawn(request_behavior, router_, std::move(request), std::move(on_token), std::move(on_outcome), wait);
+  const uint64_t ticket = live_->open(request.id);
+  system_.spawn(request_behavior, router_, std::move(request), std::move(on_token), std::move(on_outcome), wait,
+                live_, ticket);
 }
 
 RequestOutcome Client::generate(GenerateRequest request, TokenCallback on_token) {
   return submit(std::move(request), std::move(on_token)).get();
 }
 
-void Client::cancel(RequestId id) { caf::anon_send(router_, cancel_atom::value, id); }
+void Client::cancel(RequestId id) {
+  // (as the request's own actor: the router takes a cancel from no one else)
+  if (auto actor = live_->cancel(id)) caf::send_as(*actor, router_, cancel_atom::value, id);
+}
+
+uint64_t LiveRequests::open(RequestId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, fresh] = entries_.try_emplace(id);
+  if (!fresh) return 0;
+  it->second.ticket = ++tickets_;
+  return it->second.ticket;
+}
+
+bool LiveRequests::attach(RequestId id, uint64_t ticket, client_actor actor) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(id);
+  if (ticket == 0 || it == entries_.end() || it->second.ticket != ticket) return false;
+  it->second.actor = std::move(actor);
+  return it->second.cancelled;
+}
+
+void LiveRequests::close(RequestId id, uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(id);
+  if (ticket != 0 && it != entries_.end() && it->second.ticket == ticket) entries_.erase(it);
+}
+
+std::optional<client_actor> LiveRequests::cancel(RequestId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return std::nullopt;
+  if (!it->second.actor) {
+    it->second.cancelled = true;  // (the actor sends it once it starts)
+    return std::nullopt;
+  }
+  return it->second.actor;
+}
+
+size_t LiveRequests::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.size();
+}
 
 std::optional<RouterStatus> Client::status(std::chrono::milliseconds timeout) {
   std::optional<RouterStatus> out;

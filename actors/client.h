@@ -6,7 +6,10 @@
 #include <chrono>
 #include <functional>
 #include <future>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 
 #include "caf/actor_system.hpp"
 #include "messages/interfaces.h"
@@ -22,6 +25,36 @@ struct ClientOptions {
 using TokenCallback = std::function<void(const TokenEvent&)>;
 // Called once, on a CAF thread, with the request's terminal outcome.
 using OutcomeCallback = std::function<void(RequestOutcome)>;
+
+// A Client's requests in flight, by id: the actor that is each one's
+// client_actor, through which a cancel goes (the router takes a request's
+// cancel from its client only). A cancel that comes before the actor has
+// started is kept for it. Thread-safe; shared by the Client and its
+// requests' actors (either may outlive the other).
+class LiveRequests {
+ public:
+  // A submission of `id`: its ticket, or 0 when `id` is in flight already
+  // (the router refuses the duplicate; the first keeps the entry).
+  uint64_t open(RequestId id);
+  // The request's actor has started: true when it was cancelled before.
+  bool attach(RequestId id, uint64_t ticket, client_actor actor);
+  // The request's outcome is out.
+  void close(RequestId id, uint64_t ticket);
+  // The actor to cancel `id` through; none (and the cancel is kept) while
+  // it has not started; none for an id not in flight.
+  std::optional<client_actor> cancel(RequestId id);
+  size_t size() const;
+
+ private:
+  struct Entry {
+    uint64_t ticket = 0;
+    client_actor actor;
+    bool cancelled = false;
+  };
+  mutable std::mutex mu_;
+  uint64_t tickets_ = 0;
+  std::unordered_map<RequestId, Entry> entries_;
+};
 
 class Client {
  public:
@@ -42,9 +75,13 @@ class Client {
   // submit(...).get()
   RequestOutcome generate(GenerateRequest request, TokenCallback on_token = {});
 
-  // Asks the router to cancel; the request's outcome then says cancelled
-  // (unless it had already finished).
+  // Asks the router to cancel a request this Client submitted; its outcome
+  // then says cancelled (unless it had already finished). Nothing for any
+  // other id.
   void cancel(RequestId id);
+
+  // Requests of this Client whose outcome is not out yet.
+  size_t in_flight() const { return live_->size(); }
 
   // The router's view of the cluster, or nullopt when it does not answer in time.
   std::optional<RouterStatus> status(std::chrono::milliseconds timeout = std::chrono::seconds(5));
@@ -57,6 +94,7 @@ class Client {
   ClientOptions options_;
   uint64_t prefix_;
   std::atomic<uint32_t> counter_{0};
+  std::shared_ptr<LiveRequests> live_ = std::make_shared<LiveRequests>();
 };
 
 }  // namespace disagg

@@ -120,6 +120,7 @@ struct Request {
   GenerateRequest request;
   std::vector<int32_t> prompt;
   client_actor client;
+  caf::actor_addr requester;  // who sent it (none: anonymous); a cancel comes from it or the client
   caf::typed_response_promise<RequestOutcome> promise;
   uint64_t serial = 0;  // this admission (the deadline timer names it)
   Phase phase;
@@ -825,6 +826,8 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
 caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& request,
                                                   client_actor& client) {
   auto& st = self->state;
+  // (before the promise: making it takes the sender out of the message)
+  const auto requester = caf::actor_cast<caf::actor_addr>(self->current_sender());
   auto promise = self->make_response_promise<RequestOutcome>();
   const RequestId id = request.id;
   auto reject = [&](ErrorCode code, std::string message) {
@@ -853,6 +856,7 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   r.prompt = std::move(prompt);
   r.request = std::move(request);
   r.client = std::move(client);
+  r.requester = requester;
   r.promise = promise;
   r.serial = st.next_serial++;
   r.validated = st.limits.has_value();
@@ -1245,6 +1249,17 @@ void end_request(Self self, RequestId id, ErrorCode code, std::string why) {
     fail(self, id, code, std::move(why));
 }
 
+// A cancel's sender is the request's client or whoever submitted it: no
+// other holder of the router's handle (another frontend, a worker, an
+// anonymous message) ends a request that is not its own.
+bool may_cancel(Self self, RequestId id) {
+  auto it = self->state.requests.find(id);
+  if (it == self->state.requests.end() || !self->current_sender()) return false;
+  const auto sender = caf::actor_cast<caf::actor_addr>(self->current_sender());
+  const Request& r = it->second;
+  return (r.client && sender == r.client.address()) || sender == r.requester;
+}
+
 // A request's deadline: its attempt (serial) still running ends.
 void on_deadline(Self self, RequestId id, uint64_t serial) {
   auto it = self->state.requests.find(id);
@@ -1290,6 +1305,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
                              heartbeat_atom::value);
       },
       [=](cancel_atom, RequestId id) {
+        if (!may_cancel(self, id)) return;
         fail(self, id, ErrorCode::cancelled, "cancelled by the client");
         dispatch(self);
       },

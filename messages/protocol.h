@@ -99,7 +99,8 @@
 // Cancellation and failure
 //   The router monitors each request's client actor: a client that goes
 //   away (its process killed, Ctrl-C) cancels its requests, as below.
-//   client -> router (cancel_atom, id): the router replies cancelled and sends
+//   client -> router (cancel_atom, id), from the request's client actor or
+//   its submitter only (others are ignored): the router replies cancelled and sends
 //   (cancel_atom, id) to the request's prefill and decode workers, which drop
 //   it and free its blocks (a decode worker reports its load even when it held
 //   nothing of it; the prefill worker reports the job once its compute has

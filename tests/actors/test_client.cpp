@@ -116,5 +116,33 @@ TEST(ClientStream, TheCallbacksAreReleasedAsTheOutcomeComes) {
   caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
 }
 
+// A cancel goes through the request's own actor (the router takes it from
+// no one else): one made before that actor has started is kept for it, a
+// second submission of an id in flight neither takes nor ends the first's
+// entry, and an outcome ends the entry.
+TEST(ClientCancel, ACancelBeforeTheRequestsActorStartsIsKeptForIt) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+  caf::scoped_actor actor{system};
+  const auto handle = caf::actor_cast<client_actor>(actor);
+  LiveRequests live;
+  const uint64_t ticket = live.open(7);
+  EXPECT_NE(ticket, 0u);
+  EXPECT_EQ(live.open(7), 0u) << "a second submission of an id in flight";
+  EXPECT_FALSE(live.cancel(7).has_value()) << "no actor yet: kept";
+  EXPECT_FALSE(live.attach(7, 0, handle)) << "the duplicate's actor";
+  EXPECT_TRUE(live.attach(7, ticket, handle)) << "the cancel made before the actor started was lost";
+  const auto through = live.cancel(7);
+  ASSERT_TRUE(through.has_value());
+  EXPECT_EQ(through->address(), handle.address());
+  live.close(7, 0);  // (the duplicate's outcome)
+  EXPECT_EQ(live.size(), 1u);
+  live.close(7, ticket);
+  EXPECT_EQ(live.size(), 0u);
+  EXPECT_FALSE(live.cancel(7).has_value());
+  const uint64_t other = live.open(8);
+  EXPECT_FALSE(live.attach(8, other, handle)) << "never cancelled";
+}
+
 }  // namespace
 }  // namespace disagg::test

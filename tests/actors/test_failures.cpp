@@ -829,6 +829,45 @@ TEST_F(ActorTest, TokensPastTheRequestsAllowanceAreNotPassedOn) {
   EXPECT_EQ(events, (std::vector<int32_t>{0, 1}));
 }
 
+// A prefill worker that never reports (the job's answer kept unsent, as by
+// a node that hung after its KV went out); it asks its decode worker for a
+// status, which then streams the request whole.
+PrefillScript never_reports(std::shared_ptr<std::vector<caf::typed_response_promise<PrefillReport>>> held) {
+  return [held](prefill_actor::pointer self, const PrefillJob&, const decode_actor& decode) -> caf::result<PrefillReport> {
+    held->push_back(self->make_response_promise<PrefillReport>());
+    self->request(decode, std::chrono::seconds(5), status_atom::value).then([](const DecodeLoad&) {}, [](caf::error&) {});
+    return held->back();
+  };
+}
+
+// The router stopped while a request's tokens are all out and only its
+// prefill report is missing completes it with those tokens (as its deadline
+// would), instead of failing a request its client already has whole.
+TEST_F(ActorTest, ARouterThatStopsCompletesARequestWhoseTokensAreFinal) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  config.direct_token_streams = false;  // (the router passes the tokens on: the last one seen, its done is there)
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto decode = system_->spawn(scripted_decode, router, streams_too_many(router));
+  auto held = std::make_shared<std::vector<caf::typed_response_promise<PrefillReport>>>();
+  auto prefill = system_->spawn(scripted_prefill, router, "never-reports", never_reports(held));
+  Client client(*system_, router);
+  const StopAll stop(decode, prefill, router);
+  status_when(client, [](const RouterStatus& s) { return s.workers.size() == 2; });
+  std::promise<void> last_token;
+  auto request = make_request(kOnceUponATime, 6);
+  request.deadline_ms = 60000;
+  auto outcome = client.submit(request, [&](const TokenEvent& e) {
+    if (e.index == 5) last_token.set_value();
+  });
+  ASSERT_EQ(last_token.get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  caf::anon_send_exit(router, caf::exit_reason::user_shutdown);  // (behind the done, in its mailbox)
+  ASSERT_EQ(outcome.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const RequestOutcome out = outcome.get();
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message;
+  EXPECT_EQ(out.tokens, (std::vector<int32_t>{100, 101, 102, 103, 104, 105}));
+}
+
 // Further choices wait in a line of their own, not counted against
 // queue-capacity one by one but bounded by it: kMaxChoices - 1 for each
 // request it counts (a client naming first choices that are not there grew
@@ -855,6 +894,42 @@ TEST_F(ActorTest, FurtherChoicesWaitingAreBoundedByTheQueuesCapacity) {
   EXPECT_EQ(refused.code, ErrorCode::overloaded) << refused.message;
   for (int i = 0; i < kMaxChoices - 1; ++i) client.cancel(0xC4010 + i);
   for (auto& w : waiting) EXPECT_EQ(w.get().code, ErrorCode::cancelled);
+}
+
+// A request is cancelled by its own client (or whoever submitted it) only:
+// a cancel from anyone else holding the router's handle (an anonymous
+// message, another actor: another frontend, a worker) is ignored.
+TEST_F(ActorTest, OnlyARequestsClientOrSubmitterCancelsIt) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  const router_actor router = spawn_router(*system_, config, nullptr);  // (no workers: all of them wait)
+  const StopAll stop(router);
+  Client client(*system_, router);
+  GenerateRequest request = make_request(kOnceUponATime, 8);
+  request.id = 0xCA11;
+  request.deadline_ms = 20000;
+  auto waiting = client.submit(request);
+  caf::scoped_actor submitter{*system_};  // a raw one, with no client actor
+  GenerateRequest raw = request;
+  raw.id = 0xCA12;
+  auto raw_reply = submitter->request(router, std::chrono::seconds(30), generate_atom::value, raw, client_actor{});
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 2; }).queued, 2);
+  caf::scoped_actor outsider{*system_};
+  for (RequestId id : {request.id, raw.id}) {
+    caf::anon_send(router, cancel_atom::value, id);
+    outsider->send(router, cancel_atom::value, id);
+  }
+  const auto after = client.status();  // (asked after the cancels: answered after them)
+  ASSERT_TRUE(after.has_value());
+  EXPECT_EQ(after->queued, 2) << "a cancel from another than the request's client ended it";
+  client.cancel(request.id);
+  EXPECT_EQ(waiting.get().code, ErrorCode::cancelled);
+  EXPECT_EQ(client.in_flight(), 0u);
+  submitter->send(router, cancel_atom::value, raw.id);
+  RequestOutcome raw_outcome;
+  std::move(raw_reply).receive([&](RequestOutcome& o) { raw_outcome = std::move(o); },
+                               [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+  EXPECT_EQ(raw_outcome.code, ErrorCode::cancelled) << raw_outcome.message;
 }
 
 // The router asked to stop answers every request it holds, at once (a
