@@ -54,6 +54,12 @@ constexpr auto kWriteTimeout = 30s;
 // one read of them takes at a time.
 constexpr size_t kMaxPipelinedBytes = 64 << 10;
 constexpr size_t kWatchReadBytes = 4096;
+// The most a connection's read buffer holds: a request's header (the
+// parser's 8 KiB), or a chunked body's size line or trailer, or the
+// pipelined bytes above. The body limit counts a chunked body's data only,
+// so a size line or trailer that never ends grew the buffer with all a
+// client sent until the read's deadline; it fills this and gets a 400.
+constexpr size_t kReadBufferBytes = 128 << 10;
 // A connection closed after an error reply (413) is drained this long first,
 // so the client reads the reply instead of a reset.
 constexpr auto kLingerTimeout = 1s;
@@ -473,6 +479,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   // next request; an error means the client is gone, which cancels it.
   void watch() {
     if (watching_ || closed_) return;
+    if (buffer_.size() + kWatchReadBytes > buffer_.max_size()) return client_gone();  // (pipelined past the bound)
     watching_ = true;
     stream_.expires_never();  // the request's own deadline bounds the wait
     stream_.async_read_some(buffer_.prepare(kWatchReadBytes),
@@ -587,6 +594,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
   }
   void drain() {
     if (closed_) return;
+    buffer_.clear();  // (what it holds is dropped too: a full buffer has no room for the drain)
     stream_.async_read_some(buffer_.prepare(kWatchReadBytes), [self = shared_from_this()](beast::error_code ec, size_t) {
       self->buffer_.clear();
       if (ec) return self->close();
@@ -604,7 +612,7 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
 
   beast::tcp_stream stream_;
   Frontend& fe_;
-  beast::flat_buffer buffer_;
+  beast::flat_buffer buffer_{kReadBufferBytes};
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
   std::optional<bhttp::response<bhttp::empty_body>> continue_;  // "100 Continue" while it is written
   unsigned version_ = 11;

@@ -618,6 +618,53 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
 // keep-alive connection took 44 ms where it needs 2. The fastest of five
 // such requests must stay below that ACK delay (a loaded machine makes some
 // slower, never all five; with the stall none is faster).
+// A chunked body's chunk-size line and its trailer count against no body
+// limit (the parser charges chunk data only): one that never ends must not
+// grow the frontend's read buffer with everything the client sends for as
+// long as the read's 60 s last. Each gets a 400 once the buffer is full,
+// long before 4 MiB, and the frontend goes on serving.
+TEST(HttpFrontend, AChunkLineOrTrailerThatNeverEndsGetsA400NotTheMemory) {
+  TestCluster cluster("http-chunked");
+  cluster.start_router();
+  cluster.start_node("frontend", "frontend", "http-body-limit = 4096\n");
+  const uint16_t port = cluster.port_of("frontend");
+  ASSERT_TRUE(wait_for_health(port, 503, "worker")) << cluster.logs();
+  const pid_t frontend = cluster.node("frontend").pid();
+  const int64_t rss_before = rss_bytes(frontend);
+  constexpr size_t kSendBound = size_t(64) << 20;
+  const std::string head =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Transfer-Encoding: chunked\r\n\r\n";
+  for (const std::string& opening : {head + "1;ext=", head + "0\r\nX-Trailer: "}) {
+    SCOPED_TRACE(opening.substr(head.size()));
+    net::io_context ioc;
+    net::ip::tcp::socket socket(ioc);
+    socket.connect(net::ip::tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+    timeval tv{10, 0};  // (a frontend that reads on and never answers: the sends block, then fail the test)
+    ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    const int fd = socket.native_handle();
+    ASSERT_EQ(::send(fd, opening.data(), opening.size(), MSG_NOSIGNAL), ssize_t(opening.size()));
+    const std::string filler(64 << 10, 'a');  // never a line's end
+    size_t sent = 0;
+    char peek = 0;
+    // (until the frontend answers: then it drains what follows for a second, holding none of it)
+    while (sent < kSendBound && ::recv(fd, &peek, 1, MSG_PEEK | MSG_DONTWAIT) <= 0) {
+      const ssize_t n = ::send(fd, filler.data(), filler.size(), MSG_NOSIGNAL);
+      if (n <= 0) break;  // closed by the frontend (or the 10 s bound)
+      sent += size_t(n);
+    }
+    ASSERT_LT(sent, size_t(4) << 20) << "the frontend read on without an answer";
+    boost::beast::flat_buffer buffer;
+    bhttp::response_parser<bhttp::string_body> parser;
+    boost::system::error_code ec;
+    bhttp::read(socket, buffer, parser, ec);
+    if (!ec) EXPECT_EQ(parser.get().result_int(), 400u) << parser.get().body();  // (a reset may come first)
+  }
+  EXPECT_LT(rss_bytes(frontend) - rss_before, int64_t(32) << 20);
+  ASSERT_TRUE(wait_for_health(port, 503, "worker")) << "the frontend stopped serving";
+}
+
 TEST(HttpFrontend, StreamedRequestsOnAKeepAliveConnectionDoNotWaitForDelayedAcks) {
   TestCluster cluster("http-nodelay");
   cluster.start_router();
