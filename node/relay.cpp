@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "actors/log.h"
+#include "actors/timing.h"
 #include "node/tls.h"
 #include "caf/all.hpp"
 #include "caf/io/middleman.hpp"
@@ -107,6 +108,7 @@ struct WaitingJob {
 
 struct GateState {
   prefill_actor prefill;
+  caf::actor_addr relay;  // the only sender of its router and its worker's KV events
   router_actor router;  // invalid until the node has reached one
   std::chrono::milliseconds refresh{1000};
   std::map<std::string, caf::node_id> direct;      // dialled decode endpoint -> its node
@@ -235,9 +237,23 @@ void ask_router(GateSelf self) {
           });
 }
 
+// Whether the message being handled comes from `who` (a gate's and a relay's
+// settings come from their node alone: any peer that reaches the node can
+// address them, as CAF delivers to any actor id it has made known).
+template <class Self>
+bool from(Self self, const caf::actor_addr& who) {
+  return who && self->current_sender() && self->current_sender()->address() == who;
+}
+
+template <class Self>
+bool from_this_node(Self self) {
+  return self->current_sender() && self->current_sender()->node() == self->node();
+}
+
 gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
-                                        std::chrono::milliseconds refresh) {
+                                        std::chrono::milliseconds refresh, caf::actor_addr relay) {
   self->state.prefill = prefill;
+  self->state.relay = std::move(relay);
   self->state.refresh = refresh;
   self->link_to(prefill);  // the gate is the prefill worker's face: they live and die together
   self->set_down_handler([=](caf::down_msg& down) {
@@ -280,19 +296,25 @@ gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
       [=](kv_events_atom) { return self->delegate(self->state.prefill, kv_events_atom::value); },
       [=](kv_events_atom, KvEvents& events) {
         // Sent by the gate itself: the router knows the worker by this face.
-        if (self->state.router) self->send(self->state.router, kv_events_atom::value, std::move(events));
+        if (self->state.router && from(self, self->state.relay))
+          self->send(self->state.router, kv_events_atom::value, std::move(events));
       },
       [=](refresh_atom) {
+        if (!from_itself(self)) return;  // (each one starts a chain of its own)
         ask_router(self);
         self->delayed_send(self, self->state.refresh, refresh_atom::value);
       },
       [=](probed_atom, const std::string& endpoint, const std::string& worker, bool answered, const std::string& why) {
+        // (its own prober's, for an endpoint it dials: else a peer had the
+        // middleman connect anywhere, unprobed, blocking it for minutes)
+        if (!from_this_node(self) || !self->state.dialing.count(endpoint)) return;
         if (answered) return connect_probed(self, endpoint, worker);
         self->state.dialing.erase(endpoint);
         node_log("cannot connect to decode worker " + worker + " at " + endpoint + ": " + why);
         settle(self);
       },
       [=](router_atom, router_actor& router) {
+        if (!from(self, self->state.relay)) return;
         // A question still out to the previous router may never be answered.
         self->state.router = std::move(router);
         self->state.asking_router = false;
@@ -310,6 +332,7 @@ using relay_actor = router_actor::extend<caf::reacts_to<router_atom, router_acto
 
 // The one worker that registered through this relay, as the router sees it.
 struct Registration {
+  caf::actor_addr worker;  // the worker actor that registered
   WorkerInfo info;
   prefill_actor face;  // prefill: the gate
   decode_actor decode;
@@ -389,14 +412,26 @@ void register_worker(RelaySelf self) {
 
 // The worker's own registration: answered at once (the relay registers it
 // whenever there is a router, so the worker never waits on the network).
-caf::ok_atom take_registration(RelaySelf self, WorkerInfo& info, prefill_actor prefill,
-                               decode_actor decode) {
+// Taken from the worker itself only, once: any peer that reaches the node
+// can address the relay, and a registration of its own had the relay link
+// to it and register it (its refusal or its loss ended the relay and,
+// linked, the node's worker).
+caf::result<caf::ok_atom> take_registration(RelaySelf self, WorkerInfo& info, prefill_actor prefill,
+                                            decode_actor decode) {
   auto& st = self->state;
+  const caf::actor_addr worker = prefill ? prefill.address() : decode.address();
+  if (!from(self, worker) || !from_this_node(self))
+    return caf::make_error(caf::sec::runtime_error, "a worker registers itself with its node's relay");
+  if (st.worker) {
+    if (st.worker->worker == worker) return caf::ok_atom::value;  // (again: nothing changes)
+    return caf::make_error(caf::sec::runtime_error, "this relay has its worker already");
+  }
   Registration w;
+  w.worker = worker;
   w.info = std::move(info);
   if (prefill) {
     self->link_to(prefill);
-    w.gate = self->spawn(gate_behavior, prefill, st.spec.peer_refresh);
+    w.gate = self->spawn(gate_behavior, prefill, st.spec.peer_refresh, self->address());
     w.face = caf::actor_cast<prefill_actor>(w.gate);
     if (st.router) self->send(w.gate, router_atom::value, st.router);
   } else {
@@ -424,10 +459,10 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
       [=](cancel_atom, RequestId id) {
         if (self->state.router) self->delegate(self->state.router, cancel_atom::value, id);
       },
-      [=](register_atom, WorkerInfo& info, prefill_actor& worker) {
+      [=](register_atom, WorkerInfo& info, prefill_actor& worker) -> caf::result<caf::ok_atom> {
         return take_registration(self, info, std::move(worker), decode_actor{});
       },
-      [=](register_atom, WorkerInfo& info, decode_actor& worker) {
+      [=](register_atom, WorkerInfo& info, decode_actor& worker) -> caf::result<caf::ok_atom> {
         return take_registration(self, info, prefill_actor{}, std::move(worker));
       },
       // Delegated: the router attributes load reports to their sender.
@@ -441,11 +476,13 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         if (self->state.router) self->delegate(self->state.router, load_atom::value, std::move(load));
       },
       [=](kv_events_atom, KvEvents& events) {
-        // A prefill worker's go through its gate (the face the router knows);
-        // a decode worker's straight on, their sender kept.
-        if (self->state.worker && self->state.worker->gate)
-          self->send(self->state.worker->gate, kv_events_atom::value, std::move(events));
-        else if (self->state.router)
+        // A prefill worker's go through its gate (the face the router knows),
+        // its own only; a decode worker's straight on, their sender kept
+        // (the router takes them from the registered worker only).
+        if (self->state.worker && self->state.worker->gate) {
+          if (from(self, self->state.worker->worker))
+            self->send(self->state.worker->gate, kv_events_atom::value, std::move(events));
+        } else if (self->state.router)
           self->delegate(self->state.router, kv_events_atom::value, std::move(events));
       },
       [=](deadline_atom, RequestId id, uint64_t serial) {
@@ -456,7 +493,10 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         if (!self->state.router) return no_router();
         return self->delegate(self->state.router, status_atom::value);
       },
+      // The node's settings (set_relay_router, set_relay_endpoint) and the
+      // relay's own retry timer: from itself only.
       [=](router_atom, router_actor& router) {
+        if (!from_itself(self)) return;
         self->state.router = std::move(router);
         self->state.retry_delay = self->state.spec.register_retry;
         self->state.name_held_since.reset();
@@ -465,11 +505,12 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         register_worker(self);
       },
       [=](endpoint_atom, std::string& endpoint) {
+        if (!from_itself(self)) return;
         self->state.endpoint = std::move(endpoint);
         register_worker(self);
       },
       [=](retry_atom, uint64_t attempt) {
-        if (attempt == self->state.registration) register_worker(self);
+        if (from_itself(self) && attempt == self->state.registration) register_worker(self);
       },
   };
 }
@@ -480,12 +521,15 @@ router_actor spawn_router_relay(caf::actor_system& system, RelaySpec spec) {
   return system.spawn(relay_behavior, std::move(spec));
 }
 
+// (as the relay itself: it takes its settings from no one else)
 void set_relay_router(const router_actor& relay, const router_actor& router) {
-  caf::anon_send(caf::actor_cast<relay_actor>(relay), router_atom::value, router);
+  const auto r = caf::actor_cast<relay_actor>(relay);
+  caf::send_as(r, r, router_atom::value, router);
 }
 
 void set_relay_endpoint(const router_actor& relay, const std::string& endpoint) {
-  caf::anon_send(caf::actor_cast<relay_actor>(relay), endpoint_atom::value, endpoint);
+  const auto r = caf::actor_cast<relay_actor>(relay);
+  caf::send_as(r, r, endpoint_atom::value, endpoint);
 }
 
 bool write_ready_file(const std::string& path, const std::string& content) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -26,8 +27,38 @@ caf::behavior refusing_router(caf::event_based_actor*, std::shared_ptr<std::atom
   };
 }
 
-caf::behavior idle_worker(caf::event_based_actor*) {
+// A worker that registers itself with its relay (as the node's workers do),
+// saying whether the relay took it.
+caf::behavior self_registering_worker(caf::event_based_actor* self, router_actor relay, std::string name,
+                                      std::shared_ptr<std::promise<bool>> taken) {
+  WorkerInfo info;
+  info.role = WorkerRole::decode;
+  info.name = std::move(name);
+  self->request(relay, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(self))
+      .then([=](caf::ok_atom) { taken->set_value(true); },  // (then linked: it ends with the relay)
+            [=](caf::error&) {
+              taken->set_value(false);
+              self->quit();
+            });
   return {[](status_atom) {}};
+}
+
+bool registers(caf::actor_system& system, const router_actor& relay, const std::string& name) {
+  auto taken = std::make_shared<std::promise<bool>>();
+  auto answer = taken->get_future();
+  system.spawn(self_registering_worker, relay, name, taken);
+  return answer.wait_for(std::chrono::seconds(10)) == std::future_status::ready && answer.get();
+}
+
+// A router that counts the registrations it is sent (and accepts them).
+caf::behavior counting_router(caf::event_based_actor*, std::shared_ptr<std::atomic<int>> registrations) {
+  return {
+      [=](register_atom, WorkerInfo&, decode_actor&) -> caf::result<caf::ok_atom> {
+        registrations->fetch_add(1);
+        return caf::ok_atom::value;
+      },
+      [](status_atom) { return RouterStatus{}; },
+  };
 }
 
 TEST(NodeRelay, RetriesARegistrationTheRouterRefused) {
@@ -35,24 +66,13 @@ TEST(NodeRelay, RetriesARegistrationTheRouterRefused) {
   caf::actor_system system{config};
   auto attempts = std::make_shared<std::atomic<int>>(0);
   auto router = system.spawn(refusing_router, attempts, 2);
-  auto worker = system.spawn(idle_worker);
 
   RelaySpec spec;
   spec.register_timeout = std::chrono::seconds(1);
   spec.register_retry = std::chrono::milliseconds(10);
   spec.register_retry_max = std::chrono::milliseconds(40);
   router_actor relay = spawn_router_relay(system, spec);
-  {
-    caf::scoped_actor self{system};
-    WorkerInfo info;
-    info.role = WorkerRole::decode;
-    info.name = "decode-under-test";
-    bool taken = false;
-    self->request(relay, std::chrono::seconds(5), register_atom::value, info,
-                  caf::actor_cast<decode_actor>(worker))
-        .receive([&](caf::ok_atom) { taken = true; }, [](caf::error&) {});
-    ASSERT_TRUE(taken);
-  }
+  ASSERT_TRUE(registers(system, relay, "decode-under-test"));
   set_relay_endpoint(relay, "127.0.0.1:1");
   set_relay_router(relay, caf::actor_cast<router_actor>(router));
 
@@ -66,6 +86,116 @@ TEST(NodeRelay, RetriesARegistrationTheRouterRefused) {
 
   caf::anon_send_exit(relay, caf::exit_reason::user_shutdown);  // linked: the worker goes too
   caf::anon_send_exit(router, caf::exit_reason::user_shutdown);
+}
+
+// Any peer that reaches a worker node can address its relay (CAF delivers
+// to any actor id it made known): the relay takes its worker's registration
+// from that worker only, and once (a registration of another's had it link
+// to and register that one: its refusal or loss ended the relay and, linked,
+// the node's worker), and its router and endpoint from the node only.
+TEST(NodeRelay, TakesItsWorkerFromTheWorkerAndItsRouterFromTheNodeOnly) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+  RelaySpec spec;
+  spec.register_timeout = std::chrono::seconds(5);
+  router_actor relay = spawn_router_relay(system, spec);
+  auto someone = system.spawn(counting_router, std::make_shared<std::atomic<int>>(0));  // any actor
+  caf::scoped_actor outsider{system};
+  WorkerInfo info;
+  info.role = WorkerRole::decode;
+  info.name = "not-its-own";
+  bool taken = true;
+  outsider->request(relay, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<decode_actor>(someone))
+      .receive([&](caf::ok_atom) { taken = true; }, [&](caf::error&) { taken = false; });
+  EXPECT_FALSE(taken) << "a registration of another actor than its sender";
+  ASSERT_TRUE(registers(system, relay, "the-worker"));
+  EXPECT_FALSE(registers(system, relay, "a-second-worker")) << "the relay took a second worker";
+
+  auto wrong = std::make_shared<std::atomic<int>>(0), right = std::make_shared<std::atomic<int>>(0);
+  auto wrong_router = system.spawn(counting_router, wrong);
+  auto right_router = system.spawn(counting_router, right);
+  const caf::actor as_message_target = caf::actor_cast<caf::actor>(relay);
+  using router_atom = caf::atom_constant<caf::atom("router")>;
+  using endpoint_atom = caf::atom_constant<caf::atom("endpoint")>;
+  caf::anon_send(as_message_target, endpoint_atom::value, std::string("10.0.0.1:1"));
+  caf::anon_send(as_message_target, router_atom::value, caf::actor_cast<router_actor>(wrong_router));
+  outsider->send(as_message_target, router_atom::value, caf::actor_cast<router_actor>(wrong_router));
+  set_relay_endpoint(relay, "127.0.0.1:1");
+  set_relay_router(relay, caf::actor_cast<router_actor>(right_router));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (right->load() == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ(right->load(), 1) << "the node's own router got no registration";
+  // (one round trip: a registration the relay sent the wrong router before
+  // the right one's is in its mailbox before this question)
+  outsider->request(wrong_router, std::chrono::seconds(5), status_atom::value)
+      .receive([](RouterStatus&) {}, [](caf::error&) {});
+  EXPECT_EQ(wrong->load(), 0) << "the relay took its router from a peer";
+
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(relay), caf::actor_cast<caf::actor>(someone),
+                              caf::actor_cast<caf::actor>(wrong_router), caf::actor_cast<caf::actor>(right_router)})
+    caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+}
+
+// A prefill worker that registers itself with its relay and answers a
+// status (what its gate passes on).
+caf::behavior prefill_worker(caf::event_based_actor* self, router_actor relay) {
+  WorkerInfo info;
+  info.role = WorkerRole::prefill;
+  info.name = "prefill-under-test";
+  self->request(relay, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
+      .then([](caf::ok_atom) {}, [](caf::error&) {});
+  return {[](status_atom) { return PrefillLoad{}; }};
+}
+
+// A router that hands over the face a prefill worker registered with and
+// counts the status questions it is asked (a gate asks for the decode
+// workers' endpoints).
+caf::behavior gate_router(caf::event_based_actor*, std::shared_ptr<std::promise<prefill_actor>> face,
+                          std::shared_ptr<std::atomic<int>> asked) {
+  auto once = std::make_shared<bool>(false);
+  return {
+      [=](register_atom, WorkerInfo&, prefill_actor& registered) -> caf::result<caf::ok_atom> {
+        if (!*once) face->set_value(registered);
+        *once = true;
+        return caf::ok_atom::value;
+      },
+      [=](status_atom) {
+        asked->fetch_add(1);
+        return RouterStatus{};
+      },
+  };
+}
+
+// A prefill node's gate (the face its relay registers) takes its router
+// from its relay only: one from anyone else had it ask that router for the
+// decode workers to connect to.
+TEST(NodeRelay, APrefillGateTakesItsRouterFromItsRelayOnly) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+  RelaySpec spec;
+  spec.peer_refresh = std::chrono::hours(1);  // (its own timer asks no one meanwhile)
+  router_actor relay = spawn_router_relay(system, spec);
+  system.spawn(prefill_worker, relay);
+  auto face = std::make_shared<std::promise<prefill_actor>>();
+  auto asked = std::make_shared<std::atomic<int>>(0), wrong_asked = std::make_shared<std::atomic<int>>(0);
+  auto router = system.spawn(gate_router, face, asked);
+  auto wrong = system.spawn(gate_router, std::make_shared<std::promise<prefill_actor>>(), wrong_asked);
+  set_relay_router(relay, caf::actor_cast<router_actor>(router));
+  auto registered = face->get_future();
+  ASSERT_EQ(registered.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const prefill_actor gate = registered.get();
+  caf::scoped_actor outsider{system};
+  using router_atom = caf::atom_constant<caf::atom("router")>;
+  outsider->send(caf::actor_cast<caf::actor>(gate), router_atom::value, caf::actor_cast<router_actor>(wrong));
+  // (the gate answers this after it handled the message above; a question
+  // it asked the wrong router then is in that one's mailbox before ours)
+  outsider->request(gate, std::chrono::seconds(5), status_atom::value).receive([](PrefillLoad&) {}, [](caf::error&) {});
+  outsider->request(wrong, std::chrono::seconds(5), status_atom::value).receive([](RouterStatus&) {}, [](caf::error&) {});
+  EXPECT_EQ(wrong_asked->load(), 1) << "the gate asked a router a peer named (1: this test's question)";
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(relay), caf::actor_cast<caf::actor>(router),
+                              caf::actor_cast<caf::actor>(wrong)})
+    caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
 }
 
 }  // namespace
