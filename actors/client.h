@@ -34,7 +34,8 @@ using OutcomeCallback = std::function<void(RequestOutcome)>;
 class LiveRequests {
  public:
   // A submission of `id`: its ticket, or 0 when `id` is in flight already
-  // (the router refuses the duplicate; the first keeps the entry).
+  // (the first keeps the entry: a cancel of `id` reaches the first only; the
+  // router refuses the duplicate while it holds the first).
   uint64_t open(RequestId id);
   // The request's actor has started: true when it was cancelled before.
   bool attach(RequestId id, uint64_t ticket, client_actor actor);

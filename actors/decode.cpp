@@ -11,6 +11,7 @@
 #include <variant>
 
 #include "actors/errors.h"
+#include "actors/log.h"
 #include "actors/prefill.h"
 #include "actors/request_metrics.h"
 #include "actors/timing.h"
@@ -196,11 +197,12 @@ struct DecodeState {
   std::vector<int32_t> quarantined;
   std::vector<int32_t> barrier_covers;  // quarantined blocks the call out now releases
   bool barrier_in_flight = false;
-  // Blocks of streams dropped while pieces still wrote into them (a sender
-  // that stalls mid-piece over shared memory, where the receiver cannot cut
-  // its connection, writes for as long as it stalls): by transfer id, freed
-  // at the receiver's verdict on it (which always comes). This actor never
-  // waits for a receiver.
+  // Blocks of streams dropped while pieces still wrote into them: by
+  // transfer id, freed at the receiver's verdict on it, which comes when
+  // those pieces end (over TCP at the receiver's drain deadline, when it
+  // cuts their connection; over shared memory, where it cannot, when the
+  // sender's piece ends: a sender stalled for good holds them for good,
+  // logged). This actor never waits for a receiver.
   struct Draining {
     kv::Transport transport;
     std::vector<int32_t> blocks;
@@ -713,6 +715,9 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
   // compute's next answer. (Freed at once, a stream's receiver, which is no
   // work of the compute, could be writing another request's KV into them
   // while the chunk still wrote.)
+  if (draining)
+    node_log(LogLevel::warning, "request " + std::to_string(id) + ": its KV stream still writes into " +
+                                    std::to_string(r.blocks.size()) + " blocks; they are freed when it ends");
   if (r.local) quarantine(self, std::move(r.blocks));
   else if (draining) st.draining.emplace(r.transfer_id, DecodeState::Draining{r.transport, std::move(r.blocks)});
   else st.allocator->release(r.blocks);

@@ -224,8 +224,8 @@ class KvReceiver {
   // cancel() for as long as it stalls): `released` when no piece writes into
   // the transfer's memory (the memory is the caller's now), `draining` when
   // some still do (the memory is the caller's once the transfer's result is
-  // out, to on_done or wait(): it always comes, once), `unknown` when the id
-  // is not expected.
+  // out, to on_done or wait(): once, when those pieces end, see
+  // drain_timeout), `unknown` when the id is not expected.
   Dropped drop(uint64_t id);
 
   // Pieces being written into (or hashed from) transfers' memory now, for tests.

@@ -611,13 +611,6 @@ TEST(HttpFrontend, EveryErrorStatusThroughCurl) {
   EXPECT_TRUE(cluster.stop_all());
 }
 
-// Reproduction of a 44 ms stall: a response goes out in several writes
-// (headers, each SSE chunk), and with Nagle's algorithm on the frontend's
-// socket every write after the first waited for the client's delayed ACK
-// (40 ms on Linux), so every streamed request after the first on a
-// keep-alive connection took 44 ms where it needs 2. The fastest of five
-// such requests must stay below that ACK delay (a loaded machine makes some
-// slower, never all five; with the stall none is faster).
 // A chunked body's chunk-size line and its trailer count against no body
 // limit (the parser charges chunk data only): one that never ends must not
 // grow the frontend's read buffer with everything the client sends for as
@@ -665,6 +658,13 @@ TEST(HttpFrontend, AChunkLineOrTrailerThatNeverEndsGetsA400NotTheMemory) {
   ASSERT_TRUE(wait_for_health(port, 503, "worker")) << "the frontend stopped serving";
 }
 
+// Reproduction of a 44 ms stall: a response goes out in several writes
+// (headers, each SSE chunk), and with Nagle's algorithm on the frontend's
+// socket every write after the first waited for the client's delayed ACK
+// (40 ms on Linux), so every streamed request after the first on a
+// keep-alive connection took 44 ms where it needs 2. The fastest of five
+// such requests must stay below that ACK delay (a loaded machine makes some
+// slower, never all five; with the stall none is faster).
 TEST(HttpFrontend, StreamedRequestsOnAKeepAliveConnectionDoNotWaitForDelayedAcks) {
   TestCluster cluster("http-nodelay");
   cluster.start_router();
