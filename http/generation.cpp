@@ -16,6 +16,17 @@ double seconds_between(Clock::time_point from, Clock::time_point to) {
 
 }  // namespace
 
+// A stream's chunks carry their tokens' log probabilities and let go of
+// them; tokens with no text to carry (control tokens, text held back for a
+// stop string or a thought's opening) keep theirs, at most the choice's
+// share of what a whole reply may hold (kMaxReplyLogprobs, which
+// fit_reply_logprobs applies to the others): past it the stream ends.
+bool Generation::holds_too_many_logprobs(const Choice& c) const {
+  if (request_.logprobs < 0) return false;
+  const size_t share = size_t(kMaxReplyLogprobs) / choices_.size();
+  return c.logprobs.size() * size_t(request_.logprobs + 1) > share;
+}
+
 size_t Generation::held_logprobs() const {
   size_t held = 0;
   for (const Choice& c : choices_) held += c.logprobs.size();
@@ -126,6 +137,14 @@ void Generation::on_token(RequestId id, const TokenEvent& event) {
   }
   c.last_token = now;
   const std::string piece = add_token(c, event.token, event.logprobs);
+  if (request_.stream && holds_too_many_logprobs(c)) {
+    record_end(to_string(ErrorCode::invalid_request));
+    fail(bad_request(request_.endpoint == Endpoint::chat ? "top_logprobs" : "logprobs",
+                     "the stream's last " + std::to_string(c.logprobs.size()) +
+                         " tokens had no text to carry their log probabilities, more than a reply may hold (" +
+                         std::to_string(kMaxReplyLogprobs) + " in all)"));
+    return;
+  }
   if (request_.stream && !piece.empty()) {
     if (c.tool_stream) send_tool_text(c, piece);
     else send_text(c, piece);

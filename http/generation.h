@@ -107,6 +107,7 @@ class Generation {
   void submit_others();
   std::string tool_call_id_prefix(const Choice& c) const;
   std::string add_token(Choice& c, int32_t token, TokenLogprobs logprobs);
+  bool holds_too_many_logprobs(const Choice& c) const;
   json with_token_data(Choice& c, json choice, bool streamed);
   void open_events_once();
   void send_piece(Choice& c, const std::string& piece, const std::string& finish_reason);

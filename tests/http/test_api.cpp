@@ -1110,6 +1110,46 @@ TEST(HttpLogprobs, AStreamLetsGoOfThoseItCarried) {
   EXPECT_EQ(held, 0u);
 }
 
+// Tokens with no text to carry their log probabilities (a control token a
+// logit_bias forces, text held back) keep them in a stream: at most the
+// choice's share of what a whole reply may hold, then the stream ends with
+// an error (they grew with max_tokens: gigabytes at long contexts).
+TEST(HttpLogprobs, AStreamOfTokensWithoutTextHoldsNoMoreThanAReplyMay) {
+  // (a thinking family's answer holds leading white space until its
+  // thought opens or text begins: this vocabulary has no token without text)
+  const int32_t kNoText = tokenizer().encode("\n\nOnce", false).front();
+  ASSERT_EQ(tokenizer().decode(100, kNoText).find_first_not_of(" \n"), std::string::npos)
+      << "precondition: white space alone";
+  const ApiRequest request = parse(
+      Endpoint::chat, R"({"messages": [{"role": "user", "content": "A story"}], "logprobs": true, "top_logprobs": 20,
+                          "stream": true})", ChatTemplate::qwen3);
+  const size_t bound = size_t(kMaxReplyLogprobs) / 21;  // (one choice, 21 log probabilities a token)
+  caf::actor_system_config config;
+  caf::actor_system system{config};
+  RecordingSink sink;
+  ServedModel served = model();
+  const GenerationContext context{served, tokenizer(), metrics::disagg_metrics()};
+  RequestId id = 0;
+  Generation generation(context, sink, std::make_shared<Client>(system, router_actor{}), request, "chatcmpl-t",
+                        [&](GenerateRequest r) { id = r.id; });
+  generation.start();
+  size_t fed = 0, most = 0;
+  for (; fed < 2 * bound && !generation.done(); ++fed) {
+    TokenEvent e;
+    e.id = id;
+    e.index = int32_t(fed);
+    e.token = kNoText;
+    e.logprobs = {-0.25f, {kNoText}, {-0.25f}};
+    generation.on_token(id, e);
+    most = std::max(most, generation.held_logprobs());
+  }
+  EXPECT_TRUE(generation.done()) << "the stream held " << most << " tokens' log probabilities";
+  EXPECT_LE(most, bound + 1);
+  // (no chunk went out yet: the error is the whole reply's; else in the stream, before [DONE])
+  const std::string error = sink.events.empty() ? sink.error : sink.events[sink.events.size() - 2];
+  EXPECT_NE(error.find("had no text to carry their log probabilities"), std::string::npos) << error;
+}
+
 // A thinking family's reply under tools: the reasoning goes apart
 // (reasoning_content) and only what follows it is read for calls, vLLM's
 // order: a call the model thinks about is no call, and the thinking never
