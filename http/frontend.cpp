@@ -80,11 +80,14 @@ class Frontend {
  public:
   Frontend(caf::actor_system& system, const NodeOptions& node, const DisaggConfig& cfg, ServedModel model,
            gpu::Tokenizer tokenizer, ChatFormat chat)
-      : ioc(node.http_threads), acceptor(ioc), system(system), node(node), cfg(cfg), model(std::move(model)),
+      : ioc(node.http_threads), acceptor(net::make_strand(ioc)), system(system), node(node), cfg(cfg), model(std::move(model)),
         tokenizer(std::move(tokenizer)), chat(std::move(chat)), random_(std::random_device{}()) {}
   Frontend(const Frontend&) = delete;
 
   net::io_context ioc;
+  // On a strand of its own: its accepts, their retries and the close at
+  // shutdown run one at a time (with http-threads > 1, a close on one I/O
+  // thread could meet an accept on another).
   tcp::acceptor acceptor;
   caf::actor_system& system;
   const NodeOptions& node;
@@ -668,7 +671,7 @@ void accept(Frontend& fe) {
     // Out of file descriptors (or another failure): try again a little later
     // instead of spinning; the connections already open keep being served.
     node_log(LogLevel::warning, "accept failed: " + ec.message());
-    metrics::accept_later(fe.ioc.get_executor(), [&fe] { accept(fe); });
+    metrics::accept_later(fe.acceptor.get_executor(), [&fe] { accept(fe); });
   });
 }
 
@@ -754,7 +757,7 @@ int follow_router(caf::actor_system& system, const NodeOptions& node, Frontend& 
 // Stops accepting, cancels the requests in flight and gives them
 // kShutdownDrain to end, then stops the I/O threads.
 void drain_and_stop(std::unique_ptr<Frontend> fe, std::vector<std::thread>& threads) {
-  net::post(fe->ioc, [&fe] {
+  net::post(fe->acceptor.get_executor(), [&fe] {
     beast::error_code ignored;
     fe->acceptor.close(ignored);
   });

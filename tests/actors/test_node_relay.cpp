@@ -3,8 +3,11 @@
 // answer, instead of leaving the worker unknown to the cluster for good.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
+#include <mutex>
+#include <vector>
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -165,6 +168,65 @@ caf::behavior gate_router(caf::event_based_actor*, std::shared_ptr<std::promise<
         return RouterStatus{};
       },
   };
+}
+
+// A router that records the KV event batches it is sent (by their seq).
+caf::behavior events_router(caf::event_based_actor*, std::shared_ptr<std::promise<prefill_actor>> face,
+                            std::shared_ptr<std::mutex> mutex, std::shared_ptr<std::vector<uint64_t>> seqs) {
+  auto once = std::make_shared<bool>(false);
+  return {
+      [=](register_atom, WorkerInfo&, prefill_actor& registered) -> caf::result<caf::ok_atom> {
+        if (!*once) face->set_value(registered);
+        *once = true;
+        return caf::ok_atom::value;
+      },
+      [](status_atom) { return RouterStatus{}; },
+      [=](kv_events_atom, KvEvents& events) {
+        std::lock_guard<std::mutex> lock(*mutex);
+        seqs->push_back(events.seq);
+      },
+  };
+}
+
+// A prefill node's relay passes on its worker's KV events only (through
+// the gate, as the face the router knows): a peer's had the router credit
+// them to this worker (its prefix index, which routes requests here).
+TEST(NodeRelay, PassesOnItsPrefillWorkersKvEventsOnly) {
+  DisaggSystemConfig config;
+  caf::actor_system system{config};
+  RelaySpec spec;
+  spec.peer_refresh = std::chrono::hours(1);
+  router_actor relay = spawn_router_relay(system, spec);
+  auto face = std::make_shared<std::promise<prefill_actor>>();
+  auto mutex = std::make_shared<std::mutex>();
+  auto seqs = std::make_shared<std::vector<uint64_t>>();
+  auto router = system.spawn(events_router, face, mutex, seqs);
+  caf::scoped_actor worker{system};
+  WorkerInfo info;
+  info.role = WorkerRole::prefill;
+  info.name = "prefill-under-test";
+  bool taken = false;
+  worker->request(relay, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(worker))
+      .receive([&](caf::ok_atom) { taken = true; }, [](caf::error&) {});
+  ASSERT_TRUE(taken);
+  set_relay_router(relay, caf::actor_cast<router_actor>(router));
+  auto registered = face->get_future();
+  ASSERT_EQ(registered.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const prefill_actor gate = registered.get();  // (linked to this test's worker, which ends normally: stopped below)
+  caf::scoped_actor outsider{system};
+  outsider->send(relay, kv_events_atom::value, KvEvents{7, false, {1, 2, 3}, {}});
+  worker->send(relay, kv_events_atom::value, KvEvents{42, false, {4}, {}});  // (after the peer's: behind it)
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  auto seen = [&] {
+    std::lock_guard<std::mutex> lock(*mutex);
+    return *seqs;
+  };
+  while (std::find(seen().begin(), seen().end(), 42u) == seen().end() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_EQ(seen(), std::vector<uint64_t>{42}) << "the router got a peer's events as the worker's";
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(relay), caf::actor_cast<caf::actor>(router),
+                              caf::actor_cast<caf::actor>(gate)})
+    caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
 }
 
 // A prefill node's gate (the face its relay registers) takes its router

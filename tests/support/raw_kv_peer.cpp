@@ -9,7 +9,7 @@
 
 namespace disagg::test {
 
-RawKvPeer::RawKvPeer(const std::shared_ptr<kv::KvContext>& context, const std::string& address) {
+RawKvPeer::RawKvPeer(const std::shared_ptr<kv::KvContext>& context, const std::string& address) : context_(context) {
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;

@@ -33,6 +33,7 @@ class RawKvPeer {
  private:
   ucs_status_t finish(ucs_status_ptr_t request, kv::Deadline until);
 
+  std::shared_ptr<kv::KvContext> context_;  // (first: it outlives the worker)
   ucp_worker_h worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
   ucs_status_ptr_t stalled_ = nullptr;
