@@ -230,9 +230,9 @@ TEST(NodeRelay, PassesOnItsPrefillWorkersKvEventsOnly) {
 }
 
 // A prefill node's gate (the face its relay registers) takes its router
-// from its relay only: one from anyone else had it ask that router for the
-// decode workers to connect to.
-TEST(NodeRelay, APrefillGateTakesItsRouterFromItsRelayOnly) {
+// from its relay only (one from anyone else had it ask that router for the
+// decode workers to connect to), and its refresh timer from itself.
+TEST(NodeRelay, APrefillGateTakesItsRouterAndTimerFromItsRelayAndItselfOnly) {
   DisaggSystemConfig config;
   caf::actor_system system{config};
   RelaySpec spec;
@@ -255,6 +255,24 @@ TEST(NodeRelay, APrefillGateTakesItsRouterFromItsRelayOnly) {
   outsider->request(gate, std::chrono::seconds(5), status_atom::value).receive([](PrefillLoad&) {}, [](caf::error&) {});
   outsider->request(wrong, std::chrono::seconds(5), status_atom::value).receive([](RouterStatus&) {}, [](caf::error&) {});
   EXPECT_EQ(wrong_asked->load(), 1) << "the gate asked a router a peer named (1: this test's question)";
+
+  // Its refresh timer is its own too: a refresh from anyone asked the router
+  // at once and started a chain of its own. (Each round trip below counts
+  // one question of this test's at the router.)
+  const auto asked_by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (asked->load() == 0 && std::chrono::steady_clock::now() < asked_by)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_EQ(asked->load(), 1) << "the gate's own question at its router";
+  auto round_trip = [&](const caf::actor& to, auto answer) {
+    outsider->request(to, std::chrono::seconds(5), status_atom::value).receive(answer, [](caf::error&) {});
+  };
+  round_trip(caf::actor_cast<caf::actor>(router), [](RouterStatus&) {});  // (its answer is in the gate's mailbox now)
+  round_trip(caf::actor_cast<caf::actor>(gate), [](PrefillLoad&) {});     // (and taken: no question out)
+  using refresh_atom = caf::atom_constant<caf::atom("refresh")>;
+  outsider->send(caf::actor_cast<caf::actor>(gate), refresh_atom::value);
+  round_trip(caf::actor_cast<caf::actor>(gate), [](PrefillLoad&) {});
+  round_trip(caf::actor_cast<caf::actor>(router), [](RouterStatus&) {});
+  EXPECT_EQ(asked->load(), 3) << "a peer's refresh had the gate ask its router (3: two of this test's)";
   for (const caf::actor& a : {caf::actor_cast<caf::actor>(relay), caf::actor_cast<caf::actor>(router),
                               caf::actor_cast<caf::actor>(wrong)})
     caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
