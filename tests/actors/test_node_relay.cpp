@@ -151,39 +151,31 @@ caf::behavior prefill_worker(caf::event_based_actor* self, router_actor relay) {
   return {[](status_atom) { return PrefillLoad{}; }};
 }
 
-// A router that hands over the face a prefill worker registered with and
-// counts the status questions it is asked (a gate asks for the decode
-// workers' endpoints).
-caf::behavior gate_router(caf::event_based_actor*, std::shared_ptr<std::promise<prefill_actor>> face,
-                          std::shared_ptr<std::atomic<int>> asked) {
+// What a prefill node's router saw: the face its worker registered with,
+// the status questions it was asked (a gate asks for the decode workers'
+// endpoints) and the KV event batches it was sent (by their seq).
+struct RouterSaw {
+  std::promise<prefill_actor> face;
+  std::atomic<int> asked{0};
+  std::mutex mutex;
+  std::vector<uint64_t> seqs;
+};
+
+caf::behavior gate_router(caf::event_based_actor*, std::shared_ptr<RouterSaw> saw) {
   auto once = std::make_shared<bool>(false);
   return {
       [=](register_atom, WorkerInfo&, prefill_actor& registered) -> caf::result<caf::ok_atom> {
-        if (!*once) face->set_value(registered);
+        if (!*once) saw->face.set_value(registered);
         *once = true;
         return caf::ok_atom::value;
       },
       [=](status_atom) {
-        asked->fetch_add(1);
+        saw->asked.fetch_add(1);
         return RouterStatus{};
       },
-  };
-}
-
-// A router that records the KV event batches it is sent (by their seq).
-caf::behavior events_router(caf::event_based_actor*, std::shared_ptr<std::promise<prefill_actor>> face,
-                            std::shared_ptr<std::mutex> mutex, std::shared_ptr<std::vector<uint64_t>> seqs) {
-  auto once = std::make_shared<bool>(false);
-  return {
-      [=](register_atom, WorkerInfo&, prefill_actor& registered) -> caf::result<caf::ok_atom> {
-        if (!*once) face->set_value(registered);
-        *once = true;
-        return caf::ok_atom::value;
-      },
-      [](status_atom) { return RouterStatus{}; },
       [=](kv_events_atom, KvEvents& events) {
-        std::lock_guard<std::mutex> lock(*mutex);
-        seqs->push_back(events.seq);
+        std::lock_guard<std::mutex> lock(saw->mutex);
+        saw->seqs.push_back(events.seq);
       },
   };
 }
@@ -197,10 +189,8 @@ TEST(NodeRelay, PassesOnItsPrefillWorkersKvEventsOnly) {
   RelaySpec spec;
   spec.peer_refresh = std::chrono::hours(1);
   router_actor relay = spawn_router_relay(system, spec);
-  auto face = std::make_shared<std::promise<prefill_actor>>();
-  auto mutex = std::make_shared<std::mutex>();
-  auto seqs = std::make_shared<std::vector<uint64_t>>();
-  auto router = system.spawn(events_router, face, mutex, seqs);
+  auto saw = std::make_shared<RouterSaw>();
+  auto router = system.spawn(gate_router, saw);
   caf::scoped_actor worker{system};
   WorkerInfo info;
   info.role = WorkerRole::prefill;
@@ -210,7 +200,7 @@ TEST(NodeRelay, PassesOnItsPrefillWorkersKvEventsOnly) {
       .receive([&](caf::ok_atom) { taken = true; }, [](caf::error&) {});
   ASSERT_TRUE(taken);
   set_relay_router(relay, caf::actor_cast<router_actor>(router));
-  auto registered = face->get_future();
+  auto registered = saw->face.get_future();
   ASSERT_EQ(registered.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   const prefill_actor gate = registered.get();  // (linked to this test's worker, which ends normally: stopped below)
   caf::scoped_actor outsider{system};
@@ -218,8 +208,8 @@ TEST(NodeRelay, PassesOnItsPrefillWorkersKvEventsOnly) {
   worker->send(relay, kv_events_atom::value, KvEvents{42, false, {4}, {}});  // (after the peer's: behind it)
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   auto seen = [&] {
-    std::lock_guard<std::mutex> lock(*mutex);
-    return *seqs;
+    std::lock_guard<std::mutex> lock(saw->mutex);
+    return saw->seqs;
   };
   while (std::find(seen().begin(), seen().end(), 42u) == seen().end() && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -239,12 +229,12 @@ TEST(NodeRelay, APrefillGateTakesItsRouterAndTimerFromItsRelayAndItselfOnly) {
   spec.peer_refresh = std::chrono::hours(1);  // (its own timer asks no one meanwhile)
   router_actor relay = spawn_router_relay(system, spec);
   system.spawn(prefill_worker, relay);
-  auto face = std::make_shared<std::promise<prefill_actor>>();
-  auto asked = std::make_shared<std::atomic<int>>(0), wrong_asked = std::make_shared<std::atomic<int>>(0);
-  auto router = system.spawn(gate_router, face, asked);
-  auto wrong = system.spawn(gate_router, std::make_shared<std::promise<prefill_actor>>(), wrong_asked);
+  auto saw = std::make_shared<RouterSaw>(), wrong_saw = std::make_shared<RouterSaw>();
+  std::atomic<int>& asked = saw->asked;
+  auto router = system.spawn(gate_router, saw);
+  auto wrong = system.spawn(gate_router, wrong_saw);
   set_relay_router(relay, caf::actor_cast<router_actor>(router));
-  auto registered = face->get_future();
+  auto registered = saw->face.get_future();
   ASSERT_EQ(registered.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   const prefill_actor gate = registered.get();
   caf::scoped_actor outsider{system};
@@ -254,15 +244,15 @@ TEST(NodeRelay, APrefillGateTakesItsRouterAndTimerFromItsRelayAndItselfOnly) {
   // it asked the wrong router then is in that one's mailbox before ours)
   outsider->request(gate, std::chrono::seconds(5), status_atom::value).receive([](PrefillLoad&) {}, [](caf::error&) {});
   outsider->request(wrong, std::chrono::seconds(5), status_atom::value).receive([](RouterStatus&) {}, [](caf::error&) {});
-  EXPECT_EQ(wrong_asked->load(), 1) << "the gate asked a router a peer named (1: this test's question)";
+  EXPECT_EQ(wrong_saw->asked.load(), 1) << "the gate asked a router a peer named (1: this test's question)";
 
   // Its refresh timer is its own too: a refresh from anyone asked the router
   // at once and started a chain of its own. (Each round trip below counts
   // one question of this test's at the router.)
   const auto asked_by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (asked->load() == 0 && std::chrono::steady_clock::now() < asked_by)
+  while (asked.load() == 0 && std::chrono::steady_clock::now() < asked_by)
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  ASSERT_EQ(asked->load(), 1) << "the gate's own question at its router";
+  ASSERT_EQ(asked.load(), 1) << "the gate's own question at its router";
   auto round_trip = [&](const caf::actor& to, auto answer) {
     outsider->request(to, std::chrono::seconds(5), status_atom::value).receive(answer, [](caf::error&) {});
   };
@@ -272,7 +262,7 @@ TEST(NodeRelay, APrefillGateTakesItsRouterAndTimerFromItsRelayAndItselfOnly) {
   outsider->send(caf::actor_cast<caf::actor>(gate), refresh_atom::value);
   round_trip(caf::actor_cast<caf::actor>(gate), [](PrefillLoad&) {});
   round_trip(caf::actor_cast<caf::actor>(router), [](RouterStatus&) {});
-  EXPECT_EQ(asked->load(), 3) << "a peer's refresh had the gate ask its router (3: two of this test's)";
+  EXPECT_EQ(asked.load(), 3) << "a peer's refresh had the gate ask its router (3: two of this test's)";
   for (const caf::actor& a : {caf::actor_cast<caf::actor>(relay), caf::actor_cast<caf::actor>(router),
                               caf::actor_cast<caf::actor>(wrong)})
     caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
