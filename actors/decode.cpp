@@ -14,6 +14,7 @@
 #include "actors/log.h"
 #include "actors/prefill.h"
 #include "actors/request_metrics.h"
+#include "actors/senders.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "engine/block_hash.h"
@@ -165,7 +166,10 @@ struct DecodeState {
   DecodeKv kv;             // streams: the pool's memory and the process's receivers
   std::string name;  // also the actor's name in CAF (stateful_actor reads state.name)
   compute_actor compute;
-  router_actor router;
+  router_actor router;  // its router, or its node's relay to one
+  // The router behind the relay, as its node told it (router_atom): with
+  // its own node, the one sender whose reserve, prefill and cancel it takes.
+  caf::actor_addr router_behind;
   // Not colocated: its own unregistered prefill worker on `compute`, which
   // prefills short uncached rests of prompts the prefix cache mostly holds.
   prefill_actor local_prefill;
@@ -1080,9 +1084,23 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
   }
   join_cluster(self, compute, router);
   return {
-      [=](reserve_atom, const KvReservation& r) { return reserve(self, r); },
+      // The router's orders: from it or from this node only (else any peer
+      // that learnt this worker's handle could hold its pool's blocks for a
+      // lease or end another client's request here).
+      [=](reserve_atom, const KvReservation& r) {
+        if (from_node_or(self, self->state.router_behind)) return reserve(self, r);
+        return ReserveReply{r.id, ErrorCode::invalid_request, kNotItsRouter, load_of(self)};
+      },
       [=](kv_atom, KvTransfer& transfer) { return admit(self, transfer); },
-      [=](prefill_atom, PrefillJob& job) { return prefill_here(self, job); },
+      [=](prefill_atom, PrefillJob& job) -> caf::result<PrefillReport> {
+        if (from_node_or(self, self->state.router_behind)) return prefill_here(self, job);
+        return PrefillReport{job.id, ErrorCode::invalid_request, kNotItsRouter};
+      },
+      [=](router_atom, caf::actor_addr& router) {
+        if (!from_this_node(self)) return;
+        self->state.router_behind = router;
+        if (self->state.local_prefill) self->send(self->state.local_prefill, router_atom::value, std::move(router));
+      },
       [=](lease_atom, RequestId id, uint64_t serial) {
         if (!from_itself(self)) return;  // (a peer's: only this worker's own timer ends a lease)
         auto it = find_in<Reservation>(self->state, id);
@@ -1096,7 +1114,9 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         // holder of its handle could free blocks a stream still writes into)
         if (from_itself(self)) on_landed(self, id, serial, verdict);
       },
-      [=](cancel_atom, RequestId id) { cancel_request(self, id); },
+      [=](cancel_atom, RequestId id) {
+        if (from_node_or(self, self->state.router_behind)) cancel_request(self, id);
+      },
       [=](status_atom) { return load_of(self); },
       [=](kv_events_atom) {
         flush_events(self);  // what the router has not heard yet comes first, numbered

@@ -9,6 +9,7 @@
 
 #include "actors/errors.h"
 #include "actors/request_metrics.h"
+#include "actors/senders.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "engine/kv_stream.h"
@@ -35,7 +36,10 @@ struct PrefillState {
   DisaggConfig config;
   std::string name;  // also the actor's name in CAF (stateful_actor reads state.name)
   compute_actor compute;
-  router_actor router;
+  router_actor router;  // its router, or its node's relay to one
+  // The router behind the relay, as its node told it (router_atom): with
+  // its own node, the one sender whose jobs and cancels it takes.
+  caf::actor_addr router_behind;
   std::unordered_map<uint64_t, Job> jobs;        // by serial: received, not yet reported
   std::unordered_map<RequestId, uint64_t> live;  // request id -> its job, until cancelled
   uint64_t next_serial = 1;
@@ -285,15 +289,23 @@ prefill_actor::behavior_type prefill_behavior(Self self, DisaggConfig config, co
   return {
       [=](prefill_atom, PrefillJob& job,
           decode_actor& decode) -> caf::typed_response_promise<PrefillReport> {
+        // (the router's orders: from it or from this node only, as a decode
+        // worker's; read before make_response_promise, which takes the sender)
+        const bool ordered = from_node_or(self, self->state.router_behind);
         auto promise = self->make_response_promise<PrefillReport>();
-        if (auto refused = refusal_of(self->state, job)) promise.deliver(std::move(*refused));
+        if (!ordered) promise.deliver(PrefillReport{job.id, ErrorCode::invalid_request, kNotItsRouter});
+        else if (auto refused = refusal_of(self->state, job)) promise.deliver(std::move(*refused));
         else start_job(self, job, decode, promise);
         return promise;
+      },
+      [=](router_atom, caf::actor_addr& router) {
+        if (from_this_node(self)) self->state.router_behind = std::move(router);
       },
       [=](cancel_atom, RequestId id) {
         // The router has already answered its client; this only stops the
         // work: the compute actor skips the prompt if it has not begun it (a
         // KV already sent is cancelled at the decode worker by the router).
+        if (!from_node_or(self, self->state.router_behind)) return;
         auto& st = self->state;
         auto it = st.live.find(id);
         if (it == st.live.end()) return;

@@ -44,6 +44,7 @@
 #include "actors/log.h"
 #include "actors/request_metrics.h"
 #include "actors/router_policy.h"
+#include "actors/senders.h"
 #include "actors/timing.h"
 #include "caf/all.hpp"
 #include "engine/block_hash.h"

@@ -14,13 +14,4 @@ inline int64_t micros_between(Clock::time_point from, Clock::time_point to) {
 
 inline int64_t micros_since(Clock::time_point start) { return micros_between(start, Clock::now()); }
 
-// Whether the message an actor handles is one of its own timers
-// (delayed_send to itself): its typed interface lets any peer send the
-// timers' atoms too (the router's deadlines and heartbeat, a decode
-// worker's reservation leases).
-template <class Self>
-bool from_itself(Self self) {
-  return self->current_sender() == self->ctrl();
-}
-
 }  // namespace disagg

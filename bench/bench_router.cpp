@@ -240,6 +240,7 @@ fake_decode_actor::behavior_type fake_decode(FakeDecodeSelf self,
         self->state.active.erase(id);
         fake_release(self->state, id);
       },
+      [](router_atom, caf::actor_addr&) {},
       [=](lease_atom, RequestId, uint64_t) {},
       [=](landed_atom, RequestId, uint64_t, KvLanded&) {},
       [=](status_atom) { return fake_load(self->state); },
@@ -281,6 +282,7 @@ prefill_actor::behavior_type fake_prefill(prefill_actor::pointer self) {
         return promise;
       },
       [=](cancel_atom, RequestId) {},
+      [](router_atom, caf::actor_addr&) {},
       [=](status_atom) { return PrefillLoad{}; },
       [=](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
   };

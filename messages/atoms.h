@@ -22,6 +22,7 @@ using admit_atom = caf::atom_constant<caf::atom("admit")>;        // decode -> c
 using step_atom = caf::atom_constant<caf::atom("step")>;          // decode -> compute
 using chunk_atom = caf::atom_constant<caf::atom("chunk")>;        // compute -> itself
 using info_atom = caf::atom_constant<caf::atom("info")>;          // worker -> compute
+using router_atom = caf::atom_constant<caf::atom("router")>;      // relay -> worker: the router it serves
 using kv_events_atom = caf::atom_constant<caf::atom("kvevents")>;  // worker -> router (and snapshots on request)
 
 }  // namespace disagg

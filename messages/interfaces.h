@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "caf/actor_addr.hpp"
 #include "caf/replies_to.hpp"
 #include "caf/typed_actor.hpp"
 #include "messages/atoms.h"
@@ -43,6 +44,10 @@ using decode_actor = caf::typed_actor<
     // not colocated).
     caf::replies_to<prefill_atom, PrefillJob>::with<PrefillReport>,
     caf::reacts_to<cancel_atom, RequestId>,
+    // the router it serves, told by its node (the node's relay): besides its
+    // own node, the one sender of reserve, prefill and cancel it takes
+    // (actors/senders.h from_node_or)
+    caf::reacts_to<router_atom, caf::actor_addr>,
     // its own lease timer: (request id, reservation serial).
     caf::reacts_to<lease_atom, RequestId, uint64_t>,
     // its KV receiver's verdict on a streamed transfer: (request id, reservation serial, verdict).
@@ -55,6 +60,9 @@ using decode_actor = caf::typed_actor<
 using prefill_actor = caf::typed_actor<
     caf::replies_to<prefill_atom, PrefillJob, decode_actor>::with<PrefillReport>,
     caf::reacts_to<cancel_atom, RequestId>,
+    // the router it serves, told by its node (its gate, or the decode worker
+    // whose own prefill it is): as a decode worker's
+    caf::reacts_to<router_atom, caf::actor_addr>,
     caf::replies_to<status_atom>::with<PrefillLoad>,
     // a snapshot of its prefix cache for the router's index (KvEvents), as a
     // decode worker's; its stores and evictions go to the router as they happen

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "actors/log.h"
+#include "actors/senders.h"
 #include "actors/timing.h"
 #include "node/tls.h"
 #include "caf/all.hpp"
@@ -29,7 +30,6 @@ namespace {
 
 using refresh_atom = caf::atom_constant<caf::atom("refresh")>;
 using endpoint_atom = caf::atom_constant<caf::atom("endpoint")>;
-using router_atom = caf::atom_constant<caf::atom("router")>;
 using retry_atom = caf::atom_constant<caf::atom("retry")>;
 using probed_atom = caf::atom_constant<caf::atom("probed")>;
 
@@ -237,19 +237,6 @@ void ask_router(GateSelf self) {
           });
 }
 
-// Whether the message being handled comes from `who` (a gate's and a relay's
-// settings come from their node alone: any peer that reaches the node can
-// address them, as CAF delivers to any actor id it has made known).
-template <class Self>
-bool from(Self self, const caf::actor_addr& who) {
-  return who && self->current_sender() && self->current_sender()->address() == who;
-}
-
-template <class Self>
-bool from_this_node(Self self) {
-  return self->current_sender() && self->current_sender()->node() == self->node();
-}
-
 gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
                                         std::chrono::milliseconds refresh, caf::actor_addr relay) {
   self->state.prefill = prefill;
@@ -268,7 +255,13 @@ gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
   return {
       [=](prefill_atom, PrefillJob& job,
           decode_actor& decode) -> caf::typed_response_promise<PrefillReport> {
+        // The router's orders, as its worker's (read before the promise takes the sender).
+        const bool ordered = from_node_or(self, self->state.router.address());
         auto promise = self->make_response_promise<PrefillReport>();
+        if (!ordered) {
+          promise.deliver(PrefillReport{job.id, ErrorCode::invalid_request, kNotItsRouter});
+          return promise;
+        }
         WaitingJob w{std::move(job), std::move(decode), promise, false};
         if (has_direct_route(self, w.decode)) {
           pass_on(self, w);
@@ -279,6 +272,7 @@ gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
         return promise;
       },
       [=](cancel_atom, RequestId id) {
+        if (!from_node_or(self, self->state.router.address())) return;
         auto& waiting = self->state.waiting;
         for (auto it = waiting.begin(); it != waiting.end(); ++it)
           if (it->job.id == id) {  // still here: the prefill worker never saw it
@@ -319,8 +313,12 @@ gate_actor::behavior_type gate_behavior(GateSelf self, prefill_actor prefill,
         self->state.router = std::move(router);
         self->state.asking_router = false;
         ++self->state.ask_serial;
+        // (the worker takes the jobs this router delegates through here, and
+        // its cancels, from it; before the router knows this face)
+        self->send(self->state.prefill, router_atom::value, self->state.router.address());
         ask_router(self);
       },
+      [](router_atom, caf::actor_addr&) {},  // (a worker's: this face learns its router from its relay)
   };
 }
 
@@ -437,6 +435,7 @@ caf::result<caf::ok_atom> take_registration(RelaySelf self, WorkerInfo& info, pr
   } else {
     self->link_to(decode);
     w.decode = std::move(decode);
+    if (st.router) self->send(w.decode, router_atom::value, st.router.address());
   }
   st.worker = std::move(w);
   register_worker(self);
@@ -500,8 +499,12 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         self->state.router = std::move(router);
         self->state.retry_delay = self->state.spec.register_retry;
         self->state.name_held_since.reset();
+        // The worker learns its router before the router learns the worker
+        // (register_worker): the router's first order finds it known.
         if (self->state.worker && self->state.worker->gate)
           self->send(self->state.worker->gate, router_atom::value, self->state.router);
+        else if (self->state.worker)
+          self->send(self->state.worker->decode, router_atom::value, self->state.router.address());
         register_worker(self);
       },
       [=](endpoint_atom, std::string& endpoint) {

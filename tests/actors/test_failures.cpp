@@ -321,6 +321,7 @@ decode_actor::behavior_type scripted_decode(decode_actor::pointer self, router_a
       },
       [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
       [](cancel_atom, RequestId) {},
+      [](router_atom, caf::actor_addr&) {},
       [](lease_atom, RequestId, uint64_t) {},
       [](landed_atom, RequestId, uint64_t, KvLanded&) {},
       [=](status_atom) {
@@ -532,6 +533,7 @@ prefill_actor::behavior_type scripted_prefill(prefill_actor::pointer self, route
   return {
       [=](prefill_atom, PrefillJob& job, decode_actor& decode) { return answer(self, job, decode); },
       [](cancel_atom, RequestId) {},
+      [](router_atom, caf::actor_addr&) {},
       [](status_atom) { return PrefillLoad{}; },
       [](kv_events_atom) { return KvEvents{0, true, {}, {}}; },
   };

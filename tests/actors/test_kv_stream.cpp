@@ -106,7 +106,7 @@ TEST_F(KvStreamTest, AReservationWithAPromptOpensAStreamOnTheTransportOfThePrefi
   EXPECT_NE(elsewhere.target.transfer_id, same_host.target.transfer_id);
   EXPECT_EQ(receiver(same_host.target).pending_transfers(), 1u);
   EXPECT_EQ(receiver(elsewhere.target).pending_transfers(), 1u);
-  for (RequestId id : {9101, 9102}) caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, id);
+  for (RequestId id : {9101, 9102}) caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, id);
   EXPECT_EQ(free_blocks_when(total_), total_);
   EXPECT_EQ(receiver(same_host.target).pending_transfers(), 0u);
   EXPECT_EQ(receiver(elsewhere.target).pending_transfers(), 0u);
@@ -138,7 +138,7 @@ TEST_F(KvStreamTest, CancellingAHalfSentStreamFreesItsBlocksAndTheSenderHearsIt)
       ASSERT_TRUE(tx->send(reply.target.transfer_id, uint32_t(pieces++), offset, source + from, bytes));
     });
     EXPECT_GT(pieces, 0);
-    caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, id);
+    caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, id);
     EXPECT_EQ(free_blocks_when(total_), total_);
     EXPECT_EQ(receiver(reply.target).pending_transfers(), 0u);
     const kv::TransferResult verdict = tx->wait(reply.target.transfer_id, kv::Clock::now() + 5s);
@@ -185,7 +185,7 @@ TEST_F(KvStreamTest, ACancelNeverWaitsForAStalledSenderItsBlocksFollowTheVerdict
   const auto give_up = kv::Clock::now() + 5s;
   while (rx.receives_in_flight() == 0 && kv::Clock::now() < give_up) std::this_thread::yield();
   ASSERT_EQ(rx.receives_in_flight(), 1u) << "the receiver never started the stalled piece's receive";
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9141});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9141});
   const auto loads = cluster_->decode_loads();  // (asked after the cancel: answered after it)
   ASSERT_EQ(loads.size(), 1u);
   EXPECT_EQ(loads[0].free_blocks, total_ - 3) << "freed while the stalled piece could still write, or waited for it";
@@ -254,7 +254,7 @@ TEST_F(KvStreamTest, AOneMessageKvWhileAStreamsCommitWaitsIsRefused) {
   const KvAck message = commit(9161, 0, fingerprint_);
   EXPECT_EQ(message.code, ErrorCode::invalid_request) << message.message;
   EXPECT_NE(message.message.find("waiting"), std::string::npos) << message.message;
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9161});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9161});
   KvAck ended;
   ended.code = ErrorCode::none;
   std::move(waiting).receive([&](KvAck& a) { ended = std::move(a); },
@@ -282,7 +282,7 @@ TEST_F(KvStreamTest, AStreamsCommitOfAnotherPromptIsRefused) {
   const KvAck refused = commit(9151, reply.target.transfer_id, fingerprint_, kPromptLen, other);
   EXPECT_EQ(refused.code, ErrorCode::invalid_request) << refused.message;
   EXPECT_EQ(free_blocks_when(total_ - 3), total_ - 3) << "a stray commit must not end the reservation";
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9151});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9151});
   EXPECT_EQ(free_blocks_when(total_), total_);
 }
 

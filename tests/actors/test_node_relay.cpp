@@ -43,7 +43,7 @@ caf::behavior self_registering_worker(caf::event_based_actor* self, router_actor
               taken->set_value(false);
               self->quit();
             });
-  return {[](status_atom) {}};
+  return {[](status_atom) {}, [](router_atom, caf::actor_addr&) {}};
 }
 
 bool registers(caf::actor_system& system, const router_actor& relay, const std::string& name) {
@@ -118,7 +118,6 @@ TEST(NodeRelay, TakesItsWorkerFromTheWorkerAndItsRouterFromTheNodeOnly) {
   auto wrong_router = system.spawn(counting_router, wrong);
   auto right_router = system.spawn(counting_router, right);
   const caf::actor as_message_target = caf::actor_cast<caf::actor>(relay);
-  using router_atom = caf::atom_constant<caf::atom("router")>;
   using endpoint_atom = caf::atom_constant<caf::atom("endpoint")>;
   caf::anon_send(as_message_target, endpoint_atom::value, std::string("10.0.0.1:1"));
   caf::anon_send(as_message_target, router_atom::value, caf::actor_cast<router_actor>(wrong_router));
@@ -148,7 +147,7 @@ caf::behavior prefill_worker(caf::event_based_actor* self, router_actor relay) {
   info.name = "prefill-under-test";
   self->request(relay, std::chrono::seconds(5), register_atom::value, info, caf::actor_cast<prefill_actor>(self))
       .then([](caf::ok_atom) {}, [](caf::error&) {});
-  return {[](status_atom) { return PrefillLoad{}; }};
+  return {[](status_atom) { return PrefillLoad{}; }, [](router_atom, caf::actor_addr&) {}};
 }
 
 // What a prefill node's router saw: the face its worker registered with,
@@ -238,7 +237,6 @@ TEST(NodeRelay, APrefillGateTakesItsRouterAndTimerFromItsRelayAndItselfOnly) {
   ASSERT_EQ(registered.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   const prefill_actor gate = registered.get();
   caf::scoped_actor outsider{system};
-  using router_atom = caf::atom_constant<caf::atom("router")>;
   outsider->send(caf::actor_cast<caf::actor>(gate), router_atom::value, caf::actor_cast<router_actor>(wrong));
   // (the gate answers this after it handled the message above; a question
   // it asked the wrong router then is in that one's mailbox before ours)

@@ -223,7 +223,7 @@ TEST_F(ActorTest, AOneMessageKvOfAnotherPromptThanReservedIsRefused) {
       .receive([&](KvAck& got) { ack = std::move(got); }, [&](caf::error& e) { FAIL() << system_->render(e); });
   EXPECT_EQ(ack.code, ErrorCode::invalid_request) << ack.message;
   EXPECT_NE(ack.message.find("another prompt"), std::string::npos) << ack.message;
-  caf::anon_send(decode, cancel_atom::value, RequestId{777});
+  self->send(decode, cancel_atom::value, RequestId{777});
 }
 
 TEST_F(ActorTest, AColocatedWorkerPrefillsOnlyAfterItsCachedBlocks) {

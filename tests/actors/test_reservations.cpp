@@ -81,13 +81,13 @@ TEST_F(ReservationTest, CancelFreesAReservation) {
   const int total = cluster_->decode_loads().at(0).total_blocks;
   ASSERT_EQ(reserve(9002, 16, 60000).code, ErrorCode::none);
   EXPECT_EQ(free_blocks_when(*cluster_, total - 1), total - 1);
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9002});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9002});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
   // A reservation after the cancel is a new attempt of the request (the router
   // restarts a request whose other worker was lost): granted.
   EXPECT_EQ(reserve(9002, 16, 60000).code, ErrorCode::none);
   EXPECT_EQ(free_blocks_when(*cluster_, total - 1), total - 1);
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9002});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9002});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
 }
 
@@ -101,7 +101,7 @@ TEST_F(ReservationTest, NoRoomIsOverloadedAndHoldsNothing) {
   EXPECT_EQ(full.code, ErrorCode::overloaded) << full.message;
   EXPECT_EQ(full.load.free_blocks, 1);
   EXPECT_EQ(reserve(9003, 16, 60000).code, ErrorCode::invalid_request);  // already held
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9003});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9003});
   EXPECT_EQ(free_blocks_when(*cluster_, 4), 4);
   // A lease past any request's deadline plus the ack timeout holds nothing
   // (its timer and the stream's deadline would overflow the clock).
@@ -123,7 +123,7 @@ TEST_F(ReservationTest, KvNeedingMorePositionsThanReservedIsRefused) {
   EXPECT_NE(wrapped.message.find("positions"), std::string::npos) << wrapped.message;
   const KvAck stepped = send_kv(9005, 5, 2, std::numeric_limits<int32_t>::max() - 1);
   EXPECT_EQ(stepped.code, ErrorCode::invalid_request) << stepped.message;
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9005});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9005});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
 }
 
@@ -140,7 +140,7 @@ TEST_F(ReservationTest, KvOfAnotherAttemptIsRefusedAndTheReservationKept) {
   EXPECT_EQ(free_blocks_when(*cluster_, total - 1), total - 1) << "the reservation was given up";
   const KvAck own = send_kv(9006, 30, 4, 0, 12);  // (past the attempt: refused for its size)
   EXPECT_EQ(own.code, ErrorCode::invalid_request) << own.message;
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9006});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9006});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
 }
 
@@ -165,6 +165,7 @@ prefill_actor::behavior_type small_model_prefill(prefill_actor::pointer self, ro
         return caf::make_error(caf::sec::request_timeout);
       },
       [](cancel_atom, RequestId) {},
+      [](router_atom, caf::actor_addr&) {},
       [](status_atom) { return PrefillLoad{}; },
       [](kv_events_atom) { return KvEvents{}; },
   };
@@ -246,7 +247,7 @@ TEST_F(ReservationTest, AClientThatGoesAwayCancelsItsRequestAtOnce) {
   const auto gone_by = std::chrono::steady_clock::now() + 1s;
   while (queued() != 0 && std::chrono::steady_clock::now() < gone_by) std::this_thread::sleep_for(2ms);
   EXPECT_EQ(queued(), 0) << "the request of a client that went away is still held";
-  caf::anon_send(cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9100});
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9100});
 }
 
 }  // namespace
