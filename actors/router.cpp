@@ -35,6 +35,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <set>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -123,7 +124,6 @@ struct Request {
   client_actor client;
   caf::actor_addr requester;  // who sent it (none: anonymous); a cancel comes from it or the client
   caf::typed_response_promise<RequestOutcome> promise;
-  uint64_t serial = 0;  // this admission (the deadline timer names it)
   Phase phase;
   // The job prompt's block hashes for one block size (prompt_hashes), kept
   // across dispatch attempts.
@@ -132,6 +132,7 @@ struct Request {
   std::vector<uint64_t> hashes;
   bool validated = false;  // against the model limits (known once a prefill worker registered)
   Clock::time_point accepted;
+  Clock::time_point deadline;  // accepted + its deadline_ms (RouterState::deadlines)
   std::optional<Clock::time_point> dispatched;  // its first dispatch (queued_us); kept across attempts
   int retries = 0;
   int worker_retries = 0;  // restarts after a lost or hung worker (max-worker-retries)
@@ -260,6 +261,9 @@ struct RouterState {
   // Each request's client actor, monitored: a client that goes away (its
   // process killed, Ctrl-C) cancels what it asked for.
   std::unordered_multimap<caf::actor_addr, RequestId> clients;
+  // Each request's deadline, and the wake-ups armed for them (Deadlines).
+  std::set<std::pair<Clock::time_point, RequestId>> deadlines;
+  std::multiset<Clock::time_point> wakeups;  // one per CAF timer pending
   AdmissionQueue queue;  // accepted, not dispatched
   uint64_t next_serial = 1;
   SessionAffinity sessions{0};
@@ -394,6 +398,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
         break;
       }
   }
+  st.deadlines.erase({r.deadline, id});
   st.requests.erase(it);
 }
 
@@ -824,6 +829,37 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
   dispatch(self);
 }
 
+// Deadlines. A CAF 0.17 timer cannot be cancelled: one per request (up to
+// kMaxDeadlineMs) stayed pending long after its request ended, so at a
+// steady rate of requests with long deadlines the router's pending timers,
+// and its memory, grew with the rate times the deadline. So requests keep
+// their deadlines in RouterState::deadlines (removed as they finish) and a
+// few wake-ups serve them all: a deadline `left` away is served by any
+// wake-up armed in [w, deadline], where w is the deadline rounded down to a
+// power-of-two step of at most left / 8 (exact under a millisecond). Each
+// wake-up ends the requests past their deadline and arms the next. Never
+// late; a deadline sees about log8 of its time left in ms wake-ups (9 for a
+// day); and at any time at most ~10 are pending per power of two of time
+// left, a few hundred in all, whatever the rate (RouterStatus::deadline_wakeups).
+Clock::time_point wakeup_for(Clock::time_point deadline, Clock::time_point now) {
+  const int64_t left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();
+  if (left < 1000000) return deadline;
+  const uint64_t most = uint64_t(left / 8);
+  const int64_t step = int64_t(uint64_t{1} << (63 - __builtin_clzll(most)));  // <= left / 8
+  const int64_t at = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count();
+  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(at - at % step)));
+}
+
+void arm_wakeup(Self self, Clock::time_point deadline) {
+  auto& st = self->state;
+  const auto now = Clock::now();
+  const Clock::time_point w = wakeup_for(deadline, now);
+  if (auto armed = st.wakeups.lower_bound(w); armed != st.wakeups.end() && *armed <= deadline) return;
+  st.wakeups.insert(w);
+  self->delayed_send(self, std::max(Clock::duration::zero(), w - now), deadline_atom::value,
+                     int64_t(w.time_since_epoch().count()));
+}
+
 caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& request,
                                                   client_actor& client) {
   auto& st = self->state;
@@ -859,11 +895,10 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   r.client = std::move(client);
   r.requester = requester;
   r.promise = promise;
-  r.serial = st.next_serial++;
   r.validated = st.limits.has_value();
   r.accepted = Clock::now();
-  const uint64_t serial = r.serial;
-  const auto deadline = std::chrono::milliseconds(r.request.deadline_ms);
+  r.deadline = r.accepted + std::chrono::milliseconds(r.request.deadline_ms);
+  const Clock::time_point deadline = r.deadline;
   if (r.client) {
     self->monitor(r.client);
     st.clients.emplace(r.client.address(), id);
@@ -884,7 +919,8 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
     fail(self, id, ErrorCode::overloaded,
          "admission queue full (" + std::to_string(st.queue.choices.size() - 1) + " further choices waiting)");
   } else if (it != st.requests.end()) {
-    self->delayed_send(self, deadline, deadline_atom::value, id, serial);
+    st.deadlines.emplace(deadline, id);
+    arm_wakeup(self, deadline);
   }
   return promise;
 }
@@ -1161,6 +1197,7 @@ RouterStatus status_of(Self self) {
   }
   s.queued = int32_t(st.queue.size());
   s.in_flight = int32_t(st.requests.size() - st.queue.size());
+  s.deadline_wakeups = int32_t(st.wakeups.size());
   return s;
 }
 
@@ -1261,12 +1298,23 @@ bool may_cancel(Self self, RequestId id) {
   return (r.client && sender == r.client.address()) || sender == r.requester;
 }
 
-// A request's deadline: its attempt (serial) still running ends.
-void on_deadline(Self self, RequestId id, uint64_t serial) {
-  auto it = self->state.requests.find(id);
-  if (it == self->state.requests.end() || it->second.serial != serial) return;
-  end_request(self, id, ErrorCode::timeout, "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
-  dispatch(self);
+// A wake-up: every request whose deadline has passed ends (timeout), and
+// the next deadline gets its wake-up.
+void on_wakeup(Self self, Clock::time_point at) {
+  auto& st = self->state;
+  if (auto armed = st.wakeups.find(at); armed != st.wakeups.end()) st.wakeups.erase(armed);
+  const auto now = Clock::now();
+  std::vector<std::pair<Clock::time_point, RequestId>> due;
+  while (!st.deadlines.empty() && st.deadlines.begin()->first <= now) {
+    due.push_back(*st.deadlines.begin());
+    st.deadlines.erase(st.deadlines.begin());  // (here, whatever end_request does: never due twice)
+  }
+  for (const auto& [deadline, id] : due)
+    if (auto it = st.requests.find(id); it != st.requests.end() && it->second.deadline == deadline)
+      end_request(self, id, ErrorCode::timeout,
+                  "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
+  if (!due.empty()) dispatch(self);
+  if (!st.deadlines.empty()) arm_wakeup(self, st.deadlines.begin()->first);
 }
 
 router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
@@ -1333,8 +1381,8 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
         }
       },
       [=](kv_events_atom, KvEvents& events) { on_kv_events(self, events); },
-      [=](deadline_atom, RequestId id, uint64_t serial) {
-        if (from_itself(self)) on_deadline(self, id, serial);
+      [=](deadline_atom, int64_t at) {
+        if (from_itself(self)) on_wakeup(self, Clock::time_point(Clock::duration(at)));
       },
       [=](status_atom) { return status_of(self); },
   };

@@ -81,8 +81,8 @@ using router_actor = caf::typed_actor<
     caf::reacts_to<done_atom, DecodeDone>,
     caf::reacts_to<load_atom, DecodeLoad>,
     caf::reacts_to<kv_events_atom, KvEvents>,
-    // the router's own deadline timer: (request id, admission serial).
-    caf::reacts_to<deadline_atom, RequestId, uint64_t>,
+    // the router's own deadline wake-up: its time (Clock, since its epoch).
+    caf::reacts_to<deadline_atom, int64_t>,
     // the router's own heartbeat timer: ask every worker whether it is alive.
     caf::reacts_to<heartbeat_atom>,
     caf::replies_to<status_atom>::with<RouterStatus>>;

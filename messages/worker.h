@@ -110,6 +110,7 @@ struct RouterStatus {
   std::vector<WorkerStatus> workers;
   int32_t queued = 0;     // accepted, waiting for a prefill slot or decode room
   int32_t in_flight = 0;  // dispatched, not yet finished
+  int32_t deadline_wakeups = 0;  // the router's deadline timers pending (actors/router.cpp, Deadlines)
 
   int count(WorkerRole role) const {
     int n = 0;
@@ -155,7 +156,7 @@ typename Inspector::result_type inspect(Inspector& f, WorkerStatus& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RouterStatus& x) {
-  return f(caf::meta::type_name("RouterStatus"), x.workers, x.queued, x.in_flight);
+  return f(caf::meta::type_name("RouterStatus"), x.workers, x.queued, x.in_flight, x.deadline_wakeups);
 }
 
 }  // namespace disagg

@@ -484,9 +484,7 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         } else if (self->state.router)
           self->delegate(self->state.router, kv_events_atom::value, std::move(events));
       },
-      [=](deadline_atom, RequestId id, uint64_t serial) {
-        if (self->state.router) self->delegate(self->state.router, deadline_atom::value, id, serial);
-      },
+      [](deadline_atom, int64_t) {},  // the router's own timer, as the heartbeat
       [](heartbeat_atom) {},  // the router's own timer: nothing a worker's relay passes on
       [=](status_atom) -> caf::result<RouterStatus> {
         if (!self->state.router) return no_router();

@@ -412,9 +412,10 @@ TEST_F(ActorTest, ARequestWithoutDecodeRoomWaitsForItInsteadOfFailing) {
 }
 
 // The router's timer messages (deadline_atom, heartbeat_atom) are its own:
-// from anyone else, here deadlines naming a request that waits for room,
-// they are ignored (else any holder of the router's handle could end other
-// requests, or start timer chains that never stop).
+// from anyone else, here deadline wake-ups at any time a request that waits
+// for room may have, they end nothing (a wake-up ends only requests whose
+// deadline has passed; when one named a request, any holder of the router's
+// handle could end it) and start no timer chain.
 TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
   LocalClusterOptions options;
   options.config = shared_model_config(1, 1);
@@ -432,8 +433,11 @@ TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
     outsider->request(cluster_->router(), std::chrono::seconds(5), status_atom::value)
         .receive([&](RouterStatus& s) { status = s; }, [](caf::error&) {});
   ASSERT_EQ(status.queued, 1);
-  for (uint64_t serial = 0; serial < 64; ++serial)
-    outsider->send(cluster_->router(), deadline_atom::value, request.id, serial);
+  // (wake-ups at every time a deadline of this request's may have: any
+  // passed deadline ends with any wake-up, so that one is the router's own)
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  for (int64_t at = now - (int64_t{1} << 40); at < now + (int64_t{1} << 46); at += int64_t{1} << 40)
+    outsider->send(cluster_->router(), deadline_atom::value, at);
   outsider->send(cluster_->router(), heartbeat_atom::value);
   // (One sender's messages arrive in order: this answer comes after them.)
   outsider->request(cluster_->router(), std::chrono::seconds(5), status_atom::value)
@@ -1004,6 +1008,34 @@ TEST_F(ActorTest, DuplicateRequestIdIsRejectedWhileInFlight) {
 
 TEST_F(ActorTest, PassedDeadlineAnswersTimeout) {
   start(1, 1);
+  auto request = make_request(kOnceUponATime, 400);
+  request.deadline_ms = 5;
+  const RequestOutcome out = client_->generate(request);
+  EXPECT_EQ(out.code, ErrorCode::timeout) << out.message;
+}
+
+// The router's deadline timers (CAF 0.17's cannot be cancelled) are a few
+// wake-ups, not one per request: requests with deadlines of about a day,
+// each finished long before it (each one a second shorter than the last,
+// so no earlier wake-up serves the next), leave a few pending, where a
+// timer each stayed a day; and a short deadline after them ends its
+// request as before.
+TEST_F(ActorTest, RequestsWithLongDeadlinesLeaveAFewTimersNotOneEach) {
+  start(1, 1);
+  constexpr int kRequests = 150;
+  for (int i = 0; i < kRequests; ++i) {
+    auto request = make_request(kOnceUponATime, 1);
+    request.deadline_ms = kMaxDeadlineMs - int64_t(i) * 1000;
+    const RequestOutcome out = client_->generate(request);
+    ASSERT_TRUE(out.ok()) << out.message;
+  }
+  caf::scoped_actor self{*system_};
+  RouterStatus status;
+  status.deadline_wakeups = -1;
+  self->request(cluster_->router(), std::chrono::seconds(5), status_atom::value)
+      .receive([&](RouterStatus& s) { status = s; }, [](caf::error&) {});
+  EXPECT_GE(status.deadline_wakeups, 1);
+  EXPECT_LE(status.deadline_wakeups, 4) << "of " << kRequests << " requests";
   auto request = make_request(kOnceUponATime, 400);
   request.deadline_ms = 5;
   const RequestOutcome out = client_->generate(request);
