@@ -391,12 +391,15 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
   record_finished(outcome, r.accepted, r.dispatched.has_value());
   r.promise.deliver(std::move(outcome));
   if (r.client) {
-    auto [first, last] = st.clients.equal_range(r.client.address());
+    const caf::actor_addr client = r.client.address();
+    auto [first, last] = st.clients.equal_range(client);
     for (auto c = first; c != last; ++c)
       if (c->second == id) {
         st.clients.erase(c);
         break;
       }
+    // (not a worker's: demonitor removes every monitor of this router's on it)
+    if (!st.clients.count(client) && !st.by_address.count(client)) self->demonitor(client);
   }
   st.deadlines.erase({r.deadline, id});
   st.requests.erase(it);
@@ -900,7 +903,11 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
   r.deadline = r.accepted + std::chrono::milliseconds(r.request.deadline_ms);
   const Clock::time_point deadline = r.deadline;
   if (r.client) {
-    self->monitor(r.client);
+    // One monitor a client actor, however many of its requests are here:
+    // CAF keeps one for each monitor() until the client ends (a long-lived
+    // client's grew with every request it made); its last request's end
+    // removes it (finish). A registered worker is watched already.
+    if (!st.clients.count(r.client.address()) && !st.by_address.count(r.client.address())) self->monitor(r.client);
     st.clients.emplace(r.client.address(), id);
   }
   st.queue.push_back(st.requests.emplace(id, std::move(r)).first->second);

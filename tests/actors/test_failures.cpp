@@ -18,6 +18,7 @@
 #include "actors/decode.h"
 #include "actors/router.h"
 #include "caf/all.hpp"
+#include "caf/default_attachable.hpp"
 #include "model/checkpoint.h"
 #include "model/model_writer.h"
 #include "metrics/disagg_metrics.h"
@@ -449,6 +450,59 @@ TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
+// A client actor that can say how many monitors an actor holds on it (in
+// CAF 0.17 each monitor() adds one, kept until the watched actor ends).
+class WatchedClient : public client_actor::base {
+ public:
+  explicit WatchedClient(caf::actor_config& cfg) : client_actor::base(cfg) {}
+  behavior_type make_behavior() override {
+    return {[](token_atom, TokenEvent&) {}};
+  }
+  size_t monitors_by(const caf::actor_addr& observer) {
+    std::unique_lock<std::mutex> guard{mtx_};
+    return detach_impl(caf::default_attachable::observe_token{observer, caf::default_attachable::monitor}, false,
+                       true);  // (dry run: counts)
+  }
+};
+
+// The router watches a request's client actor (a client gone cancels its
+// requests) once, however many of its requests it holds, and no longer
+// once the last has ended: a long-lived client (one actor submitting
+// request after request) held a monitor for every request it ever made.
+TEST_F(ActorTest, ARouterWatchesAClientActorOnceWhileItsRequestsAreHere) {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 2;  // 32 positions: too few for the requests below
+  start(std::move(options));
+  auto full = system_->spawn(scripted_decode, cluster_->router(), always_full(std::make_shared<std::atomic<int>>(0),
+                                                                               std::make_shared<std::atomic<int>>(0)));
+  wait_for_decode_workers(*client_, 2);
+  const client_actor client = system_->spawn<WatchedClient>();
+  auto* watched = static_cast<WatchedClient*>(caf::actor_cast<caf::abstract_actor*>(client));
+  const caf::actor_addr router = cluster_->router().address();
+  caf::scoped_actor self{*system_};
+  constexpr int kWaiting = 3;
+  for (int i = 0; i < kWaiting; ++i) {  // (they wait: the worker they fit refuses every reservation)
+    GenerateRequest request = make_request(kOnceUponATime, 100);
+    request.id = 0x3A7C0 + RequestId(i);
+    self->send(cluster_->router(), generate_atom::value, request, client);
+  }
+  RouterStatus status;
+  for (int i = 0; i < 200 && status.queued < kWaiting; ++i)
+    self->request(cluster_->router(), std::chrono::seconds(5), status_atom::value)
+        .receive([&](RouterStatus& s) { status = s; }, [](caf::error&) {});
+  ASSERT_EQ(status.queued, kWaiting);
+  EXPECT_EQ(watched->monitors_by(router), 1u) << "one monitor a request";
+  for (int i = 0; i < kWaiting; ++i) self->send(cluster_->router(), cancel_atom::value, 0x3A7C0 + RequestId(i));
+  // (one sender's messages arrive in order: this answer comes after the cancels)
+  self->request(cluster_->router(), std::chrono::seconds(5), status_atom::value)
+      .receive([&](RouterStatus& s) { status = s; }, [&](caf::error&) { status.queued = -1; });
+  EXPECT_EQ(status.queued, 0);
+  EXPECT_EQ(watched->monitors_by(router), 0u) << "a monitor outlived the client's last request";
+  caf::anon_send_exit(client, caf::exit_reason::user_shutdown);
+  caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
+}
+
 // A decode worker's lease timer (lease_atom) and its receiver's verdict
 // (landed_atom) are its own too: from a peer, for every serial, they end no
 // reservation (else any holder of the worker's handle could drop live
@@ -774,6 +828,31 @@ TEST_F(ActorTest, AWorkerNamedAsARequestsClientIsRemovedWhenItDies) {
   const RouterStatus after = status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 0; });
   EXPECT_EQ(after.count(WorkerRole::decode), 0);
   EXPECT_EQ(after.queued, 0);
+}
+
+// The same when the request ended first: its client's watch goes with its
+// last request, the worker's stays (one demonitor ends them all in CAF
+// 0.17: the router then never heard of the worker's death).
+TEST_F(ActorTest, AWorkerNamedAsAnEndedRequestsClientIsStillRemovedWhenItDies) {
+  DisaggConfig config = shared_model_config(1, 1);
+  config.heartbeat_interval_ms = 0;
+  const router_actor router = spawn_router(*system_, config, nullptr);
+  auto decode = system_->spawn(scripted_decode, router, logging("named-client", std::make_shared<ReservationLog>()));
+  const StopAll stop(router);
+  Client client(*system_, router);
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 1; })
+                .count(WorkerRole::decode),
+            1);
+  caf::scoped_actor outsider{*system_};
+  auto request = make_request(kOnceUponATime, 8);  // (no prefill worker: it waits)
+  request.id = 0xC11E48;
+  outsider->send(router, generate_atom::value, request, caf::actor_cast<client_actor>(decode));
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 1; }).queued, 1);
+  outsider->send(router, cancel_atom::value, request.id);  // (its submitter's)
+  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 0; }).queued, 0);
+  caf::anon_send_exit(decode, caf::exit_reason::kill);
+  const RouterStatus after = status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 0; });
+  EXPECT_EQ(after.count(WorkerRole::decode), 0) << "the router missed its worker's death";
 }
 
 // A decode worker that streams past a request's allowance (max_tokens):

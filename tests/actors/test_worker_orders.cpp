@@ -154,6 +154,7 @@ TEST(WorkerOrders, APrefillWorkerTakesJobsFromItsNodeAndItsRouterOnly) {
     job.id = id;
     job.prompt_tokens = kOnceUponATime;
     job.max_new_tokens = 4;
+    job.deadline_ms = 60000;
     std::string answer = "no answer";
     // (to no decode worker: a job taken is computed, then fails to ship)
     stranger->request(remote, 30s, prefill_atom::value, job, decode_actor{})
@@ -176,6 +177,7 @@ TEST(WorkerOrders, APrefillWorkerTakesJobsFromItsNodeAndItsRouterOnly) {
   job.id = 0x0DE3;
   job.prompt_tokens = kOnceUponATime;
   job.max_new_tokens = 4;
+  job.deadline_ms = 60000;  // (0: past before it runs, on a busy machine)
   stranger->send(remote, prefill_atom::value, job, caf::actor_cast<decode_actor>(silent_decode));
   auto again = [&](caf::scoped_actor& from) {
     std::string answer = "no answer";
@@ -187,7 +189,8 @@ TEST(WorkerOrders, APrefillWorkerTakesJobsFromItsNodeAndItsRouterOnly) {
   };
   intruder->send(remote, cancel_atom::value, job.id);
   intruder->request(remote, 5s, status_atom::value).receive([](const PrefillLoad&) {}, [](caf::error&) {});
-  EXPECT_NE(again(stranger).find("already in prefill"), std::string::npos) << "a peer's cancel ended the job";
+  const std::string second = again(stranger);
+  EXPECT_NE(second.find("already in prefill"), std::string::npos) << "a peer's cancel ended the job: " << second;
 }
 
 // A prefill node's gate (the face its relay registers at the router, which
