@@ -14,6 +14,7 @@
 #include "actors/config.h"
 #include "node/local_cluster.h"
 #include "caf/actor_system.hpp"
+#include "caf/send.hpp"
 #include "engine/generate.h"
 
 namespace disagg::test {
@@ -62,6 +63,16 @@ struct TokenLog {
       std::lock_guard<std::mutex> lock(state->mutex);
       state->events.push_back(e);
     };
+  }
+};
+
+// Ends the actors a test spawned, whatever its end (the system waits for them).
+struct StopAll {
+  std::vector<caf::actor> actors;
+  template <class... Handles>
+  explicit StopAll(const Handles&... handles) : actors{caf::actor_cast<caf::actor>(handles)...} {}
+  ~StopAll() {
+    for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
   }
 };
 

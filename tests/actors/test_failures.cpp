@@ -288,16 +288,6 @@ void join_as(Self self, const router_actor& router, std::string name, int32_t to
       .then([](caf::ok_atom) {});
 }
 
-// Ends the actors a test spawned, whatever its end (the system waits for them).
-struct StopAll {
-  std::vector<caf::actor> actors;
-  template <class... Handles>
-  explicit StopAll(const Handles&... handles) : actors{caf::actor_cast<caf::actor>(handles)...} {}
-  ~StopAll() {
-    for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-  }
-};
-
 // A decode worker of the test's: it joins like any other (by message) with
 // a pool of `total` blocks, `free` of them free (the router tries the
 // roomiest first); its reservations and KV are answered by the script (a KV
@@ -412,19 +402,31 @@ TEST_F(ActorTest, ARequestWithoutDecodeRoomWaitsForItInsteadOfFailing) {
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
+// A cluster where requests wait: its one real decode worker too small for
+// them (32 positions), and (spawn_full_worker) a scripted one that they fit
+// and that refuses every reservation.
+LocalClusterOptions waiting_room() {
+  LocalClusterOptions options;
+  options.config = shared_model_config(1, 1);
+  options.config.pool_blocks = 2;
+  return options;
+}
+
+caf::actor spawn_full_worker(caf::actor_system& system, const router_actor& router, Client& client) {
+  auto full = system.spawn(scripted_decode, router,
+                           always_full(std::make_shared<std::atomic<int>>(0), std::make_shared<std::atomic<int>>(0)));
+  wait_for_decode_workers(client, 2);
+  return caf::actor_cast<caf::actor>(full);
+}
+
 // The router's timer messages (deadline_atom, heartbeat_atom) are its own:
 // from anyone else, here deadline wake-ups at any time a request that waits
 // for room may have, they end nothing (a wake-up ends only requests whose
 // deadline has passed; when one named a request, any holder of the router's
 // handle could end it) and start no timer chain.
 TEST_F(ActorTest, TheRoutersTimerMessagesFromAnyoneElseAreIgnored) {
-  LocalClusterOptions options;
-  options.config = shared_model_config(1, 1);
-  options.config.pool_blocks = 2;  // 32 positions: too few for the request below
-  start(std::move(options));
-  auto full = system_->spawn(scripted_decode, cluster_->router(), always_full(std::make_shared<std::atomic<int>>(0),
-                                                                               std::make_shared<std::atomic<int>>(0)));
-  wait_for_decode_workers(*client_, 2);
+  start(waiting_room());
+  auto full = spawn_full_worker(*system_, cluster_->router(), *client_);
   GenerateRequest request = make_request(kOnceUponATime, 100);
   request.id = 0x5EED;
   auto outcome = client_->submit(request);  // waits: the worker it fits refuses every reservation
@@ -470,13 +472,8 @@ class WatchedClient : public client_actor::base {
 // once the last has ended: a long-lived client (one actor submitting
 // request after request) held a monitor for every request it ever made.
 TEST_F(ActorTest, ARouterWatchesAClientActorOnceWhileItsRequestsAreHere) {
-  LocalClusterOptions options;
-  options.config = shared_model_config(1, 1);
-  options.config.pool_blocks = 2;  // 32 positions: too few for the requests below
-  start(std::move(options));
-  auto full = system_->spawn(scripted_decode, cluster_->router(), always_full(std::make_shared<std::atomic<int>>(0),
-                                                                               std::make_shared<std::atomic<int>>(0)));
-  wait_for_decode_workers(*client_, 2);
+  start(waiting_room());
+  auto full = spawn_full_worker(*system_, cluster_->router(), *client_);
   const client_actor client = system_->spawn<WatchedClient>();
   auto* watched = static_cast<WatchedClient*>(caf::actor_cast<caf::abstract_actor*>(client));
   const caf::actor_addr router = cluster_->router().address();
@@ -807,52 +804,43 @@ TEST_F(ActorTest, ARegistrationAgainWithAnotherShapeIsRefused) {
 }
 
 // A worker that some request named as its client (anyone may name any
-// actor) is removed when it dies, and that request failed (the router
-// monitors it twice, as a worker and as a client: either down does both).
-TEST_F(ActorTest, AWorkerNamedAsARequestsClientIsRemovedWhenItDies) {
+// actor) is removed when it dies: with that request still waiting (and
+// failed then: the router monitors it twice, as a worker and as a client,
+// either down does both), or (`ended_first`) after its submitter cancelled
+// it (the client's watch goes with its last request, the worker's stays:
+// one demonitor ends them all in CAF 0.17, and the router then never heard
+// of the worker's death).
+void expect_a_worker_named_as_a_client_removed(caf::actor_system& system, bool ended_first) {
   DisaggConfig config = shared_model_config(1, 1);
   config.heartbeat_interval_ms = 0;
-  const router_actor router = spawn_router(*system_, config, nullptr);
-  auto decode = system_->spawn(scripted_decode, router, logging("named-client", std::make_shared<ReservationLog>()));
+  const router_actor router = spawn_router(system, config, nullptr);
+  auto decode = system.spawn(scripted_decode, router, logging("named-client", std::make_shared<ReservationLog>()));
   const StopAll stop(router);
-  Client client(*system_, router);
+  Client client(system, router);
   ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 1; })
                 .count(WorkerRole::decode),
             1);
-  caf::scoped_actor outsider{*system_};
+  caf::scoped_actor outsider{system};
   auto request = make_request(kOnceUponATime, 8);  // (no prefill worker: it waits)
   request.id = 0xC11E47;
   outsider->send(router, generate_atom::value, request, caf::actor_cast<client_actor>(decode));
   ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 1; }).queued, 1);
-  caf::anon_send_exit(decode, caf::exit_reason::kill);
-  const RouterStatus after = status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 0; });
-  EXPECT_EQ(after.count(WorkerRole::decode), 0);
-  EXPECT_EQ(after.queued, 0);
-}
-
-// The same when the request ended first: its client's watch goes with its
-// last request, the worker's stays (one demonitor ends them all in CAF
-// 0.17: the router then never heard of the worker's death).
-TEST_F(ActorTest, AWorkerNamedAsAnEndedRequestsClientIsStillRemovedWhenItDies) {
-  DisaggConfig config = shared_model_config(1, 1);
-  config.heartbeat_interval_ms = 0;
-  const router_actor router = spawn_router(*system_, config, nullptr);
-  auto decode = system_->spawn(scripted_decode, router, logging("named-client", std::make_shared<ReservationLog>()));
-  const StopAll stop(router);
-  Client client(*system_, router);
-  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 1; })
-                .count(WorkerRole::decode),
-            1);
-  caf::scoped_actor outsider{*system_};
-  auto request = make_request(kOnceUponATime, 8);  // (no prefill worker: it waits)
-  request.id = 0xC11E48;
-  outsider->send(router, generate_atom::value, request, caf::actor_cast<client_actor>(decode));
-  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 1; }).queued, 1);
-  outsider->send(router, cancel_atom::value, request.id);  // (its submitter's)
-  ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 0; }).queued, 0);
+  if (ended_first) {
+    outsider->send(router, cancel_atom::value, request.id);  // (its submitter's)
+    ASSERT_EQ(status_when(client, [](const RouterStatus& s) { return s.queued == 0; }).queued, 0);
+  }
   caf::anon_send_exit(decode, caf::exit_reason::kill);
   const RouterStatus after = status_when(client, [](const RouterStatus& s) { return s.count(WorkerRole::decode) == 0; });
   EXPECT_EQ(after.count(WorkerRole::decode), 0) << "the router missed its worker's death";
+  EXPECT_EQ(after.queued, 0);
+}
+
+TEST_F(ActorTest, AWorkerNamedAsARequestsClientIsRemovedWhenItDies) {
+  expect_a_worker_named_as_a_client_removed(*system_, false);
+}
+
+TEST_F(ActorTest, AWorkerNamedAsAnEndedRequestsClientIsStillRemovedWhenItDies) {
+  expect_a_worker_named_as_a_client_removed(*system_, true);
 }
 
 // A decode worker that streams past a request's allowance (max_tokens):

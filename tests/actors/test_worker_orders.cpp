@@ -46,15 +46,6 @@ struct TwoNodes {
   }
 };
 
-struct StopAll {
-  std::vector<caf::actor> actors;
-  template <class... Handles>
-  explicit StopAll(const Handles&... handles) : actors{caf::actor_cast<caf::actor>(handles)...} {}
-  ~StopAll() {
-    for (auto& a : actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
-  }
-};
-
 compute_actor shared_compute(caf::actor_system& system) {
   ComputeSpec spec;
   spec.checkpoint = gpu::Checkpoint::open(shared_model());
