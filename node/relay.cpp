@@ -408,6 +408,18 @@ void register_worker(RelaySelf self) {
     self->request(router, st.spec.register_timeout, register_atom::value, w.info, w.decode).then(on_ok, on_error);
 }
 
+// Tells the worker (a prefill worker's gate, which tells it) the router it
+// serves: before the router learns the worker (register_worker), so that
+// the router's first order finds it known.
+void tell_router(RelaySelf self) {
+  auto& st = self->state;
+  if (!st.worker || !st.router) return;
+  if (st.worker->gate)
+    self->send(st.worker->gate, router_atom::value, st.router);
+  else
+    self->send(st.worker->decode, router_atom::value, st.router.address());
+}
+
 // The worker's own registration: answered at once (the relay registers it
 // whenever there is a router, so the worker never waits on the network).
 // Taken from the worker itself only, once: any peer that reaches the node
@@ -431,13 +443,12 @@ caf::result<caf::ok_atom> take_registration(RelaySelf self, WorkerInfo& info, pr
     self->link_to(prefill);
     w.gate = self->spawn(gate_behavior, prefill, st.spec.peer_refresh, self->address());
     w.face = caf::actor_cast<prefill_actor>(w.gate);
-    if (st.router) self->send(w.gate, router_atom::value, st.router);
   } else {
     self->link_to(decode);
     w.decode = std::move(decode);
-    if (st.router) self->send(w.decode, router_atom::value, st.router.address());
   }
   st.worker = std::move(w);
+  tell_router(self);
   register_worker(self);
   return caf::ok_atom::value;
 }
@@ -497,12 +508,7 @@ relay_actor::behavior_type relay_behavior(RelaySelf self, RelaySpec spec) {
         self->state.router = std::move(router);
         self->state.retry_delay = self->state.spec.register_retry;
         self->state.name_held_since.reset();
-        // The worker learns its router before the router learns the worker
-        // (register_worker): the router's first order finds it known.
-        if (self->state.worker && self->state.worker->gate)
-          self->send(self->state.worker->gate, router_atom::value, self->state.router);
-        else if (self->state.worker)
-          self->send(self->state.worker->decode, router_atom::value, self->state.router.address());
+        tell_router(self);
         register_worker(self);
       },
       [=](endpoint_atom, std::string& endpoint) {
