@@ -55,6 +55,7 @@ struct Reservation {
   std::optional<PendingCommit> commit;  // arrived before the verdict
   client_actor client;                  // KvReservation::client: its tokens go there too
   uint64_t attempt = 0;                 // KvReservation::attempt: its tokens and done name it
+  uint64_t ticket = 0;                  // KvTarget::ticket: the KV or commit must carry it
   bool streaming() const { return transfer_id != 0 && !verdict && !local; }
 };
 
@@ -602,6 +603,7 @@ KvTarget local_target(const DecodeState& st, const Reservation& held) {
   const int prompt_blocks = gpu::KvPool::blocks_for(gpu::kv_layout::padded(held.prompt_len), bs);
   KvTarget target{held.transfer_id, kLocalKvTransport, {}, bs, gpu::KvStreamPlan::runs_of(held.blocks, prompt_blocks)};
   target.first_position = held.cached;
+  target.ticket = held.ticket;
   return target;
 }
 
@@ -674,6 +676,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   held.client = r.client;
   held.attempt = r.attempt;
   held.serial = st.next_serial++;
+  held.ticket = kv::new_transfer_id();  // (64 random bits, drawn as a transfer id is)
   const uint64_t serial = held.serial;
   ReserveReply answer = reply(ErrorCode::none, {});
   if (into_blocks) {
@@ -694,6 +697,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
       record_prefix_lookup(r.prompt_len, held.cached, local && !colocated ? r.prompt_len : held.cached,
                            2 * uint64_t(st.n_layers) * uint64_t(st.kv_dim) * sizeof(float));
   }
+  answer.target.ticket = held.ticket;
   st.requests.emplace(r.id, std::move(held));
   self->delayed_send(self, std::chrono::milliseconds(r.lease_ms), lease_atom::value, r.id, serial);
   flush_events(self);  // (evictions)
@@ -852,6 +856,12 @@ std::optional<Refusal> check_held(RequestId id, uint64_t attempt, const Reservat
 // (`held`: its reservation, or nullptr when none is held).
 std::optional<Refusal> check_reservation(const DecodeState& st, const KvTransfer& transfer, const Reservation* held) {
   if (auto refusal = check_held(transfer.id, transfer.attempt, held, "the KV")) return refusal;
+  // Only the prefill worker the router sent the reservation's target to has
+  // its ticket: a KV from anyone else is refused, the blocks kept for the
+  // real one.
+  if (transfer.ticket != held->ticket)
+    return Refusal{ErrorCode::invalid_request,
+                   "request " + std::to_string(transfer.id) + ": the KV does not carry its reservation's ticket"};
   // A stream's commit waits here for its verdict: a KV sent as one message
   // now would take the blocks from under it, its ack never sent.
   if (transfer.transfer_id == 0 && held->commit)

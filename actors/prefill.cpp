@@ -106,6 +106,7 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
   transfer.first_step = job.first_step;
   transfer.context = job.prompt_tokens;  // (the penalties, a grammar and speculation read it)
   transfer.attempt = job.attempt;
+  transfer.ticket = job.target.ticket;
   transfer.cached_tokens = computed.cached_tokens;
   transfer.bytes = std::move(computed.kv);
   if (computed.streamed) {

@@ -260,6 +260,7 @@ prefill_actor::behavior_type fake_prefill(prefill_actor::pointer self) {
         kv.max_new_tokens = job.max_new_tokens;
         kv.sampling = job.sampling;
         kv.transfer_id = job.target.transfer_id;
+        kv.ticket = job.target.ticket;
         kv.first_step = job.first_step;
         const RequestId id = job.id;
         self->request(decode, std::chrono::milliseconds(job.deadline_ms), kv_atom::value, std::move(kv))

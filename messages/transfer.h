@@ -66,6 +66,12 @@ struct KvTarget {
   // worker's prefix cache): not sent, and not computed by a prefill into the
   // pool itself (gpu::KvStreamPlan's first position).
   int32_t first_position = 0;
+  // 64 random bits the decode worker drew for this reservation, whatever the
+  // transport: it takes the request's KV (one message, or a stream's commit)
+  // only with them (KvTransfer::ticket). It travels only in actor messages
+  // (decode -> router -> prefill), never on the KV data plane, so another
+  // member cannot hand the request a KV of its own making.
+  uint64_t ticket = 0;
 
   // A target in the decode worker's own pool, which its compute writes itself
   // (kLocalKvTransport): no KV crosses to another worker.
@@ -151,6 +157,8 @@ struct KvTransfer {
   // reservation of that attempt (a late KV of an earlier attempt, as one
   // message, would fill a retry's reservation of the same prompt).
   uint64_t attempt = 0;
+  // PrefillJob::target's ticket: without it the decode worker refuses the KV.
+  uint64_t ticket = 0;
 };
 
 // The prompt positions a prefix cache held, as a request's outcome (the
@@ -205,7 +213,7 @@ typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTarget& x) {
   return f(caf::meta::type_name("KvTarget"), x.transfer_id, x.transport, x.address, x.block_size, x.runs,
-           x.first_position);
+           x.first_position, x.ticket);
 }
 
 template <class Inspector>
@@ -229,7 +237,7 @@ template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTransfer& x) {
   return f(caf::meta::type_name("KvTransfer"), x.id, x.prompt_len, x.max_new_tokens, x.sampling,
            x.first_token, x.chunk, x.chunk_count, x.bytes, x.transfer_id, x.fingerprint, x.first_step,
-           x.cached_tokens, x.first_logprobs, x.context, x.prompt_logprobs, x.attempt);
+           x.cached_tokens, x.first_logprobs, x.context, x.prompt_logprobs, x.attempt, x.ticket);
 }
 
 template <class Inspector>

@@ -738,8 +738,10 @@ TEST_F(HungPrefillTest, ACancelledAdmissionStaysCancelledWhenItsIdIsReservedAgai
     return free;
   };
   const int32_t all = free_blocks();
-  ASSERT_EQ(reserve().code, ErrorCode::none);
+  const ReserveReply first = reserve();
+  ASSERT_EQ(first.code, ErrorCode::none) << first.message;
   KvTransfer t;
+  t.ticket = first.target.ticket;
   {
     gpu::EngineOptions options;
     options.backend = "cpu";

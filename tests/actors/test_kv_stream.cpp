@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -49,8 +50,12 @@ class KvStreamTest : public ActorTest {
                   KvReservation{id, kPositions, lease_ms, kPromptLen, prefill_host})
         .receive([&](ReserveReply& r) { reply = std::move(r); },
                  [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    tickets_[id] = reply.target.ticket;
     return reply;
   }
+
+  // Each reservation's ticket (KvTarget::ticket), which its KV must carry.
+  std::map<RequestId, uint64_t> tickets_;
 
   KvAck commit(RequestId id, uint64_t transfer_id, uint64_t fingerprint, int32_t prompt_len = kPromptLen,
                std::vector<int32_t> context = {}) {
@@ -63,6 +68,7 @@ class KvStreamTest : public ActorTest {
     t.first_token = 5;
     t.transfer_id = transfer_id;
     t.fingerprint = fingerprint;
+    t.ticket = tickets_[id];
     KvAck ack;
     self->request(cluster_->decode_workers().at(0), 5s, kv_atom::value, std::move(t))
         .receive([&](KvAck& a) { ack = std::move(a); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
@@ -250,6 +256,7 @@ TEST_F(KvStreamTest, AOneMessageKvWhileAStreamsCommitWaitsIsRefused) {
   streamed.first_token = 5;
   streamed.transfer_id = reply.target.transfer_id;
   streamed.fingerprint = fingerprint_;
+  streamed.ticket = reply.target.ticket;
   auto waiting = prefill->request(cluster_->decode_workers().at(0), 10s, kv_atom::value, streamed);  // (no bytes yet)
   const KvAck message = commit(9161, 0, fingerprint_);
   EXPECT_EQ(message.code, ErrorCode::invalid_request) << message.message;
@@ -277,10 +284,12 @@ TEST_F(KvStreamTest, AStreamsCommitOfAnotherPromptIsRefused) {
       .receive([&](ReserveReply& got) { reply = std::move(got); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
   ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
   ASSERT_NE(reply.target.transfer_id, 0u);
+  tickets_[9151] = reply.target.ticket;
   std::vector<int32_t> other = prompt;
   other.back() = 8;
   const KvAck refused = commit(9151, reply.target.transfer_id, fingerprint_, kPromptLen, other);
   EXPECT_EQ(refused.code, ErrorCode::invalid_request) << refused.message;
+  EXPECT_NE(refused.message.find("another prompt"), std::string::npos) << refused.message;
   EXPECT_EQ(free_blocks_when(total_ - 3), total_ - 3) << "a stray commit must not end the reservation";
   caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9151});
   EXPECT_EQ(free_blocks_when(total_), total_);

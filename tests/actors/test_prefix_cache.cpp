@@ -218,6 +218,7 @@ TEST_F(ActorTest, AOneMessageKvOfAnotherPromptThanReservedIsRefused) {
   t.max_new_tokens = 4;
   t.first_token = 5;
   t.context = prompt_of(70, 6);  // another prompt of that length
+  t.ticket = reply.target.ticket;
   KvAck ack;
   self->request(decode, std::chrono::seconds(5), kv_atom::value, t)
       .receive([&](KvAck& got) { ack = std::move(got); }, [&](caf::error& e) { FAIL() << system_->render(e); });

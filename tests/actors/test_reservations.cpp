@@ -6,6 +6,7 @@
 #include <limits>
 
 #include <chrono>
+#include <map>
 #include <future>
 #include <thread>
 
@@ -13,6 +14,9 @@
 #include "actors/compute.h"
 #include "actors/router.h"
 #include "model/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/kv_format.h"
+#include "support/test_paths.h"
 #include "caf/all.hpp"
 
 namespace disagg::test {
@@ -44,8 +48,11 @@ class ReservationTest : public ActorTest {
     self->request(cluster_->decode_workers().at(0), 5s, reserve_atom::value, r)
         .receive([&](ReserveReply& r) { reply = std::move(r); },
                  [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    tickets_[id] = reply.target.ticket;
     return reply;
   }
+  // Each reservation's ticket (KvTarget::ticket), which its KV must carry.
+  std::map<RequestId, uint64_t> tickets_;
   KvAck send_kv(RequestId id, int prompt_len, int max_new_tokens = 4, int first_step = 0, uint64_t attempt = 0) {
     caf::scoped_actor self{*system_};
     KvTransfer t;
@@ -55,6 +62,7 @@ class ReservationTest : public ActorTest {
     t.max_new_tokens = max_new_tokens;
     t.first_step = first_step;
     t.first_token = 5;
+    t.ticket = tickets_[id];
     KvAck ack;
     self->request(cluster_->decode_workers().at(0), 5s, kv_atom::value, std::move(t))
         .receive([&](KvAck& a) { ack = std::move(a); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
@@ -142,6 +150,52 @@ TEST_F(ReservationTest, KvOfAnotherAttemptIsRefusedAndTheReservationKept) {
   EXPECT_EQ(own.code, ErrorCode::invalid_request) << own.message;
   caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9006});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total);
+}
+
+// Only the prefill worker the router sent the reservation's target to holds
+// its ticket (KvTarget::ticket): a KV of the right request, attempt and
+// prompt but without the ticket, or with another, is refused, the blocks
+// kept; the same KV with the ticket is taken.
+TEST_F(ReservationTest, AKvWithoutItsReservationsTicketIsRefusedAndTheBlocksKept) {
+  start(1, 1);
+  const int total = cluster_->decode_loads().at(0).total_blocks;
+  const ReserveReply reply = reserve(9007, 40, 60000);
+  ASSERT_EQ(reply.code, ErrorCode::none) << reply.message;
+  const ReserveReply other = reserve(9008, 16, 60000);
+  ASSERT_EQ(other.code, ErrorCode::none) << other.message;
+  EXPECT_NE(reply.target.ticket, other.target.ticket) << "each reservation draws its own";
+  KvTransfer kv;
+  {
+    gpu::EngineOptions options;
+    options.backend = "cpu";
+    gpu::Engine engine(gpu::Checkpoint::open(shared_model()), options);
+    const gpu::PrefillOutput out = engine.prefill(kOnceUponATime);
+    kv.id = 9007;
+    kv.prompt_len = int32_t(kOnceUponATime.size());
+    kv.max_new_tokens = 8;
+    kv.first_token = 5;
+    kv.bytes = gpu::serialize_kv(engine.fingerprint(), out.shape, out.kv.data());
+  }
+  caf::scoped_actor self{*system_};
+  auto send = [&](uint64_t ticket) {
+    KvTransfer t = kv;
+    t.ticket = ticket;
+    KvAck ack;
+    ack.code = ErrorCode::internal;
+    self->request(cluster_->decode_workers().at(0), 10s, kv_atom::value, std::move(t))
+        .receive([&](KvAck& a) { ack = std::move(a); }, [&](caf::error& e) { ADD_FAILURE() << system_->render(e); });
+    return ack;
+  };
+  for (uint64_t forged : {uint64_t{0}, reply.target.ticket ^ 1, other.target.ticket}) {
+    const KvAck refused = send(forged);
+    EXPECT_EQ(refused.code, ErrorCode::invalid_request) << refused.message;
+    EXPECT_NE(refused.message.find("ticket"), std::string::npos) << refused.message;
+    EXPECT_EQ(free_blocks_when(*cluster_, total - 4), total - 4) << "a refused KV must not end the reservation";
+  }
+  const KvAck taken = send(reply.target.ticket);
+  EXPECT_EQ(taken.code, ErrorCode::none) << taken.message;
+  caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9008});
+  EXPECT_EQ(free_blocks_when(*cluster_, total), total) << "the taken request decoded and ended";
 }
 
 }  // namespace
