@@ -246,6 +246,11 @@ std::string up_to_the_last_message(const std::string& rendered, const json& mess
   return rendered.substr(0, at + content.size());
 }
 
+// Whether a request passes tools to the template (transformers' `tools is
+// not None`: an empty list too): they go into its context, and a model's
+// tool_use template renders it.
+bool passes_tools(const ordered_json& body) { return body.contains("tools") && !body["tools"].is_null(); }
+
 // The variables a Jinja chat template renders with, as transformers passes
 // them: messages, tools, documents, add_generation_prompt, the vocabulary's
 // bos_token and eos_token, then chat_template_kwargs' keys; all in the
@@ -256,8 +261,7 @@ ordered_json template_context(const ordered_json& body, const gpu::Tokenizer& to
   auto plain = [&](const ordered_json& x) { return options.special_tokens_in_content ? x : defused(x, tokenizer); };
   ordered_json messages = ordered_json::array();
   for (const ordered_json& m : body["messages"]) messages.push_back(template_message(m));
-  const bool has_tools = body.contains("tools") && !body["tools"].is_null();
-  ordered_json context = {{"messages", plain(messages)}, {"tools", has_tools ? plain(body["tools"]) : ordered_json()},
+  ordered_json context = {{"messages", plain(messages)}, {"tools", passes_tools(body) ? plain(body["tools"]) : ordered_json()},
                           {"documents", nullptr}, {"add_generation_prompt", options.add_generation_prompt},
                           {"bos_token", piece(v.bos)}, {"eos_token", piece(v.eos)}};
   if (body.contains("chat_template_kwargs") && body["chat_template_kwargs"].is_object())
@@ -333,7 +337,11 @@ std::vector<int32_t> render_chat(const ChatFormat& chat, const json& messages, c
       // The body again, its objects' keys in the client's order (json's are sorted).
       ordered_json body = options.body_text.empty() ? ordered_json{{"messages", ordered_json::parse(messages.dump())}}
                                                     : ordered_json::parse(options.body_text.begin(), options.body_text.end());
-      std::string text = chat.jinja->render(template_context(body, tokenizer, options).dump(), limits);
+      const gpu::JinjaTemplate& jinja = passes_tools(body) && chat.tool_use ? *chat.tool_use : *chat.jinja;
+      // (replace: a model file's bos or eos piece need not be UTF-8, which JSON text must be)
+      std::string text = jinja.render(
+          template_context(body, tokenizer, options).dump(-1, ' ', false, ordered_json::error_handler_t::replace),
+          limits);
       if (options.continue_final_message) text = up_to_the_last_message(text, messages, tokenizer, plain);
       pieces.push_back({ChatPiece::text, std::move(text)});
     } else {
@@ -401,6 +409,7 @@ std::vector<int32_t> chat_prompt(const json& body, const std::string& text, cons
                         "unsupported");
     expect_type(own->is_string(), "chat_template", "a Jinja template (a string)", *own);
     format.jinja = request_template(own->get_ref<const std::string&>());
+    format.tool_use = nullptr;  // (the request's own renders all)
     options.request_template = true;
   }
   // A template adds its own text (turn markup, tool definitions): bounded at twice the messages' limit.

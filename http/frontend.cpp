@@ -264,6 +264,11 @@ class Session : public std::enable_shared_from_this<Session>, private ReplySink 
                                              : detokenize_response(req.body(), fe_.model, fe_.tokenizer));
         } catch (const ApiError& e) {
           send_error(e);
+        } catch (const std::exception& e) {  // a bug of ours (they throw ApiError only): this request fails, not the node
+          node_log(LogLevel::error, "internal error in " + path + ": " + e.what());
+          ApiError err = error_for_outcome(ErrorCode::internal, "internal error in " + path);
+          fe_.metrics.error("internal").inc();
+          send_error(err);
         }
       }
     } else if (path == "/v1/models") {

@@ -392,7 +392,7 @@ void ResponsesSink::on_chunk(const json& chunk) {
     if (open_ != Open::reasoning)
       add_item(reasoning_item(item_id("rs_", id_, output_.size()), "", "in_progress"), Open::reasoning);
     const size_t index = output_.size() - 1;
-    output_[index]["content"][0]["text"] = output_[index]["content"][0]["text"].get<std::string>() + piece;
+    output_[index]["content"][0]["text"].get_ref<std::string&>() += piece;  // (in place: a long thought is not copied a token at a time)
     emit("response.reasoning_text.delta", {{"item_id", output_[index]["id"]}, {"output_index", index},
                                            {"content_index", 0}, {"delta", piece}});
   }
@@ -422,7 +422,7 @@ void ResponsesSink::on_chunk(const json& chunk) {
       // (a call's arguments follow its head, before any other item opens)
       if (piece.empty() || open_ != Open::call || known->second + 1 != output_.size()) continue;
       json& item = output_[known->second];
-      item["arguments"] = item["arguments"].get<std::string>() + piece;
+      item["arguments"].get_ref<std::string&>() += piece;
       emit("response.function_call_arguments.delta", {{"item_id", item["id"]}, {"output_index", known->second},
                                                       {"delta", piece}});
     }

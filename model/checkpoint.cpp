@@ -158,6 +158,7 @@ Vocabulary read_vocabulary(const gguf::File& f, const std::string& path, int voc
   v.eos = f.find("tokenizer.ggml.eos_token_id") ? token_id(f, path, "tokenizer.ggml.eos_token_id", vocab_size)
           : v.model == TokenizerModel::sentencepiece ? kEosToken : -1;
   if (f.find("tokenizer.chat_template")) v.chat_template = f.string("tokenizer.chat_template");
+  if (f.find("tokenizer.chat_template.tool_use")) v.tool_use_template = f.string("tokenizer.chat_template.tool_use");
   v.add_bos = flag(f, path, "tokenizer.ggml.add_bos_token", v.model == TokenizerModel::sentencepiece) && v.bos >= 0;
   if (v.model == TokenizerModel::sentencepiece && v.bos != kBosToken)
     throw Error(path + ": metadata tokenizer.ggml.bos_token_id = " + std::to_string(v.bos) +
@@ -638,8 +639,10 @@ void Checkpoint::load_hf(const std::string& dir) {
   // The vocabulary, its end tokens and chat template.
   const std::string tokenizer = (fs::path(dir) / "tokenizer.json").string();
   const std::string tokenizer_config = (fs::path(dir) / "tokenizer_config.json").string();
+  const std::string chat_template = (fs::path(dir) / "chat_template.jinja").string();
   if (fs::exists(tokenizer)) {
-    vocabulary_ = read_hf_tokenizer(tokenizer, fs::exists(tokenizer_config) ? tokenizer_config : "", c.vocab_size);
+    vocabulary_ = read_hf_tokenizer(tokenizer, fs::exists(tokenizer_config) ? tokenizer_config : "", c.vocab_size,
+                                    fs::exists(chat_template) ? chat_template : "");
     std::vector<int> named = hf.end_ids;
     if (vocabulary_->eos >= 0) named.push_back(vocabulary_->eos);
     config_.end_tokens = end_tokens_of(*vocabulary_, named);

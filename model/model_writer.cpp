@@ -310,6 +310,8 @@ void write_gguf(const WeightSource& weights, const Vocabulary& vocabulary, const
   if (spm) w.add("tokenizer.ggml.unknown_token_id", gguf::Writer::u32(0));
   w.add("tokenizer.ggml.add_bos_token", gguf::Writer::boolean(v.add_bos));
   if (!v.chat_template.empty()) w.add("tokenizer.chat_template", gguf::Writer::str(v.chat_template));
+  if (!v.tool_use_template.empty())
+    w.add("tokenizer.chat_template.tool_use", gguf::Writer::str(v.tool_use_template));
 
   if (!c.rope_factors.empty()) {
     if (c.rope_factors.size() != size_t(c.head_size() / 2))

@@ -320,6 +320,10 @@ ChosenTemplate choose_chat_template(const std::string& configured, const Vocabul
       out.format = ChatFormat(family_of_template(vocabulary.chat_template));
       out.format.jinja = std::make_shared<const JinjaTemplate>(vocabulary.chat_template);
       out.source = std::string("the model file's, rendered by jinja2 (family ") + to_string(out.format.family) + ")";
+      if (!vocabulary.tool_use_template.empty()) {
+        out.format.tool_use = std::make_shared<const JinjaTemplate>(vocabulary.tool_use_template);
+        out.source += ", and its tool_use template for requests with tools";
+      }
     } catch (const ChatTemplateError& e) {
       out.error = "the model file's chat template: " + e.message + " (name a built-in with node.chat-template)";
     }

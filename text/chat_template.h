@@ -73,6 +73,10 @@ struct ChatFormat {
   ChatFormat(ChatTemplate builtin = ChatTemplate::plain) : family(builtin) {}
   ChatTemplate family;
   std::shared_ptr<const JinjaTemplate> jinja;  // set: rendered by jinja2, not the built-in
+  // The model file's template for a request with tools (Vocabulary::
+  // tool_use_template), rendered instead of `jinja` when set and the
+  // request has "tools" (transformers' rule); unset: `jinja` renders all.
+  std::shared_ptr<const JinjaTemplate> tool_use;
   // node.trust-request-chat-template: a request's own chat_template (code a
   // client sends to run here) is rendered; false (vLLM's default too): a 400.
   bool trusts_request_templates = false;

@@ -86,6 +86,33 @@ void check_settings(const std::string& path, const json& top, const json& model,
           refuse("added_tokens[" + std::to_string(k) + "]." + key + " is set");
 }
 
+// tokenizer_config.json's chat_template into `v`: one template, or
+// transformers' list of named ones ({"name", "template"}), of which
+// apply_chat_template renders the one named "tool_use" for a request with
+// tools, where there is one, else the one named "default" (others only by
+// name: not read here). A list without a default is refused (transformers
+// refuses a request without tools then).
+void read_chat_templates(const JsonFields& config, Vocabulary& v) {
+  const json* value = config.find("chat_template");
+  if (!value || value->is_null()) return;
+  if (value->is_string()) {
+    v.chat_template = value->get<std::string>();
+    return;
+  }
+  const char* expected = "a string or a list of {\"name\", \"template\"} objects";
+  if (!value->is_array()) config.wrong("chat_template", expected);
+  for (size_t k = 0; k < value->size(); ++k) {
+    const json& named = (*value)[k];
+    if (!named.is_object()) config.wrong("chat_template", expected);
+    const JsonFields entry(named, config.file(), "chat_template[" + std::to_string(k) + "].");
+    const std::string name = entry.string("name");
+    if (name == "default") v.chat_template = entry.string("template");
+    else if (name == "tool_use") v.tool_use_template = entry.string("template");
+  }
+  if (v.chat_template.empty())
+    throw Error(config.file() + ": chat_template: a list of named templates without one named \"default\"");
+}
+
 }  // namespace
 
 json read_json_file(const std::string& path) {
@@ -99,7 +126,8 @@ json read_json_file(const std::string& path) {
   }
 }
 
-Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_path, int vocab_size) {
+Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_path, int vocab_size,
+                             const std::string& template_path) {
   const json t = read_json_file(path);
   try {
     // Every value type- and range-checked before it is converted (gpu/json_fields.h).
@@ -170,8 +198,10 @@ Vocabulary read_hf_tokenizer(const std::string& path, const std::string& config_
     v.bos = id_of("bos_token");
     v.eos = id_of("eos_token");
     v.add_bos = config.boolean("add_bos_token", v.bos >= 0) && v.bos >= 0;
-    if (const json* chat_template = config.find("chat_template"); chat_template && chat_template->is_string())
-      v.chat_template = chat_template->get<std::string>();
+    read_chat_templates(config, v);
+    // transformers writes the template beside the config (chat_template.jinja)
+    // and, loading, prefers it to the config's.
+    if (!template_path.empty()) v.chat_template = read_regular_file(template_path);
     return v;
   } catch (const json::exception& e) {
     // A shape the readers above do not check (inside pre_tokenizer, say).

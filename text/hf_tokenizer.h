@@ -21,6 +21,10 @@ namespace disagg::gpu {
 // "<path>: not a regular file (a FIFO)" or "<path>: not JSON: ...".
 nlohmann::json read_json_file(const std::string& path);
 
-Vocabulary read_hf_tokenizer(const std::string& tokenizer_json, const std::string& config_json, int vocab_size);
+// `template_jinja`, when not empty: the directory's chat_template.jinja,
+// which takes the place of the config's chat_template (as in transformers;
+// the config's "tool_use" one stays).
+Vocabulary read_hf_tokenizer(const std::string& tokenizer_json, const std::string& config_json, int vocab_size,
+                             const std::string& template_jinja = "");
 
 }  // namespace disagg::gpu

@@ -44,6 +44,9 @@ struct Vocabulary {
   bool add_bos = true;              // encode() puts BOS first
   int eos = kEosToken;              // the end-of-sequence id, -1 for none
   std::string chat_template;        // the file's Jinja chat template (tokenizer.chat_template), or empty
+  // Its template for requests with tools, where it has one of its own
+  // (tokenizer.chat_template.tool_use; transformers' named "tool_use"), or empty.
+  std::string tool_use_template;
 };
 
 // A piece as a GGUF `llama` vocabulary spells it (SentencePiece's word

@@ -333,7 +333,8 @@ TEST(HfModel, AFifoInTheDirectoryIsRefusedWithoutBlocking) {
   const auto weights = random_weights(configs()[0], 4);
   int k = 0;
   for (const char* file : {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
-                           "generation_config.json", "model.safetensors.index.json", "model-2-of-3.safetensors"}) {
+                           "generation_config.json", "model.safetensors.index.json", "model-2-of-3.safetensors",
+                           "chat_template.jinja"}) {
     SCOPED_TRACE(file);
     const std::string dir = root + "/m" + std::to_string(k++);
     const bool sharded = std::string(file).find("index") != std::string::npos || std::string(file).find("-of-") != std::string::npos;
@@ -351,6 +352,55 @@ TEST(HfModel, AFifoInTheDirectoryIsRefusedWithoutBlocking) {
   std::ofstream(dir + "/tokenizer_config.json") << R"({"eos_token": "<|end|>"})";
   EXPECT_EQ(open_error(dir), "(opened)");
   EXPECT_EQ(Checkpoint::open(dir)->config().end_tokens, std::vector<int>{3});
+  fs::remove_all(root);
+}
+
+// The chat template as transformers finds it: the config's string, or the
+// one named "default" in its list of named templates (Hermes-2-Pro's
+// tokenizer_config.json has "default" and "tool_use", the one for requests
+// with tools), and a chat_template.jinja beside the config (what
+// transformers now writes) in the place of the default. A GGUF written from
+// the directory keeps both (tokenizer.chat_template.tool_use, as llama.cpp's
+// converter writes it).
+TEST(HfModel, TheChatTemplateIsTheConfigsDefaultOrTheJinjaFileBesideIt) {
+  const std::string root = test::make_temp_dir("hf-template");
+  const auto weights = random_weights(configs()[0], 4);
+  const json named = json::array({{{"name", "tool_use"}, {"template", "tools: {{ tools | length }}"}},
+                                  {{"name", "default"}, {"template", "plain: {{ messages | length }}"}}});
+  struct Case {
+    json chat_template;  // null: none in the config
+    const char* jinja_file;  // nullptr: no chat_template.jinja
+    std::string expected, expected_tool_use;
+  };
+  const std::string tool_use = "tools: {{ tools | length }}";
+  const Case cases[] = {
+      {json(), nullptr, "", ""},
+      {json("one: {{ 1 }}"), nullptr, "one: {{ 1 }}", ""},
+      {named, nullptr, "plain: {{ messages | length }}", tool_use},
+      {named, "file: {{ 2 }}", "file: {{ 2 }}", tool_use},
+      {json(), "file: {{ 2 }}", "file: {{ 2 }}", ""},
+  };
+  int k = 0;
+  for (const Case& c : cases) {
+    const std::string dir = root + "/m" + std::to_string(k++);
+    SCOPED_TRACE(dir);
+    write_hf_directory(*weights, dir, FileType::f32);
+    std::ofstream(dir + "/tokenizer.json") << tiny_tokenizer().dump();
+    json config{{"eos_token", "<|end|>"}};
+    if (!c.chat_template.is_null()) config["chat_template"] = c.chat_template;
+    std::ofstream(dir + "/tokenizer_config.json") << config.dump();
+    if (c.jinja_file) std::ofstream(dir + "/chat_template.jinja") << c.jinja_file;
+    const auto cp = Checkpoint::open(dir);
+    ASSERT_TRUE(cp->vocabulary());
+    EXPECT_EQ(cp->vocabulary()->chat_template, c.expected);
+    EXPECT_EQ(cp->vocabulary()->tool_use_template, c.expected_tool_use);
+    const std::string gguf = dir + ".gguf";
+    write_gguf(*weights, *cp->vocabulary(), "m", gguf, FileType::f32);
+    const auto from_gguf = Checkpoint::open(gguf);
+    ASSERT_TRUE(from_gguf->vocabulary());
+    EXPECT_EQ(from_gguf->vocabulary()->chat_template, c.expected);
+    EXPECT_EQ(from_gguf->vocabulary()->tool_use_template, c.expected_tool_use);
+  }
   fs::remove_all(root);
 }
 
@@ -552,6 +602,15 @@ TEST(HfModel, TypeErrorsNameTheFileKeyAndExpectedType) {
        "tokenizer_config.json: add_bos_token = \"yes\": expected true or false"},
       {"tokenizer_config.json", [](json& j) { j["eos_token"] = 3; },
        "tokenizer_config.json: eos_token = 3: expected a string or an object with a content string"},
+      {"tokenizer_config.json", [](json& j) { j["chat_template"] = 3; },
+       "tokenizer_config.json: chat_template = 3: expected a string or a list of {\"name\", \"template\"} objects"},
+      {"tokenizer_config.json", [](json& j) { j["chat_template"] = json::array({"x"}); },
+       "tokenizer_config.json: chat_template = [\"x\"]: expected a string or a list of {\"name\", \"template\"} objects"},
+      {"tokenizer_config.json", [](json& j) { j["chat_template"] = json::array({{{"name", "default"}, {"template", 1}}}); },
+       "tokenizer_config.json: chat_template[0].template = 1: expected a string"},
+      {"tokenizer_config.json",
+       [](json& j) { j["chat_template"] = json::array({{{"name", "tool_use"}, {"template", "{{ 1 }}"}}}); },
+       "tokenizer_config.json: chat_template: a list of named templates without one named \"default\""},
   };
   int k = 0;
   for (const auto& c : cases) {

@@ -440,6 +440,61 @@ TEST(HttpApi, TokenizeAndDetokenizeRoundTrip) {
             "prompt 400");
 }
 
+// A model file's special piece need not be UTF-8 (a GGUF's pieces are bytes):
+// its template still renders (the piece's bytes as U+FFFD, as JSON text must
+// have them), where the context's JSON threw past every handler of
+// /tokenize and ended the frontend.
+TEST(HttpApi, AModelTemplateRendersWhenABosPieceIsNotUtf8) {
+  gpu::Vocabulary v = tokenizer().vocabulary();
+  ASSERT_GE(v.bos, 0);
+  v.pieces[size_t(v.bos)] = "\xff";
+  const gpu::Tokenizer bad_bos = gpu::Tokenizer::from_vocabulary(v, "bad-bos");
+  ChatFormat format(ChatTemplate::llama2);
+  format.jinja = std::make_shared<const gpu::JinjaTemplate>("[{{ bos_token }}]{{ messages[0].content }}");
+  json out;
+  EXPECT_NO_THROW(out = tokenize_response(R"({"messages":[{"role":"user","content":"hi"}]})", model(), bad_bos, format));
+  ChatFormat literal(ChatTemplate::llama2);
+  literal.jinja = std::make_shared<const gpu::JinjaTemplate>("[\xEF\xBF\xBD]{{ messages[0].content }}");
+  const json expected =
+      tokenize_response(R"({"messages":[{"role":"user","content":"hi"}]})", model(), bad_bos, literal);
+  EXPECT_EQ(out["tokens"], expected["tokens"]);
+}
+
+// A model file's tool_use template (Hermes-2-Pro's, transformers' rule)
+// renders the requests that pass tools, an empty list too; its default the
+// others; a request's own template (where trusted) all of them.
+TEST(HttpApi, AModelsToolUseTemplateRendersTheRequestsWithTools) {
+  gpu::Vocabulary v = tokenizer().vocabulary();
+  v.chat_template = "D{{ messages[0].content }}";
+  v.tool_use_template = "T{{ tools | length }}{{ messages[0].content }}";
+  const gpu::ChosenTemplate chosen = gpu::choose_chat_template("auto", v);
+  ASSERT_TRUE(chosen.error.empty()) << chosen.error;
+  ASSERT_TRUE(chosen.format.tool_use);
+  ChatFormat format = chosen.format;
+  format.trusts_request_templates = true;
+  auto prompt = [&](const std::string& body) {
+    return parse_request(Endpoint::chat, body, model(), tokenizer(), format, [] { return uint64_t(42); }).prompt_tokens;
+  };
+  auto literal = [&](const std::string& text) {  // the same request rendered by a template that is that text
+    ChatFormat fixed(ChatTemplate::llama2);
+    fixed.jinja = std::make_shared<const gpu::JinjaTemplate>(text);
+    return parse_request(Endpoint::chat, R"({"messages":[{"role":"user","content":"x"}]})", model(), tokenizer(),
+                         fixed, [] { return uint64_t(42); })
+        .prompt_tokens;
+  };
+  const std::string tool = R"({"type":"function","function":{"name":"f","parameters":{"type":"object"}}})";
+  EXPECT_EQ(prompt(R"({"messages":[{"role":"user","content":"hi"}]})"), literal("Dhi"));
+  EXPECT_EQ(prompt(R"({"messages":[{"role":"user","content":"hi"}],"tools":[)" + tool + "]}"), literal("T1hi"));
+  EXPECT_EQ(prompt(R"({"messages":[{"role":"user","content":"hi"}],"tools":[]})"), literal("T0hi"));
+  EXPECT_EQ(prompt(R"({"messages":[{"role":"user","content":"hi"}],"tools":null})"), literal("Dhi"));
+  EXPECT_EQ(prompt(R"({"messages":[{"role":"user","content":"hi"}],"tools":[)" + tool +
+                   R"(],"chat_template":"R{{ messages[0].content }}"})"),
+            literal("Rhi"));
+  // A tool_use template jinja2 cannot compile is the model file's error.
+  v.tool_use_template = "{% if %}";
+  EXPECT_FALSE(gpu::choose_chat_template("auto", v).error.empty());
+}
+
 // The probes of issue 18: each ended the frontend (an exception other than
 // parse_error, a quadratic copy per nesting level, a recursive dump of a
 // deep value); each is a bounded 400 now.
