@@ -10,6 +10,7 @@
 #include <unordered_set>
 #include <variant>
 
+#include "actors/deadlines.h"
 #include "actors/errors.h"
 #include "actors/log.h"
 #include "actors/prefill.h"
@@ -56,6 +57,7 @@ struct Reservation {
   client_actor client;                  // KvReservation::client: its tokens go there too
   uint64_t attempt = 0;                 // KvReservation::attempt: its tokens and done name it
   uint64_t ticket = 0;                  // KvTarget::ticket: the KV or commit must carry it
+  Clock::time_point lease_end;          // KvReservation::lease_ms from its taking (DecodeState::leases)
   bool streaming() const { return transfer_id != 0 && !verdict && !local; }
 };
 
@@ -213,6 +215,10 @@ struct DecodeState {
     std::vector<int32_t> blocks;
   };
   std::unordered_map<uint64_t, Draining> draining;
+  // Each reservation's lease end, by (request id, serial), served by a few
+  // wake-ups (actors/deadlines.h; lease_atom): removed as the reservation
+  // ends (end_lease), whichever way.
+  DeadlineSet<std::pair<RequestId, uint64_t>> leases;
 };
 
 // An actor that ends with streams open gives their memory back first (the
@@ -261,6 +267,8 @@ DecodeLoad load_of(Self self) {
   load.free_blocks = st.allocator->free_blocks();
   load.block_size = st.config.block_size;
   load.active_sequences = active_sequences(st);
+  load.leases = int32_t(st.leases.size());
+  load.lease_wakeups = int32_t(st.leases.wakeups());
   return load;
 }
 
@@ -625,6 +633,16 @@ KvTarget open_local(Self self, const KvReservation& r, Reservation& held) {
   return local_target(st, held);
 }
 
+// A wake-up the leases ask for: a timer to this actor carrying its time.
+void arm_lease_wakeup(Self self, std::optional<Clock::time_point> at) {
+  if (!at) return;
+  self->delayed_send(self, std::max(Clock::duration::zero(), *at - Clock::now()), lease_atom::value,
+                     int64_t(at->time_since_epoch().count()));
+}
+
+// The reservation ends (filled, dropped, cancelled): its lease with it.
+void end_lease(DecodeState& st, RequestId id, const Reservation& r) { st.leases.remove(r.lease_end, {id, r.serial}); }
+
 // The answer to the router's reservation: the receiver allocates before any
 // prefill work is done, so a full worker costs nothing but this message.
 ReserveReply reserve(Self self, const KvReservation& r) {
@@ -698,8 +716,10 @@ ReserveReply reserve(Self self, const KvReservation& r) {
                            2 * uint64_t(st.n_layers) * uint64_t(st.kv_dim) * sizeof(float));
   }
   answer.target.ticket = held.ticket;
+  const auto now = Clock::now();
+  held.lease_end = now + std::chrono::milliseconds(r.lease_ms);
+  arm_lease_wakeup(self, st.leases.add(held.lease_end, {r.id, serial}, now));
   st.requests.emplace(r.id, std::move(held));
-  self->delayed_send(self, std::chrono::milliseconds(r.lease_ms), lease_atom::value, r.id, serial);
   flush_events(self);  // (evictions)
   answer.load = load_of(self);
   return answer;
@@ -715,6 +735,7 @@ bool drop_reservation(Self self, RequestId id, ErrorCode code = ErrorCode::cance
   auto it = find_in<Reservation>(st, id);
   if (it == st.requests.end()) return false;
   Reservation& r = std::get<Reservation>(it->second);
+  end_lease(st, id, r);
   const bool draining = drop_stream(st, r);
   if (r.local) st.kv.local->cancel(r.transfer_id);
   if (r.commit) r.commit->promise.deliver(make_ack(self, id, code, message));
@@ -767,6 +788,7 @@ void settle_stream(Self self, RequestId id) {
     return;
   }
   const KvTransfer& t = commit.transfer;
+  end_lease(st, id, held);
   Sequence seq;
   take_blocks(seq, held);
   continue_from(seq, t, held.client, held.cached, st.seq_len, st.config.speculation_params());
@@ -902,6 +924,7 @@ void admit_message(Self self, Requests::iterator held, KvTransfer& transfer,
   auto& st = self->state;
   const RequestId id = transfer.id;
   Reservation& r = std::get<Reservation>(held->second);
+  end_lease(st, id, r);  // (whatever follows: the reservation ends here)
   // A stream offered for this reservation is not used; one whose pieces
   // still write into the blocks leaves them to nothing else until its
   // verdict (a prefill that sent both): the message is refused.
@@ -1060,6 +1083,22 @@ void on_landed(Self self, RequestId id, uint64_t serial, KvLanded& verdict) {
   }
 }
 
+// A lease wake-up: each reservation whose lease has ended is dropped (its
+// KV came too late, or never), and the next lease gets its wake-up.
+void on_lease_wakeup(Self self, Clock::time_point at) {
+  auto& st = self->state;
+  std::vector<DeadlineSet<std::pair<RequestId, uint64_t>>::Entry> due;
+  const std::optional<Clock::time_point> next = st.leases.fired(at, Clock::now(), due);
+  for (const auto& [end, lease] : due) {
+    const auto& [id, serial] = lease;
+    auto it = find_in<Reservation>(st, id);
+    if (it == st.requests.end() || std::get<Reservation>(it->second).serial != serial) continue;  // (defensive: ended)
+    drop_reservation(self, id, ErrorCode::timeout, "the reservation's lease ended before its KV arrived");
+  }
+  if (!due.empty()) report_load(self);
+  arm_lease_wakeup(self, next);
+}
+
 // The router's cancel, in whatever phase the request is here.
 void cancel_request(Self self, RequestId id) {
   auto& state = self->state;
@@ -1111,14 +1150,8 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         self->state.router_behind = router;
         if (self->state.local_prefill) self->send(self->state.local_prefill, router_atom::value, std::move(router));
       },
-      [=](lease_atom, RequestId id, uint64_t serial) {
-        if (!from_itself(self)) return;  // (a peer's: only this worker's own timer ends a lease)
-        auto it = find_in<Reservation>(self->state, id);
-        if (it == self->state.requests.end() || std::get<Reservation>(it->second).serial != serial)
-          return;  // filled or gone
-        drop_reservation(self, id, ErrorCode::timeout, "the reservation's lease ended before its KV arrived");
-        report_load(self);
-      },
+      // (from anyone: a wake-up ends only leases past their end, actors/deadlines.h)
+      [=](lease_atom, int64_t at) { on_lease_wakeup(self, Clock::time_point(Clock::duration(at))); },
       [=](landed_atom, RequestId id, uint64_t serial, KvLanded& verdict) {
         // (a peer's: only this worker's receiver says its KV landed, else any
         // holder of its handle could free blocks a stream still writes into)

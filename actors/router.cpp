@@ -35,12 +35,12 @@
 #include <deque>
 #include <map>
 #include <optional>
-#include <set>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <variant>
 
+#include "actors/deadlines.h"
 #include "actors/errors.h"
 #include "actors/log.h"
 #include "actors/request_metrics.h"
@@ -261,9 +261,8 @@ struct RouterState {
   // Each request's client actor, monitored: a client that goes away (its
   // process killed, Ctrl-C) cancels what it asked for.
   std::unordered_multimap<caf::actor_addr, RequestId> clients;
-  // Each request's deadline, and the wake-ups armed for them (Deadlines).
-  std::set<std::pair<Clock::time_point, RequestId>> deadlines;
-  std::multiset<Clock::time_point> wakeups;  // one per CAF timer pending
+  // Each request's deadline, and the wake-ups armed for them (actors/deadlines.h).
+  DeadlineSet<RequestId> deadlines;
   AdmissionQueue queue;  // accepted, not dispatched
   uint64_t next_serial = 1;
   SessionAffinity sessions{0};
@@ -401,7 +400,7 @@ void finish(Self self, RequestId id, RequestOutcome outcome) {
     // (not a worker's: demonitor removes every monitor of this router's on it)
     if (!st.clients.count(client) && !st.by_address.count(client)) self->demonitor(client);
   }
-  st.deadlines.erase({r.deadline, id});
+  st.deadlines.remove(r.deadline, id);
   st.requests.erase(it);
 }
 
@@ -832,35 +831,14 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
   dispatch(self);
 }
 
-// Deadlines. A CAF 0.17 timer cannot be cancelled: one per request (up to
-// kMaxDeadlineMs) stayed pending long after its request ended, so at a
-// steady rate of requests with long deadlines the router's pending timers,
-// and its memory, grew with the rate times the deadline. So requests keep
-// their deadlines in RouterState::deadlines (removed as they finish) and a
-// few wake-ups serve them all: a deadline `left` away is served by any
-// wake-up armed in [w, deadline], where w is the deadline rounded down to a
-// power-of-two step of at most left / 8 (exact under a millisecond). Each
-// wake-up ends the requests past their deadline and arms the next. Never
-// late; a deadline sees about log8 of its time left in ms wake-ups (9 for a
-// day); and at any time at most ~10 are pending per power of two of time
-// left, a few hundred in all, whatever the rate (RouterStatus::deadline_wakeups).
-Clock::time_point wakeup_for(Clock::time_point deadline, Clock::time_point now) {
-  const int64_t left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();
-  if (left < 1000000) return deadline;
-  const uint64_t most = uint64_t(left / 8);
-  const int64_t step = int64_t(uint64_t{1} << (63 - __builtin_clzll(most)));  // <= left / 8
-  const int64_t at = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count();
-  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(at - at % step)));
-}
-
-void arm_wakeup(Self self, Clock::time_point deadline) {
-  auto& st = self->state;
-  const auto now = Clock::now();
-  const Clock::time_point w = wakeup_for(deadline, now);
-  if (auto armed = st.wakeups.lower_bound(w); armed != st.wakeups.end() && *armed <= deadline) return;
-  st.wakeups.insert(w);
-  self->delayed_send(self, std::max(Clock::duration::zero(), w - now), deadline_atom::value,
-                     int64_t(w.time_since_epoch().count()));
+// Deadlines: a few wake-ups serve every request's (actors/deadlines.h: CAF
+// 0.17 cannot cancel a timer, and one per request stayed pending long after
+// it ended; RouterStatus::deadline_wakeups counts them). A wake-up the set
+// asks for is a timer to this actor carrying its time.
+void arm_wakeup(Self self, std::optional<Clock::time_point> at) {
+  if (!at) return;
+  self->delayed_send(self, std::max(Clock::duration::zero(), *at - Clock::now()), deadline_atom::value,
+                     int64_t(at->time_since_epoch().count()));
 }
 
 caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& request,
@@ -926,8 +904,7 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
     fail(self, id, ErrorCode::overloaded,
          "admission queue full (" + std::to_string(st.queue.choices.size() - 1) + " further choices waiting)");
   } else if (it != st.requests.end()) {
-    st.deadlines.emplace(deadline, id);
-    arm_wakeup(self, deadline);
+    arm_wakeup(self, st.deadlines.add(deadline, id, Clock::now()));
   }
   return promise;
 }
@@ -1204,7 +1181,7 @@ RouterStatus status_of(Self self) {
   }
   s.queued = int32_t(st.queue.size());
   s.in_flight = int32_t(st.requests.size() - st.queue.size());
-  s.deadline_wakeups = int32_t(st.wakeups.size());
+  s.deadline_wakeups = int32_t(st.deadlines.wakeups());
   return s;
 }
 
@@ -1309,19 +1286,14 @@ bool may_cancel(Self self, RequestId id) {
 // the next deadline gets its wake-up.
 void on_wakeup(Self self, Clock::time_point at) {
   auto& st = self->state;
-  if (auto armed = st.wakeups.find(at); armed != st.wakeups.end()) st.wakeups.erase(armed);
-  const auto now = Clock::now();
-  std::vector<std::pair<Clock::time_point, RequestId>> due;
-  while (!st.deadlines.empty() && st.deadlines.begin()->first <= now) {
-    due.push_back(*st.deadlines.begin());
-    st.deadlines.erase(st.deadlines.begin());  // (here, whatever end_request does: never due twice)
-  }
+  std::vector<DeadlineSet<RequestId>::Entry> due;  // (out of the set here, whatever end_request does: never due twice)
+  const std::optional<Clock::time_point> next = st.deadlines.fired(at, Clock::now(), due);
   for (const auto& [deadline, id] : due)
     if (auto it = st.requests.find(id); it != st.requests.end() && it->second.deadline == deadline)
       end_request(self, id, ErrorCode::timeout,
                   "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
   if (!due.empty()) dispatch(self);
-  if (!st.deadlines.empty()) arm_wakeup(self, st.deadlines.begin()->first);
+  arm_wakeup(self, next);
 }
 
 router_actor::behavior_type router_behavior(Self self, DisaggConfig config,

@@ -241,7 +241,7 @@ fake_decode_actor::behavior_type fake_decode(FakeDecodeSelf self,
         fake_release(self->state, id);
       },
       [](router_atom, caf::actor_addr&) {},
-      [=](lease_atom, RequestId, uint64_t) {},
+      [=](lease_atom, int64_t) {},
       [=](landed_atom, RequestId, uint64_t, KvLanded&) {},
       [=](status_atom) { return fake_load(self->state); },
       [=](kv_events_atom) { return KvEvents{0, true, {}, {}}; },

@@ -48,8 +48,9 @@ using decode_actor = caf::typed_actor<
     // own node, the one sender of reserve, prefill and cancel it takes
     // (actors/senders.h from_node_or)
     caf::reacts_to<router_atom, caf::actor_addr>,
-    // its own lease timer: (request id, reservation serial).
-    caf::reacts_to<lease_atom, RequestId, uint64_t>,
+    // its reservations' lease wake-up (actors/deadlines.h), armed for this
+    // time (steady clock ticks): ends the leases past their end only.
+    caf::reacts_to<lease_atom, int64_t>,
     // its KV receiver's verdict on a streamed transfer: (request id, reservation serial, verdict).
     caf::reacts_to<landed_atom, RequestId, uint64_t, KvLanded>,
     caf::replies_to<status_atom>::with<DecodeLoad>,

@@ -66,6 +66,8 @@ struct DecodeLoad {
   int32_t total_blocks = 0;
   int32_t block_size = 0;
   int32_t active_sequences = 0;
+  int32_t leases = 0;         // reservations whose lease runs (their KV not in yet)
+  int32_t lease_wakeups = 0;  // timers pending for them (actors/deadlines.h: a few, whatever the rate)
 };
 
 // What a decode worker's prefix cache stored and evicted (gpu::BlockEvent),
@@ -139,7 +141,7 @@ typename Inspector::result_type inspect(Inspector& f, KvEvents& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, DecodeLoad& x) {
   return f(caf::meta::type_name("DecodeLoad"), x.free_blocks, x.total_blocks, x.block_size,
-           x.active_sequences);
+           x.active_sequences, x.leases, x.lease_wakeups);
 }
 
 template <class Inspector>

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -313,7 +314,7 @@ decode_actor::behavior_type scripted_decode(decode_actor::pointer self, router_a
       [](prefill_atom, PrefillJob& job) { return PrefillReport{job.id, ErrorCode::internal}; },
       [](cancel_atom, RequestId) {},
       [](router_atom, caf::actor_addr&) {},
-      [](lease_atom, RequestId, uint64_t) {},
+      [](lease_atom, int64_t) {},
       [](landed_atom, RequestId, uint64_t, KvLanded&) {},
       [=](status_atom) {
         if (script.on_status) script.on_status(self);
@@ -500,11 +501,12 @@ TEST_F(ActorTest, ARouterWatchesAClientActorOnceWhileItsRequestsAreHere) {
   caf::anon_send_exit(full, caf::exit_reason::user_shutdown);
 }
 
-// A decode worker's lease timer (lease_atom) and its receiver's verdict
-// (landed_atom) are its own too: from a peer, for every serial, they end no
-// reservation (else any holder of the worker's handle could drop live
-// reservations, their commits then refused, or free blocks a stream still
-// writes into).
+// A decode worker's lease wake-up (lease_atom) ends only leases past their
+// end, from whoever it comes, and arms no timer (actors/deadlines.h); its
+// receiver's verdict (landed_atom) is its own: from a peer, for every
+// serial, it ends no reservation (else any holder of the worker's handle
+// could drop live reservations, their commits then refused, or free blocks a
+// stream still writes into).
 TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
   const DisaggConfig config = shared_model_config(1, 1);
   const router_actor router = spawn_router(*system_, config, nullptr);
@@ -544,8 +546,22 @@ TEST_F(ActorTest, ADecodeWorkersLeaseMessagesFromAnyoneElseAreIgnored) {
           [](caf::error&) {});
   ASSERT_EQ(refused, "");
   ASSERT_EQ(free_blocks(), all - 3);
-  for (uint64_t serial = 0; serial < 64; ++serial) outsider->send(worker, lease_atom::value, r.id, serial);
+  auto load = [&] {
+    DecodeLoad l;
+    l.leases = l.lease_wakeups = -1;
+    outsider->request(worker, std::chrono::seconds(5), status_atom::value)
+        .receive([&](const DecodeLoad& got) { l = got; }, [](caf::error&) {});
+    return l;
+  };
+  const DecodeLoad leased = load();
+  ASSERT_EQ(leased.leases, 1);
+  const int64_t now = std::chrono::steady_clock::now().time_since_epoch().count();
+  const int64_t day = std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::hours(24)).count();
+  for (const int64_t at : {int64_t{0}, now, now + day, std::numeric_limits<int64_t>::max()})
+    outsider->send(worker, lease_atom::value, at);
   EXPECT_EQ(free_blocks(), all - 3) << "(one sender's messages arrive in order: the status comes after them)";
+  EXPECT_EQ(load().leases, 1);
+  EXPECT_EQ(load().lease_wakeups, leased.lease_wakeups) << "a forged wake-up armed a timer";
   for (uint64_t serial = 0; serial < 64; ++serial)
     outsider->send(worker, landed_atom::value, r.id, serial,
                    KvLanded{transfer_id, uint8_t(kv::TransferStatus::expired), 0, "the test's forged verdict"});
@@ -1103,6 +1119,15 @@ TEST_F(ActorTest, RequestsWithLongDeadlinesLeaveAFewTimersNotOneEach) {
       .receive([&](RouterStatus& s) { status = s; }, [](caf::error&) {});
   EXPECT_GE(status.deadline_wakeups, 1);
   EXPECT_LE(status.deadline_wakeups, 4) << "of " << kRequests << " requests";
+  // The decode worker's leases (each the request's deadline plus the ack
+  // timeout) the same: none kept once filled, a few timers for them all.
+  DecodeLoad load;
+  load.leases = load.lease_wakeups = -1;
+  self->request(cluster_->decode_workers().at(0), std::chrono::seconds(5), status_atom::value)
+      .receive([&](DecodeLoad& l) { load = l; }, [](caf::error&) {});
+  EXPECT_EQ(load.leases, 0) << "a filled reservation's lease was kept";
+  EXPECT_GE(load.lease_wakeups, 1);
+  EXPECT_LE(load.lease_wakeups, 4) << "of " << kRequests << " reservations";
   auto request = make_request(kOnceUponATime, 400);
   request.deadline_ms = 5;
   const RequestOutcome out = client_->generate(request);

@@ -194,8 +194,10 @@ TEST_F(ReservationTest, AKvWithoutItsReservationsTicketIsRefusedAndTheBlocksKept
   }
   const KvAck taken = send(reply.target.ticket);
   EXPECT_EQ(taken.code, ErrorCode::none) << taken.message;
+  EXPECT_EQ(taken.load.leases, 1) << "the filled reservation's lease was kept";
   caf::send_as(cluster_->router(), cluster_->decode_workers().at(0), cancel_atom::value, RequestId{9008});
   EXPECT_EQ(free_blocks_when(*cluster_, total), total) << "the taken request decoded and ended";
+  EXPECT_EQ(cluster_->decode_loads().at(0).leases, 0) << "the cancelled reservation's lease was kept";
 }
 
 }  // namespace
