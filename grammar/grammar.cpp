@@ -184,9 +184,14 @@ int Grammar::declare() {
 
 void Grammar::define(int rule, const Expr& e) {
   if (rule < 0 || size_t(rule) >= rules_.size()) throw GrammarError("grammar: no rule " + std::to_string(rule));
-  for (const Alternative& a : rules_[size_t(rule)]) symbols_ -= a.size();
+  size_t symbols = symbols_;
+  for (const Alternative& a : rules_[size_t(rule)]) symbols -= a.size();
+  for (const Alternative& a : e.alternatives) symbols += a.size();
+  // (checked as it grows: a compiler that copies a part per use, a schema's
+  // long const under many types, must stop at the bound, not at the end)
+  if (symbols > kMaxSymbols) throw GrammarError("grammar: more than " + std::to_string(kMaxSymbols) + " symbols");
   rules_[size_t(rule)] = e.alternatives;
-  for (const Alternative& a : e.alternatives) symbols_ += a.size();
+  symbols_ = symbols;
 }
 
 // ---------------------------------------------------------------- checks

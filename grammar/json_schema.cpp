@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -65,14 +66,7 @@ class Compiler {
       if (!kKeywords.count(key) && !kAnnotations.count(key))
         throw SchemaError("JSON Schema keyword '" + key + "' at " + where(at + "/" + key) + " is not supported");
     if (s.contains("$ref")) return ref(s, at);
-    if (s.contains("const")) return literal_of(s["const"]);
-    if (s.contains("enum")) {
-      const json& e = s["enum"];
-      if (!e.is_array() || e.empty()) throw SchemaError("enum at " + where(at) + " must be a non-empty array");
-      std::vector<Expr> options;
-      for (const json& v : e) options.push_back(literal_of(v));
-      return Grammar::alt(options);
-    }
+    if (s.contains("const") || s.contains("enum")) return literals(s, at);
     for (const char* key : {"anyOf", "oneOf"})
       if (s.contains(key)) {
         only_with(s, key, at);
@@ -94,6 +88,43 @@ class Compiler {
 
  private:
   static std::string where(const std::string& at) { return at.empty() ? "the root" : at; }
+
+  // const or enum: the values written as they are, those of `type` (when it
+  // is given) only; any other keyword beside them is refused (its rule is
+  // not checked against the values).
+  Expr literals(const json& s, const std::string& at) {
+    const char* key = s.contains("const") ? "const" : "enum";
+    for (const auto& [k, v] : s.items())
+      if (k != "const" && k != "enum" && k != "type" && !kAnnotations.count(k) && k != "$defs" && k != "definitions")
+        throw SchemaError("'" + k + "' beside '" + key + "' at " + where(at) + " is not supported");
+    if (s.contains("const") && s.contains("enum"))
+      throw SchemaError("'enum' beside 'const' at " + where(at) + " is not supported");
+    const json values = s.contains("const") ? json::array({s["const"]}) : s["enum"];
+    if (!values.is_array() || values.empty()) throw SchemaError("enum at " + where(at) + " must be a non-empty array");
+    std::set<std::string> types;
+    if (s.contains("type")) {
+      const json& t = s["type"];
+      for (const json& x : t.is_array() ? t : json::array({t})) {
+        if (!x.is_string()) throw SchemaError("type at " + where(at) + " must name types");
+        types.insert(x.get<std::string>());
+      }
+    }
+    auto of_type = [&](const json& v) {
+      if (types.empty()) return true;
+      const char* t = v.is_object() ? "object" : v.is_array() ? "array" : v.is_string() ? "string"
+                      : v.is_boolean() ? "boolean" : v.is_null() ? "null" : "number";
+      if (types.count(t)) return true;
+      // (an integer is a number whose fraction is zero: 1.0 too)
+      return v.is_number() && types.count("integer") && std::isfinite(v.get<double>()) &&
+             v.get<double>() == std::floor(v.get<double>());
+    };
+    std::vector<Expr> options;
+    for (const json& v : values)
+      if (of_type(v)) options.push_back(literal_of(v));
+    if (options.empty())
+      throw SchemaError(std::string(key) + " at " + where(at) + ": no value is of the type the schema names");
+    return Grammar::alt(options);
+  }
 
   // A keyword that must stand alone (but for annotations and $defs).
   static void only_with(const json& s, const std::string& key, const std::string& at) {
@@ -239,6 +270,10 @@ class Compiler {
     if (!parts.is_array() || parts.empty()) throw SchemaError("allOf at " + where(at) + " must be a non-empty array");
     json merged = s;
     merged.erase("allOf");
+    // The outer schema's additionalProperties limits its own properties
+    // only: a part's that it does not name are additional to it (false:
+    // refused by the schema, a schema: held to it as well), not merged.
+    const bool outer_limits = s.contains("additionalProperties") && s["additionalProperties"] != true;
     if (merged.contains("type") && merged["type"] != "object")
       throw SchemaError("allOf at " + where(at) + ": only object schemas are supported");
     if (merged.contains("properties") && !merged["properties"].is_object())
@@ -261,6 +296,10 @@ class Compiler {
         } else if (key == "properties") {
           if (!value.is_object()) throw SchemaError("properties at " + where(part_at) + " must be an object");
           for (const auto& [name, schema] : value.items()) {
+            if (outer_limits && !(s.contains("properties") && s["properties"].contains(name)))
+              throw SchemaError("allOf at " + where(part_at) + ": property \"" + name +
+                                "\" is additional to the schema around the allOf, whose additionalProperties "
+                                "limits it (name it in that schema's properties)");
             json& have = merged["properties"][name];
             // Two schemas for one property must both hold: supported where
             // one of them only annotates (a description added beside a $ref).
@@ -701,13 +740,35 @@ class Compiler {
     if (!integer) {
       // A fraction with a non-zero last digit: ip.f lies strictly inside
       // (ip, ip + 1), -k.f inside (-(k + 1), -k); inside the bounds when
-      // those intervals are (for either kind of bound).
-      const Expr fraction = g_.seq({Grammar::literal("."), g_.repeat(Grammar::bytes(ByteSet::range('0', '9')), 0, 15),
-                                    Grammar::bytes(ByteSet::range('1', '9'))});
+      // those intervals are (for either kind of bound). As a double it may
+      // round onto either integer beside it, which an exclusive bound there
+      // refuses (1.0000000000000001 is 1.0): beside one, at most 15
+      // significant digits in all (DBL_DIG: then it is neither).
+      const bool lower_open = xmin && (!min || *xmin >= *min), upper_open = xmax && (!max || *xmax <= *max);
+      auto digits_of = [](int64_t v) {
+        int d = 0;
+        for (; v > 0; v /= 10) ++d;
+        return d;
+      };
+      // Integer parts [lo, hi], those at an edge beside an open bound written with fewer digits.
+      auto fractions = [&](int64_t lo, int64_t hi, bool lo_edge, bool hi_edge, bool negative) {
+        auto put = [&](int64_t a, int64_t b, int digits) {
+          if (a > b || digits < 1) return;
+          const Expr fraction = g_.seq({Grammar::literal("."), g_.repeat(Grammar::bytes(ByteSet::range('0', '9')), 0, digits - 1),
+                                        Grammar::bytes(ByteSet::range('1', '9'))});
+          const Expr e = g_.seq({natural_range(a, b), fraction});
+          options.push_back(negative ? g_.seq({Grammar::literal("-"), e}) : e);
+        };
+        if (lo > hi) return;
+        const int edge_digits = std::numeric_limits<double>::digits10;
+        put(lo + (lo_edge ? 1 : 0), hi - (hi_edge ? 1 : 0), 16);
+        if (lo_edge) put(lo, lo, edge_digits - digits_of(lo));
+        if (hi_edge && (hi != lo || !lo_edge)) put(hi, hi, edge_digits - digits_of(hi));
+      };
       const int64_t ip_lo = std::max<int64_t>(0, int64_t(std::ceil(lower))), ip_hi = int64_t(std::floor(upper)) - 1;
-      if (ip_lo <= ip_hi) options.push_back(g_.seq({natural_range(ip_lo, ip_hi), fraction}));
+      fractions(ip_lo, ip_hi, lower_open && double(ip_lo) == lower, upper_open && double(ip_hi + 1) == upper, false);
       const int64_t k_lo = std::max<int64_t>(0, int64_t(std::ceil(-upper))), k_hi = int64_t(std::floor(-lower)) - 1;
-      if (k_lo <= k_hi) options.push_back(g_.seq({Grammar::literal("-"), natural_range(k_lo, k_hi), fraction}));
+      fractions(k_lo, k_hi, upper_open && -double(k_lo) == upper, lower_open && -double(k_hi + 1) == lower, true);
     }
     if (options.empty())
       throw SchemaError("no " + std::string(integer ? "integer" : "number") + " is in range at " + where(at));

@@ -563,6 +563,16 @@ ApiRequest parse_request(Endpoint endpoint, const std::string& text, const Serve
   r.n = int32_t(integer_in(body, "n", 1, 1, kMaxChoices));
   r.best_of = int32_t(integer_in(body, "best_of", r.n, r.n, kMaxChoices));
   r.stop = request_stop(body);
+  // A stop would cut the output a grammar rules before it is complete, and
+  // a reply that ends with "stop" must parse (a stop token id is not one of
+  // the grammar's ends: it may come anywhere).
+  if (!r.sampling.grammar.empty())
+    for (const char* key : {"stop", "stop_token_ids"})
+      if (key == std::string("stop") ? !r.stop.empty() : !r.sampling.stop.stop_token_ids.empty())
+        throw bad_request(key, std::string("'") + key +
+                                   "' beside a structured output (response_format, guided_*, a required or named "
+                                   "tool call) would cut it before it is complete",
+                          "unsupported");
   r.stream = boolean(body, "stream", false);
   if (endpoint == Endpoint::completions && boolean(body, "echo", false)) {
     r.echo = true;

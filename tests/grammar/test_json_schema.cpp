@@ -150,7 +150,7 @@ TEST(JsonSchema, SchemasThatWouldHangOrBlowUpAreRefusedOrBuiltLinearly) {
     try {
       json_schema_grammar(schema);
       ADD_FAILURE() << schema.dump().substr(0, 200) << " compiled";
-    } catch (const SchemaError& e) {
+    } catch (const GrammarError& e) {  // (a SchemaError, or the grammar's own bound)
       EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
     }
   };
@@ -184,6 +184,71 @@ TEST(JsonSchema, SchemasThatWouldHangOrBlowUpAreRefusedOrBuiltLinearly) {
   expect_texts(json::parse(R"({"type": "number", "minimum": 0, "exclusiveMinimum": 5})"), {"5.5", "6"}, {"0.5", "5", "0"});
   expect_texts(json::parse(R"({"type": "number", "maximum": 10, "exclusiveMaximum": 1})"), {"0.5", "0", "-3"},
                {"5.5", "1", "1.5"});
+  // A schema of bounded size whose parts are compiled once per use (a long
+  // const under many types) stops at the symbol bound as it grows, not
+  // after building it all: 64 copies of 200,000 symbols.
+  json copies = {{"type", json::array()}, {"properties", {{"p", {{"const", std::string(200000, 'x')}}}}}};
+  for (int i = 0; i < 64; ++i) copies["type"].push_back("object");
+  refused(copies, "symbols");
+  Grammar g2;  // (each rule is checked as it is defined, whoever builds the grammar)
+  EXPECT_THROW(g2.rule(Grammar::literal(std::string(kMaxSymbols + 1, 'x'))), GrammarError);
+  EXPECT_EQ(g2.symbol_count(), 0u);
+}
+
+// Fractions under exclusive bounds stay inside them as doubles (16 digits
+// wrote 1.0000000000000001, which is 1.0); exponents stay finite (1e999
+// overflowed every double parser, the tool-call reader's too).
+TEST(JsonSchema, NumbersAreInRangeAsDoubles) {
+  expect_texts(json::parse(R"({"type": "number", "exclusiveMinimum": 1, "exclusiveMaximum": 2})"),
+               {"1.5", "1.00000000000001", "1.99999999999999"}, {"1.0000000000000001", "1.9999999999999999", "1", "2"});
+  expect_texts(json::parse(R"({"type": "number", "exclusiveMinimum": 123456789, "exclusiveMaximum": 123456790})"),
+               {"123456789.5", "123456789.000001"}, {"123456789.0000001"});
+  // (only beside an open bound: a positive number keeps its 16 digits elsewhere)
+  expect_texts(json::parse(R"({"type": "number", "exclusiveMinimum": 0})"), {"0.5", "3.25", "7.0000000000000001"},
+               {"0", "-0.5"});
+  expect_texts(json::parse(R"({"type": "number", "exclusiveMinimum": -2, "exclusiveMaximum": -1})"),
+               {"-1.5", "-1.00000000000001"}, {"-1.0000000000000001", "-1.9999999999999999", "-1", "-2"});
+  expect_texts(json::parse(R"({"type": "number"})"), {"1e99", "-2.5E-12", "1e+5"}, {"1e999", "1e100"});
+  expect_texts(json::parse(R"({"type": "object"})"), {R"({"x": 1e99})"}, {R"({"x": 1e999})"});
+}
+
+// const and enum: the values of the schema's type only; any other keyword
+// beside them is refused by name (its rule would not be checked).
+TEST(JsonSchema, ConstAndEnumTakeTheirTypeAndRefuseOtherKeywords) {
+  expect_texts(json::parse(R"({"type": "string", "enum": ["low", "high", null, 3]})"), {R"("low")", R"("high")"},
+               {"null", "3"});
+  expect_texts(json::parse(R"({"type": ["string", "null"], "enum": ["a", null, 1]})"), {R"("a")", "null"}, {"1"});
+  expect_texts(json::parse(R"({"type": "integer", "enum": [1, 2.0, 2.5, "3"]})"), {"1", "2.0"}, {"2.5", "\"3\""});
+  expect_texts(json::parse(R"({"const": "abc", "description": "d", "title": "t"})"), {R"("abc")"}, {R"("ab")"});
+  auto refused = [](const char* schema, const std::string& why) {
+    try {
+      json_schema_grammar(json::parse(schema));
+      ADD_FAILURE() << schema << " compiled";
+    } catch (const SchemaError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  refused(R"({"const": "abc", "maxLength": 2})", "'maxLength' beside 'const'");
+  refused(R"({"enum": [1, 2], "allOf": [{"type": "object"}]})", "'allOf' beside 'enum'");
+  refused(R"({"type": "string", "enum": [1, 2]})", "no value is of the type");
+  refused(R"({"const": 1, "enum": [1]})", "'enum' beside 'const'");
+}
+
+// allOf under an outer additionalProperties: a part's property the outer
+// schema does not name is additional to it, not merged (Ajv refuses
+// {"a": "x"} under the first schema): refused, naming it; named outside
+// too, it is the outer's (and the part only describes it).
+TEST(JsonSchema, AllOfPartsPropertiesAreNotTheOuterSchemasOwn) {
+  try {
+    json_schema_grammar(json::parse(
+        R"({"type": "object", "allOf": [{"properties": {"a": {"type": "string"}}}], "additionalProperties": false})"));
+    ADD_FAILURE() << "compiled";
+  } catch (const SchemaError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"a\" is additional"), std::string::npos) << e.what();
+  }
+  expect_texts(json::parse(R"({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": false,
+                               "allOf": [{"properties": {"a": {"description": "the a"}}}]})"),
+               {R"({"a": "x"})", "{}"}, {R"({"b": 1})", R"({"a": 1})"});
 }
 
 // ---- generation: random tokens under the mask, steered to an end.

@@ -599,6 +599,16 @@ TEST(HttpApi, ExtremeIntegersAndWrongShapesAre400sThatQuoteABoundedPrefix) {
   EXPECT_EQ(error_of(Endpoint::completions,
                      R"({"prompt":"x","guided_json":{"type":"boolean"},"response_format":{"type":"json_object"}})").status,
             400);
+  // A stop would cut a structured output before it is complete: refused
+  // beside a grammar, taken without one.
+  for (const char* stop : {R"("stop":"}")", R"("stop":["}"])", R"("stop_token_ids":[5])"}) {
+    const ApiError cut = error_of(
+        Endpoint::completions, std::string(R"({"prompt":"x","response_format":{"type":"json_object"},)") + stop + "}");
+    EXPECT_EQ(cut.code, "unsupported") << stop;
+    EXPECT_EQ(cut.param, std::string(stop).find("ids") != std::string::npos ? "stop_token_ids" : "stop") << stop;
+    EXPECT_NO_THROW(parse(Endpoint::completions, std::string(R"({"prompt":"x",)") + stop + "}")) << stop;
+  }
+  EXPECT_NO_THROW(parse(Endpoint::completions, R"({"prompt":"x","response_format":{"type":"json_object"},"stop":[]})"));
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":"text"})").param, "response_format");
   EXPECT_EQ(error_of(Endpoint::completions, R"({"prompt":"x","response_format":{"kind":"text"}})").param, "response_format");
   // Stop strings: how many and how long.
