@@ -716,6 +716,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
                            2 * uint64_t(st.n_layers) * uint64_t(st.kv_dim) * sizeof(float));
   }
   answer.target.ticket = held.ticket;
+  answer.target.max_message_bytes = st.kv.max_message_bytes;
   const auto now = Clock::now();
   held.lease_end = now + std::chrono::milliseconds(r.lease_ms);
   arm_lease_wakeup(self, st.leases.add(held.lease_end, {r.id, serial}, now));

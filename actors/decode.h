@@ -31,6 +31,8 @@ struct DecodeKv {
   // (WorkerInfo::colocated). The router pairs this worker with no other.
   std::shared_ptr<kv::LocalKvTargets> local;
   std::string colocated;
+  // Its node's port guard limit (KvTarget::max_message_bytes); 0: none.
+  int64_t max_message_bytes = 0;
 };
 
 // `compute` must own a KV pool of config.block_size x config.pool_blocks

@@ -78,6 +78,10 @@ PrefillReport failure(RequestId id, ErrorCode code, std::string message) {
   return r;
 }
 
+// What CAF adds to a message's own bytes (BASP's header, the message's type
+// names, ids): well under this.
+constexpr int64_t kMessageFramingBytes = 4096;
+
 // Hands the KV to the decode worker: one KvTransfer message carrying it, or,
 // when it was streamed into the decode worker's blocks during the prefill,
 // one carrying only what the decode side needs to continue (the commit).
@@ -112,6 +116,27 @@ void ship_kv(Self self, uint64_t serial, PrefillJob job, decode_actor decode, Pr
   if (computed.streamed) {
     transfer.transfer_id = job.target.transfer_id;
     transfer.fingerprint = self->state.model.fingerprint;
+  } else if (job.target.max_message_bytes > 0) {
+    // One message must fit the decode node's port (its guard cuts the
+    // connection, every request on it, at a larger one): measured as CAF
+    // writes it, its KV aside (the prompt, log probabilities and sampling,
+    // a grammar too, come on top of the KV's bytes).
+    std::vector<uint8_t> kv = std::move(transfer.bytes);
+    std::vector<char> rest;
+    caf::binary_serializer sink{self->system(), rest};
+    const caf::error written = sink(transfer);
+    transfer.bytes = std::move(kv);
+    const int64_t size = int64_t(rest.size() + transfer.bytes.size()) + kMessageFramingBytes;
+    if (written || size > job.target.max_message_bytes) {
+      auto r = failure(job.id, ErrorCode::kv_too_large,
+                       "a KV message of " + std::to_string(size) + " bytes exceeds the decode node's limit of " +
+                           std::to_string(job.target.max_message_bytes) +
+                           " (its node.max-message-bytes; a streamed KV has none: kv-transport tcp)");
+      r.kv_bytes = kv_bytes;
+      r.prefill_us = prefill_us;
+      finish(self, serial, std::move(r));
+      return;
+    }
   }
   const bool streamed = computed.streamed;
   const int32_t cached_tokens = computed.cached_tokens;

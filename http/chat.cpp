@@ -85,8 +85,10 @@ std::string message_content(const json& m, size_t index, ChatTemplate family, co
 
 // `schema` moved to `pointer` inside another schema: its references to
 // itself ("#", "#/$defs/X") rewritten to point there. (Values that are data,
-// not schemas, are left as they are.)
-nlohmann::ordered_json rooted_at(const nlohmann::ordered_json& schema, const std::string& pointer) {
+// not schemas, are left as they are.) `names`: `schema` maps names to
+// schemas (properties, $defs): its keys are names, not keywords (a
+// property called "enum" holds a schema like any other).
+nlohmann::ordered_json rooted_at(const nlohmann::ordered_json& schema, const std::string& pointer, bool names = false) {
   if (schema.is_array()) {
     nlohmann::ordered_json out = nlohmann::ordered_json::array();
     for (const nlohmann::ordered_json& v : schema) out.push_back(rooted_at(v, pointer));  // (not json: it sorts keys)
@@ -95,12 +97,14 @@ nlohmann::ordered_json rooted_at(const nlohmann::ordered_json& schema, const std
   if (!schema.is_object()) return schema;
   nlohmann::ordered_json out = nlohmann::ordered_json::object();
   for (const auto& [key, value] : schema.items()) {
-    if (key == "$ref" && value.is_string() && value.get_ref<const std::string&>().rfind('#', 0) == 0)
+    if (names)
+      out[key] = rooted_at(value, pointer);
+    else if (key == "$ref" && value.is_string() && value.get_ref<const std::string&>().rfind('#', 0) == 0)
       out[key] = pointer + value.get_ref<const std::string&>().substr(1);
     else if (key == "const" || key == "enum" || key == "default" || key == "examples")
       out[key] = value;
     else
-      out[key] = rooted_at(value, pointer);
+      out[key] = rooted_at(value, pointer, key == "properties" || key == "$defs" || key == "definitions");
   }
   return out;
 }

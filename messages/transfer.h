@@ -72,6 +72,11 @@ struct KvTarget {
   // (decode -> router -> prefill), never on the KV data plane, so another
   // member cannot hand the request a KV of its own making.
   uint64_t ticket = 0;
+  // The largest message the decode node's port takes (its port guard's
+  // limit, node.max-message-bytes or more); 0: no limit known (an
+  // in-process worker, no guard). A KV sent as one message is measured
+  // against it before it goes: a larger one would have its connection cut.
+  int64_t max_message_bytes = 0;
 
   // A target in the decode worker's own pool, which its compute writes itself
   // (kLocalKvTransport): no KV crosses to another worker.
@@ -213,7 +218,7 @@ typename Inspector::result_type inspect(Inspector& f, KvReservation& x) {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, KvTarget& x) {
   return f(caf::meta::type_name("KvTarget"), x.transfer_id, x.transport, x.address, x.block_size, x.runs,
-           x.first_position, x.ticket);
+           x.first_position, x.ticket, x.max_message_bytes);
 }
 
 template <class Inspector>

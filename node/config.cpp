@@ -3,6 +3,7 @@
 #include "actors/log.h"
 
 #include <arpa/inet.h>
+#include <algorithm>
 #include <cctype>
 #include <sstream>
 #include <sys/stat.h>
@@ -10,6 +11,7 @@
 #include "caf/config_option_adder.hpp"
 #include "caf/io/middleman.hpp"
 #include "caf/settings.hpp"
+#include "messages/request.h"
 #include "text/chat_template.h"
 #include "gpu/error.h"
 #include "gpu/file_check.h"
@@ -58,11 +60,6 @@ std::string strip_comment(const std::string& s) {
   return s;
 }
 
-bool is_regular_file(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
 // Why `path` is no model file (nor a Hugging Face model directory with its
 // config.json), or "": opened as the loader opens it, without blocking
 // (gpu/file_check.h), so a FIFO is named here instead of hanging the node.
@@ -105,8 +102,15 @@ std::string NodeOptions::validate() const {
   if (host.empty()) add_problem(problems, "node.host must not be empty");
   if (max_message_bytes < 1024 || max_message_bytes > int64_t{0xFFFFFFFF})
     add_problem(problems, "node.max-message-bytes must be in [1024, 4294967295]");
-  if (handshake_timeout_ms <= 0) add_problem(problems, "node.handshake-timeout-ms must be > 0");
-  if (message_timeout_ms <= 0) add_problem(problems, "node.message-timeout-ms must be > 0");
+  // A time in ms, at most a day (kMaxDeadlineMs): more overflowed the
+  // timers' nanoseconds, and a port guard then expired every connection at once.
+  auto in_ms = [&](int64_t value, const char* key, int64_t least) {
+    if (value < least || value > kMaxDeadlineMs)
+      add_problem(problems, std::string("node.") + key + " must be in [" + std::to_string(least) + ", " +
+                                std::to_string(kMaxDeadlineMs) + "]");
+  };
+  in_ms(handshake_timeout_ms, "handshake-timeout-ms", 1);
+  in_ms(message_timeout_ms, "message-timeout-ms", 1);
   if (max_connections <= 0) add_problem(problems, "node.max-connections must be > 0");
   if (max_pending_per_source <= 0) add_problem(problems, "node.max-pending-per-source must be > 0");
   if (role == "decode" && advertise_host.empty() && (host == "0.0.0.0" || host == "::"))
@@ -123,11 +127,12 @@ std::string NodeOptions::validate() const {
   if ((worker || frontend) && router_host.empty()) add_problem(problems, "node.router-host must not be empty");
   if ((worker || frontend) && router_port == 0)
     add_problem(problems, "node.router-port is required for a " + role + " node");
-  if (connect_retry_ms <= 0) add_problem(problems, "node.connect-retry-ms must be > 0");
+  in_ms(connect_retry_ms, "connect-retry-ms", 1);
+  in_ms(connect_backoff_max_ms, "connect-backoff-max-ms", 1);
   if (connect_backoff_max_ms < connect_retry_ms)
     add_problem(problems, "node.connect-backoff-max-ms must be >= node.connect-retry-ms");
-  if (connect_timeout_ms < 0) add_problem(problems, "node.connect-timeout-ms must be >= 0");
-  if (peer_refresh_ms <= 0) add_problem(problems, "node.peer-refresh-ms must be > 0");
+  in_ms(connect_timeout_ms, "connect-timeout-ms", 0);
+  in_ms(peer_refresh_ms, "peer-refresh-ms", 1);
   if (frontend && http_host.empty()) add_problem(problems, "node.http-host must not be empty");
   if (http_body_limit <= 0) add_problem(problems, "node.http-body-limit must be > 0");
   if (http_stream_buffer_bytes <= 0) add_problem(problems, "node.http-stream-buffer-bytes must be > 0");
@@ -285,6 +290,12 @@ std::vector<std::string> check_config_file(const std::string& path,
       }
     }
     const std::string name = group + "." + key;
+    // (CAF keeps the first and drops the rest with a warning no one sees)
+    if (auto earlier = std::find_if(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == name; });
+        earlier != entries.end()) {
+      report(first_line, name + " is set again (line " + std::to_string(earlier->line) + " set it; CAF keeps that one)");
+      continue;
+    }
     auto option = options.qualified_name_lookup(group, key);
     if (!option) {
       report(first_line, "unknown option " + name);
@@ -308,14 +319,23 @@ NodeConfigResult load_node_config(NodeSystemConfig& config, int argc, char** arg
   std::string file;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg.compare(0, flag.size(), flag) == 0) file = arg.substr(flag.size());
-    if (arg == "--config-file") {
-      errors.push_back("write --config-file=FILE (CAF reads no separate value)");
+    if (arg.compare(0, flag.size(), flag) == 0) {
+      // (CAF reads the first: the file checked must be the one it reads)
+      if (!file.empty()) {
+        errors.push_back("--config-file given twice (" + file + ", " + arg.substr(flag.size()) + "): name one file");
+        return result;
+      }
+      file = arg.substr(flag.size());
+    }
+    if (arg == "--config-file" || arg.rfind("--caf#config-file", 0) == 0) {
+      errors.push_back("write --config-file=FILE (CAF reads no separate value, and the file it reads is checked)");
       return result;
     }
   }
-  // Without --config-file CAF reads caf-application.ini when there is one.
-  if (file.empty() && is_regular_file("caf-application.ini")) file = "caf-application.ini";
+  // Without --config-file CAF reads caf-application.ini when there is one
+  // (of any kind: a FIFO is refused by the check, where CAF would block on it).
+  struct stat st {};
+  if (file.empty() && ::stat("caf-application.ini", &st) == 0) file = "caf-application.ini";
   if (!file.empty()) {
     errors = check_config_file(file, config.options());
     if (!errors.empty()) return result;

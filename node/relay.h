@@ -41,7 +41,9 @@ struct RelaySpec {
   // each register through a relay of their own, and the node is ready once
   // both are in. Null: at the first.
   std::shared_ptr<std::atomic<int>> ready_after;
-  std::chrono::milliseconds register_timeout{10000};
+  // A registration's deadline: a worker -> router call, so the compute
+  // timeout's (DisaggConfig::compute_timeout_ms, which a node sets here).
+  std::chrono::milliseconds register_timeout{DisaggConfig{}.compute_timeout_ms};
   // A registration the router refused or did not answer is tried again after
   // this delay, doubling up to register_retry_max, while that router is alive.
   std::chrono::milliseconds register_retry{100};

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -60,19 +61,26 @@ bool stopping() { return g_stop != 0; }
 std::string endpoint_of(const std::string& host, uint16_t port) { return host + ":" + std::to_string(port); }
 
 // Why `host:port` cannot be listened on, in the words of the OS ("Address
-// already in use"); CAF only says "tcp socket creation failed".
+// already in use"); CAF only says "tcp socket creation failed". Empty when
+// the host is no numeric address (IPv4 or IPv6: the caller's own message
+// stands) or a listen works now.
 std::string listen_problem(const std::string& host, uint16_t port) {
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) return "not an IPv4 address";
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return std::strerror(errno);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) return {};
+  const int fd = ::socket(found->ai_family, SOCK_STREAM, 0);
+  if (fd < 0) {
+    ::freeaddrinfo(found);
+    return std::strerror(errno);
+  }
   const int on = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
   std::string problem;
-  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 1) != 0)
-    problem = std::strerror(errno);
+  if (::bind(fd, found->ai_addr, found->ai_addrlen) != 0 || ::listen(fd, 1) != 0) problem = std::strerror(errno);
+  ::freeaddrinfo(found);
   ::close(fd);
   return problem;
 }
@@ -314,10 +322,19 @@ RelaySpec relay_spec_of(const caf::actor_system_config& system, const NodeOption
 // A node's workers, each with the relay it registers through.
 using NodeWorkers = std::vector<std::pair<caf::actor, router_actor>>;
 
+// The largest message a decode node's KV port takes (its guard's limit;
+// 0: no guard): a one-message KV (kv-transport message) must fit it. What
+// its reservations tell prefill workers (KvTarget::max_message_bytes).
+int64_t kv_port_message_limit(const NodeOptions& node, const DisaggConfig& cfg) {
+  if (!node.port_guard) return 0;
+  return cfg.kv_transport == "message" ? std::max(node.max_message_bytes, cfg.max_kv_transfer_bytes + kMessageOverheadBytes)
+                                       : node.max_message_bytes;
+}
+
 NodeWorkers spawn_workers(caf::actor_system& system, const DisaggConfig& cfg, const RelaySpec& relay_spec,
                           const std::string& name, NodeRole role, const ComputeUnit& compute,
                           const std::shared_ptr<kv::KvPlane>& plane,
-                          const std::shared_ptr<kv::LocalKvTargets>& local) {
+                          const std::shared_ptr<kv::LocalKvTargets>& local, int64_t kv_message_limit) {
   NodeWorkers workers;
   auto add_worker = [&](auto spawn) {
     router_actor relay = spawn_router_relay(system, relay_spec);
@@ -339,7 +356,8 @@ NodeWorkers spawn_workers(caf::actor_system& system, const DisaggConfig& cfg, co
     });
   } else if (role == NodeRole::decode) {
     add_worker([&](router_actor relay) {
-      return spawn_decode(system, cfg, compute.actor, relay, name, DecodeKv{compute.pool, plane, compute.local});
+      return spawn_decode(system, cfg, compute.actor, relay, name,
+                          DecodeKv{compute.pool, plane, compute.local, {}, kv_message_limit});
     });
   } else {
     add_worker([&](router_actor relay) { return spawn_prefill(system, cfg, compute.actor, relay, name); });
@@ -352,11 +370,7 @@ NodeWorkers spawn_workers(caf::actor_system& system, const DisaggConfig& cfg, co
 std::optional<Published> publish_kv_port(caf::actor_system& system, const NodeOptions& node,
                                          const DisaggConfig& cfg, const NodeWorkers& workers) {
   const caf::actor& worker = workers.front().first;
-  // A one-message KV (kv-transport message) must fit the guard's limit.
-  const int64_t max_message = cfg.kv_transport == "message"
-                                  ? std::max(node.max_message_bytes, cfg.max_kv_transfer_bytes + kMessageOverheadBytes)
-                                  : node.max_message_bytes;
-  auto port = publish_on(system, caf::actor_cast<decode_actor>(worker), node, max_message);
+  auto port = publish_on(system, caf::actor_cast<decode_actor>(worker), node, kv_port_message_limit(node, cfg));
   if (!port) return std::nullopt;
   const std::string endpoint = endpoint_of(node.advertise_host.empty() ? node.host : node.advertise_host, port->port);
   node_log("decode worker listening for KV on " + endpoint_of(node.host, port->port) +
@@ -411,7 +425,8 @@ int run_worker(caf::actor_system& system, const NodeOptions& node, const DisaggC
       !node.name.empty() ? node.name : node.role + "@" + node.host + "/" + std::to_string(::getpid());
   caf::scoped_actor self{system};
   const NodeWorkers workers =
-      spawn_workers(system, cfg, relay_spec_of(system.config(), node, cfg, colocated), name, role, *compute, plane, local);
+      spawn_workers(system, cfg, relay_spec_of(system.config(), node, cfg, colocated), name, role, *compute, plane, local,
+                    kv_port_message_limit(node, cfg));
   auto stop_workers = [&] {
     for (auto& w : workers) stop_actor(self, w.first);
   };

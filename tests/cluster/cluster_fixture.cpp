@@ -79,6 +79,23 @@ void TestCluster::enable_tls() {
 std::string TestCluster::config_text(const std::string& role, const std::string& name, uint16_t port,
                                      const std::string& extra, const std::string& disagg_extra) const {
   std::ostringstream ini;
+  // A default of the fixture's only where the test's extras do not set the
+  // key (a node refuses a key set twice: CAF kept the first, the default).
+  const std::string disagg_extras = disagg_extra_ + "\n" + disagg_extra;
+  auto set_in = [](const std::string& extras, const std::string& key) {
+    std::istringstream lines(extras);
+    for (std::string line; std::getline(lines, line);) {
+      const auto start = line.find_first_not_of(" \t");
+      if (start != std::string::npos && line.compare(start, key.size(), key) == 0 &&
+          line.find_first_not_of(" \t", start + key.size()) != std::string::npos &&
+          line[line.find_first_not_of(" \t", start + key.size())] == '=')
+        return true;
+    }
+    return false;
+  };
+  auto node_default = [&](const std::string& key, const std::string& value) {
+    if (!set_in(extra, key)) ini << key << " = " << value << "\n";
+  };
   ini << "; written by test_cluster\n[node]\nrole = \"" << role << "\"\n";
   if (role != "router") ini << "name = \"" << name << "\"\nrouter-port = " << router_port_ << "\n";
   if (placed_.count(name)) ini << (role == "frontend" ? "http-host" : "host") << " = \"" << address_of(name) << "\"\n";
@@ -86,14 +103,18 @@ std::string TestCluster::config_text(const std::string& role, const std::string&
     ini << "router-host = \"" << (router_dialed_at_.empty() ? address_of("router") : router_dialed_at_) << "\"\n";
   if (role == "frontend") ini << "http-port = " << port << "\n";
   else if (role != "prefill" && role != "worker") ini << "port = " << port << "\n";
-  ini << "connect-retry-ms = 50\nconnect-backoff-max-ms = 500\nconnect-timeout-ms = 60000\n";
-  ini << "peer-refresh-ms = 200\n" << extra;
+  node_default("connect-retry-ms", "50");
+  node_default("connect-backoff-max-ms", "500");
+  node_default("connect-timeout-ms", "60000");
+  node_default("peer-refresh-ms", "200");
+  ini << extra;
   ini << "\n[disagg]\nmodel = \"" << (model_.empty() ? shared_model() : model_) << "\"\nbackend = \"cpu\"\n";
   // (the workers read the vocabulary's bytes from it for structured output)
   if (with_tokenizer_) ini << "tokenizer = \"" << shared_tokenizer() << "\"\n";
-  if (role == "decode" || role == "worker") ini << "pool-blocks = 512\n";
-  if (local_prefill_tokens_) ini << "local-prefill-tokens = " << *local_prefill_tokens_ << "\n";
-  ini << disagg_extra_ << "\n" << disagg_extra << "\n";
+  if ((role == "decode" || role == "worker") && !set_in(disagg_extras, "pool-blocks")) ini << "pool-blocks = 512\n";
+  if (local_prefill_tokens_ && !set_in(disagg_extras, "local-prefill-tokens"))
+    ini << "local-prefill-tokens = " << *local_prefill_tokens_ << "\n";
+  ini << disagg_extras << "\n";
   if (tls()) {
     const TlsOptions files = certificate_files(tls_dir_, name);
     ini << "\n[tls]\ncertificate = \"" << files.certificate << "\"\nkey = \"" << files.key << "\"\nca-file = \""

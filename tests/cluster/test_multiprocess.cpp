@@ -185,6 +185,34 @@ TEST(MultiProcessCluster, ADecodeNodeOnShmStreamsOverTcpFromAPrefillNodeWithout)
   EXPECT_TRUE(cluster.stop_all());
 }
 
+// A prefill node on kv-transport message, a decode node that streams and
+// whose port takes messages of 64 KiB: a KV message larger than that is
+// refused before it goes (kv_too_large, at once, naming the limit), where
+// the decode node's guard cut the connection, and every request on it,
+// which then ended at the ack timeout; a smaller one goes and decodes.
+TEST(MultiProcessCluster, AOneMessageKvOverTheDecodeNodesLimitIsRefusedBeforeItGoes) {
+  TestCluster cluster("kv-message-limit");
+  cluster.start_router();
+  cluster.start_node("prefill", "prefill-1", "", "kv-transport = \"message\"\n");
+  cluster.start_node("decode", "decode-1", "max-message-bytes = 65536\n");
+  ASSERT_TRUE(cluster.wait_for_workers(1, 1));
+  auto prompt_of = [](int n) {
+    std::vector<int> p = {1};
+    for (int i = 1; i < n; ++i) p.push_back(300 + i % 200);
+    return p;
+  };
+  const RequestOutcome big = cluster.client().generate(token_request(prompt_of(100), 8));
+  EXPECT_EQ(big.code, ErrorCode::kv_too_large) << to_string(big.code) << ": " << big.message << "\n" << cluster.logs();
+  EXPECT_NE(big.message.find("decode node's limit of 65536"), std::string::npos) << big.message;
+  const GenerateRequest small = token_request(prompt_of(20), 8);
+  const RequestOutcome out = cluster.client().generate(small);
+  ASSERT_TRUE(out.ok()) << to_string(out.code) << ": " << out.message << "\n" << cluster.logs();
+  EXPECT_FALSE(out.timings.kv_streamed);
+  EXPECT_EQ(out.tokens, colocated_tokens(shared_model(), small));
+  EXPECT_EQ(cluster.logs().find("message_too_large"), std::string::npos) << cluster.logs();
+  EXPECT_TRUE(cluster.stop_all());
+}
+
 // Conditional disaggregation with the default local-prefill-tokens (the
 // fixture's is 0): a short prompt is prefilled by the decode node chosen for
 // it, no KV travels; a prompt longer than that goes to the prefill node and

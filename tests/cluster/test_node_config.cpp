@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <regex>
 
@@ -67,26 +68,84 @@ TEST(NodeConfigFile, ConnectionsAreWatchedByDefaultAndTheFileMayChangeHow) {
   EXPECT_EQ(caf::get_or(*own, "middleman.connection-timeout", off), caf::timespan{std::chrono::seconds(4)});
 }
 
+// The errors load_node_config finds for a command line of these
+// arguments, one string.
+std::string errors_of_args(std::vector<std::string> args) {
+  NodeSystemConfig config;
+  std::vector<char*> argv = {const_cast<char*>("disagg-node")};
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const NodeConfigResult result = load_node_config(config, int(argv.size()) - 1, argv.data());
+  std::string all;
+  for (const auto& e : result.errors) all += e + "\n";
+  return all;
+}
+
+// The same for a router's config file of this text.
+std::string errors_of_file(const std::string& ini) {
+  const std::string dir = make_temp_dir("node-config");
+  write_text_file(dir + "/node.ini", ini);
+  const std::string all = errors_of_args({"--config-file=" + dir + "/node.ini"});
+  std::filesystem::remove_all(dir);
+  return all;
+}
+
 // Heartbeats off, or a silent connection's timeout no longer than two of
 // them, would leave a vanished host's connections open or close healthy ones.
 TEST(NodeConfigFile, RefusesConnectionWatchingThatCannotWork) {
-  auto errors_of = [&](const std::string& middleman) {
-    NodeSystemConfig config;
-    const std::string dir = make_temp_dir("node-config");
-    write_text_file(dir + "/node.ini", "[node]\nrole = \"router\"\n[middleman]\n" + middleman);
-    std::string flag = "--config-file=" + dir + "/node.ini";
-    char* argv[] = {const_cast<char*>("disagg-node"), flag.data(), nullptr};
-    const NodeConfigResult result = load_node_config(config, 2, argv);
-    std::filesystem::remove_all(dir);
-    std::string all;
-    for (const auto& e : result.errors) all += e + "\n";
-    return all;
+  auto errors_of = [](const std::string& middleman) {
+    return errors_of_file("[node]\nrole = \"router\"\n[middleman]\n" + middleman);
   };
   EXPECT_NE(errors_of("heartbeat-interval = 0s\n").find("middleman.heartbeat-interval must be > 0"), std::string::npos);
   EXPECT_NE(errors_of("heartbeat-interval = 3s\nconnection-timeout = 5s\n").find("at least twice"), std::string::npos);
   EXPECT_NE(errors_of("connection-timeout = 9s\n").find("at least twice"), std::string::npos);  // the 5 s default
   EXPECT_EQ(errors_of("heartbeat-interval = 1s\nconnection-timeout = 2s\n"), "");
   EXPECT_EQ(errors_of(""), "");
+}
+
+// A node's times are at most a day: a larger one overflowed the port
+// guard's timers into the past, which then closed every connection at once.
+TEST(NodeConfigFile, TimesAreAtMostADay) {
+  auto errors_of = [](const std::string& node) { return errors_of_file("[node]\nrole = \"router\"\n" + node); };
+  for (const char* key : {"handshake-timeout-ms", "message-timeout-ms", "connect-retry-ms", "connect-backoff-max-ms",
+                          "connect-timeout-ms", "peer-refresh-ms"}) {
+    SCOPED_TRACE(key);
+    EXPECT_NE(errors_of(std::string(key) + " = 9223372036854775807\n").find(std::string("node.") + key + " must be in"),
+              std::string::npos);
+    const std::string day = std::string(key) + " = " + std::to_string(kMaxDeadlineMs) + "\n";
+    EXPECT_EQ(errors_of(day + (std::string(key) == "connect-retry-ms" ? "connect-backoff-max-ms = 86400000\n" : "")), "");
+  }
+  EXPECT_NE(errors_of("handshake-timeout-ms = 0\n").find("node.handshake-timeout-ms must be in [1, "), std::string::npos);
+  EXPECT_EQ(errors_of("connect-timeout-ms = 0\n"), "");  // (0: never give up)
+}
+
+// The file checked is the one CAF reads, each line of it: a second
+// --config-file (CAF reads the first), CAF's own spelling of the flag, a key
+// set twice (CAF keeps the first, silently) and a caf-application.ini that
+// is a FIFO (CAF would block opening it) are errors.
+TEST(NodeConfigFile, TheFileCheckedIsTheOneCafReads) {
+  const std::string dir = make_temp_dir("node-config-read");
+  write_text_file(dir + "/a.ini", "[node]\nrole = \"router\"\n");
+  write_text_file(dir + "/b.ini", "[node]\nrole = \"router\"\nport = 4610\nport = 70000\n");
+  EXPECT_NE(errors_of_args({"--config-file=" + dir + "/a.ini", "--config-file=" + dir + "/b.ini"}).find("given twice"),
+            std::string::npos);
+  EXPECT_NE(errors_of_args({"--caf#config-file=" + dir + "/b.ini"}).find("write --config-file=FILE"), std::string::npos);
+  EXPECT_NE(errors_of_args({"--config-file=" + dir + "/b.ini"}).find("line 4: node.port is set again (line 3 set it"),
+            std::string::npos);
+  EXPECT_EQ(errors_of_args({"--config-file=" + dir + "/a.ini"}), "");
+  // caf-application.ini in the working directory, a FIFO.
+  const std::filesystem::path was = std::filesystem::current_path();
+  std::filesystem::create_directories(dir + "/cwd");
+  std::filesystem::current_path(dir + "/cwd");
+  make_fifo(dir + "/cwd/caf-application.ini");
+  std::string seen;
+  const std::string error = error_beside_fifo(dir + "/cwd/caf-application.ini", [&] {
+    seen = errors_of_args({});
+    if (!seen.empty()) throw std::runtime_error(seen);
+  });
+  std::filesystem::current_path(was);
+  EXPECT_NE(error.find("caf-application.ini: not a regular file (a FIFO)"), std::string::npos) << error;
+  std::filesystem::remove_all(dir);
 }
 
 TEST(NodeConfigFile, ReportsEveryValueCafWouldIgnoreOrRejectWithItsLine) {
@@ -254,6 +313,27 @@ TEST(NodeStartup, APortInUseIsReported) {
                      {}, 1, "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
   expect_fails_fast({"metrics port in use", "[node]\nrole = \"router\"\nmetrics-port = " + port + "\n", {}, 1,
                      "cannot listen on 127.0.0.1:" + port + ": Address already in use"});
+  ::close(fd);
+}
+
+// The same on IPv6's loopback (node.host = "::1"): the OS's reason, where
+// "not an IPv4 address" replaced it.
+TEST(NodeStartup, APortInUseOnIpv6IsReported) {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+  if (fd < 0) GTEST_SKIP() << "no IPv6 here: " << std::strerror(errno);
+  sockaddr_in6 at{};
+  at.sin6_family = AF_INET6;
+  at.sin6_addr = in6addr_loopback;
+  socklen_t len = sizeof at;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at) != 0 || ::listen(fd, 1) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    GTEST_SKIP() << "cannot listen on [::1]: " << why;
+  }
+  const std::string port = std::to_string(ntohs(at.sin6_port));
+  expect_fails_fast({"router port in use on ::1", "[node]\nrole = \"router\"\nhost = \"::1\"\nport = " + port + "\n", {}, 1,
+                     "cannot listen on ::1:" + port + ": Address already in use"});
   ::close(fd);
 }
 

@@ -829,11 +829,16 @@ TEST(HttpTools, ARequiredCallKeepsEachToolsReferencesToItself) {
       {"type": "function", "function": {"name": "city", "parameters": {"$defs": {"City": {"type": "string", "maxLength": 5}},
         "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": false}}},
       {"type": "function", "function": {"name": "tree", "parameters": {"type": "object",
-        "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "additionalProperties": false}}}]})";
+        "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "additionalProperties": false}}},
+      {"type": "function", "function": {"name": "named", "parameters": {"$defs": {"E": {"type": "integer"}},
+        "type": "object", "properties": {"enum": {"$ref": "#/$defs/E"}, "const": {"$ref": "#/$defs/E"}},
+        "required": ["enum", "const"], "additionalProperties": false}}}]})";
   const ApiRequest r = parse(Endpoint::chat, tools);
   grammar::CompiledGrammar c(grammar::Grammar::from_json(r.sampling.grammar), grammar::stories_vocabulary());
   for (const char* t : {R"([{"name": "city", "arguments": {"city": "Paris"}}])",
-                        R"([{"name": "tree", "arguments": {"kids": [{"kids": []}, {}]}}])"})
+                        R"([{"name": "tree", "arguments": {"kids": [{"kids": []}, {}]}}])",
+                        // (properties named as keywords whose values are data: theirs are schemas all the same)
+                        R"([{"name": "named", "arguments": {"enum": 1, "const": 2}}])"})
     EXPECT_TRUE(grammar::takes(c, t)) << t;
   for (const char* t : {R"([{"name": "city", "arguments": {"city": "Berlin"}}])",
                         R"([{"name": "tree", "arguments": {"kids": [{"name": "tree", "arguments": {}}]}}])",
