@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <numeric>
 
 namespace disagg::grammar {
@@ -245,13 +246,13 @@ CompiledGrammar::CompiledGrammar(const Grammar& g, std::shared_ptr<const TokenVo
   end_only->allowed = vocab_->end_tokens().size();
   end_only->only_end = true;
   end_only_ = std::move(end_only);
-  std::vector<std::pair<ByteSet, int32_t>> seen;  // byte sets, deduplicated
+  // Byte sets, deduplicated (by an ordered map: a scan of those seen was
+  // quadratic in a grammar's distinct sets, up to a million symbols' worth).
+  std::map<ByteSet, int32_t> seen;
   auto term = [&](const ByteSet& s) {
-    for (auto& [set, id] : seen)
-      if (set == s) return id;
-    terms_.push_back(s);
-    seen.push_back({s, int32_t(terms_.size() - 1)});
-    return int32_t(terms_.size() - 1);
+    const auto [at, fresh] = seen.try_emplace(s, int32_t(terms_.size()));
+    if (fresh) terms_.push_back(s);
+    return at->second;
   };
   rule_starts_.resize(g.rule_count());
   for (size_t r = 0; r < g.rule_count(); ++r)
