@@ -14,6 +14,7 @@
 // CAF-free: the owner arms each wake-up it is told to (a delayed_send to
 // itself carrying the time) and calls fired() when it comes.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <set>
@@ -79,5 +80,18 @@ class DeadlineSet {
   std::set<Entry> entries_;
   std::multiset<Clock::time_point> wakeups_;  // one per timer pending
 };
+
+// Arms the wake-up a DeadlineSet asks for (when it asks), as a timer to
+// `self` carrying its time: (atom, steady clock ticks). CAF's delayed_send
+// is the owner's (this header includes no CAF).
+template <class Self, class Atom>
+void arm_wakeup(Self self, std::optional<Clock::time_point> at, Atom atom) {
+  if (!at) return;
+  self->delayed_send(self, std::max(Clock::duration::zero(), *at - Clock::now()), atom,
+                     int64_t(at->time_since_epoch().count()));
+}
+
+// The time a wake-up message carries.
+inline Clock::time_point wakeup_time(int64_t ticks) { return Clock::time_point(Clock::duration(ticks)); }
 
 }  // namespace disagg

@@ -633,13 +633,6 @@ KvTarget open_local(Self self, const KvReservation& r, Reservation& held) {
   return local_target(st, held);
 }
 
-// A wake-up the leases ask for: a timer to this actor carrying its time.
-void arm_lease_wakeup(Self self, std::optional<Clock::time_point> at) {
-  if (!at) return;
-  self->delayed_send(self, std::max(Clock::duration::zero(), *at - Clock::now()), lease_atom::value,
-                     int64_t(at->time_since_epoch().count()));
-}
-
 // The reservation ends (filled, dropped, cancelled): its lease with it.
 void end_lease(DecodeState& st, RequestId id, const Reservation& r) { st.leases.remove(r.lease_end, {id, r.serial}); }
 
@@ -719,7 +712,7 @@ ReserveReply reserve(Self self, const KvReservation& r) {
   answer.target.max_message_bytes = st.kv.max_message_bytes;
   const auto now = Clock::now();
   held.lease_end = now + std::chrono::milliseconds(r.lease_ms);
-  arm_lease_wakeup(self, st.leases.add(held.lease_end, {r.id, serial}, now));
+  arm_wakeup(self, st.leases.add(held.lease_end, {r.id, serial}, now), lease_atom::value);
   st.requests.emplace(r.id, std::move(held));
   flush_events(self);  // (evictions)
   answer.load = load_of(self);
@@ -1097,7 +1090,7 @@ void on_lease_wakeup(Self self, Clock::time_point at) {
     drop_reservation(self, id, ErrorCode::timeout, "the reservation's lease ended before its KV arrived");
   }
   if (!due.empty()) report_load(self);
-  arm_lease_wakeup(self, next);
+  arm_wakeup(self, next, lease_atom::value);
 }
 
 // The router's cancel, in whatever phase the request is here.
@@ -1152,7 +1145,7 @@ decode_actor::behavior_type decode_behavior(Self self, DisaggConfig config, comp
         if (self->state.local_prefill) self->send(self->state.local_prefill, router_atom::value, std::move(router));
       },
       // (from anyone: a wake-up ends only leases past their end, actors/deadlines.h)
-      [=](lease_atom, int64_t at) { on_lease_wakeup(self, Clock::time_point(Clock::duration(at))); },
+      [=](lease_atom, int64_t at) { on_lease_wakeup(self, wakeup_time(at)); },
       [=](landed_atom, RequestId id, uint64_t serial, KvLanded& verdict) {
         // (a peer's: only this worker's receiver says its KV landed, else any
         // holder of its handle could free blocks a stream still writes into)

@@ -833,13 +833,7 @@ void on_prefill_report(Self self, RequestId id, uint64_t attempt, PrefillReport 
 
 // Deadlines: a few wake-ups serve every request's (actors/deadlines.h: CAF
 // 0.17 cannot cancel a timer, and one per request stayed pending long after
-// it ended; RouterStatus::deadline_wakeups counts them). A wake-up the set
-// asks for is a timer to this actor carrying its time.
-void arm_wakeup(Self self, std::optional<Clock::time_point> at) {
-  if (!at) return;
-  self->delayed_send(self, std::max(Clock::duration::zero(), *at - Clock::now()), deadline_atom::value,
-                     int64_t(at->time_since_epoch().count()));
-}
+// it ended; RouterStatus::deadline_wakeups counts them).
 
 caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& request,
                                                   client_actor& client) {
@@ -904,7 +898,7 @@ caf::typed_response_promise<RequestOutcome> admit(Self self, GenerateRequest& re
     fail(self, id, ErrorCode::overloaded,
          "admission queue full (" + std::to_string(st.queue.choices.size() - 1) + " further choices waiting)");
   } else if (it != st.requests.end()) {
-    arm_wakeup(self, st.deadlines.add(deadline, id, Clock::now()));
+    arm_wakeup(self, st.deadlines.add(deadline, id, Clock::now()), deadline_atom::value);
   }
   return promise;
 }
@@ -1293,7 +1287,7 @@ void on_wakeup(Self self, Clock::time_point at) {
       end_request(self, id, ErrorCode::timeout,
                   "deadline of " + std::to_string(it->second.request.deadline_ms) + " ms passed");
   if (!due.empty()) dispatch(self);
-  arm_wakeup(self, next);
+  arm_wakeup(self, next, deadline_atom::value);
 }
 
 router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
@@ -1361,7 +1355,7 @@ router_actor::behavior_type router_behavior(Self self, DisaggConfig config,
       },
       [=](kv_events_atom, KvEvents& events) { on_kv_events(self, events); },
       [=](deadline_atom, int64_t at) {
-        if (from_itself(self)) on_wakeup(self, Clock::time_point(Clock::duration(at)));
+        if (from_itself(self)) on_wakeup(self, wakeup_time(at));
       },
       [=](status_atom) { return status_of(self); },
   };

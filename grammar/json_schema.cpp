@@ -89,6 +89,25 @@ class Compiler {
  private:
   static std::string where(const std::string& at) { return at.empty() ? "the root" : at; }
 
+  // The JSON type of a value ("number" for integers too).
+  static const char* type_of(const json& v) {
+    return v.is_object() ? "object" : v.is_array() ? "array" : v.is_string() ? "string" : v.is_boolean() ? "boolean"
+           : v.is_null() ? "null" : "number";
+  }
+
+  // The names a schema's `type` gives: one, or a non-empty list of them.
+  static std::vector<std::string> type_names(const json& t, const std::string& at) {
+    std::vector<std::string> types;
+    if (t.is_string()) types.push_back(t.get<std::string>());
+    else if (t.is_array() && !t.empty())
+      for (const json& x : t) {
+        if (!x.is_string()) throw SchemaError("type at " + where(at) + " must name types");
+        types.push_back(x.get<std::string>());
+      }
+    else throw SchemaError("type at " + where(at) + " must be a type name or a list of them");
+    return types;
+  }
+
   // const or enum: the values written as they are, those of `type` (when it
   // is given) only; any other keyword beside them is refused (its rule is
   // not checked against the values).
@@ -102,18 +121,10 @@ class Compiler {
     const json values = s.contains("const") ? json::array({s["const"]}) : s["enum"];
     if (!values.is_array() || values.empty()) throw SchemaError("enum at " + where(at) + " must be a non-empty array");
     std::set<std::string> types;
-    if (s.contains("type")) {
-      const json& t = s["type"];
-      for (const json& x : t.is_array() ? t : json::array({t})) {
-        if (!x.is_string()) throw SchemaError("type at " + where(at) + " must name types");
-        types.insert(x.get<std::string>());
-      }
-    }
+    if (s.contains("type"))
+      for (std::string& t : type_names(s["type"], at)) types.insert(std::move(t));
     auto of_type = [&](const json& v) {
-      if (types.empty()) return true;
-      const char* t = v.is_object() ? "object" : v.is_array() ? "array" : v.is_string() ? "string"
-                      : v.is_boolean() ? "boolean" : v.is_null() ? "null" : "number";
-      if (types.count(t)) return true;
+      if (types.empty() || types.count(type_of(v))) return true;
       // (an integer is a number whose fraction is zero: 1.0 too)
       return v.is_number() && types.count("integer") && std::isfinite(v.get<double>()) &&
              v.get<double>() == std::floor(v.get<double>());
@@ -144,8 +155,7 @@ class Compiler {
     if (!values.empty()) {
       std::set<std::string> out;
       for (const json& v : values)
-        out.insert(v.is_object() ? "object" : v.is_array() ? "array" : v.is_string() ? "string" : v.is_boolean() ? "boolean"
-                   : v.is_null() ? "null" : "number");
+        out.insert(type_of(v));
       return out;
     }
     if (!s.contains("type")) return all;
@@ -340,14 +350,7 @@ class Compiler {
   Expr typed(const json& s, const std::string& at) {
     std::vector<std::string> types;
     if (s.contains("type")) {
-      const json& t = s["type"];
-      if (t.is_string()) types.push_back(t.get<std::string>());
-      else if (t.is_array() && !t.empty())
-        for (const json& x : t) {
-          if (!x.is_string()) throw SchemaError("type at " + where(at) + " must name types");
-          types.push_back(x.get<std::string>());
-        }
-      else throw SchemaError("type at " + where(at) + " must be a type name or a list of them");
+      types = type_names(s["type"], at);
     } else {
       // No type: the one its keywords imply, else any value.
       if (s.contains("properties") || s.contains("required") || s.contains("additionalProperties")) types = {"object"};
